@@ -1,0 +1,1 @@
+pytest_plugins = ["cs336_systems.pytest_plugin", "pytester"]

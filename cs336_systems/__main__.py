@@ -1,0 +1,162 @@
+"""Command line: one benchmark, one number (or a small sweep), without pytest.
+
+    python -m cs336_systems e2e --size xl --context 512 --precision bf16 --compile
+    python -m cs336_systems e2e --size small,medium --context 128,256 --json
+    python -m cs336_systems accumulation
+    python -m cs336_systems autocast-dtypes
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import logging
+import sys
+
+log = logging.getLogger("cs336_systems")
+
+
+class _Parser(argparse.ArgumentParser):
+    """Errors as one line, without the usage block."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {message}\n")
+
+
+def _positive_int(text: str) -> int:
+    value = _int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text}")
+    return value
+
+
+def _non_negative_int(text: str) -> int:
+    value = _int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {text}")
+    return value
+
+
+def _int(text: str) -> int:
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
+
+
+def _list(item_type):
+    def parse(text: str):
+        return [item_type(t) for t in text.split(",") if t]
+
+    return parse
+
+
+def _device(choice: str):
+    import torch
+
+    if choice == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if choice == "cuda" and not torch.cuda.is_available():
+        raise ValueError("--device cuda, but torch sees no CUDA GPU")
+    return torch.device(choice)
+
+
+def _print_rows(rows, as_json: bool, columns=None) -> None:
+    from cs336_systems.reports import markdown_table
+
+    if as_json:
+        for row in rows:
+            print(json.dumps(row, default=str))
+    else:
+        print(markdown_table(rows, columns), end="")
+
+
+def _cmd_e2e(args) -> None:
+    from cs336_systems.benchmarks.e2e import E2EConfig, benchmark_model
+    from cs336_systems.gpus import resolve_gpu
+
+    device = _device(args.device)
+    _, spec = resolve_gpu("auto" if device.type == "cuda" else "none")
+    cells = [
+        E2EConfig(size=size, context_length=context, batch_size=args.batch_size, mode=args.mode,
+                  precision=precision, compile=args.compile, attention=args.attention,
+                  warmup=args.warmup, steps=args.steps, model_context_length=args.model_context)
+        for size, context, precision in itertools.product(args.size, args.context, args.precision)
+    ]  # built first, so bad input fails before anything runs
+    rows = []
+    for i, cell in enumerate(cells, 1):
+        if len(cells) > 1:
+            log.info("[%d/%d] %s, context %d, %s%s", i, len(cells), cell.size, cell.context_length,
+                     cell.precision, ", compiled" if cell.compile else "")
+        peak = spec.peak_flops(cell.precision) if spec else None
+        rows += benchmark_model(cell, device, peak)
+    columns = None if args.json else [
+        "size", "context_length", "precision", "compile", "phase", "status", "mean_ms", "std_ms",
+        "median_ms", "tflops", "mfu"]
+    _print_rows(rows, args.json, columns)
+
+
+def _cmd_accumulation(args) -> None:
+    from cs336_systems.benchmarks.mixed_precision import accumulation_experiment
+
+    _print_rows(accumulation_experiment(), args.json)
+
+
+def _cmd_autocast_dtypes(args) -> None:
+    from cs336_systems.benchmarks.mixed_precision import autocast_dtypes_experiment
+
+    _print_rows(autocast_dtypes_experiment(_device(args.device)), args.json)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from cs336_systems.attention import ATTENTION_VARIANTS
+    from cs336_systems.benchmarks.e2e import DEFAULT_BATCH_SIZE, DEFAULT_STEPS, DEFAULT_WARMUP, MODES, PRECISIONS
+
+    parser = _Parser(prog="python -m cs336_systems", description=__doc__,
+                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    commands = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
+
+    def common(sub):
+        sub.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
+        sub.add_argument("--json", action="store_true", help="print rows as JSON lines")
+
+    e2e = commands.add_parser("e2e", help="time forward / backward / optimizer steps of the LM")
+    e2e.add_argument("--size", type=_list(str), required=True, help="model size(s), comma-separated")
+    e2e.add_argument("--context", type=_list(_positive_int), required=True, help="context length(s)")
+    e2e.add_argument("--model-context", type=_positive_int, default=None,
+                     help="the model's maximum context (default: --context)")
+    e2e.add_argument("--batch-size", type=_positive_int, default=DEFAULT_BATCH_SIZE)
+    e2e.add_argument("--mode", choices=MODES, default="train")
+    e2e.add_argument("--precision", type=_list(str), default=["fp32"], help=f"any of {', '.join(PRECISIONS)}")
+    e2e.add_argument("--compile", action="store_true", help="torch.compile each Transformer block")
+    e2e.add_argument("--attention", choices=ATTENTION_VARIANTS, default="sdpa")
+    e2e.add_argument("--warmup", type=_non_negative_int, default=DEFAULT_WARMUP)
+    e2e.add_argument("--steps", type=_positive_int, default=DEFAULT_STEPS)
+    common(e2e)
+    e2e.set_defaults(run=_cmd_e2e)
+
+    accumulation = commands.add_parser("accumulation", help="fp32 / fp16 / mixed accumulation of 0.01")
+    common(accumulation)
+    accumulation.set_defaults(run=_cmd_accumulation)
+
+    dtypes = commands.add_parser("autocast-dtypes", help="dtypes inside a toy model under autocast")
+    common(dtypes)
+    dtypes.set_defaults(run=_cmd_autocast_dtypes)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stderr)
+    try:
+        args.run(args)
+    except ValueError as error:
+        print(f"{parser.prog} {args.command}: error: {error}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

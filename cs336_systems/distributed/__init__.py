@@ -1,0 +1,1 @@
+"""Parallelism applied to an unchanged model: launching ranks, DDP variants, sharding."""

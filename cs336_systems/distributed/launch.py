@@ -1,0 +1,178 @@
+"""The one way to run a function on every rank: spawned on one host, or in place under torchrun.
+
+    results = launch(train, world_size=2, device="cuda")   # results[rank] is what rank returned
+
+Spawned: one process per rank (one GPU per rank with NCCL, gloo on CPU), meeting at a TCPStore the
+parent opens on a free port the OS picks (so parallel test workers never collide). A rank that
+raises fails the whole job at once with that rank's traceback; a deadline turns a hang into a
+TimeoutError; every rank destroys its process group on the way out.
+
+Under torchrun (RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT set), `launch` runs the function
+in the current process with env:// rendezvous, for one node or several, and all-gathers the
+results so that every rank gets the same list.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import os
+import pickle
+import queue as queue_module
+import time
+import traceback
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+DEFAULT_TIMEOUT_S = 300.0
+# How long finished ranks get to exit before they are killed.
+EXIT_GRACE_S = 10.0
+_POLL_S = 0.1
+_TORCHRUN_VARIABLES = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+
+
+class RankFailed(RuntimeError):
+    """A rank raised or died; the message carries its traceback or exit code."""
+
+
+def under_torchrun() -> bool:
+    return all(v in os.environ for v in _TORCHRUN_VARIABLES)
+
+
+def resolve_device_type(device: str) -> str:
+    if device == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if device not in ("cpu", "cuda"):
+        raise ValueError(f"device must be 'auto', 'cpu' or 'cuda', got {device!r}")
+    if device == "cuda" and not torch.cuda.is_available():
+        raise ValueError("device 'cuda' asked for, but torch sees no CUDA GPU")
+    return device
+
+
+def backend_for(device_type: str) -> str:
+    return "nccl" if device_type == "cuda" else "gloo"
+
+
+def require_process_group(what: str) -> None:
+    """Raise a clear error when `what` is built before torch.distributed is initialised."""
+    if not (dist.is_available() and dist.is_initialized()):
+        raise RuntimeError(
+            f"{what} needs an initialised process group: call torch.distributed.init_process_group "
+            "first, or run the code through cs336_systems.distributed.launch"
+        )
+
+
+def launch(fn: Callable[..., Any], world_size: int, *args: Any, device: str = "auto",
+           timeout_s: float = DEFAULT_TIMEOUT_S, **kwargs: Any) -> list[Any]:
+    """Run `fn(rank, world_size, *args, **kwargs)` on `world_size` ranks; return the results by rank."""
+    device_type = resolve_device_type(device)
+    if under_torchrun():
+        return _run_in_place(fn, world_size, args, kwargs, device_type, timeout_s)
+    if not isinstance(world_size, int) or world_size < 1:
+        raise ValueError(f"world size must be a positive integer, got {world_size!r}")
+    if device_type == "cuda" and world_size > torch.cuda.device_count():
+        raise ValueError(
+            f"world size {world_size} needs {world_size} GPUs (one per rank), "
+            f"but {torch.cuda.device_count()} are present"
+        )
+    try:
+        pickle.dumps((fn, args, kwargs))
+    except Exception as error:
+        raise TypeError(
+            "the function and arguments must be picklable to reach spawned ranks "
+            f"(a module-level function, not a lambda or closure): {error}"
+        ) from error
+    return _spawn(fn, world_size, args, kwargs, device_type, timeout_s)
+
+
+def _init_rank(rank: int, world_size: int, device_type: str, timeout_s: float, store=None) -> None:
+    if device_type == "cuda":
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank)))
+    else:
+        # Ranks share the host's cores; without this each one starts a thread per core.
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
+    dist.init_process_group(
+        backend_for(device_type),
+        init_method=None if store is not None else "env://",
+        store=store,
+        rank=rank,
+        world_size=world_size,
+        timeout=dt.timedelta(seconds=timeout_s),
+    )
+
+
+def _run_in_place(fn, world_size, args, kwargs, device_type, timeout_s) -> list[Any]:
+    env_world_size = int(os.environ["WORLD_SIZE"])
+    if world_size not in (None, env_world_size):
+        raise ValueError(f"asked for world size {world_size}, but torchrun started {env_world_size}")
+    rank = int(os.environ["RANK"])
+    _init_rank(rank, env_world_size, device_type, timeout_s)
+    try:
+        result = fn(rank, env_world_size, *args, **kwargs)
+        gathered: list[Any] = [None] * env_world_size
+        dist.all_gather_object(gathered, result)
+        return gathered
+    finally:
+        dist.destroy_process_group()
+
+
+def _worker(rank, world_size, port, fn, args, kwargs, device_type, timeout_s, results) -> None:
+    try:
+        store = dist.TCPStore("127.0.0.1", port, world_size=None, is_master=False,
+                              timeout=dt.timedelta(seconds=timeout_s))
+        _init_rank(rank, world_size, device_type, timeout_s, store)
+        payload = pickle.dumps(fn(rank, world_size, *args, **kwargs))
+        results.put((rank, "ok", payload))
+    except BaseException:
+        results.put((rank, "error", traceback.format_exc()))
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def _spawn(fn, world_size, args, kwargs, device_type, timeout_s) -> list[Any]:
+    context = mp.get_context("spawn")
+    results = context.Queue()
+    # Port 0: the OS picks a free port and the store keeps it bound, so nothing can take it.
+    store = dist.TCPStore("127.0.0.1", 0, world_size=None, is_master=True,
+                          timeout=dt.timedelta(seconds=timeout_s), wait_for_workers=False)
+    processes = [
+        context.Process(target=_worker, daemon=True,
+                        args=(rank, world_size, store.port, fn, args, kwargs, device_type, timeout_s, results))
+        for rank in range(world_size)
+    ]
+    for process in processes:
+        process.start()
+    outputs: dict[int, Any] = {}
+    deadline = time.monotonic() + timeout_s
+    try:
+        while len(outputs) < world_size:
+            try:
+                rank, status, payload = results.get(timeout=_POLL_S)
+            except queue_module.Empty:
+                for rank, process in enumerate(processes):
+                    if rank not in outputs and process.exitcode not in (None, 0):
+                        raise RankFailed(f"rank {rank} of {world_size} died with exit code {process.exitcode}")
+                if time.monotonic() > deadline:
+                    missing = sorted(set(range(world_size)) - set(outputs))
+                    raise TimeoutError(
+                        f"ranks {missing} of {world_size} did not finish within {timeout_s:.0f} s "
+                        "(a collective that some rank never joined?)"
+                    )
+                continue
+            if status == "error":
+                raise RankFailed(f"rank {rank} of {world_size} failed:\n{payload}")
+            outputs[rank] = pickle.loads(payload)
+        for process in processes:
+            process.join(EXIT_GRACE_S)
+    finally:
+        for process in processes:
+            if process.is_alive():
+                process.kill()
+                process.join()
+        results.close()
+        del store
+    return [outputs[rank] for rank in range(world_size)]

@@ -1,0 +1,92 @@
+"""Device specs used for MFU and roofline columns, and for picking the speed-up baseline file.
+
+Figures are the vendors' datasheet numbers for dense (no sparsity) arithmetic. They are ceilings
+to compare against, not promises: a measured matmul on an H100 SXM reaches about 75-80% of the
+bf16 figure.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+TERA = 1e12
+GIB = 2**30
+GB = 1e9
+
+
+@dataclass(frozen=True)
+class GpuSpec:
+    slug: str  # short name used on the command line, in report paths and baseline files
+    name: str  # what torch.cuda.get_device_name() reports for this part
+    bf16_flops: float  # peak dense bf16 tensor-core FLOP/s
+    fp32_flops: float  # peak fp32 FLOP/s on the CUDA cores (no TF32)
+    tf32_flops: float  # peak dense TF32 tensor-core FLOP/s
+    memory_bandwidth_bytes_per_s: float
+    memory_bytes: float
+    # Patterns matched against torch.cuda.get_device_name(), most specific first.
+    name_patterns: tuple[str, ...] = ()
+
+    def peak_flops(self, precision: str) -> float:
+        """Peak FLOP/s for matmuls run in `precision` ("fp32", "tf32", "bf16" or "fp16")."""
+        if precision in ("bf16", "fp16"):
+            return self.bf16_flops
+        if precision == "tf32":
+            return self.tf32_flops
+        if precision == "fp32":
+            return self.fp32_flops
+        raise ValueError(f"unknown precision {precision!r}; expected fp32, tf32, bf16 or fp16")
+
+
+GPU_SPECS: dict[str, GpuSpec] = {
+    spec.slug: spec
+    for spec in [
+        GpuSpec("a100", "NVIDIA A100-SXM4-80GB", 312 * TERA, 19.5 * TERA, 156 * TERA,
+                2.039e12, 80 * GB, (r"A100.*80GB",)),
+        GpuSpec("a100-40gb", "NVIDIA A100-SXM4-40GB", 312 * TERA, 19.5 * TERA, 156 * TERA,
+                1.555e12, 40 * GB, (r"A100.*40GB", r"A100")),
+        GpuSpec("h100", "NVIDIA H100 80GB HBM3", 989.4 * TERA, 66.9 * TERA, 494.7 * TERA,
+                3.35e12, 80 * GB, (r"H100 80GB HBM3", r"H100 SXM", r"H100$")),
+        GpuSpec("h100-pcie", "NVIDIA H100 PCIe", 756 * TERA, 51.2 * TERA, 378 * TERA,
+                2.0e12, 80 * GB, (r"H100 PCIe",)),
+        GpuSpec("h200", "NVIDIA H200", 989.4 * TERA, 66.9 * TERA, 494.7 * TERA,
+                4.8e12, 141 * GB, (r"H200",)),
+        GpuSpec("b200", "NVIDIA B200", 2250 * TERA, 75 * TERA, 1100 * TERA,
+                8.0e12, 180 * GB, (r"B200",)),
+    ]
+}
+
+
+def spec_for_device_name(device_name: str) -> GpuSpec | None:
+    """The spec whose pattern matches a CUDA device name, or None for a GPU not in the table."""
+    for spec in GPU_SPECS.values():
+        if any(re.search(pattern, device_name) for pattern in spec.name_patterns):
+            return spec
+    return None
+
+
+def slugify(device_name: str) -> str:
+    """A path-safe name for a device that is not in the table ("NVIDIA L4" -> "nvidia-l4")."""
+    return re.sub(r"[^a-z0-9]+", "-", device_name.lower()).strip("-")
+
+
+def resolve_gpu(choice: str) -> tuple[str, GpuSpec | None]:
+    """Map a --gpu choice to (report slug, spec).
+
+    "none" means CPU; "auto" detects the current CUDA device (CPU when there is none); any other
+    value must name a table entry. The slug names the report directory and the baseline file.
+    """
+    import torch
+
+    if choice == "none":
+        return "cpu", None
+    if choice == "auto":
+        if not torch.cuda.is_available():
+            return "cpu", None
+        device_name = torch.cuda.get_device_name()
+        spec = spec_for_device_name(device_name)
+        return (spec.slug, spec) if spec else (slugify(device_name), None)
+    if choice not in GPU_SPECS:
+        known = ", ".join(["auto", "none", *GPU_SPECS])
+        raise ValueError(f"unknown GPU {choice!r}; choose one of {known}")
+    return choice, GPU_SPECS[choice]

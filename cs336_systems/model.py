@@ -1,0 +1,194 @@
+"""A pre-norm decoder-only Transformer LM, architecturally identical to the CS336 basics model.
+
+token embedding -> num_layers x [x + attn(RMSNorm(x)), x + SwiGLU(RMSNorm(x))] -> RMSNorm -> LM head
+
+Attention is pluggable by name (see `cs336_systems.attention`); the model knows nothing of ranks,
+devices or precisions: wrappers and autocast are applied from outside.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from cs336_systems.attention import get_attention
+
+VOCAB_SIZE = 10_000
+ROPE_THETA = 10_000.0
+RMSNORM_EPS = 1e-5
+
+# The sizes of the course's benchmarks; "tiny" is ours, a size that runs in seconds on a CPU.
+MODEL_SIZES: dict[str, dict[str, int]] = {
+    "tiny": dict(d_model=64, d_ff=256, num_layers=2, num_heads=4),
+    "small": dict(d_model=768, d_ff=3072, num_layers=12, num_heads=12),
+    "medium": dict(d_model=1024, d_ff=4096, num_layers=24, num_heads=16),
+    "large": dict(d_model=1280, d_ff=5120, num_layers=36, num_heads=20),
+    "xl": dict(d_model=1600, d_ff=6400, num_layers=48, num_heads=25),
+    "2.7B": dict(d_model=2560, d_ff=10240, num_layers=32, num_heads=32),
+}
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    d_model: int
+    d_ff: int
+    num_layers: int
+    num_heads: int
+    context_length: int
+    vocab_size: int = VOCAB_SIZE
+    rope_theta: float = ROPE_THETA
+
+    def __post_init__(self):
+        if self.d_model % self.num_heads:
+            raise ValueError(f"d_model {self.d_model} is not divisible by num_heads {self.num_heads}")
+        if (self.d_model // self.num_heads) % 2:
+            raise ValueError(f"RoPE needs an even head dimension, got {self.d_model // self.num_heads}")
+        if self.context_length < 1:
+            raise ValueError(f"context_length must be positive, got {self.context_length}")
+
+    @property
+    def d_head(self) -> int:
+        return self.d_model // self.num_heads
+
+    @classmethod
+    def for_size(cls, size: str, context_length: int, vocab_size: int = VOCAB_SIZE) -> ModelConfig:
+        if size not in MODEL_SIZES:
+            raise ValueError(f"unknown model size {size!r}; choose one of {', '.join(MODEL_SIZES)}")
+        return cls(**MODEL_SIZES[size], context_length=context_length, vocab_size=vocab_size)
+
+
+class Linear(nn.Module):
+    """y = x W^T with W stored as (d_out, d_in), no bias, truncated-normal init as in the course."""
+
+    def __init__(self, d_in: int, d_out: int, device=None, dtype=None):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(d_out, d_in, device=device, dtype=dtype))
+        std = math.sqrt(2.0 / (d_in + d_out))
+        nn.init.trunc_normal_(self.weight, std=std, a=-3 * std, b=3 * std)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight)
+
+
+class Embedding(nn.Module):
+    def __init__(self, num_embeddings: int, embedding_dim: int, device=None, dtype=None):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(num_embeddings, embedding_dim, device=device, dtype=dtype))
+        nn.init.trunc_normal_(self.weight, std=1.0, a=-3.0, b=3.0)
+
+    def forward(self, token_ids: torch.Tensor) -> torch.Tensor:
+        return self.weight[token_ids]
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, d_model: int, eps: float = RMSNORM_EPS, device=None, dtype=None):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(d_model, device=device, dtype=dtype))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # Normalise in fp32 whatever the input dtype: the mean of squares overflows fp16 and loses
+        # precision in bf16.
+        in_dtype = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(dim=-1, keepdim=True) + self.eps)
+        return (x * self.weight).to(in_dtype)
+
+
+class RotaryEmbedding(nn.Module):
+    """Rotates each (even, odd) pair of a head's features by position * theta^(-2i/d_head)."""
+
+    def __init__(self, d_head: int, context_length: int, theta: float = ROPE_THETA):
+        super().__init__()
+        inv_freq = theta ** (-torch.arange(0, d_head, 2, dtype=torch.float64) / d_head)
+        angles = torch.outer(torch.arange(context_length, dtype=torch.float64), inv_freq)
+        self.register_buffer("cos", angles.cos().float(), persistent=False)
+        self.register_buffer("sin", angles.sin().float(), persistent=False)
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        cos = self.cos[positions].to(x.dtype)
+        sin = self.sin[positions].to(x.dtype)
+        x_even, x_odd = x[..., 0::2], x[..., 1::2]
+        rotated = torch.stack((x_even * cos - x_odd * sin, x_even * sin + x_odd * cos), dim=-1)
+        return rotated.flatten(-2)
+
+
+class CausalSelfAttention(nn.Module):
+    def __init__(self, config: ModelConfig, attention: str):
+        super().__init__()
+        self.num_heads = config.num_heads
+        self.q_proj = Linear(config.d_model, config.d_model)
+        self.k_proj = Linear(config.d_model, config.d_model)
+        self.v_proj = Linear(config.d_model, config.d_model)
+        self.output_proj = Linear(config.d_model, config.d_model)
+        self.rope = RotaryEmbedding(config.d_head, config.context_length, config.rope_theta)
+        self.attention_name = attention
+        self.attention = get_attention(attention)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        batch, seq, d_model = x.shape
+        positions = torch.arange(seq, device=x.device)
+
+        def heads(t: torch.Tensor) -> torch.Tensor:  # (batch, seq, d_model) -> (batch, heads, seq, d_head)
+            return t.view(batch, seq, self.num_heads, -1).transpose(1, 2)
+
+        q = self.rope(heads(self.q_proj(x)), positions)
+        k = self.rope(heads(self.k_proj(x)), positions)
+        out = self.attention(q, k, heads(self.v_proj(x)), is_causal=True)
+        return self.output_proj(out.transpose(1, 2).reshape(batch, seq, d_model))
+
+
+class SwiGLU(nn.Module):
+    def __init__(self, d_model: int, d_ff: int):
+        super().__init__()
+        self.w1 = Linear(d_model, d_ff)
+        self.w2 = Linear(d_ff, d_model)
+        self.w3 = Linear(d_model, d_ff)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+
+class TransformerBlock(nn.Module):
+    def __init__(self, config: ModelConfig, attention: str):
+        super().__init__()
+        self.ln1 = RMSNorm(config.d_model)
+        self.attn = CausalSelfAttention(config, attention)
+        self.ln2 = RMSNorm(config.d_model)
+        self.ffn = SwiGLU(config.d_model, config.d_ff)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.ln1(x))
+        return x + self.ffn(self.ln2(x))
+
+
+class TransformerLM(nn.Module):
+    def __init__(self, config: ModelConfig, attention: str = "sdpa"):
+        super().__init__()
+        self.config = config
+        self.token_embeddings = Embedding(config.vocab_size, config.d_model)
+        self.layers = nn.ModuleList(TransformerBlock(config, attention) for _ in range(config.num_layers))
+        self.ln_final = RMSNorm(config.d_model)
+        self.lm_head = Linear(config.d_model, config.vocab_size)
+
+    def forward(self, token_ids: torch.Tensor) -> torch.Tensor:
+        """token_ids (batch, seq) of integers -> logits (batch, seq, vocab_size)."""
+        if token_ids.dim() != 2:
+            raise ValueError(f"token_ids must be (batch, seq), got shape {tuple(token_ids.shape)}")
+        if token_ids.shape[1] > self.config.context_length:
+            raise ValueError(
+                f"sequence length {token_ids.shape[1]} exceeds the model's context length "
+                f"{self.config.context_length}"
+            )
+        x = self.token_embeddings(token_ids)
+        for layer in self.layers:
+            x = layer(x)
+        return self.lm_head(self.ln_final(x))
+
+
+def count_parameters(model: nn.Module) -> int:
+    return sum(p.numel() for p in model.parameters())

@@ -1,0 +1,1 @@
+"""Profiling: named ranges, kernel tables from torch.profiler, memory snapshots."""

@@ -1,0 +1,305 @@
+"""pytest glue: options, markers, fixtures. The logic lives in the library; this only wires it.
+
+Loaded by the repository's root conftest.py. Works under pytest-xdist: report rows and measured
+ratios are staged per worker and merged by the controller when the session ends.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+MARKERS = {
+    "e2e": "end-to-end model benchmarks (benchmarking_script, mixed precision, compiled model)",
+    "profile": "kernel tables from torch.profiler and NVTX ranges (nsys_profile)",
+    "memory": "memory snapshots, peak tables and activation checkpointing",
+    "attention": "attention sweeps (pytorch_attention, torch_compile attention part)",
+    "flash": "FlashAttention-2 correctness and benchmarks",
+    "ddp": "distributed data parallel and the all-reduce benchmark",
+    "sharding": "optimizer-state sharding",
+    "fsdp": "fully sharded data parallel",
+    "accounting": "closed-form memory, FLOP and communication models",
+    "gpu": "needs a CUDA GPU; skipped when the run is on CPU",
+    "multigpu": "needs --world-size CUDA GPUs; skipped when fewer are present",
+    "slow": "takes more than a few seconds on a CPU",
+}
+PRECISIONS = ("fp32", "bf16", "fp16")
+DEFAULT_PRECISIONS = "fp32,bf16"
+DEFAULT_WORLD_SIZE = 2
+GPU_MODEL_SIZES = ("small", "medium", "large", "xl", "2.7B")
+CPU_MODEL_SIZES = ("tiny",)
+_STAGING_KEY = "cs336_staging_dir"
+
+
+@dataclass(frozen=True)
+class Settings:
+    gpu_slug: str  # "cpu" when the run has no GPU
+    gpu_spec: Any  # cs336_systems.gpus.GpuSpec, or None for CPU and GPUs not in the table
+    precisions: tuple[str, ...]
+    world_size: int
+    report_root: Path
+    update_baselines: bool
+    model_sizes: tuple[str, ...]
+    staging_dir: Path
+    command: str
+
+    @property
+    def on_gpu(self) -> bool:
+        return self.gpu_slug != "cpu"
+
+    @property
+    def report_dir(self) -> Path:
+        return self.report_root / self.gpu_slug
+
+    @property
+    def baseline_path(self) -> Path:
+        return Path(__file__).resolve().parent.parent / "perf" / "baselines" / f"{self.gpu_slug}.json"
+
+
+_settings_key = pytest.StashKey[Settings]()
+
+
+def settings(config: pytest.Config) -> Settings:
+    return config.stash[_settings_key]
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    group = parser.getgroup("cs336", "cs336-systems")
+    group.addoption("--gpu", default="auto",
+                    help="auto (detect), none (CPU, Triton interpreter), or a GPU name from "
+                         "cs336_systems.gpus (a100, h100, h200, b200, ...): sets the spec used "
+                         "for MFU columns and the baseline file")
+    group.addoption("--world-size", type=int, default=DEFAULT_WORLD_SIZE,
+                    help=f"ranks for distributed benchmarks (default {DEFAULT_WORLD_SIZE})")
+    group.addoption("--precision", default=DEFAULT_PRECISIONS,
+                    help=f"comma-separated subset of {', '.join(PRECISIONS)}, or all (default {DEFAULT_PRECISIONS})")
+    group.addoption("--report-dir", default="reports",
+                    help="where reports go; each GPU gets a subdirectory (default reports)")
+    group.addoption("--update-baselines", action="store_true",
+                    help="write measured speed-up ratios to perf/baselines/<gpu>.json instead of gating")
+    group.addoption("--model-sizes", default=None,
+                    help="comma-separated model sizes for the model benchmarks "
+                         f"(default {','.join(GPU_MODEL_SIZES)} on a GPU, {','.join(CPU_MODEL_SIZES)} on CPU)")
+
+
+def _parse_precisions(value: str) -> tuple[str, ...]:
+    chosen = PRECISIONS if value == "all" else tuple(p.strip() for p in value.split(",") if p.strip())
+    unknown = [p for p in chosen if p not in PRECISIONS]
+    if unknown or not chosen:
+        raise pytest.UsageError(f"--precision: unknown {unknown or value!r}; use a subset of {PRECISIONS} or all")
+    return chosen
+
+
+def _parse_sizes(value: str | None, on_gpu: bool) -> tuple[str, ...]:
+    from cs336_systems.model import MODEL_SIZES
+
+    if value is None:
+        return GPU_MODEL_SIZES if on_gpu else CPU_MODEL_SIZES
+    sizes = tuple(s.strip() for s in value.split(",") if s.strip())
+    unknown = [s for s in sizes if s not in MODEL_SIZES]
+    if unknown or not sizes:
+        raise pytest.UsageError(f"--model-sizes: unknown {unknown or value!r}; choose from {', '.join(MODEL_SIZES)}")
+    return sizes
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    for name, description in MARKERS.items():
+        config.addinivalue_line("markers", f"{name}: {description}")
+    from cs336_systems.gpus import resolve_gpu
+
+    try:
+        gpu_slug, gpu_spec = resolve_gpu(config.getoption("--gpu"))
+    except ValueError as error:
+        raise pytest.UsageError(f"--gpu: {error}") from None
+    if gpu_slug == "cpu":
+        # Triton reads this when a kernel is decorated, so it must be set before kernels are imported.
+        os.environ["TRITON_INTERPRET"] = "1"
+    world_size = config.getoption("--world-size")
+    if world_size < 1:
+        raise pytest.UsageError(f"--world-size must be at least 1, got {world_size}")
+    worker_input = getattr(config, "workerinput", None)
+    staging = Path(worker_input[_STAGING_KEY] if worker_input else tempfile.mkdtemp(prefix="cs336-report-rows-"))
+    config.stash[_settings_key] = Settings(
+        gpu_slug=gpu_slug,
+        gpu_spec=gpu_spec,
+        precisions=_parse_precisions(config.getoption("--precision")),
+        world_size=world_size,
+        report_root=Path(config.getoption("--report-dir")).resolve(),
+        update_baselines=config.getoption("--update-baselines"),
+        model_sizes=_parse_sizes(config.getoption("--model-sizes"), gpu_slug != "cpu"),
+        staging_dir=staging,
+        command=" ".join(["pytest", *config.invocation_params.args]),
+    )
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_configure_node(node) -> None:
+    """pytest-xdist: hand each worker the controller's staging directory."""
+    node.workerinput[_STAGING_KEY] = str(settings(node.config).staging_dir)
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    import torch
+
+    run = settings(config)
+    gpus = torch.cuda.device_count() if run.on_gpu else 0
+    for item in items:
+        if "gpu" in item.keywords and not run.on_gpu:
+            item.add_marker(pytest.mark.skip(reason="needs a CUDA GPU (run is on CPU)"))
+        if "multigpu" in item.keywords and gpus < run.world_size:
+            item.add_marker(pytest.mark.skip(reason=f"needs {run.world_size} CUDA GPUs, {gpus} present"))
+
+
+def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
+    run = settings(metafunc.config)
+    if "precision" in metafunc.fixturenames and "precision" not in _parametrized(metafunc):
+        metafunc.parametrize("precision", run.precisions)
+    if "model_size" in metafunc.fixturenames and "model_size" not in _parametrized(metafunc):
+        metafunc.parametrize("model_size", run.model_sizes)
+
+
+def _parametrized(metafunc: pytest.Metafunc) -> set[str]:
+    return {name for marker in metafunc.definition.iter_markers("parametrize")
+            for name in (marker.args[0].split(",") if isinstance(marker.args[0], str) else marker.args[0])}
+
+
+# ----------------------------------------------------------------------------------------- fixtures
+
+@pytest.fixture(scope="session")
+def run_settings(pytestconfig) -> Settings:
+    """Everything the command line chose: GPU, precisions, world size, report and baseline paths."""
+    return settings(pytestconfig)
+
+
+@pytest.fixture(scope="session")
+def gpu_spec(run_settings):
+    """The GpuSpec of the GPU in use (peak FLOP/s, bandwidth, memory), or None on CPU."""
+    return run_settings.gpu_spec
+
+
+@pytest.fixture(scope="session")
+def device(run_settings):
+    """torch.device("cuda") on a GPU run, torch.device("cpu") otherwise."""
+    import torch
+
+    return torch.device("cuda" if run_settings.on_gpu else "cpu")
+
+
+@pytest.fixture
+def dtype(precision):
+    """The torch dtype of the `precision` parameter (fp32, bf16, fp16)."""
+    import torch
+
+    return {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[precision]
+
+
+@pytest.fixture(scope="session")
+def world_size(run_settings) -> int:
+    """--world-size: how many ranks distributed benchmarks use."""
+    return run_settings.world_size
+
+
+@pytest.fixture(scope="session")
+def spawn(device):
+    """spawn(fn, world_size, *args, **kwargs) -> results by rank; see cs336_systems.distributed.launch."""
+    from cs336_systems.distributed.launch import launch
+
+    return functools.partial(launch, device=device.type)
+
+
+class ProblemReport:
+    """Rows for one problem's report, staged on disk as they arrive so a crash keeps them."""
+
+    def __init__(self, problem: str, staging_dir: Path, report_dir: Path, worker: str):
+        self.problem = problem
+        self.report_dir = report_dir
+        self._file = staging_dir / f"{problem}.{worker}.jsonl"
+
+    def add(self, row: dict[str, Any] | None = None, **fields: Any) -> None:
+        record = {**(row or {}), **fields}
+        with self._file.open("a") as f:
+            f.write(json.dumps(record, default=str) + "\n")
+
+    def asset_path(self, file_name: str) -> Path:
+        """Where a file that goes with this report (a PNG, a trace) should be written."""
+        self.report_dir.mkdir(parents=True, exist_ok=True)
+        return self.report_dir / file_name
+
+
+@pytest.fixture(scope="session")
+def report(pytestconfig, run_settings):
+    """report("<problem>") -> a writer whose .add(row) lands in reports/<gpu>/<problem>.md and .csv."""
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "main")
+    return functools.cache(lambda problem: ProblemReport(problem, run_settings.staging_dir,
+                                                         run_settings.report_dir, worker))
+
+
+@pytest.fixture(scope="session")
+def speedup_gate(run_settings):
+    """speedup_gate(name, slow_ms, fast_ms): fail if slow/fast fell past tolerance below the baseline."""
+    from cs336_systems import baselines
+
+    recorded = baselines.load_baselines(run_settings.baseline_path)
+
+    def gate(name: str, slow_ms: float, fast_ms: float) -> float:
+        ratio = baselines.speedup_ratio(slow_ms, fast_ms)
+        if run_settings.update_baselines:
+            worker = os.environ.get("PYTEST_XDIST_WORKER", "main")
+            with (run_settings.staging_dir / f"baselines.{worker}.jsonl").open("a") as f:
+                f.write(json.dumps({"name": name, "ratio": ratio}) + "\n")
+            return ratio
+        result = baselines.check(name, ratio, recorded)
+        if result.baseline is None:
+            pytest.skip(result.message(run_settings.baseline_path))
+        if not result.passed:
+            pytest.fail(result.message(run_settings.baseline_path))
+        return ratio
+
+    return gate
+
+
+# ------------------------------------------------------------------------------------ session end
+
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    config = session.config
+    if hasattr(config, "workerinput") or _settings_key not in config.stash:
+        return  # xdist workers leave merging to the controller
+    run = settings(config)
+    if not run.staging_dir.exists():
+        return
+    from cs336_systems import baselines, reports
+
+    written = []
+    staged = sorted(run.staging_dir.glob("*.jsonl"))
+    problems = sorted({f.name.split(".")[0] for f in staged} - {"baselines"})
+    for problem in problems:
+        rows = [json.loads(line) for f in staged if f.name.split(".")[0] == problem
+                for line in f.read_text().splitlines()]
+        written.append(reports.write_report(problem, rows, run.report_dir, run.command,
+                                            "cuda" if run.on_gpu else "cpu"))
+    ratios = {r["name"]: r["ratio"] for f in staged if f.name.startswith("baselines.")
+              for r in map(json.loads, f.read_text().splitlines())}
+    if ratios:
+        baselines.update_baselines(run.baseline_path, ratios, reports.device_description())
+        written.append(run.baseline_path)
+    config.stash[_written_key] = written
+    shutil.rmtree(run.staging_dir, ignore_errors=True)
+
+
+_written_key = pytest.StashKey[list]()
+
+
+def pytest_terminal_summary(terminalreporter, config: pytest.Config) -> None:
+    written = config.stash.get(_written_key, [])
+    if written:
+        terminalreporter.section("cs336-systems reports")
+        for path in written:
+            terminalreporter.write_line(str(path))

@@ -1,0 +1,172 @@
+"""Report rows -> Markdown, CSV and PNG, with a header naming the device, versions, date and command.
+
+A measuring function returns rows (flat dicts of strings and numbers, one per measured cell). A
+problem's renderer, registered with `@renderer("<problem>")`, turns that problem's rows into a
+Markdown body (tables, derived answers) and figures; `write_report` adds the header and writes
+`<report_dir>/<problem>.md`, `<problem>.csv` (every row, every column) and the figures beside them.
+"""
+
+from __future__ import annotations
+
+import csv
+import datetime as dt
+import importlib
+import io
+import math
+import platform
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from tabulate import tabulate
+
+Row = dict[str, Any]
+OOM = "OOM"
+
+
+@dataclass
+class Rendered:
+    body: str
+    figures: dict[str, Any] = field(default_factory=dict)  # file name -> matplotlib Figure
+
+
+Renderer = Callable[[list[Row]], Rendered]
+_RENDERERS: dict[str, Renderer] = {}
+
+# Modules that register renderers; imported before rendering so every problem finds its own.
+RENDERER_MODULES = ("cs336_systems.benchmarks",)
+
+
+def renderer(problem: str) -> Callable[[Renderer], Renderer]:
+    def register(fn: Renderer) -> Renderer:
+        _RENDERERS[problem] = fn
+        return fn
+
+    return register
+
+
+def get_renderer(problem: str) -> Renderer:
+    for module in RENDERER_MODULES:
+        importlib.import_module(module)
+    return _RENDERERS.get(problem, lambda rows: Rendered(markdown_table(rows)))
+
+
+def format_value(value: Any) -> str:
+    if isinstance(value, bool) or value is None:
+        return "" if value is None else str(value)
+    if isinstance(value, float):
+        if math.isnan(value):
+            return ""
+        if value == 0:
+            return "0"
+        if abs(value) >= 1000:
+            return f"{value:,.0f}"
+        if abs(value) >= 1:
+            return f"{value:.2f}"
+        return f"{value:.3g}"
+    if isinstance(value, int):
+        return f"{value:,}" if abs(value) >= 10_000 else str(value)
+    return str(value)
+
+
+def markdown_table(rows: Sequence[Row], columns: Sequence[str] | None = None) -> str:
+    """A GitHub Markdown table of `rows`; columns default to every key, in first-seen order."""
+    if not rows:
+        return "_no rows_\n"
+    columns = list(columns) if columns is not None else all_columns(rows)
+    body = [[format_value(row.get(c)) for c in columns] for row in rows]
+    return tabulate(body, headers=columns, tablefmt="github", disable_numparse=True) + "\n"
+
+
+def all_columns(rows: Iterable[Row]) -> list[str]:
+    columns: dict[str, None] = {}
+    for row in rows:
+        columns.update(dict.fromkeys(row))
+    return list(columns)
+
+
+def pivot(rows: Iterable[Row], index: Sequence[str], column: str, value: str, fmt: Callable[[Row], Any] | None = None) -> list[Row]:
+    """Wide table: one row per distinct `index` tuple, one column per distinct `column` value.
+
+    A cell is `fmt(row)` when given (to show OOM or a mean +- std), else `row[value]`.
+    """
+    table: dict[tuple, Row] = {}
+    for row in rows:
+        key = tuple(row.get(i) for i in index)
+        entry = table.setdefault(key, dict(zip(index, key)))
+        entry[f"{column}={row.get(column)}"] = fmt(row) if fmt else row.get(value)
+    return list(table.values())
+
+
+def select(rows: Iterable[Row], **equal: Any) -> list[Row]:
+    return [row for row in rows if all(row.get(k) == v for k, v in equal.items())]
+
+
+def device_description(device: torch.device | str | None = None) -> str:
+    device = torch.device(device) if device is not None else None
+    if device is not None and device.type == "cuda" or device is None and torch.cuda.is_available():
+        count = torch.cuda.device_count()
+        name = torch.cuda.get_device_name(device if device is not None and device.index is not None else 0)
+        return f"{count} x {name}" if count > 1 else name
+    return f"CPU ({platform.processor() or platform.machine()}, {_cpu_count()} cores)"
+
+
+def _cpu_count() -> int:
+    import os
+
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
+def software_versions() -> dict[str, str]:
+    versions = {"python": platform.python_version(), "torch": torch.__version__}
+    try:
+        import triton
+
+        versions["triton"] = triton.__version__
+    except ImportError:
+        versions["triton"] = "not installed"
+    versions["cuda"] = torch.version.cuda or "none (CPU build)"
+    if torch.cuda.is_available() and torch.distributed.is_nccl_available():
+        versions["nccl"] = ".".join(map(str, torch.cuda.nccl.version()))
+    return versions
+
+
+def header(problem: str, command: str, device: torch.device | str | None = None) -> str:
+    versions = ", ".join(f"{k} {v}" for k, v in software_versions().items())
+    date = dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+    return (
+        f"# {problem}\n\n"
+        f"- device: {device_description(device)}\n"
+        f"- software: {versions}\n"
+        f"- date: {date}\n"
+        f"- command: `{command}`\n"
+    )
+
+
+def write_csv(path: Path, rows: Sequence[Row]) -> None:
+    columns = all_columns(rows)
+    buffer = io.StringIO()
+    writer = csv.DictWriter(buffer, fieldnames=columns, lineterminator="\n")
+    writer.writeheader()
+    writer.writerows(rows)
+    path.write_text(buffer.getvalue())
+
+
+def write_report(problem: str, rows: list[Row], report_dir: Path | str, command: str,
+                 device: torch.device | str | None = None) -> Path:
+    """Render `rows` with the problem's renderer and write the .md, .csv and figures."""
+    report_dir = Path(report_dir)
+    report_dir.mkdir(parents=True, exist_ok=True)
+    rendered = get_renderer(problem)(rows)
+    for file_name, figure in rendered.figures.items():
+        figure.savefig(report_dir / file_name, dpi=120, bbox_inches="tight")
+        import matplotlib.pyplot as plt
+
+        plt.close(figure)
+    if rows:
+        write_csv(report_dir / f"{problem}.csv", rows)
+    path = report_dir / f"{problem}.md"
+    path.write_text(header(problem, command, device) + "\n" + rendered.body.rstrip() + "\n")
+    return path
