@@ -19,7 +19,7 @@ from dataclasses import asdict, dataclass
 import torch
 import torch.nn.functional as F
 
-from cs336_systems.accounting import step_flops
+from cs336_systems.accounting.flops import step_flops
 from cs336_systems.model import ModelConfig, TransformerLM
 from cs336_systems.profiling.ranges import annotate
 from cs336_systems.reports import OOM, Rendered, Row, renderer

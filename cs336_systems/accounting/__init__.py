@@ -1,0 +1,4 @@
+"""Closed-form models, one module per subject; units are in the names (bytes, flops, seconds).
+
+flops: matmul FLOPs of the LM. Other modules model memory, communication and parallelism.
+"""
