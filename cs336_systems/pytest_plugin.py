@@ -50,6 +50,7 @@ class Settings:
     model_sizes: tuple[str, ...]
     staging_dir: Path
     command: str
+    baseline_dir: Path
 
     @property
     def on_gpu(self) -> bool:
@@ -61,7 +62,7 @@ class Settings:
 
     @property
     def baseline_path(self) -> Path:
-        return Path(__file__).resolve().parent.parent / "perf" / "baselines" / f"{self.gpu_slug}.json"
+        return self.baseline_dir / f"{self.gpu_slug}.json"
 
 
 _settings_key = pytest.StashKey[Settings]()
@@ -137,6 +138,7 @@ def pytest_configure(config: pytest.Config) -> None:
         model_sizes=_parse_sizes(config.getoption("--model-sizes"), gpu_slug != "cpu"),
         staging_dir=staging,
         command=" ".join(["pytest", *config.invocation_params.args]),
+        baseline_dir=config.rootpath / "perf" / "baselines",
     )
 
 

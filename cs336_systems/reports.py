@@ -87,16 +87,18 @@ def all_columns(rows: Iterable[Row]) -> list[str]:
     return list(columns)
 
 
-def pivot(rows: Iterable[Row], index: Sequence[str], column: str, value: str, fmt: Callable[[Row], Any] | None = None) -> list[Row]:
+def pivot(rows: Iterable[Row], index: Sequence[str], column: str, value: str,
+          fmt: Callable[[Row], Any] | None = None, label: str | None = None) -> list[Row]:
     """Wide table: one row per distinct `index` tuple, one column per distinct `column` value.
 
-    A cell is `fmt(row)` when given (to show OOM or a mean +- std), else `row[value]`.
+    A cell is `fmt(row)` when given (to show OOM or a mean +- std), else `row[value]`. Columns are
+    headed "<label> <value>" (label defaults to the column's name).
     """
     table: dict[tuple, Row] = {}
     for row in rows:
         key = tuple(row.get(i) for i in index)
         entry = table.setdefault(key, dict(zip(index, key)))
-        entry[f"{column}={row.get(column)}"] = fmt(row) if fmt else row.get(value)
+        entry[f"{label or column} {row.get(column)}"] = fmt(row) if fmt else row.get(value)
     return list(table.values())
 
 
@@ -159,14 +161,46 @@ def write_report(problem: str, rows: list[Row], report_dir: Path | str, command:
     """Render `rows` with the problem's renderer and write the .md, .csv and figures."""
     report_dir = Path(report_dir)
     report_dir.mkdir(parents=True, exist_ok=True)
+    if rows:
+        write_csv(report_dir / f"{problem}.csv", rows)
+    return _write_markdown(problem, rows, report_dir, header(problem, command, device))
+
+
+def _write_markdown(problem: str, rows: list[Row], report_dir: Path, head: str) -> Path:
+    import matplotlib.pyplot as plt
+
     rendered = get_renderer(problem)(rows)
     for file_name, figure in rendered.figures.items():
         figure.savefig(report_dir / file_name, dpi=120, bbox_inches="tight")
-        import matplotlib.pyplot as plt
-
         plt.close(figure)
-    if rows:
-        write_csv(report_dir / f"{problem}.csv", rows)
     path = report_dir / f"{problem}.md"
-    path.write_text(header(problem, command, device) + "\n" + rendered.body.rstrip() + "\n")
+    path.write_text(head + "\n" + rendered.body.rstrip() + "\n")
     return path
+
+
+def _parse_cell(text: str) -> Any:
+    if text == "":
+        return None
+    if text in ("True", "False"):
+        return text == "True"
+    for parse in (int, float):
+        try:
+            return parse(text)
+        except ValueError:
+            pass
+    return text
+
+
+def read_rows(csv_path: Path | str) -> list[Row]:
+    """The rows of a report's CSV, with numbers, booleans and empty cells (None) restored."""
+    with open(csv_path, newline="") as f:
+        return [{k: _parse_cell(v) for k, v in row.items()} for row in csv.DictReader(f)]
+
+
+def rerender(report_dir: Path | str, problem: str) -> Path:
+    """Re-render a report's Markdown and figures from its CSV, keeping its header (device, versions,
+    date, command): the measurements stay those of the run that made them."""
+    report_dir = Path(report_dir)
+    markdown = (report_dir / f"{problem}.md").read_text()
+    head = markdown[: markdown.index("\n\n", markdown.index("- command:")) + 1]
+    return _write_markdown(problem, read_rows(report_dir / f"{problem}.csv"), report_dir, head)

@@ -12,9 +12,14 @@ optimizer out.
 from __future__ import annotations
 
 import gc
+import json
+import os
+import subprocess
+import sys
 import time
 from contextlib import nullcontext
 from dataclasses import asdict, dataclass
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -83,6 +88,9 @@ def autocast(precision: str, device: torch.device):
 def build_model(config: ModelConfig, attention: str, device: torch.device, compile: bool) -> TransformerLM:
     model = TransformerLM(config, attention=attention).to(device)
     if compile:
+        # Start from empty compile caches: entries from earlier models would count towards dynamo's
+        # recompile limit, past which it silently falls back to eager.
+        torch._dynamo.reset()
         # Regional compilation: every block has the same code and shapes, so one compiled graph
         # serves all of them and compile time no longer grows with depth.
         for block in model.layers:
@@ -142,6 +150,25 @@ def _measure(cfg: E2EConfig, device: torch.device) -> tuple[dict[str, list[float
     return samples, first_step_ms
 
 
+def benchmark_in_fresh_process(cfg: E2EConfig, device: torch.device | str) -> list[Row]:
+    """`benchmark_model` in a new Python process, so that nothing is warm from earlier work
+    (CUDA context, loaded kernels, allocator pool, compile caches): what the warm-up study needs."""
+    args = [sys.executable, "-m", "cs336_systems", "e2e", "--json", "--device", torch.device(device).type,
+            "--size", cfg.size, "--context", str(cfg.context_length), "--batch-size", str(cfg.batch_size),
+            "--mode", cfg.mode, "--precision", cfg.precision, "--attention", cfg.attention,
+            "--warmup", str(cfg.warmup), "--steps", str(cfg.steps)]
+    if cfg.compile:
+        args.append("--compile")
+    if cfg.model_context_length:
+        args += ["--model-context", str(cfg.model_context_length)]
+    package_root = str(Path(__file__).resolve().parents[2])
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [package_root, os.environ.get("PYTHONPATH")]))}
+    result = subprocess.run(args, capture_output=True, text=True, env=env)
+    if result.returncode != 0:
+        raise RuntimeError(f"benchmark process failed ({result.returncode}): {result.stderr.strip()[-2000:]}")
+    return [json.loads(line) for line in result.stdout.splitlines() if line.startswith("{")]
+
+
 def _free_device_memory(device: torch.device) -> None:
     gc.collect()
     if device.type == "cuda":
@@ -156,6 +183,7 @@ def benchmark_model(cfg: E2EConfig, device: torch.device | str, peak_flops: floa
     """
     device = torch.device(device)
     base: Row = {k: v for k, v in asdict(cfg).items() if k != "model_context_length"}
+    base["device"] = device.type
     _free_device_memory(device)
     try:
         samples, first_step_ms = _measure(cfg, device)
@@ -193,26 +221,16 @@ def benchmark_model(cfg: E2EConfig, device: torch.device | str, peak_flops: floa
 
 PHASE_LABELS = {"forward": "forward", "backward": "backward", "optimizer": "optimizer",
                 "forward_backward": "forward+backward", "train_step": "train step"}
+# A cell whose std is under this share of its mean is called steady.
+STEADY_RELATIVE_STD = 0.05
 
 
 def mean_std(row: Row) -> str:
     return OOM if row.get("status") == OOM else f"{row['mean_ms']:.1f} ± {row['std_ms']:.1f}"
 
 
-def _sweep_setup(rows: list[Row]) -> str:
-    sample = next((r for r in rows if r.get("status") == "ok"), rows[0])
-    return (f"batch {sample['batch_size']}, {sample['attention']} attention, AdamW, random tokens, "
-            f"{sample['warmup']} warm-up + {sample['steps']} timed steps; times in ms, mean ± std")
-
-
-def _sweep_table(rows: list[Row]) -> str:
-    from cs336_systems.reports import markdown_table, pivot
-
-    ordered = sorted(rows, key=lambda r: (_size_order(r["size"]), list(PHASE_LABELS).index(r["phase"]),
-                                          r["context_length"]))
-    table = pivot([{**r, "phase": PHASE_LABELS[r["phase"]]} for r in ordered],
-                  index=["size", "phase"], column="context_length", value="mean_ms", fmt=mean_std)
-    return markdown_table(table)
+def _ok(rows: list[Row]) -> list[Row]:
+    return [r for r in rows if r.get("status") == "ok"]
 
 
 def _size_order(size: str) -> int:
@@ -221,48 +239,90 @@ def _size_order(size: str) -> int:
     return list(MODEL_SIZES).index(size) if size in MODEL_SIZES else len(MODEL_SIZES)
 
 
-def _relative_std_summary(rows: list[Row]) -> str:
-    measured = [r for r in rows if r.get("status") == "ok" and r["mean_ms"] > 0]
+def _cell_order(row: Row) -> tuple:
+    return (_size_order(row["size"]), row["context_length"], str(row.get("precision")),
+            list(PHASE_LABELS).index(row["phase"]))
+
+
+def _sweep_setup(rows: list[Row]) -> str:
+    sample = rows[0]
+    return (f"batch {sample['batch_size']}, {sample['attention']} attention, AdamW, random tokens, "
+            f"{sample['warmup']} warm-up + {sample['steps']} timed steps per cell; times in ms, mean ± std")
+
+
+def _sweep_table(rows: list[Row]) -> str:
+    from cs336_systems.reports import markdown_table, pivot
+
+    ordered = sorted(rows, key=lambda r: (_size_order(r["size"]), list(PHASE_LABELS).index(r["phase"]),
+                                          r["context_length"]))
+    table = pivot([{**r, "phase": PHASE_LABELS[r["phase"]]} for r in ordered],
+                  index=["size", "phase"], column="context_length", value="mean_ms", fmt=mean_std, label="context")
+    return markdown_table(table)
+
+
+def _variation_summary(rows: list[Row]) -> str:
+    measured = [r for r in _ok(rows) if r["mean_ms"] > 0]
     if not measured:
-        return "No cell ran (all out of memory)."
-    worst = max(measured, key=lambda r: r["std_ms"] / r["mean_ms"])
+        return "No cell ran: every configuration ran out of memory."
     spreads = sorted(r["std_ms"] / r["mean_ms"] for r in measured)
-    return (f"The standard deviation is small: the median cell's std is {spreads[len(spreads) // 2]:.1%} of its "
-            f"mean; the largest is {worst['std_ms'] / worst['mean_ms']:.1%} ({worst['size']}, context "
-            f"{worst['context_length']}, {PHASE_LABELS[worst['phase']]}, {worst['mean_ms']:.1f} ms).")
+    median_spread = spreads[len(spreads) // 2]
+    worst = max(measured, key=lambda r: r["std_ms"] / r["mean_ms"])
+    steady = sum(s < STEADY_RELATIVE_STD for s in spreads)
+    ooms = sorted({(r["size"], r["context_length"]) for r in rows if r.get("status") == OOM},
+                  key=lambda k: (_size_order(k[0]), k[1]))
+    text = (f"Variation between steps: the median cell's std is {median_spread:.1%} of its mean, and {steady} of "
+            f"{len(spreads)} cells stay under {STEADY_RELATIVE_STD:.0%}; the most variable is {worst['size']} at "
+            f"context {worst['context_length']} ({PHASE_LABELS[worst['phase']]}: "
+            f"{worst['std_ms'] / worst['mean_ms']:.1%} of {worst['mean_ms']:.1f} ms).")
+    if ooms:
+        text += " Out of memory: " + ", ".join(f"{s} at context {c}" for s, c in ooms) + "."
+    return text + "\n"
+
+
+def _one_time_costs(device_type: str) -> str:
+    if device_type == "cuda":
+        costs = ("creating the cuBLAS/cuDNN handles and workspaces, loading each kernel's module the first time "
+                 "it runs (CUDA lazy loading), the caching allocator requesting memory from the driver, and "
+                 "AdamW creating its state on its first step")
+    else:
+        costs = ("the allocator obtaining memory from the OS, oneDNN/BLAS setting up kernels and thread pools, "
+                 "and AdamW creating its state on its first step")
+    return f"A first step pays for one-time work: {costs}."
 
 
 def _warmup_section(rows: list[Row]) -> str:
     from cs336_systems.reports import markdown_table
 
-    ok = [r for r in rows if r.get("status") == "ok"]
     if not rows:
         return ""
-    table = []
-    for r in sorted(rows, key=lambda r: (_size_order(r["size"]), r["warmup"], list(PHASE_LABELS).index(r["phase"]))):
-        if r["phase"] not in ("forward", "backward", "optimizer"):
-            continue
-        table.append({"size": r["size"], "warm-up steps": r["warmup"], "phase": r["phase"],
-                      "mean ± std (ms)": mean_std(r), "max (ms)": r.get("max_ms"),
-                      "first timed step (ms)": r.get("first_ms")})
-    text = [f"## Warm-up study\n\nEach cell runs in a fresh process (so nothing is warm from an earlier cell): "
-            f"context {rows[0]['context_length']}, {rows[0]['steps']} timed training steps after 0, 1, 2 or 5 "
-            "warm-up steps.\n", markdown_table(table)]
+    shown = sorted((r for r in rows if r["phase"] in ("forward", "backward", "optimizer")),
+                   key=lambda r: (_size_order(r["size"]), r["warmup"], list(PHASE_LABELS).index(r["phase"])))
+    table = [{"size": r["size"], "warm-up steps": r["warmup"], "phase": r["phase"],
+              "mean ± std (ms)": mean_std(r), "median (ms)": r.get("median_ms"),
+              "first timed step (ms)": r.get("first_ms"), "slowest step (ms)": r.get("max_ms")} for r in shown]
+    text = [f"## Warm-up study\n\nEach cell runs in a fresh process, so nothing is warm from an earlier cell: "
+            f"context {rows[0]['context_length']}, {rows[0]['steps']} timed training steps after "
+            f"{', '.join(str(w) for w in sorted({r['warmup'] for r in rows}))} warm-up steps.\n",
+            markdown_table(table)]
+    ok = _ok(rows)
     findings = []
     for size in sorted({r["size"] for r in ok}, key=_size_order):
-        by_warmup = {r["warmup"]: r for r in ok if r["size"] == size and r["phase"] == "forward"}
-        if 0 in by_warmup and max(by_warmup) > 0:
-            cold, warm = by_warmup[0], by_warmup[max(by_warmup)]
-            findings.append(
-                f"- {size}: with no warm-up the forward pass averages {cold['mean_ms']:.1f} ms "
-                f"(std {cold['std_ms']:.1f}, first step {cold['first_ms']:.1f} ms) against "
-                f"{warm['mean_ms']:.1f} ms (std {warm['std_ms']:.1f}) after {max(by_warmup)} warm-up steps.")
+        steps = {r["warmup"]: r for r in ok if r["size"] == size and r["phase"] == "train_step"}
+        if 0 not in steps or len(steps) < 2:
+            continue
+        cold, most = steps[0], steps[max(steps)]
+        line = (f"- {size}: with no warm-up the first training step takes {cold['first_ms']:.1f} ms, "
+                f"{cold['first_ms'] / cold['median_ms']:.1f}x the median step, so the mean over "
+                f"{cold['steps']} steps is {mean_std(cold)} ms against {mean_std(most)} ms after {max(steps)} "
+                "warm-up steps.")
+        for w in sorted(steps)[1:-1]:
+            line += (f" After {w}: {mean_std(steps[w])} ms (first timed step "
+                     f"{steps[w]['first_ms'] / steps[w]['median_ms']:.2f}x the median).")
+        findings.append(line)
     if findings:
-        text.append("\n" + "\n".join(findings) + "\n\nThe first step pays one-time costs: CUDA context and "
-                    "cuBLAS handle creation, lazy loading of each kernel the first time it runs, the caching "
-                    "allocator growing its pool, and (compiled cells) compilation. One warm-up step absorbs "
-                    "most of it; a second covers what only appears from the second step on, such as "
-                    "AdamW's lazily created state and allocator blocks of the backward pass.\n")
+        text.append("\n".join(findings) + "\n\n" + _one_time_costs(rows[0].get("device", "cpu")) +
+                    " Steps after the first can still differ: the allocator keeps growing its pool while the "
+                    "backward pass and the optimizer allocate new block sizes, and clocks ramp up under load.\n")
     return "\n".join(text)
 
 
@@ -271,31 +331,56 @@ def render_benchmarking_script(rows: list[Row]) -> Rendered:
     sweep = [r for r in rows if r.get("table") == "sweep"]
     parts = []
     if sweep:
-        parts += [f"## Time per phase by model size and context\n\n{_sweep_setup(sweep)}; fp32, eager.\n",
-                  _sweep_table(sweep), _relative_std_summary(sweep) + "\n"]
+        parts += [f"## Time per phase by model size and context\n\n{_sweep_setup(sweep)}; fp32, eager. Forward is "
+                  "timed inside training steps (autograd recording).\n", _sweep_table(sweep), _variation_summary(sweep)]
     parts.append(_warmup_section([r for r in rows if r.get("table") == "warmup"]))
     return Rendered("\n".join(parts))
 
 
-def _ratio_table(rows: list[Row], key: str, base_value, other_value, base_label: str, other_label: str) -> list[Row]:
-    """One row per (size, context, phase[, precision]) with the two variants' times and their ratio."""
+def _comparison_table(rows: list[Row], key: str, base_value, other_value, base_label: str, other_label: str) -> list[Row]:
+    """One row per cell (size, context, precision, phase minus `key`): both variants' times and their ratio."""
+    index_keys = [k for k in ("size", "context_length", "precision", "phase") if k != key]
     cells: dict[tuple, dict] = {}
-    for r in rows:
-        index = tuple((k, r[k]) for k in ("size", "context_length", "precision", "phase") if k != key)
-        cells.setdefault(index, {})[r[key]] = r
+    for r in sorted(rows, key=_cell_order):
+        cells.setdefault(tuple(r[k] for k in index_keys), {})[r[key]] = r
     table = []
-    for index, pair in sorted(cells.items(), key=lambda kv: (_size_order(dict(kv[0])["size"]),) + tuple(
-            str(v) for _, v in kv[0][1:])):
+    for index, pair in cells.items():
         base, other = pair.get(base_value), pair.get(other_value)
-        entry = {k: (PHASE_LABELS[v] if k == "phase" else v) for k, v in index}
+        entry = dict(zip(index_keys, index))
+        entry["phase"] = PHASE_LABELS[entry["phase"]]
         entry[f"{base_label} (ms)"] = mean_std(base) if base else ""
         entry[f"{other_label} (ms)"] = mean_std(other) if other else ""
         both_ok = base and other and base.get("status") == other.get("status") == "ok"
-        entry["speed-up"] = f"{base['median_ms'] / other['median_ms']:.2f}x" if both_ok else ""
-        if other and other.get("mfu") is not None:
-            entry[f"{other_label} MFU"] = f"{other['mfu']:.1%}"
+        entry["speed-up"] = f"{base['mean_ms'] / other['mean_ms']:.2f}x" if both_ok else ""
+        for label, variant in ((base_label, base), (other_label, other)):
+            if variant and variant.get("mfu") is not None:
+                entry[f"{label} MFU"] = f"{variant['mfu']:.1%}"
         table.append(entry)
     return table
+
+
+def _speedup_range(table: list[Row], phase: str) -> str:
+    ratios = [float(r["speed-up"][:-1]) for r in table if r["phase"] == phase and r["speed-up"]]
+    if not ratios:
+        return ""
+    return f"{PHASE_LABELS.get(phase, phase)}: {min(ratios):.2f}x to {max(ratios):.2f}x (median {sorted(ratios)[len(ratios) // 2]:.2f}x)"
+
+
+def _autocast_section(dtypes: list[Row]) -> str:
+    from cs336_systems.reports import markdown_table
+
+    observed = {r["tensor"]: r["dtype"] for r in dtypes}
+    autocast_dtype = dtypes[0]["autocast"]
+    low = [t for t, d in observed.items() if d == autocast_dtype]
+    full = [t for t, d in observed.items() if d == "float32"]
+    note = "" if autocast_dtype == "float16" else " (this device's autocast does not support fp16)"
+    return (f"## (a) dtypes inside a toy-model step under autocast\n\nObserved with forward hooks on "
+            f"{dtypes[0]['device']}, autocast dtype {autocast_dtype}{note}.\n\n" + markdown_table(dtypes, ["tensor", "dtype"]) +
+            f"\nIn {autocast_dtype}: {', '.join(low) or 'nothing'}. In float32: {', '.join(full) or 'nothing'}. "
+            "Autocast leaves parameters (and so their gradients) in fp32 and casts copies of the weights for each "
+            "matmul, whose outputs come out in the low-precision dtype; ops on its fp32 list (the loss, and on CUDA "
+            "layer norm) run in fp32. Which ops are on that list differs by device: compare the layer norm row "
+            "across devices.\n")
 
 
 @renderer("benchmarking_mixed_precision")
@@ -305,27 +390,28 @@ def render_benchmarking_mixed_precision(rows: list[Row]) -> Rendered:
     parts = []
     dtypes = [r for r in rows if r.get("table") == "autocast_dtypes"]
     if dtypes:
-        parts += ["## (a) dtypes inside a toy-model step under autocast\n\nObserved with forward hooks on "
-                  f"{dtypes[0]['device']}, autocast dtype {dtypes[0]['autocast']}"
-                  + ("" if dtypes[0]["autocast"] == "float16" else " (this device's autocast has no fp16)") + ".\n",
-                  markdown_table(dtypes, ["tensor", "dtype"]),
-                  "Parameters and their gradients stay fp32 (autocast casts copies of the weights for each "
-                  "matmul); matmul outputs (fc1, logits) come out in the autocast dtype; layer norm and the "
-                  "loss run in fp32, because autocast lists them as ops that need fp32's range.\n"]
-    norms = [r for r in rows if r.get("table") == "normalization"]
+        parts.append(_autocast_section(dtypes))
+    norms = {r["dtype"]: r for r in rows if r.get("table") == "normalization"}
     if norms:
-        parts += ["## (b) why normalisation is kept in fp32\n\nMean of squares of a 1024-wide row of "
-                  "magnitude ~300, against a float64 reference:\n", markdown_table(norms, ["dtype", "mean_square", "relative_error"]),
-                  "fp16 overflows (its largest finite value is 65504, and 300² is 9e4), so a layer norm or RMSNorm "
-                  "computed in fp16 produces inf/NaN; bf16 has fp32's exponent range, so it does not overflow, "
-                  "but with 8 mantissa bits its mean carries a visible error. Under bf16 the norms can run in "
-                  "bf16 without overflow, yet accumulating the statistics in fp32 is still the safer choice, "
-                  "which is what our RMSNorm does.\n"]
+        fp16, bf16 = norms.get("float16"), norms.get("bfloat16")
+        parts += ["## (b) normalisation statistics in low precision\n\nMean of squares of a 1024-wide row of "
+                  "magnitude ~300, against a float64 reference:\n", markdown_table(list(norms.values()),
+                                                                                   ["dtype", "mean_square", "relative_error"])]
+        if fp16 and bf16:
+            parts.append(f"In fp16 the result is {fp16['mean_square']} (largest finite fp16 value: 65504; 300² is 9e4): "
+                         f"a layer norm or RMSNorm whose statistics are computed in fp16 overflows. bf16 keeps fp32's "
+                         f"exponent range, so it does not overflow, but with 8 mantissa bits its mean is off by "
+                         f"{bf16['relative_error']:.2%}. So under fp16 the norms must run in fp32; under bf16 they can "
+                         "run without overflow, though accumulating the statistics in fp32 (as our RMSNorm does) is "
+                         "still more accurate.\n")
     timings = [r for r in rows if r.get("table") == "sweep"]
     if timings:
-        parts += [f"## (c) fp32 against bf16 autocast\n\n{_sweep_setup(timings)}; eager. Speed-up is the "
-                  "ratio of medians; MFU against the GPU's dense bf16 peak.\n",
-                  markdown_table(_ratio_table(timings, "precision", "fp32", "bf16", "fp32", "bf16"))]
+        table = _comparison_table(timings, "precision", "fp32", "bf16", "fp32", "bf16")
+        summary = "; ".join(filter(None, (_speedup_range(table, p) for p in ("forward", "backward", "train_step"))))
+        parts += [f"## (c) fp32 against bf16 autocast\n\n{_sweep_setup(timings)}; eager. Speed-up is the ratio "
+                  "of means; MFU is against the device's dense peak for the precision (fp32 peak for fp32 cells, "
+                  "bf16 tensor-core peak for bf16 cells).\n", markdown_table(table),
+                  f"bf16 speed-up over fp32 by phase: {summary}.\n" if summary else ""]
     return Rendered("\n".join(parts))
 
 
@@ -334,10 +420,20 @@ def render_torch_compile(rows: list[Row]) -> Rendered:
     from cs336_systems.reports import markdown_table
 
     model_rows = [r for r in rows if r.get("table") == "sweep"]
-    parts = []
-    if model_rows:
-        parts += [f"## Whole model: eager against torch.compile\n\n{_sweep_setup(model_rows)}. Compiled "
-                  "cells compile each Transformer block (regional compilation: one graph serves every "
-                  "block); the first warm-up step, which compiles, is excluded from the timings.\n",
-                  markdown_table(_ratio_table(model_rows, "compile", False, True, "eager", "compiled"))]
-    return Rendered("\n".join(parts))
+    if not model_rows:
+        return Rendered("")
+    table = _comparison_table(model_rows, "compile", False, True, "eager", "compiled")
+    summary = "; ".join(filter(None, (_speedup_range(table, p) for p in ("forward", "backward", "train_step"))))
+    compiled_first = [r for r in _ok(model_rows) if r["compile"] and r["phase"] == "forward"]
+    compile_note = ""
+    if compiled_first:
+        slowest = max(compiled_first, key=lambda r: r["first_step_ms"])
+        compile_note = (f" The first (compiling) step took up to {slowest['first_step_ms'] / 1e3:.1f} s "
+                        f"({slowest['size']}, context {slowest['context_length']}, {slowest['precision']}).")
+    return Rendered("\n".join([
+        f"## Whole model: eager against torch.compile\n\n{_sweep_setup(model_rows)}. Compiled cells compile each "
+        "Transformer block (regional compilation: one compiled graph serves every block, so compile time does not "
+        "grow with depth); embedding, final norm, LM head and AdamW run eagerly. Warm-up steps, the first of "
+        "which compiles, are excluded from the timings.\n",
+        markdown_table(table),
+        f"Compiled over eager by phase: {summary}.{compile_note}\n" if summary else ""]))

@@ -1,0 +1,76 @@
+"""The end-to-end benchmark library and command, on a tiny CPU model."""
+
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from cs336_systems.__main__ import main
+from cs336_systems.benchmarks import e2e
+from cs336_systems.benchmarks.e2e import E2EConfig, benchmark_model
+from cs336_systems.reports import OOM
+
+
+def test_train_mode_reports_every_phase_and_composites_add_up():
+    rows = benchmark_model(E2EConfig("tiny", 16, batch_size=2, warmup=1, steps=3), "cpu", peak_flops=1e12)
+    by_phase = {r["phase"]: r for r in rows}
+    assert list(by_phase) == ["forward", "backward", "optimizer", "forward_backward", "train_step"]
+    assert all(r["status"] == "ok" and r["mean_ms"] > 0 for r in rows)
+    assert by_phase["forward_backward"]["mean_ms"] == pytest.approx(
+        by_phase["forward"]["mean_ms"] + by_phase["backward"]["mean_ms"])
+    assert by_phase["train_step"]["mean_ms"] == pytest.approx(
+        by_phase["forward_backward"]["mean_ms"] + by_phase["optimizer"]["mean_ms"])
+    assert "mfu" in by_phase["forward"] and "mfu" not in by_phase["optimizer"]
+
+
+@pytest.mark.parametrize("mode, phases", [("forward", ["forward"]),
+                                           ("forward_backward", ["forward", "backward", "forward_backward"])])
+def test_other_modes(mode, phases):
+    rows = benchmark_model(E2EConfig("tiny", 16, batch_size=1, mode=mode, precision="bf16", warmup=0, steps=2), "cpu")
+    assert [r["phase"] for r in rows] == phases
+
+
+def test_out_of_memory_is_recorded_not_raised(monkeypatch):
+    def run_out(cfg, device):
+        raise torch.OutOfMemoryError("CUDA out of memory")
+
+    monkeypatch.setattr(e2e, "_measure", run_out)
+    rows = benchmark_model(E2EConfig("tiny", 16), "cpu")
+    assert {r["status"] for r in rows} == {OOM} and len(rows) == 5
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(size="huge"), "unknown model size"),
+    (dict(steps=0), "steps must be >= 1"),
+    (dict(warmup=-1), "warm-up steps"),
+    (dict(mode="inference"), "unknown mode"),
+    (dict(precision="fp8"), "unknown precision"),
+    (dict(model_context_length=8), "exceeds the model's context length 8"),
+])
+def test_config_validation(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        E2EConfig(**{"size": "tiny", "context_length": 16, **kwargs})
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--size", "huge", "--context", "16"], "unknown model size 'huge'"),
+    (["--size", "tiny", "--context", "16", "--steps", "0"], "--steps: must be a positive integer"),
+    (["--size", "tiny", "--context", "0"], "--context: must be a positive integer"),
+    (["--size", "tiny", "--context", "64", "--model-context", "32"], "exceeds the model's context length 32"),
+])
+def test_command_bad_input_is_one_line(argv, message):
+    result = subprocess.run([sys.executable, "-m", "cs336_systems", "e2e", *argv], capture_output=True, text=True)
+    assert result.returncode == 2
+    assert message in result.stderr and len(result.stderr.strip().splitlines()) == 1, result.stderr
+
+
+def test_command_prints_rows(capsys):
+    assert main(["e2e", "--size", "tiny", "--context", "8", "--batch-size", "1", "--warmup", "0",
+                 "--steps", "1", "--mode", "forward", "--device", "cpu"]) == 0
+    assert "| tiny" in capsys.readouterr().out
+
+
+def test_fresh_process_benchmark_returns_rows():
+    rows = e2e.benchmark_in_fresh_process(E2EConfig("tiny", 8, batch_size=1, mode="forward", warmup=0, steps=1), "cpu")
+    assert [r["phase"] for r in rows] == ["forward"] and rows[0]["status"] == "ok"

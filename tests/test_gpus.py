@@ -1,0 +1,40 @@
+import pytest
+
+from cs336_systems.gpus import GPU_SPECS, resolve_gpu, slugify, spec_for_device_name
+
+
+@pytest.mark.parametrize("device_name, slug", [
+    ("NVIDIA H100 80GB HBM3", "h100"),
+    ("NVIDIA H100 PCIe", "h100-pcie"),
+    ("NVIDIA H200", "h200"),
+    ("NVIDIA A100-SXM4-80GB", "a100"),
+    ("NVIDIA A100-SXM4-40GB", "a100-40gb"),
+    ("NVIDIA A100 80GB PCIe", "a100"),
+    ("NVIDIA B200", "b200"),
+])
+def test_device_names_map_to_their_spec(device_name, slug):
+    assert spec_for_device_name(device_name).slug == slug
+
+
+def test_unknown_gpu_gets_no_spec_and_a_path_safe_slug():
+    assert spec_for_device_name("NVIDIA L4") is None
+    assert slugify("NVIDIA L4 (rev 2)") == "nvidia-l4-rev-2"
+
+
+def test_table_has_the_required_parts_with_consistent_figures():
+    assert {"a100", "h100", "h200", "b200"} <= set(GPU_SPECS)
+    for spec in GPU_SPECS.values():
+        assert spec.bf16_flops > spec.tf32_flops > spec.fp32_flops > 0
+        assert spec.memory_bandwidth_bytes_per_s > 1e12 and spec.memory_bytes >= 40e9
+        assert spec.peak_flops("fp16") == spec.bf16_flops
+    assert GPU_SPECS["h200"].bf16_flops == GPU_SPECS["h100"].bf16_flops  # same chip, faster memory
+    assert GPU_SPECS["h200"].memory_bandwidth_bytes_per_s > GPU_SPECS["h100"].memory_bandwidth_bytes_per_s
+
+
+def test_resolve_gpu_choices():
+    assert resolve_gpu("none") == ("cpu", None)
+    assert resolve_gpu("h100") == ("h100", GPU_SPECS["h100"])
+    with pytest.raises(ValueError, match="unknown GPU 'v100'"):
+        resolve_gpu("v100")
+    with pytest.raises(ValueError, match="unknown precision"):
+        GPU_SPECS["h100"].peak_flops("int8")

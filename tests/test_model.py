@@ -1,0 +1,127 @@
+"""The Transformer LM: sizes, shapes, causality, RoPE, layers against float64 references."""
+
+import math
+
+import pytest
+import torch
+
+from cs336_systems.model import (
+    MODEL_SIZES,
+    Embedding,
+    Linear,
+    ModelConfig,
+    RMSNorm,
+    RotaryEmbedding,
+    TransformerLM,
+    count_parameters,
+)
+
+# The parameter counts of the course's model sizes (vocabulary 10,000, untied LM head).
+EXPECTED_PARAMETERS = {
+    "small": 128_625_408,
+    "medium": 423_183_360,
+    "large": 969_411_840,
+    "xl": 1_998_235_200,
+    "2.7B": 3_406_809_600,
+}
+
+
+@pytest.mark.parametrize("size", EXPECTED_PARAMETERS)
+def test_parameter_count_matches_the_size_table(size):
+    with torch.device("meta"):
+        model = TransformerLM(ModelConfig.for_size(size, context_length=128))
+    assert count_parameters(model) == EXPECTED_PARAMETERS[size]
+
+
+def tiny_model(attention="naive", context_length=32, seed=0) -> TransformerLM:
+    torch.manual_seed(seed)
+    return TransformerLM(ModelConfig.for_size("tiny", context_length), attention=attention)
+
+
+def test_logits_shape_and_weight_layout():
+    model = tiny_model()
+    tokens = torch.randint(model.config.vocab_size, (3, 17))
+    assert model(tokens).shape == (3, 17, model.config.vocab_size)
+    d = model.config
+    assert model.layers[0].ffn.w1.weight.shape == (d.d_ff, d.d_model)  # (d_out, d_in)
+    assert model.lm_head.weight.shape == (d.vocab_size, d.d_model)
+    assert all("bias" not in name for name, _ in model.named_parameters())
+
+
+def test_changing_a_future_token_leaves_earlier_logits_unchanged():
+    model = tiny_model().double()
+    tokens = torch.randint(model.config.vocab_size, (2, 20))
+    changed = tokens.clone()
+    changed[:, 12] = (changed[:, 12] + 1) % model.config.vocab_size
+    before, after = model(tokens), model(changed)
+    torch.testing.assert_close(before[:, :12], after[:, :12], rtol=0, atol=0)
+    assert not torch.allclose(before[:, 12:], after[:, 12:])
+
+
+def test_rope_scores_depend_only_on_relative_position():
+    rope = RotaryEmbedding(d_head=16, context_length=64).double()
+    q, k = torch.randn(16, dtype=torch.float64), torch.randn(16, dtype=torch.float64)
+
+    def score(i, j):
+        return rope(q[None], torch.tensor([i])) @ rope(k[None], torch.tensor([j])).T
+
+    torch.testing.assert_close(score(5, 3), score(40, 38))
+    torch.testing.assert_close(score(0, 0), (q @ k)[None, None])
+    assert not torch.allclose(score(5, 3), score(5, 4))
+
+
+def test_rope_preserves_norms():
+    rope = RotaryEmbedding(d_head=8, context_length=16).double()
+    x = torch.randn(2, 16, 8, dtype=torch.float64)
+    torch.testing.assert_close(rope(x, torch.arange(16)).norm(dim=-1), x.norm(dim=-1))
+
+
+@pytest.mark.parametrize("attention", ["sdpa", "naive_compiled"])
+def test_attention_variants_agree_with_naive(attention):
+    tokens = torch.randint(10_000, (2, 24))
+    reference = tiny_model("naive")(tokens)
+    torch.testing.assert_close(tiny_model(attention)(tokens), reference, rtol=1e-4, atol=1e-4)
+
+
+def test_layers_match_float64_references():
+    x = torch.randn(4, 6, 10)
+    linear = Linear(10, 7)
+    torch.testing.assert_close(linear(x).double(), x.double() @ linear.weight.double().T)
+    norm = RMSNorm(10)
+    norm.weight.data.uniform_(0.5, 1.5)
+    expected = x.double() / torch.sqrt(x.double().pow(2).mean(-1, keepdim=True) + norm.eps) * norm.weight.double()
+    torch.testing.assert_close(norm(x).double(), expected, rtol=1e-5, atol=1e-6)
+    embedding = Embedding(50, 8)
+    ids = torch.randint(50, (3, 4))
+    assert torch.equal(embedding(ids), embedding.weight[ids])
+
+
+def test_rmsnorm_keeps_the_input_dtype():
+    norm = RMSNorm(16)
+    assert norm(torch.randn(2, 16, dtype=torch.bfloat16)).dtype == torch.bfloat16
+
+
+def test_linear_init_is_truncated_normal_with_the_course_std():
+    torch.manual_seed(0)
+    linear = Linear(400, 600)
+    std = math.sqrt(2 / (400 + 600))
+    assert abs(linear.weight.std().item() - std) / std < 0.05
+    assert linear.weight.abs().max().item() <= 3 * std + 1e-6
+
+
+def test_bad_input_gives_clear_errors():
+    model = tiny_model(context_length=8)
+    with pytest.raises(ValueError, match="exceeds the model's context length 8"):
+        model(torch.zeros(1, 9, dtype=torch.long))
+    with pytest.raises(ValueError, match=r"\(batch, seq\)"):
+        model(torch.zeros(9, dtype=torch.long))
+    with pytest.raises(ValueError, match="unknown model size"):
+        ModelConfig.for_size("huge", 16)
+    with pytest.raises(ValueError, match="unknown attention"):
+        TransformerLM(ModelConfig.for_size("tiny", 16), attention="fast")
+    with pytest.raises(ValueError, match="divisible"):
+        ModelConfig(d_model=30, d_ff=64, num_layers=1, num_heads=4, context_length=8)
+
+
+def test_size_table_is_the_single_source_of_sizes():
+    assert set(EXPECTED_PARAMETERS) <= set(MODEL_SIZES)

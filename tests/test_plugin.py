@@ -1,0 +1,156 @@
+"""The pytest plugin, exercised in isolated pytest runs (pytester)."""
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+
+PLUGIN = ["-p", "cs336_systems.pytest_plugin", "-p", "no:cacheprovider"]
+REPO_ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(autouse=True)
+def importable_package(monkeypatch):
+    """Subprocess runs import the plugin whether or not the package is installed."""
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")])))
+
+
+def run(pytester, *args, subprocess=False):
+    runner = pytester.runpytest_subprocess if subprocess else pytester.runpytest
+    return runner(*PLUGIN, "--gpu", "none", *args)
+
+
+def test_markers_are_registered_and_strict(pytester):
+    pytester.makepyfile("""
+        import pytest
+        @pytest.mark.e2e
+        @pytest.mark.ddp
+        @pytest.mark.fsdp
+        def test_marked():
+            pass
+    """)
+    run(pytester, "--strict-markers").assert_outcomes(passed=1)
+
+
+def test_gpu_none_runs_triton_in_the_interpreter(pytester):
+    pytester.makepyfile("""
+        import os
+        def test_env(device, gpu_spec, run_settings):
+            assert os.environ["TRITON_INTERPRET"] == "1"
+            assert device.type == "cpu" and gpu_spec is None and run_settings.gpu_slug == "cpu"
+    """)
+    run(pytester).assert_outcomes(passed=1)
+
+
+def test_named_gpu_sets_the_spec_and_skips_gpu_tests_without_one(pytester):
+    pytester.makepyfile("""
+        import pytest
+        def test_spec(request):
+            from cs336_systems.pytest_plugin import settings
+            assert settings(request.config).gpu_spec is None
+        @pytest.mark.gpu
+        def test_needs_gpu():
+            raise AssertionError("must be skipped on CPU")
+        @pytest.mark.multigpu
+        def test_needs_gpus():
+            raise AssertionError("must be skipped on CPU")
+    """)
+    run(pytester).assert_outcomes(passed=1, skipped=2)
+
+
+def test_unknown_gpu_is_a_usage_error(pytester):
+    pytester.makepyfile("def test_x(): pass")
+    result = pytester.runpytest(*PLUGIN, "--gpu", "v100")
+    assert result.ret == pytest.ExitCode.USAGE_ERROR
+    result.stderr.fnmatch_lines(["*--gpu: unknown GPU 'v100'*"])
+
+
+@pytest.mark.parametrize("option, count", [("fp32", 1), ("fp32,fp16", 2), ("all", 3)])
+def test_precision_option_parametrizes_tests(pytester, option, count):
+    pytester.makepyfile("""
+        import torch
+        def test_p(precision, dtype):
+            assert dtype in (torch.float32, torch.bfloat16, torch.float16)
+    """)
+    run(pytester, "--precision", option).assert_outcomes(passed=count)
+
+
+def test_bad_precision_and_world_size_are_usage_errors(pytester):
+    pytester.makepyfile("def test_x(): pass")
+    assert run(pytester, "--precision", "fp64").ret == pytest.ExitCode.USAGE_ERROR
+    assert run(pytester, "--world-size", "0").ret == pytest.ExitCode.USAGE_ERROR
+
+
+def test_report_rows_from_xdist_workers_are_merged_into_one_report(pytester):
+    pytester.makepyfile("""
+        import pytest
+        @pytest.mark.parametrize("i", range(6))
+        def test_row(report, i):
+            report("_plugin_problem").add(i=i, square=i * i)
+    """)
+    report_dir = pytester.path / "out"
+    result = run(pytester, "-n", "2", "--report-dir", str(report_dir), subprocess=True)
+    result.assert_outcomes(passed=6)
+    csv = (report_dir / "cpu" / "_plugin_problem.csv").read_text().splitlines()
+    assert csv[0] == "i,square" and sorted(csv[1:]) == [f"{i},{i * i}" for i in range(6)]
+    markdown = (report_dir / "cpu" / "_plugin_problem.md").read_text()
+    assert "- command: `pytest" in markdown and "-n 2" in markdown
+
+
+GATED_TEST = """
+    def test_speedup(speedup_gate):
+        speedup_gate("flash vs naive", slow_ms=10.0, fast_ms=2.0)  # measured ratio 5.0
+"""
+
+
+def write_baseline(pytester, ratio, tolerance=0.2):
+    path = pytester.path / "perf" / "baselines" / "cpu.json"
+    path.parent.mkdir(parents=True)
+    path.write_text(json.dumps({"device": "test", "ratios": {"flash vs naive": {"ratio": ratio, "tolerance": tolerance}}}))
+    return path
+
+
+def test_gate_fails_when_the_ratio_regressed_past_tolerance(pytester):
+    pytester.makepyfile(GATED_TEST)
+    write_baseline(pytester, ratio=8.0)  # 5.0 < 8.0 * 0.8
+    result = run(pytester)
+    result.assert_outcomes(failed=1)
+    result.stdout.fnmatch_lines(["*REGRESSION: flash vs naive ratio 5 vs baseline 8*"])
+
+
+def test_gate_passes_within_tolerance(pytester):
+    pytester.makepyfile(GATED_TEST)
+    write_baseline(pytester, ratio=6.0)  # 5.0 >= 6.0 * 0.8
+    run(pytester).assert_outcomes(passed=1)
+
+
+def test_gate_skips_without_a_baseline_and_update_writes_one(pytester):
+    pytester.makepyfile(GATED_TEST)
+    run(pytester).assert_outcomes(skipped=1)
+    run(pytester, "--update-baselines").assert_outcomes(passed=1)
+    data = json.loads((pytester.path / "perf" / "baselines" / "cpu.json").read_text())
+    assert data["ratios"]["flash vs naive"] == {"ratio": 5.0, "tolerance": 0.2}
+    run(pytester).assert_outcomes(passed=1)
+
+
+def test_update_keeps_a_stated_tolerance(pytester):
+    pytester.makepyfile(GATED_TEST)
+    path = write_baseline(pytester, ratio=9.0, tolerance=0.5)
+    run(pytester, "--update-baselines").assert_outcomes(passed=1)
+    assert json.loads(path.read_text())["ratios"]["flash vs naive"] == {"ratio": 5.0, "tolerance": 0.5}
+
+
+def test_spawn_fixture_runs_a_function_on_each_rank(pytester):
+    pytester.makepyfile(ranks="""
+        import torch.distributed as dist
+        def report_rank(rank, world_size):
+            return (rank, world_size, dist.get_rank(), dist.get_backend())
+    """)
+    pytester.makepyfile("""
+        from ranks import report_rank
+        def test_spawn(spawn):
+            assert spawn(report_rank, 2) == [(0, 2, 0, "gloo"), (1, 2, 1, "gloo")]
+    """)
+    pytester.syspathinsert()
+    run(pytester, subprocess=True).assert_outcomes(passed=1)

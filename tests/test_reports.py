@@ -1,0 +1,52 @@
+import pytest
+
+from cs336_systems import reports
+from cs336_systems.reports import OOM, Rendered, markdown_table, pivot, read_rows, renderer, rerender, write_report
+
+
+def test_markdown_table_formats_numbers_and_keeps_strings():
+    table = markdown_table([{"a": 1234.5678, "b": 0.000123, "c": OOM, "d": None, "e": 12345678}])
+    assert "1,235" in table and "0.000123" in table and OOM in table and "12,345,678" in table
+    assert table.splitlines()[0].startswith("| a")
+
+
+def test_pivot_makes_one_column_per_value():
+    rows = [{"size": s, "ctx": c, "ms": s * c} for s in (1, 2) for c in (10, 20)]
+    assert pivot(rows, ["size"], "ctx", "ms", label="context") == [
+        {"size": 1, "context 10": 10, "context 20": 20},
+        {"size": 2, "context 10": 20, "context 20": 40},
+    ]
+
+
+@renderer("_test_problem")
+def _render(rows):
+    return Rendered(f"{len(rows)} rows; total {sum(r['x'] for r in rows)}")
+
+
+def test_write_report_has_header_csv_and_rerenders_from_csv(tmp_path):
+    rows = [{"x": 1, "flag": True, "note": "a"}, {"x": 2.5, "flag": False, "note": None}]
+    path = write_report("_test_problem", rows, tmp_path, command="pytest perf/ -m e2e", device="cpu")
+    text = path.read_text()
+    assert text.startswith("# _test_problem\n")
+    for field in ("- device: CPU", "- software: python", "torch ", "- date: ", "- command: `pytest perf/ -m e2e`"):
+        assert field in text
+    assert text.rstrip().endswith("2 rows; total 3.5")
+    assert read_rows(tmp_path / "_test_problem.csv") == rows
+    (tmp_path / "_test_problem.md").write_text(text.replace("total 3.5", "stale"))
+    rerender(tmp_path, "_test_problem")
+    assert (tmp_path / "_test_problem.md").read_text() == text
+
+
+def test_unknown_problem_renders_a_plain_table(tmp_path):
+    path = write_report("_unregistered", [{"k": 1}], tmp_path, command="c", device="cpu")
+    assert "| k" in path.read_text()
+
+
+def test_software_versions_name_torch_and_triton():
+    versions = reports.software_versions()
+    assert {"python", "torch", "triton", "cuda"} <= set(versions)
+
+
+@pytest.mark.parametrize("value, text", [(0.0, "0"), (float("nan"), ""), (3.14159, "3.14"), (True, "True")])
+def test_format_value(value, text):
+    assert reports.format_value(value) == text

@@ -1,0 +1,23 @@
+import pytest
+
+from cs336_systems.timing import Timings, time_fn
+
+
+def test_time_fn_runs_warmup_then_times_each_step():
+    calls = []
+    timings = time_fn(lambda: calls.append(1), warmup=3, steps=4, device="cpu")
+    assert len(calls) == 7 and len(timings.samples_ms) == 4
+    assert all(t >= 0 for t in timings.samples_ms)
+
+
+def test_timings_statistics():
+    t = Timings((1.0, 2.0, 6.0))
+    assert (t.mean_ms, t.median_ms) == (3.0, 2.0)
+    assert t.std_ms == pytest.approx(2.6457513)
+    assert Timings((5.0,)).std_ms == 0.0
+
+
+@pytest.mark.parametrize("warmup, steps", [(-1, 1), (0, 0)])
+def test_time_fn_rejects_bad_counts(warmup, steps):
+    with pytest.raises(ValueError, match="warmup"):
+        time_fn(lambda: None, warmup=warmup, steps=steps, device="cpu")
