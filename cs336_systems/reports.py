@@ -33,24 +33,43 @@ class Rendered:
 
 
 Renderer = Callable[[list[Row]], Rendered]
-_RENDERERS: dict[str, Renderer] = {}
+
+
+@dataclass(frozen=True)
+class _Registration:
+    render: Renderer
+    key: tuple[str, ...] | None
+
+
+_RENDERERS: dict[str, _Registration] = {}
 
 # Modules that register renderers; imported before rendering so every problem finds its own.
 RENDERER_MODULES = ("cs336_systems.benchmarks",)
 
 
-def renderer(problem: str) -> Callable[[Renderer], Renderer]:
+def renderer(problem: str, key: Sequence[str] | None = None) -> Callable[[Renderer], Renderer]:
+    """Register the renderer of `problem`.
+
+    `key` names the columns that identify a measured cell. With a key, a report accumulates runs: a
+    later run's rows replace earlier rows with the same key and the others stay, so a long sweep can
+    be measured in parts; the header lists every run that still contributes rows. Without a key, each
+    run replaces the whole report.
+    """
     def register(fn: Renderer) -> Renderer:
-        _RENDERERS[problem] = fn
+        _RENDERERS[problem] = _Registration(fn, tuple(key) if key else None)
         return fn
 
     return register
 
 
-def get_renderer(problem: str) -> Renderer:
+def _registration(problem: str) -> _Registration:
     for module in RENDERER_MODULES:
         importlib.import_module(module)
-    return _RENDERERS.get(problem, lambda rows: Rendered(markdown_table(rows)))
+    return _RENDERERS.get(problem, _Registration(lambda rows: Rendered(markdown_table(rows)), None))
+
+
+def get_renderer(problem: str) -> Renderer:
+    return _registration(problem).render
 
 
 def format_value(value: Any) -> str:
@@ -135,16 +154,30 @@ def software_versions() -> dict[str, str]:
     return versions
 
 
-def header(problem: str, command: str, device: torch.device | str | None = None) -> str:
+RUN_COLUMN = "run"
+
+
+def _now() -> str:
+    return dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+
+
+def header(problem: str, runs: Sequence[str], device: torch.device | str | None = None) -> str:
+    """The report's title and provenance; `runs` are "<date>, `<command>`" lines, oldest first."""
     versions = ", ".join(f"{k} {v}" for k, v in software_versions().items())
-    date = dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
-    return (
-        f"# {problem}\n\n"
-        f"- device: {device_description(device)}\n"
-        f"- software: {versions}\n"
-        f"- date: {date}\n"
-        f"- command: `{command}`\n"
-    )
+    lines = [f"# {problem}", "", f"- device: {device_description(device)}", f"- software: {versions}"]
+    lines += [f"- run {i}: {run}" for i, run in enumerate(runs, 1)]
+    return "\n".join(lines) + "\n"
+
+
+def _parse_header(markdown: str) -> tuple[str, list[str]]:
+    """(device description, run lines) of a report written by `write_report`."""
+    device, runs = "", []
+    for line in markdown.split("\n\n", 2)[1].splitlines():
+        if line.startswith("- device: "):
+            device = line.removeprefix("- device: ")
+        elif line.startswith("- run "):
+            runs.append(line.split(": ", 1)[1])
+    return device, runs
 
 
 def write_csv(path: Path, rows: Sequence[Row]) -> None:
@@ -158,12 +191,37 @@ def write_csv(path: Path, rows: Sequence[Row]) -> None:
 
 def write_report(problem: str, rows: list[Row], report_dir: Path | str, command: str,
                  device: torch.device | str | None = None) -> Path:
-    """Render `rows` with the problem's renderer and write the .md, .csv and figures."""
+    """Render `rows` with the problem's renderer and write the .md, .csv and figures.
+
+    For a problem registered with a key, rows of earlier runs on the same device that this run did
+    not measure again are kept (see `renderer`).
+    """
     report_dir = Path(report_dir)
     report_dir.mkdir(parents=True, exist_ok=True)
+    key = _registration(problem).key
+    runs = [f"{_now()}, `{command}`"]
+    csv_path, md_path = report_dir / f"{problem}.csv", report_dir / f"{problem}.md"
+    if key:
+        earlier: list[Row] = []
+        if csv_path.exists() and md_path.exists():
+            old_device, old_runs = _parse_header(md_path.read_text())
+            if old_device == device_description(device):
+                measured = {tuple(r.get(k) for k in key) for r in rows}
+                earlier = [r for r in read_rows(csv_path) if tuple(r.get(k) for k in key) not in measured]
+        rows, runs = _merge_runs(earlier, old_runs if earlier else [], rows, runs[0])
     if rows:
-        write_csv(report_dir / f"{problem}.csv", rows)
-    return _write_markdown(problem, rows, report_dir, header(problem, command, device))
+        write_csv(csv_path, rows)
+    return _write_markdown(problem, rows, report_dir, header(problem, runs, device))
+
+
+def _merge_runs(earlier: list[Row], earlier_runs: list[str], rows: list[Row], run: str) -> tuple[list[Row], list[str]]:
+    """Earlier rows then this run's, with run numbers renumbered over the runs that still have rows."""
+    used = sorted({r.get(RUN_COLUMN) or 1 for r in earlier})
+    renumber = {old: new for new, old in enumerate(used, 1)}
+    runs = [earlier_runs[old - 1] for old in used] + [run]
+    merged = [{**r, RUN_COLUMN: renumber[r.get(RUN_COLUMN) or 1]} for r in earlier]
+    merged += [{**r, RUN_COLUMN: len(runs)} for r in rows]
+    return merged, runs
 
 
 def _write_markdown(problem: str, rows: list[Row], report_dir: Path, head: str) -> Path:
@@ -202,5 +260,5 @@ def rerender(report_dir: Path | str, problem: str) -> Path:
     date, command): the measurements stay those of the run that made them."""
     report_dir = Path(report_dir)
     markdown = (report_dir / f"{problem}.md").read_text()
-    head = markdown[: markdown.index("\n\n", markdown.index("- command:")) + 1]
+    head = markdown[: markdown.index("\n\n", markdown.index("- device: ")) + 1]
     return _write_markdown(problem, read_rows(report_dir / f"{problem}.csv"), report_dir, head)

@@ -30,7 +30,7 @@ def test_autocast_keeps_parameters_gradients_and_loss_in_fp32():
 
 
 def test_fp16_statistics_overflow_and_bf16_statistics_lose_precision():
-    rows = {r["dtype"]: r for r in normalization_precision_experiment()}
+    rows = {r["storage_dtype"]: r for r in normalization_precision_experiment()}
     assert rows["float32"]["relative_error"] < 1e-6
     assert rows["float16"]["mean_square"] == float("inf")
     assert 1e-4 < rows["bfloat16"]["relative_error"] < 0.05

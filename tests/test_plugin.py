@@ -95,7 +95,7 @@ def test_report_rows_from_xdist_workers_are_merged_into_one_report(pytester):
     csv = (report_dir / "cpu" / "_plugin_problem.csv").read_text().splitlines()
     assert csv[0] == "i,square" and sorted(csv[1:]) == [f"{i},{i * i}" for i in range(6)]
     markdown = (report_dir / "cpu" / "_plugin_problem.md").read_text()
-    assert "- command: `pytest" in markdown and "-n 2" in markdown
+    assert "UTC, `pytest" in markdown and "-n 2" in markdown
 
 
 GATED_TEST = """

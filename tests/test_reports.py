@@ -28,7 +28,7 @@ def test_write_report_has_header_csv_and_rerenders_from_csv(tmp_path):
     path = write_report("_test_problem", rows, tmp_path, command="pytest perf/ -m e2e", device="cpu")
     text = path.read_text()
     assert text.startswith("# _test_problem\n")
-    for field in ("- device: CPU", "- software: python", "torch ", "- date: ", "- command: `pytest perf/ -m e2e`"):
+    for field in ("- device: CPU", "- software: python", "torch ", "- run 1: 20", " UTC, `pytest perf/ -m e2e`"):
         assert field in text
     assert text.rstrip().endswith("2 rows; total 3.5")
     assert read_rows(tmp_path / "_test_problem.csv") == rows
@@ -50,3 +50,21 @@ def test_software_versions_name_torch_and_triton():
 @pytest.mark.parametrize("value, text", [(0.0, "0"), (float("nan"), ""), (3.14159, "3.14"), (True, "True")])
 def test_format_value(value, text):
     assert reports.format_value(value) == text
+
+
+@renderer("_test_keyed", key=("cell",))
+def _render_keyed(rows):
+    return Rendered(" ".join(f"{r['cell']}={r['ms']}@{r['run']}" for r in sorted(rows, key=lambda r: r["cell"])))
+
+
+def test_keyed_report_accumulates_runs_and_drops_runs_left_without_rows(tmp_path):
+    write_report("_test_keyed", [{"cell": "a", "ms": 1}, {"cell": "b", "ms": 2}], tmp_path, "first", "cpu")
+    write_report("_test_keyed", [{"cell": "b", "ms": 3}, {"cell": "c", "ms": 4}], tmp_path, "second", "cpu")
+    text = (tmp_path / "_test_keyed.md").read_text()
+    assert "`first`" in text and "`second`" in text and text.rstrip().endswith("a=1@1 b=3@2 c=4@2")
+    write_report("_test_keyed", [{"cell": "a", "ms": 5}], tmp_path, "third", "cpu")
+    text = (tmp_path / "_test_keyed.md").read_text()
+    assert "`first`" not in text  # its only remaining row was measured again
+    assert "- run 1: " in text and "`second`" in text and "- run 2: " in text and "`third`" in text
+    assert text.rstrip().endswith("a=5@2 b=3@1 c=4@1")
+    assert len(read_rows(tmp_path / "_test_keyed.csv")) == 3

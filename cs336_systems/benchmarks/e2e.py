@@ -86,7 +86,8 @@ def autocast(precision: str, device: torch.device):
 
 
 def build_model(config: ModelConfig, attention: str, device: torch.device, compile: bool) -> TransformerLM:
-    model = TransformerLM(config, attention=attention).to(device)
+    with torch.device(device):  # initialise on the device: a 2.7B model takes seconds to initialise on a CPU
+        model = TransformerLM(config, attention=attention)
     if compile:
         # Start from empty compile caches: entries from earlier models would count towards dynamo's
         # recompile limit, past which it silently falls back to eager.
@@ -326,7 +327,12 @@ def _warmup_section(rows: list[Row]) -> str:
     return "\n".join(text)
 
 
-@renderer("benchmarking_script")
+# The columns that identify an e2e cell: a later run replaces the rows of cells it measures again.
+CELL_KEY = ("table", "size", "context_length", "batch_size", "mode", "precision", "compile", "attention",
+            "warmup", "steps", "phase")
+
+
+@renderer("benchmarking_script", key=CELL_KEY)
 def render_benchmarking_script(rows: list[Row]) -> Rendered:
     sweep = [r for r in rows if r.get("table") == "sweep"]
     parts = []
@@ -383,7 +389,7 @@ def _autocast_section(dtypes: list[Row]) -> str:
             "across devices.\n")
 
 
-@renderer("benchmarking_mixed_precision")
+@renderer("benchmarking_mixed_precision", key=CELL_KEY + ("tensor", "autocast", "storage_dtype"))
 def render_benchmarking_mixed_precision(rows: list[Row]) -> Rendered:
     from cs336_systems.reports import markdown_table
 
@@ -391,12 +397,12 @@ def render_benchmarking_mixed_precision(rows: list[Row]) -> Rendered:
     dtypes = [r for r in rows if r.get("table") == "autocast_dtypes"]
     if dtypes:
         parts.append(_autocast_section(dtypes))
-    norms = {r["dtype"]: r for r in rows if r.get("table") == "normalization"}
+    norms = {r["storage_dtype"]: r for r in rows if r.get("table") == "normalization"}
     if norms:
         fp16, bf16 = norms.get("float16"), norms.get("bfloat16")
         parts += ["## (b) normalisation statistics in low precision\n\nMean of squares of a 1024-wide row of "
                   "magnitude ~300, against a float64 reference:\n", markdown_table(list(norms.values()),
-                                                                                   ["dtype", "mean_square", "relative_error"])]
+                                                                                   ["storage_dtype", "mean_square", "relative_error"])]
         if fp16 and bf16:
             parts.append(f"In fp16 the result is {fp16['mean_square']} (largest finite fp16 value: 65504; 300² is 9e4): "
                          f"a layer norm or RMSNorm whose statistics are computed in fp16 overflows. bf16 keeps fp32's "
@@ -415,7 +421,7 @@ def render_benchmarking_mixed_precision(rows: list[Row]) -> Rendered:
     return Rendered("\n".join(parts))
 
 
-@renderer("torch_compile")
+@renderer("torch_compile", key=CELL_KEY)
 def render_torch_compile(rows: list[Row]) -> Rendered:
     from cs336_systems.reports import markdown_table
 

@@ -119,7 +119,7 @@ def normalization_precision_experiment() -> list[Row]:
     rows = []
     for dtype in (torch.float32, torch.float16, torch.bfloat16):
         value = x.to(dtype).pow(2).mean().double().item()
-        rows.append({"dtype": str(dtype).removeprefix("torch."), "mean_square": value,
+        rows.append({"storage_dtype": str(dtype).removeprefix("torch."), "mean_square": value,
                      "relative_error": abs(value - exact) / exact})
     return rows
 
