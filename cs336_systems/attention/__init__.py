@@ -30,10 +30,24 @@ def _sdpa() -> AttentionFn:
     return sdpa_attention
 
 
+def _flash_pytorch() -> AttentionFn:
+    from cs336_systems.attention.flash_pytorch import flash_attention_pytorch
+
+    return flash_attention_pytorch
+
+
+def _flash_triton() -> AttentionFn:
+    from cs336_systems.attention.flash_triton import flash_attention_triton
+
+    return flash_attention_triton
+
+
 _VARIANTS: dict[str, Callable[[], AttentionFn]] = {
     "naive": _naive,
     "naive_compiled": _naive_compiled,
     "sdpa": _sdpa,
+    "flash_pytorch": _flash_pytorch,
+    "flash_triton": _flash_triton,
 }
 
 ATTENTION_VARIANTS = tuple(_VARIANTS)

@@ -1,0 +1,485 @@
+"""FlashAttention-2 in Triton: the forward kernel, the two backward kernels (dK/dV over key tiles,
+then dQ over query tiles, so no atomics), and the autograd.Function that launches them.
+
+The input contract (shapes, dtypes, causal alignment, L) is flash_pytorch's, checked by the same
+`check_inputs`. Leading dims are viewed as (batch, heads) and addressed by stride, so transposed
+heads and views out of a fused QKV projection are read in place.
+
+Speed structure:
+  - Scores are kept in base 2: S * log2(e) = q k^T * (log2(e) / sqrt(d)), one multiply, then exp2.
+    L is stored in natural-log units, as the contract says.
+  - Causal: key tiles wholly above the diagonal are never visited; the tiles that straddle it (and a
+    partial tail tile) go through a masked copy of the loop, all other tiles through an unmasked one.
+  - Tile sizes, warps and pipeline stages come from TILE_TABLE, per head dimension and dtype.
+
+Under TRITON_INTERPRET=1 (no GPU) the kernels run on CPU tensors in the interpreter, with small
+tiles (INTERPRETER_TILES) so short test sequences cross tile boundaries. The interpreter computes
+bf16 tl.dot wrongly, so bf16 is refused there.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+from triton.runtime.interpreter import InterpretedFunction
+
+from cs336_systems.attention.flash_pytorch import MASKED_SCORE_BIAS, check_inputs
+
+LOG2E = math.log2(math.e)
+# The kernels see these as compile-time constants (Triton reads only constexpr globals).
+_LOG2E = tl.constexpr(LOG2E)
+_LN2 = tl.constexpr(math.log(2.0))
+_MASKED_SCORE_BIAS_LOG2 = tl.constexpr(MASKED_SCORE_BIAS * LOG2E)  # the bias in base-2 score units
+# tl.dot needs every dimension to be at least 16; smaller head dims are zero-padded on chip.
+MIN_DOT_DIM = 16
+# Sizes are not specialised on (Triton would otherwise compile a variant for every length that is 1
+# or a multiple of 16); strides still are, since their alignment is what lets loads vectorise.
+_SIZE_ARGS = ["n_heads", "n_queries", "n_keys"]
+
+
+# ------------------------------------------------------------------------------------------ kernels
+
+@triton.jit
+def _load_rows(ptrs, rows, n_rows, offs_d, CHECK_ROWS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr):
+    """A (rows, BLOCK_D) tile; rows past n_rows and columns past HEAD_DIM read as zero."""
+    if CHECK_ROWS:
+        if BLOCK_D == HEAD_DIM:
+            tile = tl.load(ptrs, mask=rows[:, None] < n_rows, other=0.0)
+        else:
+            tile = tl.load(ptrs, mask=(rows[:, None] < n_rows) & (offs_d[None, :] < HEAD_DIM), other=0.0)
+    else:
+        if BLOCK_D == HEAD_DIM:
+            tile = tl.load(ptrs)
+        else:
+            tile = tl.load(ptrs, mask=offs_d[None, :] < HEAD_DIM, other=0.0)
+    return tile
+
+
+@triton.jit
+def _store_rows(ptrs, tile, rows, n_rows, offs_d, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr):
+    if BLOCK_D == HEAD_DIM:
+        tl.store(ptrs, tile, mask=rows[:, None] < n_rows)
+    else:
+        tl.store(ptrs, tile, mask=(rows[:, None] < n_rows) & (offs_d[None, :] < HEAD_DIM))
+
+
+@triton.jit
+def _forward_key_loop(acc, l_i, m_i, q, k_base, v_base, stride_kn, stride_vn, key_start, key_end,
+                      offs_m, offs_n, offs_d, n_keys, qk_scale,
+                      MASKED: tl.constexpr, IS_CAUSAL: tl.constexpr,
+                      HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Online softmax over key tiles [key_start, key_end); MASKED applies the key-bound and causal
+    masks, for tiles on the diagonal or past the end of the keys."""
+    for start_n in range(key_start, key_end, BLOCK_N):
+        cols = start_n + offs_n
+        k = _load_rows(k_base + cols[:, None] * stride_kn + offs_d[None, :], cols, n_keys, offs_d,
+                       MASKED, HEAD_DIM, BLOCK_D)
+        s = tl.dot(q, tl.trans(k)) * qk_scale  # scores in base-2 units
+        if MASKED:
+            if IS_CAUSAL:
+                s = tl.where(cols[None, :] <= offs_m[:, None], s, s + _MASKED_SCORE_BIAS_LOG2)
+            s = tl.where(cols[None, :] < n_keys, s, float("-inf"))  # keys that do not exist
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        correction = tl.math.exp2(m_i - m_new)
+        p = tl.math.exp2(s - m_new[:, None])
+        l_i = l_i * correction + tl.sum(p, 1)
+        v = _load_rows(v_base + cols[:, None] * stride_vn + offs_d[None, :], cols, n_keys, offs_d,
+                       MASKED, HEAD_DIM, BLOCK_D)
+        acc = tl.dot(p.to(v.dtype), v, acc * correction[:, None])
+        m_i = m_new
+    return acc, l_i, m_i
+
+
+@triton.jit(do_not_specialize=_SIZE_ARGS)
+def _forward_kernel(Q, K, V, O, L,
+                    stride_qb, stride_qh, stride_qn,
+                    stride_kb, stride_kh, stride_kn,
+                    stride_vb, stride_vh, stride_vn,
+                    stride_ob, stride_oh, stride_on,
+                    n_heads, n_queries, n_keys, qk_scale,
+                    IS_CAUSAL: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """One program per (query tile, batch x head): o and L for BLOCK_M queries."""
+    pid_m = tl.program_id(0)
+    pid_bh = tl.program_id(1)
+    batch = (pid_bh // n_heads).to(tl.int64)  # int64: batch offsets of long sequences pass 2^31
+    head = (pid_bh % n_heads).to(tl.int64)
+    q_start = pid_m * BLOCK_M
+    offs_m = q_start + tl.arange(0, BLOCK_M)
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_D)
+    k_base = K + batch * stride_kb + head * stride_kh
+    v_base = V + batch * stride_vb + head * stride_vh
+    q = _load_rows(Q + batch * stride_qb + head * stride_qh + offs_m[:, None] * stride_qn + offs_d[None, :],
+                   offs_m, n_queries, offs_d, True, HEAD_DIM, BLOCK_D)
+
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    full_keys_end = (n_keys // BLOCK_N) * BLOCK_N  # key tiles before this need no bound mask
+    if IS_CAUSAL:
+        # Tiles before the query tile are wholly below the diagonal (BLOCK_M is a multiple of
+        # BLOCK_N); tiles after it are wholly above and skipped.
+        masked_start = tl.minimum(q_start, full_keys_end)
+        masked_end = tl.minimum(q_start + BLOCK_M, n_keys)
+    else:
+        masked_start = full_keys_end
+        masked_end = n_keys
+    acc, l_i, m_i = _forward_key_loop(acc, l_i, m_i, q, k_base, v_base, stride_kn, stride_vn, 0, masked_start,
+                                      offs_m, offs_n, offs_d, n_keys, qk_scale,
+                                      False, IS_CAUSAL, HEAD_DIM, BLOCK_D, BLOCK_N)
+    acc, l_i, m_i = _forward_key_loop(acc, l_i, m_i, q, k_base, v_base, stride_kn, stride_vn, masked_start,
+                                      masked_end, offs_m, offs_n, offs_d, n_keys, qk_scale,
+                                      True, IS_CAUSAL, HEAD_DIM, BLOCK_D, BLOCK_N)
+
+    o = acc / l_i[:, None]
+    _store_rows(O + batch * stride_ob + head * stride_oh + offs_m[:, None] * stride_on + offs_d[None, :],
+                o.to(O.dtype.element_ty), offs_m, n_queries, offs_d, HEAD_DIM, BLOCK_D)
+    lse = (m_i + tl.math.log2(l_i)) * _LN2  # base 2 -> natural log
+    tl.store(L + pid_bh.to(tl.int64) * n_queries + offs_m, lse, mask=offs_m < n_queries)
+
+
+@triton.jit(do_not_specialize=_SIZE_ARGS)
+def _delta_kernel(O, DO, Delta,
+                  stride_ob, stride_oh, stride_on,
+                  stride_dob, stride_doh, stride_don,
+                  n_heads, n_queries,
+                  HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr):
+    """D = rowsum(dO * O) for BLOCK_M queries, in fp32."""
+    pid_m = tl.program_id(0)
+    pid_bh = tl.program_id(1)
+    batch = (pid_bh // n_heads).to(tl.int64)
+    head = (pid_bh % n_heads).to(tl.int64)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D)
+    o = _load_rows(O + batch * stride_ob + head * stride_oh + offs_m[:, None] * stride_on + offs_d[None, :],
+                   offs_m, n_queries, offs_d, True, HEAD_DIM, BLOCK_D)
+    do = _load_rows(DO + batch * stride_dob + head * stride_doh + offs_m[:, None] * stride_don + offs_d[None, :],
+                    offs_m, n_queries, offs_d, True, HEAD_DIM, BLOCK_D)
+    delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), 1)
+    tl.store(Delta + pid_bh.to(tl.int64) * n_queries + offs_m, delta, mask=offs_m < n_queries)
+
+
+@triton.jit
+def _dkdv_query_loop(dk, dv, k, v, q_base, do_base, l_base, delta_base, stride_qn, stride_don,
+                     query_start, query_end, cols, offs_m, offs_d, n_queries, qk_scale,
+                     CHECK_ROWS: tl.constexpr, CAUSAL_MASK: tl.constexpr,
+                     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr):
+    """Accumulate dK and dV of one key tile over query tiles [query_start, query_end).
+
+    Works on transposed tiles (keys x queries) so that dV = P^T dO and dK = dS^T Q are plain dots.
+    Query rows past n_queries load as zero with L = +inf, so their P, and every term, is zero.
+    """
+    for start_m in range(query_start, query_end, BLOCK_M):
+        rows = start_m + offs_m
+        q = _load_rows(q_base + rows[:, None] * stride_qn + offs_d[None, :], rows, n_queries, offs_d,
+                       CHECK_ROWS, HEAD_DIM, BLOCK_D)
+        do = _load_rows(do_base + rows[:, None] * stride_don + offs_d[None, :], rows, n_queries, offs_d,
+                        CHECK_ROWS, HEAD_DIM, BLOCK_D)
+        if CHECK_ROWS:
+            lse = tl.load(l_base + rows, mask=rows < n_queries, other=float("inf"))
+            delta = tl.load(delta_base + rows, mask=rows < n_queries, other=0.0)
+        else:
+            lse = tl.load(l_base + rows)
+            delta = tl.load(delta_base + rows)
+        s_t = tl.dot(k, tl.trans(q)) * qk_scale
+        p_t = tl.math.exp2(s_t - lse[None, :] * _LOG2E)
+        if CAUSAL_MASK:
+            p_t = tl.where(rows[None, :] >= cols[:, None], p_t, 0.0)
+        dv = tl.dot(p_t.to(do.dtype), do, dv)
+        dp_t = tl.dot(v, tl.trans(do))
+        ds_t = p_t * (dp_t - delta[None, :])
+        dk = tl.dot(ds_t.to(q.dtype), q, dk)
+    return dk, dv
+
+
+@triton.jit(do_not_specialize=_SIZE_ARGS)
+def _dkdv_kernel(Q, K, V, DO, L, Delta, DK, DV,
+                 stride_qb, stride_qh, stride_qn,
+                 stride_kb, stride_kh, stride_kn,
+                 stride_vb, stride_vh, stride_vn,
+                 stride_dob, stride_doh, stride_don,
+                 stride_dkb, stride_dkh, stride_dkn,
+                 stride_dvb, stride_dvh, stride_dvn,
+                 n_heads, n_queries, n_keys, qk_scale, sm_scale,
+                 IS_CAUSAL: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """One program per (key tile, batch x head): dK and dV for BLOCK_N keys, in one pass over
+    the queries that can see them."""
+    pid_n = tl.program_id(0)
+    pid_bh = tl.program_id(1)
+    batch = (pid_bh // n_heads).to(tl.int64)
+    head = (pid_bh % n_heads).to(tl.int64)
+    k_start = pid_n * BLOCK_N
+    cols = k_start + tl.arange(0, BLOCK_N)
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D)
+    # Key rows past n_keys load as zero; their dK and dV rows are never stored.
+    k = _load_rows(K + batch * stride_kb + head * stride_kh + cols[:, None] * stride_kn + offs_d[None, :],
+                   cols, n_keys, offs_d, True, HEAD_DIM, BLOCK_D)
+    v = _load_rows(V + batch * stride_vb + head * stride_vh + cols[:, None] * stride_vn + offs_d[None, :],
+                   cols, n_keys, offs_d, True, HEAD_DIM, BLOCK_D)
+    q_base = Q + batch * stride_qb + head * stride_qh
+    do_base = DO + batch * stride_dob + head * stride_doh
+    l_base = L + pid_bh.to(tl.int64) * n_queries
+    delta_base = Delta + pid_bh.to(tl.int64) * n_queries
+
+    dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
+    dv = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
+    full_queries_end = (n_queries // BLOCK_M) * BLOCK_M  # query tiles before this need no bound mask
+    if IS_CAUSAL:
+        # Queries before the key tile see none of its keys; the query tiles level with it straddle
+        # the diagonal (BLOCK_N is a multiple of BLOCK_M); later ones see all of it.
+        diagonal_end = tl.minimum(k_start + BLOCK_N, n_queries)
+        dk, dv = _dkdv_query_loop(dk, dv, k, v, q_base, do_base, l_base, delta_base, stride_qn, stride_don,
+                                  k_start, diagonal_end, cols, offs_m, offs_d, n_queries, qk_scale,
+                                  True, True, HEAD_DIM, BLOCK_D, BLOCK_M)
+        unmasked_start = k_start + BLOCK_N
+    else:
+        unmasked_start = 0
+    dk, dv = _dkdv_query_loop(dk, dv, k, v, q_base, do_base, l_base, delta_base, stride_qn, stride_don,
+                              unmasked_start, full_queries_end, cols, offs_m, offs_d, n_queries, qk_scale,
+                              False, False, HEAD_DIM, BLOCK_D, BLOCK_M)
+    dk, dv = _dkdv_query_loop(dk, dv, k, v, q_base, do_base, l_base, delta_base, stride_qn, stride_don,
+                              tl.maximum(unmasked_start, full_queries_end), n_queries, cols, offs_m, offs_d,
+                              n_queries, qk_scale, True, False, HEAD_DIM, BLOCK_D, BLOCK_M)
+
+    _store_rows(DK + batch * stride_dkb + head * stride_dkh + cols[:, None] * stride_dkn + offs_d[None, :],
+                (dk * sm_scale).to(DK.dtype.element_ty), cols, n_keys, offs_d, HEAD_DIM, BLOCK_D)
+    _store_rows(DV + batch * stride_dvb + head * stride_dvh + cols[:, None] * stride_dvn + offs_d[None, :],
+                dv.to(DV.dtype.element_ty), cols, n_keys, offs_d, HEAD_DIM, BLOCK_D)
+
+
+@triton.jit
+def _dq_key_loop(dq, q, do, lse, delta, k_base, v_base, stride_kn, stride_vn, key_start, key_end,
+                 offs_m, offs_n, offs_d, n_keys, qk_scale,
+                 MASKED: tl.constexpr, IS_CAUSAL: tl.constexpr,
+                 HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Accumulate dQ of one query tile over key tiles [key_start, key_end)."""
+    for start_n in range(key_start, key_end, BLOCK_N):
+        cols = start_n + offs_n
+        k = _load_rows(k_base + cols[:, None] * stride_kn + offs_d[None, :], cols, n_keys, offs_d,
+                       MASKED, HEAD_DIM, BLOCK_D)
+        v = _load_rows(v_base + cols[:, None] * stride_vn + offs_d[None, :], cols, n_keys, offs_d,
+                       MASKED, HEAD_DIM, BLOCK_D)
+        s = tl.dot(q, tl.trans(k)) * qk_scale
+        p = tl.math.exp2(s - lse[:, None])
+        if MASKED:
+            keep = cols[None, :] < n_keys
+            if IS_CAUSAL:
+                keep = keep & (cols[None, :] <= offs_m[:, None])
+            p = tl.where(keep, p, 0.0)
+        dp = tl.dot(do, tl.trans(v))
+        ds = p * (dp - delta[:, None])
+        dq = tl.dot(ds.to(k.dtype), k, dq)
+    return dq
+
+
+@triton.jit(do_not_specialize=_SIZE_ARGS)
+def _dq_kernel(Q, K, V, DO, L, Delta, DQ,
+               stride_qb, stride_qh, stride_qn,
+               stride_kb, stride_kh, stride_kn,
+               stride_vb, stride_vh, stride_vn,
+               stride_dob, stride_doh, stride_don,
+               stride_dqb, stride_dqh, stride_dqn,
+               n_heads, n_queries, n_keys, qk_scale, sm_scale,
+               IS_CAUSAL: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """One program per (query tile, batch x head): dQ for BLOCK_M queries, with the forward's
+    loop structure (unmasked tiles below the diagonal, masked diagonal and tail tiles)."""
+    pid_m = tl.program_id(0)
+    pid_bh = tl.program_id(1)
+    batch = (pid_bh // n_heads).to(tl.int64)
+    head = (pid_bh % n_heads).to(tl.int64)
+    q_start = pid_m * BLOCK_M
+    offs_m = q_start + tl.arange(0, BLOCK_M)
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_D)
+    q = _load_rows(Q + batch * stride_qb + head * stride_qh + offs_m[:, None] * stride_qn + offs_d[None, :],
+                   offs_m, n_queries, offs_d, True, HEAD_DIM, BLOCK_D)
+    do = _load_rows(DO + batch * stride_dob + head * stride_doh + offs_m[:, None] * stride_don + offs_d[None, :],
+                    offs_m, n_queries, offs_d, True, HEAD_DIM, BLOCK_D)
+    # Rows past n_queries get L = 0: finite, and their dQ is never stored.
+    lse = tl.load(L + pid_bh.to(tl.int64) * n_queries + offs_m, mask=offs_m < n_queries, other=0.0) * _LOG2E
+    delta = tl.load(Delta + pid_bh.to(tl.int64) * n_queries + offs_m, mask=offs_m < n_queries, other=0.0)
+    k_base = K + batch * stride_kb + head * stride_kh
+    v_base = V + batch * stride_vb + head * stride_vh
+
+    dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    full_keys_end = (n_keys // BLOCK_N) * BLOCK_N
+    if IS_CAUSAL:
+        masked_start = tl.minimum(q_start, full_keys_end)
+        masked_end = tl.minimum(q_start + BLOCK_M, n_keys)
+    else:
+        masked_start = full_keys_end
+        masked_end = n_keys
+    dq = _dq_key_loop(dq, q, do, lse, delta, k_base, v_base, stride_kn, stride_vn, 0, masked_start,
+                      offs_m, offs_n, offs_d, n_keys, qk_scale, False, IS_CAUSAL, HEAD_DIM, BLOCK_D, BLOCK_N)
+    dq = _dq_key_loop(dq, q, do, lse, delta, k_base, v_base, stride_kn, stride_vn, masked_start, masked_end,
+                      offs_m, offs_n, offs_d, n_keys, qk_scale, True, IS_CAUSAL, HEAD_DIM, BLOCK_D, BLOCK_N)
+    _store_rows(DQ + batch * stride_dqb + head * stride_dqh + offs_m[:, None] * stride_dqn + offs_d[None, :],
+                (dq * sm_scale).to(DQ.dtype.element_ty), offs_m, n_queries, offs_d, HEAD_DIM, BLOCK_D)
+
+
+INTERPRETED = isinstance(_forward_kernel, InterpretedFunction)
+
+
+# ---------------------------------------------------------------------------------------- launching
+
+@dataclass(frozen=True)
+class Tiles:
+    """One kernel's launch shape: its main tile (rows per program) and the step of its loop."""
+
+    block_m: int  # queries per tile
+    block_n: int  # keys per tile
+    num_warps: int
+    num_stages: int
+
+
+@dataclass(frozen=True)
+class TileSet:
+    forward: Tiles  # forward and dQ: a program owns block_m queries and steps over block_n keys
+    dkdv: Tiles  # dK/dV: a program owns block_n keys and steps over block_m queries
+    dq: Tiles
+
+
+# H100/H200 (sm90, 227 KB shared memory per block), keyed on (largest head dim, bytes per element).
+# Invariants the causal loop split relies on: forward/dq block_m % block_n == 0, dkdv block_n %
+# block_m == 0. Shared memory per forward program is about block_m*d + num_stages*2*block_n*d
+# elements; fp32 (tf32 dot) tiles are halved to fit. dK/dV keep two (block_n, d) fp32
+# accumulators in registers, so d = 128 halves block_n and doubles the warps.
+TILE_TABLE: dict[tuple[int, int], TileSet] = {
+    (64, 2): TileSet(forward=Tiles(128, 64, 4, 3), dkdv=Tiles(32, 128, 4, 3), dq=Tiles(128, 32, 4, 3)),
+    (128, 2): TileSet(forward=Tiles(128, 64, 8, 3), dkdv=Tiles(32, 64, 8, 2), dq=Tiles(64, 64, 4, 2)),
+    (64, 4): TileSet(forward=Tiles(64, 64, 4, 3), dkdv=Tiles(32, 64, 4, 2), dq=Tiles(64, 32, 4, 2)),
+    (128, 4): TileSet(forward=Tiles(64, 32, 4, 2), dkdv=Tiles(32, 32, 4, 2), dq=Tiles(32, 32, 4, 2)),
+}
+# The interpreter runs programs one after another in Python: tiles small enough that tests with
+# a few dozen tokens cover several tiles, unequal so the diagonal logic is exercised.
+INTERPRETER_TILES = TileSet(forward=Tiles(32, 16, 1, 1), dkdv=Tiles(16, 32, 1, 1), dq=Tiles(32, 16, 1, 1))
+
+
+def tiles_for(head_dim: int, dtype: torch.dtype) -> TileSet:
+    if INTERPRETED:
+        return INTERPRETER_TILES
+    head_dim_class = 64 if head_dim <= 64 else 128
+    return TILE_TABLE[(head_dim_class, torch.finfo(dtype).bits // 8)]
+
+
+def _as_batch_heads(t: torch.Tensor) -> torch.Tensor:
+    """(..., n, d) as a 4-D (batch, heads, n, d) view with unit stride along d.
+
+    3-D inputs get a batch of one; more than two leading dims are folded into the batch (a copy
+    only when the strides do not allow a view). A strided last dim is copied: the kernels read
+    rows of d contiguous elements, which is what makes their loads wide.
+    """
+    if t.stride(-1) != 1:
+        t = t.contiguous()
+    if t.dim() == 2:
+        return t[None, None]
+    if t.dim() == 3:
+        return t[None]
+    return t.reshape(-1, *t.shape[-3:])
+
+
+def _strides(t: torch.Tensor) -> tuple[int, int, int]:
+    return t.stride(0), t.stride(1), t.stride(2)
+
+
+def _check_triton_device(q: torch.Tensor) -> None:
+    if INTERPRETED:
+        if q.dtype == torch.bfloat16:
+            raise TypeError("bf16 is not supported under TRITON_INTERPRET=1: the Triton interpreter computes "
+                            "bf16 tl.dot wrongly; use fp32 or fp16 on CPU, or run on a GPU")
+        return
+    if not q.is_cuda:
+        raise ValueError(f"FlashAttentionTriton needs CUDA tensors, got {q.device}; on a machine without a "
+                         "GPU set TRITON_INTERPRET=1 before this module is imported")
+    if not torch.compiler.is_compiling() and q.device.index != torch.cuda.current_device():
+        # Triton launches on the current device; pointers into another GPU's memory would be wrong.
+        raise ValueError(f"q is on {q.device} but the current CUDA device is {torch.cuda.current_device()}; "
+                         "call torch.cuda.set_device first")
+
+
+def triton_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                   is_causal: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """(o, L): o like q (contiguous), L (..., n_queries) fp32."""
+    q4, k4, v4 = _as_batch_heads(q), _as_batch_heads(k), _as_batch_heads(v)
+    batch, heads, n_queries, head_dim = q4.shape
+    n_keys = k4.shape[2]
+    o4 = torch.empty((batch, heads, n_queries, head_dim), dtype=q.dtype, device=q.device)
+    lse = torch.empty((batch, heads, n_queries), dtype=torch.float32, device=q.device)
+    tiles = tiles_for(head_dim, q.dtype).forward
+    grid = (triton.cdiv(n_queries, tiles.block_m), batch * heads)
+    _forward_kernel[grid](
+        q4, k4, v4, o4, lse, *_strides(q4), *_strides(k4), *_strides(v4), *_strides(o4),
+        heads, n_queries, n_keys, LOG2E / math.sqrt(head_dim),
+        IS_CAUSAL=is_causal, HEAD_DIM=head_dim, BLOCK_D=max(MIN_DOT_DIM, triton.next_power_of_2(head_dim)),
+        BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, num_warps=tiles.num_warps, num_stages=tiles.num_stages,
+    )
+    return o4.view(q.shape), lse.view(q.shape[:-1])
+
+
+def triton_backward(q, k, v, o, lse, do, is_causal: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """dq, dk, dv (shapes and dtypes of q, k, v): D, then dK/dV over key tiles, then dQ over query tiles."""
+    q4, k4, v4, o4, do4 = (_as_batch_heads(t) for t in (q, k, v, o, do))
+    batch, heads, n_queries, head_dim = q4.shape
+    n_keys = k4.shape[2]
+    block_d = max(MIN_DOT_DIM, triton.next_power_of_2(head_dim))
+    tile_set = tiles_for(head_dim, q.dtype)
+    qk_scale, sm_scale = LOG2E / math.sqrt(head_dim), 1.0 / math.sqrt(head_dim)
+    shared = dict(IS_CAUSAL=is_causal, HEAD_DIM=head_dim, BLOCK_D=block_d)
+
+    delta = torch.empty((batch, heads, n_queries), dtype=torch.float32, device=q.device)
+    rows = tile_set.dq.block_m
+    _delta_kernel[(triton.cdiv(n_queries, rows), batch * heads)](
+        o4, do4, delta, *_strides(o4), *_strides(do4), heads, n_queries,
+        HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_M=rows,
+    )
+
+    dq4 = torch.empty_like(q4, memory_format=torch.contiguous_format)
+    dk4 = torch.empty_like(k4, memory_format=torch.contiguous_format)
+    dv4 = torch.empty_like(v4, memory_format=torch.contiguous_format)
+    tiles = tile_set.dkdv
+    _dkdv_kernel[(triton.cdiv(n_keys, tiles.block_n), batch * heads)](
+        q4, k4, v4, do4, lse, delta, dk4, dv4,
+        *_strides(q4), *_strides(k4), *_strides(v4), *_strides(do4), *_strides(dk4), *_strides(dv4),
+        heads, n_queries, n_keys, qk_scale, sm_scale, **shared,
+        BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, num_warps=tiles.num_warps, num_stages=tiles.num_stages,
+    )
+    tiles = tile_set.dq
+    _dq_kernel[(triton.cdiv(n_queries, tiles.block_m), batch * heads)](
+        q4, k4, v4, do4, lse, delta, dq4,
+        *_strides(q4), *_strides(k4), *_strides(v4), *_strides(do4), *_strides(dq4),
+        heads, n_queries, n_keys, qk_scale, sm_scale, **shared,
+        BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, num_warps=tiles.num_warps, num_stages=tiles.num_stages,
+    )
+    return dq4.view(q.shape), dk4.view(k.shape), dv4.view(v.shape)
+
+
+class FlashAttentionTriton(torch.autograd.Function):
+    """FlashAttention-2 in Triton. apply(q, k, v, is_causal=False) -> o; saves L, q, k, v, o."""
+
+    @staticmethod
+    def forward(ctx, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool = False) -> torch.Tensor:
+        check_inputs(q, k, v, is_causal)
+        _check_triton_device(q)
+        o, lse = triton_forward(q, k, v, is_causal)
+        ctx.save_for_backward(lse, q, k, v, o)
+        ctx.is_causal = is_causal
+        return o
+
+    @staticmethod
+    def backward(ctx, do: torch.Tensor):
+        lse, q, k, v, o = ctx.saved_tensors
+        dq, dk, dv = triton_backward(q, k, v, o, lse, do, ctx.is_causal)
+        return dq, dk, dv, None
+
+
+def flash_attention_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool = False) -> torch.Tensor:
+    """FlashAttentionTriton as an attention function (q, k, v, is_causal) -> o."""
+    return FlashAttentionTriton.apply(q, k, v, is_causal)

@@ -1,0 +1,351 @@
+"""FlashAttention-2 (PyTorch and Triton autograd Functions) against a float64 reference.
+
+Property tests draw leading dims, sequence lengths (tails that are no multiple of a tile
+included), head dims, causality, dtype and memory layout. Without a GPU the Triton kernels run in
+the interpreter on small shapes in fp32 and fp16; on a GPU the shapes grow, bf16 joins, and the
+`gpu` tests check 16,384-token accuracy and that 65,536 tokens never allocate n x n.
+"""
+
+import math
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from cs336_systems.attention import flash_triton
+from cs336_systems.attention.flash_pytorch import MASKED_SCORE_BIAS, MAX_HEAD_DIM, FlashAttentionPytorch
+from cs336_systems.attention.flash_triton import FlashAttentionTriton
+from cs336_systems.model import ModelConfig, TransformerLM
+
+# The Triton interpreter turns loop bounds into ints through a NumPy conversion that NumPy deprecates;
+# the warning is the interpreter's, once per loop, and says nothing about these kernels.
+pytestmark = pytest.mark.filterwarnings("ignore:Conversion of an array with ndim > 0:DeprecationWarning")
+
+FUNCTIONS = {"pytorch": FlashAttentionPytorch, "triton": FlashAttentionTriton}
+
+# Largest error allowed, as a fraction of the reference's magnitude (per tensor: o, L, dq, dk, dv;
+# reference_attention says what magnitude means for each). The reference is computed in float64
+# from the very same (already rounded) inputs, so what remains is the implementation's arithmetic:
+TOLERANCES = {
+    # On a GPU tl.dot rounds fp32 operands to tf32 (unit roundoff 2^-11 = 4.9e-4): scores, P and
+    # every gradient carry errors of a few 1e-4 relative, up to ~1e-3 after the backward's
+    # cancellation in dP - D. On CPU (interpreter, PyTorch) fp32 is exact to ~1e-6.
+    torch.float32: 5e-3,
+    # P and dS are rounded to fp16 (unit roundoff 4.9e-4) before their dots, outputs on store.
+    torch.float16: 5e-3,
+    # bf16 keeps 8 bits (unit roundoff 3.9e-3): eight times fp16's rounding error.
+    torch.bfloat16: 4e-2,
+}
+# The reference forms (rows, n_keys) blocks of scores, so 16k-token checks fit in GPU memory.
+REFERENCE_ROWS_PER_BLOCK = 1024
+LAYOUTS = ("contiguous", "heads_transposed", "fused_projection", "strided_features")
+
+
+def reference_attention(q, k, v, do, is_causal: bool):
+    """o, L, dq, dk, dv in float64 by the textbook formulas (softmax Jacobian, not the D = rowsum(dO
+    * O) shortcut the implementations use), a block of query rows at a time.
+
+    Also returns the scale each result's error is measured against: its own largest magnitude,
+    except where cancellation can make a result tiny while its rounding error is not. L is a log
+    (an absolute error of 1e-3 is a relative error of 1e-3 in the sum of exponentials), so at least
+    1. dQ and dK are sums of P * (dP - D): with one key D equals dP and dQ is 0 up to rounding, so
+    their scale is at least that of the P * dP part alone.
+    """
+    q, k, v, do = (t.detach().double() for t in (q, k, v, do))
+    scale = 1.0 / math.sqrt(q.shape[-1])
+    o, L, dq = torch.empty_like(q), torch.empty(q.shape[:-1], dtype=q.dtype, device=q.device), torch.empty_like(q)
+    dk, dv = torch.zeros_like(k), torch.zeros_like(v)
+    dq_terms, dk_terms = torch.empty_like(q), torch.zeros_like(k)
+    for start in range(0, q.shape[-2], REFERENCE_ROWS_PER_BLOCK):
+        rows = slice(start, start + REFERENCE_ROWS_PER_BLOCK)
+        q_rows, do_rows = q[..., rows, :], do[..., rows, :]
+        s = q_rows @ k.transpose(-2, -1) * scale
+        if is_causal:
+            query_pos = torch.arange(start, start + q_rows.shape[-2], device=q.device)
+            future = torch.arange(k.shape[-2], device=q.device)[None, :] > query_pos[:, None]
+            s = torch.where(future, s + MASKED_SCORE_BIAS, s)
+        L[..., rows] = torch.logsumexp(s, dim=-1)
+        p = torch.softmax(s, dim=-1)
+        o[..., rows, :] = p @ v
+        dp = do_rows @ v.transpose(-2, -1)
+        ds = p * (dp - (p * dp).sum(dim=-1, keepdim=True))
+        dq[..., rows, :] = ds @ k * scale
+        dk += ds.transpose(-2, -1) @ q_rows * scale
+        dv += p.transpose(-2, -1) @ do_rows
+        dq_terms[..., rows, :] = (p * dp) @ k * scale
+        dk_terms += (p * dp).transpose(-2, -1) @ q_rows * scale
+    results = (o, L, dq, dk, dv)
+    magnitudes = [r.abs().max() for r in results]
+    magnitudes[1] = magnitudes[1].clamp_min(1.0)
+    magnitudes[2] = torch.maximum(magnitudes[2], dq_terms.abs().max())
+    magnitudes[3] = torch.maximum(magnitudes[3], dk_terms.abs().max())
+    return results, tuple(m.item() for m in magnitudes)
+
+
+def max_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
+    return (actual.double() - expected).abs().max().item()
+
+
+def make_tensor(lead: tuple[int, ...], n: int, d: int, layout: str, dtype, device) -> torch.Tensor:
+    """A (*lead, n, d) tensor of standard normals laid out as attention inputs come in practice."""
+    if layout == "contiguous":
+        return torch.randn(*lead, n, d, dtype=dtype, device=device)
+    if layout == "heads_transposed" and lead:  # (batch, seq, heads, d) viewed as (batch, heads, seq, d)
+        return torch.randn(*lead[:-1], n, lead[-1], d, dtype=dtype, device=device).transpose(-3, -2)
+    if layout == "fused_projection":  # a column slice of a (..., seq, 3 d) fused QKV output
+        return torch.randn(*lead, n, 3 * d, dtype=dtype, device=device)[..., d:2 * d]
+    # strided_features (and heads_transposed without a head dim): every other feature
+    return torch.randn(*lead, n, 2 * d, dtype=dtype, device=device)[..., ::2]
+
+
+def run(impl: str, q, k, v, do, is_causal: bool):
+    """o, L (the saved tensor shaped like q's rows), dq, dk, dv."""
+    q, k, v = (t.requires_grad_() if t.is_leaf else t for t in (q, k, v))
+    o = FUNCTIONS[impl].apply(q, k, v, is_causal)
+    saved_rows = [t for t in o.grad_fn.saved_tensors if t.shape == q.shape[:-1]]
+    assert len(saved_rows) == 1, f"expected one saved tensor of shape {tuple(q.shape[:-1])}"
+    dq, dk, dv = torch.autograd.grad(o, (q, k, v), do)
+    return o, saved_rows[0], dq, dk, dv
+
+
+def assert_matches_reference(impl, q, k, v, do, is_causal):
+    got = run(impl, q, k, v, do, is_causal)
+    assert_close_to_reference(got, *reference_attention(q, k, v, do, is_causal), dtype=q.dtype)
+
+
+def assert_close_to_reference(got, expected, magnitudes, dtype, names=("o", "L", "dq", "dk", "dv")):
+    tolerance = TOLERANCES[dtype]
+    for name, actual, ref, magnitude in zip(names, got, expected, magnitudes):
+        assert actual.shape == ref.shape, f"{name}: shape {tuple(actual.shape)}, expected {tuple(ref.shape)}"
+        assert actual.dtype == (torch.float32 if name == "L" else dtype), f"{name}: dtype {actual.dtype}"
+        error = max_error(actual, ref) / magnitude
+        assert error <= tolerance, f"{name}: error {error:.2e} of its magnitude {magnitude:.2g} > {tolerance:.0e}"
+
+
+def leaf_inputs(lead, n_queries, n_keys, d, dtype, device, seed=0):
+    torch.manual_seed(seed)
+    q = torch.randn(*lead, n_queries, d, dtype=dtype, device=device)
+    k = torch.randn(*lead, n_keys, d, dtype=dtype, device=device)
+    v = torch.randn(*lead, n_keys, d, dtype=dtype, device=device)
+    do = torch.randn(*lead, n_queries, d, dtype=dtype, device=device)
+    return q, k, v, do
+
+
+# ------------------------------------------------------------------------------ property tests
+
+# Examples per implementation: the interpreter runs Triton programs one by one in Python, every new
+# shape class costs the PyTorch backward a torch.compile, and on a GPU every new (head dim, dtype,
+# causal) combination a Triton compile: seconds each, so the counts stay small.
+CPU_EXAMPLES = {"pytorch": 6, "triton": 15}
+GPU_EXAMPLES = {"pytorch": 10, "triton": 40}
+
+
+def _draw_case(data, on_gpu: bool):
+    lead = data.draw(st.sampled_from([(), (3,), (2, 2), (1, 3), (2, 1, 2)] if not on_gpu
+                                     else [(2,), (2, 4), (1, 8), (2, 2, 2)]), label="leading dims")
+    max_len = 1100 if on_gpu else 70
+    n_queries = data.draw(st.integers(1, max_len), label="n_queries")
+    n_keys = data.draw(st.one_of(st.just(n_queries), st.integers(1, max_len)), label="n_keys")
+    d = data.draw(st.sampled_from([16, 32, 64, 80, 128] if on_gpu else [8, 16, 32, 64]), label="head dim")
+    dtypes = [torch.float32, torch.float16, torch.bfloat16] if on_gpu else [torch.float32, torch.float16]
+    dtype = data.draw(st.sampled_from(dtypes), label="dtype")
+    is_causal = data.draw(st.booleans(), label="is_causal")
+    layouts = [data.draw(st.sampled_from(LAYOUTS), label=f"{name} layout") for name in "qkv"]
+    return lead, n_queries, n_keys, d, dtype, is_causal, layouts
+
+
+@pytest.mark.flash
+@pytest.mark.parametrize("impl", FUNCTIONS)
+def test_output_logsumexp_and_gradients_match_float64_reference(impl, run_settings, device):
+    examples = (GPU_EXAMPLES if run_settings.on_gpu else CPU_EXAMPLES)[impl]
+
+    @given(data=st.data())
+    @settings(max_examples=examples, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+    def check(data):
+        lead, n_queries, n_keys, d, dtype, is_causal, layouts = _draw_case(data, run_settings.on_gpu)
+        q = make_tensor(lead, n_queries, d, layouts[0], dtype, device)
+        k = make_tensor(lead, n_keys, d, layouts[1], dtype, device)
+        v = make_tensor(lead, n_keys, d, layouts[2], dtype, device)
+        do = torch.randn(*lead, n_queries, d, dtype=dtype, device=device)
+        assert_matches_reference(impl, q, k, v, do, is_causal)
+
+    check()
+
+
+def test_reference_matches_autograd_of_naive_attention():
+    q, k, v, do = leaf_inputs((2,), 9, 13, 8, torch.float64, "cpu")
+    for is_causal in (False, True):
+        leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+        s = leaves[0] @ leaves[1].transpose(-2, -1) / math.sqrt(8)
+        if is_causal:
+            s = torch.where(torch.ones(9, 13, dtype=torch.bool).tril(), s, s + MASKED_SCORE_BIAS)
+        o = torch.softmax(s, dim=-1) @ leaves[2]
+        o.backward(do)
+        expected = (o, torch.logsumexp(s, dim=-1), *(t.grad for t in leaves))
+        for got, want in zip(reference_attention(q, k, v, do, is_causal)[0], expected):
+            torch.testing.assert_close(got, want.detach())
+
+
+# ------------------------------------------------------------------------------- explicit cases
+
+@pytest.mark.parametrize("impl", FUNCTIONS)
+@pytest.mark.parametrize("is_causal", [False, True])
+def test_tails_that_are_no_multiple_of_any_tile(impl, is_causal, device):
+    # 45 and 70: neither a multiple of 16 or 32, and n_queries < n_keys then n_queries > n_keys.
+    for n_queries, n_keys in ((45, 70), (70, 45), (1, 1)):
+        q, k, v, do = leaf_inputs((2, 3), n_queries, n_keys, 32, torch.float32, device)
+        assert_matches_reference(impl, q, k, v, do, is_causal)
+
+
+@pytest.mark.parametrize("impl", FUNCTIONS)
+def test_is_causal_is_keyword_or_positional_and_defaults_to_false(impl, device):
+    q, k, v, _ = leaf_inputs((2,), 20, 20, 16, torch.float32, device)
+    apply = FUNCTIONS[impl].apply
+    torch.testing.assert_close(apply(q, k, v, is_causal=True), apply(q, k, v, True), rtol=0, atol=0)
+    torch.testing.assert_close(apply(q, k, v), apply(q, k, v, False), rtol=0, atol=0)
+    assert not torch.allclose(apply(q, k, v), apply(q, k, v, True))
+
+
+@pytest.mark.parametrize("impl", FUNCTIONS)
+@pytest.mark.parametrize("lead", [(4,), (2, 3)])
+def test_forward_saves_L_as_the_only_tensor_shaped_like_the_query_rows(impl, lead, device):
+    q, k, v, _ = leaf_inputs(lead, 24, 24, 16, torch.float16, device)
+    o = FUNCTIONS[impl].apply(q.requires_grad_(), k.requires_grad_(), v.requires_grad_(), True)
+    saved = o.grad_fn.saved_tensors
+    rows = [t for t in saved if t.shape == (*lead, 24)]
+    assert len(rows) == 1 and rows[0].dtype == torch.float32
+    assert len(saved) == 5  # L, q, k, v, o: nothing of size n_queries x n_keys
+    expected, magnitudes = reference_attention(q, k, v, torch.zeros_like(q), True)
+    assert_close_to_reference([rows[0]], [expected[1]], [magnitudes[1]], torch.float16, names=["L"])
+
+
+@pytest.mark.parametrize("impl", FUNCTIONS)
+def test_outputs_before_a_position_ignore_keys_after_it(impl, device):
+    q, k, v, do = leaf_inputs((2,), 40, 40, 16, torch.float32, device)
+    apply = FUNCTIONS[impl].apply
+    cut = 17
+    later_k, later_v = k.clone(), v.clone()
+    later_k[..., cut + 1:, :] = torch.randn_like(later_k[..., cut + 1:, :])
+    later_v[..., cut + 1:, :] = torch.randn_like(later_v[..., cut + 1:, :])
+    before, after = apply(q, k, v, True), apply(q, later_k, later_v, True)
+    torch.testing.assert_close(before[..., :cut + 1, :], after[..., :cut + 1, :], rtol=0, atol=0)
+    assert not torch.allclose(before[..., cut + 1:, :], after[..., cut + 1:, :])
+    # and no gradient flows from an early output to a later key or value
+    k.requires_grad_(), v.requires_grad_()
+    o = apply(q, k, v, True)
+    dk, dv = torch.autograd.grad(o[..., :cut + 1, :], (k, v), do[..., :cut + 1, :])
+    assert dk[..., cut + 1:, :].abs().max() == 0 and dv[..., cut + 1:, :].abs().max() == 0
+    assert dk[..., :cut + 1, :].abs().max() > 0
+
+
+@pytest.mark.parametrize("impl", FUNCTIONS)
+def test_backward_accepts_a_broadcast_output_gradient(impl, device):
+    # o.sum().backward() hands backward an expanded dO whose strides are all zero.
+    q, k, v, _ = leaf_inputs((2, 2), 33, 33, 16, torch.float32, device)
+    dq, dk, dv = torch.autograd.grad(FUNCTIONS[impl].apply(*(t.requires_grad_() for t in (q, k, v)), True).sum(),
+                                     (q, k, v))
+    expected, magnitudes = reference_attention(q, k, v, torch.ones_like(q), True)
+    assert_close_to_reference((dq, dk, dv), expected[2:], magnitudes[2:], torch.float32, names=("dq", "dk", "dv"))
+
+
+@pytest.mark.parametrize("attention", ["flash_pytorch", "flash_triton"])
+def test_model_with_flash_attention_matches_naive_attention(attention, device):
+    tokens = torch.randint(1000, (2, 24), device=device)
+    logits, grads = {}, {}
+    for name in ("naive", attention):
+        torch.manual_seed(0)
+        model = TransformerLM(ModelConfig.for_size("tiny", context_length=24), attention=name).to(device)
+        logits[name] = model(tokens)
+        logits[name].float().logsumexp(-1).mean().backward()
+        grads[name] = {n: p.grad for n, p in model.named_parameters()}
+    torch.testing.assert_close(logits[attention], logits["naive"], rtol=2e-3, atol=2e-3)
+    for n, g in grads["naive"].items():
+        torch.testing.assert_close(grads[attention][n], g, rtol=2e-3, atol=2e-3, msg=f"gradient of {n}")
+
+
+# ----------------------------------------------------------------------------------- bad input
+
+def _good(device):
+    return leaf_inputs((2,), 8, 8, 16, torch.float32, device)[:3]
+
+
+@pytest.mark.parametrize("impl", FUNCTIONS)
+@pytest.mark.parametrize(("make", "error", "message"), [
+    (lambda q, k, v: (q.half(), k, v), TypeError, "share one dtype"),
+    (lambda q, k, v: (q.long(), k.long(), v.long()), TypeError, "floating-point"),
+    (lambda q, k, v: (q.double(), k.double(), v.double()), TypeError, "supported are fp32, bf16 and fp16"),
+    (lambda q, k, v: (q[None].expand(3, -1, -1, -1), k[None].expand(2, -1, -1, -1), v[None].expand(2, -1, -1, -1)),
+     ValueError, "same batch dimensions"),
+    (lambda q, k, v: (q, k, v[..., :5, :]), ValueError, "same number of keys"),
+    (lambda q, k, v: (q, k[..., :8], v), ValueError, "one head dimension"),
+    (lambda q, k, v: (q[..., :0, :], k, v), ValueError, "is empty"),
+    (lambda q, k, v: (q.new_zeros(2, 8, MAX_HEAD_DIM * 2), k.new_zeros(2, 8, MAX_HEAD_DIM * 2),
+                      v.new_zeros(2, 8, MAX_HEAD_DIM * 2)), ValueError, "head dimension 256 is not supported"),
+    (lambda q, k, v: (q[0, 0], k[0, 0], v[0, 0]), ValueError, r"\(\.\.\., sequence, head_dim\)"),
+    (lambda q, k, v: (q, k.to("meta"), v), ValueError, "one device"),
+    (lambda q, k, v: (q.numpy(), k, v), TypeError, "must be a torch.Tensor"),
+], ids=["dtype mismatch", "integer", "float64", "batch mismatch", "keys mismatch", "head dim mismatch",
+        "empty", "head dim too large", "1-D", "device mismatch", "not a tensor"])
+def test_bad_input_raises_an_error_naming_the_problem(impl, make, error, message):
+    q, k, v = make(*_good("cpu"))
+    with pytest.raises(error, match=message):
+        FUNCTIONS[impl].apply(q, k, v)
+
+
+@pytest.mark.parametrize("impl", FUNCTIONS)
+def test_is_causal_must_be_a_bool(impl, device):
+    q, k, v = _good(device)
+    with pytest.raises(TypeError, match="is_causal must be a bool"):
+        FUNCTIONS[impl].apply(q, k, v, torch.ones(8, 8, dtype=torch.bool))
+
+
+@pytest.mark.skipif(not flash_triton.INTERPRETED, reason="the Triton interpreter is not in use")
+def test_interpreter_refuses_bf16_whose_dots_it_computes_wrongly():
+    q, k, v = (t.bfloat16() for t in _good("cpu"))
+    with pytest.raises(TypeError, match="bf16 is not supported under TRITON_INTERPRET=1"):
+        FlashAttentionTriton.apply(q, k, v)
+
+
+@pytest.mark.gpu
+def test_triton_refuses_cpu_tensors_when_compiled_for_the_gpu():
+    if flash_triton.INTERPRETED:
+        pytest.skip("the Triton interpreter runs CPU tensors")
+    with pytest.raises(ValueError, match="needs CUDA tensors, got cpu"):
+        FlashAttentionTriton.apply(*_good("cpu"))
+
+
+# ---------------------------------------------------------------------------------- GPU scale
+
+LONG_SEQUENCE = 16_384
+LONG_HEAD_DIM = 128
+MEMORY_SEQUENCE = 65_536
+# Forward + backward keep q, k, v, o, dO, dq, dk, dv (8 tensors like q) and L, D; 16 x the bytes of
+# q is generous for that and for allocator rounding, and 1/16 of one n x n bf16 score matrix.
+MEMORY_BOUND_IN_Q_SIZES = 16
+
+
+@pytest.mark.gpu
+@pytest.mark.flash
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+@pytest.mark.parametrize("is_causal", [False, True])
+def test_triton_is_accurate_at_16k_tokens_and_head_dim_128(dtype, is_causal, device):
+    q, k, v, do = leaf_inputs((1, 2), LONG_SEQUENCE, LONG_SEQUENCE, LONG_HEAD_DIM, dtype, device)
+    assert_matches_reference("triton", q, k, v, do, is_causal)
+
+
+@pytest.mark.gpu
+@pytest.mark.flash
+def test_triton_forward_and_backward_at_64k_tokens_never_allocate_n_by_n(device):
+    q, k, v, do = leaf_inputs((1, 2), MEMORY_SEQUENCE, MEMORY_SEQUENCE, LONG_HEAD_DIM, torch.bfloat16, device)
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    before = torch.cuda.memory_allocated()
+    dq, dk, dv = torch.autograd.grad(FlashAttentionTriton.apply(*(t.requires_grad_() for t in (q, k, v)), True),
+                                     (q, k, v), do)
+    torch.cuda.synchronize()
+    peak_extra_bytes = torch.cuda.max_memory_allocated() - before
+    assert torch.isfinite(dq).all() and torch.isfinite(dk).all() and torch.isfinite(dv).all()
+    assert peak_extra_bytes <= MEMORY_BOUND_IN_Q_SIZES * q.nbytes, (
+        f"peak {peak_extra_bytes / 2**20:.0f} MiB above the inputs; one n x n bf16 score matrix would be "
+        f"{MEMORY_SEQUENCE**2 * 2 / 2**20:.0f} MiB")
