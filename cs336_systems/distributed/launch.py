@@ -28,7 +28,9 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 DEFAULT_TIMEOUT_S = 300.0
-# How long finished ranks get to exit before they are killed.
+# How long finished ranks get to exit before they are killed. Spawned ranks also give their own
+# collectives this much longer than the job's deadline, so that a hang surfaces as the parent's
+# TimeoutError (naming the ranks that never finished) rather than as a rank's own timeout error.
 EXIT_GRACE_S = 10.0
 _POLL_S = 0.1
 _TORCHRUN_VARIABLES = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
@@ -54,6 +56,12 @@ def resolve_device_type(device: str) -> str:
 
 def backend_for(device_type: str) -> str:
     return "nccl" if device_type == "cuda" else "gloo"
+
+
+def rank_device() -> torch.device:
+    """The device this rank computes on: its GPU in an NCCL group, the CPU in a gloo group."""
+    require_process_group("rank_device()")
+    return torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
 
 
 def require_process_group(what: str) -> None:
@@ -89,8 +97,10 @@ def launch(fn: Callable[..., Any], world_size: int, *args: Any, device: str = "a
 
 
 def _init_rank(rank: int, world_size: int, device_type: str, timeout_s: float, store=None) -> None:
+    device_id = None
     if device_type == "cuda":
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank)))
+        device_id = torch.device("cuda", int(os.environ.get("LOCAL_RANK", rank)))
+        torch.cuda.set_device(device_id)
     else:
         # Ranks share the host's cores; without this each one starts a thread per core.
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
@@ -101,6 +111,9 @@ def _init_rank(rank: int, world_size: int, device_type: str, timeout_s: float, s
         rank=rank,
         world_size=world_size,
         timeout=dt.timedelta(seconds=timeout_s),
+        # Binding the group to this rank's GPU creates the NCCL communicator now, and lets
+        # barrier() and object collectives know which device to use.
+        device_id=device_id,
     )
 
 
@@ -123,7 +136,7 @@ def _worker(rank, world_size, port, fn, args, kwargs, device_type, timeout_s, re
     try:
         store = dist.TCPStore("127.0.0.1", port, world_size=None, is_master=False,
                               timeout=dt.timedelta(seconds=timeout_s))
-        _init_rank(rank, world_size, device_type, timeout_s, store)
+        _init_rank(rank, world_size, device_type, timeout_s + EXIT_GRACE_S, store)
         payload = pickle.dumps(fn(rank, world_size, *args, **kwargs))
         results.put((rank, "ok", payload))
     except BaseException:

@@ -1,0 +1,304 @@
+"""Distributed data parallel, four ways, each wrapping an unchanged module.
+
+    model = BucketedDDP(model, bucket_size_mb=25)
+    for batch in batches:
+        model.on_train_batch_start()
+        loss_fn(model(batch.x), batch.y).backward()
+        model.finish_gradient_synchronization()   # gradients are now averaged over ranks
+        optimizer.step(); optimizer.zero_grad()
+
+NaiveDDP            after backward, one blocking all-reduce per parameter.
+FlatDDP             after backward, one all-reduce of all gradients flattened into one tensor.
+OverlapIndividualDDP  during backward, an asynchronous all-reduce per parameter, started by a hook
+                    as soon as that parameter's gradient is accumulated.
+BucketedDDP         during backward, an asynchronous all-reduce per bucket of at most
+                    bucket_size_mb, started as soon as the bucket's last gradient is ready.
+
+All four broadcast rank 0's parameters and buffers when built (every rank starts from the same
+model), average gradients with a SUM all-reduce divided by the world size (gloo has no AVG),
+communicate a tied parameter once, and leave parameters with requires_grad=False alone.
+
+Every rank must issue the same collectives in the same order, or the job hangs. Two rules keep
+that true when a parameter gets no gradient in a step (a branch not taken, on some ranks or all):
+  - the overlapped wrappers launch their units (a parameter, or a bucket) in one fixed order, a
+    unit only after every unit before it, and finish_gradient_synchronization launches the units
+    that never became ready, with zeros standing in for the missing gradients;
+  - after the gradients, one small all-reduce counts on how many ranks each parameter had a
+    gradient. A parameter with none anywhere keeps its .grad untouched (None stays None, so an
+    optimizer skips it exactly as in single-process training); one with a gradient somewhere gets
+    the average, in which ranks without one contributed zeros.
+"""
+
+from __future__ import annotations
+
+import functools
+import itertools
+from collections.abc import Hashable, Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from cs336_systems.distributed.launch import require_process_group
+
+# bucket_size_mb counts mebibytes, as torch DDP's bucket_cap_mb does.
+BYTES_PER_MB = 2**20
+
+
+def broadcast_from_rank0(module: nn.Module) -> None:
+    """Overwrite every parameter and buffer of `module` with rank 0's values."""
+    with torch.no_grad():
+        for tensor in itertools.chain(module.parameters(), module.buffers()):
+            dist.broadcast(tensor, src=0)
+
+
+def assign_buckets(sizes_bytes: Sequence[int], bucket_size_bytes: float,
+                   kinds: Sequence[Hashable] | None = None) -> list[list[int]]:
+    """Group parameters 0..n-1 into buckets for all-reduce; returns lists of parameter indices.
+
+    Parameters are walked in reverse order, the order backward roughly produces their gradients,
+    and packed greedily: a bucket closes when the next parameter would take it past
+    `bucket_size_bytes`, so a bucket is over the limit only when one parameter alone is. A bucket
+    also closes where `kinds` (e.g. (dtype, device)) changes, since one flat buffer holds one kind.
+    """
+    if not bucket_size_bytes > 0:
+        raise ValueError(f"bucket size must be positive, got {bucket_size_bytes} bytes")
+    if kinds is not None and len(kinds) != len(sizes_bytes):
+        raise ValueError(f"got {len(kinds)} kinds for {len(sizes_bytes)} sizes")
+    buckets: list[list[int]] = []
+    current: list[int] = []
+    current_bytes = 0
+    for index in reversed(range(len(sizes_bytes))):
+        kind_changed = kinds is not None and current and kinds[index] != kinds[current[-1]]
+        if current and (current_bytes + sizes_bytes[index] > bucket_size_bytes or kind_changed):
+            buckets.append(current)
+            current, current_bytes = [], 0
+        current.append(index)
+        current_bytes += sizes_bytes[index]
+    if current:
+        buckets.append(current)
+    return buckets
+
+
+class _DataParallel(nn.Module):
+    """What the four wrappers share: construction, forward, and the gradient-count bookkeeping."""
+
+    def __init__(self, module: nn.Module):
+        if not isinstance(module, nn.Module):
+            raise TypeError(f"{type(self).__name__} wraps a torch.nn.Module, got {type(module).__name__}")
+        require_process_group(type(self).__name__)
+        super().__init__()
+        self.module = module
+        self.world_size = dist.get_world_size()
+        # parameters() yields a tied parameter once, so it is communicated once.
+        self._params = [p for p in module.parameters() if p.requires_grad]
+        if not self._params:
+            raise ValueError(f"{type(self).__name__}: the module has no parameter with requires_grad=True")
+        if dist.get_backend() == "nccl":
+            off_gpu = sorted({str(p.device) for p in module.parameters() if p.device.type != "cuda"})
+            if off_gpu:
+                raise ValueError(f"the NCCL backend needs the module on a CUDA device; found parameters on {off_gpu}")
+        broadcast_from_rank0(module)
+
+    def forward(self, *args, **kwargs):
+        return self.module(*args, **kwargs)
+
+    def _start_gradient_count(self, had_gradient: list[bool]) -> tuple[torch.Tensor, dist.Work]:
+        """All-reduce, asynchronously, on how many ranks each parameter had a gradient."""
+        counts = torch.tensor(had_gradient, dtype=torch.int32, device=self._params[0].device)
+        return counts, dist.all_reduce(counts, async_op=True)
+
+    @staticmethod
+    def _used_anywhere(had_gradient: list[bool], counts: torch.Tensor, work: dist.Work) -> list[bool]:
+        work.wait()
+        if all(had_gradient):
+            # Used here, so used somewhere: no need to wait for the counts on the host.
+            return had_gradient
+        return [count > 0 for count in counts.tolist()]
+
+
+class NaiveDDP(_DataParallel):
+    """After backward, a blocking all-reduce of each parameter's gradient, one at a time."""
+
+    def finish_gradient_synchronization(self) -> None:
+        had_gradient = [p.grad is not None for p in self._params]
+        reduced = [p.grad if p.grad is not None else torch.zeros_like(p) for p in self._params]
+        for grad in reduced:
+            dist.all_reduce(grad)
+        used = self._used_anywhere(had_gradient, *self._start_gradient_count(had_gradient))
+        for p, grad, had, anywhere in zip(self._params, reduced, had_gradient, used):
+            if anywhere:
+                grad.div_(self.world_size)
+                if not had:
+                    p.grad = grad
+
+
+class FlatDDP(_DataParallel):
+    """After backward, one all-reduce of every gradient concatenated into a single flat tensor.
+
+    (One per dtype when the module mixes dtypes: a flat tensor holds one dtype.)
+    """
+
+    def finish_gradient_synchronization(self) -> None:
+        had_gradient = [p.grad is not None for p in self._params]
+        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in self._params]
+        by_dtype: dict[torch.dtype, list[int]] = {}
+        for index, grad in enumerate(grads):
+            by_dtype.setdefault(grad.dtype, []).append(index)
+        flats = [torch.cat([grads[i].reshape(-1) for i in indices]) for indices in by_dtype.values()]
+        for flat in flats:
+            dist.all_reduce(flat)
+        used = self._used_anywhere(had_gradient, *self._start_gradient_count(had_gradient))
+        for indices, flat in zip(by_dtype.values(), flats):
+            for i, chunk in zip(indices, flat.split([grads[i].numel() for i in indices])):
+                p = self._params[i]
+                # Dividing straight into .grad reads the sum and writes the average in one pass.
+                if had_gradient[i]:
+                    torch.div(chunk.view_as(p), self.world_size, out=p.grad)
+                elif used[i]:
+                    p.grad = chunk.view_as(p) / self.world_size
+
+
+class _OverlappedDataParallel(_DataParallel):
+    """Gradients grouped into units (subclasses decide: a parameter, or a bucket), each all-reduced
+    asynchronously as soon as all its gradients are ready, in the same order on every rank."""
+
+    def _track(self, units: list[list[int]]) -> None:
+        """Register a post-accumulate-grad hook per parameter; `units` lists parameter indices in launch order."""
+        self._units = units
+        self._unit_of = {i: u for u, unit in enumerate(units) for i in unit}
+        self._ready = [False] * len(self._params)
+        self._waiting_in_unit = [len(unit) for unit in units]
+        self._works: list[dist.Work] = []  # async all-reduce of each launched unit, in unit order
+        for index, p in enumerate(self._params):
+            p.register_post_accumulate_grad_hook(functools.partial(self._on_gradient_ready, index))
+
+    def _on_gradient_ready(self, index: int, param: torch.Tensor) -> None:
+        if self._ready[index]:
+            raise RuntimeError(
+                f"{type(self).__name__}: a parameter's gradient was produced twice before "
+                "finish_gradient_synchronization(); call it after every backward")
+        self._ready[index] = True
+        self._gradient_ready(index)
+        unit = self._unit_of[index]
+        self._waiting_in_unit[unit] -= 1
+        # Launch in unit order only: a unit that became ready early waits for those before it.
+        while len(self._works) < len(self._units) and self._waiting_in_unit[len(self._works)] == 0:
+            self._works.append(self._launch(len(self._works)))
+
+    def on_train_batch_start(self) -> None:
+        """Check that the previous step's communication was finished before a new step begins."""
+        if self._works or any(self._ready):
+            raise RuntimeError(
+                f"{type(self).__name__}: the previous backward was not followed by "
+                "finish_gradient_synchronization()")
+
+    def finish_gradient_synchronization(self) -> None:
+        # Units still unlaunched hold a parameter that got no gradient this step: launch them
+        # anyway (zeros stand in), so every rank issues the same all-reduces.
+        while len(self._works) < len(self._units):
+            self._works.append(self._launch(len(self._works)))
+        had_gradient = list(self._ready)
+        counts, count_work = self._start_gradient_count(had_gradient)
+        for work in self._works:
+            work.wait()
+        self._write_back(had_gradient, self._used_anywhere(had_gradient, counts, count_work))
+        self._works.clear()
+        self._ready = [False] * len(self._params)
+        self._waiting_in_unit = [len(unit) for unit in self._units]
+
+    def _gradient_ready(self, index: int) -> None:
+        """Called in the hook, before launching: a chance to stage the gradient."""
+
+    def _launch(self, unit: int) -> dist.Work:
+        raise NotImplementedError
+
+    def _write_back(self, had_gradient: list[bool], used_anywhere: list[bool]) -> None:
+        raise NotImplementedError
+
+
+class OverlapIndividualDDP(_OverlappedDataParallel):
+    """Each gradient all-reduced asynchronously, in place, from its post-accumulate-grad hook.
+
+    Gradients are launched in reverse parameter order (roughly the order backward produces
+    them); finish_gradient_synchronization() waits for all of them and divides by the world size.
+    """
+
+    def __init__(self, module: nn.Module):
+        super().__init__(module)
+        self._stand_ins: dict[int, torch.Tensor] = {}  # zeros reduced for parameters without a gradient
+        self._track([[i] for i in reversed(range(len(self._params)))])
+
+    def _launch(self, unit: int) -> dist.Work:
+        (index,) = self._units[unit]
+        if self._ready[index]:
+            tensor = self._params[index].grad
+        else:
+            tensor = self._stand_ins[index] = torch.zeros_like(self._params[index])
+        return dist.all_reduce(tensor, async_op=True)
+
+    def _write_back(self, had_gradient: list[bool], used_anywhere: list[bool]) -> None:
+        for index, p in enumerate(self._params):
+            if had_gradient[index]:
+                p.grad.div_(self.world_size)
+            elif used_anywhere[index]:
+                p.grad = self._stand_ins[index].div_(self.world_size)
+        self._stand_ins.clear()
+
+
+@dataclass
+class Bucket:
+    indices: list[int]  # parameter indices, in the order their slices sit in the buffer
+    buffer: torch.Tensor  # flat, allocated once, reused every step
+    offsets: list[int]  # where each parameter's gradient starts in the buffer
+
+    def slot(self, position: int, param: torch.Tensor) -> torch.Tensor:
+        start = self.offsets[position]
+        return self.buffer[start:start + param.numel()]
+
+
+class BucketedDDP(_OverlappedDataParallel):
+    """Gradients copied into flat buckets of at most bucket_size_mb (reverse parameter order);
+    a bucket is all-reduced asynchronously as soon as its last gradient arrives."""
+
+    def __init__(self, module: nn.Module, bucket_size_mb: float):
+        if not (isinstance(bucket_size_mb, (int, float)) and bucket_size_mb > 0):
+            raise ValueError(f"bucket_size_mb must be a positive number, got {bucket_size_mb!r}")
+        super().__init__(module)
+        self.bucket_size_mb = bucket_size_mb
+        units = assign_buckets([p.numel() * p.element_size() for p in self._params],
+                               bucket_size_mb * BYTES_PER_MB,
+                               kinds=[(p.dtype, p.device) for p in self._params])
+        self.buckets = []
+        for indices in units:
+            sizes = [self._params[i].numel() for i in indices]
+            first = self._params[indices[0]]
+            self.buckets.append(Bucket(indices, torch.zeros(sum(sizes), dtype=first.dtype, device=first.device),
+                                       [0, *itertools.accumulate(sizes)][:-1]))
+        self._position = {i: (b, pos) for b, bucket in enumerate(self.buckets) for pos, i in enumerate(bucket.indices)}
+        self._track(units)
+
+    def _gradient_ready(self, index: int) -> None:
+        bucket, position = self._position[index]
+        p = self._params[index]
+        self.buckets[bucket].slot(position, p).copy_(p.grad.reshape(-1))
+
+    def _launch(self, unit: int) -> dist.Work:
+        bucket = self.buckets[unit]
+        for position, index in enumerate(bucket.indices):
+            if not self._ready[index]:
+                # The buffer still holds last step's value here; this rank contributes zero.
+                bucket.slot(position, self._params[index]).zero_()
+        return dist.all_reduce(bucket.buffer, async_op=True)
+
+    def _write_back(self, had_gradient: list[bool], used_anywhere: list[bool]) -> None:
+        for bucket in self.buckets:
+            for position, index in enumerate(bucket.indices):
+                p = self._params[index]
+                summed = bucket.slot(position, p).view_as(p)
+                # Dividing straight into .grad reads the sum and writes the average in one pass.
+                if had_gradient[index]:
+                    torch.div(summed, self.world_size, out=p.grad)
+                elif used_anywhere[index]:
+                    p.grad = summed / self.world_size

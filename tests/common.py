@@ -1,0 +1,154 @@
+"""What the course's DDP test files import from tests.common, written for this project.
+
+The toy models have the shapes the course's tests rely on (10 features in, 5 out; a frozen bias;
+a frozen parameter named no_grad_fixed_param; two layers sharing one weight), so those tests and
+the fixtures in tests/fixtures run unchanged. `course_ddp_check` is the course's DDP test procedure,
+for running inside ranks this project starts with launch.
+"""
+
+from __future__ import annotations
+
+import os
+import pathlib
+from copy import deepcopy
+
+import torch
+import torch.distributed as dist
+from torch import nn, optim
+
+FIXTURES_PATH = pathlib.Path(__file__).resolve().parent / "fixtures"
+
+# Ranks started by one parent (mp.spawn) must agree on a rendezvous port without talking to each
+# other. Deriving it from the parent's process id gives every parent, such as each pytest-xdist
+# worker, its own port; MASTER_PORT in the environment overrides it.
+_PORT_BASE = 20_000
+_PORT_SPAN = 20_000
+COURSE_STEPS = 5
+COURSE_LR = 0.1
+
+
+class _FrozenBiasLinear(nn.Module):
+    """10 -> 50 with a bias that never trains: DDP must leave requires_grad=False parameters alone."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(10, 50, bias=True)
+        self.fc.bias.requires_grad = False
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc(x)
+
+
+class ToyModel(nn.Module):
+    """10 -> 10 -> 50 -> 5 with ReLUs, a frozen bias and a frozen parameter that forward never uses."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc1 = nn.Linear(10, 10, bias=False)
+        self.fc2 = _FrozenBiasLinear()
+        self.fc3 = nn.Linear(50, 5, bias=False)
+        self.relu = nn.ReLU()
+        self.no_grad_fixed_param = nn.Parameter(torch.tensor([2.0, 2.0]), requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.relu(self.fc1(x))
+        x = self.relu(self.fc2(x))
+        return self.fc3(x)
+
+
+class ToyModelWithTiedWeights(nn.Module):
+    """10 -> 10 -> 50 -> 10 -> 50 -> 5 where both 10 -> 50 layers share one weight tensor."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc1 = nn.Linear(10, 10, bias=False)
+        self.fc2 = nn.Linear(10, 50, bias=False)
+        self.fc3 = nn.Linear(50, 10, bias=False)
+        self.fc4 = nn.Linear(10, 50, bias=False)
+        self.fc5 = nn.Linear(50, 5, bias=False)
+        self.fc4.weight = self.fc2.weight
+        self.relu = nn.ReLU()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in (self.fc1, self.fc2, self.fc3, self.fc4):
+            x = self.relu(layer(x))
+        return self.fc5(x)
+
+
+def _setup_process_group(rank: int, world_size: int, backend: str) -> str:
+    """Join the default process group; returns the device this rank should use."""
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", str(_PORT_BASE + os.getppid() % _PORT_SPAN))
+    device = "cpu"
+    if backend == "nccl":
+        if not torch.cuda.is_available():
+            raise RuntimeError("the nccl backend needs CUDA GPUs, and torch sees none")
+        local_rank = rank % torch.cuda.device_count()
+        torch.cuda.set_device(local_rank)
+        device = f"cuda:{local_rank}"
+    dist.init_process_group(backend, rank=rank, world_size=world_size)
+    return device
+
+
+def _cleanup_process_group() -> None:
+    dist.barrier()  # no rank tears the group down while another is still in a collective
+    dist.destroy_process_group()
+
+
+def validate_ddp_net_equivalence(net: nn.Module) -> None:
+    """Assert that every tensor of net.module's state is the same on all ranks."""
+    for name, tensor in net.module.state_dict().items():
+        gathered = [torch.empty_like(tensor) for _ in range(dist.get_world_size())]
+        dist.all_gather(gathered, tensor.contiguous())
+        for rank, other in enumerate(gathered):
+            assert torch.allclose(other, tensor), f"{name} on rank {rank} differs from rank {dist.get_rank()}'s"
+
+
+def course_ddp_check(rank: int, world_size: int, model_class, make_ddp, after_backward, before_batch=None) -> None:
+    """The course's DDP test, run on a rank inside an initialised process group.
+
+    Each rank starts from its own random model; the wrapper must replace it with rank 0's. Then 5
+    SGD steps on the fixtures: a single-process model on the whole batch, the wrapped one on this
+    rank's shard, shards reshuffled every step; rank 0 compares the two after every step.
+    Differences are collected and asserted at the end, after the last collective, so a failure
+    never leaves the other ranks waiting in one. `before_batch` and `after_backward` are the
+    adapter hooks, called as the course's tests call them.
+    """
+    torch.manual_seed(rank)  # every rank starts from a different model
+    reference = model_class()
+    ddp_model = make_ddp(deepcopy(reference))
+    problems = []
+    for (name, p_ref), p_ddp in zip(reference.named_parameters(), ddp_model.module.parameters()):
+        kept_own_value = torch.equal(p_ref, p_ddp)
+        if kept_own_value != (rank == 0 or "no_grad_fixed_param" in name):
+            problems.append(f"{name}: after construction equal to this rank's initial value is {kept_own_value}")
+    validate_ddp_net_equivalence(ddp_model)
+
+    all_x = torch.load(FIXTURES_PATH / "ddp_test_data.pt")
+    all_y = torch.load(FIXTURES_PATH / "ddp_test_labels.pt")
+    used = all_x.size(0) // world_size * world_size
+    all_x, all_y = all_x[:used], all_y[:used]
+    local_batch = used // world_size
+    loss_fn = nn.MSELoss()
+    ddp_optimizer = optim.SGD(ddp_model.parameters(), lr=COURSE_LR)
+    reference_optimizer = optim.SGD(reference.parameters(), lr=COURSE_LR)
+    for step in range(COURSE_STEPS):
+        if before_batch is not None:
+            before_batch(ddp_model=ddp_model, optimizer=ddp_optimizer)
+        ddp_optimizer.zero_grad()
+        reference_optimizer.zero_grad()
+        loss_fn(reference(all_x), all_y).backward()
+        reference_optimizer.step()
+        shard = slice(rank * local_batch, (rank + 1) * local_batch)
+        loss_fn(ddp_model(all_x[shard]), all_y[shard]).backward()
+        after_backward(ddp_model=ddp_model, optimizer=ddp_optimizer)
+        ddp_optimizer.step()
+        if rank == 0:
+            for (name, p_ref), p_ddp in zip(reference.named_parameters(), ddp_model.module.parameters()):
+                if not torch.allclose(p_ref, p_ddp):
+                    problems.append(f"step {step}: {name} differs by {(p_ref - p_ddp).abs().max():.3g}")
+        torch.manual_seed(42 + step)  # the same permutation on every rank keeps shards disjoint
+        permutation = torch.randperm(all_x.size(0))
+        all_x, all_y = all_x[permutation], all_y[permutation]
+    validate_ddp_net_equivalence(ddp_model)
+    assert not problems, "\n".join(problems)

@@ -1,0 +1,314 @@
+"""The DDP wrappers against single-process training (gloo on CPU, ranks started by launch); the
+profiler timelines and the DDP reports, from synthetic traces and rows.
+
+Starting ranks costs seconds of imports, so one launch per world size runs every check and each
+check's outcome is then asserted by its own test. A check compares only after its last collective,
+so a failing check cannot leave the ranks out of step for the checks after it.
+"""
+
+from __future__ import annotations
+
+import functools
+import traceback
+from copy import deepcopy
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from cs336_systems.benchmarks.ddp import (
+    render_bucketed_benchmarking,
+    render_flat_benchmarking,
+    render_naive_ddp,
+    render_naive_ddp_benchmarking,
+    render_overlap_bucketed,
+    render_overlap_individual_benchmarking,
+    variant_label,
+)
+from cs336_systems.distributed.ddp import BucketedDDP, FlatDDP, NaiveDDP, OverlapIndividualDDP
+from cs336_systems.distributed.launch import launch
+from cs336_systems.profiling.timeline import communication_summary, intervals_from_events, plot_timeline
+from cs336_systems.reports import OOM
+from tests import adapters
+from tests.common import ToyModel, ToyModelWithTiedWeights, course_ddp_check
+
+WORLD_SIZES = (2, 3)
+# Generous, since ranks import torch on a busy machine; a hang still ends here, not in CI's timeout.
+LAUNCH_TIMEOUT_S = 180
+STEPS = 5
+# Small enough that the toy models (float64) split into several buckets, some holding two parameters.
+SMALL_BUCKET_MB = 0.004
+EXAMPLES = 24  # divisible by every world size tested
+TOY_MODELS = {"ToyModel": ToyModel, "ToyModelWithTiedWeights": ToyModelWithTiedWeights}
+WRAPPERS = {
+    "naive": NaiveDDP,
+    "flat": FlatDDP,
+    "overlap_individual": OverlapIndividualDDP,
+    "bucketed": functools.partial(BucketedDDP, bucket_size_mb=SMALL_BUCKET_MB),
+}
+OVERLAPPED = ("overlap_individual", "bucketed")
+
+
+# ------------------------------------------------------------------------------------------ checks
+
+def _random_batch(examples: int, features_in: int, features_out: int, seed: int):
+    generator = torch.Generator().manual_seed(seed)
+    return (torch.randn(examples, features_in, generator=generator, dtype=torch.float64),
+            torch.randn(examples, features_out, generator=generator, dtype=torch.float64))
+
+
+def _assert_same_parameters(reference: nn.Module, ddp_model: nn.Module, when: str) -> None:
+    for (name, p_ref), p_ddp in zip(reference.named_parameters(), ddp_model.module.parameters()):
+        torch.testing.assert_close(p_ddp, p_ref, msg=lambda m: f"{when}, {name}: {m}")
+
+
+def _matches_single_process(rank: int, world_size: int, wrapper: str, model_class) -> None:
+    """float64, AdamW with weight decay, fresh random data each step; compared on every rank."""
+    torch.manual_seed(rank)
+    ddp_model = WRAPPERS[wrapper](model_class().double())
+    reference = deepcopy(ddp_model.module)  # rank 0's weights, as broadcast
+    ddp_optimizer = torch.optim.AdamW(ddp_model.parameters(), lr=1e-2, weight_decay=0.1)
+    reference_optimizer = torch.optim.AdamW(reference.parameters(), lr=1e-2, weight_decay=0.1)
+    local_batch = EXAMPLES // world_size
+    for step in range(STEPS):
+        x, y = _random_batch(EXAMPLES, 10, 5, seed=step)
+        reference_optimizer.zero_grad()
+        nn.functional.mse_loss(reference(x), y).backward()
+        reference_optimizer.step()
+        ddp_optimizer.zero_grad()
+        shard = slice(rank * local_batch, (rank + 1) * local_batch)
+        nn.functional.mse_loss(ddp_model(x[shard]), y[shard]).backward()
+        ddp_model.finish_gradient_synchronization()
+        ddp_optimizer.step()
+    _assert_same_parameters(reference, ddp_model, f"{wrapper} after {STEPS} steps")
+
+
+class BranchyModel(nn.Module):
+    """A branch that forward may skip, and a layer it never uses: both get no gradient then."""
+
+    def __init__(self):
+        super().__init__()
+        self.trunk = nn.Linear(8, 8)
+        self.branch = nn.Linear(8, 8)
+        self.never_used = nn.Linear(8, 8)
+        self.head = nn.Linear(8, 3)
+
+    def forward(self, x: torch.Tensor, take_branch: bool) -> torch.Tensor:
+        h = torch.tanh(self.trunk(x))
+        if take_branch:
+            h = h + torch.tanh(self.branch(h))
+        return self.head(h)
+
+
+def _takes_branch(step: int, rank: int) -> bool:
+    # Over the steps: taken on some ranks only, and (world size 2, step 1) on none.
+    return (step + rank) % 3 == 0
+
+
+def _unused_parameters(rank: int, world_size: int, wrapper: str) -> None:
+    """Parameters without a gradient on some or all ranks: no hang, and single-process results.
+
+    A parameter unused everywhere keeps grad None (AdamW skips it, as it does single-process);
+    one used on some ranks gets the average with zeros from the others, which is the gradient of
+    the mean loss over all shards.
+    """
+    torch.manual_seed(rank)
+    ddp_model = WRAPPERS[wrapper](BranchyModel().double())
+    reference = deepcopy(ddp_model.module)
+    ddp_optimizer = torch.optim.AdamW(ddp_model.parameters(), lr=1e-2, weight_decay=0.1)
+    reference_optimizer = torch.optim.AdamW(reference.parameters(), lr=1e-2, weight_decay=0.1)
+    local_batch = EXAMPLES // world_size
+    problems = []
+    for step in range(STEPS):
+        x, y = _random_batch(EXAMPLES, 8, 3, seed=step)
+        shards = [slice(r * local_batch, (r + 1) * local_batch) for r in range(world_size)]
+        reference_optimizer.zero_grad()
+        losses = [nn.functional.mse_loss(reference(x[s], _takes_branch(step, r)), y[s]) for r, s in enumerate(shards)]
+        (sum(losses) / world_size).backward()
+        reference_optimizer.step()
+        ddp_optimizer.zero_grad()
+        nn.functional.mse_loss(ddp_model(x[shards[rank]], _takes_branch(step, rank)), y[shards[rank]]).backward()
+        ddp_model.finish_gradient_synchronization()
+        for (name, p_ref), p_ddp in zip(reference.named_parameters(), ddp_model.module.parameters()):
+            if (p_ref.grad is None) != (p_ddp.grad is None):
+                problems.append(f"step {step}: {name}.grad is None is {p_ddp.grad is None}, single-process "
+                                f"{p_ref.grad is None}")
+        ddp_optimizer.step()
+    assert not problems, "\n".join(problems)
+    _assert_same_parameters(reference, ddp_model, f"{wrapper} after {STEPS} steps with unused parameters")
+
+
+def _second_backward_raises(rank: int, world_size: int, wrapper: str) -> None:
+    """Two backwards without finish_gradient_synchronization() between them are an error, not a hang."""
+    ddp_model = WRAPPERS[wrapper](ToyModel().double())
+    x, _ = _random_batch(4, 10, 5, seed=rank)
+    ddp_model(x).sum().backward()
+    try:
+        ddp_model.on_train_batch_start()
+    except RuntimeError as error:
+        assert "finish_gradient_synchronization" in str(error)
+    else:
+        raise AssertionError("on_train_batch_start() accepted an unfinished step")
+    try:
+        ddp_model(x).sum().backward()
+    except RuntimeError as error:
+        assert "finish_gradient_synchronization" in str(error)
+    else:
+        raise AssertionError("a second backward before finish_gradient_synchronization() was accepted")
+    ddp_model.finish_gradient_synchronization()
+    ddp_model.on_train_batch_start()  # a finished step leaves nothing behind
+
+
+CHECKS = {
+    **{f"course_individual_parameters_{name}": functools.partial(
+        course_ddp_check, model_class=cls, make_ddp=adapters.get_ddp_individual_parameters,
+        after_backward=adapters.ddp_individual_parameters_on_after_backward) for name, cls in TOY_MODELS.items()},
+    **{f"course_get_ddp_{name}": functools.partial(
+        course_ddp_check, model_class=cls, make_ddp=adapters.get_ddp,
+        after_backward=adapters.ddp_on_after_backward) for name, cls in TOY_MODELS.items()},
+    **{f"{wrapper}_matches_single_process_{name}": functools.partial(
+        _matches_single_process, wrapper=wrapper, model_class=cls)
+       for wrapper in WRAPPERS for name, cls in TOY_MODELS.items()},
+    **{f"{wrapper}_unused_parameters_match_single_process": functools.partial(_unused_parameters, wrapper=wrapper)
+       for wrapper in WRAPPERS},
+    **{f"{wrapper}_second_backward_without_finish_raises": functools.partial(_second_backward_raises, wrapper=wrapper)
+       for wrapper in OVERLAPPED},
+}
+
+
+def _run_checks(rank: int, world_size: int) -> dict[str, str | None]:
+    """Every check on this rank: None where it passed, else its traceback."""
+    outcomes = {}
+    for name, check in CHECKS.items():
+        try:
+            check(rank, world_size)
+            outcomes[name] = None
+        except Exception:
+            outcomes[name] = traceback.format_exc()
+    return outcomes
+
+
+# ------------------------------------------------------------------------------------------- tests
+
+@pytest.fixture(scope="module", params=WORLD_SIZES, ids=lambda n: f"{n}ranks")
+def outcomes(request) -> list[dict[str, str | None]]:
+    return launch(_run_checks, request.param, device="cpu", timeout_s=LAUNCH_TIMEOUT_S)
+
+
+@pytest.mark.parametrize("check", CHECKS)
+def test_ddp(check, outcomes):
+    failures = [f"rank {rank}:\n{by_check[check]}" for rank, by_check in enumerate(outcomes) if by_check[check]]
+    assert not failures, "\n".join(failures)
+
+
+@pytest.mark.parametrize("wrapper", WRAPPERS)
+def test_building_before_init_process_group_raises(wrapper):
+    assert not dist.is_initialized()
+    with pytest.raises(RuntimeError, match="process group"):
+        WRAPPERS[wrapper](ToyModel())
+
+
+def test_wrapping_something_that_is_not_a_module_raises():
+    with pytest.raises(TypeError, match="torch.nn.Module"):
+        NaiveDDP(lambda x: x)
+
+
+# ------------------------------------------------------------------ profiler timelines and reports
+
+def _span(cat: str, name: str, start_us: float, duration_us: float, **extra) -> dict:
+    return {"ph": "X", "cat": cat, "name": name, "ts": start_us, "dur": duration_us, **extra}
+
+
+def test_gpu_timeline_puts_nccl_streams_apart_and_measures_overlap():
+    events = [
+        _span("kernel", "sm90_xmma_gemm", 1000, 100, args={"stream": 7}),
+        _span("kernel", "elementwise_kernel", 1100, 50, args={"stream": 7}),
+        _span("kernel", "ncclDevKernel_AllReduce_Sum_f32_RING_LL", 1120, 60, args={"stream": 20}),
+        _span("gpu_user_annotation", "backward", 1000, 150),
+        _span("gpu_user_annotation", "nccl:all_reduce", 1120, 60),  # not a phase of ours
+        _span("cpu_op", "aten::mm", 990, 5, tid=1),  # host side: not drawn when there are kernels
+    ]
+    intervals = intervals_from_events(events, phase_names={"backward"})
+    assert {(i.kind, i.row) for i in intervals} == {
+        ("compute", "compute (stream 7)"), ("communication", "NCCL (stream 20)"), ("phase", "phases")}
+    summary = communication_summary(intervals)
+    # NCCL runs 1120-1180 us; compute 1000-1150 us: 30 us together, 30 us alone.
+    assert summary == pytest.approx({"communication_ms": 0.06, "compute_ms": 0.15,
+                                     "overlapped_ms": 0.03, "exposed_ms": 0.03})
+    figure = plot_timeline(intervals, "test")
+    assert [t.get_text() for t in figure.axes[0].get_yticklabels()] == [
+        "phases", "compute (stream 7)", "NCCL (stream 20)"]
+
+
+def test_cpu_timeline_takes_gloo_work_from_its_own_threads():
+    events = [
+        _span("cpu_op", "aten::mm", 0, 100, tid=1),
+        _span("user_annotation", "gloo:all_reduce", 50, 100, tid=9),
+        _span("cpu_op", "aten::copy_", 60, 10, tid=9),  # gloo's own thread: not compute
+        _span("user_annotation", "forward", 0, 100, tid=1),
+    ]
+    intervals = intervals_from_events(events, phase_names={"forward"})
+    assert sorted((i.row, i.name) for i in intervals) == [
+        ("compute (CPU)", "aten::mm"), ("gloo", "gloo:all_reduce"), ("phases", "forward")]
+    assert communication_summary(intervals)["overlapped_ms"] == pytest.approx(0.05)
+
+
+XL_GRADIENT_BYTES = 7_992_940_800
+
+
+def _step_row(method: str, step_ms: float, gradient_sync_ms: float, communication_ms: float | None,
+              overlapped_ms: float = 0.0, bucket_size_mb: float | None = None, all_reduces: int | None = None) -> dict:
+    """A step row shaped as benchmark_ddp writes them on GPUs."""
+    return {"table": "step", "variant": variant_label(method, bucket_size_mb), "method": method,
+            "bucket_size_mb": bucket_size_mb, "size": "xl", "context_length": 512, "batch_size": 4, "warmup": 3,
+            "steps": 10, "attention": "sdpa", "world_size": 2, "backend": "nccl", "status": "ok",
+            "trainable_bytes": XL_GRADIENT_BYTES, "all_reduces_per_step": all_reduces, "step_ms": step_ms,
+            "step_std_ms": 1.0, "forward_ms": 200.0, "backward_ms": 400.0, "gradient_sync_ms": gradient_sync_ms,
+            "optimizer_ms": 40.0, "peak_memory_gib": 45.0, "profiled_communication_ms": communication_ms,
+            "profiled_compute_ms": 640.0, "profiled_overlapped_ms": overlapped_ms,
+            "profiled_exposed_ms": (communication_ms or 0.0) - overlapped_ms}
+
+
+@pytest.fixture
+def gpu_like_rows() -> list[dict]:
+    return [
+        {"table": "allreduce_probe", "small_bytes": 4096, "small_ms": 0.05, "large_bytes": 10**9, "large_ms": 3.38,
+         "per_call_overhead_ms": 0.05, "algbw_gbps": 300.0, "world_size": 2},
+        _step_row("local", 640.0, 0.01, 0.0),
+        _step_row("naive", 700.0, 55.0, 40.0, all_reduces=435),
+        _step_row("flat", 690.0, 45.0, 30.0, all_reduces=1),
+        _step_row("overlap_individual", 660.0, 15.0, 40.0, overlapped_ms=30.0, all_reduces=435),
+        _step_row("bucketed", 665.0, 14.0, 35.0, overlapped_ms=30.0, bucket_size_mb=1, all_reduces=340),
+        _step_row("bucketed", 650.0, 6.0, 30.0, overlapped_ms=28.0, bucket_size_mb=100, all_reduces=80),
+        {**_step_row("bucketed", 0.0, 0.0, None, bucket_size_mb=1000), "status": OOM},
+        _step_row("bucketed", 648.0, 9.0, 30.0, overlapped_ms=25.0, bucket_size_mb=10, all_reduces=200),
+        _step_row("torch_ddp", 655.0, 0.01, 31.0, overlapped_ms=27.0),
+        {"table": "timeline", "variant": "naive", "file": "ddp_timeline_naive.png"},
+        {"table": "timeline", "variant": "overlap_individual", "file": "ddp_timeline_overlap_individual.png"},
+    ]
+
+
+def test_benchmark_reports_answer_from_the_rows(gpu_like_rows):
+    naive = render_naive_ddp_benchmarking(gpu_like_rows).body
+    assert "55.0 ms (8%) is the 435 all-reduces" in naive and "costs 60.0 ms per step" in naive
+    assert "Flattening wins" in render_flat_benchmarking(gpu_like_rows).body
+    overlap = render_overlap_individual_benchmarking(gpu_like_rows).body
+    assert "75% of it while compute kernels ran" in overlap  # 30 of 40 ms
+    assert "(ddp_timeline_overlap_individual.png)" in overlap
+    bucketed = render_bucketed_benchmarking(gpu_like_rows).body
+    assert "| bucketed 1000 MB   |               | OOM" in bucketed
+    assert "falls and then rises, as expected" in bucketed  # 665, 648, 650 ms for 1, 10, 100 MB
+    # b* = sqrt(s w o) = sqrt(7.99e9 B * 300e9 B/s * 50e-6 s) = 3.46e8 B = 330.2 MiB
+    assert "b* = 330.2 MB" in bucketed
+
+
+def test_equivalence_reports_say_whether_each_wrapper_matched():
+    rows = [{"table": "equivalence", "method": "naive", "variant": "naive", "model": "tiny LM, float64",
+             "world_size": 2, "backend": "nccl", "steps": 5, "max_abs_difference": 3e-15, "tolerance": 1e-9,
+             "matches": True},
+            {"table": "equivalence", "method": "bucketed", "variant": "bucketed 0.05 MB", "model": "tiny LM, float64",
+             "world_size": 2, "backend": "nccl", "steps": 5, "max_abs_difference": 0.5, "tolerance": 1e-9,
+             "matches": False}]
+    assert "3e-15, within the tolerance" in render_naive_ddp(rows).body
+    assert "0.5, OUTSIDE the tolerance" in render_overlap_bucketed(rows).body

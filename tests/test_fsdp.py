@@ -1,0 +1,472 @@
+"""FSDP against single-process training (gloo on CPU, ranks started by launch), through the
+course's adapters: fp32 and fp16 compute, world sizes whose sizes do not divide, the LM with AdamW,
+gradient accumulation, the prefetch order and the freeing of gathered weights.
+
+Starting ranks costs seconds of imports, so one launch per world size runs every check and each
+check's outcome is then asserted by its own test. A check compares only after its last collective,
+so that a failing check cannot leave the ranks out of step for the checks after it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import traceback
+import warnings
+from copy import deepcopy
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+from torch.func import functional_call
+
+import cs336_systems.distributed.fsdp as fsdp_module
+from cs336_systems.distributed.fsdp import FSDP
+from cs336_systems.distributed.launch import launch
+from cs336_systems.model import ModelConfig, TransformerLM
+from tests import adapters
+
+WORLD_SIZES = (2, 3)
+# Generous, since ranks import torch on a busy machine; a hang still ends here, not in CI's timeout.
+LAUNCH_TIMEOUT_S = 180
+BATCH = 12  # divisible by every world size tested
+SEQ_LEN = 8
+# The course's tolerances: fp32 differs from single-process only in summation order; fp16 compute
+# rounds each matmul to 11 significant bits on both sides, in a different order.
+FP32_TOLERANCE = dict(atol=1e-6, rtol=1e-4)
+FP16_TOLERANCE = dict(atol=1e-4, rtol=1e-4)
+# float64, every rank on the same batch: only the reduction over ranks rounds differently.
+FLOAT64_TOLERANCE = dict(atol=1e-12, rtol=1e-12)
+# bf16 keeps 8 significant bits; over three SGD steps the two sides drift apart by a few 1e-5.
+BF16_TOLERANCE = dict(atol=5e-4, rtol=0.0)
+# The LM for these checks: every weight size leaves a remainder when divided by 3 except w1/w2/w3.
+SMALL_LM = ModelConfig(d_model=32, d_ff=96, num_layers=2, num_heads=4, context_length=SEQ_LEN, vocab_size=257)
+
+
+class ToyFSDPModel(nn.Module):
+    """The course's toy: Embedding -> RMSNorm -> Linear -> ReLU -> RMSNorm -> Linear -> LM head,
+    built from cs336_basics (the same classes as cs336_systems.model). Its weights, 37 x 10 (the
+    embedding and the LM head), 22 x 10 and 10 x 22, have sizes that 3 does not divide."""
+
+    def __init__(self, vocab_size: int = 37, d_model: int = 10, d_ff: int = 22):
+        super().__init__()
+        from cs336_basics.model import Embedding, Linear, RMSNorm
+
+        self.embedding = Embedding(vocab_size, d_model)
+        self.norm1 = RMSNorm(d_model)
+        self.linear1 = Linear(d_model, d_ff)
+        self.norm2 = RMSNorm(d_ff)
+        self.linear2 = Linear(d_ff, d_model)
+        self.lm_head = Linear(d_model, vocab_size)
+
+    def forward(self, token_ids: torch.Tensor) -> torch.Tensor:
+        x = self.norm1(self.embedding(token_ids))
+        x = self.norm2(torch.relu(self.linear1(x)))
+        return self.lm_head(self.linear2(x))
+
+
+def _sharded_kinds(model: nn.Module) -> set[str]:
+    from cs336_basics.model import Embedding, Linear
+
+    return {f"{name}.weight" for name, m in model.named_modules() if type(m) in (Linear, Embedding)}
+
+
+def _reference_forward(model: nn.Module, token_ids: torch.Tensor, compute_dtype: torch.dtype | None):
+    """Single-process forward with Linear/Embedding weights cast to compute_dtype: the cast's
+    backward hands fp32 gradients to the fp32 weights, as FSDP's master weights get them."""
+    if compute_dtype is None:
+        return model(token_ids)
+    sharded = _sharded_kinds(model)
+    params = {name: p.to(compute_dtype) if name in sharded else p for name, p in model.named_parameters()}
+    return functional_call(model, params, (token_ids,))
+
+
+def _strict():
+    """What the course's FSDP test runs under: warnings are errors, deterministic algorithms only."""
+    stack = contextlib.ExitStack()
+    stack.enter_context(warnings.catch_warnings())
+    warnings.simplefilter("error")
+    torch.use_deterministic_algorithms(True)
+    stack.callback(torch.use_deterministic_algorithms, False)
+    return stack
+
+
+def _assert_close(reference: nn.Module, full: dict[str, torch.Tensor], tolerance: dict, when: str) -> None:
+    for name, p in reference.named_parameters():
+        assert full[name].shape == p.shape and full[name].dtype == p.dtype, name
+        torch.testing.assert_close(full[name], p.detach(), **tolerance, msg=lambda m: f"{when}, {name}: {m}")
+
+
+# ------------------------------------------------------------------------------------------ checks
+
+def _course_equivalence(rank: int, world_size: int, compute_dtype: torch.dtype | None) -> None:
+    """The course's procedure: SGD, 3 steps, each rank on its slice of a shuffled batch."""
+    with _strict():
+        torch.manual_seed(42)
+        base = ToyFSDPModel()
+        reference = deepcopy(base)
+        model = adapters.get_fsdp(deepcopy(base), compute_dtype=compute_dtype)
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+        reference_optimizer = torch.optim.SGD(reference.parameters(), lr=0.01)
+        generator = torch.Generator().manual_seed(123)
+        token_ids = torch.randint(0, 37, (BATCH, SEQ_LEN), generator=generator)
+        labels = torch.randint(0, 37, (BATCH,), generator=generator)
+        rows = slice(rank * BATCH // world_size, (rank + 1) * BATCH // world_size)
+        snapshots = []
+        for step in range(3):
+            reference_optimizer.zero_grad(set_to_none=True)
+            F.cross_entropy(_reference_forward(reference, token_ids, compute_dtype)[:, -1].float(), labels).backward()
+            reference_optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            F.cross_entropy(model(token_ids[rows])[:, -1].float(), labels[rows]).backward()
+            adapters.fsdp_on_after_backward(model, optimizer)
+            optimizer.step()
+            snapshots.append((deepcopy(reference), adapters.fsdp_gather_full_params(model)))
+            order = torch.randperm(BATCH, generator=generator)
+            token_ids, labels = token_ids[order], labels[order]
+    tolerance = FP32_TOLERANCE if compute_dtype is None else FP16_TOLERANCE
+    for step, (ref, full) in enumerate(snapshots):
+        _assert_close(ref, full, tolerance, f"step {step}")
+
+
+def _gradient_sync(rank: int, world_size: int, compute_dtype: torch.dtype | None) -> None:
+    """After sync every trainable parameter of .module has a gradient of its own shape and fp32
+    dtype; replicated gradients are the same on every rank."""
+    with _strict():
+        torch.manual_seed(42)
+        model = adapters.get_fsdp(ToyFSDPModel(), compute_dtype=compute_dtype)
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+        token_ids = torch.randint(0, 37, (4, SEQ_LEN), generator=torch.Generator().manual_seed(rank))
+        model(token_ids).sum().backward()
+        adapters.fsdp_on_after_backward(model, optimizer)
+        sharded = _sharded_kinds(model.module)
+        replicated = {name: p.grad for name, p in model.module.named_parameters() if name not in sharded}
+        everyone: list[dict | None] = [None] * world_size
+        dist.all_gather_object(everyone, replicated)
+    shards = {f"{w.name}.weight": w for w in model.weights}
+    assert set(shards) == sharded
+    for name, p in model.module.named_parameters():
+        assert p.grad is not None, name
+        assert p.grad.shape == p.shape and p.grad.dtype == p.dtype == torch.float32, name
+        if name in shards:
+            assert p.shape == (-(-shards[name].numel // world_size),), name  # ceil(numel / world size)
+    assert set(replicated) == {"norm1.weight", "norm2.weight"}
+    for other in everyone[1:]:
+        for name, grad in replicated.items():
+            torch.testing.assert_close(other[name], grad, msg=lambda m: f"replicated {name} differs: {m}")
+
+
+def _lm_matches_single_process(rank: int, world_size: int) -> None:
+    """The LM with SGD, each rank on its slice of fresh data each step. fp32: the model's RMSNorm
+    computes in fp32 whatever its input, so a float64 run would not be more exact than this."""
+    torch.manual_seed(0)
+    reference = TransformerLM(SMALL_LM)
+    model = FSDP(deepcopy(reference))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    reference_optimizer = torch.optim.SGD(reference.parameters(), lr=0.1)
+    for step in range(3):
+        generator = torch.Generator().manual_seed(step)
+        inputs, targets = (torch.randint(SMALL_LM.vocab_size, (BATCH, SEQ_LEN), generator=generator) for _ in range(2))
+        rows = slice(rank * BATCH // world_size, (rank + 1) * BATCH // world_size)
+        reference_optimizer.zero_grad(set_to_none=True)
+        F.cross_entropy(reference(inputs).flatten(0, 1), targets.flatten()).backward()
+        reference_optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        F.cross_entropy(model(inputs[rows]).flatten(0, 1), targets[rows].flatten()).backward()
+        model.finish_gradient_synchronization()
+        optimizer.step()
+    _assert_close(reference, model.gather_full_params(), FP32_TOLERANCE, "after 3 SGD steps")
+
+
+def _adamw_on_shards_matches_single_process(rank: int, world_size: int) -> None:
+    """torch AdamW (weight decay) updating the shards. Every rank trains on the whole batch, so
+    forward and backward repeat the single process's arithmetic, and AdamW, which divides by the
+    gradient's running scale, is not handed rounding noise on gradients that are nearly zero."""
+    torch.manual_seed(0)
+    reference = TransformerLM(SMALL_LM).double()
+    model = FSDP(deepcopy(reference))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+    reference_optimizer = torch.optim.AdamW(reference.parameters(), lr=1e-2, weight_decay=0.1)
+    for step in range(4):
+        generator = torch.Generator().manual_seed(step)
+        inputs, targets = (torch.randint(SMALL_LM.vocab_size, (BATCH, SEQ_LEN), generator=generator) for _ in range(2))
+        for net, opt in ((reference, reference_optimizer), (model, optimizer)):
+            opt.zero_grad(set_to_none=True)
+            F.cross_entropy(net(inputs).flatten(0, 1), targets.flatten()).backward()
+            if net is model:
+                model.finish_gradient_synchronization()
+            opt.step()
+    _assert_close(reference, model.gather_full_params(), FLOAT64_TOLERANCE, "after 4 AdamW steps")
+
+
+def _lm_bf16_compute_keeps_fp32_masters(rank: int, world_size: int) -> None:
+    """compute_dtype=bf16: activations in bf16, master weights, gradients and updates in fp32."""
+    torch.manual_seed(0)
+    reference = TransformerLM(SMALL_LM)
+    model = FSDP(deepcopy(reference), compute_dtype=torch.bfloat16)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    reference_optimizer = torch.optim.SGD(reference.parameters(), lr=0.1)
+    for step in range(3):
+        generator = torch.Generator().manual_seed(step)
+        inputs, targets = (torch.randint(SMALL_LM.vocab_size, (BATCH, SEQ_LEN), generator=generator) for _ in range(2))
+        rows = slice(rank * BATCH // world_size, (rank + 1) * BATCH // world_size)
+        reference_optimizer.zero_grad(set_to_none=True)
+        logits = _reference_forward(reference, inputs, torch.bfloat16)
+        F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten()).backward()
+        reference_optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        logits = model(inputs[rows])
+        F.cross_entropy(logits.flatten(0, 1).float(), targets[rows].flatten()).backward()
+        model.finish_gradient_synchronization()
+        optimizer.step()
+    full = model.gather_full_params()
+    assert logits.dtype == torch.bfloat16
+    assert all(p.dtype == torch.float32 and p.grad.dtype == torch.float32 for p in model.parameters())
+    _assert_close(reference, full, BF16_TOLERANCE, "bf16 compute after 3 SGD steps")
+
+
+def _gradient_accumulation(rank: int, world_size: int) -> None:
+    """Two backward passes before one finish_gradient_synchronization: gradients add up."""
+    torch.manual_seed(0)
+    reference = TransformerLM(SMALL_LM)
+    model = FSDP(deepcopy(reference))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    reference_optimizer = torch.optim.SGD(reference.parameters(), lr=0.1)
+    rows = slice(rank * BATCH // world_size, (rank + 1) * BATCH // world_size)
+    for micro_batch in range(2):
+        generator = torch.Generator().manual_seed(micro_batch)
+        inputs, targets = (torch.randint(SMALL_LM.vocab_size, (BATCH, SEQ_LEN), generator=generator) for _ in range(2))
+        F.cross_entropy(reference(inputs).flatten(0, 1), targets.flatten()).backward()
+        F.cross_entropy(model(inputs[rows]).flatten(0, 1), targets[rows].flatten()).backward()
+    model.finish_gradient_synchronization()
+    optimizer.step()
+    reference_optimizer.step()
+    _assert_close(reference, model.gather_full_params(), FP32_TOLERANCE, "two accumulated micro-batches")
+
+
+class _WithUnusedNorm(ToyFSDPModel):
+    def __init__(self):
+        super().__init__()
+        from cs336_basics.model import RMSNorm
+
+        self.unused = RMSNorm(10)
+
+
+def _unused_replicated_parameter_keeps_no_gradient(rank: int, world_size: int) -> None:
+    model = FSDP(_WithUnusedNorm())
+    model(torch.randint(0, 37, (2, SEQ_LEN))).sum().backward()
+    model.finish_gradient_synchronization()
+    assert model.module.unused.weight.grad is None
+    assert model.module.norm1.weight.grad is not None
+
+
+def _shards_are_a_world_size_share_and_gathered_weights_are_freed(rank: int, world_size: int) -> None:
+    model = FSDP(TransformerLM(SMALL_LM))
+    for weight in model.weights:
+        assert weight.shard.numel() == -(-weight.numel // world_size)  # ceil
+    inputs = torch.randint(SMALL_LM.vocab_size, (2, SEQ_LEN))
+    loss = model(inputs).sum()
+    after_forward = [(w.name, w._full is not None, w._pending is not None) for w in model.weights]
+    loss.backward()
+    model.finish_gradient_synchronization()
+    assert not any(w.in_memory for w in model.weights), "gathered weights left after the step"
+    assert not any(full for _, full, _ in after_forward), after_forward
+    # Only the first gathers of backward are in flight: the LM head and the last w2.
+    assert [name for name, _, pending in after_forward if pending] == ["layers.1.ffn.w2", "lm_head"]
+
+
+def _prefetch_runs_at_most_two_layers_ahead(rank: int, world_size: int) -> None:
+    """The collectives' order in a steady-state step: a layer's all-gather starts as the layer two
+    calls before it starts, in forward and again in backward, never earlier."""
+    model = FSDP(TransformerLM(SMALL_LM))
+    inputs = torch.randint(SMALL_LM.vocab_size, (2, SEQ_LEN))
+    log: list[tuple[str, str]] = []
+
+    def logging_annotate(name: str):
+        kind, layer = name.split(" ")
+        log.append((kind.removeprefix("fsdp::"), layer))
+        return contextlib.nullcontext()
+
+    for step in range(2):  # the first step learns the call order; the second is checked
+        log.clear()
+        original, fsdp_module.annotate = fsdp_module.annotate, logging_annotate
+        try:
+            model(inputs).sum().backward()
+            model.finish_gradient_synchronization()
+        finally:
+            fsdp_module.annotate = original
+    forward_calls = [layer for kind, layer in log if kind == "forward"]
+    backward_calls = [layer for kind, layer in log if kind == "backward"]
+    assert forward_calls == [w.name for w in model.scheduler.forward_order]
+    # Backward runs the layers in reverse; the embedding gathers nothing for its gradient.
+    assert backward_calls == forward_calls[::-1]
+    needs_weight = backward_calls[:-1]
+
+    def next_call(phase_calls: list[str], kind: str, start: int, end: int) -> dict[str, int | None]:
+        """For each all-gather in log[start:end], the position of the next call that computes."""
+        found, waiting = {}, []
+        for entry_kind, layer in log[start:end]:
+            if entry_kind == "all_gather":
+                waiting.append(layer)
+            elif entry_kind == kind:
+                found.update(dict.fromkeys(waiting, phase_calls.index(layer)))
+                waiting = []
+        return found
+
+    end_of_forward = max(i for i, (kind, _) in enumerate(log) if kind == "forward")
+    # Gathers are started just before the call that computes next, two calls ahead of their own
+    # (the first three all before the first call, the first two of backward as forward ends).
+    expected = {layer: max(0, j - 2) for j, layer in enumerate(forward_calls)}
+    assert next_call(forward_calls, "forward", 0, end_of_forward + 1) == expected
+    expected = {layer: max(0, j - 2) for j, layer in enumerate(needs_weight)}
+    assert next_call(backward_calls, "backward", end_of_forward + 1, len(log)) == expected
+
+
+def _bad_input_raises(rank: int, world_size: int) -> None:
+    with pytest.raises(TypeError, match="torch.nn.Module"):
+        FSDP(lambda x: x)
+    with pytest.raises(TypeError, match="compute_dtype"):
+        FSDP(ToyFSDPModel(), compute_dtype=torch.int32)
+    with pytest.raises(ValueError, match="prefetch_layers"):
+        FSDP(ToyFSDPModel(), prefetch_layers=3)
+    tied = ToyFSDPModel(vocab_size=10, d_model=10)
+    tied.lm_head.weight = tied.embedding.weight
+    with pytest.raises(ValueError, match="tied weights"):
+        FSDP(tied)
+
+
+CHECKS = {
+    **{f"course_equivalence_{name}": functools.partial(_course_equivalence, compute_dtype=dtype)
+       for name, dtype in (("fp32", None), ("fp16", torch.float16))},
+    **{f"gradient_sync_{name}": functools.partial(_gradient_sync, compute_dtype=dtype)
+       for name, dtype in (("fp32", None), ("fp16", torch.float16))},
+    "lm_matches_single_process": _lm_matches_single_process,
+    "adamw_on_shards_matches_single_process": _adamw_on_shards_matches_single_process,
+    "lm_bf16_compute_keeps_fp32_masters": _lm_bf16_compute_keeps_fp32_masters,
+    "gradient_accumulation": _gradient_accumulation,
+    "unused_replicated_parameter_keeps_no_gradient": _unused_replicated_parameter_keeps_no_gradient,
+    "shards_are_a_world_size_share_and_gathered_weights_are_freed":
+        _shards_are_a_world_size_share_and_gathered_weights_are_freed,
+    "prefetch_runs_at_most_two_layers_ahead": _prefetch_runs_at_most_two_layers_ahead,
+    "bad_input_raises": _bad_input_raises,
+}
+
+
+def _run_checks(rank: int, world_size: int) -> dict[str, str | None]:
+    """Every check on this rank: None where it passed, else its traceback."""
+    outcomes = {}
+    for name, check in CHECKS.items():
+        try:
+            check(rank, world_size)
+            outcomes[name] = None
+        except Exception:
+            outcomes[name] = traceback.format_exc()
+    return outcomes
+
+
+# ------------------------------------------------------------------------------------------- tests
+
+@pytest.fixture(scope="module", params=WORLD_SIZES, ids=lambda n: f"{n}ranks")
+def outcomes(request) -> list[dict[str, str | None]]:
+    return launch(_run_checks, request.param, device="cpu", timeout_s=LAUNCH_TIMEOUT_S)
+
+
+@pytest.mark.parametrize("check", CHECKS)
+def test_fsdp(check, outcomes):
+    failures = [f"rank {rank}:\n{by_check[check]}" for rank, by_check in enumerate(outcomes) if by_check[check]]
+    assert not failures, "\n".join(failures)
+
+
+def test_building_before_init_process_group_raises():
+    assert not dist.is_initialized()
+    with pytest.raises(RuntimeError, match="process group"):
+        FSDP(ToyFSDPModel())
+
+
+# ------------------------------------------------------------------------------------------ reports
+
+def test_gather_readiness_measures_how_long_compute_waited():
+    from cs336_systems.benchmarks.fsdp import gather_readiness
+    from cs336_systems.profiling.timeline import Interval
+
+    def phase(name, start, end):
+        return Interval("phase", "phases", name, start, end)
+
+    def kernel(start, end):
+        return Interval("compute", "compute (stream 7)", "gemm", start, end)
+
+    intervals = [
+        # a's gather ends at 1 ms, the stream is busy until 2 ms: on time.
+        phase("fsdp::all_gather a", 0.0, 1.0), kernel(0.0, 2.0), phase("fsdp::forward a", 2.0, 3.0), kernel(2.0, 3.0),
+        # b's gather ends at 5 ms; the stream was free at 3 ms: it waited 2 ms.
+        phase("fsdp::all_gather b", 1.0, 5.0), phase("fsdp::forward b", 5.0, 6.0), kernel(5.0, 6.0),
+        # a again for backward: gathered by 7 ms, stream busy until 8 ms.
+        phase("fsdp::all_gather a", 6.0, 7.0), kernel(6.0, 8.0), phase("fsdp::backward a", 8.0, 9.0),
+        Interval("communication", "NCCL (stream 20)", "ncclAllGather", 0.0, 1.0),
+    ]
+    rows = gather_readiness(intervals)
+    assert [(r["layer"], r["pass"], r["waited_ms"], r["on_time"]) for r in rows] == [
+        ("a", "forward", 0.0, True), ("b", "forward", 2.0, False), ("a", "backward", 0.0, True)]
+    assert rows[1]["compute_free_ms"] == 3.0
+
+
+FSDP_SETUP = dict(size="xl", context_length=512, batch_size=4, warmup=2, steps=5, attention="sdpa", world_size=2,
+                  backend="nccl")
+
+
+def _gpu_like_fsdp_rows() -> list[dict]:
+    from cs336_systems.benchmarks.fsdp import OURS, OURS_NO_PREFETCH, TORCH_DDP, TORCH_FSDP
+
+    def step(variant, step_ms, peak_gib):
+        return {"table": "step", "variant": variant, **FSDP_SETUP, "status": "ok", "step_ms": step_ms,
+                "step_std_ms": 2.0, "optimizer_ms": 20.0, "peak_gib": peak_gib, "model_peak_gib": 27.5,
+                "communicated_bytes": 24e9, "ring_bytes_sent_per_rank": 12e9}
+
+    rows = [step(TORCH_DDP, 695.0, 47.1), step(TORCH_FSDP, 686.0, 28.4), step(OURS, 720.0, 29.0),
+            step(OURS_NO_PREFETCH, 800.0, 29.0)]
+    rows += [{"table": "communication", "variant": TORCH_DDP, "collective": "all_reduce (DDP gradients)",
+              "payload_bytes": 8e9, "ring_bytes_sent_per_rank": 8e9},
+             {"table": "communication", "variant": OURS, "collective": "all_gather (forward weights)",
+              "payload_bytes": 8e9, "ring_bytes_sent_per_rank": 4e9},
+             {"table": "communication", "variant": OURS, "collective": "all_gather (backward weights)",
+              "payload_bytes": 7.8e9, "ring_bytes_sent_per_rank": 3.9e9},
+             {"table": "communication", "variant": OURS, "collective": "reduce_scatter (gradients)",
+              "payload_bytes": 8e9, "ring_bytes_sent_per_rank": 4e9}]
+    for strategy, peak, params in (("DDP (torch, gradient buckets)", 45.7, 7.44), ("ZeRO stage 1", 38.3, 7.44),
+                                   ("FSDP", 27.5, 3.72)):
+        rows.append({"table": "memory_model", "strategy": strategy, "world_size": 2, "parameters_gib": params,
+                     "gradients_gib": params, "optimizer_state_gib": 7.44, "activations_gib": 15.95,
+                     "buffers_gib": 0.36, "peak_gib": peak})
+    rows += [{"table": "readiness", "variant": OURS, "backend": "nccl", "layer": "lm_head", "pass": p,
+              "gather_start_ms": 0.0, "gather_end_ms": 1.0, "compute_free_ms": 2.0, "use_start_ms": 2.0,
+              "waited_ms": waited, "on_time": waited == 0} for p, waited in (("forward", 0.0), ("backward", 0.5))]
+    rows.append({"table": "timeline", "variant": OURS, "file": "fsdp_timeline.png"})
+    return rows
+
+
+def test_fsdp_accounting_report_answers_from_the_rows():
+    from cs336_systems.benchmarks.fsdp import render_fsdp_accounting
+
+    body = render_fsdp_accounting(_gpu_like_fsdp_rows()).body
+    # 720 / 686 - 1 = +5.0%; 29.0 / 28.4 - 1 = +2.1%; 800 - 720 = 80 ms saved by prefetching.
+    assert ("Against torch FSDP: step time +5.0% (within the +15% target), peak memory +2.1% (within the +10% "
+            "target).") in body
+    assert "Prefetching saves 80.0 ms per step (800.0 ms without it)." in body
+    # Model 45.7 - 27.5 = 18.2 GiB; measured 47.1 - 29.0 = 18.1 GiB.
+    assert "Expected saving of FSDP over torch DDP: 18.2 GiB per rank; measured 18.1 GiB" in body
+    assert "1.4 GiB below the measured one for DDP and 1.5 GiB below the measured one for FSDP" in body
+    # FSDP sends 4 + 3.9 + 4 = 11.9 GB; ZeRO stage 1 8 + 4 = 12 GB for the 8 GB of gradients.
+    assert "Each rank sends 11.9 GB per step under FSDP and 12 GB under ZeRO stage 1 (ratio 0.992)" in body
+    assert "1 of 2 all-gathers ended before" in body and "compute waited 0.50 ms in all" in body
+    assert "![FSDP timeline](fsdp_timeline.png)" in body
+
+
+def test_fsdp_report_gives_each_precision_a_verdict():
+    from cs336_systems.benchmarks.fsdp import render_fsdp
+
+    rows = [{"table": "equivalence", "compute": "bf16", "world_size": 2, "backend": "nccl", "model": "tiny LM",
+             "steps": 3, "logits_dtype": "bfloat16", "master_dtype": "float32", "max_abs_difference": 0.01,
+             "tolerance": 0.005, "matches": False}]
+    assert "bf16 compute: largest difference 0.01, OUTSIDE the tolerance 0.005" in render_fsdp(rows).body

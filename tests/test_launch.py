@@ -1,0 +1,118 @@
+"""The launcher: results by rank, failures and hangs surfaced fast, bad input refused, torchrun."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from cs336_systems.distributed.launch import RankFailed, launch, rank_device
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+# Long enough for ranks to import torch on a busy machine, short enough to fail fast.
+FAIL_FAST_TIMEOUT_S = 120
+FAIL_FAST_WITHIN_S = 60
+HANG_TIMEOUT_S = 15
+# After the deadline the parent kills the ranks; that and tearing down take a few seconds.
+HANG_REPORTED_WITHIN_S = HANG_TIMEOUT_S + 30
+SLEEP_PAST_DEADLINE_S = 10 * HANG_TIMEOUT_S
+TORCHRUN_TIMEOUT_S = 180
+
+
+def _describe(rank: int, world_size: int, tag: str) -> tuple:
+    # dist.all_reduce proves the group is live; its sum is known: 0 + 1 + ... + (world_size - 1)
+    total = torch.tensor([float(rank)])
+    dist.all_reduce(total)
+    return rank, world_size, tag, dist.get_rank(), dist.get_world_size(), total.item(), rank_device().type
+
+
+def test_results_come_back_by_rank():
+    results = launch(_describe, 3, "x", device="cpu", timeout_s=FAIL_FAST_TIMEOUT_S)
+    assert results == [(rank, 3, "x", rank, 3, 3.0, "cpu") for rank in range(3)]
+
+
+def _rank_one_raises(rank: int, world_size: int) -> None:
+    if rank == 1:
+        raise ValueError("rank one is broken")
+    dist.barrier()  # rank 0 would wait here for ever
+
+
+def test_a_rank_that_raises_fails_the_job_at_once_with_its_traceback():
+    start = time.monotonic()
+    with pytest.raises(RankFailed) as failure:
+        launch(_rank_one_raises, 2, device="cpu", timeout_s=FAIL_FAST_TIMEOUT_S)
+    message = str(failure.value)
+    assert "rank 1 of 2" in message
+    assert "ValueError: rank one is broken" in message
+    assert "in _rank_one_raises" in message  # the traceback, not just the exception
+    assert time.monotonic() - start < FAIL_FAST_WITHIN_S
+
+
+def _rank_one_waits_for_rank_zero(rank: int, world_size: int) -> None:
+    if rank == 0:
+        time.sleep(SLEEP_PAST_DEADLINE_S)  # stuck outside the collective, but alive
+    dist.barrier()
+
+
+def test_a_rank_that_hangs_in_a_collective_times_out():
+    start = time.monotonic()
+    with pytest.raises(TimeoutError, match=r"ranks \[0, 1\] of 2 did not finish within 15 s"):
+        launch(_rank_one_waits_for_rank_zero, 2, device="cpu", timeout_s=HANG_TIMEOUT_S)
+    assert HANG_TIMEOUT_S <= time.monotonic() - start < HANG_REPORTED_WITHIN_S
+
+
+def test_more_ranks_than_gpus_is_refused(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    with pytest.raises(ValueError, match="world size 2 needs 2 GPUs"):
+        launch(_describe, 2, "x", device="cuda")
+
+
+def test_a_function_that_cannot_be_pickled_is_refused():
+    with pytest.raises(TypeError, match="picklable"):
+        launch(lambda rank, world_size: rank, 2, device="cpu")
+
+
+@pytest.mark.parametrize("world_size", [0, -1, 1.5])
+def test_a_bad_world_size_is_refused(world_size):
+    with pytest.raises(ValueError, match="world size"):
+        launch(_describe, world_size, "x", device="cpu")
+
+
+_TORCHRUN_JOB = """
+    import json
+    import os
+    from pathlib import Path
+
+    from cs336_systems.distributed.launch import launch
+    from tests.test_launch import _describe
+
+    if __name__ == "__main__":
+        results = launch(_describe, 2, "torchrun", device="cpu")
+        Path(f"results_{os.environ['RANK']}.json").write_text(json.dumps(results))
+"""
+
+
+def test_under_torchrun_every_rank_runs_in_place_and_gets_all_results(tmp_path):
+    """torchrun sets RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT; launch joins with env://.
+
+    --standalone lets torchrun pick a free port, so this runs beside other test workers.
+    """
+    job = tmp_path / "job.py"
+    job.write_text(textwrap.dedent(_TORCHRUN_JOB))
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")]))}
+    finished = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", str(job)],
+        capture_output=True, text=True, env=env, timeout=TORCHRUN_TIMEOUT_S, cwd=tmp_path)
+    assert finished.returncode == 0, finished.stderr[-3000:]
+    expected = [[rank, 2, "torchrun", rank, 2, 1.0, "cpu"] for rank in range(2)]
+    for rank in range(2):
+        assert json.loads((tmp_path / f"results_{rank}.json").read_text()) == expected
