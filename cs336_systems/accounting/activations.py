@@ -1,0 +1,221 @@
+"""Closed-form activation memory of our LM, and a peak-memory predictor for inference and training.
+
+Saved activations are counted op by op from what autograd keeps for backward in
+`cs336_systems.model` (T = batch * seq tokens, d = d_model, f = d_ff, h = heads, N = seq):
+
+- RMSNorm (x -> x * rsqrt(mean(x^2) + eps) * w) keeps its input x, the normalised x and the
+  per-token rsqrt: 2 T d fp32 + T fp32. The model's parameters are fp32 and the embedding output is
+  fp32, so the residual stream stays fp32 under autocast (fp32 + bf16 promotes to fp32): norms are
+  fp32 in every precision.
+- A Linear keeps its input. In fp32, q/k/v share one input tensor (and w1/w3 another); under autocast
+  each Linear casts the fp32 norm output to bf16 itself, so q, k and v keep three bf16 copies and w1,
+  w3 two. Autocast also keeps the bf16 copy of every weight for backward (2 bytes per weight).
+- RoPE multiplies by cos/sin tables that need no gradient, so it keeps only the tables (4 tensors of
+  N x d_head/2) and not its input.
+- Naive attention keeps the rotated q and k (q k^T), the softmax output P (B h N^2) and a contiguous
+  copy of v (P v reshapes the transposed v view), the causal mask (N^2 bools), and the head-merge copy
+  that feeds the output projection. On CUDA, autocast runs softmax in fp32, so P is kept in fp32 and
+  again as the bf16 copy P v casts it to: 6 bytes per score against 4 in fp32; CPU autocast runs
+  softmax in bf16 (2 bytes).
+- SDPA keeps q, k, v, its output and a logsumexp (B h N fp32), no N^2 term. On CUDA the fused kernels
+  write the output as (B, N, h, d_head), so the head merge is a view; on CPU it is a copy.
+- SwiGLU keeps w1's output (SiLU input), SiLU's output, w3's output and their product (w2's input):
+  4 T f in the activation dtype.
+- The head keeps the final norm's three tensors, the LM head's input and the log-softmax output of the
+  loss (T x vocab, fp32 in both precisions: autocast runs log_softmax in fp32).
+
+`tests/test_memory_profiling.py` checks these counts against the tensors autograd really saves.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from cs336_systems.model import ModelConfig
+
+FP32_BYTES = 4
+BOOL_BYTES = 1
+# Bytes of activations produced by matmuls: autocast's dtype, or fp32 without autocast.
+ACTIVATION_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
+ATTENTIONS = ("naive", "sdpa")
+DEVICE_TYPES = ("cuda", "cpu")
+# AdamW keeps two fp32 moments per parameter.
+ADAMW_STATE_PER_PARAMETER = 2
+MODES = ("inference", "train_step")
+
+
+def _check(precision: str, attention: str = "naive", device_type: str = "cuda") -> None:
+    if precision not in ACTIVATION_BYTES:
+        raise ValueError(f"unknown precision {precision!r}; choose one of {', '.join(ACTIVATION_BYTES)}")
+    if attention not in ATTENTIONS:
+        raise ValueError(f"no activation model for attention {attention!r}; choose one of {', '.join(ATTENTIONS)}")
+    if device_type not in DEVICE_TYPES:
+        raise ValueError(f"unknown device type {device_type!r}; choose one of {', '.join(DEVICE_TYPES)}")
+
+
+def parameter_count(config: ModelConfig) -> int:
+    d, f, v = config.d_model, config.d_ff, config.vocab_size
+    per_block = 4 * d * d + 3 * d * f + 2 * d  # q, k, v, o; w1, w2, w3; two RMSNorm weights
+    return config.num_layers * per_block + 2 * v * d + d  # embedding, LM head, final norm
+
+
+def matmul_weight_count(config: ModelConfig) -> int:
+    """Parameters that go through a matmul (every Linear): the ones autocast casts to bf16."""
+    d, f = config.d_model, config.d_ff
+    return config.num_layers * (4 * d * d + 3 * d * f) + config.vocab_size * d
+
+
+def residual_stream_bytes(config: ModelConfig, batch_size: int, seq_len: int) -> int:
+    """One residual-stream tensor (batch, seq, d_model). Always fp32: the embedding output is fp32 and
+    adding a bf16 sublayer output to it promotes back to fp32, so autocast does not change it."""
+    return batch_size * seq_len * config.d_model * FP32_BYTES
+
+
+def block_saved_bytes(config: ModelConfig, batch_size: int, seq_len: int, precision: str = "fp32",
+                      attention: str = "naive", device_type: str = "cuda") -> dict[str, int]:
+    """Bytes one Transformer block keeps for backward, by component (see the module docstring)."""
+    _check(precision, attention, device_type)
+    act = ACTIVATION_BYTES[precision]
+    low = precision != "fp32"
+    t, n = batch_size * seq_len, seq_len
+    d, f, h, dh = config.d_model, config.d_ff, config.num_heads, config.d_head
+    scores = batch_size * h * n * n
+    norm = 2 * t * d * FP32_BYTES + t * FP32_BYTES
+    parts = {
+        "attention_norm": norm,
+        "qkv_inputs": 3 * t * d * act if low else t * d * FP32_BYTES,
+        "rope_tables": 4 * n * (dh // 2) * act,
+    }
+    if attention == "naive":
+        softmax_bytes = FP32_BYTES if (device_type == "cuda" or not low) else act
+        cast_for_pv = act if low and device_type == "cuda" else 0
+        parts["attention_qkv"] = 3 * t * d * act  # rotated q, rotated k, contiguous v
+        parts["attention_scores"] = scores * (softmax_bytes + cast_for_pv)
+        parts["causal_mask"] = n * n * BOOL_BYTES
+        parts["output_proj_input"] = t * d * act
+    else:
+        parts["attention_qkv"] = 4 * t * d * act  # q, k, v and the output
+        parts["logsumexp"] = batch_size * h * n * FP32_BYTES
+        parts["output_proj_input"] = t * d * act if device_type == "cpu" else 0
+    parts["ffn_norm"] = norm
+    parts["ffn_inputs"] = 2 * t * d * act if low else t * d * FP32_BYTES
+    parts["ffn_hidden"] = 4 * t * f * act
+    if low:
+        parts["weight_casts"] = (4 * d * d + 3 * d * f) * act
+    return parts
+
+
+def head_saved_bytes(config: ModelConfig, batch_size: int, seq_len: int, precision: str = "fp32") -> dict[str, int]:
+    """Bytes the final norm, LM head and cross-entropy loss keep for backward."""
+    _check(precision)
+    act = ACTIVATION_BYTES[precision]
+    t, d, v = batch_size * seq_len, config.d_model, config.vocab_size
+    parts = {
+        "final_norm": 2 * t * d * FP32_BYTES + t * FP32_BYTES,
+        "lm_head_input": t * d * act,
+        "log_softmax": t * v * FP32_BYTES,
+        "loss_total_weight": FP32_BYTES,  # nll_loss keeps the sum of its class weights, one fp32 scalar
+    }
+    if precision != "fp32":
+        parts["lm_head_weight_cast"] = v * d * act
+    return parts
+
+
+def saved_activation_bytes(config: ModelConfig, batch_size: int, seq_len: int, precision: str = "fp32",
+                           attention: str = "naive", device_type: str = "cuda") -> int:
+    """Everything a forward pass (with the loss) keeps for backward, over all blocks and the head."""
+    block = sum(block_saved_bytes(config, batch_size, seq_len, precision, attention, device_type).values())
+    return config.num_layers * block + sum(head_saved_bytes(config, batch_size, seq_len, precision).values())
+
+
+def _score_bytes(config: ModelConfig, batch_size: int, seq_len: int) -> int:
+    return batch_size * config.num_heads * seq_len * seq_len
+
+
+def inference_transient_bytes(config: ModelConfig, batch_size: int, seq_len: int, precision: str = "fp32",
+                              attention: str = "naive") -> int:
+    """The most activation memory alive at once in a no-grad forward (CUDA autocast rules).
+
+    Nothing is kept between blocks except the residual stream, so the peak is inside one block or the
+    head: the residual and the norm output (fp32), plus the attention stage (rotated q, k and v, and
+    for naive attention the masked scores beside the fp32 softmax output, with the fp32 copy softmax
+    makes of bf16 scores), the SwiGLU stage (SiLU output, w3 output and their product), or the logits.
+    """
+    _check(precision, attention)
+    act = ACTIVATION_BYTES[precision]
+    t, d, f, v = batch_size * seq_len, config.d_model, config.d_ff, config.vocab_size
+    carried = 2 * t * d * FP32_BYTES
+    if attention == "naive":
+        bytes_per_score = act + FP32_BYTES + (FP32_BYTES if precision != "fp32" else 0)
+        attention_stage = 3 * t * d * act + _score_bytes(config, batch_size, seq_len) * bytes_per_score
+    else:
+        attention_stage = 4 * t * d * act
+    return carried + max(attention_stage, 3 * t * f * act, t * v * act)
+
+
+def training_transient_bytes(config: ModelConfig, batch_size: int, seq_len: int, precision: str = "fp32",
+                             attention: str = "naive") -> int:
+    """Temporaries alive beside the saved activations in forward and backward (CUDA autocast rules).
+
+    The largest are the loss's gradients (d loss / d log-softmax and d loss / d logits, fp32, plus
+    the bf16 copy of the latter under autocast), two score-sized tensors in naive attention (scores
+    before and after masking in forward; the gradients of P and of the scores in backward), and the
+    gradients of q, k and v in SDPA's backward.
+    """
+    _check(precision, attention)
+    act = ACTIVATION_BYTES[precision]
+    t, d, v = batch_size * seq_len, config.d_model, config.vocab_size
+    loss_gradients = t * v * (2 * FP32_BYTES + (act if precision != "fp32" else 0))
+    if attention == "naive":
+        attention_gradients = 2 * _score_bytes(config, batch_size, seq_len) * FP32_BYTES
+    else:
+        attention_gradients = 3 * t * d * act
+    return max(loss_gradients, attention_gradients)
+
+
+@dataclass(frozen=True)
+class MemoryPrediction:
+    """Predicted bytes by component and the peak; `peak_phase` names where the peak falls."""
+    mode: str
+    parameters_bytes: int
+    gradients_bytes: int
+    optimizer_state_bytes: int
+    saved_activations_bytes: int
+    autocast_weight_cache_bytes: int
+    transient_bytes: int
+    peak_bytes: int
+    peak_phase: str
+
+
+def predict_peak_memory(config: ModelConfig, batch_size: int, seq_len: int, precision: str = "fp32",
+                        attention: str = "naive", mode: str = "train_step") -> MemoryPrediction:
+    """Peak device memory of one inference forward or one steady-state AdamW training step on CUDA.
+
+    Inference (no grad): parameters, plus under autocast the bf16 copies of every matmul weight (the
+    autocast cache keeps them until the autocast region exits), plus the forward's transient peak.
+
+    Training step (after a first step created the AdamW state; foreach AdamW, the CUDA default): the
+    peak is the larger of two moments. At the end of forward the parameters, AdamW state (2P) and every
+    saved activation are alive, with the loss's or attention's temporaries on top. During backward,
+    activations are freed about as fast as gradients appear, so the end of backward (P + 2P + G) is
+    below the optimizer step, where the foreach update allocates one more parameter-sized temporary
+    (sqrt of the second moment) beside parameters, gradients and state: 5P, with P the bytes of the
+    fp32 parameters (fp32 under autocast too).
+    """
+    if mode not in MODES:
+        raise ValueError(f"unknown mode {mode!r}; choose one of {', '.join(MODES)}")
+    _check(precision, attention)
+    params = parameter_count(config) * FP32_BYTES
+    cast_weights = matmul_weight_count(config) * ACTIVATION_BYTES[precision] if precision != "fp32" else 0
+    if mode == "inference":
+        transient = inference_transient_bytes(config, batch_size, seq_len, precision, attention)
+        return MemoryPrediction(mode, params, 0, 0, 0, cast_weights, transient,
+                                params + cast_weights + transient, "forward")
+    grads, state = params, ADAMW_STATE_PER_PARAMETER * params
+    saved = saved_activation_bytes(config, batch_size, seq_len, precision, attention)
+    transient = training_transient_bytes(config, batch_size, seq_len, precision, attention)
+    # Under autocast, the weight copies are among the saved activations (each Linear keeps its own).
+    forward_end = params + state + saved + transient
+    optimizer_step = params + grads + state + params
+    phase, peak = max(("end of forward", forward_end), ("optimizer step", optimizer_step), key=lambda p: p[1])
+    return MemoryPrediction(mode, params, grads, state, saved, 0, transient, peak, phase)

@@ -1,0 +1,512 @@
+"""Problem communication_accounting: the XXL model's memory, FSDP degree and compute-bound batch on a
+TPU v5p mesh, and the parallelism calculations (ring collectives; DP / FSDP / TP / FSDP+TP limits).
+
+Nothing here is measured: `communication_accounting_rows` evaluates the closed-form models of
+`cs336_systems.accounting.communication` and `.parallelism`, the renderer writes every answer and
+derivation from those rows, and `write_communication_accounting` writes the report. The output is
+the same on every machine and every run, so it carries no device, versions or date.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+from cs336_systems.accounting.communication import COLLECTIVES, latency_bound_below_bytes
+from cs336_systems.accounting.parallelism import (
+    BF16_BYTES,
+    ICI_HOP_LATENCY_S,
+    PHASES,
+    TPU_V5P_FLOPS_PER_S,
+    TPU_V5P_ICI_BYTES_PER_S,
+    TPU_V5P_MEMORY_BYTES,
+    XXL,
+    fsdp_bytes_per_device,
+    fsdp_tp_best_tensor_devices,
+    fsdp_tp_min_tokens_lower_bound,
+    layer_times,
+    max_tokens_for_fsdp,
+    min_fsdp_devices,
+    min_tokens_per_device,
+    network_intensity,
+    pipeline_bubble_fraction,
+    pipeline_send_to_compute_ratio,
+    saved_activation_bytes,
+    saved_activation_bytes_per_device,
+    saved_activation_bytes_per_token,
+    training_state_bytes,
+)
+from cs336_systems.gpus import GB, GIB, GPU_SPECS
+from cs336_systems.reports import Rendered, Row, markdown_table, renderer, select, write_csv
+
+PROBLEM = "communication_accounting"
+DEFAULT_COMMAND = ('python -c "from cs336_systems.benchmarks.communication_accounting import '
+                   "write_communication_accounting; write_communication_accounting('reports')\"")
+MB = 10**6
+MS, US = 1e3, 1e6  # seconds -> milliseconds, microseconds
+
+H100 = GPU_SPECS["h100"]  # memory_bytes is the datasheet's 80 GB = 80e9 bytes
+FP8_BYTES = 1
+
+# The question's mesh: 64 v5p chips, X = 16 FSDP over two mesh axes, Y = 4 TP over the third.
+QUESTION_DATA_DEVICES, QUESTION_TENSOR_DEVICES = 16, 4
+QUESTION_DATA_AXES, QUESTION_TENSOR_AXES = 2, 1
+QUESTION_DEVICES = QUESTION_DATA_DEVICES * QUESTION_TENSOR_DEVICES
+QUESTION_MESH = "FSDP 16 x TP 4"
+QUESTION_MESH_SPEC = (QUESTION_MESH, "fsdp_tp", QUESTION_DATA_DEVICES, QUESTION_TENSOR_DEVICES, QUESTION_DATA_AXES,
+                      QUESTION_TENSOR_AXES)
+# Activations need a batch: sequences of 2,048 tokens; 4 sequences is the project's default batch.
+EXAMPLE_SEQ_LEN = 2048
+DEFAULT_SEQUENCES = 4
+EXAMPLE_BATCH_SIZES = (1, DEFAULT_SEQUENCES, 16)
+# The question's mesh and other ways to lay out the same 64 chips (label, strategy, X, Y, M_X, M_Y):
+# DP and FSDP over all three axes, TP alone, and FSDP+TP splits with TP on one axis.
+MESHES = (
+    ("DP 64", "dp", 64, 1, 3, 1),
+    ("FSDP 64", "fsdp", 64, 1, 3, 1),
+    ("TP 4", "tp", 1, 4, 1, 1),
+    ("TP 64", "tp", 1, 64, 1, 1),
+    ("FSDP 32 x TP 2", "fsdp_tp", 32, 2, 2, 1),
+    QUESTION_MESH_SPEC,
+    ("FSDP 8 x TP 8", "fsdp_tp", 8, 8, 2, 1),
+    ("FSDP 4 x TP 16", "fsdp_tp", 4, 16, 2, 1),
+    ("FSDP 2 x TP 32", "fsdp_tp", 2, 32, 2, 1),
+)
+# A pipeline stage of 4 chips runs TP like this mesh: used for the pipeline answer in (d).
+STAGE_MESH = "TP 4"
+PLOTTED_MESHES = ("FSDP 64", "FSDP 32 x TP 2", "FSDP 16 x TP 4", "FSDP 8 x TP 8")
+SWEEP_TOKENS_PER_DEVICE = tuple(2**k for k in range(5, 13))  # 32 ... 4,096
+COLLECTIVE_SIZES_BYTES = (10_000, 1 * MB, 1000 * MB)  # latency bound, in between, bandwidth bound
+COLLECTIVE_DEVICE_COUNTS = (4, 16, 64)
+PIPELINE_STAGES = 16
+PIPELINE_MICROBATCHES = (16, 64, 256)
+
+
+def _mesh_row(label: str, strategy: str, x: int, y: int, mx: int, my: int, comm_bytes: int = BF16_BYTES,
+              exact_ring: bool = False) -> Row:
+    model = XXL
+    thresholds = {phase: min_tokens_per_device(strategy, phase, model.d_model, model.d_ff, x, y, TPU_V5P_FLOPS_PER_S,
+                                               TPU_V5P_ICI_BYTES_PER_S, mx, my, comm_bytes, exact_ring)
+                  for phase in PHASES}
+    binding = max(thresholds.values())
+    return {"table": "crossover", "mesh": label, "strategy": strategy, "data_devices": x, "tensor_devices": y,
+            "data_axes": mx, "tensor_axes": my, "comm_bytes_per_element": comm_bytes, "exact_ring": exact_ring,
+            "forward_min_tokens_per_device": thresholds["forward"],
+            "backward_min_tokens_per_device": thresholds["backward"],
+            "min_tokens_per_device": binding, "min_global_tokens": binding * x * y}
+
+
+def communication_accounting_rows() -> list[Row]:
+    """Every number the report states, as rows; `table` says which part of the report uses a row."""
+    model = XXL
+    state = training_state_bytes(model)
+    per_token = saved_activation_bytes_per_token(model)
+    rows: list[Row] = [{"table": "model", "d_model": model.d_model, "d_ff": model.d_ff,
+                        "num_blocks": model.num_blocks, "num_params": model.num_params}]
+
+    def scalar(name: str, value: float, unit: str) -> None:
+        rows.append({"table": "scalar", "name": name, "value": value, "unit": unit})
+
+    # (a) one device
+    for component, nbytes in (("master weights (fp32)", state.master_weights),
+                              ("accumulated gradients (fp32)", state.gradients),
+                              ("Adam moments (2 x fp32)", state.optimizer),
+                              ("total", state.total)):
+        rows.append({"table": "state", "component": component, "bytes_per_param": nbytes // model.num_params,
+                     "bytes": nbytes, "gb": nbytes / GB, "gib": nbytes / GIB})
+    scalar("activation_bytes_per_token_per_block", per_token / model.num_blocks, "bytes")
+    scalar("activation_bytes_per_token", per_token, "bytes")
+    scalar("h100_memory_bytes", H100.memory_bytes, "bytes")
+    scalar("state_h100s", state.total / H100.memory_bytes, "GPUs")
+    scalar("state_h100s_if_80_gib", state.total / (80 * GIB), "GPUs")
+    for sequences in EXAMPLE_BATCH_SIZES:
+        tokens = sequences * EXAMPLE_SEQ_LEN
+        activations = saved_activation_bytes(model, tokens)
+        rows.append({"table": "activations", "sequences": sequences, "tokens": tokens,
+                     "activation_bytes": activations, "activation_gb": activations / GB,
+                     "activation_gib": activations / GIB, "with_state_gb": (state.total + activations) / GB,
+                     "h100s": (state.total + activations) / H100.memory_bytes})
+
+    # (b) FSDP on v5p
+    scalar("tpu_memory_bytes", TPU_V5P_MEMORY_BYTES, "bytes")
+    max_tokens = max_tokens_for_fsdp(model, TPU_V5P_MEMORY_BYTES)
+    scalar("fsdp_max_tokens", max_tokens, "tokens")
+    for tokens in (0, *(s * EXAMPLE_SEQ_LEN for s in EXAMPLE_BATCH_SIZES)):
+        activations = saved_activation_bytes(model, tokens)
+        fits = tokens < max_tokens
+        devices = min_fsdp_devices(state.total, activations, TPU_V5P_MEMORY_BYTES) if fits else None
+        rows.append({"table": "fsdp", "tokens": tokens, "activation_gb": activations / GB,
+                     "min_fsdp_devices": devices,
+                     "gb_per_device": fsdp_bytes_per_device(state.total, activations, devices) / GB if fits else None})
+
+    # (c) and the parallelism calculations on 64 v5p chips
+    scalar("flops_per_s", TPU_V5P_FLOPS_PER_S, "FLOP/s")
+    scalar("ici_bytes_per_s", TPU_V5P_ICI_BYTES_PER_S, "bytes/s")
+    scalar("alpha", network_intensity(TPU_V5P_FLOPS_PER_S, TPU_V5P_ICI_BYTES_PER_S), "FLOP/byte")
+    for label, strategy, x, y, mx, my in MESHES:
+        rows.append(_mesh_row(label, strategy, x, y, mx, my))
+    rows.append(_mesh_row(*QUESTION_MESH_SPEC, exact_ring=True))
+    rows.append(_mesh_row(*QUESTION_MESH_SPEC, comm_bytes=FP8_BYTES))
+    scalar("best_tensor_devices", fsdp_tp_best_tensor_devices(model.d_ff, TPU_V5P_FLOPS_PER_S, TPU_V5P_ICI_BYTES_PER_S,
+                                                              QUESTION_TENSOR_AXES), "devices")
+    scalar("fsdp_tp_floor_tokens_per_device",
+           fsdp_tp_min_tokens_lower_bound(model.d_ff, TPU_V5P_FLOPS_PER_S, TPU_V5P_ICI_BYTES_PER_S,
+                                          QUESTION_DATA_AXES, QUESTION_TENSOR_AXES), "tokens")
+    for label, strategy, x, y, mx, my in MESHES:
+        if label not in PLOTTED_MESHES:
+            continue
+        for per_device in SWEEP_TOKENS_PER_DEVICE:
+            tokens = per_device * x * y
+            times = layer_times(strategy, "forward", tokens, model.d_model, model.d_ff, x, y, TPU_V5P_FLOPS_PER_S,
+                                TPU_V5P_ICI_BYTES_PER_S, mx, my)
+            rows.append({"table": "layer_times", "mesh": label, "tokens_per_device": per_device, "tokens": tokens,
+                         "compute_ms": times.compute_s * MS, "weight_comm_ms": times.weight_comm_s * MS,
+                         "activation_comm_ms": times.activation_comm_s * MS, "compute_bound": times.compute_bound})
+
+    # memory of the question's mesh at its compute-bound batch
+    tokens = _question(rows)["min_global_tokens"]
+    scalar("question_state_bytes_per_device", state.total / QUESTION_DEVICES, "bytes")
+    scalar("question_activation_bytes_per_device",
+           saved_activation_bytes_per_device(model, tokens, QUESTION_DATA_DEVICES, QUESTION_TENSOR_DEVICES), "bytes")
+
+    # ring collectives on one v5p ICI axis
+    scalar("ici_hop_latency_s", ICI_HOP_LATENCY_S, "s")
+    for size in COLLECTIVE_SIZES_BYTES:
+        for devices in COLLECTIVE_DEVICE_COUNTS:
+            for collective, time_s in COLLECTIVES.items():
+                total = time_s(size, devices, TPU_V5P_ICI_BYTES_PER_S, ICI_HOP_LATENCY_S)
+                bandwidth_only = time_s(size, devices, TPU_V5P_ICI_BYTES_PER_S)
+                rows.append({"table": "collective", "collective": collective, "array_bytes": size,
+                             "devices": devices, "total_us": total * US, "bandwidth_term_us": bandwidth_only * US,
+                             "latency_term_us": (total - bandwidth_only) * US})
+    for devices in COLLECTIVE_DEVICE_COUNTS:
+        scalar(f"latency_bound_below_bytes_{devices}",
+               latency_bound_below_bytes(devices, TPU_V5P_ICI_BYTES_PER_S, ICI_HOP_LATENCY_S), "bytes")
+
+    scalar("pipeline_send_to_compute", pipeline_send_to_compute_ratio(
+        model.d_ff, model.num_blocks, PIPELINE_STAGES, TPU_V5P_FLOPS_PER_S, TPU_V5P_ICI_BYTES_PER_S), "ratio")
+    for microbatches in PIPELINE_MICROBATCHES:
+        rows.append({"table": "pipeline", "stages": PIPELINE_STAGES, "microbatches": microbatches,
+                     "bubble_fraction": pipeline_bubble_fraction(PIPELINE_STAGES, microbatches)})
+    return rows
+
+
+# ------------------------------------------------------------------------------------------ render
+
+def _scalars(rows: list[Row]) -> dict[str, float]:
+    return {r["name"]: r["value"] for r in select(rows, table="scalar")}
+
+
+def _one(rows: list[Row], **equal) -> Row:
+    found = select(rows, **equal)
+    if len(found) != 1:
+        raise ValueError(f"expected one row with {equal}, found {len(found)}")
+    return found[0]
+
+
+def _question(rows: list[Row]) -> Row:
+    """The question's mesh in the scaling book's model with bf16 collectives."""
+    return _one(rows, table="crossover", mesh=QUESTION_MESH, exact_ring=False, comm_bytes_per_element=BF16_BYTES)
+
+
+def _tokens(value: float) -> str:
+    return "never" if value == float("inf") else "any" if value == 0 else f"{value:,.1f}"
+
+
+def _section_a(rows: list[Row], s: dict[str, float]) -> str:
+    model = _one(rows, table="model")
+    state = {r["component"]: r for r in select(rows, table="state")}
+    total = state["total"]
+    acts = select(rows, table="activations")
+    default = _one(rows, table="activations", sequences=DEFAULT_SEQUENCES)
+    per_block = s["activation_bytes_per_token_per_block"]
+    state_table = [{"component": c, "bytes/param": r["bytes_per_param"], "bytes": f"{r['bytes']:,}",
+                    "GB": r["gb"], "GiB": r["gib"]} for c, r in state.items()]
+    act_table = [{"batch": f"{r['sequences']} x {r['tokens'] // r['sequences']:,} tokens",
+                  "saved activations (GB)": r["activation_gb"], "(GiB)": r["activation_gib"],
+                  "with the fp32 state (GB)": r["with_state_gb"], "H100 80GB equivalents": r["h100s"]}
+                 for r in acts]
+    gpus = s["state_h100s"]
+    return "\n".join([
+        "## The XXL model\n",
+        f"{model['num_blocks']} blocks of Linear(d_model -> d_ff) and Linear(d_ff -> d_model), no biases, no "
+        f"nonlinearity, no attention or embeddings: 2 x {model['d_model']:,} x {model['d_ff']:,} x "
+        f"{model['num_blocks']} = **{model['num_params']:,} parameters**.\n",
+        "## (a) Memory on one device\n",
+        "Master weights and accumulated gradients in fp32 (4 bytes each) and Adam's two fp32 moments: 16 bytes "
+        "per parameter.\n",
+        markdown_table(state_table),
+        "Saved for backward (bf16, 2 bytes per value). Assumption: no activation checkpointing, and each linear "
+        "keeps exactly its input, the one tensor its weight gradient needs: dW_in = In^T dTmp needs In "
+        f"(d_model = {model['d_model']:,} values per token) and dW_out = Tmp^T dOut needs Tmp (d_ff = "
+        f"{model['d_ff']:,}). A block's output is the next block's In and is counted once. Per token that is "
+        f"2 x ({model['d_model']:,} + {model['d_ff']:,}) = {per_block:,.0f} bytes per block, "
+        f"{s['activation_bytes_per_token']:,.0f} bytes ({s['activation_bytes_per_token'] / MB:.2f} MB) over "
+        f"{model['num_blocks']} blocks; the batch below is counted in sequences of {EXAMPLE_SEQ_LEN:,} tokens.\n",
+        markdown_table(act_table),
+        f"An H100 80GB holds {s['h100_memory_bytes'] / GB:.0f} GB (10^9 bytes, the datasheet's unit).\n",
+        f"**Answer.** The fp32 master weights, gradients and Adam moments take {total['gb']:,.2f} GB "
+        f"({total['gib']:,.1f} GiB), {gpus:.2f} H100 80GB GPUs' worth of memory (so {math.ceil(gpus)} GPUs) before any "
+        f"activation; the activations saved for backward add {s['activation_bytes_per_token'] / MB:.2f} MB per token "
+        f"in bf16 ({default['activation_gb']:,.1f} GB for {default['sequences']} x {EXAMPLE_SEQ_LEN:,} tokens, "
+        f"{default['h100s']:.2f} H100s' worth in all).\n",
+        f"Reading \"80GB\" as 80 GiB instead gives {total['gib']:,.1f} / 80 = {s['state_h100s_if_80_gib']:.2f}, so "
+        f"{math.ceil(s['state_h100s_if_80_gib'])} GPUs: answers of {math.ceil(s['state_h100s_if_80_gib'])} and "
+        f"{math.ceil(gpus)} differ in the unit, not the arithmetic. Dividing the GiB figure by a GB capacity mixes the "
+        "two.\n",
+    ])
+
+
+def _section_b(rows: list[Row], s: dict[str, float]) -> str:
+    state = _one(rows, table="state", component="total")
+    table = [{"tokens": f"{r['tokens']:,}", "A, saved activations (GB)": r["activation_gb"],
+              "smallest N_FSDP": r["min_fsdp_devices"] if r["min_fsdp_devices"] is not None else
+              "none: A/2 alone exceeds a chip",
+              "GB per device at that N_FSDP": r["gb_per_device"]} for r in select(rows, table="fsdp")]
+    fsdp = {r["tokens"]: r for r in select(rows, table="fsdp")}
+    state_only = fsdp[0]["min_fsdp_devices"]
+    memory_gb = s["tpu_memory_bytes"] / GB
+    example = fsdp.get(DEFAULT_SEQUENCES * EXAMPLE_SEQ_LEN)
+    example_text = (f", and {example['min_fsdp_devices']} with the activations of {DEFAULT_SEQUENCES} x "
+                    f"{EXAMPLE_SEQ_LEN:,} tokens"
+                    if example and example["min_fsdp_devices"] is not None else "")
+    return "\n".join([
+        "## (b) FSDP across N_FSDP devices\n",
+        "The weights, gradients and optimizer state (S) and half of the saved activations (A, every second layer) "
+        "are split N_FSDP ways; the other half of A stays whole on every device:\n",
+        "    memory per device = (S + A/2) / N_FSDP + A/2",
+        f"    S = {state['gb']:,.2f} GB,  A = {s['activation_bytes_per_token']:,.0f} bytes x tokens\n",
+        f"Below {memory_gb:.0f} GB per device (a v5p chip, 95 GB = 95 x 10^9 bytes): N_FSDP > (S + A/2) / "
+        f"({memory_gb:.0f} GB - A/2), which has a solution only while A/2 < {memory_gb:.0f} GB, that is below "
+        f"{s['fsdp_max_tokens']:,.0f} tokens.\n",
+        markdown_table(table),
+        f"**Answer.** Per device, (S + A/2) / N_FSDP + A/2 bytes; for the state alone N_FSDP must be at least "
+        f"{state_only} ({state['gb']:,.2f} / {memory_gb:.0f} = {state['gb'] / memory_gb:.2f}){example_text}; from "
+        f"{s['fsdp_max_tokens']:,.0f} tokens on, the unsharded half of the activations alone fills a chip and no "
+        "N_FSDP is enough.\n",
+    ])
+
+
+def _section_c(rows: list[Row], s: dict[str, float]) -> str:
+    q = _question(rows)
+    exact = _one(rows, table="crossover", mesh=QUESTION_MESH, exact_ring=True)
+    model = _one(rows, table="model")
+    x, y, mx, my = q["data_devices"], q["tensor_devices"], q["data_axes"], q["tensor_axes"]
+    f_over_alpha = model["d_ff"] / s["alpha"]
+    times = [{"tokens / device": r["tokens_per_device"], "batch (tokens)": f"{r['tokens']:,}",
+              "compute (ms)": r["compute_ms"], "FSDP gathers (ms)": r["weight_comm_ms"],
+              "TP gather + scatter (ms)": r["activation_comm_ms"],
+              "compute bound": "yes" if r["compute_bound"] else "no"}
+             for r in select(rows, table="layer_times", mesh=QUESTION_MESH)]
+    binding = "forward" if q["forward_min_tokens_per_device"] >= q["backward_min_tokens_per_device"] else "backward"
+    chip_bytes = s["question_state_bytes_per_device"] + s["question_activation_bytes_per_device"]
+    return "\n".join([
+        f"## (c) Compute-bound batch on TPU v5p, X = {x} (FSDP, M_X = {mx}), Y = {y} (TP, M_Y = {my})\n",
+        f"C = {s['flops_per_s']:.2g} FLOP/s, W_ici = {s['ici_bytes_per_s']:.2g} bytes/s per mesh axis (both "
+        f"directions), alpha = C / W_ici = {s['alpha']:,.1f} FLOP/byte. Forward pass of one block on one chip, B "
+        f"tokens in the batch, N = X Y = {x * y}, D = d_model, F = d_ff, bf16 collectives (the scaling book's "
+        "model, an all-gather or reduce-scatter of V bytes over M axes taking V / (M W)):\n",
+        "    T_math = 2 x 2 B D F / (N C)                 two matmuls, split over all N chips",
+        "    T_FSDP = 2 x (2 D F / Y) / (M_X W)           all-gather W_in[D, F_Y] and W_out[F_Y, D] over X",
+        "    T_TP   = 2 x (2 B D / X) / (M_Y W)           all-gather In[B_X, D], reduce-scatter Out over Y\n",
+        "The collectives overlap with the matmuls but not with each other, so the block is compute bound when "
+        "T_math >= T_FSDP + T_TP. Dividing by 4 D / W and writing b = B / N (so B / X = b Y):\n",
+        "    F / (Y M_X) + b Y / M_Y <= b F / alpha",
+        f"    b >= F / (Y M_X) / (F / alpha - Y / M_Y) = {model['d_ff'] / (y * mx):,.0f} / ({f_over_alpha:.2f} - "
+        f"{y / my:g}) = {q['forward_min_tokens_per_device']:.1f} tokens per chip\n",
+        markdown_table(times),
+        f"**Answer.** The forward pass is compute bound from {q['forward_min_tokens_per_device']:.1f} tokens per chip "
+        f"({math.ceil(q['forward_min_tokens_per_device'])} as a whole number), an overall batch of {x * y} x "
+        f"{q['forward_min_tokens_per_device']:.1f} = {q['forward_min_tokens_per_device'] * x * y:,.0f} tokens "
+        f"(about {q['forward_min_tokens_per_device'] * x * y / EXAMPLE_SEQ_LEN:.1f} sequences of "
+        f"{EXAMPLE_SEQ_LEN:,}); each chip's matmuls then run on its data shard of B / X = "
+        f"{q['forward_min_tokens_per_device'] * y:,.0f} tokens, which the {y} TP chips of a group share.\n",
+        f"Checks on the same model: keeping the ring's (N - 1) / N factors ({x - 1}/{x} over X, {y - 1}/{y} over Y) "
+        f"lowers the threshold to {exact['forward_min_tokens_per_device']:.1f} tokens per chip "
+        f"({exact['forward_min_tokens_per_device'] * x * y:,.0f} overall). The backward pass needs "
+        f"{q['backward_min_tokens_per_device']:.1f} (twice the FLOPs and twice the FSDP traffic, the same TP "
+        f"traffic), so the {binding} pass sets the batch. At this batch each chip holds "
+        f"{s['question_state_bytes_per_device'] / GB:.1f} GB of fp32 state (S / {x * y}) and "
+        f"{s['question_activation_bytes_per_device'] / GB:.1f} GB of saved activations, "
+        f"{'within' if chip_bytes < s['tpu_memory_bytes'] else 'beyond'} a v5p's "
+        f"{s['tpu_memory_bytes'] / GB:.0f} GB.\n",
+    ])
+
+
+def _section_d(rows: list[Row], s: dict[str, float]) -> str:
+    q = _question(rows)
+    fp8 = _one(rows, table="crossover", mesh=QUESTION_MESH, comm_bytes_per_element=FP8_BYTES)
+    splits = select(rows, table="crossover", strategy="fsdp_tp", exact_ring=False, comm_bytes_per_element=BF16_BYTES)
+    best = min(splits, key=lambda r: r["min_tokens_per_device"])
+    stage = _one(rows, table="crossover", mesh=STAGE_MESH)
+    pipeline = select(rows, table="pipeline")
+    model = _one(rows, table="model")
+    n = q["data_devices"] * q["tensor_devices"]
+    bubbles = ", ".join(f"{r['bubble_fraction']:.0%} with m = {r['microbatches']}" for r in pipeline)
+    stage_bound = stage["min_tokens_per_device"] == 0
+    if q["forward_min_tokens_per_device"] >= q["backward_min_tokens_per_device"]:
+        recompute_text = ("Activation recomputation does not lower the threshold: it adds a forward's FLOPs to the "
+                          "backward pass, and the forward pass is the one that binds; its use is memory, letting the "
+                          "same chips hold a layout with less FSDP and more TP.")
+    else:
+        recompute_text = ("Activation recomputation adds a forward's FLOPs to the backward pass, which binds here, "
+                          "so it lowers the backward threshold as well as freeing memory.")
+    stage_text = (f"TP at Y = {stage['tensor_devices']} is "
+                  f"{'compute bound at any batch' if stage_bound else 'communication bound at every batch'} "
+                  f"(F / alpha = {model['d_ff'] / s['alpha']:.1f} {'>=' if stage_bound else '<'} Y)")
+    return "\n".join([
+        "## (d) Smaller batches at full throughput\n",
+        f"The forward threshold b >= F / (Y M_X) / (F / alpha - Y / M_Y) depends on the split of the chips. It is "
+        f"smallest at Y* = F M_Y / (2 alpha) = {s['best_tensor_devices']:.1f}, where it equals the scaling book's "
+        f"floor 4 alpha^2 / (F M_X M_Y) = {s['fsdp_tp_floor_tokens_per_device']:.1f} tokens per chip "
+        f"({s['fsdp_tp_floor_tokens_per_device'] * n:,.0f} on {n} chips). Of the FSDP+TP splits of {n} chips below, "
+        f"{best['data_devices']} x {best['tensor_devices']} needs the least, {best['min_tokens_per_device']:.1f} "
+        f"({best['min_global_tokens']:,.0f}), against {q['min_tokens_per_device']:.1f} "
+        f"({q['min_global_tokens']:,.0f}) for {q['data_devices']} x {q['tensor_devices']}: more TP shrinks the "
+        f"weight gathers while activation traffic stays below compute as long as Y < F M_Y / alpha "
+        f"= {model['d_ff'] / s['alpha']:.1f} (Austin et al., How to Scale Your Model, part 5). Moving fewer bytes "
+        f"works the same way: gathering weights and activations in 8 bits instead of bf16 (as ZeRO++ quantises "
+        f"FSDP's weight all-gathers, Wang et al. 2023) brings the {q['data_devices']} x {q['tensor_devices']} "
+        f"threshold to {fp8['min_tokens_per_device']:.1f} tokens per chip ({fp8['min_global_tokens']:,.0f}). Pipeline "
+        f"parallelism (GPipe, Huang et al. 2019; 1F1B, Narayanan et al. 2021) removes the batch-dependent term "
+        f"altogether: a stage keeps its 1/P of the layers resident, so no weights move, {stage_text}, and "
+        f"between stages each microbatch sends one "
+        f"[b, D] activation, which takes {s['pipeline_send_to_compute']:.2%} of the stage's matmul time at any "
+        f"microbatch (e alpha P / (4 F L) for P = {pipeline[0]['stages']}); the price is the idle bubble (P - 1) / "
+        f"(m + P - 1), which for P = {pipeline[0]['stages']} stages is {bubbles} microbatches, so small batches "
+        "need many small microbatches or a zero-bubble schedule (Qi et al. 2023; DeepSeek-V3's DualPipe). "
+        f"{recompute_text} Counting tokens, longer sequences with fewer of them change nothing: every threshold above "
+        "is in tokens.\n",
+    ])
+
+
+def _section_collectives(rows: list[Row], s: dict[str, float]) -> str:
+    collectives = select(rows, table="collective")
+    table = []
+    for size in sorted({r["array_bytes"] for r in collectives}):
+        for devices in sorted({r["devices"] for r in collectives}):
+            cell = {r["collective"]: r for r in collectives if r["array_bytes"] == size and r["devices"] == devices}
+            gather = cell["all_gather"]
+            table.append({"array": _size(size), "N": devices,
+                          **{f"{name} (us)": cell[name]["total_us"] for name in COLLECTIVES},
+                          "all_gather latency share": gather["latency_term_us"] / gather["total_us"]})
+    same = all(abs(a["total_us"] - b["total_us"]) <= 1e-9 * b["total_us"]
+               for a in collectives if a["collective"] == "all_reduce"
+               for b in collectives if b["collective"] == "reduce_scatter_then_all_gather"
+               and b["array_bytes"] == a["array_bytes"] and b["devices"] == a["devices"])
+    crossovers = ", ".join(f"{_size(s[f'latency_bound_below_bytes_{n}'])} at N = {n}" for n in COLLECTIVE_DEVICE_COUNTS)
+    return "\n".join([
+        "## Parallelism calculations\n",
+        "### Ring collectives\n",
+        "N devices in a ring; a step sends one message to the next device, latency + bytes / w. V is the whole "
+        "array's size; w a device's bandwidth into the ring (a bidirectional ring counts both directions, like "
+        "W_ici).\n",
+        "    all-gather      (N - 1) latency +     (N - 1) / N  V / w     N - 1 steps of V / N",
+        "    reduce-scatter  (N - 1) latency +     (N - 1) / N  V / w     the same messages, summed on the way",
+        "    all-reduce     2(N - 1) latency + 2 (N - 1) / N  V / w     reduce-scatter phase, then all-gather phase",
+        "    reduce-scatter, then all-gather: the same 2(N - 1) messages of V / N, so the same time\n",
+        f"Doubling w halves the bandwidth term; as N grows it tends to V / w (2 V / w for the all-reduces) while "
+        f"the latency term grows as N. On one v5p ICI axis (w = {s['ici_bytes_per_s']:.2g} bytes/s, "
+        f"{s['ici_hop_latency_s'] * US:g} us per hop) collectives are latency bound below N w latency: {crossovers}.\n",
+        markdown_table(table),
+        ("The alternate all-reduce (reduce-scatter, then all-gather) takes exactly as long as the ring all-reduce in "
+         "every row." if same else "The alternate all-reduce differs from the ring all-reduce in some rows.") + "\n",
+    ])
+
+
+def _size(nbytes: float) -> str:
+    for unit, scale in (("GB", GB), ("MB", MB), ("kB", 1e3)):
+        if nbytes >= scale:
+            return f"{nbytes / scale:.3g} {unit}"
+    return f"{nbytes:.3g} bytes"
+
+
+def _section_strategies(rows: list[Row], s: dict[str, float]) -> str:
+    crossovers = select(rows, table="crossover", exact_ring=False, comm_bytes_per_element=BF16_BYTES)
+    fsdp = _one(rows, table="crossover", strategy="fsdp")
+    table = [{"mesh (64 v5p chips)": r["mesh"], "X": r["data_devices"], "Y": r["tensor_devices"],
+              "M_X": r["data_axes"], "M_Y": r["tensor_axes"],
+              "forward b_min": _tokens(r["forward_min_tokens_per_device"]),
+              "backward b_min": _tokens(r["backward_min_tokens_per_device"]),
+              "min batch (tokens)": _tokens(r["min_global_tokens"])} for r in crossovers]
+    return "\n".join([
+        "### Compute vs communication per block: DP, FSDP, TP, FSDP+TP\n",
+        "Per block and device, B tokens, X data-parallel and Y tensor-parallel devices (N = X Y), e bytes per "
+        "communicated value, scaling-book collective times (V / (M W) per gather or scatter, 2 V / (M W) per "
+        "all-reduce):\n",
+        "    compute               forward 4 B D F / (N C)            backward 8 B D F / (N C)",
+        "    DP   weights          forward 0                          backward 2 all-reduces of e D F",
+        "    FSDP weights          forward 2 gathers of e D F / Y     backward 2 gathers + 2 scatters of e D F / Y",
+        "    TP   activations      forward gather + scatter of e B D / X, backward the same (dOut, dIn)\n",
+        f"A block is compute bound when compute >= communication. Solved for b = B / N with bf16 (e = 2) and "
+        f"alpha = {s['alpha']:,.1f}: DP and FSDP need b >= alpha / M_X ({fsdp['min_tokens_per_device']:,.1f} "
+        f"over {fsdp['data_axes']} axes); TP needs no batch at all but Y <= F M_Y / alpha "
+        f"= {_one(rows, table='model')['d_ff'] / s['alpha']:.1f}; FSDP+TP needs b >= F / (Y M_X) / (F / alpha - "
+        "Y / M_Y). \"any\" means compute bound at every batch, \"never\" at none; min batch = N x the larger "
+        "threshold.\n",
+        markdown_table(table),
+        "![forward compute / communication](communication_accounting_forward.png)\n",
+        "### Activation memory of an XXL block (bf16)\n",
+        f"    saved per token per block      2 (D + F) = {s['activation_bytes_per_token_per_block']:,.0f} bytes",
+        f"    whole model, B tokens          2 (D + F) L B = {s['activation_bytes_per_token']:,.0f} B bytes",
+        "    per device, X x Y mesh          2 (D + F / Y) L B / X   (In gathered over Y is kept; Tmp is sharded)\n",
+    ])
+
+
+def _plot(rows: list[Row]):
+    from matplotlib.figure import Figure
+
+    figure = Figure(figsize=(7, 4.5))
+    axes = figure.subplots()
+    for mesh in PLOTTED_MESHES:
+        line = sorted(select(rows, table="layer_times", mesh=mesh), key=lambda r: r["tokens_per_device"])
+        if line:
+            axes.plot([r["tokens_per_device"] for r in line],
+                      [r["compute_ms"] / (r["weight_comm_ms"] + r["activation_comm_ms"]) for r in line],
+                      marker="o", label=mesh)
+    axes.axhline(1.0, color="gray", linestyle="--", label="compute = communication")
+    axes.set_xscale("log", base=2)
+    axes.set_yscale("log")
+    axes.set_xlabel("tokens per chip (B / N)")
+    axes.set_ylabel("forward compute time / communication time")
+    axes.set_title("XXL block on 64 TPU v5p chips (model, not measured)")
+    axes.grid(True, which="both", alpha=0.3)
+    axes.legend(fontsize=8)
+    figure.tight_layout()
+    return figure
+
+
+@renderer(PROBLEM)
+def render_communication_accounting(rows: list[Row]) -> Rendered:
+    s = _scalars(rows)
+    body = "\n".join([_section_a(rows, s), _section_b(rows, s), _section_c(rows, s), _section_d(rows, s),
+                      _section_collectives(rows, s), _section_strategies(rows, s)])
+    return Rendered(body, figures={"communication_accounting_forward.png": _plot(rows)})
+
+
+def header(command: str) -> str:
+    return "\n".join([
+        f"# {PROBLEM}", "",
+        "- device: none; computed in closed form by `cs336_systems.accounting.communication` and "
+        "`cs336_systems.accounting.parallelism`, nothing is measured",
+        f"- command: `{command}`",
+        "- units: bytes; GB = 10^9 bytes, GiB = 2^30 bytes, MB = 10^6 bytes; FLOP/s; batches in tokens", "",
+    ])
+
+
+def write_communication_accounting(report_dir: Path | str, command: str = DEFAULT_COMMAND) -> Path:
+    """Write <report_dir>/communication_accounting.md, .csv (every row) and its figure; returns the .md path.
+
+    The report has no date or device in it, so writing it again gives identical files.
+    """
+    report_dir = Path(report_dir)
+    report_dir.mkdir(parents=True, exist_ok=True)
+    rows = communication_accounting_rows()
+    write_csv(report_dir / f"{PROBLEM}.csv", rows)
+    rendered = render_communication_accounting(rows)
+    for file_name, figure in rendered.figures.items():
+        # No metadata: the PNG's bytes depend only on the figure.
+        figure.savefig(report_dir / file_name, dpi=120, bbox_inches="tight", metadata={"Software": None})
+    path = report_dir / f"{PROBLEM}.md"
+    path.write_text(header(command) + "\n" + rendered.body.rstrip() + "\n")
+    return path
