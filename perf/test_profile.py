@@ -1,0 +1,45 @@
+"""nsys_profile: kernel tables per range from torch.profiler, over every model size x context with
+naive attention in fp32 (one warm-up step, three timed steps, one profiled step per cell).
+
+On a GPU the sweep is the course's (contexts 128 to 1024; about 4 minutes on one H100, the cells
+that do not fit recorded as OOM). On CPU: the tiny model at contexts 16 and 32, in seconds.
+"""
+
+import pytest
+
+from cs336_systems.benchmarks.profiling import ATTENTION_RANGES, ProfileConfig, nsys_row, profile_training_step
+from cs336_systems.pytest_plugin import settings
+from cs336_systems.reports import OOM
+
+GPU_CONTEXTS = (128, 256, 512, 1024)
+CPU_CONTEXTS = (16, 32)
+# The Nsight Systems command shown in the report profiles this cell.
+NSYS_CELL = ("xl", 512)
+CPU_NSYS_CELL = ("tiny", 32)
+
+pytestmark = pytest.mark.profile
+
+
+def pytest_generate_tests(metafunc):
+    if "context_length" in metafunc.fixturenames:
+        on_gpu = settings(metafunc.config).on_gpu
+        metafunc.parametrize("context_length", GPU_CONTEXTS if on_gpu else CPU_CONTEXTS)
+
+
+def test_kernel_tables(model_size, context_length, device, run_settings, report):
+    cfg = ProfileConfig(model_size, context_length)
+    if not run_settings.on_gpu:
+        cfg = ProfileConfig(model_size, context_length, batch_size=2, timed_steps=2)
+    rows = profile_training_step(cfg, device)
+    for row in rows:
+        report("nsys_profile").add(row)
+    cell = next(r for r in rows if r["table"] == "cell")
+    assert cell["status"] in ("ok", OOM)
+    if cell["status"] == "ok":
+        ranges = {r["range"]: r for r in rows if r["table"] == "range"}
+        assert {"step", "forward", "backward", "optimizer", *ATTENTION_RANGES} <= set(ranges)
+        assert ranges["forward"]["work_ms"] <= ranges["step"]["work_ms"]
+
+
+def test_nsys_command(run_settings, report):
+    report("nsys_profile").add(nsys_row(*(NSYS_CELL if run_settings.on_gpu else CPU_NSYS_CELL)))

@@ -1,0 +1,322 @@
+"""The analytical memory model (worked values, and the tensors autograd really saves), the snapshot
+parser on a synthetic snapshot, CPU peak measurement, and the memory reports."""
+
+from contextlib import nullcontext
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from cs336_systems.accounting.activations import (
+    block_saved_bytes,
+    head_saved_bytes,
+    parameter_count,
+    predict_peak_memory,
+    residual_stream_bytes,
+    saved_activation_bytes,
+)
+from cs336_systems.benchmarks.profiling import (
+    CheckpointSweepConfig,
+    MemoryProfileConfig,
+    checkpoint_sweep,
+    memory_profile,
+)
+from cs336_systems.model import ModelConfig, TransformerLM
+from cs336_systems.profiling.memory import (
+    active_memory_timeline,
+    downsample_peaks,
+    largest_allocations,
+    peak_memory_increase,
+    record_memory_history,
+    saved_tensor_bytes,
+    source_frame,
+)
+from cs336_systems.reports import OOM, get_renderer
+
+# T = 1 x 4 tokens, d = 8, f = 16, h = 2 heads of d_head 4, vocab 10: every term below is small
+# enough to add up by hand.
+SMALL = ModelConfig(d_model=8, d_ff=16, num_layers=2, num_heads=2, context_length=4, vocab_size=10)
+
+
+def test_block_bytes_fp32_by_hand():
+    parts = block_saved_bytes(SMALL, batch_size=1, seq_len=4, precision="fp32", attention="naive")
+    # Each RMSNorm: input + normalised input (2 x 4 x 8 x 4 B = 256) + rsqrt per token (4 x 4 B) = 272.
+    assert parts["attention_norm"] == parts["ffn_norm"] == 272
+    # q/k/v share one fp32 input, w1/w3 another: 4 x 8 x 4 B = 128 each.
+    assert parts["qkv_inputs"] == parts["ffn_inputs"] == 128
+    # RoPE keeps cos and sin for q and for k: 4 tables of 4 positions x 2 pairs x 4 B = 128.
+    assert parts["rope_tables"] == 128
+    # Rotated q, rotated k, contiguous v: 3 x 128 = 384; the head-merge copy: 128.
+    assert parts["attention_qkv"] == 384 and parts["output_proj_input"] == 128
+    # Softmax output: 1 x 2 heads x 4 x 4 scores x 4 B = 128; the causal mask: 16 bools.
+    assert parts["attention_scores"] == 128 and parts["causal_mask"] == 16
+    # w1 out, SiLU out, w3 out, their product: 4 x (4 x 16) x 4 B = 1024.
+    assert parts["ffn_hidden"] == 1024
+    assert sum(parts.values()) == 2608
+
+
+def test_block_bytes_bf16_autocast_on_cuda_by_hand():
+    parts = block_saved_bytes(SMALL, 1, 4, precision="bf16", attention="naive", device_type="cuda")
+    # Norms stay fp32 (272 each). Each Linear casts its input: q, k, v 3 x 4 x 8 x 2 B = 192; w1, w3 128.
+    assert parts["attention_norm"] == 272 and parts["qkv_inputs"] == 192 and parts["ffn_inputs"] == 128
+    # Softmax runs in fp32 under CUDA autocast and P v casts P to bf16: 32 scores x (4 + 2) B = 192.
+    assert parts["attention_scores"] == 192
+    # bf16 weight copies kept by the 7 Linears: (4 x 8 x 8 + 3 x 8 x 16) x 2 B = 1280.
+    assert parts["weight_casts"] == 1280
+    assert sum(parts.values()) == 3184
+
+
+def test_head_bytes_by_hand():
+    # Final norm 272 + LM head input 128 + fp32 log-softmax 4 x 10 x 4 B = 160 + nll's total weight 4 = 564.
+    assert sum(head_saved_bytes(SMALL, 1, 4, "fp32").values()) == 564
+    assert saved_activation_bytes(SMALL, 1, 4) == 2 * 2608 + 564
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+@pytest.mark.parametrize("attention", ["naive", "sdpa"])
+def test_saved_bytes_match_what_autograd_saves(precision, attention):
+    torch.manual_seed(0)
+    batch, seq = 3, 24  # distinct sizes, so no term can stand in for another
+    config = ModelConfig(d_model=64, d_ff=160, num_layers=3, num_heads=4, context_length=seq, vocab_size=500)
+    model = TransformerLM(config, attention=attention)
+    inputs, targets = torch.randint(0, config.vocab_size, (2, batch, seq))
+
+    def loss():
+        with torch.autocast("cpu", dtype=torch.bfloat16) if precision == "bf16" else nullcontext():
+            return F.cross_entropy(model(inputs).flatten(0, 1), targets.flatten())
+
+    measured = saved_tensor_bytes(loss, exclude=[*model.parameters(), inputs, targets])
+    assert measured == saved_activation_bytes(config, batch, seq, precision, attention, device_type="cpu")
+
+
+def test_cuda_and_cpu_autocast_differ_only_where_their_rules_do():
+    cuda = block_saved_bytes(SMALL, 1, 4, "bf16", "naive", "cuda")
+    cpu = block_saved_bytes(SMALL, 1, 4, "bf16", "naive", "cpu")
+    # CPU autocast runs softmax in bf16: P kept once in 2 bytes instead of fp32 + a bf16 copy.
+    assert {k for k in cuda if cuda[k] != cpu[k]} == {"attention_scores"}
+    assert cuda["attention_scores"] - cpu["attention_scores"] == 32 * 4
+
+
+@pytest.mark.parametrize("size, params", [("small", 128_625_408), ("medium", 423_183_360), ("large", 969_411_840),
+                                          ("xl", 1_998_235_200), ("2.7B", 3_406_809_600)])
+def test_parameter_count_matches_the_size_table(size, params):
+    config = ModelConfig.for_size(size, 128)
+    assert parameter_count(config) == params
+
+
+def test_parameter_count_matches_a_built_model():
+    config = ModelConfig.for_size("tiny", 8)
+    assert parameter_count(config) == sum(p.numel() for p in TransformerLM(config).parameters())
+
+
+def test_residual_stream_is_fp32_sized():
+    # 2.7B at batch 4, context 512: 4 x 512 x 2560 x 4 B = 20,971,520 B (20 MiB).
+    assert residual_stream_bytes(ModelConfig.for_size("2.7B", 512), 4, 512) == 20_971_520
+
+
+def test_training_peak_of_27b_is_the_optimizer_step():
+    config = ModelConfig.for_size("2.7B", 512)
+    prediction = predict_peak_memory(config, 4, 512, "fp32", "naive", "train_step")
+    params = 3_406_809_600 * 4  # 13,627,238,400 B
+    # Saved activations: 32 blocks x 680,083,456 B + head 144,842,756 B.
+    assert prediction.saved_activations_bytes == 32 * 680_083_456 + 144_842_756
+    # End of forward: P + 2P (AdamW) + 21.9 GB saved + 268 MB of score gradients = 63.1 GB; the optimizer
+    # step holds parameters, gradients, both moments and foreach AdamW's sqrt temporary: 5P = 68.1 GB.
+    assert prediction.peak_bytes == 5 * params and prediction.peak_phase == "optimizer step"
+
+
+def test_inference_peak_by_hand():
+    config = ModelConfig.for_size("2.7B", 512)
+    fp32 = predict_peak_memory(config, 4, 512, "fp32", "naive", "inference")
+    # Residual + norm output 41,943,040 B; attention stage: rotated q, k and v 62,914,560 B + 33,554,432
+    # scores x (masked 4 B + softmax 4 B) 268,435,456 B: transient 373,293,056 B on top of P.
+    assert fp32.transient_bytes == 373_293_056 and fp32.peak_bytes == 3_406_809_600 * 4 + 373_293_056
+    bf16 = predict_peak_memory(config, 4, 512, "bf16", "naive", "inference")
+    # Autocast caches a bf16 copy of every Linear weight: 2 B x 3,381,043,200 matmul weights.
+    assert bf16.autocast_weight_cache_bytes == 2 * 3_381_043_200
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(precision="fp8"), "unknown precision"),
+    (dict(attention="flash"), "no activation model"),
+    (dict(device_type="mps"), "unknown device type"),
+])
+def test_bad_model_arguments(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        block_saved_bytes(SMALL, 1, 4, **kwargs)
+    with pytest.raises(ValueError, match="unknown mode"):
+        predict_peak_memory(SMALL, 1, 4, mode="serve")
+
+
+# ---------------------------------------------------------------------------------------- snapshots
+
+def _frames(*locations):
+    return [{"filename": filename, "line": line, "name": name} for filename, line, name in locations]
+
+
+LINEAR = ("/venv/lib/python3.12/site-packages/torch/nn/functional.py", 10, "linear")
+MODEL = ("/repo/cs336_systems/model.py", 77, "forward")
+STEP = ("/repo/cs336_systems/benchmarks/profiling.py", 88, "step")
+
+
+def synthetic_snapshot() -> dict:
+    """4096 B allocated before recording and alive at the end; then A (1000 B) comes and goes, B and
+    C (3000 B each, one line) overlap; C is alive at the end."""
+    trace = [
+        {"action": "segment_alloc", "addr": 0, "size": 1 << 20, "time_us": 0, "frames": []},
+        {"action": "alloc", "addr": 1, "size": 1000, "time_us": 1, "frames": _frames(LINEAR, MODEL, STEP)},
+        {"action": "alloc", "addr": 2, "size": 3000, "time_us": 2, "frames": _frames(STEP)},
+        {"action": "free_requested", "addr": 1, "size": 1000, "time_us": 3, "frames": []},
+        {"action": "free_completed", "addr": 1, "size": 1000, "time_us": 4, "frames": []},
+        {"action": "alloc", "addr": 3, "size": 3000, "time_us": 5, "frames": _frames(STEP)},
+        {"action": "free_completed", "addr": 2, "size": 3000, "time_us": 6, "frames": []},
+    ]
+    blocks = [{"size": 4096, "state": "active_allocated"}, {"size": 3000, "state": "active_allocated"},
+              {"size": 1000, "state": "inactive"}]
+    return {"segments": [{"device": 0, "blocks": blocks}], "device_traces": [trace]}
+
+
+def test_timeline_recovers_the_starting_level_and_follows_events():
+    timeline = active_memory_timeline(synthetic_snapshot())
+    # Start: 7096 active at the end minus the trace's net +3000 = 4096.
+    assert timeline == [(1, 5096), (2, 8096), (4, 7096), (5, 10096), (6, 7096)]
+
+
+def test_downsampling_keeps_the_peak():
+    timeline = [(t, v) for t, v in enumerate([1, 5, 2, 9, 3, 4, 8, 1, 0])]
+    sampled = downsample_peaks(timeline, 3)
+    assert len(sampled) == 3 and max(v for _, v in sampled) == 9
+    assert downsample_peaks(timeline, 100) == timeline
+    with pytest.raises(ValueError, match="positive"):
+        downsample_peaks(timeline, 0)
+
+
+def test_largest_allocations_group_by_size_and_source():
+    top = largest_allocations(synthetic_snapshot(), top=5)
+    assert [(a.size_bytes, a.count, a.source) for a in top] == [
+        (3000, 2, "cs336_systems/benchmarks/profiling.py:88 (step)"),
+        (1000, 1, "cs336_systems/model.py:77 (forward)")]
+    assert top[1].innermost == "torch/nn/functional.py:10 (linear)"
+    assert source_frame(_frames(LINEAR)) == "outside cs336_systems"
+
+
+def test_bad_snapshots_are_refused():
+    with pytest.raises(ValueError, match="not a memory snapshot"):
+        active_memory_timeline({"segments": []})
+    with pytest.raises(ValueError, match="device 1"):
+        active_memory_timeline(synthetic_snapshot(), device=1)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the error on a machine without CUDA")
+def test_memory_history_needs_cuda():
+    with pytest.raises(RuntimeError, match="no CUDA GPU"):
+        with record_memory_history():
+            pass
+
+
+def test_cpu_peak_memory_from_profiler_records():
+    def fn():
+        first = torch.empty(1 << 20, dtype=torch.uint8)
+        second = torch.empty(2 << 20, dtype=torch.uint8)
+        del first, second
+        return torch.empty(1 << 10, dtype=torch.uint8)
+
+    peak, end = peak_memory_increase(fn, "cpu")
+    assert peak >= 3 << 20 and end < 1 << 20
+
+
+def test_saved_tensor_bytes_count_a_storage_once():
+    weight = torch.randn(16, 16, requires_grad=True)
+    x = torch.randn(4, 16)
+
+    def fn():
+        y = x @ weight  # saves x (excluded) and weight (excluded)
+        return (y * y).sum()  # saves y: 4 x 16 x 4 B, once for both operands
+
+    assert saved_tensor_bytes(fn, exclude=[weight, x]) == 4 * 16 * 4
+
+
+# ----------------------------------------------------------------------------------------- reports
+
+def test_memory_profile_on_cpu_gives_peaks_saved_bytes_and_the_residual_check():
+    rows = memory_profile(MemoryProfileConfig(size="tiny", contexts=(8, 16), precisions=("fp32",), batch_size=1), "cpu")
+    peaks = [r for r in rows if r["table"] == "peak"]
+    assert len(peaks) == 4 and all(r["status"] == "ok" and r["peak_increase_bytes"] > 0 for r in peaks)
+    train = [r for r in peaks if r["mode"] == "train_step"]
+    assert all(r["measured_saved_bytes"] == r["predicted_saved_bytes"] for r in train)
+    residual = next(r for r in rows if r["table"] == "residual")
+    assert residual["measured_bytes"] == residual["computed_bytes"] == 1 * 16 * 64 * 4
+    body = get_renderer("memory_profiling")(rows).body
+    assert "Residual-stream activation size" in body and "2 of 2 cells match to the byte" in body
+
+
+def _gpu_memory_rows() -> list[dict]:
+    base = {"size": "2.7B", "batch_size": 4, "attention": "naive", "device": "cuda", "context_length": 512}
+    gib = 2**30
+    rows = [{**base, "table": "residual", "precision": "fp32", "d_model": 2560, "computed_bytes": 20_971_520,
+             "measured_bytes": 20_971_520, "shape": "4x512x2560", "dtype": "float32"}]
+    for mode, start, peak, predicted in [("inference", 12.7, 13.1, 13.0), ("train_step", 38.1, 70.0, 60.0)]:
+        rows.append({**base, "table": "peak", "mode": mode, "precision": "fp32", "status": "ok",
+                     "start_bytes": start * gib, "peak_increase_bytes": (peak - start) * gib, "peak_bytes": peak * gib,
+                     "timeline_peak_bytes": peak * gib, "predicted_peak_bytes": predicted * gib,
+                     "predicted_phase": "optimizer step", "predicted_parameters_bytes": 12.7 * gib,
+                     "predicted_gradients_bytes": 12.7 * gib if mode == "train_step" else 0,
+                     "predicted_optimizer_state_bytes": 25.4 * gib if mode == "train_step" else 0,
+                     "predicted_activations_bytes": 20.4 * gib if mode == "train_step" else 0,
+                     "predicted_weight_cache_bytes": 0, "predicted_transient_bytes": 0.25 * gib})
+        rows += [{**base, "table": "timeline", "mode": mode, "precision": "fp32", "time_ms": t, "active_gib": v}
+                 for t, v in [(0, start), (5, peak), (9, start)]]
+        rows.append({**base, "table": "allocation", "mode": mode, "precision": "fp32", "rank": 1, "size_mib": 400.0,
+                     "count": 32, "source": "cs336_systems/model.py:77 (forward)", "innermost": "torch/x.py:1 (f)"})
+    rows.append({**base, "table": "peak", "mode": "train_step", "precision": "bf16", "status": OOM})
+    return rows
+
+
+def test_memory_report_from_gpu_rows():
+    rendered = get_renderer("memory_profiling")(_gpu_memory_rows())
+    assert set(rendered.figures) == {"memory_timeline.png"}
+    body = rendered.body
+    assert "1 of 2 measured peaks within 15%" in body
+    # The miss is explained from the rows: 10 GiB above the prediction, closest in size to the
+    # predicted parameters (12.7 GiB).
+    assert "10.00 GiB more; of the predicted components the gap is closest in size to the parameters (12.70 GiB)" in body
+    assert OOM in body
+    assert "Largest allocations" in body and "cs336_systems/model.py:77 (forward)" in body
+
+
+def test_checkpoint_sweep_on_cpu_and_its_report():
+    rows = checkpoint_sweep(CheckpointSweepConfig(size="tiny", context_length=8, batch_size=1, ks=(1, 2, 4, None),
+                                                  nested_levels=(None,)), "cpu")
+    sweep = [r for r in rows if r["table"] == "sweep"]
+    # k = 4 is k = 2 for two blocks: run once.
+    assert [(r["plan_kind"], r["k"]) for r in sweep] == [("every_k", 1), ("every_k", 2), ("every_k", "none"),
+                                                          ("optimal", None)]
+    assert all(r["status"] == "ok" and r["measured_peak_bytes"] > 0 for r in sweep)
+    rendered = get_renderer("gradient_checkpointing")(rows)
+    assert "Best single level" in rendered.body and "gradient_checkpointing.png" in rendered.figures
+
+
+def test_checkpoint_report_from_gpu_rows():
+    base = {"size": "xl", "batch_size": 4, "precision": "fp32", "attention": "sdpa", "device": "cuda",
+            "num_layers": 48, "context_length": 1024, "block_bytes": 734_003_200, "boundary_bytes": 26_214_400,
+            "head_bytes": 300_000_000, "transient_bytes": 330_000_000, "table": "sweep"}
+    gib = 2**30
+    rows = []
+    for k, peak in [(1, 2.3), (2, 2.9), (4, 4.5), (48, 33.0), ("none", 33.1)]:
+        rows.append({**base, "plan_kind": "every_k", "k": k, "levels": None, "plan": "...", "recomputed_blocks": 48,
+                     "status": "ok", "measured_peak_bytes": peak * gib, "predicted_peak_bytes": peak * 0.95 * gib,
+                     "measured_kept_bytes": 1.0 * gib, "predicted_kept_bytes": 0.9 * gib, "step_ms": 1500.0})
+    rows.append({**base, "plan_kind": "optimal", "k": None, "levels": "unlimited", "plan": "...",
+                 "recomputed_blocks": 1128, "status": "ok", "measured_peak_bytes": 1.5 * gib,
+                 "predicted_peak_bytes": 1.4 * gib, "measured_kept_bytes": 0.5 * gib,
+                 "predicted_kept_bytes": 0.4 * gib, "step_ms": 9000.0})
+    rows.append({**{k: base[k] for k in ("size", "batch_size", "precision", "attention", "device", "num_layers")},
+                 "table": "longest", "plan_kind": "every_k", "k": 1, "levels": None, "capacity_bytes": 79.1 * gib,
+                 "start_bytes": 15.0 * gib, "usable_share": 0.9, "predicted_longest_context": 16384,
+                 "predicted_peak_bytes": 60 * gib, "next_context": 32768, "next_predicted_peak_bytes": 100 * gib,
+                 "run_context": 16384, "run_status": "ok", "run_peak_bytes": 58 * gib,
+                 "run_predicted_peak_bytes": 60 * gib, "run_step_ms": 61000.0})
+    body = get_renderer("gradient_checkpointing")(rows).body
+    assert "Best single level: every 1 block(s)" in body and "closer to sqrt(L b / a)" in body
+    assert "Run at context 16384 (every 1 block): it fits" in body
+    assert "1128 recomputed blocks" in body
