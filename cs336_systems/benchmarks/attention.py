@@ -1,0 +1,501 @@
+"""Problems pytorch_attention and the attention part of torch_compile: naive attention, eager and
+torch.compile'd, timed forward and backward over head dimension x sequence length, with the memory
+in use before backward and the cells that run out of memory.
+
+    row = benchmark_attention(AttentionCell(head_dim=64, seq_len=4096), "cuda")
+    rows = attention_sweep("cuda", compiled=True)
+
+q, k and v are (batch, N, d), no head dimension, random normal. A cell runs its forward passes first
+(`warmup` untimed, then `passes` timed, outputs dropped), then its backward passes (each after an
+untimed forward of its own, `warmup` untimed then `passes` timed), with the device synchronised around
+every timed pass. An out-of-memory error ends the cell with status OOM, keeping what was measured
+before it (the forward times when only the backward runs out), and the sweep goes on.
+
+Memory (CUDA only) is read on the first backward pass: torch.cuda.memory_allocated before its
+forward (q, k, v, dO and workspaces), after it (adding the output and what autograd saved: the
+"memory before backward") and the peaks of that forward and of the backward. Eager cells carry the
+closed-form prediction of `cs336_systems.accounting.attention` beside what was measured.
+"""
+
+from __future__ import annotations
+
+import gc
+import math
+from dataclasses import dataclass
+
+import torch
+
+from cs336_systems.accounting.attention import naive_attention_memory
+from cs336_systems.attention.reference import naive_attention
+from cs336_systems.benchmarks import e2e
+from cs336_systems.reports import OOM, Rendered, Row, markdown_table, renderer
+from cs336_systems.timing import Timings, synchronize, time_fn, timed
+
+BATCH_SIZE = 8
+HEAD_DIMS = (16, 32, 64, 128)
+SEQ_LENS = (256, 1024, 4096, 8192, 16384)
+PASSES = 100
+# Untimed passes before each timed series. The first compiles (torch.compile) and loads kernels; the
+# next let cuBLAS heuristics and the caching allocator settle.
+WARMUP_PASSES = 5
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+GIB = 2**30
+LOGSUMEXP_BYTES = 4  # FlashAttention keeps one fp32 logsumexp per query row
+
+
+@dataclass(frozen=True)
+class AttentionCell:
+    head_dim: int
+    seq_len: int
+    batch_size: int = BATCH_SIZE
+    precision: str = "fp32"
+    compiled: bool = False
+    is_causal: bool = False
+    passes: int = PASSES
+    warmup: int = WARMUP_PASSES
+
+    def __post_init__(self):
+        for name in ("head_dim", "seq_len", "batch_size", "passes", "warmup"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        if self.precision not in DTYPES:
+            raise ValueError(f"unknown precision {self.precision!r}; choose one of {', '.join(DTYPES)}")
+
+
+def free_device_memory(device: torch.device) -> None:
+    """Return cached blocks to the driver, so that a cell after an OOM starts from a clean pool."""
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(device)
+
+
+def _attention_fn(compiled: bool):
+    if not compiled:
+        return naive_attention
+    # A fresh compile per cell, with static shapes so Inductor specialises its kernels to this cell.
+    # Resetting first keeps earlier cells' graphs from counting towards dynamo's recompile limit,
+    # past which it would run the function eagerly without saying so.
+    torch._dynamo.reset()
+    return torch.compile(naive_attention, dynamic=False)
+
+
+def _empty_row(cell: AttentionCell, device: torch.device) -> Row:
+    """The cell's identity and every measured column (None until measured), in report order."""
+    row: Row = {"attention": "naive", "compile": cell.compiled, "precision": cell.precision,
+                "batch_size": cell.batch_size, "seq_len": cell.seq_len, "head_dim": cell.head_dim,
+                "is_causal": cell.is_causal, "passes": cell.passes, "warmup": cell.warmup, "device": device.type,
+                "status": None, "oom_during": None}
+    for phase in ("forward", "backward"):
+        row |= {f"{phase}_mean_ms": None, f"{phase}_std_ms": None, f"{phase}_median_ms": None}
+    row |= {"first_forward_ms": None, "first_backward_ms": None, "allocated_before_forward_bytes": None,
+            "memory_before_backward_bytes": None, "forward_peak_bytes": None, "backward_peak_bytes": None}
+    if not cell.compiled:  # the closed form models eager autograd; compiled graphs save what Inductor decides
+        memory = naive_attention_memory(cell.batch_size, cell.seq_len, cell.seq_len, cell.head_dim,
+                                        cell.precision, cell.is_causal)
+        row |= memory.as_row()
+    on_cuda = device.type == "cuda"
+    row["device_memory_bytes"] = torch.cuda.get_device_properties(device).total_memory if on_cuda else None
+    return row
+
+
+def _record(row: Row, phase: str, timings: Timings) -> None:
+    row |= {f"{phase}_mean_ms": timings.mean_ms, f"{phase}_std_ms": timings.std_ms,
+            f"{phase}_median_ms": timings.median_ms}
+
+
+def _measure(cell: AttentionCell, device: torch.device, row: Row) -> None:
+    """Fill `row` stage by stage, so that an out-of-memory error keeps what was measured before it."""
+    generator = torch.Generator(device=device).manual_seed(0)
+    shape = (cell.batch_size, cell.seq_len, cell.head_dim)
+
+    def randn(requires_grad: bool) -> torch.Tensor:
+        return torch.randn(shape, generator=generator, device=device, dtype=DTYPES[cell.precision],
+                           requires_grad=requires_grad)
+
+    q, k, v = randn(True), randn(True), randn(True)
+    grad_out = randn(False)
+    attention = _attention_fn(cell.compiled)
+
+    def forward() -> torch.Tensor:
+        return attention(q, k, v, is_causal=cell.is_causal)
+
+    row["oom_during"] = "forward"
+    first: list[float] = []
+    with timed(device, first):
+        forward()
+    row["first_forward_ms"] = first[0]
+    _record(row, "forward", time_fn(forward, warmup=cell.warmup - 1, steps=cell.passes, device=device))
+
+    row["oom_during"] = "backward"
+    warmup_ms: list[float] = []
+    samples_ms: list[float] = []
+    measure_memory = device.type == "cuda"
+    for i in range(cell.warmup + cell.passes):
+        q.grad = k.grad = v.grad = None  # every backward allocates fresh gradients, as after zero_grad
+        # Memory is read on the first pass, so a cell whose backward runs out still reports it.
+        measure = i == 0 and measure_memory
+        if measure:
+            synchronize(device)
+            row["allocated_before_forward_bytes"] = torch.cuda.memory_allocated(device)
+            torch.cuda.reset_peak_memory_stats(device)
+        out = forward()
+        if measure:
+            synchronize(device)
+            row["memory_before_backward_bytes"] = torch.cuda.memory_allocated(device)
+            row["forward_peak_bytes"] = torch.cuda.max_memory_allocated(device)
+            torch.cuda.reset_peak_memory_stats(device)
+        with timed(device, samples_ms if i >= cell.warmup else warmup_ms):
+            out.backward(grad_out)
+        if measure:
+            row["backward_peak_bytes"] = torch.cuda.max_memory_allocated(device)
+        del out
+    row["first_backward_ms"] = warmup_ms[0]
+    _record(row, "backward", Timings(tuple(samples_ms)))
+    row["oom_during"] = None
+
+
+def benchmark_attention(cell: AttentionCell, device: torch.device | str) -> Row:
+    """One cell's row: status "ok", or OOM with `oom_during` naming the stage that ran out."""
+    device = torch.device(device)
+    row = _empty_row(cell, device)
+    free_device_memory(device)
+    try:
+        _measure(cell, device, row)
+        row["status"] = "ok"
+    except torch.OutOfMemoryError:
+        row["status"] = OOM
+    # Outside the except block: its traceback held the failed cell's frames, and their tensors, alive.
+    free_device_memory(device)
+    return row
+
+
+def attention_sweep(device: torch.device | str, head_dims=HEAD_DIMS, seq_lens=SEQ_LENS, **cell_options) -> list[Row]:
+    """Rows of every (head_dim, seq_len) cell; `cell_options` are AttentionCell's other fields."""
+    cells = [AttentionCell(d, n, **cell_options) for d in head_dims for n in seq_lens]  # bad input fails first
+    return [benchmark_attention(cell, device) for cell in cells]
+
+
+# ------------------------------------------------------------------------------------------ reports
+
+# The columns that identify a cell: a later run replaces the rows of cells it measures again.
+ATTENTION_KEY = ("attention", "compile", "precision", "batch_size", "seq_len", "head_dim", "is_causal",
+                 "passes", "warmup")
+
+
+def _ms(row: Row, phase: str) -> str:
+    if row.get(f"{phase}_mean_ms") is not None:
+        return f"{row[f'{phase}_mean_ms']:.3g} ± {row[f'{phase}_std_ms']:.2g}"
+    return OOM if row.get("status") == OOM else ""
+
+
+def _gib_cell(value) -> str:
+    return "" if value is None else f"{value / GIB:.3g}"
+
+
+def _by_cell(rows: list[Row]) -> list[Row]:
+    return sorted(rows, key=lambda r: (r["head_dim"], r["seq_len"]))
+
+
+def _setup(rows: list[Row]) -> str:
+    r = rows[0]
+    mask = "causal" if r["is_causal"] else "no mask"
+    return (f"Naive attention on q, k, v of shape ({r['batch_size']}, N, d), no heads, {r['precision']}, {mask}, "
+            f"random normal inputs, on {r['device']}. Per cell: {r['warmup']} untimed and {r['passes']} timed forward "
+            f"passes, then {r['warmup']} untimed and {r['passes']} timed backward passes, each after an untimed "
+            "forward of its own; the device is synchronised around every timed pass. Times are mean ± std in ms.")
+
+
+def _memory_note(rows: list[Row]) -> str:
+    if _memory_measured(rows):
+        return ("Memory before backward is torch.cuda.memory_allocated after the forward whose output the first "
+                "backward uses: q, k, v, dO, the output and what autograd saved for backward. "
+                "Predicted is the closed form of the accounting section.")
+    return "Memory is not measured on this device (no CUDA allocator statistics); predicted is the closed form."
+
+
+def _memory_measured(rows: list[Row]) -> bool:
+    return any(r.get("memory_before_backward_bytes") is not None for r in rows)
+
+
+def _timing_table(rows: list[Row]) -> str:
+    table = []
+    for r in _by_cell(rows):
+        entry = {"d": r["head_dim"], "N": r["seq_len"], "forward (ms)": _ms(r, "forward"),
+                 "backward (ms)": _ms(r, "backward")}
+        if _memory_measured(rows):
+            entry["before backward (GiB)"] = _gib_cell(r.get("memory_before_backward_bytes"))
+        entry["predicted (GiB)"] = _gib_cell(_memory_of(r).before_backward_bytes)
+        entry["out of memory"] = f"during {r['oom_during']}" if r["status"] == OOM else ""
+        table.append(entry)
+    return markdown_table(table)
+
+
+def _exponent(n_small: int, small: float, n_large: int, large: float) -> float:
+    """The power of N that takes a quantity from `small` at n_small to `large` at n_large."""
+    return math.log(large / small) / math.log(n_large / n_small)
+
+
+def _retained(row: Row) -> float | None:
+    """Bytes the forward added: memory before backward minus what was allocated before the forward."""
+    if row.get("memory_before_backward_bytes") is None or row.get("allocated_before_forward_bytes") is None:
+        return None
+    return row["memory_before_backward_bytes"] - row["allocated_before_forward_bytes"]
+
+
+def _scaling_findings(rows: list[Row]) -> list[str]:
+    measured = any(_retained(r) for r in rows)
+    label = "the memory the forward leaves for backward (its output and saved tensors" + \
+        (")" if measured else "; predicted, not measured on this device)")
+
+    def saved(row: Row) -> float | None:
+        return _retained(row) if measured else _memory_of(row).retained_bytes
+
+    findings = []
+    for d in sorted({r["head_dim"] for r in rows}):
+        line = sorted((r for r in rows if r["head_dim"] == d and saved(r)), key=lambda r: r["seq_len"])
+        if len(line) >= 2:
+            small, large = line[-2], line[-1]
+            findings.append(f"- d={d}: from N={small['seq_len']} to N={large['seq_len']}, {label} goes "
+                            f"{saved(small) / GIB:.3g} -> {saved(large) / GIB:.3g} GiB: N to the power "
+                            f"{_exponent(small['seq_len'], saved(small), large['seq_len'], saved(large)):.2f}.")
+    by_n: dict[int, dict[int, float]] = {}
+    for r in rows:
+        if saved(r):
+            by_n.setdefault(r["seq_len"], {})[r["head_dim"]] = saved(r)
+    common = [n for n, per_d in by_n.items() if len(per_d) == len({r["head_dim"] for r in rows}) and len(per_d) > 1]
+    if common:
+        n = max(common)
+        low, high = min(by_n[n]), max(by_n[n])
+        findings.append(f"- At N={n}, d={high} leaves {by_n[n][high] / by_n[n][low]:.3g}x the memory of d={low}: "
+                        "the N x N matrix does not depend on d.")
+    timed_rows = [r for r in rows if r.get("forward_mean_ms") and r.get("backward_mean_ms")]
+    if timed_rows:
+        ratios = sorted(r["backward_mean_ms"] / r["forward_mean_ms"] for r in timed_rows)
+        findings.append(f"- Backward takes {ratios[0]:.2g}x to {ratios[-1]:.2g}x the forward's time "
+                        f"(median {ratios[len(ratios) // 2]:.2g}x over {len(ratios)} cells).")
+        largest_d = max(r["head_dim"] for r in timed_rows)
+        line = sorted((r for r in timed_rows if r["head_dim"] == largest_d), key=lambda r: r["seq_len"])
+        if len(line) >= 2:
+            small, large = line[-2], line[-1]
+            exponent = _exponent(small["seq_len"], small["forward_mean_ms"], large["seq_len"], large["forward_mean_ms"])
+            findings.append(f"- Forward time at d={largest_d} grows as N to the power {exponent:.2f} between "
+                            f"N={small['seq_len']} and N={large['seq_len']}.")
+    return findings
+
+
+def _memory_of(row: Row):
+    return naive_attention_memory(row["batch_size"], row["seq_len"], row["seq_len"], row["head_dim"],
+                                  row["precision"], row["is_causal"])
+
+
+def _first_predicted_oom(rows: list[Row]) -> Row | None:
+    """When no measured cell ran out of memory: the smallest configuration the closed form says would
+    not fit (the smallest head dim, N doubled past the largest measured), or None if the device's
+    memory size is unknown."""
+    capacity = next((r["device_memory_bytes"] for r in rows if r.get("device_memory_bytes")), None)
+    if capacity is None:
+        return None
+    candidate = {**min(rows, key=lambda r: r["head_dim"]), "seq_len": max(r["seq_len"] for r in rows),
+                 "memory_before_backward_bytes": None}
+    while _memory_of(candidate).peak_bytes <= capacity:
+        candidate["seq_len"] *= 2
+    return candidate
+
+
+def _accounting_target(rows: list[Row]) -> tuple[Row, str]:
+    """The configuration to account for, and a sentence saying why it was chosen."""
+    ooms = [r for r in rows if r["status"] == OOM]
+    if ooms:
+        target = min(ooms, key=lambda r: _memory_of(r).peak_bytes)
+        return target, (f"The smallest configuration that ran out of memory is d={target['head_dim']}, "
+                        f"N={target['seq_len']} (during {target['oom_during']}).")
+    target = _first_predicted_oom(rows)
+    if target is not None:
+        return target, (f"No configuration ran out of memory on this device "
+                        f"({target['device_memory_bytes'] / GIB:.3g} GiB). The smallest that the accounting says "
+                        f"would not fit is d={target['head_dim']}, N={target['seq_len']} (not run).")
+    target = max(rows, key=lambda r: _memory_of(r).peak_bytes)
+    return target, (f"No configuration ran out of memory, and this device's memory is not measured; the accounting "
+                    f"of the largest, d={target['head_dim']}, N={target['seq_len']}.")
+
+
+def _accounting_section(rows: list[Row]) -> str:
+    target, intro = _accounting_target(rows)
+    memory = _memory_of(target)
+    breakdown = [{"tensor": b["tensor"], "shape": b["shape"], "GiB": f"{b['bytes'] / GIB:.4g}", "note": b["note"]}
+                 for b in memory.breakdown()]
+    capacity = target.get("device_memory_bytes")
+    totals = [("before backward: q, k, v, dO, O and what autograd saved", memory.before_backward_bytes,
+               target.get("memory_before_backward_bytes")),
+              ("forward peak: two score matrices (the last S, and P) and O", memory.forward_peak_bytes, None),
+              ("backward peak: three score matrices (P, dP, dS), O and dv", memory.backward_peak_bytes, None)]
+    total_rows = [{"total": name, "predicted (GiB)": f"{predicted / GIB:.4g}", "measured (GiB)": _gib_cell(measured),
+                   "share of device memory": f"{predicted / capacity:.0%}" if capacity else ""}
+                  for name, predicted, measured in totals]
+    lse_bytes = target["batch_size"] * target["seq_len"] * LOGSUMEXP_BYTES
+    return "\n".join([
+        f"## Memory accounting\n\n{intro} B={target['batch_size']}, N={target['seq_len']}, d={target['head_dim']}, "
+        f"{target['precision']} ({memory.element_bytes} bytes per element).\n",
+        markdown_table(breakdown),
+        markdown_table(total_rows),
+        f"What backward saves: the softmax output P, {memory.scores_bytes / GIB:.3g} GiB here (B·N²·"
+        f"{memory.element_bytes} bytes). The gradient of softmax is computed from its output, and the final matmul "
+        "needs P for dv; q, k and v are saved too, but as references to the inputs, and the scores S are not saved. "
+        f"P grows as N² (x4 per doubling of N) while q, k, v and O grow as N: here P is "
+        f"{memory.scores_bytes / memory.query_sized_bytes:,.0f}x the size of O.\n",
+        "To remove this cost, do not store P: FlashAttention-2 computes the softmax tile by tile with a running "
+        "maximum and sum, saves only the logsumexp L of each query row "
+        f"({lse_bytes / 2**20:.3g} MiB here, in fp32) and recomputes P tile by tile in the backward from q, k and "
+        "L. No N x N matrix is ever materialised, so the memory is linear in N (measured in the "
+        "flash_benchmarking report).\n",
+    ])
+
+
+def _validation_section(rows: list[Row]) -> str:
+    measured = [r for r in _by_cell(rows) if r.get("backward_peak_bytes") is not None]
+    if not measured:
+        return ""
+    table, added_ratios = [], []
+    for r in measured:
+        memory = _memory_of(r)
+        held = r["allocated_before_forward_bytes"]  # q, k, v, dO and cuBLAS workspaces
+        added_ratios.append((r["seq_len"], _retained(r) / memory.retained_bytes))
+        table.append({
+            "d": r["head_dim"], "N": r["seq_len"],
+            "added by forward: measured (GiB)": _gib_cell(_retained(r)),
+            "predicted (GiB)": _gib_cell(memory.retained_bytes),
+            "forward peak: measured / predicted":
+                f"{(r['forward_peak_bytes'] - held) / (memory.forward_peak_bytes - memory.caller_bytes):.3f}",
+            "backward peak: measured / predicted":
+                f"{(r['backward_peak_bytes'] - held) / (memory.backward_peak_bytes - memory.caller_bytes):.3f}",
+        })
+    largest = max(n for n, _ in added_ratios)
+    at_largest = [ratio for n, ratio in added_ratios if n == largest]
+    return "\n".join([
+        "## Accounting against measurement\n\nEvery measured cell, counted above what was allocated before the "
+        "forward (q, k, v, dO and cuBLAS workspaces, which the closed form leaves out): what the forward added "
+        "(its output and the tensors saved for backward), and the forward and backward peaks as measured over "
+        "predicted.\n",
+        markdown_table(table),
+        f"At the largest measured N ({largest}) the memory added by the forward is {min(at_largest):.3f}x to "
+        f"{max(at_largest):.3f}x the prediction.\n",
+    ])
+
+
+def _memory_plot(rows: list[Row]):
+    from matplotlib.figure import Figure
+
+    figure = Figure(figsize=(7, 4.5))
+    axes = figure.subplots()
+    colors = {}
+    for d in sorted({r["head_dim"] for r in rows}):
+        line = sorted((r for r in rows if r["head_dim"] == d), key=lambda r: r["seq_len"])
+        shown = [r for r in line if r.get("memory_before_backward_bytes") is not None]
+        if shown:
+            (plotted,) = axes.plot([r["seq_len"] for r in shown],
+                                   [r["memory_before_backward_bytes"] / GIB for r in shown],
+                                   marker="o", label=f"d={d}, measured")
+            colors[d] = plotted.get_color()
+        axes.plot([r["seq_len"] for r in line], [_memory_of(r).before_backward_bytes / GIB for r in line],
+                  linestyle="--", color=colors.get(d), label=f"d={d}, predicted")
+    capacity = next((r["device_memory_bytes"] for r in rows if r.get("device_memory_bytes")), None)
+    if capacity:
+        axes.axhline(capacity / GIB, color="gray", linestyle=":", label="device memory")
+    axes.set_xscale("log", base=2)
+    axes.set_yscale("log")
+    axes.set_xlabel("sequence length N")
+    axes.set_ylabel("memory before backward (GiB)")
+    axes.set_title("Naive attention: memory in use before backward")
+    axes.legend(fontsize="small")
+    return figure
+
+
+@renderer("pytorch_attention", key=ATTENTION_KEY)
+def render_pytorch_attention(rows: list[Row]) -> Rendered:
+    rows = [r for r in rows if not r.get("compile")]
+    if not rows:
+        return Rendered("")
+    ooms = _by_cell([r for r in rows if r["status"] == OOM])
+    if ooms:
+        oom_text = ("Out of memory: " + ", ".join(f"d={r['head_dim']} N={r['seq_len']} (during {r['oom_during']})"
+                                                  for r in ooms) +
+                    f". The smallest sequence length that ran out is N={min(r['seq_len'] for r in ooms)}.")
+    else:
+        oom_text = "No configuration ran out of memory."
+    findings = "\n".join(_scaling_findings(rows))
+    return Rendered("\n".join([
+        f"## Timings and memory\n\n{_setup(rows)} {_memory_note(rows)}\n",
+        _timing_table(rows),
+        f"{oom_text}\n\n{findings}\n",
+        _accounting_section(rows),
+        _validation_section(rows),
+        "![memory before backward against N](pytorch_attention_memory.png)\n",
+    ]), figures={"pytorch_attention_memory.png": _memory_plot(rows)})
+
+
+# ------------------------------------------------------------------------------ torch_compile (part)
+
+def _speedup(eager: Row | None, compiled: Row | None, phase: str) -> float | None:
+    """Eager's mean time over compiled's, when both were measured."""
+    if eager and compiled and eager.get(f"{phase}_mean_ms") and compiled.get(f"{phase}_mean_ms"):
+        return eager[f"{phase}_mean_ms"] / compiled[f"{phase}_mean_ms"]
+    return None
+
+
+def _compiled_attention_section(rows: list[Row]) -> str:
+    pairs: dict[tuple[int, int], dict[bool, Row]] = {}
+    for r in _by_cell(rows):
+        pairs.setdefault((r["head_dim"], r["seq_len"]), {})[bool(r["compile"])] = r
+    table = []
+    speedups: dict[str, list[tuple[float, int, int]]] = {"forward": [], "backward": []}
+    for (d, n), pair in pairs.items():
+        eager, compiled = pair.get(False), pair.get(True)
+        entry = {"d": d, "N": n}
+        for phase in ("forward", "backward"):
+            speedup = _speedup(eager, compiled, phase)
+            entry[f"{phase} eager (ms)"] = _ms(eager, phase) if eager else ""
+            entry[f"{phase} compiled (ms)"] = _ms(compiled, phase) if compiled else ""
+            entry[f"{phase} speed-up"] = "" if speedup is None else f"{speedup:.2f}x"
+            if speedup is not None:
+                speedups[phase].append((speedup, d, n))
+        if _memory_measured(rows):
+            for label, r in (("eager", eager), ("compiled", compiled)):
+                entry[f"before backward, {label} (GiB)"] = _gib_cell(r.get("memory_before_backward_bytes")) if r else ""
+        first_ms = [compiled.get(f"first_{phase}_ms") for phase in ("forward", "backward")] if compiled else [None]
+        entry["compiled: first fwd+bwd (s)"] = f"{sum(first_ms) / 1e3:.2g}" if None not in first_ms else ""
+        table.append(entry)
+    findings = []
+    for phase, ratios in speedups.items():
+        if ratios:
+            (low, low_d, low_n), (high, high_d, high_n) = min(ratios), max(ratios)
+            findings.append(f"- {phase}: compiled runs {low:.2f}x (d={low_d}, N={low_n}) to {high:.2f}x "
+                            f"(d={high_d}, N={high_n}) as fast as eager.")
+    both = [(p[False], p[True]) for p in pairs.values() if len(p) == 2
+            and p[False].get("memory_before_backward_bytes") and p[True].get("memory_before_backward_bytes")]
+    if both:
+        eager, compiled = max(both, key=lambda pair: pair[0]["memory_before_backward_bytes"])
+        findings.append(f"- Memory before backward at d={eager['head_dim']}, N={eager['seq_len']}: eager "
+                        f"{eager['memory_before_backward_bytes'] / GIB:.3g} GiB, compiled "
+                        f"{compiled['memory_before_backward_bytes'] / GIB:.3g} GiB.")
+    for (d, n), pair in pairs.items():
+        if len(pair) == 2 and {pair[False]["status"], pair[True]["status"]} == {"ok", OOM}:
+            ran = "compiled" if pair[True]["status"] == "ok" else "eager"
+            findings.append(f"- d={d}, N={n}: only {ran} attention fits in memory.")
+    return "\n".join([
+        f"## Attention: eager against torch.compile\n\n{_setup(rows)} Compiled cells compile naive attention afresh "
+        "with static shapes; their first forward and backward compile and are not timed. Speed-up is eager's mean "
+        "time over compiled's.\n",
+        markdown_table(table),
+        "\n".join(findings) + "\n" if findings else "",
+    ])
+
+
+@renderer("torch_compile", key=e2e.CELL_KEY + ("seq_len", "head_dim", "is_causal", "passes"))
+def render_torch_compile(rows: list[Row]) -> Rendered:
+    """The attention sweep (rows with table "attention"), then the whole-model part rendered by e2e."""
+    attention_rows = [r for r in rows if r.get("table") == "attention"]
+    model = e2e.render_torch_compile(rows)
+    parts = [_compiled_attention_section(attention_rows) if attention_rows else "", model.body]
+    return Rendered("\n".join(p for p in parts if p), figures=model.figures)

@@ -1,0 +1,621 @@
+"""Problems naive_ddp_benchmarking, minimal_ddp_flat_benchmarking,
+ddp_overlap_individual_parameters_benchmarking and ddp_bucketed_benchmarking (one run measures
+them all), and the correctness reports naive_ddp, ddp_overlap_individual_parameters and
+ddp_overlap_bucketed.
+
+    result = launch(benchmark_ddp, 2, DDPBenchmarkConfig(), device="cuda")[0]
+    rows, timelines = result["rows"], result["timelines"]
+
+`benchmark_ddp` runs on every rank and trains the LM under each variant in turn, freeing memory
+between them, so that all are measured on the same machine state:
+  local               no communication: every rank trains alone (the compute-only floor)
+  naive, flat, overlap_individual, bucketed (each bucket size), torch_ddp
+
+Within a step, marks on the device's timeline (CUDA events on the compute stream; the host clock
+on CPU) split it into forward, backward, gradient_sync (finish_gradient_synchronization: for naive
+and flat all of the communication; for the overlapped wrappers the part left after backward, the
+exposed communication) and optimizer. Synchronising inside the step would stall the very overlap
+being measured, so only the whole step is timed with the package's synchronise + host clock.
+torch DDP waits for its all-reduces inside backward, so its gradient_sync is empty; its cost shows
+in the step time. One more step per variant runs under torch.profiler on rank 0: the trace gives
+the total communication time (NCCL kernels, or gloo's work on CPU), how much of it ran beside
+compute, and the timeline figure.
+
+Every rank must run the same collectives, so a variant that runs out of memory on one rank but
+not on another can hang the job; the launch's deadline then ends it. Ranks run the same shapes, so
+in practice they run out together, and the variant is recorded as OOM.
+"""
+
+from __future__ import annotations
+
+import functools
+import gc
+import logging
+import statistics
+import tempfile
+import time
+from copy import deepcopy
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from cs336_systems.accounting.ddp import (
+    allreduce_cost,
+    ddp_overhead_s,
+    optimal_bucket_bytes,
+    optimal_num_buckets,
+    pipelined_overhead_s,
+)
+from cs336_systems.benchmarks.allreduce import time_allreduce
+from cs336_systems.distributed.ddp import (
+    BYTES_PER_MB,
+    BucketedDDP,
+    FlatDDP,
+    NaiveDDP,
+    OverlapIndividualDDP,
+    assign_buckets,
+)
+from cs336_systems.distributed.launch import rank_device
+from cs336_systems.model import ModelConfig, TransformerLM
+from cs336_systems.profiling.ranges import annotate
+from cs336_systems.profiling.timeline import COMPUTE, CPU_COMPUTE_ROW, communication_summary, load_intervals
+from cs336_systems.reports import OOM, Rendered, Row, markdown_table, renderer
+from cs336_systems.timing import synchronize, timed
+
+log = logging.getLogger(__name__)
+
+PHASES = ("forward", "backward", "gradient_sync", "optimizer")
+WRAPPERS = {"naive": NaiveDDP, "flat": FlatDDP, "overlap_individual": OverlapIndividualDDP, "bucketed": BucketedDDP}
+LEARNING_RATE = 1e-4
+# The all-reduce probe that gives the overhead model its o (a small all-reduce is nearly all
+# per-call cost) and w (bandwidth of a large one).
+PROBE_SMALL_BYTES = 4096
+GIB = 2**30
+
+
+@dataclass(frozen=True)
+class DDPBenchmarkConfig:
+    size: str = "xl"
+    context_length: int = 512
+    batch_size: int = 4  # per rank
+    warmup: int = 3
+    steps: int = 10
+    bucket_sizes_mb: tuple[float, ...] = (1, 10, 100, 1000)
+    attention: str = "sdpa"
+    probe_large_bytes: int = 10**9
+
+    def __post_init__(self):
+        if self.warmup < 0 or self.steps < 1:
+            raise ValueError(f"need warmup >= 0 and steps >= 1, got {self.warmup} and {self.steps}")
+        if self.batch_size < 1:
+            raise ValueError(f"batch size per rank must be >= 1, got {self.batch_size}")
+        if any(not b > 0 for b in self.bucket_sizes_mb):
+            raise ValueError(f"bucket sizes must be positive, got {self.bucket_sizes_mb}")
+        ModelConfig.for_size(self.size, self.context_length)  # validates size and context
+
+    def variants(self) -> list[tuple[str, float | None]]:
+        return [("local", None), ("naive", None), ("flat", None), ("overlap_individual", None),
+                *[("bucketed", b) for b in self.bucket_sizes_mb], ("torch_ddp", None)]
+
+
+def variant_label(method: str, bucket_size_mb: float | None = None) -> str:
+    return f"bucketed {bucket_size_mb:g} MB" if method == "bucketed" else method
+
+
+class _PhaseClock:
+    """Marks on the device's own timeline, read after the step has been synchronised."""
+
+    def __init__(self, device: torch.device):
+        self.on_cuda = device.type == "cuda"
+        self.marks: list = []
+
+    def mark(self) -> None:
+        if self.on_cuda:
+            event = torch.cuda.Event(enable_timing=True)
+            event.record()
+            self.marks.append(event)
+        else:
+            self.marks.append(time.perf_counter())
+
+    def durations_ms(self) -> list[float]:
+        pairs = zip(self.marks, self.marks[1:])
+        if self.on_cuda:
+            return [start.elapsed_time(end) for start, end in pairs]
+        return [(end - start) * 1e3 for start, end in pairs]
+
+
+def _free_memory(device: torch.device) -> None:
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(device)
+
+
+def _wrap(method: str, bucket_size_mb: float | None, model: torch.nn.Module, device: torch.device):
+    """(module to train, gradient sync after backward, hook before each batch)."""
+    if method == "local":
+        return model, None, None
+    if method == "torch_ddp":
+        device_ids = [device.index] if device.type == "cuda" else None
+        return torch.nn.parallel.DistributedDataParallel(model, device_ids=device_ids), None, None
+    wrapper = BucketedDDP(model, bucket_size_mb=bucket_size_mb) if method == "bucketed" else WRAPPERS[method](model)
+    return wrapper, wrapper.finish_gradient_synchronization, getattr(wrapper, "on_train_batch_start", None)
+
+
+def _all_reduces_per_step(method: str, module: torch.nn.Module, model: torch.nn.Module) -> int | None:
+    """Gradient all-reduce calls per step (our wrappers add one small all-reduce of gradient counts);
+    None for torch DDP and the local run."""
+    if method == "bucketed":
+        return len(module.buckets)
+    if method in ("naive", "overlap_individual"):
+        return sum(p.requires_grad for p in model.parameters())
+    return 1 if method == "flat" else None
+
+
+def _measure_variant(method: str, bucket_size_mb: float | None, cfg: DDPBenchmarkConfig, rank: int,
+                     device: torch.device, profile: bool) -> tuple[dict, list | None]:
+    torch.manual_seed(rank)  # a different initial model on every rank: the wrappers must broadcast
+    config = ModelConfig.for_size(cfg.size, cfg.context_length)
+    with torch.device(device):
+        model = TransformerLM(config, attention=cfg.attention)
+    trainable_bytes = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
+    module, sync, before_batch = _wrap(method, bucket_size_mb, model, device)
+    optimizer = torch.optim.AdamW(module.parameters(), lr=LEARNING_RATE)
+    generator = torch.Generator().manual_seed(rank)  # every rank trains on its own data
+    inputs, targets = (torch.randint(config.vocab_size, (cfg.batch_size, cfg.context_length),
+                                     generator=generator).to(device) for _ in range(2))
+
+    def step(clock: _PhaseClock) -> None:
+        if before_batch is not None:
+            before_batch()
+        clock.mark()
+        with annotate("forward"):
+            loss = F.cross_entropy(module(inputs).flatten(0, 1), targets.flatten())
+        clock.mark()
+        with annotate("backward"):
+            loss.backward()
+        clock.mark()
+        with annotate("gradient_sync"):
+            if sync is not None:
+                sync()
+        clock.mark()
+        with annotate("optimizer"):
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+        clock.mark()
+
+    for _ in range(cfg.warmup):
+        step(_PhaseClock(device))
+    step_ms: list[float] = []
+    phase_ms: dict[str, list[float]] = {phase: [] for phase in PHASES}
+    for _ in range(cfg.steps):
+        clock = _PhaseClock(device)
+        with timed(device, step_ms):
+            step(clock)
+        for phase, duration in zip(PHASES, clock.durations_ms()):
+            phase_ms[phase].append(duration)
+    stats = {"status": "ok", "step_ms": step_ms, **phase_ms, "trainable_bytes": trainable_bytes,
+             "all_reduces_per_step": _all_reduces_per_step(method, module, model),
+             "peak_memory_gib": torch.cuda.max_memory_allocated(device) / GIB if device.type == "cuda" else None}
+    intervals = _profiled_step(step, device) if profile else _plain_step(step, device)
+    return stats, intervals
+
+
+def _plain_step(step, device: torch.device) -> None:
+    step(_PhaseClock(device))
+    synchronize(device)
+
+
+def _profiled_step(step, device: torch.device) -> list | None:
+    """One step under torch.profiler; its timeline, or None when the trace holds no device work."""
+    activities = [torch.profiler.ProfilerActivity.CPU]
+    if device.type == "cuda":
+        activities.append(torch.profiler.ProfilerActivity.CUDA)
+    with torch.profiler.profile(activities=activities) as profiler:
+        _plain_step(step, device)
+    with tempfile.TemporaryDirectory() as scratch:
+        trace = Path(scratch) / "trace.json"
+        profiler.export_chrome_trace(str(trace))
+        intervals = load_intervals(trace, phase_names=PHASES)
+    if device.type == "cuda" and all(i.row == CPU_COMPUTE_ROW for i in intervals if i.kind == COMPUTE):
+        # Without CUPTI the profiler records no kernels; communication would wrongly read as zero.
+        log.warning("the profiler recorded no CUDA kernels; communication columns and timelines are left out")
+        return None
+    return intervals
+
+
+def _allreduce_probe(cfg: DDPBenchmarkConfig, rank: int, world_size: int) -> Row:
+    """o and w for the overhead model, measured on the same ranks just before the variants."""
+    times = {}
+    for size_bytes in (PROBE_SMALL_BYTES, cfg.probe_large_bytes):
+        median_s, _ = time_allreduce(size_bytes)
+        medians: list[float | None] = [None] * world_size
+        dist.all_gather_object(medians, median_s)
+        times[size_bytes] = statistics.fmean(medians)
+    per_call_s, bandwidth = allreduce_cost(PROBE_SMALL_BYTES, times[PROBE_SMALL_BYTES],
+                                           cfg.probe_large_bytes, times[cfg.probe_large_bytes])
+    return {"table": "allreduce_probe", "small_bytes": PROBE_SMALL_BYTES, "small_ms": times[PROBE_SMALL_BYTES] * 1e3,
+            "large_bytes": cfg.probe_large_bytes, "large_ms": times[cfg.probe_large_bytes] * 1e3,
+            "per_call_overhead_ms": per_call_s * 1e3, "algbw_gbps": bandwidth / 1e9}
+
+
+def _row(method: str, bucket_size_mb: float | None, per_rank: list[dict], summary: dict | None,
+         cfg: DDPBenchmarkConfig, world_size: int) -> Row:
+    row: Row = {"table": "step", "variant": variant_label(method, bucket_size_mb), "method": method,
+                "bucket_size_mb": bucket_size_mb, **asdict(cfg), "world_size": world_size,
+                "backend": dist.get_backend()}
+    for sweep_only in ("bucket_sizes_mb", "probe_large_bytes"):
+        row.pop(sweep_only)
+    if any(stats["status"] == OOM for stats in per_rank):
+        return {**row, "status": OOM}
+    pooled = {key: [x for stats in per_rank for x in stats[key]] for key in ("step_ms", *PHASES)}
+    row.update(status="ok", trainable_bytes=per_rank[0]["trainable_bytes"],
+               all_reduces_per_step=per_rank[0]["all_reduces_per_step"],
+               step_ms=statistics.fmean(pooled["step_ms"]),
+               step_std_ms=statistics.stdev(pooled["step_ms"]) if len(pooled["step_ms"]) > 1 else 0.0,
+               **{f"{phase}_ms": statistics.fmean(pooled[phase]) for phase in PHASES})
+    peaks = [stats["peak_memory_gib"] for stats in per_rank if stats["peak_memory_gib"] is not None]
+    row["peak_memory_gib"] = max(peaks) if peaks else None
+    if summary is not None:
+        row.update({f"profiled_{key}": value for key, value in summary.items()})
+    return row
+
+
+def benchmark_ddp(rank: int, world_size: int, cfg: DDPBenchmarkConfig) -> dict | None:
+    """Run under launch. Rank 0 returns {"rows": [...], "timelines": {variant: intervals}}."""
+    device = rank_device()
+    rows = [{**_allreduce_probe(cfg, rank, world_size), "world_size": world_size}]
+    timelines = {}
+    for method, bucket_size_mb in cfg.variants():
+        _free_memory(device)
+        intervals = None
+        try:
+            stats, intervals = _measure_variant(method, bucket_size_mb, cfg, rank, device, profile=rank == 0)
+        except torch.OutOfMemoryError:
+            stats = {"status": OOM}
+        _free_memory(device)
+        per_rank: list[dict | None] = [None] * world_size
+        dist.all_gather_object(per_rank, stats)
+        label = variant_label(method, bucket_size_mb)
+        if intervals:
+            timelines[label] = intervals
+        rows.append(_row(method, bucket_size_mb, per_rank, communication_summary(intervals) if intervals else None,
+                         cfg, world_size))
+    return {"rows": rows, "timelines": timelines} if rank == 0 else None
+
+
+# ------------------------------------------------------------------ equivalence with one process
+
+EQUIVALENCE_SIZE = "tiny"
+EQUIVALENCE_CONTEXT = 16
+EQUIVALENCE_BATCH_PER_RANK = 2
+EQUIVALENCE_STEPS = 5
+# Both sides train in float64, so only the order of summation differs.
+EQUIVALENCE_TOLERANCE = 1e-9
+# Many small buckets, and one bucket holding everything.
+EQUIVALENCE_BUCKET_SIZES_MB = (0.05, 1000)
+
+
+def ddp_equivalence(rank: int, world_size: int) -> list[Row]:
+    """Each wrapper against single-process training of the tiny LM (float64, AdamW, fresh data)."""
+    device = rank_device()
+    config = ModelConfig.for_size(EQUIVALENCE_SIZE, EQUIVALENCE_CONTEXT)
+    cases = [("naive", None), ("flat", None), ("overlap_individual", None),
+             *[("bucketed", b) for b in EQUIVALENCE_BUCKET_SIZES_MB]]
+    rows = []
+    for method, bucket_size_mb in cases:
+        torch.manual_seed(rank)
+        with torch.device(device):
+            model = TransformerLM(config).double()
+        ddp_model, sync, _ = _wrap(method, bucket_size_mb, model, device)
+        reference = deepcopy(ddp_model.module)
+        ddp_optimizer = torch.optim.AdamW(ddp_model.parameters(), lr=1e-3)
+        reference_optimizer = torch.optim.AdamW(reference.parameters(), lr=1e-3)
+        for step in range(EQUIVALENCE_STEPS):
+            generator = torch.Generator().manual_seed(step)  # the same full batch on every rank
+            shape = (EQUIVALENCE_BATCH_PER_RANK * world_size, EQUIVALENCE_CONTEXT)
+            inputs, targets = (torch.randint(config.vocab_size, shape, generator=generator).to(device)
+                               for _ in range(2))
+            shard = slice(rank * EQUIVALENCE_BATCH_PER_RANK, (rank + 1) * EQUIVALENCE_BATCH_PER_RANK)
+            for net, optimizer, x, y in ((reference, reference_optimizer, inputs, targets),
+                                         (ddp_model, ddp_optimizer, inputs[shard], targets[shard])):
+                optimizer.zero_grad(set_to_none=True)
+                F.cross_entropy(net(x).flatten(0, 1), y.flatten()).backward()
+                if net is ddp_model:
+                    sync()
+                optimizer.step()
+        difference = max((a - b).abs().max().item()
+                         for a, b in zip(reference.parameters(), ddp_model.module.parameters()))
+        differences: list[float | None] = [None] * world_size
+        dist.all_gather_object(differences, difference)
+        rows.append({"table": "equivalence", "method": method, "variant": variant_label(method, bucket_size_mb),
+                     "model": f"{EQUIVALENCE_SIZE} LM, float64", "world_size": world_size,
+                     "backend": dist.get_backend(), "steps": EQUIVALENCE_STEPS, "max_abs_difference": max(differences),
+                     "tolerance": EQUIVALENCE_TOLERANCE, "matches": max(differences) <= EQUIVALENCE_TOLERANCE})
+    return rows if rank == 0 else []
+
+
+# ------------------------------------------------------------------------------------------ reports
+
+def _steps(rows: list[Row], *methods: str) -> list[Row]:
+    return [r for r in rows if r.get("table") == "step" and r["method"] in methods]
+
+
+def _ok(rows: list[Row]) -> list[Row]:
+    return [r for r in rows if r.get("status") == "ok"]
+
+
+def _setup(rows: list[Row]) -> str:
+    r = next(r for r in rows if r.get("table") == "step")
+    return (f"{r['size']} model, context {r['context_length']}, batch {r['batch_size']} per rank on "
+            f"{r['world_size']} ranks ({r['backend']}), fp32, AdamW, {r['attention']} attention; {r['warmup']} warm-up "
+            f"and {r['steps']} timed steps per variant, all variants in one run. Times in ms, means over ranks and "
+            "steps. gradient_sync is finish_gradient_synchronization() after backward: all of the communication "
+            "for naive and flat, only the exposed part for the overlapped wrappers. Profiled columns come from one "
+            "extra step under torch.profiler on rank 0: communication busy time, and the part of it that ran "
+            "while compute kernels ran too. torch DDP (default settings: 25 MB buckets) waits for its "
+            "all-reduces inside backward, so its gradient_sync is empty and its backward holds the exposed "
+            "communication.\n")
+
+
+def _local_step_ms(rows: list[Row]) -> float | None:
+    local = _ok(_steps(rows, "local"))
+    return local[0]["step_ms"] if local else None
+
+
+def _step_table(rows: list[Row], methods: tuple[str, ...]) -> str:
+    local_ms = _local_step_ms(rows)
+    table = []
+    for r in _steps(rows, *methods):
+        if r["status"] != "ok":
+            table.append({"variant": r["variant"], "step": OOM})
+            continue
+        communication = r.get("profiled_communication_ms")
+        table.append({
+            "variant": r["variant"], "all-reduces": r.get("all_reduces_per_step"),
+            "step": f"{r['step_ms']:.1f} ± {r['step_std_ms']:.1f}",
+            "forward": r["forward_ms"], "backward": r["backward_ms"], "gradient_sync": r["gradient_sync_ms"],
+            "optimizer": r["optimizer_ms"],
+            "over local": None if local_ms is None else r["step_ms"] - local_ms,
+            "communication (profiled)": communication,
+            "overlapped with compute": f"{r['profiled_overlapped_ms'] / communication:.0%}" if communication else None,
+            "peak GiB": r.get("peak_memory_gib"),
+        })
+    return markdown_table(table)
+
+
+def _timeline_links(rows: list[Row], variants: tuple[str, ...]) -> str:
+    links = {r["variant"]: r["file"] for r in rows if r.get("table") == "timeline"}
+    return "".join(f"\n{variant}:\n\n![{variant} timeline]({links[variant]})\n"
+                   for variant in variants if variant in links)
+
+
+def _equivalence_report(rows: list[Row], methods: tuple[str, ...]) -> Rendered:
+    mine = [r for r in rows if r.get("table") == "equivalence" and r["method"] in methods]
+    if not mine:
+        return Rendered("_no rows_\n")
+    verdicts = [f"- {r['variant']}: after {r['steps']} AdamW steps the largest parameter difference from "
+                f"single-process training is {r['max_abs_difference']:.3g}, "
+                + ("within" if r["matches"] else "OUTSIDE") + f" the tolerance {r['tolerance']:g}." for r in mine]
+    first = mine[0]
+    return Rendered(
+        f"Each rank trains the {first['model']} on its shard of a batch ({first['world_size']} ranks, "
+        f"{first['backend']}); a single process trains the same starting model on the whole batch. Ranks start from "
+        "different random models, so matching also shows that the wrapper broadcast rank 0's.\n\n"
+        + markdown_table(mine, ["variant", "world_size", "backend", "steps", "max_abs_difference", "tolerance",
+                                "matches"])
+        + "\n" + "\n".join(verdicts) + "\n")
+
+
+@renderer("naive_ddp")
+def render_naive_ddp(rows: list[Row]) -> Rendered:
+    return _equivalence_report(rows, ("naive", "flat"))
+
+
+@renderer("ddp_overlap_individual_parameters")
+def render_overlap_individual(rows: list[Row]) -> Rendered:
+    return _equivalence_report(rows, ("overlap_individual",))
+
+
+@renderer("ddp_overlap_bucketed")
+def render_overlap_bucketed(rows: list[Row]) -> Rendered:
+    return _equivalence_report(rows, ("bucketed",))
+
+
+def _share(part: float, whole: float) -> str:
+    return f"{part / whole:.0%}"
+
+
+@renderer("naive_ddp_benchmarking")
+def render_naive_ddp_benchmarking(rows: list[Row]) -> Rendered:
+    parts = [_setup(rows), _step_table(rows, ("local", "naive"))]
+    naive = _ok(_steps(rows, "naive"))
+    if naive:
+        r = naive[0]
+        text = (f"Naive DDP takes {r['step_ms']:.1f} ms per step, of which {r['gradient_sync_ms']:.1f} ms "
+                f"({_share(r['gradient_sync_ms'], r['step_ms'])}) is the {r['all_reduces_per_step']} all-reduces after "
+                "backward, one per parameter tensor.")
+        local_ms = _local_step_ms(rows)
+        if local_ms is not None:
+            text += (f" The same step without any communication takes {local_ms:.1f} ms, so data parallelism costs "
+                     f"{r['step_ms'] - local_ms:.1f} ms per step here.")
+        parts.append(text + "\n")
+    return Rendered("\n".join(parts))
+
+
+@renderer("minimal_ddp_flat_benchmarking")
+def render_flat_benchmarking(rows: list[Row]) -> Rendered:
+    parts = [_setup(rows), _step_table(rows, ("local", "naive", "flat"))]
+    naive, flat = _ok(_steps(rows, "naive")), _ok(_steps(rows, "flat"))
+    if naive and flat:
+        n, f = naive[0], flat[0]
+        faster = f["gradient_sync_ms"] < n["gradient_sync_ms"]
+        parts.append(
+            f"One all-reduce of the flattened gradients takes {f['gradient_sync_ms']:.1f} ms against "
+            f"{n['gradient_sync_ms']:.1f} ms for {n['all_reduces_per_step']} separate ones; steps take "
+            f"{f['step_ms']:.1f} against {n['step_ms']:.1f} ms. "
+            + ("Flattening wins: it pays the per-call cost once instead of once per parameter, and one large "
+               "message runs at the link's best bandwidth; concatenating and copying the gradients back costs "
+               "less than that." if faster else
+               "Flattening does not win here: the per-parameter calls were already large enough to run near full "
+               "bandwidth, and concatenating the gradients and copying them back costs more than the per-call "
+               "overhead it saves.") + "\n")
+    return Rendered("\n".join(parts))
+
+
+def _overlap_sentence(r: Row) -> str:
+    communication = r.get("profiled_communication_ms")
+    if not communication:
+        return ""
+    return (f"{r['variant']}: {communication:.1f} ms of communication in the profiled step, "
+            f"{_share(r['profiled_overlapped_ms'], communication)} of it while compute kernels ran; "
+            f"{r['gradient_sync_ms']:.1f} ms left after backward.")
+
+
+@renderer("ddp_overlap_individual_parameters_benchmarking")
+def render_overlap_individual_benchmarking(rows: list[Row]) -> Rendered:
+    methods = ("local", "naive", "flat", "overlap_individual")
+    parts = [_setup(rows), _step_table(rows, methods)]
+    measured = {r["method"]: r for r in _ok(_steps(rows, *methods))}
+    if "overlap_individual" in measured:
+        ranked = sorted((r for m, r in measured.items() if m != "local"), key=lambda r: r["step_ms"])
+        parts.append("From fastest to slowest step: "
+                     + ", ".join(f"{r['variant']} {r['step_ms']:.1f} ms" for r in ranked) + ".\n")
+        parts.append("\n".join(f"- {_overlap_sentence(measured[m])}" for m in ("naive", "overlap_individual")
+                               if m in measured and _overlap_sentence(measured[m])) + "\n")
+    parts.append("## Timelines (one profiled step on rank 0)\n\nRows: the step's phases as the device ran them, "
+                 "compute kernels, and communication (NCCL kernels on their own stream, or gloo's work on CPU).\n"
+                 + _timeline_links(rows, ("naive", "overlap_individual")))
+    return Rendered("\n".join(parts))
+
+
+def _bucket_trend(bucketed: list[Row]) -> str:
+    """What the measured step times do as buckets grow, judged against step-to-step noise."""
+    by_size = sorted(bucketed, key=lambda r: r["bucket_size_mb"])
+    times = [r["step_ms"] for r in by_size]
+    noise_ms = max(r["step_std_ms"] for r in by_size)
+    sizes = ", ".join(f"{r['bucket_size_mb']:g} MB {r['step_ms']:.1f} ms" for r in by_size)
+    if max(times) - min(times) <= noise_ms:
+        return (f"Measured ({sizes}): the spread, {max(times) - min(times):.1f} ms, is within the step-to-step "
+                f"standard deviation ({noise_ms:.1f} ms), so bucket size makes no measurable difference here.")
+    best = times.index(min(times))
+    if 0 < best < len(times) - 1:
+        shape = "it falls and then rises, as expected"
+    elif best == len(times) - 1:
+        shape = ("it keeps falling as buckets grow: fewer, larger all-reduces win, and the last bucket costs less "
+                 "than the calls saved")
+    else:
+        shape = "it is lowest at the smallest buckets: starting communication early matters more than the per-call cost"
+    return f"Measured ({sizes}): {shape}."
+
+
+@functools.cache
+def _gradient_sizes_bytes(size: str, context_length: int) -> tuple[int, ...]:
+    """The LM's trainable parameter sizes in registration order, from a model built on the meta
+    device (shapes only: no memory, no initialisation)."""
+    with torch.device("meta"):
+        model = TransformerLM(ModelConfig.for_size(size, context_length))
+    return tuple(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
+
+
+def _bucket_bytes(row: Row) -> list[int]:
+    """The sizes of the buckets BucketedDDP built in the run `row` describes, in launch order."""
+    sizes = _gradient_sizes_bytes(row["size"], row["context_length"])
+    return [sum(sizes[i] for i in bucket) for bucket in assign_buckets(sizes, row["bucket_size_mb"] * BYTES_PER_MB)]
+
+
+def _model_section(rows: list[Row]) -> str:
+    probe = next((r for r in rows if r.get("table") == "allreduce_probe"), None)
+    bucketed = _ok(_steps(rows, "bucketed"))
+    local = _ok(_steps(rows, "local"))
+    if probe is None or not bucketed:
+        return ""
+    per_call_s, bandwidth = probe["per_call_overhead_ms"] * 1e-3, probe["algbw_gbps"] * 1e9
+    model_bytes = bucketed[0]["trainable_bytes"]
+    best_bytes = optimal_bucket_bytes(model_bytes, bandwidth, per_call_s)
+    best_overhead_s = ddp_overhead_s(model_bytes, bandwidth, per_call_s, model_bytes / best_bytes)
+    table = []
+    for r in sorted(bucketed, key=lambda r: r["bucket_size_mb"]):
+        buckets = r["all_reduces_per_step"]
+        entry = {"bucket MB": r["bucket_size_mb"], "buckets": buckets,
+                 "course model (ms)": ddp_overhead_s(model_bytes, bandwidth, per_call_s, buckets) * 1e3}
+        if local:
+            entry["with measured backward (ms)"] = pipelined_overhead_s(
+                _bucket_bytes(r), local[0]["backward_ms"] * 1e-3, bandwidth, per_call_s) * 1e3
+        entry["measured gradient_sync (ms)"] = r["gradient_sync_ms"]
+        table.append(entry)
+    text = [
+        "## (b) The overhead model\n",
+        "s = bytes of gradients, w = all-reduce algorithm bandwidth, o = cost per all-reduce call, n_b buckets. If "
+        "computing a bucket's gradients takes as long as sending it, c = s / (n_b w), bucket i is ready at i c and "
+        "its all-reduce (c + o) ends at (i + 1) c + i o, so the time left after backward (which ends at n_b c) is\n",
+        "    overhead(n_b) = s / (n_b w) + n_b o\n",
+        "and setting its derivative -s / (n_b^2 w) + o to zero gives n_b* = sqrt(s / (w o)), so the optimal bucket "
+        "size is\n",
+        "    b* = s / n_b* = sqrt(s w o),   with overhead 2 sqrt(s o / w).\n",
+        f"Measured on these ranks: o = {probe['per_call_overhead_ms']:.3g} ms (median of a "
+        f"{probe['small_bytes']:,}-byte all-reduce), w = {probe['algbw_gbps']:.3g} GB/s (a "
+        f"{probe['large_bytes'] / 1e9:g} GB all-reduce, o taken off), s = {model_bytes / 1e9:.3g} GB. So n_b* = "
+        f"{optimal_num_buckets(model_bytes, bandwidth, per_call_s):.3g} and b* = {best_bytes / BYTES_PER_MB:.4g} MB, "
+        f"with a predicted overhead of {best_overhead_s * 1e3:.3g} ms.\n",
+        "Predicted and measured time after backward. The course model assumes equal buckets and backward per "
+        "bucket as fast as sending it; the next column takes the buckets BucketedDDP actually built and spreads "
+        "them over the measured backward time of the local run (gradients produced at a steady rate, all-reduces "
+        "one after another). The measured gradient_sync also holds writing the averaged buckets back into .grad, "
+        "which neither model counts.\n",
+        markdown_table(table),
+    ]
+    if local:
+        transfer_ms = model_bytes / bandwidth * 1e3
+        backward_ms = local[0]["backward_ms"]
+        text.append(
+            f"Sending all gradients once takes about {transfer_ms:.3g} ms at w; backward takes {backward_ms:.3g} ms. "
+            + ("Backward is much slower than the transfer, so the course's assumption does not hold here: each "
+               "bucket's all-reduce finishes long before the next bucket is ready and what remains after backward "
+               "is roughly the last bucket's all-reduce, which is what the second column models."
+               if backward_ms > 2 * transfer_ms else
+               "The two are comparable, so the course's assumption is close to this setup.") + "\n")
+    return "\n".join(text)
+
+
+@renderer("ddp_bucketed_benchmarking")
+def render_bucketed_benchmarking(rows: list[Row]) -> Rendered:
+    methods = ("local", "naive", "flat", "overlap_individual", "bucketed", "torch_ddp")
+    parts = [_setup(rows), "## (a) Time per step by bucket size\n", _step_table(rows, methods)]
+    measured = _ok(_steps(rows, *methods))
+    bucketed = [r for r in measured if r["method"] == "bucketed"]
+    others = {r["method"]: r for r in measured if r["method"] != "bucketed"}
+    if bucketed:
+        best = min(bucketed, key=lambda r: r["step_ms"])
+        worst = max(bucketed, key=lambda r: r["step_ms"])
+        text = [f"The fastest bucket size is {best['bucket_size_mb']:g} MB ({best['step_ms']:.1f} ms per step, "
+                f"{best['gradient_sync_ms']:.1f} ms left after backward); the slowest is "
+                f"{worst['bucket_size_mb']:g} MB "
+                f"({worst['step_ms']:.1f} ms, {worst['gradient_sync_ms']:.1f} ms after backward)."]
+        for method in ("naive", "flat", "overlap_individual", "torch_ddp"):
+            if method in others:
+                r = others[method]
+                text.append(f"{r['variant']}: {r['step_ms']:.1f} ms ({r['step_ms'] - best['step_ms']:+.1f} ms against "
+                            "the best bucket size).")
+        text.append("Expectation: small buckets pay the per-call cost many times, and very large ones start "
+                    "communicating late and leave a whole large bucket to send after backward, so step time should "
+                    "fall and then rise with bucket size. " + _bucket_trend(bucketed))
+        naive = others.get("naive")
+        if naive and naive.get("profiled_communication_ms") and "local" in others:
+            share = naive["profiled_communication_ms"] / others["local"]["backward_ms"]
+            text.append(
+                f"All of the communication (naive, profiled) is {naive['profiled_communication_ms']:.1f} ms, "
+                f"{share:.0%} of a backward pass, so "
+                + ("there is little to hide and the differences between bucket sizes are small; a slower "
+                   "interconnect (PCIe, or several nodes), more ranks, or less compute per byte of gradient (a "
+                   "smaller batch, bf16 compute) would make communication a larger share and the bucket size matter "
+                   "more." if share < 0.5 else
+                   "communication is a large share of backward and hiding it matters."))
+        parts.append(" ".join(text) + "\n")
+    parts.append(_model_section(rows))
+    parts.append("## Timelines (one profiled step on rank 0)\n"
+                 + _timeline_links(rows, tuple(r["variant"] for r in _steps(rows, "bucketed", "torch_ddp"))))
+    return Rendered("\n".join(parts))

@@ -1,0 +1,461 @@
+"""Problem flash_benchmarking: FlashAttention-2 in Triton against naive PyTorch attention and PyTorch
+SDPA, forward, backward and forward+backward; and the leaderboard configuration.
+
+    rows = benchmark_flash_cell(FlashCell(seq_len=4096, head_dim=64, precision="bf16"), PROVIDERS, "cuda")
+    rows = leaderboard("cuda")
+
+Inputs are (batch, heads, N, d) random normal tensors, causal. Timing is triton.testing.do_bench on a
+GPU: after a first call and a five-call estimate, `warmup_ms` of untimed calls then `rep_ms` of
+calls each timed with CUDA events, the L2 cache flushed before every one; we keep every sample and
+report the median with the 20th and 80th percentiles. On a CPU (the Triton interpreter), where
+do_bench's CUDA events do not exist, the host clock times a few calls (cs336_systems.timing).
+
+Backward is timed alone: the closure calls o.backward(dO, retain_graph=True) on the output of one
+forward run beforehand, so each sample holds exactly the backward's kernels (the gradients are
+reset to None between samples, outside the timed region, so none accumulates). Forward+backward
+times a closure that runs both.
+
+Naive attention materialises N x N matrices: before running it, its predicted peak
+(cs336_systems.accounting.attention) is compared with the free device memory, and a cell that
+would not fit is recorded as OOM (oom_predicted) without running. Any cell that runs out of memory
+anyway is recorded as OOM too, and the sweep goes on.
+
+SDPA runs under torch.nn.attention.sdpa_kernel with one backend pinned, named in the rows:
+"sdpa" takes the first of FLASH_ATTENTION, EFFICIENT_ATTENTION, MATH that accepts the inputs (flash
+has no fp32 kernel, so fp32 gets EFFICIENT_ATTENTION on a GPU); "sdpa_flash" and "sdpa_cudnn" pin
+FLASH_ATTENTION and CUDNN_ATTENTION and are "unsupported" where that backend refuses the inputs.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+import warnings
+from collections.abc import Callable
+from contextlib import nullcontext
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+from cs336_systems.accounting.attention import attention_flops, naive_attention_memory
+from cs336_systems.attention.reference import naive_attention
+from cs336_systems.benchmarks.attention import DTYPES, free_device_memory
+from cs336_systems.reports import OOM, Rendered, Row, markdown_table, renderer
+from cs336_systems.timing import time_fn
+
+SEQ_LENS = tuple(2**p for p in range(7, 17))  # 128 ... 65536
+HEAD_DIMS = (16, 32, 64, 128)
+PRECISIONS = ("bf16", "fp32")
+MODES = ("forward", "backward", "forward_backward")
+PROVIDERS = ("flash_triton", "naive", "sdpa")
+UNSUPPORTED = "unsupported"
+SDPA_BACKEND_ORDER = (SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH)
+PINNED_SDPA = {"sdpa_flash": SDPBackend.FLASH_ATTENTION, "sdpa_cudnn": SDPBackend.CUDNN_ATTENTION}
+# Naive attention runs only if its predicted peak fits in this share of the free memory; the rest
+# covers what the closed form leaves out: cuBLAS workspaces, allocator rounding, do_bench's 256 MB
+# L2-flush buffer.
+NAIVE_FREE_MEMORY_SHARE = 0.9
+
+
+@dataclass(frozen=True)
+class BenchSettings:
+    warmup_ms: int = 25  # do_bench, GPU
+    rep_ms: int = 100
+    cpu_warmup: int = 1  # host clock, CPU
+    cpu_steps: int = 3
+
+
+@dataclass(frozen=True)
+class FlashCell:
+    seq_len: int
+    head_dim: int
+    precision: str
+    batch_size: int = 1
+    n_heads: int = 1
+    is_causal: bool = True
+
+    def __post_init__(self):
+        for name in ("seq_len", "head_dim", "batch_size", "n_heads"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        if self.precision not in DTYPES:
+            raise ValueError(f"unknown precision {self.precision!r}; choose one of {', '.join(DTYPES)}")
+
+    @property
+    def shape(self) -> tuple[int, int, int, int]:
+        return (self.batch_size, self.n_heads, self.seq_len, self.head_dim)
+
+    def flops(self, mode: str) -> float:
+        return attention_flops(self.batch_size * self.n_heads, self.seq_len, self.head_dim, self.is_causal, mode)
+
+
+# The leaderboard's configuration and what it is compared with.
+LEADERBOARD_CELL = FlashCell(seq_len=16384, head_dim=64, precision="bf16", n_heads=16)
+LEADERBOARD_PROVIDERS = ("flash_triton_compiled", "flash_triton", "sdpa_flash", "sdpa_cudnn")
+COMPILED_PROVIDERS = ("flash_triton_compiled",)
+PROVIDER_LABELS = {"flash_triton": "triton", "flash_triton_compiled": "triton (compiled)", "naive": "naive",
+                   "sdpa": "sdpa", "sdpa_flash": "sdpa flash", "sdpa_cudnn": "sdpa cuDNN"}
+
+
+# ---------------------------------------------------------------------------------------- providers
+
+def _sdpa_runs(backend: SDPBackend, q, k, v, is_causal: bool) -> bool:
+    """Whether `backend` accepts these inputs: SDPA raises when the pinned backend cannot run them."""
+    try:
+        with warnings.catch_warnings(), sdpa_kernel(backend):
+            warnings.simplefilter("ignore")  # the refusal's warnings repeat the reason the row records
+            F.scaled_dot_product_attention(q, k, v, is_causal=is_causal)
+    except RuntimeError:
+        return False
+    return True
+
+
+def _provider(name: str, q, k, v, is_causal: bool) -> tuple[Callable[[], torch.Tensor] | None, SDPBackend | None]:
+    """(forward closure, SDPA backend to pin); a None closure means the SDPA backend refuses the inputs."""
+    if name == "flash_triton":
+        from cs336_systems.attention.flash_triton import FlashAttentionTriton
+
+        return (lambda: FlashAttentionTriton.apply(q, k, v, is_causal)), None
+    if name == "flash_triton_compiled":
+        from cs336_systems.attention.flash_triton import flash_attention_triton
+
+        compiled = torch.compile(flash_attention_triton)
+        return (lambda: compiled(q, k, v, is_causal)), None
+    if name == "naive":
+        return (lambda: naive_attention(q, k, v, is_causal)), None
+    if name == "sdpa" or name in PINNED_SDPA:
+        backends = SDPA_BACKEND_ORDER if name == "sdpa" else (PINNED_SDPA[name],)
+        backend = next((b for b in backends if _sdpa_runs(b, q, k, v, is_causal)), None)
+        if backend is None:
+            return None, backends[0]
+        return (lambda: F.scaled_dot_product_attention(q, k, v, is_causal=is_causal)), backend
+    raise ValueError(f"unknown provider {name!r}; choose one of {', '.join(PROVIDER_LABELS)}")
+
+
+# ------------------------------------------------------------------------------------------- timing
+
+def _bench(fn: Callable[[], object], grads: tuple[torch.Tensor, ...], device: torch.device,
+           settings: BenchSettings) -> Row:
+    """Median and 20th/80th percentiles of `fn`'s time in ms; `grads` are reset to None before each call."""
+    if device.type == "cuda":
+        import triton.testing
+
+        samples = triton.testing.do_bench(fn, warmup=settings.warmup_ms, rep=settings.rep_ms,
+                                          grad_to_none=list(grads), return_mode="all")
+        timer = f"do_bench (warm-up {settings.warmup_ms} ms, repetition {settings.rep_ms} ms)"
+    else:
+        def call() -> None:
+            for t in grads:
+                t.grad = None
+            fn()
+
+        samples = time_fn(call, warmup=settings.cpu_warmup, steps=settings.cpu_steps, device=device).samples_ms
+        timer = f"host clock ({settings.cpu_warmup} warm-up, {settings.cpu_steps} timed calls)"
+    series = torch.tensor(samples, dtype=torch.float64)
+    p20, p80 = series.quantile(torch.tensor([0.2, 0.8], dtype=torch.float64)).tolist()
+    return {"median_ms": statistics.median(samples), "p20_ms": p20, "p80_ms": p80, "samples": len(samples),
+            "timer": timer}
+
+
+def _bench_mode(mode: str, forward: Callable[[], torch.Tensor], inputs: tuple[torch.Tensor, ...],
+                grad_out: torch.Tensor, device: torch.device, settings: BenchSettings) -> Row:
+    if mode == "forward":
+        return _bench(forward, inputs, device, settings)
+    if mode == "backward":
+        out = forward()
+        return _bench(lambda: out.backward(grad_out, retain_graph=True), inputs, device, settings)
+    if mode == "forward_backward":
+        return _bench(lambda: forward().backward(grad_out), inputs, device, settings)
+    raise ValueError(f"unknown mode {mode!r}; choose one of {', '.join(MODES)}")
+
+
+def _naive_fits(cell: FlashCell, device: torch.device) -> tuple[bool, int, int | None]:
+    """(whether naive attention's predicted peak fits in the free memory, that peak, the free bytes);
+    on a CPU nothing is predicted to fail and the free memory is not read."""
+    memory = naive_attention_memory(cell.batch_size * cell.n_heads, cell.seq_len, cell.seq_len, cell.head_dim,
+                                    cell.precision, cell.is_causal)
+    if device.type != "cuda":
+        return True, memory.peak_bytes, None
+    free_device_memory(device)
+    free_bytes, _ = torch.cuda.mem_get_info(device)
+    # q, k, v and dO are allocated already, so they are not part of what must still fit.
+    fits = memory.peak_bytes - memory.caller_bytes <= NAIVE_FREE_MEMORY_SHARE * free_bytes
+    return fits, memory.peak_bytes, free_bytes
+
+
+def _cell_row(cell: FlashCell, provider: str, mode: str, device: torch.device) -> Row:
+    return {"table": "sweep", "provider": provider, "backend": None, "precision": cell.precision,
+            "batch_size": cell.batch_size, "n_heads": cell.n_heads, "seq_len": cell.seq_len,
+            "head_dim": cell.head_dim, "is_causal": cell.is_causal, "mode": mode, "device": device.type,
+            "status": None, "oom_predicted": None, "median_ms": None, "p20_ms": None, "p80_ms": None,
+            "samples": None, "timer": None, "tflops": None, "predicted_peak_bytes": None,
+            "free_memory_bytes": None, "fp32_matmul_precision": torch.get_float32_matmul_precision()}
+
+
+def _inputs(cell: FlashCell, device: torch.device) -> tuple[tuple[torch.Tensor, ...], torch.Tensor]:
+    generator = torch.Generator(device=device).manual_seed(0)
+
+    def randn(requires_grad: bool) -> torch.Tensor:
+        return torch.randn(cell.shape, generator=generator, device=device, dtype=DTYPES[cell.precision],
+                           requires_grad=requires_grad)
+
+    return (randn(True), randn(True), randn(True)), randn(False)
+
+
+def benchmark_flash_cell(cell: FlashCell, providers=PROVIDERS, device: torch.device | str = "cuda",
+                         modes=MODES, settings: BenchSettings = BenchSettings()) -> list[Row]:
+    """One row per (provider, mode): status ok / OOM / unsupported, times, TFLOP/s."""
+    device = torch.device(device)
+    for mode in modes:
+        if mode not in MODES:
+            raise ValueError(f"unknown mode {mode!r}; choose one of {', '.join(MODES)}")
+    for provider in providers:
+        if provider not in PROVIDER_LABELS:
+            raise ValueError(f"unknown provider {provider!r}; choose one of {', '.join(PROVIDER_LABELS)}")
+        if provider in COMPILED_PROVIDERS and "backward" in modes:
+            raise ValueError(f"{provider}: backward alone cannot be timed; a compiled backward refuses "
+                             "retain_graph=True (its buffers are donated), so time forward_backward")
+    inputs, grad_out = _inputs(cell, device)
+    rows = []
+    for provider in providers:
+        base = [_cell_row(cell, provider, mode, device) for mode in modes]
+        if provider == "naive":
+            fits, peak_bytes, free_bytes = _naive_fits(cell, device)
+            for row in base:
+                row |= {"predicted_peak_bytes": peak_bytes, "free_memory_bytes": free_bytes}
+            if not fits:
+                rows += [{**row, "status": OOM, "oom_predicted": True} for row in base]
+                continue
+        forward, backend = _provider(provider, *inputs, cell.is_causal)
+        for row in base:
+            row["backend"] = None if backend is None else backend.name
+        if forward is None:
+            rows += [{**row, "status": UNSUPPORTED} for row in base]
+            continue
+        for row in base:
+            stats = None
+            try:
+                with sdpa_kernel(backend) if backend is not None else nullcontext():
+                    stats = _bench_mode(row["mode"], forward, inputs, grad_out, device, settings)
+            except torch.OutOfMemoryError:
+                pass
+            # After the except block: its traceback kept the failed call's tensors alive until here.
+            free_device_memory(device)
+            for t in inputs:
+                t.grad = None
+            if stats is None:
+                rows.append({**row, "status": OOM, "oom_predicted": False})
+            else:
+                tflops = cell.flops(row["mode"]) / (stats["median_ms"] * 1e-3) / 1e12
+                rows.append({**row, **stats, "status": "ok", "tflops": tflops})
+    return rows
+
+
+def leaderboard(device: torch.device | str = "cuda", settings: BenchSettings = BenchSettings()) -> list[Row]:
+    """The leaderboard configuration, forward+backward, for each of LEADERBOARD_PROVIDERS."""
+    torch._dynamo.reset()  # compile the Triton Function afresh, with no earlier graphs in dynamo's caches
+    rows = benchmark_flash_cell(LEADERBOARD_CELL, LEADERBOARD_PROVIDERS, device, ("forward_backward",), settings)
+    return [{**row, "table": "leaderboard"} for row in rows]
+
+
+# ------------------------------------------------------------------------------------------ reports
+
+FLASH_KEY = ("table", "provider", "precision", "batch_size", "n_heads", "seq_len", "head_dim", "is_causal", "mode")
+MODE_LABELS = {"forward": "forward", "backward": "backward", "forward_backward": "forward+backward"}
+RATIO_PAIRS = (("naive", "flash_triton"), ("sdpa", "flash_triton"))
+
+
+def _ok(row: Row | None) -> bool:
+    return bool(row) and row.get("status") == "ok"
+
+
+def _time_cell(row: Row | None) -> str:
+    if not row:
+        return ""
+    if row["status"] == OOM:
+        return "OOM (predicted)" if row.get("oom_predicted") else OOM
+    if row["status"] != "ok":
+        return row["status"]
+    return f"{row['median_ms']:.3g}"
+
+
+def _ratio(slow: Row | None, fast: Row | None) -> float | None:
+    return slow["median_ms"] / fast["median_ms"] if _ok(slow) and _ok(fast) else None
+
+
+def _index(rows: list[Row]) -> dict[tuple, Row]:
+    return {(r["precision"], r["mode"], r["head_dim"], r["seq_len"], r["provider"]): r for r in rows}
+
+
+def _sweep_table(rows: list[Row], precision: str, mode: str) -> str:
+    index = _index(rows)
+    providers = [p for p in PROVIDER_LABELS if any(r["provider"] == p for r in rows)]
+    table = []
+    for d, n in sorted({(r["head_dim"], r["seq_len"]) for r in rows
+                        if r["precision"] == precision and r["mode"] == mode}):
+        cell = {p: index.get((precision, mode, d, n, p)) for p in providers}
+        entry = {"d": d, "N": n}
+        entry |= {f"{PROVIDER_LABELS[p]} (ms)": _time_cell(cell[p]) for p in providers}
+        for slow, fast in RATIO_PAIRS:
+            if slow in cell and fast in cell:
+                ratio = _ratio(cell[slow], cell[fast])
+                entry[f"{PROVIDER_LABELS[slow]} / {PROVIDER_LABELS[fast]}"] = "" if ratio is None else f"{ratio:.3g}x"
+        entry |= {f"{PROVIDER_LABELS[p]} TFLOP/s": f"{cell[p]['tflops']:.3g}" if _ok(cell[p]) else ""
+                  for p in providers if p != "naive"}
+        table.append(entry)
+    return markdown_table(table)
+
+
+def _timer(rows: list[Row]) -> str:
+    return next((r["timer"] for r in rows if r.get("timer")), "none (no cell ran)")
+
+
+def _setup(rows: list[Row]) -> str:
+    r = rows[0]
+    reset_note = " (outside do_bench's timed region)" if _timer(rows).startswith("do_bench") else ""
+    backends = sorted({(x["precision"], x["backend"]) for x in rows if x["provider"] == "sdpa" and x.get("backend")})
+    backend_text = "; ".join(f"{p}: {b}" for p, b in backends) or "not measured"
+    fp32_note = ""
+    if any(x["precision"] == "fp32" for x in rows):
+        matmul = sorted({x["fp32_matmul_precision"] for x in rows if x["precision"] == "fp32"})
+        fp32_note = (" In fp32, the Triton kernels' tl.dot takes Triton's default input precision (TF32 tensor "
+                     "cores on NVIDIA GPUs), while PyTorch's fp32 matmuls ran with float32_matmul_precision "
+                     f"{', '.join(matmul)} ('highest' is full fp32).")
+    return (f"Causal attention on q, k, v of shape ({r['batch_size']}, {r['n_heads']}, N, d) (batch, heads, "
+            "sequence, head dim), random normal. "
+            f"Timer: {_timer(rows)}; the median, in ms. Backward is timed alone: the timer calls a closure running "
+            "o.backward(dO, retain_graph=True) on a forward run beforehand, gradients reset to None between calls"
+            f"{reset_note}. Ratios are one provider's time over Triton's: above 1, Triton is "
+            "faster. Naive attention is the annotated reference, eager; cells whose predicted "
+            "peak does not fit in free memory are OOM (predicted) and not run. SDPA backend by precision: "
+            f"{backend_text}.{fp32_note}\n\nTFLOP/s counts causal attention's useful FLOPs: forward 2·N²·d per head "
+            "(half of 4·N²·d, since the mask removes half the scores), backward 2.5x the forward, forward+backward "
+            "3.5x.\n")
+
+
+def _at_largest_seq_len(index: dict[tuple, Row], precision: str, head_dim: int, provider: str):
+    """(N, provider's time over Triton's) at the largest N where both ran forward+backward, or None."""
+    ratios = [(n, _ratio(row, index.get((precision, mode, d, n, "flash_triton"))))
+              for (p, mode, d, n, name), row in index.items()
+              if (p, mode, d, name) == (precision, "forward_backward", head_dim, provider)]
+    return max(((n, ratio) for n, ratio in ratios if ratio is not None), default=None)
+
+
+def _findings(rows: list[Row]) -> list[str]:
+    findings = []
+    index = _index(rows)
+    for precision in [p for p in PRECISIONS if any(r["precision"] == p for r in rows)]:
+        mine = [r for r in rows if r["precision"] == precision]
+        naive = [r for r in mine if r["provider"] == "naive"]
+        ooms = [r for r in naive if r["status"] == OOM]
+        if ooms:
+            first = min(r["seq_len"] for r in ooms)
+            at_first = [r for r in ooms if r["seq_len"] == first]
+            head_dims = ", ".join(str(d) for d in sorted({r["head_dim"] for r in at_first}))
+            worst = max(at_first, key=lambda r: r["predicted_peak_bytes"] or 0)
+            how = "predicted and not run" if all(r.get("oom_predicted") for r in at_first) else "measured"
+            need = f"; the accounting puts its peak at {worst['predicted_peak_bytes'] / 2**30:.3g} GiB"
+            if worst.get("free_memory_bytes"):
+                need += f" against {worst['free_memory_bytes'] / 2**30:.3g} GiB free"
+            findings.append(f"- {precision}: naive attention runs out of memory from N={first} (d={head_dims}; "
+                            f"{how}{need} at d={worst['head_dim']}).")
+        elif naive:
+            ran = max(r["seq_len"] for r in naive)
+            findings.append(f"- {precision}: naive attention ran at every N measured, up to {ran}.")
+        for d in sorted({r["head_dim"] for r in mine}):
+            parts = []
+            naive_at = _at_largest_seq_len(index, precision, d, "naive")
+            if naive_at:
+                parts.append(f"at N={naive_at[0]} (the largest where naive ran) Triton is {naive_at[1]:.3g}x as "
+                             "fast as naive")
+            sdpa_at = _at_largest_seq_len(index, precision, d, "sdpa")
+            if sdpa_at:
+                parts.append(f"at N={sdpa_at[0]} SDPA takes {sdpa_at[1]:.3g}x Triton's time")
+            if parts:
+                findings.append(f"- {precision}, d={d}, forward+backward: " + "; ".join(parts) + ".")
+        triton = [r for r in mine if r["provider"] == "flash_triton" and _ok(r)]
+        for mode in MODES:
+            best = max((r for r in triton if r["mode"] == mode), key=lambda r: r["tflops"], default=None)
+            if best:
+                findings.append(f"- {precision}, Triton {MODE_LABELS[mode]}: best {best['tflops']:.3g} TFLOP/s "
+                                f"(d={best['head_dim']}, N={best['seq_len']}).")
+    return findings
+
+
+def _leaderboard_section(rows: list[Row]) -> str:
+    if not rows:
+        return ""
+    r = rows[0]
+    measured = [x for x in rows if _ok(x)]
+    table = [{"provider": PROVIDER_LABELS[x["provider"]], "backend": x.get("backend") or "",
+              "median (ms)": _time_cell(x), "TFLOP/s": f"{x['tflops']:.3g}" if _ok(x) else ""}
+             | {f"time / {PROVIDER_LABELS[y['provider']]}": f"{x['median_ms'] / y['median_ms']:.3g}x"
+                if _ok(x) else "" for y in measured}
+             for x in rows]
+    text = []
+    ours = next((x for x in measured if x["provider"] == "flash_triton_compiled"), None)
+    if ours:
+        for other in measured:
+            if other is not ours:
+                ratio = ours["median_ms"] / other["median_ms"]
+                text.append(f"triton (compiled) takes {ratio:.3g}x the time of {PROVIDER_LABELS[other['provider']]}")
+    compared = ", ".join(PROVIDER_LABELS[x["provider"]] + (f" ({x['backend']})" if x.get("backend") else "")
+                         for x in rows)
+    return "\n".join([
+        f"## Leaderboard configuration\n\nBatch {r['batch_size']}, {r['n_heads']} heads, d_head {r['head_dim']}, "
+        f"N {r['seq_len']}, {r['precision']}, causal, forward+backward, measured in one run: {compared}. "
+        f"triton (compiled) is the Triton Function wrapped in torch.compile. Timer: {_timer(rows)}; the median.\n",
+        markdown_table(table),
+        ("Here " + "; ".join(text) + ".\n") if text else "",
+    ])
+
+
+def _plot(rows: list[Row], precision: str):
+    from matplotlib.figure import Figure
+
+    head_dims = sorted({r["head_dim"] for r in rows})
+    figure = Figure(figsize=(3.2 * len(head_dims), 2.6 * len(MODES)))
+    axes = figure.subplots(len(MODES), len(head_dims), squeeze=False, sharex=True)
+    for i, mode in enumerate(MODES):
+        for j, d in enumerate(head_dims):
+            ax = axes[i][j]
+            for provider in [p for p in PROVIDER_LABELS if any(r["provider"] == p for r in rows)]:
+                line = sorted((r for r in rows if (r["provider"], r["mode"], r["head_dim"]) == (provider, mode, d)
+                               and _ok(r)), key=lambda r: r["seq_len"])
+                if line:
+                    ax.plot([r["seq_len"] for r in line], [r["median_ms"] for r in line], marker="o", markersize=3,
+                            label=PROVIDER_LABELS[provider])
+            ax.set_xscale("log", base=2)
+            ax.set_yscale("log")
+            ax.set_title(f"{MODE_LABELS[mode]}, d={d}", fontsize="small")
+            if i == len(MODES) - 1:
+                ax.set_xlabel("N")
+            if j == 0:
+                ax.set_ylabel("ms")
+    axes[0][0].legend(fontsize="x-small")
+    figure.suptitle(f"Causal attention, batch 1, {precision}: time against sequence length")
+    figure.tight_layout()
+    return figure
+
+
+@renderer("flash_benchmarking", key=FLASH_KEY)
+def render_flash_benchmarking(rows: list[Row]) -> Rendered:
+    sweep = [r for r in rows if r.get("table") == "sweep"]
+    parts, figures = [], {}
+    if sweep:
+        parts.append(f"## Sweep\n\n{_setup(sweep)}")
+        for precision in [p for p in PRECISIONS if any(r["precision"] == p for r in sweep)]:
+            for mode in MODES:
+                if any(r["precision"] == precision and r["mode"] == mode for r in sweep):
+                    parts += [f"### {precision}, {MODE_LABELS[mode]}\n", _sweep_table(sweep, precision, mode)]
+            name = f"flash_benchmarking_{precision}.png"
+            figures[name] = _plot([r for r in sweep if r["precision"] == precision], precision)
+            parts.append(f"![{precision}: time against N]({name})\n")
+        findings = _findings(sweep)
+        if findings:
+            parts.append("## Findings\n\n" + "\n".join(findings) + "\n")
+    parts.append(_leaderboard_section([r for r in rows if r.get("table") == "leaderboard"]))
+    return Rendered("\n".join(p for p in parts if p), figures=figures)

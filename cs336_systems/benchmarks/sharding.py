@@ -1,0 +1,519 @@
+"""Problems optimizer_state_sharding and optimizer_state_sharding_accounting: ShardedOptimizer
+against unsharded AdamW (correctness), and memory and time per step against torch DDP with AdamW
+and with torch's ZeroRedundancyOptimizer (ZeRO stage 1), all in one run.
+
+    rows = launch(benchmark_optimizer_sharding, 2, ShardingBenchmarkConfig(), device="cuda")[0]
+
+The training-memory probe here (`measure_training`) also serves the fsdp_accounting benchmark.
+
+How memory is measured and broken down (GPU). After the model, wrapper and optimizer are built,
+`memory_allocated` is read (the "init" point; its peak is the highest point while building). Then,
+after the warm-up and timed steps, one more step is run with the device synchronised at its phase
+points: step start, after forward (loss computed), before the optimizer step (after backward and
+gradient synchronisation) and after the optimizer step. The peak at a step point is the highest
+allocation since that step started. At each point the sizes of the tensors the run knows are
+added up: parameters, gradients (.grad) and optimizer state (this rank's local parts only: shards
+for sharded runs); "activations" is what forward left allocated (after forward minus step start:
+saved activations, logits and loss); "other" is the allocated memory none of those explain: torch
+DDP's gradient buckets, communication buffers, allocator rounding. AdamW creates its state in its
+first step, so "init" holds no optimizer state yet.
+"""
+
+from __future__ import annotations
+
+import gc
+import statistics
+from collections.abc import Callable, Iterable
+from copy import deepcopy
+from dataclasses import asdict, dataclass
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from cs336_systems.accounting.communication import bytes_sent_per_device
+from cs336_systems.accounting.memory import GIB, training_memory
+from cs336_systems.distributed.launch import rank_device
+from cs336_systems.distributed.sharded_optimizer import SYNC_METHODS, ShardedOptimizer
+from cs336_systems.model import ModelConfig, TransformerLM
+from cs336_systems.profiling.ranges import annotate
+from cs336_systems.reports import OOM, Rendered, Row, markdown_table, renderer
+from cs336_systems.timing import synchronize, timed
+
+LEARNING_RATE = 1e-4
+
+
+@dataclass(frozen=True)
+class ShardingBenchmarkConfig:
+    size: str = "xl"
+    context_length: int = 512
+    batch_size: int = 4  # per rank
+    warmup: int = 2
+    steps: int = 5
+    attention: str = "sdpa"
+
+    def __post_init__(self):
+        if self.warmup < 1 or self.steps < 1:
+            # One warm-up step at least: AdamW creates its state in the first step.
+            raise ValueError(f"need warmup >= 1 and steps >= 1, got {self.warmup} and {self.steps}")
+        if self.batch_size < 1:
+            raise ValueError(f"batch size per rank must be >= 1, got {self.batch_size}")
+        ModelConfig.for_size(self.size, self.context_length)  # validates size and context
+
+    def model_config(self) -> ModelConfig:
+        return ModelConfig.for_size(self.size, self.context_length)
+
+
+@dataclass
+class TrainingSetup:
+    """What a variant trains: the module forward runs on, its optimizer, what runs between backward
+    and the optimizer step, this rank's optimizer-state tensors, and the collectives of one step
+    (kind -> payload bytes per rank) as known from the sizes communicated."""
+
+    module: nn.Module
+    optimizer: torch.optim.Optimizer
+    state_tensors: Callable[[], Iterable[torch.Tensor]]
+    after_backward: Callable[[], None] | None = None
+    collectives: Callable[[], dict[str, int]] = dict
+
+
+def local_bytes(t: torch.Tensor) -> int:
+    """Bytes this rank holds for `t` (a DTensor's local shard, not its global size)."""
+    if hasattr(t, "to_local"):
+        t = t.to_local()
+    return t.numel() * t.element_size()
+
+
+def optimizer_state_tensors(states: Iterable[dict]) -> list[torch.Tensor]:
+    return [value for state in states for value in state.values() if torch.is_tensor(value)]
+
+
+def free_device_memory(device: torch.device) -> None:
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(device)
+
+
+def build_model(cfg: ShardingBenchmarkConfig, device: torch.device) -> TransformerLM:
+    torch.manual_seed(0)  # the same model on every rank, also for wrappers that broadcast nothing
+    with torch.device(device):
+        return TransformerLM(cfg.model_config(), attention=cfg.attention)
+
+
+def torch_ddp(model: nn.Module, device: torch.device) -> nn.parallel.DistributedDataParallel:
+    return nn.parallel.DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
+
+
+class _MemoryProbe:
+    def __init__(self, device: torch.device):
+        self.on_cuda = device.type == "cuda"
+        self.device = device
+        self.points: list[Row] = []
+
+    def record(self, point: str, setup: TrainingSetup, activations_bytes: int | None = None) -> int | None:
+        synchronize(self.device)
+        params = list(setup.module.parameters())
+        row: Row = {"point": point,
+                    "parameters_gib": sum(map(local_bytes, params)) / GIB,
+                    "gradients_gib": sum(local_bytes(p.grad) for p in params if p.grad is not None) / GIB,
+                    "optimizer_state_gib": sum(map(local_bytes, setup.state_tensors())) / GIB,
+                    "activations_gib": None if activations_bytes is None else activations_bytes / GIB}
+        allocated = None
+        if self.on_cuda:
+            allocated = torch.cuda.memory_allocated(self.device)
+            known = (row["parameters_gib"] + row["gradients_gib"] + row["optimizer_state_gib"]
+                     + (row["activations_gib"] or 0))
+            row.update(allocated_gib=allocated / GIB, peak_gib=torch.cuda.max_memory_allocated(self.device) / GIB,
+                       other_gib=allocated / GIB - known)
+        self.points.append(row)
+        return allocated
+
+
+def _batch(config: ModelConfig, cfg: ShardingBenchmarkConfig, rank: int, device: torch.device):
+    generator = torch.Generator().manual_seed(rank)  # every rank trains on its own data
+    return tuple(torch.randint(config.vocab_size, (cfg.batch_size, cfg.context_length), generator=generator).to(device)
+                 for _ in range(2))
+
+
+def measure_training(make_setup: Callable[[nn.Module, torch.device], TrainingSetup], cfg: ShardingBenchmarkConfig,
+                     rank: int, device: torch.device, profile: Callable | None = None) -> dict:
+    """Time `cfg.steps` training steps of the variant `make_setup` builds, and probe its memory.
+
+    `profile`, if given, is called with the step function and runs one more step under the profiler.
+    """
+    free_device_memory(device)
+    probe = _MemoryProbe(device)
+    setup = make_setup(build_model(cfg, device), device)
+    probe.record("init", setup)
+    inputs, targets = _batch(cfg.model_config(), cfg, rank, device)
+    optimizer_ms: list[float] = []
+
+    def step(points: bool = False, sink: list[float] | None = None) -> None:
+        if points and probe.on_cuda:
+            torch.cuda.reset_peak_memory_stats(device)
+        start = probe.record("step start", setup) if points else None
+        with annotate("forward"):
+            loss = F.cross_entropy(setup.module(inputs).flatten(0, 1), targets.flatten())
+        if points:
+            after = torch.cuda.memory_allocated(device) if probe.on_cuda else None
+            probe.record("after forward", setup, None if after is None else after - start)
+        with annotate("backward"):
+            loss.backward()
+            del loss
+            if setup.after_backward is not None:
+                setup.after_backward()
+        if points:
+            probe.record("before optimizer step", setup)
+        with annotate("optimizer"), timed(device, sink if sink is not None else []):
+            setup.optimizer.step()
+        if points:
+            probe.record("after optimizer step", setup)
+        setup.optimizer.zero_grad(set_to_none=True)
+
+    for _ in range(cfg.warmup):
+        step()
+    step_ms: list[float] = []
+    for _ in range(cfg.steps):
+        with timed(device, step_ms):
+            step(sink=optimizer_ms)
+    step(points=True)
+    trace = profile(step) if profile is not None else None
+    return {"status": "ok", "step_ms": step_ms, "optimizer_ms": optimizer_ms, "memory": probe.points,
+            "collectives": setup.collectives(), "trace": trace}
+
+
+# ----------------------------------------------------------------------------------------- variants
+
+def ddp_adamw(model: nn.Module, device: torch.device) -> TrainingSetup:
+    ddp = torch_ddp(model, device)
+    optimizer = torch.optim.AdamW(ddp.parameters(), lr=LEARNING_RATE)
+    return TrainingSetup(ddp, optimizer, lambda: optimizer_state_tensors(optimizer.state.values()),
+                         collectives=lambda: {"all_reduce (DDP gradients)": _gradient_bytes(model)})
+
+
+def ddp_zero(model: nn.Module, device: torch.device) -> TrainingSetup:
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+
+    ddp = torch_ddp(model, device)
+    optimizer = ZeroRedundancyOptimizer(ddp.parameters(), optimizer_class=torch.optim.AdamW, lr=LEARNING_RATE)
+    return TrainingSetup(ddp, optimizer, lambda: optimizer_state_tensors(optimizer.optim.state.values()),
+                         collectives=lambda: {"all_reduce (DDP gradients)": _gradient_bytes(model),
+                                              "broadcast (updated parameters)": _parameter_bytes(model)})
+
+
+def ddp_sharded(sync: str) -> Callable[[nn.Module, torch.device], TrainingSetup]:
+    def make(model: nn.Module, device: torch.device) -> TrainingSetup:
+        ddp = torch_ddp(model, device)
+        optimizer = ShardedOptimizer(ddp.parameters(), torch.optim.AdamW, sync=sync, lr=LEARNING_RATE)
+        return TrainingSetup(ddp, optimizer, lambda: optimizer_state_tensors(optimizer.state.values()),
+                             collectives=lambda: {"all_reduce (DDP gradients)": _gradient_bytes(model),
+                                                  "broadcast (updated parameters)": _parameter_bytes(model)})
+
+    return make
+
+
+def _gradient_bytes(model: nn.Module) -> int:
+    return sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
+
+
+def _parameter_bytes(model: nn.Module) -> int:
+    return sum(p.numel() * p.element_size() for p in model.parameters())
+
+
+# (label, strategy in the memory model, builder)
+VARIANTS = (
+    ("DDP + AdamW", "replicated", ddp_adamw),
+    ("DDP + ZeroRedundancyOptimizer", "optimizer_state", ddp_zero),
+    *[(f"DDP + ShardedOptimizer ({sync})", "optimizer_state", ddp_sharded(sync)) for sync in SYNC_METHODS],
+)
+
+
+def gather_rows(stats: dict, world_size: int) -> list[dict]:
+    per_rank: list[dict | None] = [None] * world_size
+    dist.all_gather_object(per_rank, stats)
+    return per_rank
+
+
+def step_row(label: str, per_rank: list[dict], cfg: ShardingBenchmarkConfig, world_size: int, strategy: str,
+             ddp_buckets: bool) -> Row:
+    """One variant's row: time (over ranks and steps), peak memory (the largest rank's), the memory
+    model's prediction beside it, and communication per rank and step."""
+    row: Row = {"table": "step", "variant": label, **asdict(cfg), "world_size": world_size,
+                "backend": dist.get_backend()}
+    if any(stats["status"] == OOM for stats in per_rank):
+        return {**row, "status": OOM}
+    steps = [x for stats in per_rank for x in stats["step_ms"]]
+    optimizer = [x for stats in per_rank for x in stats["optimizer_ms"]]
+    row.update(status="ok", step_ms=statistics.fmean(steps),
+               step_std_ms=statistics.stdev(steps) if len(steps) > 1 else 0.0,
+               optimizer_ms=statistics.fmean(optimizer))
+    # The training peak: step points only (building a model can peak higher, e.g. before sharding).
+    peaks = [point.get("peak_gib") for stats in per_rank for point in stats["memory"] if point["point"] != "init"]
+    if all(peak is not None for peak in peaks):
+        row["peak_gib"] = max(peaks)
+    model = training_memory(cfg.model_config(), cfg.batch_size, cfg.context_length, attention=cfg.attention,
+                            strategy=strategy, world_size=world_size, ddp_buckets=ddp_buckets)
+    row["model_peak_gib"] = model.peak / GIB
+    collectives = per_rank[0]["collectives"]
+    row["communicated_bytes"] = sum(collectives.values())
+    row["ring_bytes_sent_per_rank"] = sum(
+        bytes_sent_per_device("all_reduce" if kind.startswith("all_reduce") else "all_gather", payload, world_size)
+        for kind, payload in collectives.items())
+    return row
+
+
+def memory_rows(label: str, per_rank: list[dict]) -> list[Row]:
+    """The memory points of the rank with the highest peak (ranks differ little; sharded state can)."""
+    if any(stats["status"] == OOM for stats in per_rank):
+        return []
+    rank = max(range(len(per_rank)), key=lambda r: max(p.get("peak_gib") or 0 for p in per_rank[r]["memory"]
+                                                        if p["point"] != "init"))
+    return [{"table": "memory", "variant": label, "rank": rank, **point} for point in per_rank[rank]["memory"]]
+
+
+def communication_rows(label: str, per_rank: list[dict], world_size: int) -> list[Row]:
+    if any(stats["status"] == OOM for stats in per_rank):
+        return []
+    return [{"table": "communication", "variant": label, "collective": kind, "payload_bytes": payload,
+             "ring_bytes_sent_per_rank": bytes_sent_per_device(
+                 "all_reduce" if kind.startswith("all_reduce") else "all_gather", payload, world_size)}
+            for kind, payload in per_rank[0]["collectives"].items()]
+
+
+def benchmark_optimizer_sharding(rank: int, world_size: int, cfg: ShardingBenchmarkConfig) -> list[Row]:
+    """Run under launch. Rank 0 returns the rows of every variant."""
+    device = rank_device()
+    rows: list[Row] = []
+    for label, strategy, make_setup in VARIANTS:
+        try:
+            stats = measure_training(make_setup, cfg, rank, device)
+        except torch.OutOfMemoryError:
+            stats = {"status": OOM}
+            free_device_memory(device)
+        per_rank = gather_rows(stats, world_size)
+        rows.append(step_row(label, per_rank, cfg, world_size, strategy, ddp_buckets=True))
+        rows += memory_rows(label, per_rank) + communication_rows(label, per_rank, world_size)
+    return rows if rank == 0 else []
+
+
+def optimizer_sharding_problems(rank: int, world_size: int, cfg: ShardingBenchmarkConfig) -> list[Row]:
+    """Run under launch: both problems' rows from one set of ranks (starting ranks costs seconds)."""
+    return sharded_optimizer_equivalence(rank, world_size) + benchmark_optimizer_sharding(rank, world_size, cfg)
+
+
+# ------------------------------------------------------------------------------------ correctness
+
+EQUIVALENCE_SIZE = "tiny"
+EQUIVALENCE_CONTEXT = 16
+EQUIVALENCE_BATCH = 4
+EQUIVALENCE_STEPS = 5
+
+
+def sharded_optimizer_equivalence(rank: int, world_size: int) -> list[Row]:
+    """ShardedOptimizer(AdamW) against AdamW on the tiny LM, the same batches on every rank: each
+    parameter's update is the same arithmetic on its owner, so the results must be identical."""
+    device = rank_device()
+    config = ModelConfig.for_size(EQUIVALENCE_SIZE, EQUIVALENCE_CONTEXT)
+    rows = []
+    for sync in SYNC_METHODS:
+        torch.manual_seed(0)
+        with torch.device(device):
+            reference = TransformerLM(config)
+        model = deepcopy(reference)
+        reference_optimizer = torch.optim.AdamW(reference.parameters(), lr=1e-3, weight_decay=0.1)
+        optimizer = ShardedOptimizer(model.parameters(), torch.optim.AdamW, sync=sync, lr=1e-3, weight_decay=0.1)
+        for step in range(EQUIVALENCE_STEPS):
+            generator = torch.Generator().manual_seed(step)
+            inputs, targets = (torch.randint(config.vocab_size, (EQUIVALENCE_BATCH, EQUIVALENCE_CONTEXT),
+                                             generator=generator).to(device) for _ in range(2))
+            for net, opt in ((reference, reference_optimizer), (model, optimizer)):
+                opt.zero_grad(set_to_none=True)
+                F.cross_entropy(net(inputs).flatten(0, 1), targets.flatten()).backward()
+                opt.step()
+        difference = max((a - b).abs().max().item() for a, b in zip(reference.parameters(), model.parameters()))
+        state_bytes = sum(map(local_bytes, optimizer_state_tensors(optimizer.state.values())))
+        reference_state_bytes = sum(map(local_bytes, optimizer_state_tensors(reference_optimizer.state.values())))
+        rows.append({"table": "equivalence", "sync": sync, "world_size": world_size, "backend": dist.get_backend(),
+                     "model": f"{EQUIVALENCE_SIZE} LM, fp32", "steps": EQUIVALENCE_STEPS,
+                     "max_abs_difference": difference, "state_share": state_bytes / reference_state_bytes})
+    per_rank = gather_rows(rows, world_size)
+    merged = []
+    for i, row in enumerate(per_rank[0]):
+        shares = [rank_rows[i]["state_share"] for rank_rows in per_rank]
+        merged.append({**row, "max_abs_difference": max(r[i]["max_abs_difference"] for r in per_rank),
+                       "state_share": max(shares), "state_share_min": min(shares)})
+    return merged if rank == 0 else []
+
+
+# ------------------------------------------------------------------------------------------ reports
+
+def _steps(rows: list[Row]) -> list[Row]:
+    return [r for r in rows if r.get("table") == "step"]
+
+
+def _ok(rows: list[Row]) -> list[Row]:
+    return [r for r in rows if r.get("status") == "ok"]
+
+
+def setup_sentence(rows: list[Row]) -> str:
+    r = _steps(rows)[0]
+    return (f"{r['size']} model, context {r['context_length']}, batch {r['batch_size']} per rank on {r['world_size']} "
+            f"ranks ({r['backend']}), fp32, AdamW, {r['attention']} attention; {r['warmup']} warm-up and "
+            f"{r['steps']} timed steps per variant, all variants in one run. Step times are means over ranks and "
+            "steps; peak memory is the largest rank's.")
+
+
+def step_table(rows: list[Row], baseline: str | None = None) -> str:
+    table = []
+    base = next((r for r in _ok(_steps(rows)) if r["variant"] == baseline), None)
+    for r in _steps(rows):
+        if r["status"] != "ok":
+            table.append({"variant": r["variant"], "step (ms)": OOM})
+            continue
+        entry = {"variant": r["variant"], "step (ms)": f"{r['step_ms']:.1f} ± {r['step_std_ms']:.1f}",
+                 "optimizer step (ms)": r["optimizer_ms"], "peak (GiB)": r.get("peak_gib"),
+                 "model peak (GiB)": r["model_peak_gib"], "communicated per step (GB)": r["communicated_bytes"] / 1e9,
+                 "sent per rank, ring (GB)": r["ring_bytes_sent_per_rank"] / 1e9}
+        if base is not None:
+            entry[f"step vs {baseline}"] = f"{r['step_ms'] / base['step_ms'] - 1:+.1%}"
+            if base.get("peak_gib") and r.get("peak_gib"):
+                entry[f"peak vs {baseline}"] = f"{r['peak_gib'] / base['peak_gib'] - 1:+.1%}"
+        table.append(entry)
+    return markdown_table(table)
+
+
+BREAKDOWN_NOTE = (
+    "Memory (GiB) at each point of one step after the timed ones, the device synchronised at each: allocated "
+    "(memory_allocated), and the peak since the step started (at init: while building). The breakdown adds up the "
+    "sizes of this rank's tensors of each kind: parameters, gradients (.grad) and optimizer state (local shards in "
+    "sharded runs); activations are what forward left allocated (allocated after forward minus at step start: "
+    "saved activations, logits, loss); other is the allocated memory none of these explain (torch DDP's gradient "
+    "buckets, communication buffers, allocator rounding). AdamW creates its state in its first step, so init has "
+    "none.\n")
+MEMORY_COLUMNS = ["variant", "point", "allocated_gib", "peak_gib", "parameters_gib", "gradients_gib",
+                  "optimizer_state_gib", "activations_gib", "other_gib"]
+
+
+def memory_table(rows: list[Row]) -> str:
+    memory = [r for r in rows if r.get("table") == "memory"]
+    if not memory:
+        return "_no memory points (the run had no GPU: the CPU allocator keeps no statistics)_\n"
+    return markdown_table(memory, [c for c in MEMORY_COLUMNS if any(r.get(c) is not None for r in memory)])
+
+
+def _point(rows: list[Row], variant: str, point: str) -> Row | None:
+    return next((r for r in rows if r.get("table") == "memory" and r["variant"] == variant and r["point"] == point),
+                None)
+
+
+# What our sharded optimizer should stay within, over torch's ZeroRedundancyOptimizer.
+TARGET_STEP_OVER_ZERO = 0.10
+TARGET_PEAK_OVER_ZERO = 0.05
+
+
+def within(ratio: float, target: float) -> str:
+    return f"within the +{target:.0%} target" if ratio <= target else f"OVER the +{target:.0%} target"
+
+
+def _zero_comparison(rows: list[Row]) -> str:
+    """Our sharded optimizer against torch's ZeRO stage 1, and against the targets."""
+    ok = {r["variant"]: r for r in _ok(_steps(rows))}
+    zero = ok.get("DDP + ZeroRedundancyOptimizer")
+    ours = [r for name, r in ok.items() if name.startswith("DDP + ShardedOptimizer")]
+    if zero is None or not ours:
+        return ""
+    lines = []
+    for r in ours:
+        time_ratio = r["step_ms"] / zero["step_ms"] - 1
+        text = (f"- {r['variant']}: step {time_ratio:+.1%} against ZeroRedundancyOptimizer "
+                f"({within(time_ratio, TARGET_STEP_OVER_ZERO)})")
+        if r.get("peak_gib") and zero.get("peak_gib"):
+            peak_ratio = r["peak_gib"] / zero["peak_gib"] - 1
+            text += f", peak memory {peak_ratio:+.1%} ({within(peak_ratio, TARGET_PEAK_OVER_ZERO)})"
+        lines.append(text + ".")
+    ddp = ok.get("DDP + AdamW")
+    if ddp and ddp.get("peak_gib") and zero.get("peak_gib"):
+        lines.append(f"- ZeRO stage 1 lowers the peak from {ddp['peak_gib']:.3g} to {zero['peak_gib']:.3g} GiB, "
+                     f"{ddp['peak_gib'] - zero['peak_gib']:.3g} GiB; the memory model expected "
+                     f"{ddp['model_peak_gib'] - zero['model_peak_gib']:.3g} GiB (all but 1/{zero['world_size']} of "
+                     "AdamW's two fp32 moments per parameter).")
+    fastest = min(ours, key=lambda r: r["optimizer_ms"])
+    lines.append(f"- The faster re-synchronisation here is {fastest['variant'].split('(')[-1].rstrip(')')} "
+                 f"({fastest['optimizer_ms']:.1f} ms per optimizer step, against "
+                 + ", ".join(f"{r['optimizer_ms']:.1f} ms" for r in ours if r is not fastest) + ").")
+    return "\n".join(lines) + "\n"
+
+
+def _memory_findings(rows: list[Row]) -> str:
+    ddp, zero = "DDP + AdamW", "DDP + ZeroRedundancyOptimizer"
+    ours = next((r["variant"] for r in _ok(_steps(rows)) if r["variant"].startswith("DDP + ShardedOptimizer")), None)
+    lines = []
+    for variant in (ddp, zero, ours):
+        before = _point(rows, variant, "before optimizer step") if variant else None
+        after = _point(rows, variant, "after optimizer step") if variant else None
+        init = _point(rows, variant, "init") if variant else None
+        if not (before and after and init) or before.get("allocated_gib") is None:
+            continue
+        lines.append(f"- {variant}: {init['allocated_gib']:.1f} GiB after initialisation (parameters "
+                     f"{init['parameters_gib']:.1f}, other {init['other_gib']:.1f}); before the optimizer step "
+                     f"{before['allocated_gib']:.1f} GiB allocated, peak {before['peak_gib']:.1f} GiB (parameters "
+                     f"{before['parameters_gib']:.1f}, gradients {before['gradients_gib']:.1f}, optimizer state "
+                     f"{before['optimizer_state_gib']:.1f}, other {before['other_gib']:.1f}); after it "
+                     f"{after['allocated_gib']:.1f} GiB, peak {after['peak_gib']:.1f} GiB.")
+    forward = _point(rows, ddp, "after forward")
+    if forward and forward.get("activations_gib") is not None:
+        lines.append(f"- Forward leaves {forward['activations_gib']:.1f} GiB of activations (and the loss) allocated "
+                     "until backward frees them; sharding the optimizer state does not change them.")
+    if _point(rows, ddp, "before optimizer step") and ours and _point(rows, ours, "before optimizer step"):
+        a, b = _point(rows, ddp, "before optimizer step"), _point(rows, ours, "before optimizer step")
+        if a.get("optimizer_state_gib") and b.get("optimizer_state_gib") is not None:
+            lines.append(f"- Sharding keeps {b['optimizer_state_gib']:.3g} of {a['optimizer_state_gib']:.3g} GiB of "
+                         f"optimizer state on this rank ({b['optimizer_state_gib'] / a['optimizer_state_gib']:.0%}); "
+                         "parameters and gradients stay whole.")
+    return "\n".join(lines) + ("\n" if lines else "")
+
+
+@renderer("optimizer_state_sharding_accounting")
+def render_sharding_accounting(rows: list[Row]) -> Rendered:
+    if not _steps(rows):
+        return Rendered("_no rows_\n")
+    body = [f"{setup_sentence(rows)} Every variant wraps the model in torch DDP (gradient all-reduce, 25 MB "
+            "buckets); they differ in the optimizer. 'model peak' is the closed-form estimate of "
+            "cs336_systems.accounting.memory (parameters, optimizer state and DDP's gradient buckets, plus "
+            "the larger of the saved activations and the gradients). Communication per step is counted from "
+            "the sizes communicated: DDP all-reduces every gradient, ZeRO stage 1 also broadcasts each "
+            "updated parameter from its owner; 'sent per rank' is what a ring moves, 2(N-1)/N of an "
+            "all-reduce's payload and (N-1)/N of a broadcast's.\n",
+            step_table(rows, baseline="DDP + ZeroRedundancyOptimizer"), _zero_comparison(rows),
+            "## Memory at the phase points\n", BREAKDOWN_NOTE, memory_table(rows), _memory_findings(rows)]
+    return Rendered("\n".join(part for part in body if part))
+
+
+@renderer("optimizer_state_sharding")
+def render_sharding(rows: list[Row]) -> Rendered:
+    equivalence = [r for r in rows if r.get("table") == "equivalence"]
+    parts = []
+    if equivalence:
+        first = equivalence[0]
+        parts.append(
+            f"ShardedOptimizer(AdamW) against AdamW on the {first['model']}, {first['steps']} steps on the same "
+            f"batches on every rank ({first['world_size']} ranks, {first['backend']}). Each rank's state is the "
+            "share of AdamW's it holds.\n\n"
+            + markdown_table(equivalence, ["sync", "world_size", "backend", "steps", "max_abs_difference",
+                                           "state_share_min", "state_share"])
+            + "\n" + "\n".join(
+                f"- {r['sync']}: " + ("identical to AdamW" if r["max_abs_difference"] == 0 else
+                                      f"largest difference {r['max_abs_difference']:.3g}")
+                + f"; each rank holds {r['state_share_min']:.0%} to {r['state_share']:.0%} of the state."
+                for r in equivalence) + "\n")
+    steps = [r for r in _ok(_steps(rows)) if r["variant"].startswith("DDP + ShardedOptimizer")]
+    if steps:
+        fastest = min(steps, key=lambda r: r["optimizer_ms"])
+        parts.append("## Re-synchronising the parameters\n\nOptimizer step time (the update and the "
+                     "re-synchronisation) with each method, from the optimizer_state_sharding_accounting run:\n\n"
+                     + markdown_table([{"variant": r["variant"], "optimizer step (ms)": r["optimizer_ms"],
+                                        "training step (ms)": r["step_ms"]} for r in steps])
+                     + f"\nHere {fastest['variant']} is the faster.\n")
+    return Rendered("\n".join(parts) or "_no rows_\n")

@@ -1,0 +1,39 @@
+"""Problems pytorch_attention and the attention part of torch_compile: naive attention, eager and
+compiled, timed forward and backward over head dimension x sequence length, one test per cell."""
+
+import pytest
+
+from cs336_systems.benchmarks.attention import HEAD_DIMS, SEQ_LENS, AttentionCell, benchmark_attention
+from cs336_systems.pytest_plugin import settings
+from cs336_systems.reports import OOM
+
+# CPU runs a small version of the sweep: a few passes over tiny shapes, seconds in all (each compiled
+# cell still pays a few seconds of compilation).
+CPU_BATCH_SIZE = 2
+CPU_HEAD_DIMS = (16, 32)
+CPU_SEQ_LENS = (64, 128)
+CPU_PASSES = 3
+CPU_WARMUP = 1
+
+pytestmark = pytest.mark.attention
+
+
+def pytest_generate_tests(metafunc):
+    if {"head_dim", "seq_len"} <= set(metafunc.fixturenames):
+        on_gpu = settings(metafunc.config).on_gpu
+        metafunc.parametrize("head_dim", HEAD_DIMS if on_gpu else CPU_HEAD_DIMS)
+        metafunc.parametrize("seq_len", SEQ_LENS if on_gpu else CPU_SEQ_LENS)
+
+
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+def test_attention_cell(head_dim, seq_len, compiled, device, run_settings, report):
+    if run_settings.on_gpu:
+        cell = AttentionCell(head_dim, seq_len, compiled=compiled)
+    else:
+        cell = AttentionCell(head_dim, seq_len, batch_size=CPU_BATCH_SIZE, compiled=compiled,
+                             passes=CPU_PASSES, warmup=CPU_WARMUP)
+    row = benchmark_attention(cell, device)
+    if not compiled:
+        report("pytorch_attention").add(row)
+    report("torch_compile").add(row, table="attention")
+    assert row["status"] in ("ok", OOM)

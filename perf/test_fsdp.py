@@ -1,0 +1,65 @@
+"""Problems fsdp and fsdp_accounting: FSDP against single-process training (fp32 and bf16
+compute), then step time, peak memory and communication against torch FSDP (fully_shard per
+Transformer block) and torch DDP, with a profiled step's timeline, all from one set of ranks.
+
+On GPUs: the XL model, context 512, batch 4 per rank, fp32, NCCL on --world-size GPUs (the course
+uses 2). On CPU: the tiny model over gloo, a smoke run of the same code in seconds.
+"""
+
+import pytest
+
+from cs336_systems.benchmarks.fsdp import OURS, TORCH_FSDP, VARIANTS, fsdp_problems, timeline_intervals
+from cs336_systems.benchmarks.sharding import ShardingBenchmarkConfig
+from cs336_systems.distributed.launch import launch
+from cs336_systems.profiling.timeline import plot_timeline
+from cs336_systems.pytest_plugin import settings
+from cs336_systems.reports import OOM
+
+GPU_CONFIG = ShardingBenchmarkConfig()
+CPU_CONFIG = ShardingBenchmarkConfig(size="tiny", context_length=32, batch_size=2, warmup=1, steps=3)
+PROBLEMS = ("fsdp", "fsdp_accounting")
+TIMELINE_FILE = "fsdp_timeline.png"
+# Building the XL model four times, ~9 steps of each and one profiled step: about two minutes on
+# two H200s.
+LAUNCH_TIMEOUT_S = 600
+
+pytestmark = pytest.mark.fsdp
+
+
+def pytest_generate_tests(metafunc):
+    if "fsdp_device" in metafunc.fixturenames:
+        on_gpu = settings(metafunc.config).on_gpu
+        metafunc.parametrize("fsdp_device", [pytest.param("cuda", marks=pytest.mark.multigpu) if on_gpu else "cpu"],
+                             scope="module")
+
+
+@pytest.fixture(scope="module")
+def rows(fsdp_device, world_size, report):
+    cfg = GPU_CONFIG if fsdp_device == "cuda" else CPU_CONFIG
+    result = launch(fsdp_problems, world_size, cfg, device=fsdp_device, timeout_s=LAUNCH_TIMEOUT_S)[0]
+    measured = result["rows"]
+    if result["timeline"]:
+        figure = plot_timeline(timeline_intervals(result["timeline"]),
+                               f"{OURS}: one {cfg.size} training step, rank 0 of {world_size}")
+        figure.savefig(report(PROBLEMS[1]).asset_path(TIMELINE_FILE), dpi=120, bbox_inches="tight")
+        measured.append({"table": "timeline", "variant": OURS, "file": TIMELINE_FILE})
+    for problem in PROBLEMS:
+        for row in measured:
+            report(problem).add(row)
+    return measured
+
+
+def test_fsdp_matches_single_process(rows):
+    equivalence = [r for r in rows if r["table"] == "equivalence"]
+    assert {r["compute"] for r in equivalence} == {"fp32", "bf16"}
+    assert all(r["matches"] for r in equivalence), [r for r in equivalence if not r["matches"]]
+
+
+def test_fsdp_accounting(rows, run_settings, speedup_gate):
+    steps = {r["variant"]: r for r in rows if r["table"] == "step"}
+    assert list(steps) == [label for label, _, _, _ in VARIANTS]
+    assert {r["status"] for r in steps.values()} <= {"ok", OOM}
+    ours, theirs = steps[OURS], steps[TORCH_FSDP]
+    if run_settings.on_gpu and ours["status"] == theirs["status"] == "ok":
+        # Ours must keep pace with torch FSDP: its time over ours.
+        speedup_gate("fsdp_vs_torch_fsdp", theirs["step_ms"], ours["step_ms"])

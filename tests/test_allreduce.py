@@ -1,0 +1,72 @@
+"""The all-reduce benchmark: bandwidth arithmetic, aggregation over ranks, the sweep itself (gloo)."""
+
+from __future__ import annotations
+
+import pytest
+
+from cs336_systems.benchmarks.allreduce import (
+    GB,
+    MB,
+    SIZES_BYTES,
+    allreduce_sweep,
+    bus_bandwidth,
+    gloo_sizes,
+    render_allreduce,
+    summarize,
+)
+from cs336_systems.distributed.launch import RankFailed, launch
+
+LAUNCH_TIMEOUT_S = 180
+TINY_SIZES_BYTES = (4096, 64 * 1024)
+
+
+@pytest.mark.parametrize("world_size, factor", [(2, 1.0), (4, 1.5), (8, 1.75)])
+def test_bus_bandwidth_is_algorithm_bandwidth_times_2_n_minus_1_over_n(world_size, factor):
+    assert bus_bandwidth(100e9, world_size) == pytest.approx(100e9 * factor)
+
+
+def test_summary_takes_the_mean_and_the_slowest_rank():
+    row = summarize("gloo", "CPU", 2, 10 * MB, 7, [0.010, 0.030])
+    assert row["mean_rank_median_ms"] == pytest.approx(20.0)
+    assert row["max_rank_median_ms"] == pytest.approx(30.0)
+    assert row["algbw_gbps"] == pytest.approx(10 * MB / 0.020 / GB)
+    assert row["busbw_gbps"] == pytest.approx(row["algbw_gbps"])  # 2 ranks: 2(n-1)/n = 1
+    with pytest.raises(ValueError, match="per-rank medians"):
+        summarize("gloo", "CPU", 3, MB, 7, [0.01, 0.02])
+
+
+def test_summary_names_the_nvlink_bandwidth_of_known_gpus_only():
+    h200 = summarize("nccl", "NVIDIA H200", 2, GB, 20, [0.004, 0.004])
+    assert h200["nominal_link_gbps"] == 450 and h200["nvlink_generation"] == 4
+    assert "nominal_link_gbps" not in summarize("nccl", "NVIDIA L4", 2, GB, 20, [0.05, 0.05])
+
+
+def test_gloo_runs_every_size_only_with_two_cores_per_rank():
+    assert gloo_sizes(16, 6) == SIZES_BYTES
+    assert gloo_sizes(2, 6) == (1 * MB, 10 * MB)
+
+
+def test_sweep_gives_one_row_per_world_size_and_size():
+    by_rank = launch(allreduce_sweep, 3, TINY_SIZES_BYTES, (2, 3), device="cpu", timeout_s=LAUNCH_TIMEOUT_S)
+    rows = by_rank[0]
+    assert by_rank[1:] == [[], []]
+    assert [(r["world_size"], r["size_bytes"]) for r in rows] == [(n, s) for n in (2, 3) for s in TINY_SIZES_BYTES]
+    for row in rows:
+        assert row["backend"] == "gloo"
+        assert 0 < row["mean_rank_median_ms"] <= row["max_rank_median_ms"]
+        assert row["busbw_gbps"] == pytest.approx(bus_bandwidth(row["algbw_gbps"], row["world_size"]))
+
+
+def test_sweep_refuses_world_sizes_beyond_the_launch():
+    with pytest.raises(RankFailed, match="need 4 ranks"):
+        launch(allreduce_sweep, 2, TINY_SIZES_BYTES, (2, 4), device="cpu", timeout_s=LAUNCH_TIMEOUT_S)
+
+
+def test_report_states_what_the_rows_show():
+    rows = [summarize("nccl", "NVIDIA H200", 2, size, 20, [seconds, seconds])
+            for size, seconds in [(MB, 40e-6), (GB, 3.2e-3)]]
+    rows += [summarize("gloo", "CPU", 2, size, 5, [seconds, seconds]) for size, seconds in [(MB, 1e-3), (GB, 0.8)]]
+    rendered = render_allreduce(rows)
+    assert "allreduce_bus_bandwidth.png" in rendered.figures
+    assert "312 GB/s" in rendered.body and "69% of" in rendered.body  # 1 GB / 3.2 ms against 450 GB/s
+    assert "250x faster" in rendered.body  # 0.8 s against 3.2 ms

@@ -1,0 +1,320 @@
+"""Attention accounting, the pytorch_attention / torch_compile / flash_benchmarking measuring functions
+on tiny CPU shapes, and their renderers on synthetic rows.
+
+Expected accounting values are worked by hand in the comments, independently of the code under test.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from cs336_systems.accounting.attention import attention_flops, naive_attention_memory
+from cs336_systems.attention.reference import naive_attention
+from cs336_systems.benchmarks import attention as attention_bench
+from cs336_systems.benchmarks import flash as flash_bench
+from cs336_systems.benchmarks.attention import AttentionCell, attention_sweep, benchmark_attention
+from cs336_systems.benchmarks.flash import UNSUPPORTED, BenchSettings, FlashCell, benchmark_flash_cell
+from cs336_systems.reports import OOM, get_renderer, read_rows, rerender, write_report
+
+# The Triton interpreter turns loop bounds into ints through a NumPy conversion that NumPy deprecates;
+# the warning is the interpreter's and says nothing about the code under test.
+pytestmark = pytest.mark.filterwarnings("ignore:Conversion of an array with ndim > 0:DeprecationWarning")
+
+GIB, MIB = 2**30, 2**20
+TINY_BENCH = BenchSettings(cpu_warmup=0, cpu_steps=1)
+
+
+def _flat(markdown: str) -> str:
+    """Markdown with runs of whitespace collapsed, so table rows compare without column padding."""
+    return " ".join(markdown.split())
+
+
+# --------------------------------------------------------------------------------------- accounting
+
+def test_naive_memory_worked_example_batch_8_n_16384_d_16_fp32():
+    memory = naive_attention_memory(batch=8, n_queries=16384, n_keys=16384, head_dim=16, precision="fp32")
+    # One (8, 16384, 16) fp32 tensor: 8 * 2^14 * 2^4 * 4 bytes = 2^23 = 8 MiB; one score matrix:
+    # 8 * 2^14 * 2^14 * 4 = 2^33 = 8 GiB.
+    assert memory.query_sized_bytes == 8 * MIB
+    assert memory.scores_bytes == 8 * GIB
+    assert memory.saved_bytes == 8 * GIB  # P only; no mask without causal
+    # q, k, v, dO, O (5 x 8 MiB) and P.
+    assert memory.before_backward_bytes == 40 * MIB + 8 * GIB
+    # q, k, v, dO, two score matrices and O.
+    assert memory.forward_peak_bytes == 40 * MIB + 16 * GIB
+    # q, k, v, dO, O, dv (6 x 8 MiB) and P, dP, dS.
+    assert memory.backward_peak_bytes == memory.peak_bytes == 48 * MIB + 24 * GIB
+
+
+def test_causal_mask_adds_one_byte_per_score_saved_and_two_at_the_forward_peak():
+    plain = naive_attention_memory(1, 4096, 4096, 64, "bf16")
+    causal = naive_attention_memory(1, 4096, 4096, 64, "bf16", is_causal=True)
+    # 4096^2 bools = 16 MiB; the saved inverse mask, and the mask and its inverse during the forward.
+    assert causal.saved_bytes - plain.saved_bytes == 16 * MIB
+    assert causal.forward_peak_bytes - plain.forward_peak_bytes == 32 * MIB
+    assert causal.backward_peak_bytes - plain.backward_peak_bytes == 16 * MIB
+    assert plain.scores_bytes == 32 * MIB  # bf16: 4096^2 * 2 bytes
+
+
+@pytest.mark.parametrize("is_causal", [False, True])
+@pytest.mark.parametrize("dtype,precision", [(torch.float32, "fp32"), (torch.bfloat16, "bf16")])
+def test_saved_bytes_equal_what_autograd_saves_beyond_the_inputs(is_causal, dtype, precision):
+    batch, n_queries, n_keys, d = 3, 24, 40, 8
+    q = torch.randn(batch, n_queries, d, dtype=dtype, requires_grad=True)
+    k, v = (torch.randn(batch, n_keys, d, dtype=dtype, requires_grad=True) for _ in range(2))
+    inputs = {t.untyped_storage().data_ptr() for t in (q, k, v)}
+    storages: dict[int, int] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        naive_attention(q, k, v, is_causal=is_causal)
+    saved = sum(size for ptr, size in storages.items() if ptr not in inputs)
+    assert saved == naive_attention_memory(batch, n_queries, n_keys, d, precision, is_causal).saved_bytes
+
+
+@settings(max_examples=50, deadline=None)
+@given(batch=st.integers(1, 16), n=st.integers(1, 2**16), d=st.sampled_from([16, 32, 64, 128]),
+       precision=st.sampled_from(["fp32", "bf16"]), is_causal=st.booleans())
+def test_peak_is_at_least_memory_before_backward_and_saved_bytes_quadruple_when_n_doubles(
+        batch, n, d, precision, is_causal):
+    memory = naive_attention_memory(batch, n, n, d, precision, is_causal)
+    doubled = naive_attention_memory(batch, 2 * n, 2 * n, d, precision, is_causal)
+    assert memory.peak_bytes >= memory.before_backward_bytes > memory.caller_bytes
+    assert doubled.saved_bytes == 4 * memory.saved_bytes
+
+
+def test_attention_flops_worked_example():
+    # Causal forward at N = 4096, d = 64, one head: half of 4 * 4096^2 * 64 = 2^31.
+    assert attention_flops(1, 4096, 64, True, "forward") == 2**31
+    assert attention_flops(1, 4096, 64, True, "backward") == 2.5 * 2**31
+    assert attention_flops(16, 4096, 64, True, "forward_backward") == 16 * 3.5 * 2**31
+    assert attention_flops(1, 4096, 64, False, "forward") == 2**32
+
+
+@pytest.mark.parametrize("call, error, message", [
+    (lambda: naive_attention_memory(8, 0, 16, 16, "fp32"), ValueError, "n_queries must be >= 1"),
+    (lambda: naive_attention_memory(8, 16, 16, 16, "fp64"), ValueError, "unknown precision 'fp64'"),
+    (lambda: naive_attention_memory(8, 16.0, 16, 16, "fp32"), TypeError, "n_queries must be an int"),
+    (lambda: attention_flops(1, 128, 64, True, "train"), ValueError, "unknown phase 'train'"),
+])
+def test_accounting_rejects_bad_input(call, error, message):
+    with pytest.raises(error, match=message):
+        call()
+
+
+# ----------------------------------------------------------------------------- pytorch_attention sweep
+
+def test_attention_sweep_on_cpu_times_every_cell_and_predicts_memory():
+    rows = attention_sweep("cpu", head_dims=(8, 16), seq_lens=(16, 32), batch_size=2, passes=2, warmup=1)
+    assert [(r["head_dim"], r["seq_len"]) for r in rows] == [(8, 16), (8, 32), (16, 16), (16, 32)]
+    for r in rows:
+        assert r["status"] == "ok" and r["oom_during"] is None
+        assert r["forward_mean_ms"] > 0 and r["backward_mean_ms"] > 0 and r["first_backward_ms"] > 0
+        assert r["memory_before_backward_bytes"] is None  # no allocator statistics on a CPU
+        memory = naive_attention_memory(2, r["seq_len"], r["seq_len"], r["head_dim"], "fp32")
+        assert r["predicted_before_backward_bytes"] == memory.before_backward_bytes
+
+
+class _RunsOutOfMemoryInBackward(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v):
+        return q * 2
+
+    @staticmethod
+    def backward(ctx, grad):
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 8.00 GiB")
+
+
+def test_out_of_memory_in_backward_keeps_the_forward_times(monkeypatch):
+    monkeypatch.setattr(attention_bench, "_attention_fn",
+                        lambda compiled: lambda q, k, v, is_causal: _RunsOutOfMemoryInBackward.apply(q, k, v))
+    row = benchmark_attention(AttentionCell(8, 16, batch_size=1, passes=2, warmup=1), "cpu")
+    assert row["status"] == OOM and row["oom_during"] == "backward"
+    assert row["forward_mean_ms"] > 0 and row["backward_mean_ms"] is None
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(head_dim=0), "head_dim must be a positive integer"),
+    (dict(warmup=0), "warmup must be a positive integer"),
+    (dict(precision="fp64"), "unknown precision 'fp64'"),
+])
+def test_attention_cell_rejects_bad_input(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        AttentionCell(**{"head_dim": 16, "seq_len": 64, **kwargs})
+
+
+# ---------------------------------------------------------------------------- flash_benchmarking cells
+
+def test_flash_cell_on_cpu_measures_every_provider_and_mode():
+    cell = FlashCell(seq_len=16, head_dim=16, precision="fp32")
+    rows = benchmark_flash_cell(cell, ("flash_triton", "naive", "sdpa"), "cpu", settings=TINY_BENCH)
+    assert [(r["provider"], r["mode"]) for r in rows] == [
+        (p, m) for p in ("flash_triton", "naive", "sdpa") for m in ("forward", "backward", "forward_backward")]
+    assert all(r["status"] == "ok" and r["median_ms"] > 0 and r["samples"] == 1 for r in rows)
+    for r in rows:
+        assert r["tflops"] == pytest.approx(cell.flops(r["mode"]) / (r["median_ms"] * 1e-3) / 1e12)
+    assert {r["backend"] for r in rows if r["provider"] == "sdpa"} == {"FLASH_ATTENTION"}  # CPU's flash takes fp32
+    assert {r["predicted_peak_bytes"] for r in rows if r["provider"] == "naive"} == {
+        naive_attention_memory(1, 16, 16, 16, "fp32", is_causal=True).peak_bytes}
+
+
+def test_backward_timing_leaves_no_gradient_behind():
+    inputs, grad_out = flash_bench._inputs(FlashCell(16, 16, "fp32"), torch.device("cpu"))
+    stats = flash_bench._bench_mode("backward", lambda: naive_attention(*inputs, True), inputs, grad_out,
+                                    torch.device("cpu"), TINY_BENCH)
+    assert stats["median_ms"] > 0 and all(t.grad is not None for t in inputs)  # the last call's gradients
+    assert stats["p20_ms"] <= stats["median_ms"] <= stats["p80_ms"]
+
+
+def test_sdpa_backend_that_refuses_the_inputs_is_recorded_unsupported():
+    rows = benchmark_flash_cell(FlashCell(16, 16, "fp32"), ("sdpa_cudnn",), "cpu", ("forward",), TINY_BENCH)
+    assert [(r["status"], r["backend"], r["median_ms"]) for r in rows] == [(UNSUPPORTED, "CUDNN_ATTENTION", None)]
+
+
+def test_naive_predicted_not_to_fit_is_recorded_oom_without_running(monkeypatch):
+    monkeypatch.setattr(flash_bench, "_naive_fits", lambda cell, device: (False, 123 * GIB, 70 * GIB))
+    monkeypatch.setattr(flash_bench, "naive_attention", lambda *args: pytest.fail("naive attention ran"))
+    rows = benchmark_flash_cell(FlashCell(16, 16, "fp32"), ("naive",), "cpu", settings=TINY_BENCH)
+    assert {(r["status"], r["oom_predicted"], r["predicted_peak_bytes"], r["free_memory_bytes"]) for r in rows} == {
+        (OOM, True, 123 * GIB, 70 * GIB)}
+
+
+def test_out_of_memory_in_one_mode_leaves_the_others_measured(monkeypatch):
+    measure = flash_bench._bench_mode
+
+    def run_out_in_backward(mode, *args):
+        if mode == "backward":
+            raise torch.OutOfMemoryError("CUDA out of memory")
+        return measure(mode, *args)
+
+    monkeypatch.setattr(flash_bench, "_bench_mode", run_out_in_backward)
+    rows = benchmark_flash_cell(FlashCell(16, 16, "fp32"), ("naive",), "cpu", settings=TINY_BENCH)
+    assert [(r["mode"], r["status"], r["oom_predicted"]) for r in rows] == [
+        ("forward", "ok", None), ("backward", OOM, False), ("forward_backward", "ok", None)]
+
+
+@pytest.mark.parametrize("call, message", [
+    (lambda: benchmark_flash_cell(FlashCell(16, 16, "fp32"), ("flash",), "cpu"), "unknown provider 'flash'"),
+    (lambda: benchmark_flash_cell(FlashCell(16, 16, "fp32"), ("naive",), "cpu", ("fwd",)), "unknown mode 'fwd'"),
+    (lambda: benchmark_flash_cell(FlashCell(16, 16, "fp32"), ("flash_triton_compiled",), "cpu"),
+     "backward alone cannot be timed"),
+    (lambda: FlashCell(0, 16, "fp32"), "seq_len must be a positive integer"),
+    (lambda: FlashCell(16, 16, "int8"), "unknown precision 'int8'"),
+])
+def test_flash_benchmark_rejects_bad_input(call, message):
+    with pytest.raises(ValueError, match=message):
+        call()
+
+
+# ---------------------------------------------------------------------------- renderers, synthetic rows
+
+def _attention_row(d: int, n: int, compiled: bool = False, status: str = "ok", oom_during=None,
+                   forward_ms: float | None = 1.0, backward_ms: float | None = 2.0, measured_memory: bool = True,
+                   capacity: int | None = 80 * GIB) -> dict:
+    """A row shaped like benchmark_attention's, its memory as if the closed form were exact plus 4 MiB
+    of cuBLAS workspace held before the forward."""
+    memory = naive_attention_memory(8, n, n, d, "fp32")
+    workspace = 4 * MIB
+    row = {"attention": "naive", "compile": compiled, "precision": "fp32", "batch_size": 8, "seq_len": n,
+           "head_dim": d, "is_causal": False, "passes": 100, "warmup": 5, "device": "cuda", "status": status,
+           "oom_during": oom_during, "forward_mean_ms": forward_ms, "forward_std_ms": forward_ms and 0.1,
+           "backward_mean_ms": backward_ms, "backward_std_ms": backward_ms and 0.2,
+           "first_forward_ms": 900.0, "first_backward_ms": 1100.0, "device_memory_bytes": capacity}
+    if measured_memory and oom_during != "forward":  # read before the backward that may run out
+        row |= {"allocated_before_forward_bytes": memory.caller_bytes + workspace,
+                "memory_before_backward_bytes": memory.before_backward_bytes + workspace,
+                "forward_peak_bytes": memory.forward_peak_bytes + workspace}
+    if measured_memory and status == "ok":
+        row["backward_peak_bytes"] = memory.backward_peak_bytes + workspace
+    return row | ({} if compiled else memory.as_row())
+
+
+def test_pytorch_attention_report_names_the_smallest_oom_and_validates_the_accounting():
+    rows = [_attention_row(d, n) for d in (16, 64) for n in (1024, 4096, 8192)]
+    rows += [_attention_row(d, 16384, status=OOM, oom_during="backward", backward_ms=None) for d in (16, 64)]
+    rendered = get_renderer("pytorch_attention")(rows)
+    body = _flat(rendered.body)
+    assert "The smallest configuration that ran out of memory is d=16, N=16384 (during backward)" in body
+    assert "N to the power 2.00" in body  # memory left for backward grows quadratically
+    assert "| 16 | 16,384 | 1 ± 0.1 | OOM | 8.04 | 8.04 | during backward |" in body and "OOM" in body
+    # The accounting of d=16, N=16384: P is 8 GiB.
+    assert "the softmax output P, 8 GiB here" in body
+    assert "is 1.000x to 1.000x the prediction" in body
+    assert set(rendered.figures) == {"pytorch_attention_memory.png"}
+
+
+def test_pytorch_attention_report_without_oom_predicts_the_first_configuration_that_would_not_fit():
+    rows = [_attention_row(d, n) for d in (16, 32) for n in (256, 1024, 16384)]
+    body = get_renderer("pytorch_attention")(rows).body
+    # At N = 32768 the backward peak is 3 x 32 GiB of scores alone: more than 80 GiB; at 16384, 24 GiB fits.
+    assert "No configuration ran out of memory on this device (80 GiB)" in body
+    assert "would not fit is d=16, N=32768 (not run)" in body
+
+
+def test_pytorch_attention_report_on_cpu_rows_uses_predictions():
+    rows = [_attention_row(16, n, measured_memory=False, capacity=None) for n in (64, 128)]
+    body = get_renderer("pytorch_attention")(rows).body
+    assert "predicted, not measured on this device" in body and "before backward (GiB)" not in body
+    assert "the accounting of the largest, d=16, N=128" in body
+
+
+def test_torch_compile_report_puts_attention_beside_the_whole_model_part():
+    rows = [{**_attention_row(64, 4096, forward_ms=10.0, backward_ms=30.0), "table": "attention"},
+            {**_attention_row(64, 4096, compiled=True, forward_ms=5.0, backward_ms=20.0), "table": "attention"},
+            {**_attention_row(64, 16384, status=OOM, oom_during="forward", forward_ms=None, backward_ms=None),
+             "table": "attention"},
+            {**_attention_row(64, 16384, compiled=True, forward_ms=50.0, backward_ms=90.0), "table": "attention"}]
+    model = {"table": "sweep", "size": "small", "context_length": 128, "batch_size": 4, "warmup": 5, "steps": 10,
+             "attention": "sdpa", "precision": "fp32", "status": "ok", "mean_ms": 10.0, "std_ms": 1.0,
+             "first_step_ms": 5000.0, "phase": "forward"}
+    body = _flat(get_renderer("torch_compile")(rows + [{**model, "compile": False},
+                                                       {**model, "compile": True, "mean_ms": 5.0}]).body)
+    assert body.index("## Attention: eager against torch.compile") < body.index("## Whole model")
+    assert "| 64 | 4096 | 10 ± 0.1 | 5 ± 0.1 | 2.00x | 30 ± 0.2 | 20 ± 0.2 | 1.50x |" in body
+    assert "d=64, N=16384: only compiled attention fits in memory." in body
+
+
+def _flash_row(provider: str, mode: str, n: int, ms: float | None, d: int = 64, precision: str = "bf16",
+               status: str = "ok", table: str = "sweep", **extra) -> dict:
+    cell = FlashCell(n, d, precision, n_heads=16 if table == "leaderboard" else 1)
+    return {"table": table, "provider": provider, "backend": "FLASH_ATTENTION" if provider.startswith("sdpa") else None,
+            "precision": precision, "batch_size": 1, "n_heads": cell.n_heads, "seq_len": n, "head_dim": d,
+            "is_causal": True, "mode": mode, "device": "cuda", "status": status, "oom_predicted": None,
+            "median_ms": ms, "p20_ms": ms, "p80_ms": ms, "samples": 10 if ms else None,
+            "timer": "do_bench (warm-up 25 ms, repetition 100 ms)" if ms else None,
+            "tflops": cell.flops(mode) / (ms * 1e-3) / 1e12 if ms else None,
+            "predicted_peak_bytes": 52 * GIB if provider == "naive" else None, "fp32_matmul_precision": "highest",
+            **extra}
+
+
+def test_flash_report_tables_ratios_oom_and_leaderboard(tmp_path):
+    rows = []
+    for mode in ("forward", "backward", "forward_backward"):
+        rows += [_flash_row("flash_triton", mode, 4096, 1.0), _flash_row("naive", mode, 4096, 10.0),
+                 _flash_row("sdpa", mode, 4096, 0.5), _flash_row("flash_triton", mode, 65536, 100.0),
+                 _flash_row("naive", mode, 65536, None, status=OOM, oom_predicted=True, free_memory_bytes=40 * GIB),
+                 _flash_row("sdpa", mode, 65536, 80.0)]
+    leaderboard = [_flash_row("flash_triton_compiled", "forward_backward", 16384, 8.0, table="leaderboard"),
+                   _flash_row("sdpa_flash", "forward_backward", 16384, 6.0, table="leaderboard"),
+                   _flash_row("sdpa_cudnn", "forward_backward", 16384, 4.0, table="leaderboard")]
+    rendered = get_renderer("flash_benchmarking")(rows + leaderboard)
+    body = _flat(rendered.body)
+    assert "### bf16, forward+backward" in body and "OOM (predicted)" in body
+    assert "| 64 | 4096 | 1 | 10 | 0.5 | 10x | 0.5x |" in body
+    assert ("bf16: naive attention runs out of memory from N=65536 (d=64; predicted and not run; the accounting puts "
+            "its peak at 52 GiB against 40 GiB free at d=64)") in body
+    assert "at N=4096 (the largest where naive ran) Triton is 10x as fast as naive" in body
+    assert "at N=65536 SDPA takes 0.8x Triton's time" in body
+    assert ("triton (compiled) takes 1.33x the time of sdpa flash; triton (compiled) takes 2x the time of "
+            "sdpa cuDNN") in body
+    assert set(rendered.figures) == {"flash_benchmarking_bf16.png"}
+    write_report("flash_benchmarking", rows + leaderboard, tmp_path, command="pytest perf/test_flash.py", device="cpu")
+    assert len(read_rows(tmp_path / "flash_benchmarking.csv")) == len(rows) + 3
+    text = (tmp_path / "flash_benchmarking.md").read_text()
+    assert rerender(tmp_path, "flash_benchmarking").read_text() == text  # the CSV alone reproduces the report
