@@ -86,7 +86,8 @@ def test_attention_variants_agree_with_naive(attention):
 def test_layers_match_float64_references():
     x = torch.randn(4, 6, 10)
     linear = Linear(10, 7)
-    torch.testing.assert_close(linear(x).double(), x.double() @ linear.weight.double().T)
+    # fp32 output against the float64 product rounded to fp32, at fp32's default tolerances.
+    torch.testing.assert_close(linear(x), (x.double() @ linear.weight.double().T).float())
     norm = RMSNorm(10)
     norm.weight.data.uniform_(0.5, 1.5)
     expected = x.double() / torch.sqrt(x.double().pow(2).mean(-1, keepdim=True) + norm.eps) * norm.weight.double()

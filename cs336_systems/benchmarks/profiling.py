@@ -27,7 +27,7 @@ from cs336_systems.accounting.activations import (
     saved_activation_bytes,
     training_transient_bytes,
 )
-from cs336_systems.benchmarks.e2e import DEFAULT_BATCH_SIZE, PRECISIONS, autocast, build_model
+from cs336_systems.benchmarks.e2e import DEFAULT_BATCH_SIZE, PRECISIONS, adamw, autocast, build_model
 from cs336_systems.model import MODEL_SIZES, ModelConfig
 from cs336_systems.profiling.checkpointing import (
     apply_checkpointing,
@@ -178,7 +178,7 @@ def profile_training_step(cfg: ProfileConfig, device: torch.device | str) -> lis
 
 def _timed_then_profiled(cfg: ProfileConfig, config: ModelConfig, device: torch.device):
     model = build_model(config, cfg.attention, device, compile=False)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=LEARNING_RATE)
+    optimizer = adamw(model, lr=LEARNING_RATE)
     inputs, targets = _random_tokens(config, cfg.batch_size, cfg.context_length, device)
     step = _training_step(model, optimizer, inputs, targets, cfg.precision, device)
     for _ in range(cfg.warmup):
@@ -489,7 +489,7 @@ def memory_profile(cfg: MemoryProfileConfig, device: torch.device | str, snapsho
     optimizer = None
     for mode in MEMORY_MODES:
         if mode == "train_step":
-            optimizer = torch.optim.AdamW(model.parameters(), lr=LEARNING_RATE)
+            optimizer = adamw(model, lr=LEARNING_RATE)
         for precision in cfg.precisions:
             for context in cfg.contexts:
                 rows += _memory_cell(cfg, mode, precision, context, model, optimizer, device, snapshot_dir)
