@@ -379,3 +379,23 @@ def test_triton_forward_and_backward_at_64k_tokens_never_allocate_n_by_n(device)
     assert peak_extra_bytes <= MEMORY_BOUND_IN_Q_SIZES * q.nbytes, (
         f"peak {peak_extra_bytes / 2**20:.0f} MiB above the inputs; one n x n bf16 score matrix would be "
         f"{MEMORY_SEQUENCE**2 * 2 / 2**20:.0f} MiB")
+
+
+def test_pytorch_function_under_torch_compile_gives_the_eager_output_and_gradients(device):
+    # Inlined into the enclosing graph, its backward gave wrong gradients on CUDA with torch 2.11.
+    q, k, v, do = leaf_inputs((2, 4), 300, 300, 64, torch.float32, device)
+
+    def attend_and_differentiate(attend):
+        inputs = [t.clone().requires_grad_() for t in (q, k, v)]
+        out = attend(*inputs)
+        return (out, *torch.autograd.grad(out, inputs, do))
+
+    def attend(q, k, v):
+        return FlashAttentionPytorch.apply(q, k, v, True)
+
+    # Compiled first, so that no buffer the compiled forward allocates can hold the eager results.
+    torch._dynamo.reset()
+    compiled = attend_and_differentiate(torch.compile(attend, backend="aot_eager"))
+    eager = attend_and_differentiate(attend)
+    for got, want in zip(compiled, eager):
+        torch.testing.assert_close(got, want)

@@ -157,6 +157,9 @@ def _gradients_fn(device_type: str):
     return _attention_gradients
 
 
+# Opaque to torch.compile: dynamo (torch 2.11) traced this backward, inlined into an enclosing graph,
+# into wrong gradients; run as is, it calls the gradient function compiled on its own.
+@torch.compiler.disable
 def flash_backward(q, k, v, o, L, do, is_causal: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """dq, dk, dv in the dtypes and shapes of q, k, v."""
 

@@ -405,6 +405,9 @@ def _check_triton_device(q: torch.Tensor) -> None:
                          "call torch.cuda.set_device first")
 
 
+# The launchers are opaque to torch.compile: inductor (torch 2.11) fails to compile these kernels
+# (a tl.dot accumulator assertion), so a compiled caller runs them as they are, between its graphs.
+@torch.compiler.disable
 def triton_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                    is_causal: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """(o, L): o like q (contiguous), L (..., n_queries) fp32."""
@@ -424,6 +427,7 @@ def triton_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     return o4.view(q.shape), lse.view(q.shape[:-1])
 
 
+@torch.compiler.disable
 def triton_backward(q, k, v, o, lse, do, is_causal: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """dq, dk, dv (shapes and dtypes of q, k, v): D, then dK/dV over key tiles, then dQ over query tiles."""
     q4, k4, v4, o4, do4 = (_as_batch_heads(t) for t in (q, k, v, o, do))
