@@ -1,6 +1,7 @@
 """The analytical memory model (worked values, and the tensors autograd really saves), the snapshot
 parser on a synthetic snapshot, CPU peak measurement, and the memory reports."""
 
+import weakref
 from contextlib import nullcontext
 
 import pytest
@@ -236,6 +237,19 @@ def test_saved_tensor_bytes_count_a_storage_once():
     assert saved_tensor_bytes(fn, exclude=[weight, x]) == 4 * 16 * 4
 
 
+def test_saved_tensor_bytes_frees_the_graph_it_measured():
+    outputs = []
+
+    def fn():
+        x = torch.randn(1000, requires_grad=True)
+        y = x.exp()  # exp saves its own output for backward
+        outputs.append(weakref.ref(y))
+        return (y * 2).sum()
+
+    assert saved_tensor_bytes(fn) == 1000 * 4
+    assert outputs[0]() is None, "the measured graph (and so every tensor it saved) is still alive"
+
+
 # ----------------------------------------------------------------------------------------- reports
 
 def test_memory_profile_on_cpu_gives_peaks_saved_bytes_and_the_residual_check():
@@ -320,3 +334,4 @@ def test_checkpoint_report_from_gpu_rows():
     assert "Best single level: every 1 block(s)" in body and "closer to sqrt(L b / a)" in body
     assert "Run at context 16384 (every 1 block): it fits" in body
     assert "1128 recomputed blocks" in body
+

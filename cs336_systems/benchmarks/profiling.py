@@ -489,7 +489,8 @@ def memory_profile(cfg: MemoryProfileConfig, device: torch.device | str, snapsho
     optimizer = None
     for mode in MEMORY_MODES:
         if mode == "train_step":
-            optimizer = adamw(model, lr=LEARNING_RATE)
+            # torch's default (multi-tensor) AdamW: the variant whose temporaries the peak model counts.
+            optimizer = torch.optim.AdamW(model.parameters(), lr=LEARNING_RATE)
         for precision in cfg.precisions:
             for context in cfg.contexts:
                 rows += _memory_cell(cfg, mode, precision, context, model, optimizer, device, snapshot_dir)

@@ -165,7 +165,10 @@ def saved_tensor_bytes(fn: Callable[[], object], exclude: Sequence[torch.Tensor]
         storage = tensor.untyped_storage()
         if storage.data_ptr() not in excluded:
             saved[storage.data_ptr()] = storage.nbytes()
-        return tensor
+        # A detached alias keeps the storage alive like the tensor would. The tensor itself would not
+        # do: an op that saves its own output would then hold its output, whose grad_fn is the op, a
+        # reference cycle through C++ that no collector frees (every measured graph leaked).
+        return tensor.detach()
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
         result = fn()
