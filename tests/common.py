@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import pathlib
+import traceback
 from copy import deepcopy
 
 import torch
@@ -152,3 +153,21 @@ def course_ddp_check(rank: int, world_size: int, model_class, make_ddp, after_ba
         all_x, all_y = all_x[permutation], all_y[permutation]
     validate_ddp_net_equivalence(ddp_model)
     assert not problems, "\n".join(problems)
+
+
+def run_checks(rank: int, world_size: int, checks: dict) -> dict[str, str | None]:
+    """Every check on this rank, run inside ranks started by launch: None where it passed, else its
+    traceback, so one failing check does not hide the others."""
+    outcomes = {}
+    for name, check in checks.items():
+        try:
+            check(rank, world_size)
+            outcomes[name] = None
+        except Exception:
+            outcomes[name] = traceback.format_exc()
+    return outcomes
+
+
+def assert_passed_on_every_rank(check: str, outcomes: list[dict[str, str | None]]) -> None:
+    failures = [f"rank {rank}:\n{by_check[check]}" for rank, by_check in enumerate(outcomes) if by_check[check]]
+    assert not failures, "\n".join(failures)

@@ -9,7 +9,6 @@ so a failing check cannot leave the ranks out of step for the checks after it.
 from __future__ import annotations
 
 import functools
-import traceback
 from copy import deepcopy
 
 import pytest
@@ -31,7 +30,7 @@ from cs336_systems.distributed.launch import launch
 from cs336_systems.profiling.timeline import communication_summary, intervals_from_events, plot_timeline
 from cs336_systems.reports import OOM
 from tests import adapters
-from tests.common import ToyModel, ToyModelWithTiedWeights, course_ddp_check
+from tests.common import ToyModel, ToyModelWithTiedWeights, assert_passed_on_every_rank, course_ddp_check, run_checks
 
 WORLD_SIZES = (2, 3)
 # Generous, since ranks import torch on a busy machine; a hang still ends here, not in CI's timeout.
@@ -177,29 +176,18 @@ CHECKS = {
 }
 
 
-def _run_checks(rank: int, world_size: int) -> dict[str, str | None]:
-    """Every check on this rank: None where it passed, else its traceback."""
-    outcomes = {}
-    for name, check in CHECKS.items():
-        try:
-            check(rank, world_size)
-            outcomes[name] = None
-        except Exception:
-            outcomes[name] = traceback.format_exc()
-    return outcomes
 
 
 # ------------------------------------------------------------------------------------------- tests
 
 @pytest.fixture(scope="module", params=WORLD_SIZES, ids=lambda n: f"{n}ranks")
 def outcomes(request) -> list[dict[str, str | None]]:
-    return launch(_run_checks, request.param, device="cpu", timeout_s=LAUNCH_TIMEOUT_S)
+    return launch(run_checks, request.param, CHECKS, device="cpu", timeout_s=LAUNCH_TIMEOUT_S)
 
 
 @pytest.mark.parametrize("check", CHECKS)
 def test_ddp(check, outcomes):
-    failures = [f"rank {rank}:\n{by_check[check]}" for rank, by_check in enumerate(outcomes) if by_check[check]]
-    assert not failures, "\n".join(failures)
+    assert_passed_on_every_rank(check, outcomes)
 
 
 @pytest.mark.parametrize("wrapper", WRAPPERS)

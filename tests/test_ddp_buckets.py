@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import functools
 import math
-import traceback
 
 import pytest
 import torch
@@ -21,7 +20,7 @@ from cs336_systems.accounting.ddp import (
 from cs336_systems.distributed.ddp import BYTES_PER_MB, BucketedDDP, assign_buckets
 from cs336_systems.distributed.launch import launch
 from tests import adapters
-from tests.common import ToyModel, ToyModelWithTiedWeights, course_ddp_check
+from tests.common import ToyModel, ToyModelWithTiedWeights, assert_passed_on_every_rank, course_ddp_check, run_checks
 
 LAUNCH_TIMEOUT_S = 180
 # The course's bucket sizes for its toy models: several buckets, one parameter per bucket, one bucket.
@@ -113,26 +112,16 @@ CHECKS = {
 }
 
 
-def _run_checks(rank: int, world_size: int) -> dict[str, str | None]:
-    outcomes = {}
-    for name, check in CHECKS.items():
-        try:
-            check(rank, world_size)
-            outcomes[name] = None
-        except Exception:
-            outcomes[name] = traceback.format_exc()
-    return outcomes
 
 
 @pytest.fixture(scope="module")
 def outcomes() -> list[dict[str, str | None]]:
-    return launch(_run_checks, 2, device="cpu", timeout_s=LAUNCH_TIMEOUT_S)
+    return launch(run_checks, 2, CHECKS, device="cpu", timeout_s=LAUNCH_TIMEOUT_S)
 
 
 @pytest.mark.parametrize("check", CHECKS)
 def test_bucketed_ddp(check, outcomes):
-    failures = [f"rank {rank}:\n{by_check[check]}" for rank, by_check in enumerate(outcomes) if by_check[check]]
-    assert not failures, "\n".join(failures)
+    assert_passed_on_every_rank(check, outcomes)
 
 
 # ------------------------------------------------------------------------------- overhead model

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import traceback
 import warnings
 from copy import deepcopy
 
@@ -27,6 +26,7 @@ from cs336_systems.distributed.fsdp import FSDP
 from cs336_systems.distributed.launch import launch
 from cs336_systems.model import ModelConfig, TransformerLM
 from tests import adapters
+from tests.common import assert_passed_on_every_rank, run_checks
 
 WORLD_SIZES = (2, 3)
 # Generous, since ranks import torch on a busy machine; a hang still ends here, not in CI's timeout.
@@ -354,29 +354,18 @@ CHECKS = {
 }
 
 
-def _run_checks(rank: int, world_size: int) -> dict[str, str | None]:
-    """Every check on this rank: None where it passed, else its traceback."""
-    outcomes = {}
-    for name, check in CHECKS.items():
-        try:
-            check(rank, world_size)
-            outcomes[name] = None
-        except Exception:
-            outcomes[name] = traceback.format_exc()
-    return outcomes
 
 
 # ------------------------------------------------------------------------------------------- tests
 
 @pytest.fixture(scope="module", params=WORLD_SIZES, ids=lambda n: f"{n}ranks")
 def outcomes(request) -> list[dict[str, str | None]]:
-    return launch(_run_checks, request.param, device="cpu", timeout_s=LAUNCH_TIMEOUT_S)
+    return launch(run_checks, request.param, CHECKS, device="cpu", timeout_s=LAUNCH_TIMEOUT_S)
 
 
 @pytest.mark.parametrize("check", CHECKS)
 def test_fsdp(check, outcomes):
-    failures = [f"rank {rank}:\n{by_check[check]}" for rank, by_check in enumerate(outcomes) if by_check[check]]
-    assert not failures, "\n".join(failures)
+    assert_passed_on_every_rank(check, outcomes)
 
 
 def test_building_before_init_process_group_raises():

@@ -8,7 +8,6 @@ parameter counts or sizes.
 from __future__ import annotations
 
 import functools
-import traceback
 from copy import deepcopy
 
 import pytest
@@ -19,6 +18,7 @@ from torch import nn
 from cs336_systems.distributed.launch import launch
 from cs336_systems.distributed.sharded_optimizer import SYNC_METHODS, ShardedOptimizer, assign_owners
 from tests import adapters
+from tests.common import assert_passed_on_every_rank, run_checks
 
 WORLD_SIZES = (2, 3)
 # Generous, since ranks import torch on a busy machine; a hang still ends here, not in CI's timeout.
@@ -307,29 +307,18 @@ CHECKS = {
 }
 
 
-def _run_checks(rank: int, world_size: int) -> dict[str, str | None]:
-    """Every check on this rank: None where it passed, else its traceback."""
-    outcomes = {}
-    for name, check in CHECKS.items():
-        try:
-            check(rank, world_size)
-            outcomes[name] = None
-        except Exception:
-            outcomes[name] = traceback.format_exc()
-    return outcomes
 
 
 # ------------------------------------------------------------------------------------------- tests
 
 @pytest.fixture(scope="module", params=WORLD_SIZES, ids=lambda n: f"{n}ranks")
 def outcomes(request) -> list[dict[str, str | None]]:
-    return launch(_run_checks, request.param, device="cpu", timeout_s=LAUNCH_TIMEOUT_S)
+    return launch(run_checks, request.param, CHECKS, device="cpu", timeout_s=LAUNCH_TIMEOUT_S)
 
 
 @pytest.mark.parametrize("check", CHECKS)
 def test_sharded_optimizer(check, outcomes):
-    failures = [f"rank {rank}:\n{by_check[check]}" for rank, by_check in enumerate(outcomes) if by_check[check]]
-    assert not failures, "\n".join(failures)
+    assert_passed_on_every_rank(check, outcomes)
 
 
 def test_owners_are_assigned_largest_first_to_the_least_loaded_rank():
