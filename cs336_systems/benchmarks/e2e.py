@@ -373,10 +373,11 @@ def _comparison_table(rows: list[Row], key: str, base_value, other_value, base_l
 
 
 def _speedup_range(table: list[Row], phase: str) -> str:
-    ratios = [float(r["speed-up"][:-1]) for r in table if r["phase"] == phase and r["speed-up"]]
+    label = PHASE_LABELS.get(phase, phase)  # the table's phase column holds labels
+    ratios = [float(r["speed-up"][:-1]) for r in table if r["phase"] == label and r["speed-up"]]
     if not ratios:
         return ""
-    return f"{PHASE_LABELS.get(phase, phase)}: {min(ratios):.2f}x to {max(ratios):.2f}x (median {sorted(ratios)[len(ratios) // 2]:.2f}x)"
+    return f"{label}: {min(ratios):.2f}x to {max(ratios):.2f}x (median {sorted(ratios)[len(ratios) // 2]:.2f}x)"
 
 
 def _autocast_section(dtypes: list[Row]) -> str:
