@@ -4,6 +4,7 @@
     python -m cs336_systems e2e --size small,medium --context 128,256 --json
     python -m cs336_systems accumulation
     python -m cs336_systems autocast-dtypes
+    python -m cs336_systems index --reports reports
 """
 
 from __future__ import annotations
@@ -109,9 +110,18 @@ def _cmd_autocast_dtypes(args) -> None:
     _print_rows(autocast_dtypes_experiment(_device(args.device)), args.json)
 
 
+def _cmd_index(args) -> None:
+    from cs336_systems.report_index import DEFAULT_REPORTS_ROOT, INDEX_COMMAND, write_index
+
+    # The index names the command that made it, so it records --reports only when it was not the default.
+    command = INDEX_COMMAND if args.reports == DEFAULT_REPORTS_ROOT else f"{INDEX_COMMAND} --reports {args.reports}"
+    print(write_index(args.reports, command))
+
+
 def build_parser() -> argparse.ArgumentParser:
     from cs336_systems.attention import ATTENTION_VARIANTS
     from cs336_systems.benchmarks.e2e import DEFAULT_BATCH_SIZE, DEFAULT_STEPS, DEFAULT_WARMUP, MODES, PRECISIONS
+    from cs336_systems.report_index import DEFAULT_REPORTS_ROOT
 
     parser = _Parser(prog="python -m cs336_systems", description=__doc__,
                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -143,6 +153,10 @@ def build_parser() -> argparse.ArgumentParser:
     dtypes = commands.add_parser("autocast-dtypes", help="dtypes inside a toy model under autocast")
     common(dtypes)
     dtypes.set_defaults(run=_cmd_autocast_dtypes)
+
+    index = commands.add_parser("index", help="write <reports>/README.md, the reports' index, from their CSVs")
+    index.add_argument("--reports", default=DEFAULT_REPORTS_ROOT, help="the reports' root directory")
+    index.set_defaults(run=_cmd_index)
     return parser
 
 
