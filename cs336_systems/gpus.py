@@ -11,7 +11,10 @@ import re
 from dataclasses import dataclass
 
 TERA = 1e12
-GIB = 2**30
+# Byte units, one definition for the package: binary for memory, decimal for sizes on the wire and
+# bandwidths (1 MB = 10^6 bytes, 1 GB/s = 10^9 bytes/s), each report saying which it uses.
+KIB, MIB, GIB = 2**10, 2**20, 2**30
+MB = 10**6
 GB = 1e9
 
 

@@ -29,7 +29,7 @@ from cs336_systems.benchmarks.fsdp import OURS as OUR_FSDP
 from cs336_systems.benchmarks.fsdp import TORCH_DDP, TORCH_FSDP
 from cs336_systems.benchmarks.profiling import ATTENTION_RANGES, SOFTMAX_FLOPS_PER_SCORE, STEP_RANGE
 from cs336_systems.distributed.ddp import BYTES_PER_MB
-from cs336_systems.gpus import GPU_SPECS
+from cs336_systems.gpus import GB, GIB, GPU_SPECS, KIB, MB, MIB
 from cs336_systems.model import MODEL_SIZES
 from cs336_systems.profiling.kernels import short_name
 from cs336_systems.reports import OOM, Row, markdown_table, read_rows, select
@@ -38,8 +38,6 @@ INDEX_FILE = "README.md"
 DEFAULT_REPORTS_ROOT = "reports"
 INDEX_COMMAND = "python -m cs336_systems index"
 CPU_SLUG = "cpu"
-GIB, MIB, KIB = 2**30, 2**20, 2**10
-MB, GB = 10**6, 10**9  # all-reduce sizes and bandwidths are decimal, as in their report
 KERNEL_NAME_CHARS = 60
 # The training steps the assignment's first question and our anchors quote: 2.7B and xl at context 512.
 HEADLINE_SIZES = ("2.7B", "xl")

@@ -42,6 +42,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from cs336_systems.gpus import GIB
 from cs336_systems.model import ModelConfig
 
 FP32_BYTES = 4
@@ -52,7 +53,6 @@ ADAMW_MOMENTS = 2  # exp_avg and exp_avg_sq
 PRECISIONS = {"fp32": FP32_BYTES, "bf16": LOW_PRECISION_BYTES, "fp16": LOW_PRECISION_BYTES}
 ATTENTIONS = ("sdpa", "naive")
 STRATEGIES = ("replicated", "optimizer_state", "fsdp")
-GIB = 2**30
 
 
 def _check_positive_int(**values: int) -> None:

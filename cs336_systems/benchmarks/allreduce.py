@@ -23,11 +23,10 @@ import torch
 import torch.distributed as dist
 
 from cs336_systems.distributed.launch import rank_device
-from cs336_systems.gpus import spec_for_device_name
+from cs336_systems.gpus import MB, spec_for_device_name
 from cs336_systems.reports import Rendered, Row, markdown_table, pivot, renderer
 from cs336_systems.timing import synchronize, timed
 
-MB = 10**6  # sizes and bandwidths are decimal here: 1 MB = 10^6 bytes, 1 GB/s = 10^9 bytes/s
 GB = 10**9
 SIZES_BYTES = (1 * MB, 10 * MB, 100 * MB, 1 * GB)
 GLOO_WORLD_SIZES = (2, 4, 6)

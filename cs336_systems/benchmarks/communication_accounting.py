@@ -36,13 +36,12 @@ from cs336_systems.accounting.parallelism import (
     saved_activation_bytes_per_token,
     training_state_bytes,
 )
-from cs336_systems.gpus import GB, GIB, GPU_SPECS
+from cs336_systems.gpus import GB, GIB, GPU_SPECS, MB
 from cs336_systems.reports import Rendered, Row, markdown_table, renderer, select, write_csv
 
 PROBLEM = "communication_accounting"
 DEFAULT_COMMAND = ('python -c "from cs336_systems.benchmarks.communication_accounting import '
                    "write_communication_accounting; write_communication_accounting('reports')\"")
-MB = 10**6
 MS, US = 1e3, 1e6  # seconds -> milliseconds, microseconds
 
 H100 = GPU_SPECS["h100"]  # memory_bytes is the datasheet's 80 GB = 80e9 bytes

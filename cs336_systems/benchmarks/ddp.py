@@ -59,6 +59,7 @@ from cs336_systems.distributed.ddp import (
     assign_buckets,
 )
 from cs336_systems.distributed.launch import rank_device
+from cs336_systems.gpus import GIB
 from cs336_systems.model import ModelConfig, TransformerLM
 from cs336_systems.profiling.ranges import annotate
 from cs336_systems.profiling.timeline import COMPUTE, CPU_COMPUTE_ROW, communication_summary, load_intervals
@@ -73,7 +74,6 @@ LEARNING_RATE = 1e-4
 # The all-reduce probe that gives the overhead model its o (a small all-reduce is nearly all
 # per-call cost) and w (bandwidth of a large one).
 PROBE_SMALL_BYTES = 4096
-GIB = 2**30
 
 
 @dataclass(frozen=True)

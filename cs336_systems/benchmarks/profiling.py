@@ -28,6 +28,7 @@ from cs336_systems.accounting.activations import (
     training_transient_bytes,
 )
 from cs336_systems.benchmarks.e2e import DEFAULT_BATCH_SIZE, PRECISIONS, adamw, autocast, build_model
+from cs336_systems.gpus import GIB, MIB
 from cs336_systems.model import MODEL_SIZES, ModelConfig
 from cs336_systems.profiling.checkpointing import (
     apply_checkpointing,
@@ -56,8 +57,6 @@ from cs336_systems.profiling.ranges import annotate
 from cs336_systems.reports import OOM, Rendered, Row, markdown_table, pivot, renderer
 from cs336_systems.timing import timed
 
-GIB = 2**30
-MIB = 2**20
 LEARNING_RATE = 1e-4
 
 
