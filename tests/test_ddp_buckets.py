@@ -112,8 +112,6 @@ CHECKS = {
 }
 
 
-
-
 @pytest.fixture(scope="module")
 def outcomes() -> list[dict[str, str | None]]:
     return launch(run_checks, 2, CHECKS, device="cpu", timeout_s=LAUNCH_TIMEOUT_S)

@@ -307,8 +307,6 @@ CHECKS = {
 }
 
 
-
-
 # ------------------------------------------------------------------------------------------- tests
 
 @pytest.fixture(scope="module", params=WORLD_SIZES, ids=lambda n: f"{n}ranks")
