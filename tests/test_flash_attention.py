@@ -337,6 +337,31 @@ def test_interpreter_refuses_bf16_whose_dots_it_computes_wrongly():
         FlashAttentionTriton.apply(q, k, v)
 
 
+@pytest.mark.parametrize("key", sorted(flash_triton.TILE_TABLE) + ["interpreter"])
+def test_every_tile_set_keeps_the_divisibility_the_causal_loop_split_relies_on(key):
+    tile_set = flash_triton.INTERPRETER_TILES if key == "interpreter" else flash_triton.TILE_TABLE[key]
+    # A program that owns a query tile steps over key tiles, and the other way round for dK/dV.
+    query_owners = [tile_set.forward, tile_set.dq] + ([tile_set.narrow_forward] if tile_set.narrow_forward else [])
+    assert all(t.block_m % t.block_n == 0 for t in query_owners)
+    assert tile_set.dkdv.block_n % tile_set.dkdv.block_m == 0
+
+
+def test_narrow_forward_tiles_are_taken_only_for_grids_below_two_programs_per_sm(monkeypatch):
+    monkeypatch.setattr(flash_triton, "_sm_count", lambda index: 132)
+    gpu = torch.device("cuda", 0)
+    tiles = flash_triton.Tiles
+    tile_set = flash_triton.TileSet(forward=tiles(128, 64, 4, 3), dkdv=tiles(64, 64, 4, 3), dq=tiles(128, 64, 4, 3),
+                                    narrow_forward=tiles(64, 64, 4, 3))
+    threshold = flash_triton.NARROW_GRID_PROGRAMS_PER_SM * 132
+    # batch x heads x query tiles of 128 rows: one program short of the threshold, then exactly at it.
+    assert flash_triton.forward_tiles(tile_set, 1, 128 * (threshold - 1), gpu) == tile_set.narrow_forward
+    assert flash_triton.forward_tiles(tile_set, threshold, 128, gpu) == tile_set.forward
+    assert flash_triton.forward_tiles(tile_set, 16, 16384, gpu) == tile_set.forward  # the leaderboard's grid
+    no_narrow = flash_triton.TileSet(tile_set.forward, tile_set.dkdv, tile_set.dq)
+    assert flash_triton.forward_tiles(no_narrow, 1, 1024, gpu) == tile_set.forward
+    assert flash_triton.forward_tiles(tile_set, 1, 1024, torch.device("cpu")) == tile_set.forward
+
+
 @pytest.mark.gpu
 def test_triton_refuses_cpu_tensors_when_compiled_for_the_gpu():
     if flash_triton.INTERPRETED:
@@ -366,8 +391,9 @@ def test_triton_is_accurate_at_16k_tokens_and_head_dim_128(dtype, is_causal, dev
 
 @pytest.mark.gpu
 @pytest.mark.flash
-def test_triton_forward_and_backward_at_64k_tokens_never_allocate_n_by_n(device):
-    q, k, v, do = leaf_inputs((1, 2), MEMORY_SEQUENCE, MEMORY_SEQUENCE, LONG_HEAD_DIM, torch.bfloat16, device)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+def test_triton_forward_and_backward_at_64k_tokens_never_allocate_n_by_n(dtype, device):
+    q, k, v, do = leaf_inputs((1, 2), MEMORY_SEQUENCE, MEMORY_SEQUENCE, LONG_HEAD_DIM, dtype, device)
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
     before = torch.cuda.memory_allocated()
@@ -377,8 +403,8 @@ def test_triton_forward_and_backward_at_64k_tokens_never_allocate_n_by_n(device)
     peak_extra_bytes = torch.cuda.max_memory_allocated() - before
     assert torch.isfinite(dq).all() and torch.isfinite(dk).all() and torch.isfinite(dv).all()
     assert peak_extra_bytes <= MEMORY_BOUND_IN_Q_SIZES * q.nbytes, (
-        f"peak {peak_extra_bytes / 2**20:.0f} MiB above the inputs; one n x n bf16 score matrix would be "
-        f"{MEMORY_SEQUENCE**2 * 2 / 2**20:.0f} MiB")
+        f"peak {peak_extra_bytes / 2**20:.0f} MiB above the inputs; one n x n score matrix would be "
+        f"{MEMORY_SEQUENCE**2 * q.element_size() / 2**20:.0f} MiB")
 
 
 def test_pytorch_function_under_torch_compile_gives_the_eager_output_and_gradients(device):

@@ -1,0 +1,123 @@
+"""Where the time of a short-sequence FlashAttention call goes: the host's cost per call of each
+layer (the autograd Function, the launcher, the bare Triton launch) against SDPA's, and the GPU time
+of the forward kernel per tile shape when batch x heads is 1, from torch.profiler's kernel records.
+
+    python scripts/flash_launch_costs.py [--host-profile]
+
+--host-profile adds cProfile's top functions (by own time) for the Function's forward and for
+triton_backward (the autograd engine runs the Function's backward on a thread cProfile does not see).
+"""
+
+from __future__ import annotations
+
+import cProfile
+import itertools
+import pstats
+import sys
+import time
+
+import torch
+import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
+from torch.profiler import ProfilerActivity, profile
+
+from cs336_systems.attention import flash_triton as ft
+
+HOST_CALLS = 200
+SEQ_LENS = (1024, 2048, 4096, 8192, 16384)
+FORWARD_SHAPES = [ft.Tiles(m, n, w, s) for (m, n), w, s in itertools.product(
+    ((64, 32), (64, 64), (128, 64), (128, 128)), (4, 8), (2, 3))]
+
+
+def host_us(fn) -> float:
+    """Host time per call with the GPU kept busy far ahead, so no call waits for it."""
+    fn()
+    torch.cuda.synchronize()
+    started = time.perf_counter()
+    for _ in range(HOST_CALLS):
+        fn()
+    elapsed = time.perf_counter() - started
+    torch.cuda.synchronize()
+    return elapsed / HOST_CALLS * 1e6
+
+
+def kernel_us(fn, name: str, calls: int = 20) -> float:
+    """Median GPU time of the kernels whose name contains `name`, per call."""
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(calls):
+            fn()
+        torch.cuda.synchronize()
+    times = sorted(e.device_time for e in prof.events() if name in e.name and e.device_time > 0)
+    return times[len(times) // 2] if times else float("nan")
+
+
+def host_profile(label: str, fn, top: int = 25) -> None:
+    fn()
+    torch.cuda.synchronize()
+    profiler = cProfile.Profile()
+    profiler.enable()
+    for _ in range(HOST_CALLS):
+        fn()
+    profiler.disable()
+    torch.cuda.synchronize()
+    print(f"{label}: cProfile over {HOST_CALLS} calls, by own time")
+    pstats.Stats(profiler, stream=sys.stdout).sort_stats("tottime").print_stats(top)
+
+
+def main() -> None:
+    print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}")
+    for d in (64, 128):
+        q, k, v, do = (torch.randn(1, 1, 1024, d, device="cuda", dtype=torch.bfloat16) for _ in range(4))
+        for t in (q, k, v):
+            t.requires_grad_()
+        out = ft.FlashAttentionTriton.apply(q, k, v, True)
+        tiles = ft.tiles_for(d, q.dtype)
+        o4, lse = ft.launch_forward(q, k, v, True, tiles.forward)
+        delta = ft.launch_delta(o4, do, tiles.dq.block_m)
+
+        def sdpa():
+            with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+                return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+
+        sdpa_out = sdpa()
+        layers = {
+            "Function.apply forward": lambda: ft.FlashAttentionTriton.apply(q, k, v, True),
+            "triton_forward (compiler.disable)": lambda: ft.triton_forward(q, k, v, True),
+            "launch_forward": lambda: ft.launch_forward(q, k, v, True, tiles.forward),
+            "launch_delta": lambda: ft.launch_delta(o4, do, tiles.dq.block_m),
+            "launch_dkdv": lambda: ft.launch_dkdv(q, k, v, do, lse, delta, True, tiles.dkdv),
+            "launch_dq": lambda: ft.launch_dq(q, k, v, do, lse, delta, True, tiles.dq),
+            "triton_backward": lambda: ft.triton_backward(q, k, v, o4, lse, do, True),
+            "Function backward (autograd)": lambda: out.backward(do, retain_graph=True),
+            "sdpa flash forward": sdpa,
+            "sdpa flash backward": lambda: sdpa_out.backward(do, retain_graph=True),
+        }
+        print(f"d={d}, host time per call (us):")
+        for label, fn in layers.items():
+            print(f"  {label:36s} {host_us(fn):8.1f}")
+        if "--host-profile" in sys.argv and d == 64:
+            host_profile("Function forward", layers["Function.apply forward"])
+            host_profile("triton_backward", layers["triton_backward"])
+            return
+    print("forward kernel GPU time (us), batch 1 x 1 head, causal, bf16:")
+    for d, n in itertools.product((64, 128), SEQ_LENS):
+        q, k, v = (torch.randn(1, 1, n, d, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+        with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+            reference = kernel_us(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True), "flash")
+        times = []
+        for tiles in FORWARD_SHAPES:
+            try:
+                times.append((kernel_us(lambda: ft.launch_forward(q, k, v, True, tiles), "_forward_kernel"), tiles))
+            except Exception:  # a shape that does not fit this head dim
+                continue
+        times.sort(key=lambda t: t[0])
+        best = ", ".join(f"{t.block_m}x{t.block_n} w{t.num_warps} s{t.num_stages}: {us:.1f}" for us, t in times[:4])
+        table = ft.tiles_for(d, torch.bfloat16).forward
+        current = next((us for us, t in times if t == table), float("nan"))
+        print(f"  d={d} N={n}: sdpa flash {reference:.1f}; table {current:.1f}; best {best}")
+
+
+if __name__ == "__main__":
+    main()
