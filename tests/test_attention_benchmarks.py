@@ -318,3 +318,13 @@ def test_flash_report_tables_ratios_oom_and_leaderboard(tmp_path):
     assert len(read_rows(tmp_path / "flash_benchmarking.csv")) == len(rows) + 3
     text = (tmp_path / "flash_benchmarking.md").read_text()
     assert rerender(tmp_path, "flash_benchmarking").read_text() == text  # the CSV alone reproduces the report
+
+
+def test_flash_report_calls_short_lengths_host_bound_only_when_time_stays_flat_while_work_grows():
+    flat = [_flash_row("flash_triton", "forward_backward", n, ms) for n, ms in ((128, 0.5), (1024, 0.7), (4096, 0.9))]
+    body = _flat(get_renderer("flash_benchmarking")(flat).body)
+    assert ("bf16: from N=128 to N=4096, Triton's forward+backward takes 0.5 to 0.9 ms at every d while the work "
+            "grows 1024x") in body
+    growing = [_flash_row("flash_triton", "forward_backward", n, ms) for n, ms in ((128, 0.01), (1024, 0.1),
+                                                                                     (4096, 1.0))]
+    assert "the time is the host's" not in _flat(get_renderer("flash_benchmarking")(growing).body)

@@ -344,11 +344,39 @@ def _at_largest_seq_len(index: dict[tuple, Row], precision: str, head_dim: int, 
     return max(((n, ratio) for n, ratio in ratios if ratio is not None), default=None)
 
 
+# Up to this length, a time that barely grows while the work grows by orders of magnitude is the
+# host's (Python and launch overhead per call), not the kernels'.
+SHORT_SEQ_LEN = 4096
+HOST_BOUND_MAX_SPREAD = 4  # largest/smallest time over the short lengths
+HOST_BOUND_MIN_WORK_GROWTH = 64  # (longest/shortest N)^2 over the short lengths
+
+
+def _host_bound_finding(rows: list[Row], precision: str) -> str | None:
+    """A finding when Triton's forward+backward time stays nearly flat over the short lengths."""
+    short = [r for r in rows if (r["provider"], r["precision"], r["mode"]) == ("flash_triton", precision,
+                                                                               "forward_backward")
+             and r["seq_len"] <= SHORT_SEQ_LEN and _ok(r)]
+    if len({r["seq_len"] for r in short}) < 2:
+        return None
+    shortest, longest = min(r["seq_len"] for r in short), max(r["seq_len"] for r in short)
+    low, high = min(r["median_ms"] for r in short), max(r["median_ms"] for r in short)
+    growth = (longest / shortest) ** 2
+    if high / low > HOST_BOUND_MAX_SPREAD or growth < HOST_BOUND_MIN_WORK_GROWTH:
+        return None
+    return (f"- {precision}: from N={shortest} to N={longest}, Triton's forward+backward takes {low:.3g} to "
+            f"{high:.3g} ms at every d while the work grows {growth:.0f}x: at these lengths the time is the "
+            "host's (Python and kernel-launch overhead per call; cs336_systems/attention/TUNING.md measures it), "
+            "not the kernels'.")
+
+
 def _findings(rows: list[Row]) -> list[str]:
     findings = []
     index = _index(rows)
     for precision in [p for p in PRECISIONS if any(r["precision"] == p for r in rows)]:
         mine = [r for r in rows if r["precision"] == precision]
+        host_bound = _host_bound_finding(mine, precision)
+        if host_bound:
+            findings.append(host_bound)
         naive = [r for r in mine if r["provider"] == "naive"]
         ooms = [r for r in naive if r["status"] == OOM]
         if ooms:
@@ -435,7 +463,9 @@ def _plot(rows: list[Row], precision: str):
                 ax.set_xlabel("N")
             if j == 0:
                 ax.set_ylabel("ms")
-    axes[0][0].legend(fontsize="x-small")
+    labelled = next((ax for row in axes for ax in row if ax.get_legend_handles_labels()[0]), None)
+    if labelled is not None:  # the first panel with a line: a partial sweep may leave the top left one empty
+        labelled.legend(fontsize="x-small")
     figure.suptitle(f"Causal attention, batch 1, {precision}: time against sequence length")
     figure.tight_layout()
     return figure
