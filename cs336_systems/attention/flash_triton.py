@@ -61,8 +61,9 @@ def _load_rows(ptrs, rows, n_rows, offs_d, CHECK_ROWS: tl.constexpr, HEAD_DIM: t
 
 
 @triton.jit
-def _program_tile(n_rows, BLOCK: tl.constexpr, HEADS_FASTEST: tl.constexpr):
-    """(batch x head, tile index) of this program, in a 1-D grid of batch x heads x tiles.
+def _program_tile(n_rows, n_heads, BLOCK: tl.constexpr, HEADS_FASTEST: tl.constexpr):
+    """(batch x head, batch, head, tile index) of this program, in a 1-D grid of batch x heads x
+    tiles; batch and head are int64, since batch offsets of long sequences pass 2^31.
 
     Programs start roughly in launch order. HEADS_FASTEST gives every head's last tile first, then
     every head's last but one, and so on: under a causal mask the forward's and dQ's last query
@@ -75,8 +76,18 @@ def _program_tile(n_rows, BLOCK: tl.constexpr, HEADS_FASTEST: tl.constexpr):
     pid = tl.program_id(0)
     if HEADS_FASTEST:
         n_batch_heads = tl.num_programs(0) // n_tiles
-        return pid % n_batch_heads, n_tiles - 1 - pid // n_batch_heads
-    return pid // n_tiles, pid % n_tiles
+        pid_bh = pid % n_batch_heads
+        tile = n_tiles - 1 - pid // n_batch_heads
+    else:
+        pid_bh = pid // n_tiles
+        tile = pid % n_tiles
+    return pid_bh, (pid_bh // n_heads).to(tl.int64), (pid_bh % n_heads).to(tl.int64), tile
+
+
+@triton.jit
+def _tile_ptrs(base, batch, head, stride_b, stride_h, stride_n, rows, offs_d):
+    """Pointers to the (rows, BLOCK_D) tile of one (batch, head) of a (batch, heads, n, d) tensor."""
+    return base + batch * stride_b + head * stride_h + rows[:, None] * stride_n + offs_d[None, :]
 
 
 @triton.jit
@@ -130,16 +141,14 @@ def _forward_kernel(Q, K, V, O, L,
                     IS_CAUSAL: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     """One program per (batch x head, query tile): o and L for BLOCK_M queries."""
-    pid_bh, pid_m = _program_tile(n_queries, BLOCK_M, True)
-    batch = (pid_bh // n_heads).to(tl.int64)  # int64: batch offsets of long sequences pass 2^31
-    head = (pid_bh % n_heads).to(tl.int64)
+    pid_bh, batch, head, pid_m = _program_tile(n_queries, n_heads, BLOCK_M, True)
     q_start = pid_m * BLOCK_M
     offs_m = q_start + tl.arange(0, BLOCK_M)
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
     k_base = K + batch * stride_kb + head * stride_kh
     v_base = V + batch * stride_vb + head * stride_vh
-    q = _load_rows(Q + batch * stride_qb + head * stride_qh + offs_m[:, None] * stride_qn + offs_d[None, :],
+    q = _load_rows(_tile_ptrs(Q, batch, head, stride_qb, stride_qh, stride_qn, offs_m, offs_d),
                    offs_m, n_queries, offs_d, True, HEAD_DIM, BLOCK_D)
 
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
@@ -162,7 +171,7 @@ def _forward_kernel(Q, K, V, O, L,
                                       True, IS_CAUSAL, HEAD_DIM, BLOCK_D, BLOCK_N)
 
     o = acc / l_i[:, None]
-    _store_rows(O + batch * stride_ob + head * stride_oh + offs_m[:, None] * stride_on + offs_d[None, :],
+    _store_rows(_tile_ptrs(O, batch, head, stride_ob, stride_oh, stride_on, offs_m, offs_d),
                 o.to(O.dtype.element_ty), offs_m, n_queries, offs_d, HEAD_DIM, BLOCK_D)
     lse = (m_i + tl.math.log2(l_i)) * _LN2  # base 2 -> natural log
     tl.store(L + pid_bh.to(tl.int64) * n_queries + offs_m, lse, mask=offs_m < n_queries)
@@ -175,14 +184,12 @@ def _delta_kernel(O, DO, Delta,
                   n_heads, n_queries,
                   HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr):
     """D = rowsum(dO * O) for BLOCK_M queries, in fp32."""
-    pid_bh, pid_m = _program_tile(n_queries, BLOCK_M, False)
-    batch = (pid_bh // n_heads).to(tl.int64)
-    head = (pid_bh % n_heads).to(tl.int64)
+    pid_bh, batch, head, pid_m = _program_tile(n_queries, n_heads, BLOCK_M, False)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
-    o = _load_rows(O + batch * stride_ob + head * stride_oh + offs_m[:, None] * stride_on + offs_d[None, :],
+    o = _load_rows(_tile_ptrs(O, batch, head, stride_ob, stride_oh, stride_on, offs_m, offs_d),
                    offs_m, n_queries, offs_d, True, HEAD_DIM, BLOCK_D)
-    do = _load_rows(DO + batch * stride_dob + head * stride_doh + offs_m[:, None] * stride_don + offs_d[None, :],
+    do = _load_rows(_tile_ptrs(DO, batch, head, stride_dob, stride_doh, stride_don, offs_m, offs_d),
                     offs_m, n_queries, offs_d, True, HEAD_DIM, BLOCK_D)
     delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), 1)
     tl.store(Delta + pid_bh.to(tl.int64) * n_queries + offs_m, delta, mask=offs_m < n_queries)
@@ -234,17 +241,15 @@ def _dkdv_kernel(Q, K, V, DO, L, Delta, DK, DV,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     """One program per (batch x head, key tile): dK and dV for BLOCK_N keys, in one pass over
     the queries that can see them."""
-    pid_bh, pid_n = _program_tile(n_keys, BLOCK_N, False)
-    batch = (pid_bh // n_heads).to(tl.int64)
-    head = (pid_bh % n_heads).to(tl.int64)
+    pid_bh, batch, head, pid_n = _program_tile(n_keys, n_heads, BLOCK_N, False)
     k_start = pid_n * BLOCK_N
     cols = k_start + tl.arange(0, BLOCK_N)
     offs_m = tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
     # Key rows past n_keys load as zero; their dK and dV rows are never stored.
-    k = _load_rows(K + batch * stride_kb + head * stride_kh + cols[:, None] * stride_kn + offs_d[None, :],
+    k = _load_rows(_tile_ptrs(K, batch, head, stride_kb, stride_kh, stride_kn, cols, offs_d),
                    cols, n_keys, offs_d, True, HEAD_DIM, BLOCK_D)
-    v = _load_rows(V + batch * stride_vb + head * stride_vh + cols[:, None] * stride_vn + offs_d[None, :],
+    v = _load_rows(_tile_ptrs(V, batch, head, stride_vb, stride_vh, stride_vn, cols, offs_d),
                    cols, n_keys, offs_d, True, HEAD_DIM, BLOCK_D)
     q_base = Q + batch * stride_qb + head * stride_qh
     do_base = DO + batch * stride_dob + head * stride_doh
@@ -271,9 +276,9 @@ def _dkdv_kernel(Q, K, V, DO, L, Delta, DK, DV,
                               tl.maximum(unmasked_start, full_queries_end), n_queries, cols, offs_m, offs_d,
                               n_queries, qk_scale, True, False, HEAD_DIM, BLOCK_D, BLOCK_M)
 
-    _store_rows(DK + batch * stride_dkb + head * stride_dkh + cols[:, None] * stride_dkn + offs_d[None, :],
+    _store_rows(_tile_ptrs(DK, batch, head, stride_dkb, stride_dkh, stride_dkn, cols, offs_d),
                 (dk * sm_scale).to(DK.dtype.element_ty), cols, n_keys, offs_d, HEAD_DIM, BLOCK_D)
-    _store_rows(DV + batch * stride_dvb + head * stride_dvh + cols[:, None] * stride_dvn + offs_d[None, :],
+    _store_rows(_tile_ptrs(DV, batch, head, stride_dvb, stride_dvh, stride_dvn, cols, offs_d),
                 dv.to(DV.dtype.element_ty), cols, n_keys, offs_d, HEAD_DIM, BLOCK_D)
 
 
@@ -314,16 +319,14 @@ def _dq_kernel(Q, K, V, DO, L, Delta, DQ,
                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     """One program per (batch x head, query tile): dQ for BLOCK_M queries, with the forward's
     loop structure (unmasked tiles below the diagonal, masked diagonal and tail tiles)."""
-    pid_bh, pid_m = _program_tile(n_queries, BLOCK_M, True)
-    batch = (pid_bh // n_heads).to(tl.int64)
-    head = (pid_bh % n_heads).to(tl.int64)
+    pid_bh, batch, head, pid_m = _program_tile(n_queries, n_heads, BLOCK_M, True)
     q_start = pid_m * BLOCK_M
     offs_m = q_start + tl.arange(0, BLOCK_M)
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
-    q = _load_rows(Q + batch * stride_qb + head * stride_qh + offs_m[:, None] * stride_qn + offs_d[None, :],
+    q = _load_rows(_tile_ptrs(Q, batch, head, stride_qb, stride_qh, stride_qn, offs_m, offs_d),
                    offs_m, n_queries, offs_d, True, HEAD_DIM, BLOCK_D)
-    do = _load_rows(DO + batch * stride_dob + head * stride_doh + offs_m[:, None] * stride_don + offs_d[None, :],
+    do = _load_rows(_tile_ptrs(DO, batch, head, stride_dob, stride_doh, stride_don, offs_m, offs_d),
                     offs_m, n_queries, offs_d, True, HEAD_DIM, BLOCK_D)
     # Rows past n_queries get L = 0: finite, and their dQ is never stored.
     lse = tl.load(L + pid_bh.to(tl.int64) * n_queries + offs_m, mask=offs_m < n_queries, other=0.0) * _LOG2E
@@ -343,7 +346,7 @@ def _dq_kernel(Q, K, V, DO, L, Delta, DQ,
                       offs_m, offs_n, offs_d, n_keys, qk_scale, False, IS_CAUSAL, HEAD_DIM, BLOCK_D, BLOCK_N)
     dq = _dq_key_loop(dq, q, do, lse, delta, k_base, v_base, stride_kn, stride_vn, masked_start, masked_end,
                       offs_m, offs_n, offs_d, n_keys, qk_scale, True, IS_CAUSAL, HEAD_DIM, BLOCK_D, BLOCK_N)
-    _store_rows(DQ + batch * stride_dqb + head * stride_dqh + offs_m[:, None] * stride_dqn + offs_d[None, :],
+    _store_rows(_tile_ptrs(DQ, batch, head, stride_dqb, stride_dqh, stride_dqn, offs_m, offs_d),
                 (dq * sm_scale).to(DQ.dtype.element_ty), offs_m, n_queries, offs_d, HEAD_DIM, BLOCK_D)
 
 
