@@ -166,6 +166,12 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
         metafunc.parametrize("precision", run.precisions)
     if "model_size" in metafunc.fixturenames and "model_size" not in _parametrized(metafunc):
         metafunc.parametrize("model_size", run.model_sizes)
+    if "distributed_device" in metafunc.fixturenames:
+        # Where a distributed benchmark's ranks run: one GPU each over NCCL (skipped without
+        # --world-size GPUs), or CPU processes over gloo. Module scope, so a module fixture that
+        # launches the ranks once can take it.
+        device = pytest.param("cuda", marks=pytest.mark.multigpu) if run.on_gpu else "cpu"
+        metafunc.parametrize("distributed_device", [device], scope="module")
 
 
 def _parametrized(metafunc: pytest.Metafunc) -> set[str]:

@@ -15,7 +15,6 @@ from cs336_systems.benchmarks.allreduce import MB
 from cs336_systems.benchmarks.ddp import DDPBenchmarkConfig, benchmark_ddp, ddp_equivalence
 from cs336_systems.distributed.launch import launch
 from cs336_systems.profiling.timeline import plot_timeline
-from cs336_systems.pytest_plugin import settings
 from cs336_systems.reports import OOM
 
 GPU_CONFIG = DDPBenchmarkConfig()
@@ -30,14 +29,8 @@ LAUNCH_TIMEOUT_S = 600
 pytestmark = pytest.mark.ddp
 
 
-def pytest_generate_tests(metafunc):
-    if "ddp_device" in metafunc.fixturenames:
-        on_gpu = settings(metafunc.config).on_gpu
-        metafunc.parametrize("ddp_device", [pytest.param("cuda", marks=pytest.mark.multigpu) if on_gpu else "cpu"])
-
-
-def test_ddp_matches_single_process(ddp_device, world_size, report):
-    rows = launch(ddp_equivalence, world_size, device=ddp_device, timeout_s=LAUNCH_TIMEOUT_S)[0]
+def test_ddp_matches_single_process(distributed_device, world_size, report):
+    rows = launch(ddp_equivalence, world_size, device=distributed_device, timeout_s=LAUNCH_TIMEOUT_S)[0]
     for problem in EQUIVALENCE_PROBLEMS:
         for row in rows:
             report(problem).add(row)
@@ -48,9 +41,9 @@ def _file_name(variant: str) -> str:
     return "ddp_timeline_" + re.sub(r"[^a-z0-9]+", "_", variant.lower()).strip("_") + ".png"
 
 
-def test_ddp_training_step(ddp_device, world_size, run_settings, report, speedup_gate):
-    cfg = GPU_CONFIG if ddp_device == "cuda" else CPU_CONFIG
-    result = launch(benchmark_ddp, world_size, cfg, device=ddp_device, timeout_s=LAUNCH_TIMEOUT_S)[0]
+def test_ddp_training_step(distributed_device, world_size, run_settings, report, speedup_gate):
+    cfg = GPU_CONFIG if distributed_device == "cuda" else CPU_CONFIG
+    result = launch(benchmark_ddp, world_size, cfg, device=distributed_device, timeout_s=LAUNCH_TIMEOUT_S)[0]
     rows = result["rows"]
     for variant, intervals in result["timelines"].items():
         file_name = _file_name(variant)

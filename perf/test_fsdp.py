@@ -12,7 +12,6 @@ from cs336_systems.benchmarks.fsdp import OURS, TORCH_FSDP, VARIANTS, fsdp_probl
 from cs336_systems.benchmarks.sharding import ShardingBenchmarkConfig
 from cs336_systems.distributed.launch import launch
 from cs336_systems.profiling.timeline import plot_timeline
-from cs336_systems.pytest_plugin import settings
 from cs336_systems.reports import OOM
 
 GPU_CONFIG = ShardingBenchmarkConfig()
@@ -26,17 +25,10 @@ LAUNCH_TIMEOUT_S = 600
 pytestmark = pytest.mark.fsdp
 
 
-def pytest_generate_tests(metafunc):
-    if "fsdp_device" in metafunc.fixturenames:
-        on_gpu = settings(metafunc.config).on_gpu
-        metafunc.parametrize("fsdp_device", [pytest.param("cuda", marks=pytest.mark.multigpu) if on_gpu else "cpu"],
-                             scope="module")
-
-
 @pytest.fixture(scope="module")
-def rows(fsdp_device, world_size, report):
-    cfg = GPU_CONFIG if fsdp_device == "cuda" else CPU_CONFIG
-    result = launch(fsdp_problems, world_size, cfg, device=fsdp_device, timeout_s=LAUNCH_TIMEOUT_S)[0]
+def rows(distributed_device, world_size, report):
+    cfg = GPU_CONFIG if distributed_device == "cuda" else CPU_CONFIG
+    result = launch(fsdp_problems, world_size, cfg, device=distributed_device, timeout_s=LAUNCH_TIMEOUT_S)[0]
     measured = result["rows"]
     if result["timeline"]:
         figure = plot_timeline(timeline_intervals(result["timeline"]),

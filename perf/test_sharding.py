@@ -10,7 +10,6 @@ import pytest
 
 from cs336_systems.benchmarks.sharding import VARIANTS, ShardingBenchmarkConfig, optimizer_sharding_problems
 from cs336_systems.distributed.launch import launch
-from cs336_systems.pytest_plugin import settings
 from cs336_systems.reports import OOM
 
 GPU_CONFIG = ShardingBenchmarkConfig()
@@ -25,17 +24,10 @@ LAUNCH_TIMEOUT_S = 600
 pytestmark = pytest.mark.sharding
 
 
-def pytest_generate_tests(metafunc):
-    if "sharding_device" in metafunc.fixturenames:
-        on_gpu = settings(metafunc.config).on_gpu
-        metafunc.parametrize("sharding_device", [pytest.param("cuda", marks=pytest.mark.multigpu) if on_gpu else "cpu"],
-                             scope="module")
-
-
 @pytest.fixture(scope="module")
-def rows(sharding_device, world_size, report):
-    cfg = GPU_CONFIG if sharding_device == "cuda" else CPU_CONFIG
-    measured = launch(optimizer_sharding_problems, world_size, cfg, device=sharding_device,
+def rows(distributed_device, world_size, report):
+    cfg = GPU_CONFIG if distributed_device == "cuda" else CPU_CONFIG
+    measured = launch(optimizer_sharding_problems, world_size, cfg, device=distributed_device,
                       timeout_s=LAUNCH_TIMEOUT_S)[0]
     for problem in PROBLEMS:
         for row in measured:
