@@ -10,7 +10,11 @@ Speed structure:
     L is stored in natural-log units, as the contract says.
   - Causal: key tiles wholly above the diagonal are never visited; the tiles that straddle it (and a
     partial tail tile) go through a masked copy of the loop, all other tiles through an unmasked one.
-  - Tile sizes, warps and pipeline stages come from TILE_TABLE, per head dimension and dtype.
+  - Tile sizes, warps and pipeline stages come from TILE_TABLE, per head dimension and dtype, as
+    measured by scripts/tune_flash.py; grids too small to fill the GPU take narrower forward tiles.
+  - Launch order (_program_tile): the forward and dQ start the longest query tiles of every head
+    first; dK/dV keeps a head's key tiles together so they share its queries in L2.
+  - TUNING.md holds each version's prediction and measured time.
 
 Under TRITON_INTERPRET=1 (no GPU) the kernels run on CPU tensors in the interpreter, with small
 tiles (INTERPRETER_TILES) so short test sequences cross tile boundaries. The interpreter computes
