@@ -39,7 +39,9 @@ STAGES = (2, 3, 4)
 OWNED_STEPPED = {2: ((64, 32), (64, 64), (128, 32), (128, 64), (128, 128), (64, 16), (128, 16)),
                  4: ((32, 32), (64, 32), (64, 64), (128, 32), (64, 16), (32, 16))}
 COMPILE_SEQ_LEN = 256  # compiling needs only the launch signature; a short sequence keeps it quick
-CHECK_TOLERANCE = {torch.bfloat16: 2e-2, torch.float32: 1e-3}
+# Largest absolute difference from the current table's output that a candidate may show: other tiles
+# sum in another order (bf16 outputs round at 2^-8 of values up to ~10; fp32 runs tf32 dots).
+CHECK_TOLERANCE = {torch.bfloat16: 2e-1, torch.float32: 1e-2}
 
 
 def candidates(kernel: str, head_dim: int, dtype: torch.dtype) -> list[ft.Tiles]:
@@ -121,7 +123,7 @@ def tune_class(head_dim, precision, shape, is_causal, pool, rep_ms) -> dict:
             ms = triton.testing.do_bench(fn, warmup=25, rep=rep_ms, return_mode="median")
             flops = 2 * MATMULS[kernel] * score_elements * head_dim
             timed.append(entry | {"ms": ms, "tflops": flops / ms / 1e9, "max_diff": mismatch,
-                                  "matches": mismatch <= CHECK_TOLERANCE[dtype] * 10})
+                                  "matches": mismatch <= CHECK_TOLERANCE[dtype]})
         ok = sorted((t for t in timed if "ms" in t and t["matches"]), key=lambda t: t["ms"])
         now = next((t for t in timed if t["tiles"] == vars(getattr(current, kernel))), None)
         result["kernels"][kernel] = {"compile_s": compile_s, "current": now, "best": ok[:5], "all": timed}

@@ -464,6 +464,17 @@ def _block_d(head_dim: int) -> int:
     return max(MIN_DOT_DIM, triton.next_power_of_2(head_dim))
 
 
+def _launch_options(head_dim: int, is_causal: bool, tiles: Tiles) -> dict:
+    """The compile-time constants and launch shape the forward, dK/dV and dQ kernels all take."""
+    return dict(IS_CAUSAL=is_causal, HEAD_DIM=head_dim, BLOCK_D=_block_d(head_dim), BLOCK_M=tiles.block_m,
+                BLOCK_N=tiles.block_n, num_warps=tiles.num_warps, num_stages=tiles.num_stages)
+
+
+def _scales(head_dim: int) -> tuple[float, float]:
+    """(scale of q k^T in base-2 score units, softmax scale 1/sqrt(d))."""
+    return LOG2E / math.sqrt(head_dim), 1.0 / math.sqrt(head_dim)
+
+
 def launch_forward(q4, k4, v4, is_causal: bool, tiles: Tiles) -> tuple[torch.Tensor, torch.Tensor]:
     """The forward kernel on (batch, heads, n, d) views: (o4 contiguous, L (batch, heads, n_queries) fp32)."""
     batch, heads, n_queries, head_dim = q4.shape
@@ -471,9 +482,8 @@ def launch_forward(q4, k4, v4, is_causal: bool, tiles: Tiles) -> tuple[torch.Ten
     lse = torch.empty((batch, heads, n_queries), dtype=torch.float32, device=q4.device)
     _forward_kernel[(batch * heads * triton.cdiv(n_queries, tiles.block_m),)](
         q4, k4, v4, o4, lse, *_strides(q4), *_strides(k4), *_strides(v4), *_strides(o4),
-        heads, n_queries, k4.shape[2], LOG2E / math.sqrt(head_dim),
-        IS_CAUSAL=is_causal, HEAD_DIM=head_dim, BLOCK_D=_block_d(head_dim),
-        BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, num_warps=tiles.num_warps, num_stages=tiles.num_stages,
+        heads, n_queries, k4.shape[2], _scales(head_dim)[0],
+        **_launch_options(head_dim, is_causal, tiles),
     )
     return o4, lse
 
@@ -498,9 +508,8 @@ def launch_dkdv(q4, k4, v4, do4, lse, delta, is_causal: bool, tiles: Tiles) -> t
     _dkdv_kernel[(batch * heads * triton.cdiv(n_keys, tiles.block_n),)](
         q4, k4, v4, do4, lse, delta, dk4, dv4,
         *_strides(q4), *_strides(k4), *_strides(v4), *_strides(do4), *_strides(dk4), *_strides(dv4),
-        heads, n_queries, n_keys, LOG2E / math.sqrt(head_dim), 1.0 / math.sqrt(head_dim),
-        IS_CAUSAL=is_causal, HEAD_DIM=head_dim, BLOCK_D=_block_d(head_dim),
-        BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, num_warps=tiles.num_warps, num_stages=tiles.num_stages,
+        heads, n_queries, n_keys, *_scales(head_dim),
+        **_launch_options(head_dim, is_causal, tiles),
     )
     return dk4, dv4
 
@@ -512,9 +521,8 @@ def launch_dq(q4, k4, v4, do4, lse, delta, is_causal: bool, tiles: Tiles) -> tor
     _dq_kernel[(batch * heads * triton.cdiv(n_queries, tiles.block_m),)](
         q4, k4, v4, do4, lse, delta, dq4,
         *_strides(q4), *_strides(k4), *_strides(v4), *_strides(do4), *_strides(dq4),
-        heads, n_queries, k4.shape[2], LOG2E / math.sqrt(head_dim), 1.0 / math.sqrt(head_dim),
-        IS_CAUSAL=is_causal, HEAD_DIM=head_dim, BLOCK_D=_block_d(head_dim),
-        BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, num_warps=tiles.num_warps, num_stages=tiles.num_stages,
+        heads, n_queries, k4.shape[2], *_scales(head_dim),
+        **_launch_options(head_dim, is_causal, tiles),
     )
     return dq4
 
