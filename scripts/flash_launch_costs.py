@@ -100,7 +100,6 @@ def main() -> None:
         if "--host-profile" in sys.argv and d == 64:
             host_profile("Function forward", layers["Function.apply forward"])
             host_profile("triton_backward", layers["triton_backward"])
-            return
     print("forward kernel GPU time (us), batch 1 x 1 head, causal, bf16:")
     for d, n in itertools.product((64, 128), SEQ_LENS):
         q, k, v = (torch.randn(1, 1, n, d, device="cuda", dtype=torch.bfloat16) for _ in range(3))
