@@ -9,6 +9,8 @@ so a failing check cannot leave the ranks out of step for the checks after it.
 from __future__ import annotations
 
 import functools
+import gc
+import weakref
 from copy import deepcopy
 
 import pytest
@@ -159,6 +161,19 @@ def _second_backward_raises(rank: int, world_size: int, wrapper: str) -> None:
     ddp_model.on_train_batch_start()  # a finished step leaves nothing behind
 
 
+def _dropped_wrapper_frees_the_model(rank: int, world_size: int, wrapper: str) -> None:
+    """Once the wrapper and the model are dropped, their parameters and gradients are freed: a
+    benchmark that builds one wrapper after another must not keep every earlier model alive."""
+    ddp_model = WRAPPERS[wrapper](ToyModel().double())
+    x, _ = _random_batch(4, 10, 5, seed=rank)
+    ddp_model(x).sum().backward()
+    ddp_model.finish_gradient_synchronization()
+    parameter = weakref.ref(next(ddp_model.module.parameters()))
+    del ddp_model
+    gc.collect()
+    assert parameter() is None, f"{wrapper}: a parameter outlived its dropped wrapper and model"
+
+
 CHECKS = {
     **{f"course_individual_parameters_{name}": functools.partial(
         course_ddp_check, model_class=cls, make_ddp=adapters.get_ddp_individual_parameters,
@@ -173,6 +188,8 @@ CHECKS = {
        for wrapper in WRAPPERS},
     **{f"{wrapper}_second_backward_without_finish_raises": functools.partial(_second_backward_raises, wrapper=wrapper)
        for wrapper in OVERLAPPED},
+    **{f"{wrapper}_dropped_wrapper_frees_the_model": functools.partial(_dropped_wrapper_frees_the_model,
+                                                                     wrapper=wrapper) for wrapper in WRAPPERS},
 }
 
 

@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import functools
 import itertools
+import weakref
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
 
@@ -171,8 +172,11 @@ class _OverlappedDataParallel(_DataParallel):
         self._ready = [False] * len(self._params)
         self._waiting_in_unit = [len(unit) for unit in units]
         self._works: list[dist.Work] = []  # async all-reduce of each launched unit, in unit order
+        # A parameter keeps its hooks where the garbage collector cannot see them, so a hook that
+        # held the wrapper would keep the wrapper, the module and its gradients alive forever.
+        wrapper = weakref.ref(self)
         for index, p in enumerate(self._params):
-            p.register_post_accumulate_grad_hook(functools.partial(self._on_gradient_ready, index))
+            p.register_post_accumulate_grad_hook(functools.partial(_gradient_ready_hook, wrapper, index))
 
     def _on_gradient_ready(self, index: int, param: torch.Tensor) -> None:
         if self._ready[index]:
@@ -216,6 +220,12 @@ class _OverlappedDataParallel(_DataParallel):
 
     def _write_back(self, had_gradient: list[bool], used_anywhere: list[bool]) -> None:
         raise NotImplementedError
+
+
+def _gradient_ready_hook(wrapper: weakref.ref, index: int, param: torch.Tensor) -> None:
+    alive = wrapper()
+    if alive is not None:
+        alive._on_gradient_ready(index, param)
 
 
 class OverlapIndividualDDP(_OverlappedDataParallel):
