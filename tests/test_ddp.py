@@ -223,25 +223,42 @@ def _span(cat: str, name: str, start_us: float, duration_us: float, **extra) -> 
     return {"ph": "X", "cat": cat, "name": name, "ts": start_us, "dur": duration_us, **extra}
 
 
-def test_gpu_timeline_puts_nccl_streams_apart_and_measures_overlap():
+def _launched(correlation: int, launch_us: float, kernel: str, start_us: float, duration_us: float,
+              stream: int, thread: int = 1) -> list[dict]:
+    """A kernel and the host-side runtime call that launched it, as torch.profiler exports them."""
+    return [_span("cuda_runtime", "cudaLaunchKernel", launch_us, 2, tid=thread, args={"correlation": correlation}),
+            _span("kernel", kernel, start_us, duration_us, args={"stream": stream, "correlation": correlation})]
+
+
+def test_gpu_timeline_puts_nccl_kernels_apart_and_measures_overlap():
     events = [
-        _span("kernel", "sm90_xmma_gemm", 1000, 100, args={"stream": 7}),
-        _span("kernel", "elementwise_kernel", 1100, 50, args={"stream": 7}),
-        _span("kernel", "ncclDevKernel_AllReduce_Sum_f32_RING_LL", 1120, 60, args={"stream": 20}),
-        _span("gpu_user_annotation", "backward", 1000, 150),
-        _span("gpu_user_annotation", "nccl:all_reduce", 1120, 60),  # not a phase of ours
-        _span("cpu_op", "aten::mm", 990, 5, tid=1),  # host side: not drawn when there are kernels
+        _span("user_annotation", "backward", 900, 400, tid=1),
+        _span("user_annotation", "bucket", 950, 20, tid=2),  # nested, launched from another thread
+        _span("user_annotation", "unused", 980, 5, tid=2),  # launched nothing
+        *_launched(1, 910, "sm90_xmma_gemm", 1000, 100, stream=7),
+        *_launched(2, 960, "elementwise_kernel", 1100, 50, stream=7, thread=2),
+        *_launched(3, 965, "ncclDevKernel_AllReduce_Sum_f32_RING_LL", 1120, 60, stream=20, thread=2),
+        # A blocking collective on the compute stream: communication, on that stream's own NCCL row.
+        *_launched(4, 1200, "ncclDevKernel_AllReduce_Sum_f32_RING_LL", 1190, 10, stream=7),
+        _span("gpu_user_annotation", "backward", 1000, 150),  # the profiler's own: not used
+        _span("cpu_op", "aten::mm", 905, 5, tid=1),  # host side: not drawn when there are kernels
     ]
-    intervals = intervals_from_events(events, phase_names={"backward"})
+    intervals = intervals_from_events(events, phase_names={"backward", "bucket", "unused"})
     assert {(i.kind, i.row) for i in intervals} == {
-        ("compute", "compute (stream 7)"), ("communication", "NCCL (stream 20)"), ("phase", "phases")}
+        ("compute", "compute (stream 7)"), ("communication", "NCCL (stream 20)"),
+        ("communication", "NCCL (stream 7)"), ("phase", "phases")}
+    # Device spans, from the first kernel at 1000 us: each range covers the work it launched.
+    phases = {i.name: (i.start_ms, i.end_ms) for i in intervals if i.kind == "phase"}
+    assert phases.keys() == {"backward", "bucket"}
+    assert phases["backward"] == pytest.approx((0.0, 0.2))
+    assert phases["bucket"] == pytest.approx((0.1, 0.18))
     summary = communication_summary(intervals)
-    # NCCL runs 1120-1180 us; compute 1000-1150 us: 30 us together, 30 us alone.
-    assert summary == pytest.approx({"communication_ms": 0.06, "compute_ms": 0.15,
-                                     "overlapped_ms": 0.03, "exposed_ms": 0.03})
+    # NCCL runs 1120-1180 and 1190-1200 us; compute 1000-1150 us: 30 us together, 40 us alone.
+    assert summary == pytest.approx({"communication_ms": 0.07, "compute_ms": 0.15,
+                                     "overlapped_ms": 0.03, "exposed_ms": 0.04})
     figure = plot_timeline(intervals, "test")
     assert [t.get_text() for t in figure.axes[0].get_yticklabels()] == [
-        "phases", "compute (stream 7)", "NCCL (stream 20)"]
+        "phases", "compute (stream 7)", "NCCL (stream 20)", "NCCL (stream 7)"]
 
 
 def test_cpu_timeline_takes_gloo_work_from_its_own_threads():

@@ -5,16 +5,26 @@
     communication_summary(intervals)     # {"communication_ms": ..., "overlapped_ms": ..., ...}
     plot_timeline(intervals, "bucketed DDP").savefig("timeline.png")
 
-A GPU trace gives one row per CUDA stream, holding that stream's kernels, copies and memsets: a
-stream that runs NCCL kernels is a communication row, any other a compute row. A CPU trace (gloo)
-has no kernels: gloo's work shows as "gloo:..." ranges on its own threads (communication), and
-operators on the other threads are compute. Ranges named in `phase_names` (record_function /
-annotate), placed where the device ran them, form a phases row on top.
+A GPU trace gives rows per CUDA stream: its NCCL kernels are communication, its other kernels,
+copies and memsets compute (a stream that runs only NCCL kernels is communication throughout). A
+stream can hold both: a collective with async_op=False runs on the caller's current stream. A CPU
+trace (gloo) has no kernels: gloo's work shows as "gloo:..." ranges on its own threads
+(communication), and operators on the other threads are compute.
+
+Ranges named in `phase_names` (record_function / annotate) form a phases row on top, placed where
+the device ran them: on a GPU a range spans the device work launched while it was open on the host
+(a kernel and its launch share a correlation id), from the first start to the last end. Launches
+are matched by time, not thread, since backward launches from autograd's thread while a
+"backward" range waits on the main thread. The profiler's own device-side ranges
+(gpu_user_annotation) are not used: in the H200 traces they were missing for ranges nested in
+others (FSDP's per-layer ranges inside forward and backward).
 """
 
 from __future__ import annotations
 
+import bisect
 import json
+from collections import defaultdict
 from collections.abc import Collection, Iterable
 from dataclasses import dataclass
 from pathlib import Path
@@ -22,6 +32,8 @@ from pathlib import Path
 COMPUTE, COMMUNICATION, PHASE = "compute", "communication", "phase"
 CPU_COMPUTE_ROW = "compute (CPU)"
 _DEVICE_WORK = ("kernel", "gpu_memcpy", "gpu_memset")
+# Host-side events of the CUDA calls that put work on a stream (runtime and driver API).
+_LAUNCH_CATEGORIES = ("cuda_runtime", "cuda_driver")
 _COLORS = {COMPUTE: "tab:blue", COMMUNICATION: "tab:red", PHASE: "tab:gray"}
 
 
@@ -57,16 +69,44 @@ def _span(event: dict) -> tuple[float, float]:
     return start, start + float(event["dur"])
 
 
+def _is_nccl(event: dict) -> bool:
+    return "nccl" in event["name"].lower()
+
+
 def _gpu_intervals(spans, on_device, phase_names):
-    nccl_streams = {e.get("args", {}).get("stream") for e in on_device if "nccl" in e["name"].lower()}
+    def stream(e: dict):
+        return e.get("args", {}).get("stream")
+
+    kernels = [e for e in on_device if e.get("cat") == "kernel"]
+    compute_streams = {stream(e) for e in kernels if not _is_nccl(e)}
+    nccl_only_streams = {stream(e) for e in kernels if _is_nccl(e)} - compute_streams
     found = []
     for e in on_device:
-        stream = e.get("args", {}).get("stream")
-        kind = COMMUNICATION if stream in nccl_streams else COMPUTE
+        kind = COMMUNICATION if _is_nccl(e) or stream(e) in nccl_only_streams else COMPUTE
         label = "NCCL" if kind == COMMUNICATION else "compute"
-        found.append((kind, f"{label} (stream {stream})", e["name"], *_span(e)))
-    found += [(PHASE, "phases", e["name"], *_span(e)) for e in spans
-              if e.get("cat") == "gpu_user_annotation" and e["name"] in phase_names]
+        found.append((kind, f"{label} (stream {stream(e)})", e["name"], *_span(e)))
+    return found + [(PHASE, "phases", *span) for span in _device_spans_of_ranges(spans, on_device, phase_names)]
+
+
+def _device_spans_of_ranges(spans, on_device, names) -> list[tuple[str, float, float]]:
+    """(name, start, end) on the device of each host range named in `names` that launched device work."""
+    work_by_correlation: dict[int, list[tuple[float, float]]] = defaultdict(list)
+    for e in on_device:
+        correlation = e.get("args", {}).get("correlation")
+        if correlation is not None:
+            work_by_correlation[correlation].append(_span(e))
+    launches = sorted((float(e["ts"]), e["args"]["correlation"]) for e in spans
+                      if e.get("cat") in _LAUNCH_CATEGORIES and e.get("args", {}).get("correlation") in work_by_correlation)
+    launch_times = [t for t, _ in launches]
+    found = []
+    for e in spans:
+        if e.get("cat") != "user_annotation" or e["name"] not in names:
+            continue
+        start, end = _span(e)
+        launched = launches[bisect.bisect_left(launch_times, start):bisect.bisect_right(launch_times, end)]
+        work = [span for _, correlation in launched for span in work_by_correlation[correlation]]
+        if work:
+            found.append((e["name"], min(begin for begin, _ in work), max(finish for _, finish in work)))
     return found
 
 
