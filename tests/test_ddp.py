@@ -64,8 +64,10 @@ def _assert_same_parameters(reference: nn.Module, ddp_model: nn.Module, when: st
         torch.testing.assert_close(p_ddp, p_ref, msg=lambda m: f"{when}, {name}: {m}")
 
 
-def _matches_single_process(rank: int, world_size: int, wrapper: str, model_class) -> None:
-    """float64, AdamW with weight decay, fresh random data each step; compared on every rank."""
+def _matches_single_process(rank: int, world_size: int, wrapper: str, model_class, set_to_none: bool = True) -> None:
+    """float64, AdamW with weight decay, fresh random data each step; compared on every rank.
+    With set_to_none=False gradients are zeroed in place, and backward accumulates into the same
+    tensors step after step."""
     torch.manual_seed(rank)
     ddp_model = WRAPPERS[wrapper](model_class().double())
     reference = deepcopy(ddp_model.module)  # rank 0's weights, as broadcast
@@ -74,10 +76,10 @@ def _matches_single_process(rank: int, world_size: int, wrapper: str, model_clas
     local_batch = EXAMPLES // world_size
     for step in range(STEPS):
         x, y = _random_batch(EXAMPLES, 10, 5, seed=step)
-        reference_optimizer.zero_grad()
+        reference_optimizer.zero_grad(set_to_none=set_to_none)
         nn.functional.mse_loss(reference(x), y).backward()
         reference_optimizer.step()
-        ddp_optimizer.zero_grad()
+        ddp_optimizer.zero_grad(set_to_none=set_to_none)
         shard = slice(rank * local_batch, (rank + 1) * local_batch)
         nn.functional.mse_loss(ddp_model(x[shard]), y[shard]).backward()
         ddp_model.finish_gradient_synchronization()
@@ -184,6 +186,8 @@ CHECKS = {
     **{f"{wrapper}_matches_single_process_{name}": functools.partial(
         _matches_single_process, wrapper=wrapper, model_class=cls)
        for wrapper in WRAPPERS for name, cls in TOY_MODELS.items()},
+    **{f"{wrapper}_matches_single_process_zeroing_in_place": functools.partial(
+        _matches_single_process, wrapper=wrapper, model_class=ToyModel, set_to_none=False) for wrapper in WRAPPERS},
     **{f"{wrapper}_unused_parameters_match_single_process": functools.partial(_unused_parameters, wrapper=wrapper)
        for wrapper in WRAPPERS},
     **{f"{wrapper}_second_backward_without_finish_raises": functools.partial(_second_backward_raises, wrapper=wrapper)

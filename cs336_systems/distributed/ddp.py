@@ -15,8 +15,11 @@ BucketedDDP         during backward, an asynchronous all-reduce per bucket of at
                     bucket_size_mb, started as soon as the bucket's last gradient is ready.
 
 All four broadcast rank 0's parameters and buffers when built (every rank starts from the same
-model), average gradients with a SUM all-reduce divided by the world size (gloo has no AVG),
-communicate a tied parameter once, and leave parameters with requires_grad=False alone.
+model), average gradients, communicate a tied parameter once, and leave parameters with
+requires_grad=False alone. Naive, flat and overlap-individual average inside the all-reduce on
+NCCL (ReduceOp.AVG), which saves a pass over every gradient after communication; gloo has no AVG,
+so there it is a SUM divided by the world size. Bucketed sums and divides while it copies the
+buckets back into .grad, a pass it makes anyway.
 
 Every rank must issue the same collectives in the same order, or the job hangs. Two rules keep
 that true when a parameter gets no gradient in a step (a branch not taken, on some ranks or all):
@@ -92,6 +95,7 @@ class _DataParallel(nn.Module):
         super().__init__()
         self.module = module
         self.world_size = dist.get_world_size()
+        self._reduce_op = dist.ReduceOp.AVG if dist.get_backend() == "nccl" else dist.ReduceOp.SUM
         # parameters() yields a tied parameter once, so it is communicated once.
         self._params = [p for p in module.parameters() if p.requires_grad]
         if not self._params:
@@ -104,6 +108,15 @@ class _DataParallel(nn.Module):
 
     def forward(self, *args, **kwargs):
         return self.module(*args, **kwargs)
+
+    def _start_average(self, tensor: torch.Tensor, async_op: bool = False) -> dist.Work | None:
+        """All-reduce `tensor` towards its average over ranks; `_finish_average` completes it."""
+        return dist.all_reduce(tensor, op=self._reduce_op, async_op=async_op)
+
+    def _finish_average(self, tensor: torch.Tensor) -> None:
+        """In place, after the all-reduce: divide the sum by the world size, unless it averaged."""
+        if self._reduce_op == dist.ReduceOp.SUM:
+            tensor.div_(self.world_size)
 
     def _start_gradient_count(self, had_gradient: list[bool]) -> tuple[torch.Tensor, dist.Work]:
         """All-reduce, asynchronously, on how many ranks each parameter had a gradient."""
@@ -126,11 +139,11 @@ class NaiveDDP(_DataParallel):
         had_gradient = [p.grad is not None for p in self._params]
         reduced = [p.grad if p.grad is not None else torch.zeros_like(p) for p in self._params]
         for grad in reduced:
-            dist.all_reduce(grad)
+            self._start_average(grad)
         used = self._used_anywhere(had_gradient, *self._start_gradient_count(had_gradient))
         for p, grad, had, anywhere in zip(self._params, reduced, had_gradient, used):
             if anywhere:
-                grad.div_(self.world_size)
+                self._finish_average(grad)
                 if not had:
                     p.grad = grad
 
@@ -149,16 +162,16 @@ class FlatDDP(_DataParallel):
             by_dtype.setdefault(grad.dtype, []).append(index)
         flats = [torch.cat([grads[i].reshape(-1) for i in indices]) for indices in by_dtype.values()]
         for flat in flats:
-            dist.all_reduce(flat)
+            self._start_average(flat)
+            self._finish_average(flat)
         used = self._used_anywhere(had_gradient, *self._start_gradient_count(had_gradient))
         for indices, flat in zip(by_dtype.values(), flats):
             for i, chunk in zip(indices, flat.split([grads[i].numel() for i in indices])):
                 p = self._params[i]
-                # Dividing straight into .grad reads the sum and writes the average in one pass.
                 if had_gradient[i]:
-                    torch.div(chunk.view_as(p), self.world_size, out=p.grad)
+                    p.grad.copy_(chunk.view_as(p))
                 elif used[i]:
-                    p.grad = chunk.view_as(p) / self.world_size
+                    p.grad = chunk.view_as(p)
 
 
 class _OverlappedDataParallel(_DataParallel):
@@ -232,7 +245,7 @@ class OverlapIndividualDDP(_OverlappedDataParallel):
     """Each gradient all-reduced asynchronously, in place, from its post-accumulate-grad hook.
 
     Gradients are launched in reverse parameter order (roughly the order backward produces
-    them); finish_gradient_synchronization() waits for all of them and divides by the world size.
+    them); finish_gradient_synchronization() waits for all of them.
     """
 
     def __init__(self, module: nn.Module):
@@ -246,14 +259,15 @@ class OverlapIndividualDDP(_OverlappedDataParallel):
             tensor = self._params[index].grad
         else:
             tensor = self._stand_ins[index] = torch.zeros_like(self._params[index])
-        return dist.all_reduce(tensor, async_op=True)
+        return self._start_average(tensor, async_op=True)
 
     def _write_back(self, had_gradient: list[bool], used_anywhere: list[bool]) -> None:
         for index, p in enumerate(self._params):
             if had_gradient[index]:
-                p.grad.div_(self.world_size)
+                self._finish_average(p.grad)
             elif used_anywhere[index]:
-                p.grad = self._stand_ins[index].div_(self.world_size)
+                p.grad = self._stand_ins[index]
+                self._finish_average(p.grad)
         self._stand_ins.clear()
 
 
@@ -270,7 +284,8 @@ class Bucket:
 
 class BucketedDDP(_OverlappedDataParallel):
     """Gradients copied into flat buckets of at most bucket_size_mb (reverse parameter order);
-    a bucket is all-reduced asynchronously as soon as its last gradient arrives."""
+    a bucket is all-reduced (summed) asynchronously as soon as its last gradient arrives, and
+    divided by the world size on its way back into .grad."""
 
     def __init__(self, module: nn.Module, bucket_size_mb: float):
         if not (isinstance(bucket_size_mb, (int, float)) and bucket_size_mb > 0):
@@ -300,7 +315,7 @@ class BucketedDDP(_OverlappedDataParallel):
             if not self._ready[index]:
                 # The buffer still holds last step's value here; this rank contributes zero.
                 bucket.slot(position, self._params[index]).zero_()
-        return dist.all_reduce(bucket.buffer, async_op=True)
+        return dist.all_reduce(bucket.buffer, op=dist.ReduceOp.SUM, async_op=True)
 
     def _write_back(self, had_gradient: list[bool], used_anywhere: list[bool]) -> None:
         for bucket in self.buckets:
