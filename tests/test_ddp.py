@@ -308,6 +308,7 @@ def gpu_like_rows() -> list[dict]:
         {**_step_row("bucketed", 0.0, 0.0, None, bucket_size_mb=1000), "status": OOM},
         _step_row("bucketed", 648.0, 9.0, 30.0, overlapped_ms=25.0, bucket_size_mb=10, all_reduces=200),
         _step_row("torch_ddp", 655.0, 0.01, 31.0, overlapped_ms=27.0),
+        _step_row("torch_ddp_bucket_view", 620.0, 0.01, 31.0, overlapped_ms=27.0),
         {"table": "timeline", "variant": "naive", "file": "ddp_timeline_naive.png"},
         {"table": "timeline", "variant": "overlap_individual", "file": "ddp_timeline_overlap_individual.png"},
     ]
@@ -321,10 +322,14 @@ def test_benchmark_reports_answer_from_the_rows(gpu_like_rows):
     assert "75% of it while compute kernels ran" in overlap  # 30 of 40 ms
     assert "(ddp_timeline_overlap_individual.png)" in overlap
     bucketed = render_bucketed_benchmarking(gpu_like_rows).body
-    assert "| bucketed 1000 MB   |               | OOM" in bucketed
+    assert "| bucketed 1000 MB      |               | OOM" in bucketed
     assert "falls and then rises, as expected" in bucketed  # 665, 648, 650 ms for 1, 10, 100 MB
     # b* = sqrt(s w o) = sqrt(7.99e9 B * 300e9 B/s * 50e-6 s) = 3.46e8 B = 330.2 MiB
     assert "b* = 330.2 MB" in bucketed
+    # The best bucketed step, 648 ms, against each torch DDP; 6 of 665 ms is under 10%, 14 is not.
+    assert "bucketed 10 MB 648.0 ms against 655.0 ms (-1.1%) | yes" in bucketed
+    assert "bucketed 10 MB 648.0 ms against 620.0 ms (+4.5%) | yes" in bucketed
+    assert "14.00 of 665.0 ms (2.1%)" in bucketed
 
 
 def test_equivalence_reports_say_whether_each_wrapper_matched():

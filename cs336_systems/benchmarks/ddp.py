@@ -9,7 +9,10 @@ ddp_overlap_bucketed.
 `benchmark_ddp` runs on every rank and trains the LM under each variant in turn, freeing memory
 between them, so that all are measured on the same machine state:
   local               no communication: every rank trains alone (the compute-only floor)
-  naive, flat, overlap_individual, bucketed (each bucket size), torch_ddp
+  naive, flat, overlap_individual, bucketed (each bucket size)
+  torch_ddp             torch.nn.parallel.DistributedDataParallel with its defaults
+  torch_ddp_bucket_view the same with gradient_as_bucket_view=True: gradients live in its
+                        buckets, so nothing is copied back (the stronger baseline)
 
 Within a step, marks on the device's timeline (CUDA events on the compute stream; the host clock
 on CPU) split it into forward, backward, gradient_sync (finish_gradient_synchronization: for naive
@@ -61,6 +64,7 @@ from cs336_systems.distributed.ddp import (
 from cs336_systems.distributed.launch import rank_device
 from cs336_systems.gpus import GIB
 from cs336_systems.model import ModelConfig, TransformerLM
+from cs336_systems.profiling.kernels import profiler_activities
 from cs336_systems.profiling.ranges import annotate
 from cs336_systems.profiling.timeline import COMPUTE, CPU_COMPUTE_ROW, communication_summary, load_intervals
 from cs336_systems.reports import OOM, Rendered, Row, markdown_table, renderer
@@ -69,6 +73,11 @@ from cs336_systems.timing import synchronize, timed
 log = logging.getLogger(__name__)
 
 PHASES = ("forward", "backward", "gradient_sync", "optimizer")
+TORCH_DDP_METHODS = ("torch_ddp", "torch_ddp_bucket_view")
+# What the bucketed wrapper should reach on two GPUs: a step within 5% of torch DDP's, and for the
+# overlapped wrappers less than 10% of the step spent on communication left after backward.
+TARGET_STEP_OVER_TORCH_DDP = 0.05
+TARGET_EXPOSED_SHARE = 0.10
 WRAPPERS = {"naive": NaiveDDP, "flat": FlatDDP, "overlap_individual": OverlapIndividualDDP, "bucketed": BucketedDDP}
 LEARNING_RATE = 1e-4
 # The all-reduce probe that gives the overhead model its o (a small all-reduce is nearly all
@@ -98,7 +107,7 @@ class DDPBenchmarkConfig:
 
     def variants(self) -> list[tuple[str, float | None]]:
         return [("local", None), ("naive", None), ("flat", None), ("overlap_individual", None),
-                *[("bucketed", b) for b in self.bucket_sizes_mb], ("torch_ddp", None)]
+                *[("bucketed", b) for b in self.bucket_sizes_mb], ("torch_ddp", None), ("torch_ddp_bucket_view", None)]
 
 
 def variant_label(method: str, bucket_size_mb: float | None = None) -> str:
@@ -138,9 +147,10 @@ def _wrap(method: str, bucket_size_mb: float | None, model: torch.nn.Module, dev
     """(module to train, gradient sync after backward, hook before each batch)."""
     if method == "local":
         return model, None, None
-    if method == "torch_ddp":
+    if method in TORCH_DDP_METHODS:
         device_ids = [device.index] if device.type == "cuda" else None
-        return torch.nn.parallel.DistributedDataParallel(model, device_ids=device_ids), None, None
+        return torch.nn.parallel.DistributedDataParallel(
+            model, device_ids=device_ids, gradient_as_bucket_view=method == "torch_ddp_bucket_view"), None, None
     wrapper = BucketedDDP(model, bucket_size_mb=bucket_size_mb) if method == "bucketed" else WRAPPERS[method](model)
     return wrapper, wrapper.finish_gradient_synchronization, getattr(wrapper, "on_train_batch_start", None)
 
@@ -211,10 +221,7 @@ def _plain_step(step, device: torch.device) -> None:
 
 def _profiled_step(step, device: torch.device) -> list | None:
     """One step under torch.profiler; its timeline, or None when the trace holds no device work."""
-    activities = [torch.profiler.ProfilerActivity.CPU]
-    if device.type == "cuda":
-        activities.append(torch.profiler.ProfilerActivity.CUDA)
-    with torch.profiler.profile(activities=activities) as profiler:
+    with torch.profiler.profile(activities=profiler_activities(device)) as profiler:
         _plain_step(step, device)
     with tempfile.TemporaryDirectory() as scratch:
         trace = Path(scratch) / "trace.json"
@@ -356,9 +363,11 @@ def _setup(rows: list[Row]) -> str:
             "steps. gradient_sync is finish_gradient_synchronization() after backward: all of the communication "
             "for naive and flat, only the exposed part for the overlapped wrappers. Profiled columns come from one "
             "extra step under torch.profiler on rank 0: communication busy time, and the part of it that ran "
-            "while compute kernels ran too. torch DDP (default settings: 25 MB buckets) waits for its "
-            "all-reduces inside backward, so its gradient_sync is empty and its backward holds the exposed "
-            "communication.\n")
+            "while compute kernels ran too. torch DDP (25 MB buckets; torch_ddp_bucket_view also sets "
+            "gradient_as_bucket_view=True, so nothing is copied back from its buckets) waits for its all-reduces "
+            "inside backward, so its gradient_sync is empty and its backward holds the exposed communication. On "
+            "NCCL naive, flat and overlap_individual average inside the all-reduce (ReduceOp.AVG); bucketed sums "
+            "and divides while copying its buckets back into .grad.\n")
 
 
 def _local_step_ms(rows: list[Row]) -> float | None:
@@ -443,6 +452,7 @@ def render_naive_ddp_benchmarking(rows: list[Row]) -> Rendered:
             text += (f" The same step without any communication takes {local_ms:.1f} ms, so data parallelism costs "
                      f"{r['step_ms'] - local_ms:.1f} ms per step here.")
         parts.append(text + "\n")
+    parts.append("## Timelines (one profiled step on rank 0)\n" + _timeline_links(rows, ("local", "naive")))
     return Rendered("\n".join(parts))
 
 
@@ -463,6 +473,7 @@ def render_flat_benchmarking(rows: list[Row]) -> Rendered:
                "Flattening does not win here: the per-parameter calls were already large enough to run near full "
                "bandwidth, and concatenating the gradients and copying them back costs more than the per-call "
                "overhead it saves.") + "\n")
+    parts.append("## Timeline (one profiled step on rank 0)\n" + _timeline_links(rows, ("flat",)))
     return Rendered("\n".join(parts))
 
 
@@ -564,8 +575,8 @@ def _model_section(rows: list[Row]) -> str:
         "Predicted and measured time after backward. The course model assumes equal buckets and backward per "
         "bucket as fast as sending it; the next column takes the buckets BucketedDDP actually built and spreads "
         "them over the measured backward time of the local run (gradients produced at a steady rate, all-reduces "
-        "one after another). The measured gradient_sync also holds writing the averaged buckets back into .grad, "
-        "which neither model counts.\n",
+        "one after another). Neither counts what backward itself loses to the all-reduces running beside it "
+        "(compare the backward columns above with local's).\n",
         markdown_table(table),
     ]
     if local:
@@ -581,10 +592,32 @@ def _model_section(rows: list[Row]) -> str:
     return "\n".join(text)
 
 
+def _targets(rows: list[Row]) -> str:
+    """The targets, each against what was measured."""
+    measured = _ok(_steps(rows, "overlap_individual", "bucketed", *TORCH_DDP_METHODS))
+    bucketed = [r for r in measured if r["method"] == "bucketed"]
+    table = []
+    if bucketed:
+        best = min(bucketed, key=lambda r: r["step_ms"])
+        for theirs in (r for r in measured if r["method"] in TORCH_DDP_METHODS):
+            over = best["step_ms"] / theirs["step_ms"] - 1
+            table.append({"target": f"bucketed step within {TARGET_STEP_OVER_TORCH_DDP:.0%} of {theirs['variant']}",
+                          "measured": f"{best['variant']} {best['step_ms']:.1f} ms against {theirs['step_ms']:.1f} ms "
+                                      f"({over:+.1%})",
+                          "met": "yes" if over <= TARGET_STEP_OVER_TORCH_DDP else "NO"})
+    for r in (r for r in measured if r["method"] in ("overlap_individual", "bucketed")):
+        share = r["gradient_sync_ms"] / r["step_ms"]
+        table.append({"target": f"{r['variant']}: communication left after backward under "
+                                f"{TARGET_EXPOSED_SHARE:.0%} of the step",
+                      "measured": f"{r['gradient_sync_ms']:.2f} of {r['step_ms']:.1f} ms ({share:.1%})",
+                      "met": "yes" if share < TARGET_EXPOSED_SHARE else "NO"})
+    return "## Targets\n\n" + markdown_table(table) if table else ""
+
+
 @renderer("ddp_bucketed_benchmarking")
 def render_bucketed_benchmarking(rows: list[Row]) -> Rendered:
-    methods = ("local", "naive", "flat", "overlap_individual", "bucketed", "torch_ddp")
-    parts = [_setup(rows), "## (a) Time per step by bucket size\n", _step_table(rows, methods)]
+    methods = ("local", "naive", "flat", "overlap_individual", "bucketed", *TORCH_DDP_METHODS)
+    parts = [_setup(rows), "## (a) Time per step by bucket size\n", _step_table(rows, methods), _targets(rows)]
     measured = _ok(_steps(rows, *methods))
     bucketed = [r for r in measured if r["method"] == "bucketed"]
     others = {r["method"]: r for r in measured if r["method"] != "bucketed"}
@@ -595,7 +628,7 @@ def render_bucketed_benchmarking(rows: list[Row]) -> Rendered:
                 f"{best['gradient_sync_ms']:.1f} ms left after backward); the slowest is "
                 f"{worst['bucket_size_mb']:g} MB "
                 f"({worst['step_ms']:.1f} ms, {worst['gradient_sync_ms']:.1f} ms after backward)."]
-        for method in ("naive", "flat", "overlap_individual", "torch_ddp"):
+        for method in ("naive", "flat", "overlap_individual", *TORCH_DDP_METHODS):
             if method in others:
                 r = others[method]
                 text.append(f"{r['variant']}: {r['step_ms']:.1f} ms ({r['step_ms'] - best['step_ms']:+.1f} ms against "
@@ -617,5 +650,5 @@ def render_bucketed_benchmarking(rows: list[Row]) -> Rendered:
         parts.append(" ".join(text) + "\n")
     parts.append(_model_section(rows))
     parts.append("## Timelines (one profiled step on rank 0)\n"
-                 + _timeline_links(rows, tuple(r["variant"] for r in _steps(rows, "bucketed", "torch_ddp"))))
+                 + _timeline_links(rows, tuple(r["variant"] for r in _steps(rows, "bucketed", *TORCH_DDP_METHODS))))
     return Rendered("\n".join(parts))
