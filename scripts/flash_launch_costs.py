@@ -1,6 +1,8 @@
 """Where the time of a short-sequence FlashAttention call goes: the host's cost per call of each
 layer (the autograd Function, the launcher, the bare Triton launch) against SDPA's, and the GPU time
 of the forward kernel per tile shape when batch x heads is 1, from torch.profiler's kernel records.
+Two more rows split a backward's host cost: SDPA's backward operator called directly (its launches
+alone), and the backward of an identity autograd Function (what autograd costs any Function).
 
     python scripts/flash_launch_costs.py [--host-profile]
 
@@ -11,6 +13,7 @@ triton_backward (the autograd engine runs the Function's backward on a thread cP
 from __future__ import annotations
 
 import cProfile
+import functools
 import itertools
 import pstats
 import sys
@@ -27,6 +30,18 @@ HOST_CALLS = 200
 SEQ_LENS = (1024, 2048, 4096, 8192, 16384)
 FORWARD_SHAPES = [ft.Tiles(m, n, w, s) for (m, n), w, s in itertools.product(
     ((64, 32), (64, 64), (128, 64), (128, 128)), (4, 8), (2, 3))]
+
+
+class _Identity(torch.autograd.Function):
+    """The cheapest Python autograd Function: its backward measures what autograd itself costs."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad
 
 
 def host_us(fn) -> float:
@@ -75,24 +90,29 @@ def main() -> None:
         out = ft.FlashAttentionTriton.apply(q, k, v, True)
         tiles = ft.tiles_for(d, q.dtype)
         o4, lse = ft.launch_forward(q, k, v, True, tiles.forward)
-        delta = ft.launch_delta(o4, do, tiles.dq.block_m)
+        delta = ft.launch_dq(q, k, v, o4, do, lse, True, tiles.dq)[1]
+        identity_out = _Identity.apply(q)
 
         def sdpa():
             with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
                 return F.scaled_dot_product_attention(q, k, v, is_causal=True)
 
         sdpa_out = sdpa()
+        flash = torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, 0.0, True)
+        sdpa_backward_op = functools.partial(torch.ops.aten._scaled_dot_product_flash_attention_backward,
+                                             do, q, k, v, flash[0], flash[1], *flash[2:6], 0.0, True, *flash[6:8])
         layers = {
             "Function.apply forward": lambda: ft.FlashAttentionTriton.apply(q, k, v, True),
             "triton_forward (compiler.disable)": lambda: ft.triton_forward(q, k, v, True),
             "launch_forward": lambda: ft.launch_forward(q, k, v, True, tiles.forward),
-            "launch_delta": lambda: ft.launch_delta(o4, do, tiles.dq.block_m),
+            "launch_dq (writes D)": lambda: ft.launch_dq(q, k, v, o4, do, lse, True, tiles.dq),
             "launch_dkdv": lambda: ft.launch_dkdv(q, k, v, do, lse, delta, True, tiles.dkdv),
-            "launch_dq": lambda: ft.launch_dq(q, k, v, do, lse, delta, True, tiles.dq),
             "triton_backward": lambda: ft.triton_backward(q, k, v, o4, lse, do, True),
             "Function backward (autograd)": lambda: out.backward(do, retain_graph=True),
             "sdpa flash forward": sdpa,
             "sdpa flash backward": lambda: sdpa_out.backward(do, retain_graph=True),
+            "sdpa flash backward op (no autograd)": sdpa_backward_op,
+            "identity Function backward (autograd)": lambda: identity_out.backward(do, retain_graph=True),
         }
         print(f"d={d}, host time per call (us):")
         for label, fn in layers.items():

@@ -70,13 +70,13 @@ def _run_kernel(kernel: str, tiles: ft.Tiles, q, k, v, do, is_causal: bool, prep
     o, lse, delta = prepared
     if kernel == "dkdv":
         return lambda: ft.launch_dkdv(q, k, v, do, lse, delta, is_causal, tiles)
-    return lambda: ft.launch_dq(q, k, v, do, lse, delta, is_causal, tiles)
+    return lambda: ft.launch_dq(q, k, v, o, do, lse, is_causal, tiles)
 
 
 def _prepare(q, k, v, do, is_causal):
     tile_set = ft.tiles_for(q.shape[-1], q.dtype)
     o, lse = ft.launch_forward(q, k, v, is_causal, tile_set.forward)
-    return o, lse, ft.launch_delta(o, do, tile_set.dq.block_m)
+    return o, lse, ft.launch_dq(q, k, v, o, do, lse, is_causal, tile_set.dq)[1]
 
 
 def _compile_one(job) -> str | None:

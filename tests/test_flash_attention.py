@@ -393,6 +393,20 @@ def test_triton_is_accurate_at_16k_tokens_and_head_dim_128(dtype, is_causal, dev
 @pytest.mark.gpu
 @pytest.mark.flash
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_wide_tiles_are_accurate_on_grids_that_fill_the_gpu(dtype, head_dim, device):
+    # The other GPU tests have few heads, so a bf16 forward there takes the narrow tiles; 16 heads
+    # fill the GPU with the wide ones.
+    heads, n = 16, 4096
+    tile_set = flash_triton.tiles_for(head_dim, dtype)
+    assert flash_triton.forward_tiles(tile_set, heads, n, device) == tile_set.forward
+    q, k, v, do = leaf_inputs((1, heads), n, n, head_dim, dtype, device)
+    assert_matches_reference("triton", q, k, v, do, is_causal=True)
+
+
+@pytest.mark.gpu
+@pytest.mark.flash
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
 def test_triton_forward_and_backward_at_64k_tokens_never_allocate_n_by_n(dtype, device):
     q, k, v, do = leaf_inputs((1, 2), MEMORY_SEQUENCE, MEMORY_SEQUENCE, LONG_HEAD_DIM, dtype, device)
     torch.cuda.synchronize()

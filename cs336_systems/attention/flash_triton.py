@@ -1,5 +1,6 @@
-"""FlashAttention-2 in Triton: the forward kernel, the two backward kernels (dK/dV over key tiles,
-then dQ over query tiles, so no atomics), and the autograd.Function that launches them.
+"""FlashAttention-2 in Triton: the forward kernel, the two backward kernels (dQ over query tiles,
+which also writes D = rowsum(dO * O), then dK/dV over key tiles, so no atomics), and the
+autograd.Function that launches them.
 
 The input contract (shapes, dtypes, causal alignment, L) is flash_pytorch's, checked by the same
 `check_inputs`. Leading dims are viewed as (batch, heads) and addressed by stride, so transposed
@@ -181,24 +182,6 @@ def _forward_kernel(Q, K, V, O, L,
     tl.store(L + pid_bh.to(tl.int64) * n_queries + offs_m, lse, mask=offs_m < n_queries)
 
 
-@triton.jit(do_not_specialize=_SIZE_ARGS)
-def _delta_kernel(O, DO, Delta,
-                  stride_ob, stride_oh, stride_on,
-                  stride_dob, stride_doh, stride_don,
-                  n_heads, n_queries,
-                  HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr):
-    """D = rowsum(dO * O) for BLOCK_M queries, in fp32."""
-    pid_bh, batch, head, pid_m = _program_tile(n_queries, n_heads, BLOCK_M, False)
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_d = tl.arange(0, BLOCK_D)
-    o = _load_rows(_tile_ptrs(O, batch, head, stride_ob, stride_oh, stride_on, offs_m, offs_d),
-                   offs_m, n_queries, offs_d, True, HEAD_DIM, BLOCK_D)
-    do = _load_rows(_tile_ptrs(DO, batch, head, stride_dob, stride_doh, stride_don, offs_m, offs_d),
-                    offs_m, n_queries, offs_d, True, HEAD_DIM, BLOCK_D)
-    delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), 1)
-    tl.store(Delta + pid_bh.to(tl.int64) * n_queries + offs_m, delta, mask=offs_m < n_queries)
-
-
 @triton.jit
 def _dkdv_query_loop(dk, dv, k, v, q_base, do_base, l_base, delta_base, stride_qn, stride_don,
                      query_start, query_end, cols, offs_m, offs_d, n_queries, qk_scale,
@@ -312,17 +295,19 @@ def _dq_key_loop(dq, q, do, lse, delta, k_base, v_base, stride_kn, stride_vn, ke
 
 
 @triton.jit(do_not_specialize=_SIZE_ARGS)
-def _dq_kernel(Q, K, V, DO, L, Delta, DQ,
+def _dq_kernel(Q, K, V, O, DO, L, Delta, DQ,
                stride_qb, stride_qh, stride_qn,
                stride_kb, stride_kh, stride_kn,
                stride_vb, stride_vh, stride_vn,
+               stride_ob, stride_oh, stride_on,
                stride_dob, stride_doh, stride_don,
                stride_dqb, stride_dqh, stride_dqn,
                n_heads, n_queries, n_keys, qk_scale, sm_scale,
                IS_CAUSAL: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-    """One program per (batch x head, query tile): dQ for BLOCK_M queries, with the forward's
-    loop structure (unmasked tiles below the diagonal, masked diagonal and tail tiles)."""
+    """One program per (batch x head, query tile): D = rowsum(dO * O) for its BLOCK_M queries,
+    stored for the dK/dV kernel that runs next, then dQ, with the forward's loop structure
+    (unmasked tiles below the diagonal, masked diagonal and tail tiles)."""
     pid_bh, batch, head, pid_m = _program_tile(n_queries, n_heads, BLOCK_M, True)
     q_start = pid_m * BLOCK_M
     offs_m = q_start + tl.arange(0, BLOCK_M)
@@ -332,9 +317,12 @@ def _dq_kernel(Q, K, V, DO, L, Delta, DQ,
                    offs_m, n_queries, offs_d, True, HEAD_DIM, BLOCK_D)
     do = _load_rows(_tile_ptrs(DO, batch, head, stride_dob, stride_doh, stride_don, offs_m, offs_d),
                     offs_m, n_queries, offs_d, True, HEAD_DIM, BLOCK_D)
+    o = _load_rows(_tile_ptrs(O, batch, head, stride_ob, stride_oh, stride_on, offs_m, offs_d),
+                   offs_m, n_queries, offs_d, True, HEAD_DIM, BLOCK_D)
+    delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), 1)  # rows past n_queries load as zero: D = 0
+    tl.store(Delta + pid_bh.to(tl.int64) * n_queries + offs_m, delta, mask=offs_m < n_queries)
     # Rows past n_queries get L = 0: finite, and their dQ is never stored.
     lse = tl.load(L + pid_bh.to(tl.int64) * n_queries + offs_m, mask=offs_m < n_queries, other=0.0) * _LOG2E
-    delta = tl.load(Delta + pid_bh.to(tl.int64) * n_queries + offs_m, mask=offs_m < n_queries, other=0.0)
     k_base = K + batch * stride_kb + head * stride_kh
     v_base = V + batch * stride_vb + head * stride_vh
 
@@ -434,11 +422,18 @@ def _as_batch_heads(t: torch.Tensor) -> torch.Tensor:
     """
     if t.stride(-1) != 1:
         t = t.contiguous()
+    if t.dim() == 4:  # the common case returns at once: each view costs microseconds of host time
+        return t
     if t.dim() == 2:
         return t[None, None]
     if t.dim() == 3:
         return t[None]
     return t.reshape(-1, *t.shape[-3:])
+
+
+def _shaped(t4: torch.Tensor, shape: torch.Size) -> torch.Tensor:
+    """`t4` viewed back to the caller's shape (a no-op for 4-D callers)."""
+    return t4 if t4.shape == shape else t4.view(shape)
 
 
 def _strides(t: torch.Tensor) -> tuple[int, int, int]:
@@ -488,17 +483,6 @@ def launch_forward(q4, k4, v4, is_causal: bool, tiles: Tiles) -> tuple[torch.Ten
     return o4, lse
 
 
-def launch_delta(o4, do4, rows_per_program: int) -> torch.Tensor:
-    """D = rowsum(dO * O), (batch, heads, n_queries) fp32."""
-    batch, heads, n_queries, head_dim = o4.shape
-    delta = torch.empty((batch, heads, n_queries), dtype=torch.float32, device=o4.device)
-    _delta_kernel[(batch * heads * triton.cdiv(n_queries, rows_per_program),)](
-        o4, do4, delta, *_strides(o4), *_strides(do4), heads, n_queries,
-        HEAD_DIM=head_dim, BLOCK_D=_block_d(head_dim), BLOCK_M=rows_per_program,
-    )
-    return delta
-
-
 def launch_dkdv(q4, k4, v4, do4, lse, delta, is_causal: bool, tiles: Tiles) -> tuple[torch.Tensor, torch.Tensor]:
     """The dK/dV kernel: (dk4, dv4), contiguous."""
     batch, heads, n_queries, head_dim = q4.shape
@@ -514,17 +498,18 @@ def launch_dkdv(q4, k4, v4, do4, lse, delta, is_causal: bool, tiles: Tiles) -> t
     return dk4, dv4
 
 
-def launch_dq(q4, k4, v4, do4, lse, delta, is_causal: bool, tiles: Tiles) -> torch.Tensor:
-    """The dQ kernel: dq4, contiguous."""
+def launch_dq(q4, k4, v4, o4, do4, lse, is_causal: bool, tiles: Tiles) -> tuple[torch.Tensor, torch.Tensor]:
+    """The dQ kernel: (dq4 contiguous, D = rowsum(dO * O) (batch, heads, n_queries) fp32)."""
     batch, heads, n_queries, head_dim = q4.shape
     dq4 = torch.empty_like(q4, memory_format=torch.contiguous_format)
+    delta = torch.empty((batch, heads, n_queries), dtype=torch.float32, device=q4.device)
     _dq_kernel[(batch * heads * triton.cdiv(n_queries, tiles.block_m),)](
-        q4, k4, v4, do4, lse, delta, dq4,
-        *_strides(q4), *_strides(k4), *_strides(v4), *_strides(do4), *_strides(dq4),
+        q4, k4, v4, o4, do4, lse, delta, dq4,
+        *_strides(q4), *_strides(k4), *_strides(v4), *_strides(o4), *_strides(do4), *_strides(dq4),
         heads, n_queries, k4.shape[2], *_scales(head_dim),
         **_launch_options(head_dim, is_causal, tiles),
     )
-    return dq4
+    return dq4, delta
 
 
 def triton_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -534,17 +519,17 @@ def triton_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     batch, heads, n_queries, head_dim = q4.shape
     tiles = forward_tiles(tiles_for(head_dim, q.dtype), batch * heads, n_queries, q.device)
     o4, lse = launch_forward(q4, k4, v4, is_causal, tiles)
-    return o4.view(q.shape), lse.view(q.shape[:-1])
+    return _shaped(o4, q.shape), _shaped(lse, q.shape[:-1])
 
 
 def triton_backward(q, k, v, o, lse, do, is_causal: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """dq, dk, dv (shapes and dtypes of q, k, v): D, then dK/dV over key tiles, then dQ over query tiles."""
+    """dq, dk, dv (shapes and dtypes of q, k, v): dQ over query tiles (writing D on the way), then
+    dK/dV over key tiles."""
     q4, k4, v4, o4, do4 = (_as_batch_heads(t) for t in (q, k, v, o, do))
     tile_set = tiles_for(q4.shape[-1], q.dtype)
-    delta = launch_delta(o4, do4, tile_set.dq.block_m)
+    dq4, delta = launch_dq(q4, k4, v4, o4, do4, lse, is_causal, tile_set.dq)
     dk4, dv4 = launch_dkdv(q4, k4, v4, do4, lse, delta, is_causal, tile_set.dkdv)
-    dq4 = launch_dq(q4, k4, v4, do4, lse, delta, is_causal, tile_set.dq)
-    return dq4.view(q.shape), dk4.view(k.shape), dv4.view(v.shape)
+    return _shaped(dq4, q.shape), _shaped(dk4, k.shape), _shaped(dv4, v.shape)
 
 
 # Opaque to torch.compile: inductor (torch 2.11) fails to compile these kernels (a tl.dot
