@@ -59,6 +59,7 @@ from cs336_systems.benchmarks.sharding import (
 from cs336_systems.distributed.fsdp import FSDP, MAX_PREFETCH_LAYERS, REDUCE_SCATTERS_IN_FLIGHT
 from cs336_systems.distributed.launch import rank_device
 from cs336_systems.model import ModelConfig, TransformerLM
+from cs336_systems.profiling.kernels import profiler_activities
 from cs336_systems.profiling.timeline import COMPUTE, PHASE, Interval, intervals_from_events
 from cs336_systems.reports import OOM, Rendered, Row, markdown_table, renderer
 from cs336_systems.timing import synchronize
@@ -137,10 +138,7 @@ def _profiled(rank: int, device: torch.device) -> Callable:
             step()
             synchronize(device)
             return None
-        activities = [torch.profiler.ProfilerActivity.CPU]
-        if device.type == "cuda":
-            activities.append(torch.profiler.ProfilerActivity.CUDA)
-        with torch.profiler.profile(activities=activities) as profiler:
+        with torch.profiler.profile(activities=profiler_activities(device)) as profiler:
             step()
             synchronize(device)
         with tempfile.TemporaryDirectory() as scratch:
