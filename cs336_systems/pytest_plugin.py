@@ -11,6 +11,7 @@ import json
 import os
 import shutil
 import tempfile
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -51,6 +52,8 @@ class Settings:
     staging_dir: Path
     command: str
     baseline_dir: Path
+    time_budget_s: float | None  # tests not started this long after the session began are skipped
+    started: float  # time.monotonic() when the session was configured
 
     @property
     def on_gpu(self) -> bool:
@@ -86,6 +89,9 @@ def pytest_addoption(parser: pytest.Parser) -> None:
                     help="where reports go; each GPU gets a subdirectory (default reports)")
     group.addoption("--update-baselines", action="store_true",
                     help="write measured speed-up ratios to perf/baselines/<gpu>.json instead of gating")
+    group.addoption("--time-budget", type=float, default=None, metavar="SECONDS",
+                    help="skip the tests not started within SECONDS of the session's start; the ones "
+                         "measured so far still reach the reports (for sweeps on borrowed time)")
     group.addoption("--model-sizes", default=None,
                     help="comma-separated model sizes for the model benchmarks "
                          f"(default {','.join(GPU_MODEL_SIZES)} on a GPU, {','.join(CPU_MODEL_SIZES)} on CPU)")
@@ -126,6 +132,9 @@ def pytest_configure(config: pytest.Config) -> None:
     world_size = config.getoption("--world-size")
     if world_size < 1:
         raise pytest.UsageError(f"--world-size must be at least 1, got {world_size}")
+    time_budget_s = config.getoption("--time-budget")
+    if time_budget_s is not None and time_budget_s < 0:
+        raise pytest.UsageError(f"--time-budget must be at least 0 seconds, got {time_budget_s:g}")
     worker_input = getattr(config, "workerinput", None)
     staging = Path(worker_input[_STAGING_KEY] if worker_input else tempfile.mkdtemp(prefix="cs336-report-rows-"))
     config.stash[_settings_key] = Settings(
@@ -139,6 +148,8 @@ def pytest_configure(config: pytest.Config) -> None:
         staging_dir=staging,
         command=" ".join(["pytest", *config.invocation_params.args]),
         baseline_dir=config.rootpath / "perf" / "baselines",
+        time_budget_s=time_budget_s,
+        started=time.monotonic(),
     )
 
 
@@ -158,6 +169,12 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(pytest.mark.skip(reason="needs a CUDA GPU (run is on CPU)"))
         if "multigpu" in item.keywords and gpus < run.world_size:
             item.add_marker(pytest.mark.skip(reason=f"needs {run.world_size} CUDA GPUs, {gpus} present"))
+
+
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    run = settings(item.config)
+    if run.time_budget_s is not None and time.monotonic() - run.started > run.time_budget_s:
+        pytest.skip(f"--time-budget {run.time_budget_s:g} s was spent before this test started")
 
 
 def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:

@@ -59,6 +59,26 @@ def test_named_gpu_sets_the_spec_and_skips_gpu_tests_without_one(pytester):
     run(pytester).assert_outcomes(passed=1, skipped=2)
 
 
+def test_time_budget_skips_tests_that_would_start_after_it(pytester):
+    pytester.makepyfile("""
+        import time
+        def test_first():
+            time.sleep(2.5)
+        def test_second():
+            raise AssertionError("started after the budget was spent")
+    """)
+    result = run(pytester, "--time-budget", "2", "-rs")
+    result.assert_outcomes(passed=1, skipped=1)
+    result.stdout.fnmatch_lines(["*--time-budget 2 s was spent before this test started*"])
+    run(pytester, "--time-budget", "60").assert_outcomes(passed=1, failed=1)
+
+
+def test_negative_time_budget_is_a_usage_error(pytester):
+    result = run(pytester, "--time-budget", "-1")
+    assert result.ret == pytest.ExitCode.USAGE_ERROR
+    result.stderr.fnmatch_lines(["*--time-budget must be at least 0 seconds, got -1*"])
+
+
 def test_unknown_gpu_is_a_usage_error(pytester):
     pytester.makepyfile("def test_x(): pass")
     result = pytester.runpytest(*PLUGIN, "--gpu", "v100")
