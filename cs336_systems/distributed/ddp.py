@@ -118,6 +118,13 @@ class _DataParallel(nn.Module):
         if self._reduce_op == dist.ReduceOp.SUM:
             tensor.div_(self.world_size)
 
+    def _finish_average_into(self, reduced: torch.Tensor, out: torch.Tensor) -> None:
+        """`_finish_average` of `reduced`, written to `out` in the same pass."""
+        if self._reduce_op == dist.ReduceOp.SUM:
+            torch.div(reduced, self.world_size, out=out)
+        else:
+            out.copy_(reduced)
+
     def _start_gradient_count(self, had_gradient: list[bool]) -> tuple[torch.Tensor, dist.Work]:
         """All-reduce, asynchronously, on how many ranks each parameter had a gradient."""
         counts = torch.tensor(had_gradient, dtype=torch.int32, device=self._params[0].device)
@@ -163,15 +170,15 @@ class FlatDDP(_DataParallel):
         flats = [torch.cat([grads[i].reshape(-1) for i in indices]) for indices in by_dtype.values()]
         for flat in flats:
             self._start_average(flat)
-            self._finish_average(flat)
         used = self._used_anywhere(had_gradient, *self._start_gradient_count(had_gradient))
         for indices, flat in zip(by_dtype.values(), flats):
             for i, chunk in zip(indices, flat.split([grads[i].numel() for i in indices])):
                 p = self._params[i]
                 if had_gradient[i]:
-                    p.grad.copy_(chunk.view_as(p))
+                    self._finish_average_into(chunk.view_as(p), p.grad)
                 elif used[i]:
                     p.grad = chunk.view_as(p)
+                    self._finish_average(p.grad)
 
 
 class _OverlappedDataParallel(_DataParallel):
