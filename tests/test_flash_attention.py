@@ -363,6 +363,28 @@ def test_narrow_forward_tiles_are_taken_only_for_grids_below_two_programs_per_sm
     assert flash_triton.forward_tiles(tile_set, 1, 1024, torch.device("cpu")) == tile_set.forward
 
 
+def test_repeated_launches_follow_each_call_s_strides_and_alignment(device):
+    # After the first call of a shape the kernels are launched from the compiled kernels kept by
+    # launch key; calls that differ only in pointer alignment or strides must not reuse a kernel
+    # specialised for another.
+    dtype = torch.float32 if device.type == "cpu" else torch.bfloat16
+    lead, n, d = (2,), 80, 32
+    for seed in range(2):  # the second call of the same shape takes the kept kernels
+        assert_matches_reference("triton", *leaf_inputs(lead, n, n, d, dtype, device, seed), is_causal=True)
+    q, k, v, do = leaf_inputs(lead, n, n, d, dtype, device, seed=2)
+
+    def shifted(t):  # the same values one element past a 16-byte boundary
+        buffer = torch.empty(t.numel() + 1, dtype=t.dtype, device=t.device)
+        view = buffer[1:].view(t.shape)
+        view.copy_(t)
+        return view
+
+    assert shifted(q).data_ptr() % 16 != 0
+    assert_matches_reference("triton", *(shifted(t) for t in (q, k, v, do)), is_causal=True)
+    fused = [make_tensor(lead, n, d, "fused_projection", dtype, device) for _ in range(4)]
+    assert_matches_reference("triton", *fused, is_causal=True)
+
+
 @pytest.mark.gpu
 def test_triton_refuses_cpu_tensors_when_compiled_for_the_gpu():
     if flash_triton.INTERPRETED:

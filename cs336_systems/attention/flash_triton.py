@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import functools
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -436,10 +437,6 @@ def _shaped(t4: torch.Tensor, shape: torch.Size) -> torch.Tensor:
     return t4 if t4.shape == shape else t4.view(shape)
 
 
-def _strides(t: torch.Tensor) -> tuple[int, int, int]:
-    return t.stride(0), t.stride(1), t.stride(2)
-
-
 def _check_triton_device(q: torch.Tensor) -> None:
     if INTERPRETED:
         if q.dtype == torch.bfloat16:
@@ -470,45 +467,98 @@ def _scales(head_dim: int) -> tuple[float, float]:
     return LOG2E / math.sqrt(head_dim), 1.0 / math.sqrt(head_dim)
 
 
+# (compiled kernel's launcher, its arguments after the tensors) by launch key: see _launch.
+_LAUNCHES: dict[tuple, tuple[Callable, tuple]] = {}
+_MAX_LAUNCHES = 4096
+
+
+def _launch(kernel, key: tuple, tensors: tuple[torch.Tensor, ...],
+            arguments: Callable[[], tuple[int, tuple, dict]]) -> None:
+    """Run `kernel` on its tensors, then the integer and float arguments and compile-time options
+    that `arguments()` gives as (grid size, scalars, options), in the kernel's signature order.
+
+    Triton's JIT launch binds and specialises every argument on each call, about 40 us of host time
+    on an H100 host, where handing a compiled kernel its arguments takes about 10. So the first call
+    for a key goes through the JIT launch (compiling if need be) and keeps the compiled kernel with
+    its grid and scalars; later calls with that key pass the tensors to it directly. The key must
+    therefore fix everything the scalars, the grid and Triton's specialisation depend on: the
+    kernel, dtypes, the device, shapes and strides, each input pointer's alignment (data_ptr % 16),
+    causality and tiles. Tensors the launcher allocates (contiguous, from the caching allocator, so
+    aligned) are fixed by the input shapes.
+    """
+    if INTERPRETED:
+        grid, scalars, options = arguments()
+        kernel[(grid,)](*tensors, *scalars, **options)
+        return
+    launch = _LAUNCHES.get(key)
+    if launch is None:
+        grid, scalars, options = arguments()
+        compiled = kernel[(grid,)](*tensors, *scalars, **options)
+        constants = tuple(options[name] for name in kernel.arg_names[len(tensors) + len(scalars):])
+        if len(_LAUNCHES) >= _MAX_LAUNCHES:
+            _LAUNCHES.clear()
+        _LAUNCHES[key] = compiled[(grid, 1, 1)], (*scalars, *constants)
+        return
+    runner, tail = launch
+    runner(*tensors, *tail)
+
+
+def _alignment(*tensors: torch.Tensor) -> tuple[int, ...]:
+    return tuple(t.data_ptr() % 16 for t in tensors)
+
+
 def launch_forward(q4, k4, v4, is_causal: bool, tiles: Tiles) -> tuple[torch.Tensor, torch.Tensor]:
     """The forward kernel on (batch, heads, n, d) views: (o4 contiguous, L (batch, heads, n_queries) fp32)."""
-    batch, heads, n_queries, head_dim = q4.shape
-    o4 = torch.empty((batch, heads, n_queries, head_dim), dtype=q4.dtype, device=q4.device)
+    shape = q4.shape
+    batch, heads, n_queries, head_dim = shape
+    o4 = torch.empty(shape, dtype=q4.dtype, device=q4.device)
     lse = torch.empty((batch, heads, n_queries), dtype=torch.float32, device=q4.device)
-    _forward_kernel[(batch * heads * triton.cdiv(n_queries, tiles.block_m),)](
-        q4, k4, v4, o4, lse, *_strides(q4), *_strides(k4), *_strides(v4), *_strides(o4),
-        heads, n_queries, k4.shape[2], _scales(head_dim)[0],
-        **_launch_options(head_dim, is_causal, tiles),
-    )
+
+    def arguments():
+        n_keys = k4.shape[2]
+        scalars = (*q4.stride()[:3], *k4.stride()[:3], *v4.stride()[:3], *o4.stride()[:3],
+                   heads, n_queries, n_keys, _scales(head_dim)[0])
+        return batch * heads * triton.cdiv(n_queries, tiles.block_m), scalars, _launch_options(head_dim, is_causal, tiles)
+
+    key = (_forward_kernel, shape, q4.stride(), k4.shape, k4.stride(), v4.stride(), _alignment(q4, k4, v4),
+           q4.dtype, q4.get_device(), is_causal, tiles)
+    _launch(_forward_kernel, key, (q4, k4, v4, o4, lse), arguments)
     return o4, lse
 
 
 def launch_dkdv(q4, k4, v4, do4, lse, delta, is_causal: bool, tiles: Tiles) -> tuple[torch.Tensor, torch.Tensor]:
-    """The dK/dV kernel: (dk4, dv4), contiguous."""
+    """The dK/dV kernel: (dk4, dv4), contiguous; lse and delta are (batch, heads, n_queries) fp32, contiguous."""
     batch, heads, n_queries, head_dim = q4.shape
     n_keys = k4.shape[2]
-    dk4 = torch.empty_like(k4, memory_format=torch.contiguous_format)
-    dv4 = torch.empty_like(v4, memory_format=torch.contiguous_format)
-    _dkdv_kernel[(batch * heads * triton.cdiv(n_keys, tiles.block_n),)](
-        q4, k4, v4, do4, lse, delta, dk4, dv4,
-        *_strides(q4), *_strides(k4), *_strides(v4), *_strides(do4), *_strides(dk4), *_strides(dv4),
-        heads, n_queries, n_keys, *_scales(head_dim),
-        **_launch_options(head_dim, is_causal, tiles),
-    )
+    dk4 = torch.empty(k4.shape, dtype=k4.dtype, device=k4.device)
+    dv4 = torch.empty(v4.shape, dtype=v4.dtype, device=v4.device)
+
+    def arguments():
+        scalars = (*q4.stride()[:3], *k4.stride()[:3], *v4.stride()[:3], *do4.stride()[:3],
+                   *dk4.stride()[:3], *dv4.stride()[:3], heads, n_queries, n_keys, *_scales(head_dim))
+        return batch * heads * triton.cdiv(n_keys, tiles.block_n), scalars, _launch_options(head_dim, is_causal, tiles)
+
+    key = (_dkdv_kernel, q4.shape, q4.stride(), k4.shape, k4.stride(), v4.stride(), do4.stride(),
+           _alignment(q4, k4, v4, do4, lse, delta), q4.dtype, q4.get_device(), is_causal, tiles)
+    _launch(_dkdv_kernel, key, (q4, k4, v4, do4, lse, delta, dk4, dv4), arguments)
     return dk4, dv4
 
 
 def launch_dq(q4, k4, v4, o4, do4, lse, is_causal: bool, tiles: Tiles) -> tuple[torch.Tensor, torch.Tensor]:
     """The dQ kernel: (dq4 contiguous, D = rowsum(dO * O) (batch, heads, n_queries) fp32)."""
-    batch, heads, n_queries, head_dim = q4.shape
-    dq4 = torch.empty_like(q4, memory_format=torch.contiguous_format)
+    shape = q4.shape
+    batch, heads, n_queries, head_dim = shape
+    dq4 = torch.empty(shape, dtype=q4.dtype, device=q4.device)
     delta = torch.empty((batch, heads, n_queries), dtype=torch.float32, device=q4.device)
-    _dq_kernel[(batch * heads * triton.cdiv(n_queries, tiles.block_m),)](
-        q4, k4, v4, o4, do4, lse, delta, dq4,
-        *_strides(q4), *_strides(k4), *_strides(v4), *_strides(o4), *_strides(do4), *_strides(dq4),
-        heads, n_queries, k4.shape[2], *_scales(head_dim),
-        **_launch_options(head_dim, is_causal, tiles),
-    )
+
+    def arguments():
+        scalars = (*q4.stride()[:3], *k4.stride()[:3], *v4.stride()[:3], *o4.stride()[:3], *do4.stride()[:3],
+                   *dq4.stride()[:3], heads, n_queries, k4.shape[2], *_scales(head_dim))
+        return batch * heads * triton.cdiv(n_queries, tiles.block_m), scalars, _launch_options(head_dim, is_causal, tiles)
+
+    key = (_dq_kernel, shape, q4.stride(), k4.shape, k4.stride(), v4.stride(), o4.stride(), do4.stride(),
+           _alignment(q4, k4, v4, o4, do4, lse), q4.dtype, q4.get_device(), is_causal, tiles)
+    _launch(_dq_kernel, key, (q4, k4, v4, o4, do4, lse, delta, dq4), arguments)
     return dq4, delta
 
 
