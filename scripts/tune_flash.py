@@ -32,12 +32,15 @@ from cs336_systems.benchmarks.attention import DTYPES
 
 KERNELS = ("forward", "dkdv", "dq")
 MATMULS = {"forward": 2, "dkdv": 4, "dq": 3}
-WARPS = (4, 8)
 STAGES = (2, 3, 4)
 # (rows a program owns, rows it steps over): the owned tile is a multiple of the step, which the
-# causal loop split relies on.
-OWNED_STEPPED = {2: ((64, 32), (64, 64), (128, 32), (128, 64), (128, 128), (64, 16), (128, 16)),
-                 4: ((32, 32), (64, 32), (64, 64), (128, 32), (64, 16), (32, 16))}
+# causal loop split relies on. The small ones are for grids of one head or a few, where a program's
+# latency is the time.
+OWNED_STEPPED = {2: ((64, 32), (64, 64), (128, 32), (128, 64), (128, 128), (64, 16), (128, 16), (32, 32), (32, 16),
+                     (16, 16)),
+                 4: ((32, 32), (64, 32), (64, 64), (128, 32), (64, 16), (32, 16), (16, 16))}
+# Warps per owned-row count: eight warps over fewer than 64 rows leave warps without rows of their own.
+WARPS = {16: (1, 2), 32: (1, 2, 4), 64: (4, 8), 128: (4, 8)}
 COMPILE_SEQ_LEN = 256  # compiling needs only the launch signature; a short sequence keeps it quick
 # Largest absolute difference from the current table's output that a candidate may show: other tiles
 # sum in another order (bf16 outputs round at 2^-8 of values up to ~10; fp32 runs tf32 dots).
@@ -47,15 +50,14 @@ CHECK_TOLERANCE = {torch.bfloat16: 2e-1, torch.float32: 1e-2}
 def candidates(kernel: str, head_dim: int, dtype: torch.dtype) -> list[ft.Tiles]:
     element_bytes = torch.finfo(dtype).bits // 8
     shapes = []
-    for (owned, stepped), warps, stages in itertools.product(OWNED_STEPPED[element_bytes], WARPS, STAGES):
+    for (owned, stepped), stages in itertools.product(OWNED_STEPPED[element_bytes], STAGES):
         if head_dim > 64 and owned * stepped > 128 * 64:
             continue  # two d=128 fp32 accumulators of this size spill registers
-        if warps == 8 and owned < 64:
-            continue  # eight warps over fewer than 64 owned rows leave warps without rows of their own
-        if kernel == "dkdv":
-            shapes.append(ft.Tiles(block_m=stepped, block_n=owned, num_warps=warps, num_stages=stages))
-        else:
-            shapes.append(ft.Tiles(block_m=owned, block_n=stepped, num_warps=warps, num_stages=stages))
+        for warps in WARPS[owned]:
+            if kernel == "dkdv":
+                shapes.append(ft.Tiles(block_m=stepped, block_n=owned, num_warps=warps, num_stages=stages))
+            else:
+                shapes.append(ft.Tiles(block_m=owned, block_n=stepped, num_warps=warps, num_stages=stages))
     return shapes
 
 
@@ -132,6 +134,34 @@ def tune_class(head_dim, precision, shape, is_causal, pool, rep_ms) -> dict:
     return result
 
 
+def time_splits(head_dim, precision, shape, is_causal, split_keys, rep_ms) -> dict:
+    """The forward on narrow tiles, whole and with its keys cut into runs of each of `split_keys`
+    (launch_split_forward), against SDPA's forward (flash in bf16, efficient attention in fp32)."""
+    dtype = DTYPES[precision]
+    q, k, v, _ = _inputs(shape, dtype)
+    tile_set = ft.tiles_for(head_dim, dtype)
+    tiles = tile_set.narrow_forward or tile_set.forward
+    whole = ft.launch_forward(q, k, v, is_causal, tiles)
+    backend = SDPBackend.FLASH_ATTENTION if precision == "bf16" else SDPBackend.EFFICIENT_ATTENTION
+    times = {"sdpa": triton.testing.do_bench(lambda: _sdpa(backend, q, k, v, is_causal), warmup=25, rep=rep_ms,
+                                             return_mode="median"),
+             "whole": triton.testing.do_bench(lambda: ft.launch_forward(q, k, v, is_causal, tiles), warmup=25,
+                                              rep=rep_ms, return_mode="median")}
+    for keys in split_keys:
+        if keys % tiles.block_m:
+            continue
+        run = (lambda keys: lambda: ft.launch_split_forward(q, k, v, is_causal, tiles, keys))(keys)
+        for _ in range(3):  # repeated launches must find the arrival counts back at zero
+            got = run()
+        mismatch = max((a.float() - b.float()).abs().max().item() for a, b in zip(got, whole))
+        if mismatch > CHECK_TOLERANCE[dtype]:
+            raise AssertionError(f"split forward with runs of {keys} keys differs by {mismatch}")
+        times[f"split {keys}"] = triton.testing.do_bench(run, warmup=25, rep=rep_ms, return_mode="median")
+    print(f"  forward (us): " + ", ".join(f"{name} {ms * 1e3:.1f}" for name, ms in times.items()), flush=True)
+    return {"head_dim": head_dim, "precision": precision, "shape": list(shape), "tiles": vars(tiles),
+            "split_forward_ms": times}
+
+
 def _fmt(entry) -> str:
     if not entry or "ms" not in entry:
         return "-"
@@ -177,12 +207,15 @@ def main(argv=None) -> int:
     parser.add_argument("--precisions", nargs="+", default=["bf16", "fp32"], choices=["bf16", "fp32"])
     parser.add_argument("--batch", type=int, default=1)
     parser.add_argument("--heads", type=int, default=16)
-    parser.add_argument("--seq-len", type=int, default=16384)
-    parser.add_argument("--fp32-seq-len", type=int, default=8192, help="fp32 runs take longer; a shorter N")
+    parser.add_argument("--seq-len", type=int, nargs="+", default=[16384])
+    parser.add_argument("--fp32-seq-len", type=int, nargs="+", default=[8192], help="fp32 runs take longer; shorter N")
     parser.add_argument("--no-causal", action="store_true")
     parser.add_argument("--rep-ms", type=int, default=100)
     parser.add_argument("--workers", type=int, default=12)
     parser.add_argument("--skip-tuning", action="store_true", help="only time the Function against SDPA")
+    parser.add_argument("--skip-whole", action="store_true", help="only time the kernels, not the Function")
+    parser.add_argument("--split-keys", type=int, nargs="+",
+                        help="time only the forward, whole and split into runs of these many keys")
     parser.add_argument("--json", help="write every measurement here")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
@@ -193,12 +226,17 @@ def main(argv=None) -> int:
     context = multiprocessing.get_context("spawn")
     with ProcessPoolExecutor(args.workers, mp_context=context) as pool:
         for precision, head_dim in itertools.product(args.precisions, args.head_dims):
-            n = args.seq_len if precision == "bf16" else args.fp32_seq_len
-            shape = (args.batch, args.heads, n, head_dim)
-            print(f"{precision} d={head_dim} shape {shape} causal={is_causal}", flush=True)
-            entry = {} if args.skip_tuning else tune_class(head_dim, precision, shape, is_causal, pool, args.rep_ms)
-            entry["whole"] = compare_whole(head_dim, precision, shape, is_causal, args.rep_ms)
-            results.append(entry)
+            for n in args.seq_len if precision == "bf16" else args.fp32_seq_len:
+                shape = (args.batch, args.heads, n, head_dim)
+                print(f"{precision} d={head_dim} shape {shape} causal={is_causal}", flush=True)
+                if args.split_keys:
+                    results.append(time_splits(head_dim, precision, shape, is_causal, args.split_keys, args.rep_ms))
+                    continue
+                entry = {} if args.skip_tuning else tune_class(head_dim, precision, shape, is_causal, pool,
+                                                               args.rep_ms)
+                if not args.skip_whole:
+                    entry["whole"] = compare_whole(head_dim, precision, shape, is_causal, args.rep_ms)
+                results.append(entry)
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"device": torch.cuda.get_device_name(), "torch": torch.__version__,

@@ -314,10 +314,12 @@ def _good(device):
     (lambda q, k, v: (q.new_zeros(2, 8, MAX_HEAD_DIM * 2), k.new_zeros(2, 8, MAX_HEAD_DIM * 2),
                       v.new_zeros(2, 8, MAX_HEAD_DIM * 2)), ValueError, "head dimension 256 is not supported"),
     (lambda q, k, v: (q[0, 0], k[0, 0], v[0, 0]), ValueError, r"\(\.\.\., sequence, head_dim\)"),
+    (lambda q, k, v: (q[0], k[0, 0], v[0, 0]), ValueError, r"k must be \(\.\.\., sequence, head_dim\)"),
+    (lambda q, k, v: (q[:0], k[:0], v[:0]), ValueError, "is empty"),
     (lambda q, k, v: (q, k.to("meta"), v), ValueError, "one device"),
     (lambda q, k, v: (q.numpy(), k, v), TypeError, "must be a torch.Tensor"),
 ], ids=["dtype mismatch", "integer", "float64", "batch mismatch", "keys mismatch", "head dim mismatch",
-        "empty", "head dim too large", "1-D", "device mismatch", "not a tensor"])
+        "empty", "head dim too large", "1-D", "1-D keys", "empty batch", "device mismatch", "not a tensor"])
 def test_bad_input_raises_an_error_naming_the_problem(impl, make, error, message):
     q, k, v = make(*_good("cpu"))
     with pytest.raises(error, match=message):
@@ -342,25 +344,29 @@ def test_interpreter_refuses_bf16_whose_dots_it_computes_wrongly():
 def test_every_tile_set_keeps_the_divisibility_the_causal_loop_split_relies_on(key):
     tile_set = flash_triton.INTERPRETER_TILES if key == "interpreter" else flash_triton.TILE_TABLE[key]
     # A program that owns a query tile steps over key tiles, and the other way round for dK/dV.
-    query_owners = [tile_set.forward, tile_set.dq] + ([tile_set.narrow_forward] if tile_set.narrow_forward else [])
-    assert all(t.block_m % t.block_n == 0 for t in query_owners)
-    assert tile_set.dkdv.block_n % tile_set.dkdv.block_m == 0
+    query_owners = [tile_set.forward, tile_set.dq, tile_set.narrow_forward, tile_set.narrow_dq]
+    assert all(t.block_m % t.block_n == 0 for t in query_owners if t is not None)
+    assert all(t.block_n % t.block_m == 0 for t in (tile_set.dkdv, tile_set.narrow_dkdv) if t is not None)
 
 
-def test_narrow_forward_tiles_are_taken_only_for_grids_below_two_programs_per_sm(monkeypatch):
+@pytest.mark.parametrize(("kernel", "owned"), [("forward", "block_m"), ("dq", "block_m"), ("dkdv", "block_n")])
+def test_narrow_tiles_are_taken_only_for_grids_below_the_programs_per_sm_threshold(kernel, owned, monkeypatch):
     monkeypatch.setattr(flash_triton, "_sm_count", lambda index: 132)
     gpu = torch.device("cuda", 0)
     tiles = flash_triton.Tiles
-    tile_set = flash_triton.TileSet(forward=tiles(128, 64, 4, 3), dkdv=tiles(64, 64, 4, 3), dq=tiles(128, 64, 4, 3),
-                                    narrow_forward=tiles(64, 64, 4, 3))
+    wide = {"forward": tiles(128, 64, 4, 3), "dkdv": tiles(64, 128, 4, 3), "dq": tiles(128, 64, 4, 3)}
+    narrow = {f"narrow_{name}": tiles(64, 64, 4, 3) for name in wide}
+    tile_set = flash_triton.TileSet(**wide, **narrow)
+    rows = getattr(wide[kernel], owned)  # rows one wide program owns
     threshold = flash_triton.NARROW_GRID_PROGRAMS_PER_SM * 132
-    # batch x heads x query tiles of 128 rows: one program short of the threshold, then exactly at it.
-    assert flash_triton.forward_tiles(tile_set, 1, 128 * (threshold - 1), gpu) == tile_set.narrow_forward
-    assert flash_triton.forward_tiles(tile_set, threshold, 128, gpu) == tile_set.forward
-    assert flash_triton.forward_tiles(tile_set, 16, 16384, gpu) == tile_set.forward  # the leaderboard's grid
-    no_narrow = flash_triton.TileSet(tile_set.forward, tile_set.dkdv, tile_set.dq)
-    assert flash_triton.forward_tiles(no_narrow, 1, 1024, gpu) == tile_set.forward
-    assert flash_triton.forward_tiles(tile_set, 1, 1024, torch.device("cpu")) == tile_set.forward
+    pick = flash_triton.kernel_tiles
+    # batch x heads x tiles: one program short of the threshold, then exactly at it.
+    assert pick(tile_set, kernel, 1, rows * (threshold - 1), gpu) == narrow[f"narrow_{kernel}"]
+    assert pick(tile_set, kernel, 1, rows * (threshold - 1) - 1, gpu) == narrow[f"narrow_{kernel}"]
+    assert pick(tile_set, kernel, threshold, rows, gpu) == wide[kernel]
+    assert pick(tile_set, kernel, 16, 16384, gpu) == wide[kernel]  # the leaderboard's grid
+    assert pick(flash_triton.TileSet(**wide), kernel, 1, 1024, gpu) == wide[kernel]
+    assert pick(tile_set, kernel, 1, 1024, torch.device("cpu")) == wide[kernel]
 
 
 def test_repeated_launches_follow_each_call_s_strides_and_alignment(device):
@@ -383,6 +389,71 @@ def test_repeated_launches_follow_each_call_s_strides_and_alignment(device):
     assert_matches_reference("triton", *(shifted(t) for t in (q, k, v, do)), is_causal=True)
     fused = [make_tensor(lead, n, d, "fused_projection", dtype, device) for _ in range(4)]
     assert_matches_reference("triton", *fused, is_causal=True)
+
+
+@pytest.mark.parametrize("is_causal", [False, True])
+@pytest.mark.parametrize(("n_queries", "n_keys"), [(80, 80), (100, 70), (50, 130), (16, 16)])
+def test_split_forward_matches_the_whole_forward(n_queries, n_keys, is_causal, device):
+    # Runs of one query tile up to more keys than any tile sees; the merge must give the whole
+    # forward's o and L (to rounding: the runs sum in another order).
+    dtype = torch.float32 if device.type == "cpu" else torch.bfloat16
+    q, k, v, _ = leaf_inputs((2, 3), n_queries, n_keys, 24, dtype, device)
+    tiles = flash_triton.tiles_for(24, dtype)
+    tiles = tiles.narrow_forward or tiles.forward
+    o, lse = flash_triton.launch_forward(q, k, v, is_causal, tiles)
+    tolerance = 1e-5 if dtype == torch.float32 else 2e-2
+    for runs_of in (1, 2, 3):
+        for _ in range(2):  # a second launch must find the arrival counts back at zero
+            split_o, split_lse = flash_triton.launch_split_forward(q, k, v, is_causal, tiles, runs_of * tiles.block_m)
+            torch.testing.assert_close(split_o, o, atol=tolerance, rtol=tolerance)
+            torch.testing.assert_close(split_lse, lse, atol=1e-5, rtol=1e-5)
+    with pytest.raises(ValueError, match="multiple of the query tile"):
+        flash_triton.launch_split_forward(q, k, v, is_causal, tiles, tiles.block_m + 1)
+
+
+def test_split_forward_runs_are_a_quarter_of_the_longest_tile_in_query_tile_multiples():
+    tiles = flash_triton.Tiles(64, 64, 4, 3)
+    split = flash_triton.forward_split_keys
+    assert split(tiles, 8192, 8192, is_causal=True) == 2048
+    assert split(tiles, 1000, 1000, is_causal=True) == 256  # the longest tile ends at 1000: runs of 250 -> 256
+    assert split(tiles, 100, 8192, is_causal=True) == 64  # causal: the queries' last tile ends at 128
+    assert split(tiles, 100, 8192, is_causal=False) == 2048
+    assert split(tiles, 64, 64, is_causal=True) is None  # one run: the whole forward
+
+
+@pytest.mark.gpu
+@pytest.mark.flash
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+def test_one_head_grids_take_the_split_forward_and_match_the_reference(dtype, device):
+    n, head_dim = 3000, 64
+    tile_set = flash_triton.tiles_for(head_dim, dtype)
+    tiles = flash_triton.kernel_tiles(tile_set, "forward", 1, n, device)
+    assert tiles is tile_set.narrow_forward and flash_triton.forward_split_keys(tiles, n, n, True) is not None
+    for seed in range(2):
+        assert_matches_reference("triton", *leaf_inputs((1, 1), n, n, head_dim, dtype, device, seed), is_causal=True)
+    assert all(int(counts.count_nonzero()) == 0 for counts in flash_triton._ARRIVALS.values())
+
+
+@pytest.mark.gpu
+def test_triton_launch_hooks_see_every_launch(device):
+    # Profilers (Proton) hook Triton's launches; launches from kept kernels must reach them too.
+    if flash_triton.INTERPRETED:
+        pytest.skip("the Triton interpreter does not launch kernels")
+    from triton import knobs
+
+    launches = []
+
+    def hook(metadata):
+        launches.append(metadata)
+
+    q, k, v, do = leaf_inputs((1, 2), 200, 200, 32, torch.bfloat16, device)
+    knobs.runtime.launch_enter_hook.add(hook)
+    try:
+        for _ in range(3):  # forward (one kernel) and backward (two), the later calls from kept kernels
+            torch.autograd.grad(FlashAttentionTriton.apply(*(t.requires_grad_() for t in (q, k, v)), True), (q, k, v), do)
+    finally:
+        knobs.runtime.launch_enter_hook.remove(hook)
+    assert len(launches) == 9
 
 
 @pytest.mark.gpu
@@ -417,11 +488,12 @@ def test_triton_is_accurate_at_16k_tokens_and_head_dim_128(dtype, is_causal, dev
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
 @pytest.mark.parametrize("head_dim", [64, 128])
 def test_wide_tiles_are_accurate_on_grids_that_fill_the_gpu(dtype, head_dim, device):
-    # The other GPU tests have few heads, so a bf16 forward there takes the narrow tiles; 16 heads
+    # The other GPU tests have few heads, so their kernels mostly take the narrow tiles; 16 heads
     # fill the GPU with the wide ones.
     heads, n = 16, 4096
     tile_set = flash_triton.tiles_for(head_dim, dtype)
-    assert flash_triton.forward_tiles(tile_set, heads, n, device) == tile_set.forward
+    for kernel in ("forward", "dkdv", "dq"):
+        assert flash_triton.kernel_tiles(tile_set, kernel, heads, n, device) == getattr(tile_set, kernel)
     q, k, v, do = leaf_inputs((1, heads), n, n, head_dim, dtype, device)
     assert_matches_reference("triton", q, k, v, do, is_causal=True)
 

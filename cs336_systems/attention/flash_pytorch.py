@@ -40,8 +40,22 @@ MAX_HEAD_DIM = 128
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
+def _meets_contract(q, k, v, is_causal) -> bool:
+    """The whole contract in one expression: half of check_inputs' host time in the common case, which
+    matters for short sequences, where a call's host time is most of its time."""
+    if type(is_causal) is not bool or not (isinstance(q, torch.Tensor) and isinstance(k, torch.Tensor)
+                                           and isinstance(v, torch.Tensor)):
+        return False
+    q_shape, k_shape = q.shape, k.shape
+    return (q.dtype in SUPPORTED_DTYPES and q.dtype == k.dtype == v.dtype and q.device == k.device == v.device
+            and len(q_shape) >= 2 and len(k_shape) >= 2 and k_shape == v.shape and q_shape[:-2] == k_shape[:-2]
+            and q_shape[-1] == k_shape[-1] <= MAX_HEAD_DIM and q.numel() > 0 and k.numel() > 0)
+
+
 def check_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool) -> None:
     """Raise TypeError / ValueError naming the problem if (q, k, v, is_causal) break the contract."""
+    if _meets_contract(q, k, v, is_causal):
+        return
     for name, t in (("q", q), ("k", k), ("v", v)):
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")

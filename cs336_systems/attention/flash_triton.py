@@ -12,9 +12,13 @@ Speed structure:
   - Causal: key tiles wholly above the diagonal are never visited; the tiles that straddle it (and a
     partial tail tile) go through a masked copy of the loop, all other tiles through an unmasked one.
   - Tile sizes, warps and pipeline stages come from TILE_TABLE, per head dimension and dtype, as
-    measured by scripts/tune_flash.py; grids too small to fill the GPU take narrower forward tiles.
+    measured by scripts/tune_flash.py; grids too small to fill the GPU take each kernel's narrow tiles,
+    and there the forward also cuts each query tile's keys into runs, a program each, merged by the
+    last to finish (_split_forward_kernel).
   - Launch order (_program_tile): the forward and dQ start the longest query tiles of every head
     first; dK/dV keeps a head's key tiles together so they share its queries in L2.
+  - Host time, which decides short sequences: after the first call of a shape the compiled kernels are
+    launched directly, past Triton's per-call argument binding (_launch).
   - TUNING.md holds each version's prediction and measured time.
 
 Under TRITON_INTERPRET=1 (no GPU) the kernels run on CPU tensors in the interpreter, with small
@@ -32,6 +36,8 @@ from dataclasses import dataclass
 import torch
 import triton
 import triton.language as tl
+from triton import knobs
+from triton.runtime.driver import driver
 from triton.runtime.interpreter import InterpretedFunction
 
 from cs336_systems.attention.flash_pytorch import MASKED_SCORE_BIAS, check_inputs
@@ -46,6 +52,11 @@ MIN_DOT_DIM = 16
 # Sizes are not specialised on (Triton would otherwise compile a variant for every length that is 1
 # or a multiple of 16); strides still are, since their alignment is what lets loads vectorise.
 _SIZE_ARGS = ["n_heads", "n_queries", "n_keys"]
+
+
+def _cdiv(a: int, b: int) -> int:
+    """Ceiling division on the host: plain ints (triton.cdiv costs microseconds a call there)."""
+    return -(-a // b)
 
 
 # ------------------------------------------------------------------------------------------ kernels
@@ -181,6 +192,105 @@ def _forward_kernel(Q, K, V, O, L,
                 o.to(O.dtype.element_ty), offs_m, n_queries, offs_d, HEAD_DIM, BLOCK_D)
     lse = (m_i + tl.math.log2(l_i)) * _LN2  # base 2 -> natural log
     tl.store(L + pid_bh.to(tl.int64) * n_queries + offs_m, lse, mask=offs_m < n_queries)
+
+
+@triton.jit
+def _store_output(O, L, pid_bh, batch, head, stride_ob, stride_oh, stride_on, o, lse2, offs_m, offs_d, n_queries,
+                  HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr):
+    """Store a query tile's output and its log-sum-exp, given in base 2 (L is stored in natural log units)."""
+    _store_rows(_tile_ptrs(O, batch, head, stride_ob, stride_oh, stride_on, offs_m, offs_d),
+                o.to(O.dtype.element_ty), offs_m, n_queries, offs_d, HEAD_DIM, BLOCK_D)
+    tl.store(L + pid_bh.to(tl.int64) * n_queries + offs_m, lse2 * _LN2, mask=offs_m < n_queries)
+
+
+@triton.jit(do_not_specialize=_SIZE_ARGS + ["split_keys"])
+def _split_forward_kernel(Q, K, V, O, L, Partial, Arrivals,
+                          stride_qb, stride_qh, stride_qn,
+                          stride_kb, stride_kh, stride_kn,
+                          stride_vb, stride_vh, stride_vn,
+                          stride_ob, stride_oh, stride_on,
+                          n_heads, n_queries, n_keys, split_keys, qk_scale,
+                          IS_CAUSAL: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+                          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """The forward for grids too small to fill the GPU, where one program walking all of a long
+    query tile's keys is the time: a query tile's keys are cut into runs of split_keys (a multiple
+    of BLOCK_M, so the causal diagonal lies in the last run), one program per (query tile, run),
+    the run on grid axis 1.
+
+    A tile with one run stores o and L as _forward_kernel does. Otherwise each program stores its
+    run's normalised output and base-2 log-sum-exp in Partial, then counts itself in the tile's
+    Arrivals slot; the last to arrive merges the runs (out_s weighted by 2^(lse_s - lse)), stores
+    o and L, and sets the slot back to zero for the next launch.
+    """
+    pid_bh, batch, head, pid_m = _program_tile(n_queries, n_heads, BLOCK_M, True)
+    split = tl.program_id(1)
+    q_start = pid_m * BLOCK_M
+    if IS_CAUSAL:
+        keys_end = tl.minimum(q_start + BLOCK_M, n_keys)
+    else:
+        keys_end = n_keys
+    n_splits = tl.cdiv(keys_end, split_keys)
+    if split < n_splits:
+        offs_m = q_start + tl.arange(0, BLOCK_M)
+        offs_n = tl.arange(0, BLOCK_N)
+        offs_d = tl.arange(0, BLOCK_D)
+        k_base = K + batch * stride_kb + head * stride_kh
+        v_base = V + batch * stride_vb + head * stride_vh
+        q = _load_rows(_tile_ptrs(Q, batch, head, stride_qb, stride_qh, stride_qn, offs_m, offs_d),
+                       offs_m, n_queries, offs_d, True, HEAD_DIM, BLOCK_D)
+        m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+        l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+        acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+        full_keys_end = (n_keys // BLOCK_N) * BLOCK_N
+        if IS_CAUSAL:
+            masked_start = tl.minimum(q_start, full_keys_end)
+        else:
+            masked_start = full_keys_end
+        key_lo = split * split_keys
+        key_hi = tl.minimum(key_lo + split_keys, keys_end)
+        acc, l_i, m_i = _forward_key_loop(acc, l_i, m_i, q, k_base, v_base, stride_kn, stride_vn,
+                                          key_lo, tl.minimum(key_hi, masked_start), offs_m, offs_n, offs_d,
+                                          n_keys, qk_scale, False, IS_CAUSAL, HEAD_DIM, BLOCK_D, BLOCK_N)
+        acc, l_i, m_i = _forward_key_loop(acc, l_i, m_i, q, k_base, v_base, stride_kn, stride_vn,
+                                          tl.maximum(key_lo, masked_start), key_hi, offs_m, offs_n, offs_d,
+                                          n_keys, qk_scale, True, IS_CAUSAL, HEAD_DIM, BLOCK_D, BLOCK_N)
+        o = acc / l_i[:, None]
+        lse2 = m_i + tl.math.log2(l_i)
+        if n_splits == 1:
+            _store_output(O, L, pid_bh, batch, head, stride_ob, stride_oh, stride_on, o, lse2, offs_m, offs_d,
+                          n_queries, HEAD_DIM, BLOCK_D)
+        else:
+            # Partial: per (tile, run) slot, BLOCK_M x BLOCK_D outputs; after all slots, BLOCK_M lse each.
+            n_tiles = tl.cdiv(n_queries, BLOCK_M)
+            tile_slot = pid_bh.to(tl.int64) * n_tiles + pid_m
+            n_slots = tl.num_programs(0).to(tl.int64) * tl.num_programs(1)
+            rows = tl.arange(0, BLOCK_M)
+            out_base = Partial + tile_slot * tl.num_programs(1) * (BLOCK_M * BLOCK_D)
+            lse_base = Partial + n_slots * (BLOCK_M * BLOCK_D) + tile_slot * tl.num_programs(1) * BLOCK_M
+            tile_offsets = rows[:, None] * BLOCK_D + offs_d[None, :]
+            tl.store(out_base + split * (BLOCK_M * BLOCK_D) + tile_offsets, o)
+            tl.store(lse_base + split * BLOCK_M + rows, lse2)
+            # Every warp's stores come before the count (one thread's release, as a semaphore does).
+            tl.debug_barrier()
+            arrived = tl.atomic_add(Arrivals + tile_slot, 1, sem="acq_rel", scope="gpu")
+            if arrived == n_splits - 1:
+                tl.store(Arrivals + tile_slot, 0)
+                m_all = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+                weight_sum = tl.zeros([BLOCK_M], dtype=tl.float32)
+                merged = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+                for run in range(0, n_splits):
+                    # .cg reads at L2, where the other programs' stores are, past this SM's L1.
+                    lse_run = tl.load(lse_base + run * BLOCK_M + rows, cache_modifier=".cg")
+                    out_run = tl.load(out_base + run * (BLOCK_M * BLOCK_D) + tile_offsets, cache_modifier=".cg")
+                    m_new = tl.maximum(m_all, lse_run)
+                    correction = tl.math.exp2(m_all - m_new)
+                    weight = tl.math.exp2(lse_run - m_new)
+                    merged = merged * correction[:, None] + out_run * weight[:, None]
+                    weight_sum = weight_sum * correction + weight
+                    m_all = m_new
+                _store_output(O, L, pid_bh, batch, head, stride_ob, stride_oh, stride_on,
+                              merged / weight_sum[:, None], m_all + tl.math.log2(weight_sum), offs_m, offs_d,
+                              n_queries, HEAD_DIM, BLOCK_D)
 
 
 @triton.jit
@@ -363,22 +473,31 @@ class TileSet:
     forward: Tiles  # forward and dQ: a program owns block_m queries and steps over block_n keys
     dkdv: Tiles  # dK/dV: a program owns block_n keys and steps over block_m queries
     dq: Tiles
-    # The forward's tiles for grids too small to fill the GPU (short sequences, few heads): then a
-    # program's latency, one key tile after another, is the time, and smaller tiles shorten it.
+    # Each kernel's tiles for grids too small to fill the GPU (short sequences, few heads): then a
+    # program's latency, one tile after another, is the time, and smaller tiles shorten it. None
+    # where the wide tiles are the fastest there too.
     narrow_forward: Tiles | None = None
+    narrow_dkdv: Tiles | None = None
+    narrow_dq: Tiles | None = None
 
 
-# Measured on an H100 by scripts/tune_flash.py (causal, batch 1 x 16 heads, N 16384 in bf16 and 8192
-# in fp32), keyed on (head dim class, bytes per element); TUNING.md has each version's figures.
+# Measured on an H100 by scripts/tune_flash.py, keyed on (head dim class, bytes per element); TUNING.md
+# has each version's figures. Wide tiles: causal, batch 1 x 16 heads, N 16384 in bf16 and 8192 in
+# fp32. Narrow tiles: the shape fastest over N 1024, 4096 and 16384 at batch 1 x 1 head.
 # Invariants the causal loop split relies on: forward/dq block_m % block_n == 0, dkdv block_n %
 # block_m == 0. fp32 runs tf32 dots on tiles of half the bf16 ones' bytes, within shared memory.
 TILE_TABLE: dict[tuple[int, int], TileSet] = {
     (64, 2): TileSet(forward=Tiles(128, 128, 4, 3), dkdv=Tiles(64, 64, 4, 3), dq=Tiles(128, 64, 4, 3),
-                     narrow_forward=Tiles(64, 64, 4, 3)),
+                     narrow_forward=Tiles(64, 64, 4, 4), narrow_dq=Tiles(64, 64, 4, 4)),
     (128, 2): TileSet(forward=Tiles(128, 64, 8, 4), dkdv=Tiles(64, 128, 8, 4), dq=Tiles(128, 64, 8, 4),
-                      narrow_forward=Tiles(64, 64, 4, 3)),
-    (64, 4): TileSet(forward=Tiles(128, 32, 4, 3), dkdv=Tiles(32, 128, 8, 3), dq=Tiles(128, 32, 8, 2)),
-    (128, 4): TileSet(forward=Tiles(128, 32, 8, 3), dkdv=Tiles(32, 128, 8, 2), dq=Tiles(128, 32, 8, 2)),
+                      narrow_forward=Tiles(64, 64, 4, 3), narrow_dkdv=Tiles(64, 64, 4, 3),
+                      narrow_dq=Tiles(64, 64, 4, 3)),
+    (64, 4): TileSet(forward=Tiles(128, 32, 4, 3), dkdv=Tiles(32, 128, 8, 3), dq=Tiles(128, 32, 8, 2),
+                     narrow_forward=Tiles(64, 64, 4, 4), narrow_dkdv=Tiles(64, 64, 4, 4),
+                     narrow_dq=Tiles(64, 64, 4, 4)),
+    (128, 4): TileSet(forward=Tiles(128, 32, 8, 3), dkdv=Tiles(32, 128, 8, 2), dq=Tiles(128, 32, 8, 2),
+                      narrow_forward=Tiles(32, 32, 4, 3), narrow_dkdv=Tiles(32, 32, 4, 4),
+                      narrow_dq=Tiles(32, 32, 4, 4)),
 }
 # The interpreter runs programs one after another in Python: tiles small enough that tests with
 # a few dozen tokens cover several tiles, unequal so the diagonal logic is exercised.
@@ -392,10 +511,10 @@ def tiles_for(head_dim: int, dtype: torch.dtype) -> TileSet:
     return TILE_TABLE[(head_dim_class, torch.finfo(dtype).bits // 8)]
 
 
-# Below this many programs per SM the wide forward tiles leave the GPU short of work (measured on an
-# H100: at batch x heads 1, N 16384, d 64, 64x64 tiles take 156 us and 128x128 ones 258 us; at 16
-# heads the wide tiles are the faster).
-NARROW_GRID_PROGRAMS_PER_SM = 2
+# Below this many programs per SM a kernel's wide tiles leave the GPU short of work. Measured on an
+# H100 at batch x heads 1: at N 16384 (128 wide programs of 128 rows, on 132 SMs) every kernel's
+# narrow tiles were 1.1-1.6x faster; at N 32768 (256 programs) narrow tiles were up to 2x slower.
+NARROW_GRID_PROGRAMS_PER_SM = 1
 
 
 @functools.cache
@@ -403,15 +522,32 @@ def _sm_count(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
-def forward_tiles(tile_set: TileSet, batch_heads: int, n_queries: int, device: torch.device) -> Tiles:
-    """The forward's tiles for this grid: narrow_forward when the wide tiles would not fill the GPU."""
-    wide = tile_set.forward
-    if tile_set.narrow_forward is None or device.type != "cuda":
+def kernel_tiles(tile_set: TileSet, kernel: str, batch_heads: int, n_rows: int, device: torch.device) -> Tiles:
+    """One kernel's tiles for this grid ("forward", "dkdv" or "dq"; n_rows are the queries, or the
+    keys for dK/dV): its narrow tiles when its wide ones would not fill the GPU."""
+    wide = getattr(tile_set, kernel)
+    narrow = getattr(tile_set, f"narrow_{kernel}")
+    if narrow is None or device.type != "cuda":
         return wide
-    programs = batch_heads * triton.cdiv(n_queries, wide.block_m)
-    if programs < NARROW_GRID_PROGRAMS_PER_SM * _sm_count(device.index or 0):
-        return tile_set.narrow_forward
+    owned_rows = wide.block_n if kernel == "dkdv" else wide.block_m
+    if batch_heads * _cdiv(n_rows, owned_rows) < NARROW_GRID_PROGRAMS_PER_SM * _sm_count(device.index or 0):
+        return narrow
     return wide
+
+
+# On grids that take the narrow tiles the forward also splits keys (_split_forward_kernel): the longest
+# query tile's keys in this many runs. Measured on an H100 at batch x heads 1, causal, runs of 128 to
+# 4096 keys: a quarter of N was the fastest or within noise of it at N 1024 to 8192 (bf16 N 8192:
+# 72 -> 42 us at d 64, 99 -> 68 us at d 128); TUNING.md has the table.
+SPLIT_RUNS = 4
+
+
+def forward_split_keys(tiles: Tiles, n_queries: int, n_keys: int, is_causal: bool) -> int | None:
+    """Keys per run for the split forward on narrow tiles, or None where the longest query tile's
+    keys make a single run."""
+    longest = min(_cdiv(n_queries, tiles.block_m) * tiles.block_m, n_keys) if is_causal else n_keys
+    split_keys = _cdiv(longest, SPLIT_RUNS * tiles.block_m) * tiles.block_m
+    return split_keys if split_keys < longest else None
 
 
 def _as_batch_heads(t: torch.Tensor) -> torch.Tensor:
@@ -452,6 +588,7 @@ def _check_triton_device(q: torch.Tensor) -> None:
                          "call torch.cuda.set_device first")
 
 
+@functools.cache
 def _block_d(head_dim: int) -> int:
     return max(MIN_DOT_DIM, triton.next_power_of_2(head_dim))
 
@@ -467,40 +604,63 @@ def _scales(head_dim: int) -> tuple[float, float]:
     return LOG2E / math.sqrt(head_dim), 1.0 / math.sqrt(head_dim)
 
 
-# (compiled kernel's launcher, its arguments after the tensors) by launch key: see _launch.
-_LAUNCHES: dict[tuple, tuple[Callable, tuple]] = {}
+# Compiled kernels with their grid and arguments after the tensors, by launch key: see _launch.
+_LAUNCHES: dict[tuple, tuple] = {}
 _MAX_LAUNCHES = 4096
 
 
 def _launch(kernel, key: tuple, tensors: tuple[torch.Tensor, ...],
-            arguments: Callable[[], tuple[int, tuple, dict]]) -> None:
+            arguments: Callable[[], tuple[int | tuple[int, int], tuple, dict]]) -> None:
     """Run `kernel` on its tensors, then the integer and float arguments and compile-time options
-    that `arguments()` gives as (grid size, scalars, options), in the kernel's signature order.
+    that `arguments()` gives as (grid: programs on axis 0, or per axis; scalars; options), in the
+    kernel's signature order.
 
     Triton's JIT launch binds and specialises every argument on each call, about 40 us of host time
     on an H100 host, where handing a compiled kernel its arguments takes about 10. So the first call
     for a key goes through the JIT launch (compiling if need be) and keeps the compiled kernel with
-    its grid and scalars; later calls with that key pass the tensors to it directly. The key must
-    therefore fix everything the scalars, the grid and Triton's specialisation depend on: the
-    kernel, dtypes, the device, shapes and strides, each input pointer's alignment (data_ptr % 16),
-    causality and tiles. Tensors the launcher allocates (contiguous, from the caching allocator, so
-    aligned) are fixed by the input shapes.
+    its grid and scalars; later calls with that key pass the tensors to its launcher directly, on
+    the current stream of the key's device. The key must therefore fix everything the scalars, the
+    grid and Triton's specialisation depend on: the kernel, dtypes, the device, shapes and strides,
+    each input pointer's alignment (data_ptr % 16), causality and tiles. Tensors the launchers
+    allocate (contiguous, from the caching allocator, so aligned) are fixed by the input shapes.
     """
     if INTERPRETED:
         grid, scalars, options = arguments()
-        kernel[(grid,)](*tensors, *scalars, **options)
+        kernel[_grid3(grid)](*tensors, *scalars, **options)
         return
     launch = _LAUNCHES.get(key)
     if launch is None:
         grid, scalars, options = arguments()
-        compiled = kernel[(grid,)](*tensors, *scalars, **options)
+        compiled = kernel[_grid3(grid)](*tensors, *scalars, **options)
         constants = tuple(options[name] for name in kernel.arg_names[len(tensors) + len(scalars):])
         if len(_LAUNCHES) >= _MAX_LAUNCHES:
             _LAUNCHES.clear()
-        _LAUNCHES[key] = compiled[(grid, 1, 1)], (*scalars, *constants)
+        _LAUNCHES[key] = (compiled, _grid3(grid), (*scalars, *constants), torch.cuda.current_device(),
+                          driver.active.get_current_stream)
         return
-    runner, tail = launch
-    runner(*tensors, *tail)
+    compiled, grid, tail, device_index, current_stream = launch
+    if _launch_hooks_installed():  # a profiler's hooks get the launch metadata Triton's own launch builds
+        compiled[grid](*tensors, *tail)
+        return
+    compiled.run(*grid, current_stream(device_index), compiled.function, compiled.packed_metadata, None, None, None,
+                 *tensors, *tail)
+
+
+def _launch_hooks_installed() -> bool:
+    """Whether anything hooks Triton's kernel launches (the hooks are chains, empty unless a profiler
+    such as Proton adds to them; older Triton versions have None)."""
+    return any(hook is not None and getattr(hook, "calls", True)
+               for hook in (knobs.runtime.launch_enter_hook, knobs.runtime.launch_exit_hook))
+
+
+def _contiguous_like(t: torch.Tensor) -> torch.Tensor:
+    """An uninitialised contiguous tensor shaped like t. empty_like is the cheapest allocation on the
+    host, but it copies t's layout, so it serves only when that is contiguous."""
+    return torch.empty_like(t) if t.is_contiguous() else t.new_empty(t.shape)
+
+
+def _grid3(grid: int | tuple[int, int]) -> tuple[int, int, int]:
+    return (grid, 1, 1) if isinstance(grid, int) else (*grid, 1)
 
 
 def _alignment(*tensors: torch.Tensor) -> tuple[int, ...]:
@@ -511,14 +671,14 @@ def launch_forward(q4, k4, v4, is_causal: bool, tiles: Tiles) -> tuple[torch.Ten
     """The forward kernel on (batch, heads, n, d) views: (o4 contiguous, L (batch, heads, n_queries) fp32)."""
     shape = q4.shape
     batch, heads, n_queries, head_dim = shape
-    o4 = torch.empty(shape, dtype=q4.dtype, device=q4.device)
-    lse = torch.empty((batch, heads, n_queries), dtype=torch.float32, device=q4.device)
+    o4 = _contiguous_like(q4)
+    lse = q4.new_empty((batch, heads, n_queries), dtype=torch.float32)
 
     def arguments():
         n_keys = k4.shape[2]
         scalars = (*q4.stride()[:3], *k4.stride()[:3], *v4.stride()[:3], *o4.stride()[:3],
                    heads, n_queries, n_keys, _scales(head_dim)[0])
-        return batch * heads * triton.cdiv(n_queries, tiles.block_m), scalars, _launch_options(head_dim, is_causal, tiles)
+        return batch * heads * _cdiv(n_queries, tiles.block_m), scalars, _launch_options(head_dim, is_causal, tiles)
 
     key = (_forward_kernel, shape, q4.stride(), k4.shape, k4.stride(), v4.stride(), _alignment(q4, k4, v4),
            q4.dtype, q4.get_device(), is_causal, tiles)
@@ -526,17 +686,60 @@ def launch_forward(q4, k4, v4, is_causal: bool, tiles: Tiles) -> tuple[torch.Ten
     return o4, lse
 
 
+# Per (device, stream): the split forward's arrival counts, zero between launches (each launch sets
+# the slots it used back to zero), grown when a launch needs more slots. Launches on one stream run
+# one after another, so they can share the counts; other streams get their own.
+_ARRIVALS: dict[tuple[int, int], torch.Tensor] = {}
+
+
+def _arrivals(device: torch.device, slots: int) -> torch.Tensor:
+    if INTERPRETED:
+        return torch.zeros(slots, dtype=torch.int32, device=device)
+    key = (device.index, driver.active.get_current_stream(device.index))
+    counts = _ARRIVALS.get(key)
+    if counts is None or counts.numel() < slots:
+        counts = _ARRIVALS[key] = torch.zeros(max(slots, 1024), dtype=torch.int32, device=device)
+    return counts
+
+
+def launch_split_forward(q4, k4, v4, is_causal: bool, tiles: Tiles,
+                         split_keys: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The split forward (_split_forward_kernel), runs of `split_keys` keys: returns like launch_forward."""
+    shape = q4.shape
+    batch, heads, n_queries, head_dim = shape
+    n_keys = k4.shape[2]
+    if split_keys % tiles.block_m:
+        raise ValueError(f"split_keys {split_keys} must be a multiple of the query tile, {tiles.block_m}")
+    n_tiles = _cdiv(n_queries, tiles.block_m)
+    longest_run = min(n_tiles * tiles.block_m, n_keys) if is_causal else n_keys
+    grid = (batch * heads * n_tiles, _cdiv(longest_run, split_keys))
+    o4 = _contiguous_like(q4)
+    lse = q4.new_empty((batch, heads, n_queries), dtype=torch.float32)
+    slots = grid[0] * grid[1]
+    partial = q4.new_empty(slots * tiles.block_m * (_block_d(head_dim) + 1), dtype=torch.float32)
+    arrivals = _arrivals(q4.device, grid[0])
+
+    def arguments():
+        scalars = (*q4.stride()[:3], *k4.stride()[:3], *v4.stride()[:3], *o4.stride()[:3],
+                   heads, n_queries, n_keys, split_keys, _scales(head_dim)[0])
+        return grid, scalars, _launch_options(head_dim, is_causal, tiles)
+
+    key = (_split_forward_kernel, shape, q4.stride(), k4.shape, k4.stride(), v4.stride(), _alignment(q4, k4, v4),
+           q4.dtype, q4.get_device(), is_causal, tiles, split_keys)
+    _launch(_split_forward_kernel, key, (q4, k4, v4, o4, lse, partial, arrivals), arguments)
+    return o4, lse
+
+
 def launch_dkdv(q4, k4, v4, do4, lse, delta, is_causal: bool, tiles: Tiles) -> tuple[torch.Tensor, torch.Tensor]:
     """The dK/dV kernel: (dk4, dv4), contiguous; lse and delta are (batch, heads, n_queries) fp32, contiguous."""
     batch, heads, n_queries, head_dim = q4.shape
     n_keys = k4.shape[2]
-    dk4 = torch.empty(k4.shape, dtype=k4.dtype, device=k4.device)
-    dv4 = torch.empty(v4.shape, dtype=v4.dtype, device=v4.device)
+    dk4, dv4 = _contiguous_like(k4), _contiguous_like(v4)
 
     def arguments():
         scalars = (*q4.stride()[:3], *k4.stride()[:3], *v4.stride()[:3], *do4.stride()[:3],
                    *dk4.stride()[:3], *dv4.stride()[:3], heads, n_queries, n_keys, *_scales(head_dim))
-        return batch * heads * triton.cdiv(n_keys, tiles.block_n), scalars, _launch_options(head_dim, is_causal, tiles)
+        return batch * heads * _cdiv(n_keys, tiles.block_n), scalars, _launch_options(head_dim, is_causal, tiles)
 
     key = (_dkdv_kernel, q4.shape, q4.stride(), k4.shape, k4.stride(), v4.stride(), do4.stride(),
            _alignment(q4, k4, v4, do4, lse, delta), q4.dtype, q4.get_device(), is_causal, tiles)
@@ -548,13 +751,13 @@ def launch_dq(q4, k4, v4, o4, do4, lse, is_causal: bool, tiles: Tiles) -> tuple[
     """The dQ kernel: (dq4 contiguous, D = rowsum(dO * O) (batch, heads, n_queries) fp32)."""
     shape = q4.shape
     batch, heads, n_queries, head_dim = shape
-    dq4 = torch.empty(shape, dtype=q4.dtype, device=q4.device)
-    delta = torch.empty((batch, heads, n_queries), dtype=torch.float32, device=q4.device)
+    dq4 = _contiguous_like(q4)
+    delta = q4.new_empty((batch, heads, n_queries), dtype=torch.float32)
 
     def arguments():
         scalars = (*q4.stride()[:3], *k4.stride()[:3], *v4.stride()[:3], *o4.stride()[:3], *do4.stride()[:3],
                    *dq4.stride()[:3], heads, n_queries, k4.shape[2], *_scales(head_dim))
-        return batch * heads * triton.cdiv(n_queries, tiles.block_m), scalars, _launch_options(head_dim, is_causal, tiles)
+        return batch * heads * _cdiv(n_queries, tiles.block_m), scalars, _launch_options(head_dim, is_causal, tiles)
 
     key = (_dq_kernel, shape, q4.stride(), k4.shape, k4.stride(), v4.stride(), o4.stride(), do4.stride(),
            _alignment(q4, k4, v4, o4, do4, lse), q4.dtype, q4.get_device(), is_causal, tiles)
@@ -567,8 +770,13 @@ def triton_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     """(o, L): o like q (contiguous), L (..., n_queries) fp32."""
     q4, k4, v4 = _as_batch_heads(q), _as_batch_heads(k), _as_batch_heads(v)
     batch, heads, n_queries, head_dim = q4.shape
-    tiles = forward_tiles(tiles_for(head_dim, q.dtype), batch * heads, n_queries, q.device)
-    o4, lse = launch_forward(q4, k4, v4, is_causal, tiles)
+    tile_set = tiles_for(head_dim, q.dtype)
+    tiles = kernel_tiles(tile_set, "forward", batch * heads, n_queries, q.device)
+    split_keys = None if tiles is tile_set.forward else forward_split_keys(tiles, n_queries, k4.shape[2], is_causal)
+    if split_keys is None:
+        o4, lse = launch_forward(q4, k4, v4, is_causal, tiles)
+    else:
+        o4, lse = launch_split_forward(q4, k4, v4, is_causal, tiles, split_keys)
     return _shaped(o4, q.shape), _shaped(lse, q.shape[:-1])
 
 
@@ -576,9 +784,12 @@ def triton_backward(q, k, v, o, lse, do, is_causal: bool) -> tuple[torch.Tensor,
     """dq, dk, dv (shapes and dtypes of q, k, v): dQ over query tiles (writing D on the way), then
     dK/dV over key tiles."""
     q4, k4, v4, o4, do4 = (_as_batch_heads(t) for t in (q, k, v, o, do))
-    tile_set = tiles_for(q4.shape[-1], q.dtype)
-    dq4, delta = launch_dq(q4, k4, v4, o4, do4, lse, is_causal, tile_set.dq)
-    dk4, dv4 = launch_dkdv(q4, k4, v4, do4, lse, delta, is_causal, tile_set.dkdv)
+    batch, heads, n_queries, head_dim = q4.shape
+    tile_set = tiles_for(head_dim, q.dtype)
+    dq_tiles = kernel_tiles(tile_set, "dq", batch * heads, n_queries, q.device)
+    dkdv_tiles = kernel_tiles(tile_set, "dkdv", batch * heads, k4.shape[2], q.device)
+    dq4, delta = launch_dq(q4, k4, v4, o4, do4, lse, is_causal, dq_tiles)
+    dk4, dv4 = launch_dkdv(q4, k4, v4, do4, lse, delta, is_causal, dkdv_tiles)
     return _shaped(dq4, q.shape), _shaped(dk4, k.shape), _shaped(dv4, v.shape)
 
 
