@@ -148,6 +148,50 @@ def _forward_key_loop(acc, l_i, m_i, q, k_base, v_base, stride_kn, stride_vn, ke
     return acc, l_i, m_i
 
 
+@triton.jit
+def _keys_seen_end(q_start, n_keys, IS_CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr):
+    """End of the keys the query tile starting at q_start sees: under a causal mask, those up to its
+    last row."""
+    if IS_CAUSAL:
+        end = tl.minimum(q_start + BLOCK_M, n_keys)
+    else:
+        end = n_keys
+    return end
+
+
+@triton.jit
+def _attend_key_range(Q, K, V, batch, head, stride_qb, stride_qh, stride_qn, stride_kb, stride_kh, stride_kn,
+                      stride_vb, stride_vh, stride_vn, q_start, key_lo, key_hi, n_queries, n_keys, qk_scale,
+                      IS_CAUSAL: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """(normalised output, base-2 log-sum-exp) of the BLOCK_M queries from q_start over the keys in
+    [key_lo, key_hi), both multiples of BLOCK_N or key_hi the end of the keys seen."""
+    offs_m = q_start + tl.arange(0, BLOCK_M)
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_D)
+    k_base = K + batch * stride_kb + head * stride_kh
+    v_base = V + batch * stride_vb + head * stride_vh
+    q = _load_rows(_tile_ptrs(Q, batch, head, stride_qb, stride_qh, stride_qn, offs_m, offs_d),
+                   offs_m, n_queries, offs_d, True, HEAD_DIM, BLOCK_D)
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    full_keys_end = (n_keys // BLOCK_N) * BLOCK_N  # key tiles before this need no bound mask
+    if IS_CAUSAL:
+        # Tiles before the query tile are wholly below the diagonal (BLOCK_M is a multiple of
+        # BLOCK_N); tiles after it are wholly above and never visited.
+        masked_start = tl.minimum(q_start, full_keys_end)
+    else:
+        masked_start = full_keys_end
+    acc, l_i, m_i = _forward_key_loop(acc, l_i, m_i, q, k_base, v_base, stride_kn, stride_vn,
+                                      key_lo, tl.minimum(key_hi, masked_start), offs_m, offs_n, offs_d,
+                                      n_keys, qk_scale, False, IS_CAUSAL, HEAD_DIM, BLOCK_D, BLOCK_N)
+    acc, l_i, m_i = _forward_key_loop(acc, l_i, m_i, q, k_base, v_base, stride_kn, stride_vn,
+                                      tl.maximum(key_lo, masked_start), key_hi, offs_m, offs_n, offs_d,
+                                      n_keys, qk_scale, True, IS_CAUSAL, HEAD_DIM, BLOCK_D, BLOCK_N)
+    return acc / l_i[:, None], m_i + tl.math.log2(l_i)
+
+
 @triton.jit(do_not_specialize=_SIZE_ARGS)
 def _forward_kernel(Q, K, V, O, L,
                     stride_qb, stride_qh, stride_qn,
@@ -160,38 +204,12 @@ def _forward_kernel(Q, K, V, O, L,
     """One program per (batch x head, query tile): o and L for BLOCK_M queries."""
     pid_bh, batch, head, pid_m = _program_tile(n_queries, n_heads, BLOCK_M, True)
     q_start = pid_m * BLOCK_M
-    offs_m = q_start + tl.arange(0, BLOCK_M)
-    offs_n = tl.arange(0, BLOCK_N)
-    offs_d = tl.arange(0, BLOCK_D)
-    k_base = K + batch * stride_kb + head * stride_kh
-    v_base = V + batch * stride_vb + head * stride_vh
-    q = _load_rows(_tile_ptrs(Q, batch, head, stride_qb, stride_qh, stride_qn, offs_m, offs_d),
-                   offs_m, n_queries, offs_d, True, HEAD_DIM, BLOCK_D)
-
-    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
-    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
-    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
-    full_keys_end = (n_keys // BLOCK_N) * BLOCK_N  # key tiles before this need no bound mask
-    if IS_CAUSAL:
-        # Tiles before the query tile are wholly below the diagonal (BLOCK_M is a multiple of
-        # BLOCK_N); tiles after it are wholly above and skipped.
-        masked_start = tl.minimum(q_start, full_keys_end)
-        masked_end = tl.minimum(q_start + BLOCK_M, n_keys)
-    else:
-        masked_start = full_keys_end
-        masked_end = n_keys
-    acc, l_i, m_i = _forward_key_loop(acc, l_i, m_i, q, k_base, v_base, stride_kn, stride_vn, 0, masked_start,
-                                      offs_m, offs_n, offs_d, n_keys, qk_scale,
-                                      False, IS_CAUSAL, HEAD_DIM, BLOCK_D, BLOCK_N)
-    acc, l_i, m_i = _forward_key_loop(acc, l_i, m_i, q, k_base, v_base, stride_kn, stride_vn, masked_start,
-                                      masked_end, offs_m, offs_n, offs_d, n_keys, qk_scale,
-                                      True, IS_CAUSAL, HEAD_DIM, BLOCK_D, BLOCK_N)
-
-    o = acc / l_i[:, None]
-    _store_rows(_tile_ptrs(O, batch, head, stride_ob, stride_oh, stride_on, offs_m, offs_d),
-                o.to(O.dtype.element_ty), offs_m, n_queries, offs_d, HEAD_DIM, BLOCK_D)
-    lse = (m_i + tl.math.log2(l_i)) * _LN2  # base 2 -> natural log
-    tl.store(L + pid_bh.to(tl.int64) * n_queries + offs_m, lse, mask=offs_m < n_queries)
+    o, lse2 = _attend_key_range(Q, K, V, batch, head, stride_qb, stride_qh, stride_qn, stride_kb, stride_kh, stride_kn,
+                                stride_vb, stride_vh, stride_vn, q_start, 0,
+                                _keys_seen_end(q_start, n_keys, IS_CAUSAL, BLOCK_M), n_queries, n_keys, qk_scale,
+                                IS_CAUSAL, HEAD_DIM, BLOCK_D, BLOCK_M, BLOCK_N)
+    _store_output(O, L, pid_bh, batch, head, stride_ob, stride_oh, stride_on, o, lse2,
+                  q_start + tl.arange(0, BLOCK_M), tl.arange(0, BLOCK_D), n_queries, HEAD_DIM, BLOCK_D)
 
 
 @triton.jit
@@ -225,37 +243,16 @@ def _split_forward_kernel(Q, K, V, O, L, Partial, Arrivals,
     pid_bh, batch, head, pid_m = _program_tile(n_queries, n_heads, BLOCK_M, True)
     split = tl.program_id(1)
     q_start = pid_m * BLOCK_M
-    if IS_CAUSAL:
-        keys_end = tl.minimum(q_start + BLOCK_M, n_keys)
-    else:
-        keys_end = n_keys
+    keys_end = _keys_seen_end(q_start, n_keys, IS_CAUSAL, BLOCK_M)
     n_splits = tl.cdiv(keys_end, split_keys)
     if split < n_splits:
-        offs_m = q_start + tl.arange(0, BLOCK_M)
-        offs_n = tl.arange(0, BLOCK_N)
-        offs_d = tl.arange(0, BLOCK_D)
-        k_base = K + batch * stride_kb + head * stride_kh
-        v_base = V + batch * stride_vb + head * stride_vh
-        q = _load_rows(_tile_ptrs(Q, batch, head, stride_qb, stride_qh, stride_qn, offs_m, offs_d),
-                       offs_m, n_queries, offs_d, True, HEAD_DIM, BLOCK_D)
-        m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
-        l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
-        acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
-        full_keys_end = (n_keys // BLOCK_N) * BLOCK_N
-        if IS_CAUSAL:
-            masked_start = tl.minimum(q_start, full_keys_end)
-        else:
-            masked_start = full_keys_end
         key_lo = split * split_keys
-        key_hi = tl.minimum(key_lo + split_keys, keys_end)
-        acc, l_i, m_i = _forward_key_loop(acc, l_i, m_i, q, k_base, v_base, stride_kn, stride_vn,
-                                          key_lo, tl.minimum(key_hi, masked_start), offs_m, offs_n, offs_d,
-                                          n_keys, qk_scale, False, IS_CAUSAL, HEAD_DIM, BLOCK_D, BLOCK_N)
-        acc, l_i, m_i = _forward_key_loop(acc, l_i, m_i, q, k_base, v_base, stride_kn, stride_vn,
-                                          tl.maximum(key_lo, masked_start), key_hi, offs_m, offs_n, offs_d,
-                                          n_keys, qk_scale, True, IS_CAUSAL, HEAD_DIM, BLOCK_D, BLOCK_N)
-        o = acc / l_i[:, None]
-        lse2 = m_i + tl.math.log2(l_i)
+        o, lse2 = _attend_key_range(Q, K, V, batch, head, stride_qb, stride_qh, stride_qn, stride_kb, stride_kh,
+                                    stride_kn, stride_vb, stride_vh, stride_vn, q_start, key_lo,
+                                    tl.minimum(key_lo + split_keys, keys_end), n_queries, n_keys, qk_scale,
+                                    IS_CAUSAL, HEAD_DIM, BLOCK_D, BLOCK_M, BLOCK_N)
+        offs_m = q_start + tl.arange(0, BLOCK_M)
+        offs_d = tl.arange(0, BLOCK_D)
         if n_splits == 1:
             _store_output(O, L, pid_bh, batch, head, stride_ob, stride_oh, stride_on, o, lse2, offs_m, offs_d,
                           n_queries, HEAD_DIM, BLOCK_D)
