@@ -1,6 +1,7 @@
 """Where the time of a short-sequence FlashAttention call goes: the host's cost per call of each
 layer (the autograd Function, the launcher, the bare Triton launch) against SDPA's, and the GPU time
-of the forward kernel per tile shape when batch x heads is 1, from torch.profiler's kernel records.
+of the forward kernel per tile shape when batch x heads is 1, and of the split forward per run
+length, from torch.profiler's kernel records.
 Two more rows split a backward's host cost: SDPA's backward operator called directly (its launches
 alone), and the backward of an identity autograd Function (what autograd costs any Function).
 
@@ -101,15 +102,22 @@ def main() -> None:
         flash = torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, 0.0, True)
         sdpa_backward_op = functools.partial(torch.ops.aten._scaled_dot_product_flash_attention_backward,
                                              do, q, k, v, flash[0], flash[1], *flash[2:6], 0.0, True, *flash[6:8])
+        # Triton's own JIT launch of the forward kernel, which launch_forward makes only on a key's first call.
+        jit_grid = (-(-1024 // tiles.forward.block_m),)
+        jit_args = (q, k, v, o4, lse, *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *o4.stride()[:3],
+                    1, 1024, 1024, ft._scales(d)[0])
+        jit_options = ft._launch_options(d, True, tiles.forward)
         layers = {
             "Function.apply forward": lambda: ft.FlashAttentionTriton.apply(q, k, v, True),
-            "triton_forward (compiler.disable)": lambda: ft.triton_forward(q, k, v, True),
+            "triton_forward": lambda: ft.triton_forward(q, k, v, True),
             "launch_forward": lambda: ft.launch_forward(q, k, v, True, tiles.forward),
+            "Triton JIT launch (no allocations)": lambda: ft._forward_kernel[jit_grid](*jit_args, **jit_options),
             "launch_dq (writes D)": lambda: ft.launch_dq(q, k, v, o4, do, lse, True, tiles.dq),
             "launch_dkdv": lambda: ft.launch_dkdv(q, k, v, do, lse, delta, True, tiles.dkdv),
             "triton_backward": lambda: ft.triton_backward(q, k, v, o4, lse, do, True),
             "Function backward (autograd)": lambda: out.backward(do, retain_graph=True),
             "sdpa flash forward": sdpa,
+            "F.scaled_dot_product_attention (flash)": lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True),
             "sdpa flash backward": lambda: sdpa_out.backward(do, retain_graph=True),
             "sdpa flash backward op (no autograd)": sdpa_backward_op,
             "identity Function backward (autograd)": lambda: identity_out.backward(do, retain_graph=True),
@@ -136,6 +144,13 @@ def main() -> None:
         table = ft.tiles_for(d, torch.bfloat16).forward
         current = next((us for us, t in times if t == table), float("nan"))
         print(f"  d={d} N={n}: sdpa flash {reference:.1f}; table {current:.1f}; best {best}")
+        narrow = ft.tiles_for(d, torch.bfloat16).narrow_forward
+        runs = [keys for keys in (2**p for p in range(6, 14)) if keys % narrow.block_m == 0 and keys < n]
+        split = ", ".join(
+            f"{keys}: {kernel_us(lambda: ft.launch_split_forward(q, k, v, True, narrow, keys), '_split_forward'):.1f}"
+            for keys in runs)
+        print(f"    split forward on {narrow.block_m}x{narrow.block_n} tiles, by keys per run: {split} "
+              f"(taken: {ft.forward_split_keys(narrow, n, n, True)})")
 
 
 if __name__ == "__main__":
