@@ -447,10 +447,11 @@ def test_triton_launch_hooks_see_every_launch(device):
         launches.append(metadata)
 
     q, k, v, do = leaf_inputs((1, 2), 200, 200, 32, torch.bfloat16, device)
+    inputs = [t.requires_grad_() for t in (q, k, v)]
     knobs.runtime.launch_enter_hook.add(hook)
     try:
         for _ in range(3):  # forward (one kernel) and backward (two), the later calls from kept kernels
-            torch.autograd.grad(FlashAttentionTriton.apply(*(t.requires_grad_() for t in (q, k, v)), True), (q, k, v), do)
+            torch.autograd.grad(FlashAttentionTriton.apply(*inputs, True), inputs, do)
     finally:
         knobs.runtime.launch_enter_hook.remove(hook)
     assert len(launches) == 9
