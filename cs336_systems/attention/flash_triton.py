@@ -539,10 +539,15 @@ def kernel_tiles(tile_set: TileSet, kernel: str, batch_heads: int, n_rows: int, 
 SPLIT_RUNS = 4
 
 
+def _longest_tile_keys(block_m: int, n_queries: int, n_keys: int, is_causal: bool) -> int:
+    """How many keys the query tile that sees the most of them sees: under a causal mask, the last tile's."""
+    return min(_cdiv(n_queries, block_m) * block_m, n_keys) if is_causal else n_keys
+
+
 def forward_split_keys(tiles: Tiles, n_queries: int, n_keys: int, is_causal: bool) -> int | None:
     """Keys per run for the split forward on narrow tiles, or None where the longest query tile's
     keys make a single run."""
-    longest = min(_cdiv(n_queries, tiles.block_m) * tiles.block_m, n_keys) if is_causal else n_keys
+    longest = _longest_tile_keys(tiles.block_m, n_queries, n_keys, is_causal)
     split_keys = _cdiv(longest, SPLIT_RUNS * tiles.block_m) * tiles.block_m
     return split_keys if split_keys < longest else None
 
@@ -707,9 +712,8 @@ def launch_split_forward(q4, k4, v4, is_causal: bool, tiles: Tiles,
     n_keys = k4.shape[2]
     if split_keys % tiles.block_m:
         raise ValueError(f"split_keys {split_keys} must be a multiple of the query tile, {tiles.block_m}")
-    n_tiles = _cdiv(n_queries, tiles.block_m)
-    longest_run = min(n_tiles * tiles.block_m, n_keys) if is_causal else n_keys
-    grid = (batch * heads * n_tiles, _cdiv(longest_run, split_keys))
+    longest = _longest_tile_keys(tiles.block_m, n_queries, n_keys, is_causal)
+    grid = (batch * heads * _cdiv(n_queries, tiles.block_m), _cdiv(longest, split_keys))
     o4 = _contiguous_like(q4)
     lse = q4.new_empty((batch, heads, n_queries), dtype=torch.float32)
     slots = grid[0] * grid[1]
