@@ -371,12 +371,15 @@ def test_narrow_tiles_are_taken_only_for_grids_below_the_programs_per_sm_thresho
 
 def test_repeated_launches_follow_each_call_s_strides_and_alignment(device):
     # After the first call of a shape the kernels are launched from the compiled kernels kept by
-    # launch key; calls that differ only in pointer alignment or strides must not reuse a kernel
-    # specialised for another.
+    # launch key, and from the third the forward from its plan kept by input signature; calls that
+    # differ only in pointer alignment or strides must not reuse a kernel specialised for another.
     dtype = torch.float32 if device.type == "cpu" else torch.bfloat16
     lead, n, d = (2,), 80, 32
-    for seed in range(2):  # the second call of the same shape takes the kept kernels
+    for seed in range(3):
         assert_matches_reference("triton", *leaf_inputs(lead, n, n, d, dtype, device, seed), is_causal=True)
+    for seed in range(3):  # features a stride apart are copied before the kernels read them
+        strided = [make_tensor(lead, n, d, "strided_features", dtype, device) for _ in range(4)]
+        assert_matches_reference("triton", *strided, is_causal=True)
     q, k, v, do = leaf_inputs(lead, n, n, d, dtype, device, seed=2)
 
     def shifted(t):  # the same values one element past a 16-byte boundary
@@ -429,9 +432,9 @@ def test_one_head_grids_take_the_split_forward_and_match_the_reference(dtype, de
     tile_set = flash_triton.tiles_for(head_dim, dtype)
     tiles = flash_triton.kernel_tiles(tile_set, "forward", 1, n, device)
     assert tiles is tile_set.narrow_forward and flash_triton.forward_split_keys(tiles, n, n, True) is not None
-    for seed in range(2):
+    for seed in range(3):  # the third call launches from the forward's plan
         assert_matches_reference("triton", *leaf_inputs((1, 1), n, n, head_dim, dtype, device, seed), is_causal=True)
-    assert all(int(counts.count_nonzero()) == 0 for counts in flash_triton._ARRIVALS.values())
+    assert all(int(counts.count_nonzero()) == 0 for counts, _ in flash_triton._SPLIT_BUFFERS.values())
 
 
 @pytest.mark.gpu
