@@ -633,14 +633,20 @@ def _prepare_launch(kernel, key: tuple, tensors: tuple[torch.Tensor, ...],
     if INTERPRETED:
         grid, scalars, options = arguments()
         return functools.partial(kernel[_grid3(grid)], *tensors, *scalars, **options)
-    launch = _LAUNCHES.get(key)
-    if launch is None:
+    kept = _LAUNCHES.get(key)
+    if kept is None:
         return functools.partial(_first_launch, kernel, key, tensors, arguments)
-    compiled, launcher, grid, tail, device_index, current_stream = launch
     if _launch_hooks_installed():  # a profiler's hooks get the launch metadata Triton's own launch builds
+        compiled, _, grid, tail, _, _ = kept
         return functools.partial(compiled[grid], *tensors, *tail)
+    return _kept_launch(kept, map(_DATA_PTR, tensors))
+
+
+def _kept_launch(kept: tuple, pointers) -> Callable[[], object]:
+    """A kept launch (an entry of _LAUNCHES) bound to its tensors' addresses, on the current stream."""
+    compiled, launcher, grid, tail, device_index, current_stream = kept
     return functools.partial(launcher, *grid, current_stream(device_index), compiled.function,
-                             compiled.packed_metadata, None, None, None, *map(_DATA_PTR, tensors), *tail)
+                             compiled.packed_metadata, None, None, None, *pointers, *tail)
 
 
 def _first_launch(kernel, key: tuple, tensors: tuple[torch.Tensor, ...], arguments) -> None:
@@ -812,7 +818,7 @@ def prepare_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                  q.data_ptr() % 16, k.data_ptr() % 16, v.data_ptr() % 16)
     plan = _FORWARD_PLANS.get(signature)
     if plan is not None and not _launch_hooks_installed():
-        compiled, launcher, grid, tail, device_index, current_stream, split_buffers = plan
+        kept, split_buffers = plan
         o = _contiguous_like(q)
         lse = q.new_empty(q.shape[:-1], dtype=torch.float32)
         if split_buffers is None:
@@ -820,9 +826,8 @@ def prepare_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         else:
             arrivals, partial = _split_buffers(q.device, *split_buffers)
             buffers = (partial.data_ptr(), arrivals.data_ptr())
-        return o, lse, functools.partial(launcher, *grid, current_stream(device_index), compiled.function,
-                                         compiled.packed_metadata, None, None, None, q.data_ptr(), k.data_ptr(),
-                                         v.data_ptr(), o.data_ptr(), lse.data_ptr(), *buffers, *tail)
+        return o, lse, _kept_launch(kept, (q.data_ptr(), k.data_ptr(), v.data_ptr(), o.data_ptr(), lse.data_ptr(),
+                                           *buffers))
     q4, k4, v4 = _as_batch_heads(q), _as_batch_heads(k), _as_batch_heads(v)
     batch, heads, n_queries, head_dim = q4.shape
     tile_set = tiles_for(head_dim, q.dtype)
@@ -838,7 +843,7 @@ def prepare_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         if len(_FORWARD_PLANS) >= _MAX_LAUNCHES:
             _FORWARD_PLANS.clear()
         split_buffers = None if split_keys is None else _split_buffer_sizes(kept[2], tiles, head_dim)
-        _FORWARD_PLANS[signature] = (*kept, split_buffers)
+        _FORWARD_PLANS[signature] = (kept, split_buffers)
     return _shaped(o4, q.shape), _shaped(lse, q.shape[:-1]), launch
 
 
