@@ -438,6 +438,37 @@ def test_one_head_grids_take_the_split_forward_and_match_the_reference(dtype, de
 
 
 @pytest.mark.gpu
+@pytest.mark.flash
+def test_a_captured_split_forward_keeps_its_buffers_when_later_launches_grow_them(device):
+    # The split forward keeps its workspace per stream and replaces it when a launch needs more. A CUDA
+    # graph replays on the addresses it captured, so a captured launch must have buffers of its own.
+    if flash_triton.INTERPRETED:
+        pytest.skip("the Triton interpreter does not capture CUDA graphs")
+    stream = torch.cuda.Stream()
+    q, k, v = (torch.randn(1, 1, 1000, 64, device=device, dtype=torch.bfloat16) for _ in range(3))
+    expected = FlashAttentionTriton.apply(q, k, v, True)
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(3):  # compiled, kept, then planned: the capture takes the planned path
+            FlashAttentionTriton.apply(q, k, v, True)
+    kept_floats = flash_triton._SPLIT_BUFFERS[(q.device.index, stream.cuda_stream)][1].numel()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, stream=stream):
+        captured = FlashAttentionTriton.apply(q, k, v, True)
+    with torch.cuda.stream(stream):  # four times the tiles: the stream's kept buffers are replaced
+        FlashAttentionTriton.apply(*(torch.randn(1, 1, 4000, 64, device=device, dtype=torch.bfloat16)
+                                     for _ in range(3)), True)
+        # Blocks the size of the replaced workspace, which the allocator hands out again.
+        bystanders = [torch.full((kept_floats,), 7.0, device=device) for _ in range(8)]
+    stream.synchronize()
+    for _ in range(2):
+        graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(captured, expected)
+    assert all(bool((t == 7.0).all()) for t in bystanders)
+
+
+@pytest.mark.gpu
 def test_triton_launch_hooks_see_every_launch(device):
     # Profilers (Proton) hook Triton's launches; launches from kept kernels must reach them too.
     if flash_triton.INTERPRETED:

@@ -712,13 +712,15 @@ def launch_forward(q4, k4, v4, is_causal: bool, tiles: Tiles) -> tuple[torch.Ten
 # launch needs more. Launches on one stream run one after another, so they can share them; other
 # streams get their own. Kept rather than allocated per call, which would cost host time at the
 # short sequences the split forward is for; at most a few tens of MB, since only grids too small to
-# fill the GPU take it.
+# fill the GPU take it. A launch captured into a CUDA graph gets buffers of its own instead: the graph
+# replays on its buffers' addresses long after the capture, which a later launch on the stream must
+# neither replace (freeing them) nor share.
 _SPLIT_BUFFERS: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
 
 
 def _split_buffers(device: torch.device, tiles: int, workspace_floats: int) -> tuple[torch.Tensor, torch.Tensor]:
     """(arrival counts for `tiles` query tiles, int32 zeros; a workspace of at least `workspace_floats` fp32)."""
-    if INTERPRETED:
+    if INTERPRETED or torch.cuda.is_current_stream_capturing():
         return (torch.zeros(tiles, dtype=torch.int32, device=device),
                 torch.empty(workspace_floats, dtype=torch.float32, device=device))
     key = (device.index, driver.active.get_current_stream(device.index))
