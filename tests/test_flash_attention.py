@@ -375,8 +375,9 @@ def test_repeated_launches_follow_each_call_s_strides_and_alignment(device):
     # differ only in pointer alignment or strides must not reuse a kernel specialised for another.
     dtype = torch.float32 if device.type == "cpu" else torch.bfloat16
     lead, n, d = (2,), 80, 32
-    for seed in range(3):
-        assert_matches_reference("triton", *leaf_inputs(lead, n, n, d, dtype, device, seed), is_causal=True)
+    for rank_lead in ((2,), (), (2, 2, 1)):  # 3-D, 2-D and 5-D inputs, each viewed as 4-D differently
+        for seed in range(3):
+            assert_matches_reference("triton", *leaf_inputs(rank_lead, n, n, d, dtype, device, seed), is_causal=True)
     for seed in range(3):  # features a stride apart are copied before the kernels read them
         strided = [make_tensor(lead, n, d, "strided_features", dtype, device) for _ in range(4)]
         assert_matches_reference("triton", *strided, is_causal=True)
