@@ -395,6 +395,24 @@ def test_repeated_launches_follow_each_call_s_strides_and_alignment(device):
     assert_matches_reference("triton", *fused, is_causal=True)
 
 
+@pytest.mark.gpu
+def test_a_planned_signature_still_refuses_inputs_that_break_the_contract():
+    # From a signature's third call the forward skips the input checks: what they look at must be in
+    # the signature, so inputs that differ from planned ones only where the checks fail still fail.
+    if flash_triton.INTERPRETED:
+        pytest.skip("the interpreter keeps no plans")
+    q, k, v, _ = leaf_inputs((2,), 80, 80, 32, torch.bfloat16, torch.device("cuda"))
+    for _ in range(3):
+        FlashAttentionTriton.apply(q, k, v, True)
+    assert flash_triton._plan_signature(q, k, v, True) in flash_triton._FORWARD_PLANS
+    with pytest.raises(TypeError, match="is_causal must be a bool"):
+        FlashAttentionTriton.apply(q, k, v, 1)
+    with pytest.raises(TypeError, match="share one dtype"):
+        FlashAttentionTriton.apply(q, k, v.view(torch.float16), True)
+    with pytest.raises(TypeError, match="must be a torch.Tensor"):
+        FlashAttentionTriton.apply(q, k, v.tolist(), True)
+
+
 @pytest.mark.parametrize("is_causal", [False, True])
 @pytest.mark.parametrize(("n_queries", "n_keys"), [(80, 80), (100, 70), (50, 130), (16, 16)])
 def test_split_forward_matches_the_whole_forward(n_queries, n_keys, is_causal, device):
@@ -552,9 +570,12 @@ def test_triton_forward_and_backward_at_64k_tokens_never_allocate_n_by_n(dtype, 
         f"{MEMORY_SEQUENCE**2 * q.element_size() / 2**20:.0f} MiB")
 
 
-def test_pytorch_function_under_torch_compile_gives_the_eager_output_and_gradients(device):
-    # Inlined into the enclosing graph, its backward gave wrong gradients on CUDA with torch 2.11.
-    q, k, v, do = leaf_inputs((2, 4), 300, 300, 64, torch.float32, device)
+@pytest.mark.parametrize("impl", FUNCTIONS)
+def test_function_under_torch_compile_gives_the_eager_output_and_gradients(impl, device):
+    # The PyTorch Function, inlined into the enclosing graph, gave wrong gradients on CUDA with torch
+    # 2.11. The Triton Function has an apply of its own, which torch.compile must not trace.
+    shape = ((2, 4), 300, 300, 64) if impl == "pytorch" or device.type == "cuda" else ((1, 2), 70, 70, 32)
+    q, k, v, do = leaf_inputs(*shape, torch.float32, device)
 
     def attend_and_differentiate(attend):
         inputs = [t.clone().requires_grad_() for t in (q, k, v)]
@@ -562,7 +583,7 @@ def test_pytorch_function_under_torch_compile_gives_the_eager_output_and_gradien
         return (out, *torch.autograd.grad(out, inputs, do))
 
     def attend(q, k, v):
-        return FlashAttentionPytorch.apply(q, k, v, True)
+        return FUNCTIONS[impl].apply(q, k, v, True)
 
     # Compiled first, so that no buffer the compiled forward allocates can hold the eager results.
     torch._dynamo.reset()

@@ -40,6 +40,7 @@ import triton.language as tl
 from triton import knobs
 from triton.runtime.driver import driver
 from triton.runtime.interpreter import InterpretedFunction
+from torch._C._functorch import unwrap_if_dead
 
 from cs336_systems.attention.flash_pytorch import MASKED_SCORE_BIAS, check_inputs
 
@@ -806,23 +807,37 @@ def launch_dq(q4, k4, v4, o4, do4, lse, is_causal: bool, tiles: Tiles) -> tuple[
     return dq4, delta
 
 
-# Per forward input signature, from its second call: its kept launch, and the sizes of the split
-# forward's buffers (None for the whole forward). A call that finds its signature allocates its
-# outputs and launches, past choosing tiles and building the launch key (see prepare_forward).
+# Per forward input signature, from its second call: its kept launch, the sizes of the split
+# forward's buffers (None for the whole forward), and a prototype of L (one float expanded to L's
+# shape: empty_like of it costs a third of allocating L by shape and dtype). A call that finds its
+# signature allocates its outputs and launches, past the input checks, choosing tiles and building
+# the launch key (see prepare_forward).
 _FORWARD_PLANS: dict[tuple, tuple] = {}
+
+
+def _plan_signature(q, k, v, is_causal) -> tuple | None:
+    """What the input checks and the forward's launch depend on: shapes, strides, dtypes, devices
+    (and the current one), causality and each input's alignment; None unless the inputs are three
+    tensors, q on a GPU, and a bool. Plans are kept only for inputs that passed the checks, so a call
+    whose signature has a plan passes them too."""
+    if type(is_causal) is not bool or not (isinstance(q, torch.Tensor) and isinstance(k, torch.Tensor)
+                                           and isinstance(v, torch.Tensor)) or not q.is_cuda:
+        return None
+    return (q.shape, q.stride(), k.shape, k.stride(), v.shape, v.stride(), q.dtype, k.dtype, v.dtype,
+            q.get_device(), k.get_device(), v.get_device(), torch.cuda.current_device(), is_causal,
+            q.data_ptr() % 16, k.data_ptr() % 16, v.data_ptr() % 16)
 
 
 def prepare_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                     is_causal: bool) -> tuple[torch.Tensor, torch.Tensor, Callable[[], object]]:
     """(o, L, launch): o like q (contiguous) and L (..., n_queries) fp32, allocated, and the launch that
-    fills them."""
-    signature = (q.shape, q.stride(), k.shape, k.stride(), v.stride(), q.dtype, q.get_device(), is_causal,
-                 q.data_ptr() % 16, k.data_ptr() % 16, v.data_ptr() % 16)
+    fills them. Raises as check_inputs does on inputs that break the contract."""
+    signature = None if INTERPRETED else _plan_signature(q, k, v, is_causal)
     plan = _FORWARD_PLANS.get(signature)
     if plan is not None and not _launch_hooks_installed():
-        kept, split_buffers = plan
+        kept, split_buffers, lse_prototype = plan
         o = _contiguous_like(q)
-        lse = q.new_empty(q.shape[:-1], dtype=torch.float32)
+        lse = torch.empty_like(lse_prototype, memory_format=torch.contiguous_format)
         if split_buffers is None:
             buffers = ()
         else:
@@ -830,6 +845,8 @@ def prepare_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
             buffers = (partial.data_ptr(), arrivals.data_ptr())
         return o, lse, _kept_launch(kept, (q.data_ptr(), k.data_ptr(), v.data_ptr(), o.data_ptr(), lse.data_ptr(),
                                            *buffers))
+    check_inputs(q, k, v, is_causal)
+    _check_triton_device(q)
     q4, k4, v4 = _as_batch_heads(q), _as_batch_heads(k), _as_batch_heads(v)
     batch, heads, n_queries, head_dim = q4.shape
     tile_set = tiles_for(head_dim, q.dtype)
@@ -841,11 +858,13 @@ def prepare_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         o4, lse, launch, key = _prepare_split_forward(q4, k4, v4, is_causal, tiles, split_keys)
     kept = _LAUNCHES.get(key)
     # Inputs _as_batch_heads copied are not read in place, so their calls take this path each time.
-    if kept is not None and all(t4.data_ptr() == t.data_ptr() for t, t4 in ((q, q4), (k, k4), (v, v4))):
+    if (signature is not None and kept is not None
+            and all(t4.data_ptr() == t.data_ptr() for t, t4 in ((q, q4), (k, k4), (v, v4)))):
         if len(_FORWARD_PLANS) >= _MAX_LAUNCHES:
             _FORWARD_PLANS.clear()
         split_buffers = None if split_keys is None else _split_buffer_sizes(kept[2], tiles, head_dim)
-        _FORWARD_PLANS[signature] = (kept, split_buffers)
+        lse_prototype = torch.empty(1, dtype=torch.float32, device=q.device).expand(q.shape[:-1])
+        _FORWARD_PLANS[signature] = (kept, split_buffers, lse_prototype)
     return _shaped(o4, q.shape), _shaped(lse, q.shape[:-1]), launch
 
 
@@ -877,14 +896,33 @@ _opaque_forward = torch.compiler.disable(triton_forward)
 _opaque_backward = torch.compiler.disable(triton_backward)
 
 
+# The C++ core of Function.apply, called with the Function class first.
+_FUNCTION_BASE_APPLY = torch._C._FunctionBase.__dict__["apply"]
+
+
 class FlashAttentionTriton(torch.autograd.Function):
     """FlashAttention-2 in Triton. apply(q, k, v, is_causal=False) -> o; saves L, q, k, v, o."""
 
+    @classmethod
+    def apply(cls, q, k, v, is_causal=False):
+        """torch's Function.apply, less its Python preamble where that has nothing to do: it costs
+        several microseconds of host time a call, which short sequences see. The preamble binds
+        default arguments for Functions with a setup_context (this one has none), unwraps dead
+        functorch wrappers (done here, on the tensors) and hands calls under functorch transforms to
+        their own path (taken here too). torch.compile does not run this method: it traces the
+        forward and backward below."""
+        if torch._C._are_functorch_transforms_active():
+            return super().apply(q, k, v, is_causal)
+        if isinstance(q, torch.Tensor) and isinstance(k, torch.Tensor) and isinstance(v, torch.Tensor):
+            q, k, v = unwrap_if_dead(q), unwrap_if_dead(k), unwrap_if_dead(v)
+        # (Otherwise the forward's checks raise, naming the argument that is not a tensor.)
+        return _FUNCTION_BASE_APPLY(cls, q, k, v, is_causal)
+
     @staticmethod
     def forward(ctx, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool = False) -> torch.Tensor:
-        check_inputs(q, k, v, is_causal)
-        _check_triton_device(q)
         if torch.compiler.is_compiling():
+            check_inputs(q, k, v, is_causal)
+            _check_triton_device(q)
             o, lse = _opaque_forward(q, k, v, is_causal)
             launch = None
         else:
