@@ -5,13 +5,14 @@ length, from torch.profiler's kernel records.
 Two more rows split a backward's host cost: SDPA's backward operator called directly (its launches
 alone), and the backward of an identity autograd Function (what autograd costs any Function).
 
-    python scripts/flash_launch_costs.py [--host-profile] [--bench-loop]
+    python scripts/flash_launch_costs.py [--host-profile] [--bench-loop [--only]]
 
 --host-profile adds cProfile's top functions (by own time) for the Function's forward and for
 triton_backward (the autograd engine runs the Function's backward on a thread cProfile does not see).
 --bench-loop runs do_bench's timing loop by hand for the forwards of a few one-head shapes: the host
 time of each call inside that loop (between the L2 flush and the end event) next to the GPU-timed
-samples, and how many samples came out over twice the 10th percentile, with the host time there.
+samples, how far ahead of the GPU the host was, and how many samples came out over twice the 10th
+percentile and how many of those followed a GPU wait for the host; --only stops there.
 """
 
 from __future__ import annotations
@@ -91,52 +92,75 @@ def _quantiles(values) -> str:
     return f"p10 {ordered[n // 10]:.0f}, p50 {ordered[n // 2]:.0f}, p90 {ordered[9 * n // 10]:.0f}"
 
 
-def bench_loop(fn, grads, iterations: int = 1500, skipped: int = 200) -> tuple[list[float], list[float]]:
-    """do_bench's loop (reset grads, flush L2, start event, call, end event) with the host time of each
-    call taken around it: (host us, GPU-timed us) per iteration after the first `skipped`."""
+def bench_loop(fn, grads, iterations: int = 1500, skipped: int = 200) -> dict[str, list[float]]:
+    """do_bench's loop (reset grads, flush L2, start event, call, end event), with one more event
+    before the flush, timed from both sides, per iteration after the first `skipped` (us):
+
+    - host: the call's host time, taken around it;
+    - gpu: the GPU-timed sample (start event to end event);
+    - flush: the GPU time of the L2 flush before it, which is how much host time the call can take
+      without the GPU waiting for it, when the host is not ahead;
+    - lead: how long before the GPU reached the start event the host had finished the call, on the
+      host's clock (the GPU's events are placed on it through a reference event recorded on an idle
+      GPU, so to within a few us). Negative: the GPU reached the start event first and the sample
+      includes its wait for the host.
+    """
     from triton import runtime
 
     flush = runtime.driver.active.get_empty_cache_for_benchmark()
     for _ in range(3):
         fn()
+    befores, starts, ends = ([torch.cuda.Event(enable_timing=True) for _ in range(iterations)] for _ in range(3))
+    reference = torch.cuda.Event(enable_timing=True)
     torch.cuda.synchronize()
-    starts = [torch.cuda.Event(enable_timing=True) for _ in range(iterations)]
-    ends = [torch.cuda.Event(enable_timing=True) for _ in range(iterations)]
-    host = []
-    for start, end in zip(starts, ends):
+    reference.record()
+    reference_host = time.perf_counter()
+    host, done = [], []
+    for before, start, end in zip(befores, starts, ends):
         for t in grads:
             t.grad = None
+        before.record()
         runtime.driver.active.clear_cache(flush)
         start.record()
         began = time.perf_counter()
         fn()
-        host.append((time.perf_counter() - began) * 1e6)
+        finished = time.perf_counter()
+        host.append((finished - began) * 1e6)
+        done.append((finished - reference_host) * 1e6)
         end.record()
     torch.cuda.synchronize()
     gpu = [start.elapsed_time(end) * 1e3 for start, end in zip(starts, ends)]
-    return host[skipped:], gpu[skipped:]
+    flushed = [before.elapsed_time(start) * 1e3 for before, start in zip(befores, starts)]
+    lead = [reference.elapsed_time(start) * 1e3 - at for start, at in zip(starts, done)]
+    return {"host": host[skipped:], "gpu": gpu[skipped:], "flush": flushed[skipped:], "lead": lead[skipped:]}
 
 
 def print_bench_loops() -> None:
-    print("do_bench's loop by hand, bf16 causal forward, batch 1 x 1 head (us):")
-    for d, n in ((32, 128), (64, 2048), (128, 1024)):
+    print("do_bench's loop by hand, bf16 causal forward, batch 1 x 1 head (us); lead: how far ahead of the "
+          "GPU the host finished each call (negative: the GPU waited for it):")
+    for d, n in ((64, 1024), (128, 1024), (64, 2048)):
         q, k, v = (torch.randn(1, 1, n, d, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
         with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
             for label, fn in (("Function", lambda: ft.FlashAttentionTriton.apply(q, k, v, True)),
                               ("triton_forward", lambda: ft.triton_forward(q, k, v, True)),
                               ("F.sdpa (flash)", lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True))):
-                host, gpu = bench_loop(fn, (q, k, v))
+                loop = bench_loop(fn, (q, k, v))
+                gpu = loop["gpu"]
                 cut = 2 * sorted(gpu)[len(gpu) // 10]
-                slow = [h for h, g in zip(host, gpu) if g > cut]
-                at_slow = f", host time there {sorted(slow)[len(slow) // 2]:.0f}" if slow else ""
-                print(f"  d={d} N={n} {label:15s} host {_quantiles(host)}; GPU-timed {_quantiles(gpu)}; "
-                      f"{len(slow)} of {len(gpu)} samples over {cut:.0f}{at_slow}")
+                slow = [i for i, g in enumerate(gpu) if g > cut]
+                waited = sum(lead < 0 for lead in loop["lead"])
+                slow_waited = sum(loop["lead"][i] < 0 for i in slow)
+                print(f"  d={d} N={n} {label:15s} host {_quantiles(loop['host'])}; GPU-timed {_quantiles(gpu)}; "
+                      f"flush {_quantiles(loop['flush'])}; lead {_quantiles(loop['lead'])}; GPU waited in {waited} of {len(gpu)}; "
+                      f"{len(slow)} samples over {cut:.0f}, {slow_waited} of them after a wait")
 
 
 def main() -> None:
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}")
     if "--bench-loop" in sys.argv:
         print_bench_loops()
+        if "--only" in sys.argv:
+            return
     for d in (64, 128):
         q, k, v, do = (torch.randn(1, 1, 1024, d, device="cuda", dtype=torch.bfloat16) for _ in range(4))
         for t in (q, k, v):
