@@ -18,8 +18,10 @@ Speed structure:
   - Launch order (_program_tile): the forward and dQ start the longest query tiles of every head
     first; dK/dV keeps a head's key tiles together so they share its queries in L2.
   - Host time, which decides short sequences: after the first call of a shape the compiled kernels are
-    launched directly, past Triton's per-call argument binding (_prepare_launch), and the Function
-    launches its forward after everything else it does.
+    launched directly, past Triton's per-call argument binding (_prepare_launch); from the third, a
+    forward with a known input signature also skips the input checks and tile choice (prepare_forward).
+    The Function's apply skips torch's Python preamble, and it launches its forward after everything
+    else it does.
   - TUNING.md holds each version's prediction and measured time.
 
 Under TRITON_INTERPRET=1 (no GPU) the kernels run on CPU tensors in the interpreter, with small
