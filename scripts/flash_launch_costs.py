@@ -151,8 +151,9 @@ def print_bench_loops() -> None:
                 waited = sum(lead < 0 for lead in loop["lead"])
                 slow_waited = sum(loop["lead"][i] < 0 for i in slow)
                 print(f"  d={d} N={n} {label:15s} host {_quantiles(loop['host'])}; GPU-timed {_quantiles(gpu)}; "
-                      f"flush {_quantiles(loop['flush'])}; lead {_quantiles(loop['lead'])}; GPU waited in {waited} of {len(gpu)}; "
-                      f"{len(slow)} samples over {cut:.0f}, {slow_waited} of them after a wait")
+                      f"flush {_quantiles(loop['flush'])}; lead {_quantiles(loop['lead'])}; "
+                      f"GPU waited in {waited} of {len(gpu)}; {len(slow)} samples over {cut:.0f}, "
+                      f"{slow_waited} of them after a wait")
 
 
 def main() -> None:
