@@ -415,14 +415,15 @@ def test_a_planned_signature_still_refuses_inputs_that_break_the_contract():
         FlashAttentionTriton.apply(q, k, v.tolist(), True)
 
 
+@pytest.mark.parametrize("head_dim", [24, 80])  # the merge takes 80 (in a tile of 128) in two masked chunks
 @pytest.mark.parametrize("is_causal", [False, True])
 @pytest.mark.parametrize(("n_queries", "n_keys"), [(80, 80), (100, 70), (50, 130), (16, 16)])
-def test_split_forward_matches_the_whole_forward(n_queries, n_keys, is_causal, device):
+def test_split_forward_matches_the_whole_forward(n_queries, n_keys, is_causal, head_dim, device):
     # Runs of one query tile up to more keys than any tile sees; the merge must give the whole
     # forward's o and L (to rounding: the runs sum in another order).
     dtype = torch.float32 if device.type == "cpu" else torch.bfloat16
-    q, k, v, _ = leaf_inputs((2, 3), n_queries, n_keys, 24, dtype, device)
-    tiles = flash_triton.tiles_for(24, dtype)
+    q, k, v, _ = leaf_inputs((2, 3), n_queries, n_keys, head_dim, dtype, device)
+    tiles = flash_triton.tiles_for(head_dim, dtype)
     tiles = tiles.narrow_forward or tiles.forward
     o, lse = flash_triton.launch_forward(q, k, v, is_causal, tiles)
     tolerance = 1e-5 if dtype == torch.float32 else 2e-2

@@ -222,7 +222,20 @@ def _store_output(O, L, pid_bh, batch, head, stride_ob, stride_oh, stride_on, o,
     """Store a query tile's output and its log-sum-exp, given in base 2 (L is stored in natural log units)."""
     _store_rows(_tile_ptrs(O, batch, head, stride_ob, stride_oh, stride_on, offs_m, offs_d),
                 o.to(O.dtype.element_ty), offs_m, n_queries, offs_d, HEAD_DIM, BLOCK_D)
+    _store_lse(L, pid_bh, lse2, offs_m, n_queries)
+
+
+@triton.jit
+def _store_lse(L, pid_bh, lse2, offs_m, n_queries):
+    """Store a query tile's log-sum-exp, given in base 2, in natural log units as L holds it."""
     tl.store(L + pid_bh.to(tl.int64) * n_queries + offs_m, lse2 * _LN2, mask=offs_m < n_queries)
+
+
+@triton.jit
+def _run_lse(lse_base, run, rows, n_splits, BLOCK_M: tl.constexpr):
+    """One run's stored base-2 lse per row of a split forward's tile; -inf for runs the tile does not have."""
+    return tl.load(lse_base + run * BLOCK_M + rows, mask=(rows < BLOCK_M) & (run < n_splits), other=float("-inf"),
+                   cache_modifier=".cg")
 
 
 @triton.jit(do_not_specialize=_SIZE_ARGS + ["split_keys"])
@@ -233,7 +246,8 @@ def _split_forward_kernel(Q, K, V, O, L, Partial, Arrivals,
                           stride_ob, stride_oh, stride_on,
                           n_heads, n_queries, n_keys, split_keys, qk_scale,
                           IS_CAUSAL: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-                          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+                          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                          RUNS: tl.constexpr, MERGE_COLUMNS: tl.constexpr):
     """The forward for grids too small to fill the GPU, where one program walking all of a long
     query tile's keys is the time: a query tile's keys are cut into runs of split_keys (a multiple
     of BLOCK_M, so the causal diagonal lies in the last run), one program per (query tile, run),
@@ -243,6 +257,11 @@ def _split_forward_kernel(Q, K, V, O, L, Partial, Arrivals,
     run's normalised output and base-2 log-sum-exp in Partial, then counts itself in the tile's
     Arrivals slot; the last to arrive merges the runs (out_s weighted by 2^(lse_s - lse)), stores
     o and L, and sets the slot back to zero for the next launch.
+
+    One program reads all of a tile's partials from L2, so the merge is bound by what one SM reads.
+    It therefore reads every run's lse first, so that the weights are known, then merges
+    MERGE_COLUMNS columns at a time over all RUNS (the grid's runs, unrolled, masked past this
+    tile's): a chunk's loads are all in flight at once, within the registers a chunk needs.
     """
     pid_bh, batch, head, pid_m = _program_tile(n_queries, n_heads, BLOCK_M, True)
     split = tl.program_id(1)
@@ -276,22 +295,27 @@ def _split_forward_kernel(Q, K, V, O, L, Partial, Arrivals,
             arrived = tl.atomic_add(Arrivals + tile_slot, 1, sem="acq_rel", scope="gpu")
             if arrived == n_splits - 1:
                 tl.store(Arrivals + tile_slot, 0)
-                m_all = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+                # .cg reads at L2, where the other programs' stores are, past this SM's L1.
+                lse_max = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+                for run in tl.static_range(RUNS):
+                    lse_max = tl.maximum(lse_max, _run_lse(lse_base, run, rows, n_splits, BLOCK_M))
                 weight_sum = tl.zeros([BLOCK_M], dtype=tl.float32)
-                merged = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
-                for run in range(0, n_splits):
-                    # .cg reads at L2, where the other programs' stores are, past this SM's L1.
-                    lse_run = tl.load(lse_base + run * BLOCK_M + rows, cache_modifier=".cg")
-                    out_run = tl.load(out_base + run * (BLOCK_M * BLOCK_D) + tile_offsets, cache_modifier=".cg")
-                    m_new = tl.maximum(m_all, lse_run)
-                    correction = tl.math.exp2(m_all - m_new)
-                    weight = tl.math.exp2(lse_run - m_new)
-                    merged = merged * correction[:, None] + out_run * weight[:, None]
-                    weight_sum = weight_sum * correction + weight
-                    m_all = m_new
-                _store_output(O, L, pid_bh, batch, head, stride_ob, stride_oh, stride_on,
-                              merged / weight_sum[:, None], m_all + tl.math.log2(weight_sum), offs_m, offs_d,
-                              n_queries, HEAD_DIM, BLOCK_D)
+                for run in tl.static_range(RUNS):
+                    weight_sum += tl.math.exp2(_run_lse(lse_base, run, rows, n_splits, BLOCK_M) - lse_max)
+                lse2 = lse_max + tl.math.log2(weight_sum)
+                columns = tl.arange(0, MERGE_COLUMNS)
+                for first in tl.static_range(0, BLOCK_D, MERGE_COLUMNS):
+                    merged = tl.zeros([BLOCK_M, MERGE_COLUMNS], dtype=tl.float32)
+                    for run in tl.static_range(RUNS):
+                        weight = tl.math.exp2(_run_lse(lse_base, run, rows, n_splits, BLOCK_M) - lse2)
+                        out_run = tl.load(out_base + run * (BLOCK_M * BLOCK_D) + rows[:, None] * BLOCK_D
+                                          + (first + columns)[None, :],
+                                          mask=(rows[:, None] < BLOCK_M) & (run < n_splits), other=0.0,
+                                          cache_modifier=".cg")
+                        merged += out_run * weight[:, None]
+                    _store_rows(_tile_ptrs(O, batch, head, stride_ob, stride_oh, stride_on, offs_m, first + columns),
+                                merged.to(O.dtype.element_ty), offs_m, n_queries, first + columns, HEAD_DIM, BLOCK_D)
+                _store_lse(L, pid_bh, lse2, offs_m, n_queries)
 
 
 @triton.jit
@@ -605,6 +629,13 @@ def _launch_options(head_dim: int, is_causal: bool, tiles: Tiles) -> dict:
                 BLOCK_N=tiles.block_n, num_warps=tiles.num_warps, num_stages=tiles.num_stages)
 
 
+def _merge_columns(head_dim: int) -> int:
+    """Columns the split forward's merge takes at a time: half the tile from 64 columns up (measured fastest
+    at d 64 and 128 on an H100, TUNING.md v10), else the whole tile."""
+    block_d = _block_d(head_dim)
+    return block_d // 2 if block_d >= 64 else block_d
+
+
 def _scales(head_dim: int) -> tuple[float, float]:
     """(scale of q k^T in base-2 score units, softmax scale 1/sqrt(d))."""
     return LOG2E / math.sqrt(head_dim), 1.0 / math.sqrt(head_dim)
@@ -758,7 +789,8 @@ def _prepare_split_forward(q4, k4, v4, is_causal: bool, tiles: Tiles,
     def arguments():
         scalars = (*q4.stride()[:3], *k4.stride()[:3], *v4.stride()[:3], *o4.stride()[:3],
                    heads, n_queries, n_keys, split_keys, _scales(head_dim)[0])
-        return grid, scalars, _launch_options(head_dim, is_causal, tiles)
+        return grid, scalars, dict(_launch_options(head_dim, is_causal, tiles), RUNS=grid[1],
+                                   MERGE_COLUMNS=_merge_columns(head_dim))
 
     key = (_split_forward_kernel, shape, q4.stride(), k4.shape, k4.stride(), v4.stride(), _alignment(q4, k4, v4),
            q4.dtype, q4.get_device(), is_causal, tiles, split_keys)
