@@ -134,9 +134,10 @@ def tune_class(head_dim, precision, shape, is_causal, pool, rep_ms) -> dict:
     return result
 
 
-def time_splits(head_dim, precision, shape, is_causal, split_keys, rep_ms) -> dict:
-    """The forward on narrow tiles, whole and with its keys cut into runs of each of `split_keys`
-    (launch_split_forward), against SDPA's forward (flash in bf16, efficient attention in fp32)."""
+def time_splits(head_dim, precision, shape, is_causal, split_keys, shares, rep_ms) -> dict:
+    """The forward on narrow tiles, whole and with its keys cut into runs of each of `split_keys` and its
+    columns into each of `shares` (launch_split_forward), against SDPA's forward (flash in bf16, efficient
+    attention in fp32)."""
     dtype = DTYPES[precision]
     q, k, v, _ = _inputs(shape, dtype)
     tile_set = ft.tiles_for(head_dim, dtype)
@@ -149,16 +150,19 @@ def time_splits(head_dim, precision, shape, is_causal, split_keys, rep_ms) -> di
     times = {"sdpa": sdpa,
              "whole": triton.testing.do_bench(lambda: ft.launch_forward(q, k, v, is_causal, tiles), warmup=25,
                                               rep=rep_ms, return_mode="median")}
-    for keys in split_keys:
-        if keys % tiles.block_m:
+    for keys, share_count in itertools.product(split_keys, shares):
+        if keys % tiles.block_m or ft._block_d(head_dim) // share_count < ft.MIN_DOT_DIM:
             continue
-        run = (lambda keys: lambda: ft.launch_split_forward(q, k, v, is_causal, tiles, keys))(keys)
+        run = (lambda keys, share_count: lambda: ft.launch_split_forward(q, k, v, is_causal, tiles, keys,
+                                                                         share_count))(keys, share_count)
         for _ in range(3):  # repeated launches must find the arrival counts back at zero
             got = run()
         mismatch = max((a.float() - b.float()).abs().max().item() for a, b in zip(got, whole))
         if mismatch > CHECK_TOLERANCE[dtype]:
-            raise AssertionError(f"split forward with runs of {keys} keys differs by {mismatch}")
-        times[f"split {keys}"] = triton.testing.do_bench(run, warmup=25, rep=rep_ms, return_mode="median")
+            raise AssertionError(f"split forward with runs of {keys} keys in {share_count} shares differs by "
+                                 f"{mismatch}")
+        times[f"split {keys} x{share_count}"] = triton.testing.do_bench(run, warmup=25, rep=rep_ms,
+                                                                        return_mode="median")
     print("  forward (us): " + ", ".join(f"{name} {ms * 1e3:.1f}" for name, ms in times.items()), flush=True)
     return {"head_dim": head_dim, "precision": precision, "shape": list(shape), "tiles": vars(tiles),
             "split_forward_ms": times}
@@ -218,6 +222,8 @@ def main(argv=None) -> int:
     parser.add_argument("--skip-whole", action="store_true", help="only time the kernels, not the Function")
     parser.add_argument("--split-keys", type=int, nargs="+",
                         help="time only the forward, whole and split into runs of these many keys")
+    parser.add_argument("--shares", type=int, nargs="+", default=[1, 2],
+                        help="with --split-keys: the output's columns in these many shares")
     parser.add_argument("--json", help="write every measurement here")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
@@ -232,7 +238,8 @@ def main(argv=None) -> int:
                 shape = (args.batch, args.heads, n, head_dim)
                 print(f"{precision} d={head_dim} shape {shape} causal={is_causal}", flush=True)
                 if args.split_keys:
-                    results.append(time_splits(head_dim, precision, shape, is_causal, args.split_keys, args.rep_ms))
+                    results.append(time_splits(head_dim, precision, shape, is_causal, args.split_keys, args.shares,
+                                               args.rep_ms))
                     continue
                 entry = {} if args.skip_tuning else tune_class(head_dim, precision, shape, is_causal, pool,
                                                                args.rep_ms)

@@ -415,12 +415,13 @@ def test_a_planned_signature_still_refuses_inputs_that_break_the_contract():
         FlashAttentionTriton.apply(q, k, v.tolist(), True)
 
 
-@pytest.mark.parametrize("head_dim", [24, 80])  # the merge takes 80 (in a tile of 128) in two masked chunks
+@pytest.mark.parametrize("shares", [1, 2])
+@pytest.mark.parametrize("head_dim", [24, 80])  # 80 (in a tile of 128): masked columns in the merge and in share 2
 @pytest.mark.parametrize("is_causal", [False, True])
 @pytest.mark.parametrize(("n_queries", "n_keys"), [(80, 80), (100, 70), (50, 130), (16, 16)])
-def test_split_forward_matches_the_whole_forward(n_queries, n_keys, is_causal, head_dim, device):
-    # Runs of one query tile up to more keys than any tile sees; the merge must give the whole
-    # forward's o and L (to rounding: the runs sum in another order).
+def test_split_forward_matches_the_whole_forward(n_queries, n_keys, is_causal, head_dim, shares, device):
+    # Runs of one query tile up to more keys than any tile sees, the output's columns whole or in two
+    # shares; the merge must give the whole forward's o and L (to rounding: the runs sum in another order).
     dtype = torch.float32 if device.type == "cpu" else torch.bfloat16
     q, k, v, _ = leaf_inputs((2, 3), n_queries, n_keys, head_dim, dtype, device)
     tiles = flash_triton.tiles_for(head_dim, dtype)
@@ -429,11 +430,24 @@ def test_split_forward_matches_the_whole_forward(n_queries, n_keys, is_causal, h
     tolerance = 1e-5 if dtype == torch.float32 else 2e-2
     for runs_of in (1, 2, 3):
         for _ in range(2):  # a second launch must find the arrival counts back at zero
-            split_o, split_lse = flash_triton.launch_split_forward(q, k, v, is_causal, tiles, runs_of * tiles.block_m)
+            split_o, split_lse = flash_triton.launch_split_forward(q, k, v, is_causal, tiles, runs_of * tiles.block_m,
+                                                                   shares)
             torch.testing.assert_close(split_o, o, atol=tolerance, rtol=tolerance)
             torch.testing.assert_close(split_lse, lse, atol=1e-5, rtol=1e-5)
     with pytest.raises(ValueError, match="multiple of the query tile"):
-        flash_triton.launch_split_forward(q, k, v, is_causal, tiles, tiles.block_m + 1)
+        flash_triton.launch_split_forward(q, k, v, is_causal, tiles, tiles.block_m + 1, shares)
+    with pytest.raises(ValueError, match="shares 3 must be a power of two"):
+        flash_triton.launch_split_forward(q, k, v, is_causal, tiles, tiles.block_m, 3)
+
+
+def test_the_output_columns_are_shared_only_while_twice_the_programs_fit_on_the_sms(monkeypatch):
+    monkeypatch.setattr(flash_triton, "_sm_count", lambda index: 132)
+    cuda = torch.device("cuda", 0)
+    assert flash_triton.forward_column_shares(64, 128, cuda) == 2  # one head, N 1024: 16 query tiles x 4 runs
+    assert flash_triton.forward_column_shares(66, 64, cuda) == 2
+    assert flash_triton.forward_column_shares(67, 128, cuda) == 1  # a second wave
+    assert flash_triton.forward_column_shares(128, 64, cuda) == 1  # one head, N 2048
+    assert flash_triton.forward_column_shares(8, 16, cuda) == 1  # a share would be narrower than a dot
 
 
 def test_split_forward_runs_are_a_quarter_of_the_longest_tile_in_query_tile_multiples():

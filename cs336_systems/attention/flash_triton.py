@@ -14,7 +14,8 @@ Speed structure:
   - Tile sizes, warps and pipeline stages come from TILE_TABLE, per head dimension and dtype, as
     measured by scripts/tune_flash.py; grids too small to fill the GPU take each kernel's narrow tiles,
     and there the forward also cuts each query tile's keys into runs, a program each, merged by the
-    last to finish (_split_forward_kernel).
+    last to finish (_split_forward_kernel); where twice those programs still fit on the SMs, the
+    output's columns are also shared between two programs per run.
   - Launch order (_program_tile): the forward and dQ start the longest query tiles of every head
     first; dK/dV keeps a head's key tiles together so they share its queries in L2.
   - Host time, which decides short sequences: after the first call of a shape the compiled kernels are
@@ -121,11 +122,11 @@ def _store_rows(ptrs, tile, rows, n_rows, offs_d, HEAD_DIM: tl.constexpr, BLOCK_
 
 @triton.jit
 def _forward_key_loop(acc, l_i, m_i, q, k_base, v_base, stride_kn, stride_vn, key_start, key_end,
-                      offs_m, offs_n, offs_d, n_keys, qk_scale,
+                      offs_m, offs_n, offs_d, offs_v, n_keys, qk_scale,
                       MASKED: tl.constexpr, IS_CAUSAL: tl.constexpr,
                       HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr):
-    """Online softmax over key tiles [key_start, key_end); MASKED applies the key-bound and causal
-    masks, for tiles on the diagonal or past the end of the keys."""
+    """Online softmax over key tiles [key_start, key_end), into acc over V's columns offs_v; MASKED
+    applies the key-bound and causal masks, for tiles on the diagonal or past the end of the keys."""
     for start_n in range(key_start, key_end, BLOCK_N):
         cols = start_n + offs_n
         k = _load_rows(k_base + cols[:, None] * stride_kn + offs_d[None, :], cols, n_keys, offs_d,
@@ -145,7 +146,7 @@ def _forward_key_loop(acc, l_i, m_i, q, k_base, v_base, stride_kn, stride_vn, ke
             p = tl.math.exp2(qk * qk_scale - m_new[:, None])
         correction = tl.math.exp2(m_i - m_new)
         l_i = l_i * correction + tl.sum(p, 1)
-        v = _load_rows(v_base + cols[:, None] * stride_vn + offs_d[None, :], cols, n_keys, offs_d,
+        v = _load_rows(v_base + cols[:, None] * stride_vn + offs_v[None, :], cols, n_keys, offs_v,
                        MASKED, HEAD_DIM, BLOCK_D)
         acc = tl.dot(p.to(v.dtype), v, acc * correction[:, None])
         m_i = m_new
@@ -166,20 +167,22 @@ def _keys_seen_end(q_start, n_keys, IS_CAUSAL: tl.constexpr, BLOCK_M: tl.constex
 @triton.jit
 def _attend_key_range(Q, K, V, batch, head, stride_qb, stride_qh, stride_qn, stride_kb, stride_kh, stride_kn,
                       stride_vb, stride_vh, stride_vn, q_start, key_lo, key_hi, n_queries, n_keys, qk_scale,
-                      IS_CAUSAL: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-    """(normalised output, base-2 log-sum-exp) of the BLOCK_M queries from q_start over the keys in
-    [key_lo, key_hi), both multiples of BLOCK_N or key_hi the end of the keys seen."""
+                      v_start, IS_CAUSAL: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_DV: tl.constexpr):
+    """(normalised output over V's BLOCK_DV columns from v_start, base-2 log-sum-exp) of the BLOCK_M
+    queries from q_start over the keys in [key_lo, key_hi), both multiples of BLOCK_N or key_hi the
+    end of the keys seen."""
     offs_m = q_start + tl.arange(0, BLOCK_M)
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
+    offs_v = v_start + tl.arange(0, BLOCK_DV)
     k_base = K + batch * stride_kb + head * stride_kh
     v_base = V + batch * stride_vb + head * stride_vh
     q = _load_rows(_tile_ptrs(Q, batch, head, stride_qb, stride_qh, stride_qn, offs_m, offs_d),
                    offs_m, n_queries, offs_d, True, HEAD_DIM, BLOCK_D)
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
-    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
     full_keys_end = (n_keys // BLOCK_N) * BLOCK_N  # key tiles before this need no bound mask
     if IS_CAUSAL:
         # Tiles before the query tile are wholly below the diagonal (BLOCK_M is a multiple of
@@ -188,10 +191,10 @@ def _attend_key_range(Q, K, V, batch, head, stride_qb, stride_qh, stride_qn, str
     else:
         masked_start = full_keys_end
     acc, l_i, m_i = _forward_key_loop(acc, l_i, m_i, q, k_base, v_base, stride_kn, stride_vn,
-                                      key_lo, tl.minimum(key_hi, masked_start), offs_m, offs_n, offs_d,
+                                      key_lo, tl.minimum(key_hi, masked_start), offs_m, offs_n, offs_d, offs_v,
                                       n_keys, qk_scale, False, IS_CAUSAL, HEAD_DIM, BLOCK_D, BLOCK_N)
     acc, l_i, m_i = _forward_key_loop(acc, l_i, m_i, q, k_base, v_base, stride_kn, stride_vn,
-                                      tl.maximum(key_lo, masked_start), key_hi, offs_m, offs_n, offs_d,
+                                      tl.maximum(key_lo, masked_start), key_hi, offs_m, offs_n, offs_d, offs_v,
                                       n_keys, qk_scale, True, IS_CAUSAL, HEAD_DIM, BLOCK_D, BLOCK_N)
     return acc / l_i[:, None], m_i + tl.math.log2(l_i)
 
@@ -211,7 +214,7 @@ def _forward_kernel(Q, K, V, O, L,
     o, lse2 = _attend_key_range(Q, K, V, batch, head, stride_qb, stride_qh, stride_qn, stride_kb, stride_kh, stride_kn,
                                 stride_vb, stride_vh, stride_vn, q_start, 0,
                                 _keys_seen_end(q_start, n_keys, IS_CAUSAL, BLOCK_M), n_queries, n_keys, qk_scale,
-                                IS_CAUSAL, HEAD_DIM, BLOCK_D, BLOCK_M, BLOCK_N)
+                                0, IS_CAUSAL, HEAD_DIM, BLOCK_D, BLOCK_M, BLOCK_N, BLOCK_D)
     _store_output(O, L, pid_bh, batch, head, stride_ob, stride_oh, stride_on, o, lse2,
                   q_start + tl.arange(0, BLOCK_M), tl.arange(0, BLOCK_D), n_queries, HEAD_DIM, BLOCK_D)
 
@@ -247,24 +250,29 @@ def _split_forward_kernel(Q, K, V, O, L, Partial, Arrivals,
                           n_heads, n_queries, n_keys, split_keys, qk_scale,
                           IS_CAUSAL: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
                           BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                          RUNS: tl.constexpr, MERGE_COLUMNS: tl.constexpr):
+                          RUNS: tl.constexpr, SHARES: tl.constexpr, MERGE_COLUMNS: tl.constexpr):
     """The forward for grids too small to fill the GPU, where one program walking all of a long
     query tile's keys is the time: a query tile's keys are cut into runs of split_keys (a multiple
-    of BLOCK_M, so the causal diagonal lies in the last run), one program per (query tile, run),
-    the run on grid axis 1.
+    of BLOCK_M, so the causal diagonal lies in the last run), the run on grid axis 1, and where
+    even that leaves SMs idle, the output's columns into SHARES shares, on grid axis 2. A program
+    computes its run's scores in full, but P V, its partial and the merge for its share only.
 
-    A tile with one run stores o and L as _forward_kernel does. Otherwise each program stores its
-    run's normalised output and base-2 log-sum-exp in Partial, then counts itself in the tile's
-    Arrivals slot; the last to arrive merges the runs (out_s weighted by 2^(lse_s - lse)), stores
-    o and L, and sets the slot back to zero for the next launch.
+    A tile with one run stores o and L as _forward_kernel does (L from share 0). Otherwise each
+    program stores its run's normalised output and base-2 log-sum-exp in Partial, then counts
+    itself in its (tile, share) Arrivals slot; the last to arrive merges the runs (out_s weighted
+    by 2^(lse_s - lse)), stores o (and L, in share 0), and sets the slot back to zero for the next
+    launch.
 
-    One program reads all of a tile's partials from L2, so the merge is bound by what one SM reads.
-    It therefore reads every run's lse first, so that the weights are known, then merges
-    MERGE_COLUMNS columns at a time over all RUNS (the grid's runs, unrolled, masked past this
-    tile's): a chunk's loads are all in flight at once, within the registers a chunk needs.
+    One program reads all of a share's partials from L2, so the merge is bound by what one SM
+    reads: sharing the columns divides that. The merge reads every run's lse first, so that the
+    weights are known, then merges MERGE_COLUMNS columns at a time over all RUNS (the grid's runs,
+    unrolled, masked past this tile's): a chunk's loads are all in flight at once, within the
+    registers a chunk needs.
     """
+    BLOCK_DV: tl.constexpr = BLOCK_D // SHARES
     pid_bh, batch, head, pid_m = _program_tile(n_queries, n_heads, BLOCK_M, True)
     split = tl.program_id(1)
+    share = tl.program_id(2)
     q_start = pid_m * BLOCK_M
     keys_end = _keys_seen_end(q_start, n_keys, IS_CAUSAL, BLOCK_M)
     n_splits = tl.cdiv(keys_end, split_keys)
@@ -273,22 +281,24 @@ def _split_forward_kernel(Q, K, V, O, L, Partial, Arrivals,
         o, lse2 = _attend_key_range(Q, K, V, batch, head, stride_qb, stride_qh, stride_qn, stride_kb, stride_kh,
                                     stride_kn, stride_vb, stride_vh, stride_vn, q_start, key_lo,
                                     tl.minimum(key_lo + split_keys, keys_end), n_queries, n_keys, qk_scale,
-                                    IS_CAUSAL, HEAD_DIM, BLOCK_D, BLOCK_M, BLOCK_N)
+                                    share * BLOCK_DV, IS_CAUSAL, HEAD_DIM, BLOCK_D, BLOCK_M, BLOCK_N, BLOCK_DV)
         offs_m = q_start + tl.arange(0, BLOCK_M)
-        offs_d = tl.arange(0, BLOCK_D)
+        offs_dv = tl.arange(0, BLOCK_DV)
         if n_splits == 1:
-            _store_output(O, L, pid_bh, batch, head, stride_ob, stride_oh, stride_on, o, lse2, offs_m, offs_d,
-                          n_queries, HEAD_DIM, BLOCK_D)
+            out_columns = share * BLOCK_DV + offs_dv
+            _store_rows(_tile_ptrs(O, batch, head, stride_ob, stride_oh, stride_on, offs_m, out_columns),
+                        o.to(O.dtype.element_ty), offs_m, n_queries, out_columns, HEAD_DIM, BLOCK_D)
+            if share == 0:
+                _store_lse(L, pid_bh, lse2, offs_m, n_queries)
         else:
-            # Partial: per (tile, run) slot, BLOCK_M x BLOCK_D outputs; after all slots, BLOCK_M lse each.
+            # Partial: per (tile, share, run) slot, BLOCK_M x BLOCK_DV outputs; after all slots, BLOCK_M lse each.
             n_tiles = tl.cdiv(n_queries, BLOCK_M)
-            tile_slot = pid_bh.to(tl.int64) * n_tiles + pid_m
-            n_slots = tl.num_programs(0).to(tl.int64) * tl.num_programs(1)
+            tile_slot = (pid_bh.to(tl.int64) * n_tiles + pid_m) * SHARES + share
+            n_slots = tl.num_programs(0).to(tl.int64) * RUNS * SHARES
             rows = tl.arange(0, BLOCK_M)
-            out_base = Partial + tile_slot * tl.num_programs(1) * (BLOCK_M * BLOCK_D)
-            lse_base = Partial + n_slots * (BLOCK_M * BLOCK_D) + tile_slot * tl.num_programs(1) * BLOCK_M
-            tile_offsets = rows[:, None] * BLOCK_D + offs_d[None, :]
-            tl.store(out_base + split * (BLOCK_M * BLOCK_D) + tile_offsets, o)
+            out_base = Partial + tile_slot * RUNS * (BLOCK_M * BLOCK_DV)
+            lse_base = Partial + n_slots * (BLOCK_M * BLOCK_DV) + tile_slot * RUNS * BLOCK_M
+            tl.store(out_base + split * (BLOCK_M * BLOCK_DV) + rows[:, None] * BLOCK_DV + offs_dv[None, :], o)
             tl.store(lse_base + split * BLOCK_M + rows, lse2)
             # Every warp's stores come before the count (one thread's release, as a semaphore does).
             tl.debug_barrier()
@@ -304,18 +314,20 @@ def _split_forward_kernel(Q, K, V, O, L, Partial, Arrivals,
                     weight_sum += tl.math.exp2(_run_lse(lse_base, run, rows, n_splits, BLOCK_M) - lse_max)
                 lse2 = lse_max + tl.math.log2(weight_sum)
                 columns = tl.arange(0, MERGE_COLUMNS)
-                for first in tl.static_range(0, BLOCK_D, MERGE_COLUMNS):
+                for first in tl.static_range(0, BLOCK_DV, MERGE_COLUMNS):
                     merged = tl.zeros([BLOCK_M, MERGE_COLUMNS], dtype=tl.float32)
                     for run in tl.static_range(RUNS):
                         weight = tl.math.exp2(_run_lse(lse_base, run, rows, n_splits, BLOCK_M) - lse2)
-                        out_run = tl.load(out_base + run * (BLOCK_M * BLOCK_D) + rows[:, None] * BLOCK_D
+                        out_run = tl.load(out_base + run * (BLOCK_M * BLOCK_DV) + rows[:, None] * BLOCK_DV
                                           + (first + columns)[None, :],
                                           mask=(rows[:, None] < BLOCK_M) & (run < n_splits), other=0.0,
                                           cache_modifier=".cg")
                         merged += out_run * weight[:, None]
-                    _store_rows(_tile_ptrs(O, batch, head, stride_ob, stride_oh, stride_on, offs_m, first + columns),
-                                merged.to(O.dtype.element_ty), offs_m, n_queries, first + columns, HEAD_DIM, BLOCK_D)
-                _store_lse(L, pid_bh, lse2, offs_m, n_queries)
+                    out_columns = share * BLOCK_DV + first + columns
+                    _store_rows(_tile_ptrs(O, batch, head, stride_ob, stride_oh, stride_on, offs_m, out_columns),
+                                merged.to(O.dtype.element_ty), offs_m, n_queries, out_columns, HEAD_DIM, BLOCK_D)
+                if share == 0:
+                    _store_lse(L, pid_bh, lse2, offs_m, n_queries)
 
 
 @triton.jit
@@ -580,6 +592,17 @@ def forward_split_keys(tiles: Tiles, n_queries: int, n_keys: int, is_causal: boo
     return split_keys if split_keys < longest else None
 
 
+def forward_column_shares(programs: int, head_dim: int, device: torch.device) -> int:
+    """Shares of the output's columns for a split forward of `programs` (query tiles x runs) programs: two
+    where that many programs twice over still fit on the SMs at once, so the merge's reads are halved
+    across two SMs (H100, one head, d 128, N 1024: kernel 11.3 -> 7.8 us; TUNING.md v11), one where the
+    extra programs would wait for a second wave (N 2048: slower) or a share would be narrower than a
+    dot's 16 columns."""
+    if _block_d(head_dim) >= 2 * MIN_DOT_DIM and 2 * programs <= _sm_count(device.index or 0):
+        return 2
+    return 1
+
+
 def _as_batch_heads(t: torch.Tensor) -> torch.Tensor:
     """(..., n, d) as a 4-D (batch, heads, n, d) view with unit stride along d.
 
@@ -629,11 +652,10 @@ def _launch_options(head_dim: int, is_causal: bool, tiles: Tiles) -> dict:
                 BLOCK_N=tiles.block_n, num_warps=tiles.num_warps, num_stages=tiles.num_stages)
 
 
-def _merge_columns(head_dim: int) -> int:
-    """Columns the split forward's merge takes at a time: half the tile from 64 columns up (measured fastest
-    at d 64 and 128 on an H100, TUNING.md v10), else the whole tile."""
-    block_d = _block_d(head_dim)
-    return block_d // 2 if block_d >= 64 else block_d
+def _merge_columns(share_columns: int) -> int:
+    """Columns the split forward's merge takes at a time, of a share of `share_columns`: half of it from 64
+    columns up (measured fastest at d 64 and 128 on an H100, TUNING.md v10), else all of it."""
+    return share_columns // 2 if share_columns >= 64 else share_columns
 
 
 def _scales(head_dim: int) -> tuple[float, float]:
@@ -707,8 +729,8 @@ def _contiguous_like(t: torch.Tensor) -> torch.Tensor:
     return torch.empty_like(t) if t.is_contiguous() else t.new_empty(t.shape)
 
 
-def _grid3(grid: int | tuple[int, int]) -> tuple[int, int, int]:
-    return (grid, 1, 1) if isinstance(grid, int) else (*grid, 1)
+def _grid3(grid: int | tuple[int, ...]) -> tuple[int, int, int]:
+    return (grid, 1, 1) if isinstance(grid, int) else (*grid, *(1,) * (3 - len(grid)))
 
 
 def _alignment(*tensors: torch.Tensor) -> tuple[int, ...]:
@@ -767,21 +789,28 @@ def _split_buffers(device: torch.device, tiles: int, workspace_floats: int) -> t
     return buffers
 
 
-def _split_buffer_sizes(grid: tuple[int, int], tiles: Tiles, head_dim: int) -> tuple[int, int]:
-    """(query tiles, workspace floats) of a split forward's grid: per (tile, run), a tile of outputs and its lse."""
-    return grid[0], grid[0] * grid[1] * tiles.block_m * (_block_d(head_dim) + 1)
+def _split_buffer_sizes(grid: tuple[int, int, int], tiles: Tiles, head_dim: int) -> tuple[int, int]:
+    """(arrival slots, workspace floats) of a split forward's grid (query tiles, runs, column shares): a slot
+    per (tile, share), and per (tile, share, run) a share of a tile of outputs and its lse."""
+    tiles_runs_shares = grid[0] * grid[1] * grid[2]
+    return grid[0] * grid[2], tiles_runs_shares * tiles.block_m * (_block_d(head_dim) // grid[2] + 1)
 
 
-def _prepare_split_forward(q4, k4, v4, is_causal: bool, tiles: Tiles,
-                           split_keys: int) -> tuple[torch.Tensor, torch.Tensor, Callable, tuple]:
-    """The split forward (_split_forward_kernel), runs of `split_keys` keys: returns like _prepare_forward."""
+def _prepare_split_forward(q4, k4, v4, is_causal: bool, tiles: Tiles, split_keys: int,
+                           shares: int) -> tuple[torch.Tensor, torch.Tensor, Callable, tuple]:
+    """The split forward (_split_forward_kernel), runs of `split_keys` keys, the output's columns in `shares`
+    shares: returns like _prepare_forward."""
     shape = q4.shape
     batch, heads, n_queries, head_dim = shape
     n_keys = k4.shape[2]
     if split_keys % tiles.block_m:
         raise ValueError(f"split_keys {split_keys} must be a multiple of the query tile, {tiles.block_m}")
+    block_d = _block_d(head_dim)
+    if shares not in (1, 2, 4, 8) or block_d // shares < MIN_DOT_DIM:
+        raise ValueError(f"shares {shares} must be a power of two of at most {block_d // MIN_DOT_DIM} at head dim "
+                         f"{head_dim} (a share of {block_d} columns at least {MIN_DOT_DIM})")
     longest = _longest_tile_keys(tiles.block_m, n_queries, n_keys, is_causal)
-    grid = (batch * heads * _cdiv(n_queries, tiles.block_m), _cdiv(longest, split_keys))
+    grid = (batch * heads * _cdiv(n_queries, tiles.block_m), _cdiv(longest, split_keys), shares)
     o4 = _contiguous_like(q4)
     lse = q4.new_empty((batch, heads, n_queries), dtype=torch.float32)
     arrivals, partial = _split_buffers(q4.device, *_split_buffer_sizes(grid, tiles, head_dim))
@@ -789,19 +818,20 @@ def _prepare_split_forward(q4, k4, v4, is_causal: bool, tiles: Tiles,
     def arguments():
         scalars = (*q4.stride()[:3], *k4.stride()[:3], *v4.stride()[:3], *o4.stride()[:3],
                    heads, n_queries, n_keys, split_keys, _scales(head_dim)[0])
-        return grid, scalars, dict(_launch_options(head_dim, is_causal, tiles), RUNS=grid[1],
-                                   MERGE_COLUMNS=_merge_columns(head_dim))
+        return grid, scalars, dict(_launch_options(head_dim, is_causal, tiles), RUNS=grid[1], SHARES=shares,
+                                   MERGE_COLUMNS=_merge_columns(block_d // shares))
 
     key = (_split_forward_kernel, shape, q4.stride(), k4.shape, k4.stride(), v4.stride(), _alignment(q4, k4, v4),
-           q4.dtype, q4.get_device(), is_causal, tiles, split_keys)
+           q4.dtype, q4.get_device(), is_causal, tiles, split_keys, shares)
     tensors = (q4, k4, v4, o4, lse, partial, arrivals)
     return o4, lse, _prepare_launch(_split_forward_kernel, key, tensors, arguments), key
 
 
-def launch_split_forward(q4, k4, v4, is_causal: bool, tiles: Tiles,
-                         split_keys: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The split forward (_split_forward_kernel), runs of `split_keys` keys: returns like launch_forward."""
-    o4, lse, launch, _ = _prepare_split_forward(q4, k4, v4, is_causal, tiles, split_keys)
+def launch_split_forward(q4, k4, v4, is_causal: bool, tiles: Tiles, split_keys: int,
+                         shares: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+    """The split forward (_split_forward_kernel), runs of `split_keys` keys, the output's columns in `shares`
+    shares: returns like launch_forward."""
+    o4, lse, launch, _ = _prepare_split_forward(q4, k4, v4, is_causal, tiles, split_keys, shares)
     launch()
     return o4, lse
 
@@ -889,7 +919,9 @@ def prepare_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     if split_keys is None:
         o4, lse, launch, key = _prepare_forward(q4, k4, v4, is_causal, tiles)
     else:
-        o4, lse, launch, key = _prepare_split_forward(q4, k4, v4, is_causal, tiles, split_keys)
+        runs = _cdiv(_longest_tile_keys(tiles.block_m, n_queries, k4.shape[2], is_causal), split_keys)
+        shares = forward_column_shares(batch * heads * _cdiv(n_queries, tiles.block_m) * runs, head_dim, q.device)
+        o4, lse, launch, key = _prepare_split_forward(q4, k4, v4, is_causal, tiles, split_keys, shares)
     kept = _LAUNCHES.get(key)
     # Inputs _as_batch_heads copied are not read in place, so their calls take this path each time.
     if (signature is not None and kept is not None
