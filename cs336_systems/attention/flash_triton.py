@@ -236,7 +236,8 @@ def _store_lse(L, pid_bh, lse2, offs_m, n_queries):
 
 @triton.jit
 def _run_lse(lse_base, run, rows, n_splits, BLOCK_M: tl.constexpr):
-    """One run's stored base-2 lse per row of a split forward's tile; -inf for runs the tile does not have."""
+    """One run's stored base-2 lse per row of a split forward's tile; -inf for runs the tile does not have.
+    (rows < BLOCK_M holds everywhere: it spreads the run's mask over the rows.)"""
     return tl.load(lse_base + run * BLOCK_M + rows, mask=(rows < BLOCK_M) & (run < n_splits), other=float("-inf"),
                    cache_modifier=".cg")
 
@@ -595,7 +596,7 @@ def forward_split_keys(tiles: Tiles, n_queries: int, n_keys: int, is_causal: boo
 def forward_column_shares(programs: int, head_dim: int, device: torch.device) -> int:
     """Shares of the output's columns for a split forward of `programs` (query tiles x runs) programs: two
     where that many programs twice over still fit on the SMs at once, so the merge's reads are halved
-    across two SMs (H100, one head, d 128, N 1024: kernel 11.3 -> 7.8 us; TUNING.md v11), one where the
+    across two SMs (H100, one head, d 128, N 1024: kernel 11.3 -> 8.2 us; TUNING.md v11), one where the
     extra programs would wait for a second wave (N 2048: slower) or a share would be narrower than a
     dot's 16 columns."""
     if _block_d(head_dim) >= 2 * MIN_DOT_DIM and 2 * programs <= _sm_count(device.index or 0):
@@ -797,20 +798,23 @@ def _split_buffer_sizes(grid: tuple[int, int, int], tiles: Tiles, head_dim: int)
 
 
 def _prepare_split_forward(q4, k4, v4, is_causal: bool, tiles: Tiles, split_keys: int,
-                           shares: int) -> tuple[torch.Tensor, torch.Tensor, Callable, tuple]:
+                           shares: int | None = None) -> tuple[torch.Tensor, torch.Tensor, Callable, tuple]:
     """The split forward (_split_forward_kernel), runs of `split_keys` keys, the output's columns in `shares`
-    shares: returns like _prepare_forward."""
+    shares (None: as forward_column_shares takes them): returns like _prepare_forward."""
     shape = q4.shape
     batch, heads, n_queries, head_dim = shape
     n_keys = k4.shape[2]
     if split_keys % tiles.block_m:
         raise ValueError(f"split_keys {split_keys} must be a multiple of the query tile, {tiles.block_m}")
+    longest = _longest_tile_keys(tiles.block_m, n_queries, n_keys, is_causal)
+    tiles_runs = (batch * heads * _cdiv(n_queries, tiles.block_m), _cdiv(longest, split_keys))
+    if shares is None:
+        shares = forward_column_shares(tiles_runs[0] * tiles_runs[1], head_dim, q4.device)
     block_d = _block_d(head_dim)
     if shares not in (1, 2, 4, 8) or block_d // shares < MIN_DOT_DIM:
         raise ValueError(f"shares {shares} must be a power of two of at most {block_d // MIN_DOT_DIM} at head dim "
-                         f"{head_dim} (a share of {block_d} columns at least {MIN_DOT_DIM})")
-    longest = _longest_tile_keys(tiles.block_m, n_queries, n_keys, is_causal)
-    grid = (batch * heads * _cdiv(n_queries, tiles.block_m), _cdiv(longest, split_keys), shares)
+                         f"{head_dim}: each share of its {block_d} padded columns needs at least {MIN_DOT_DIM}")
+    grid = (*tiles_runs, shares)
     o4 = _contiguous_like(q4)
     lse = q4.new_empty((batch, heads, n_queries), dtype=torch.float32)
     arrivals, partial = _split_buffers(q4.device, *_split_buffer_sizes(grid, tiles, head_dim))
@@ -919,9 +923,7 @@ def prepare_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     if split_keys is None:
         o4, lse, launch, key = _prepare_forward(q4, k4, v4, is_causal, tiles)
     else:
-        runs = _cdiv(_longest_tile_keys(tiles.block_m, n_queries, k4.shape[2], is_causal), split_keys)
-        shares = forward_column_shares(batch * heads * _cdiv(n_queries, tiles.block_m) * runs, head_dim, q.device)
-        o4, lse, launch, key = _prepare_split_forward(q4, k4, v4, is_causal, tiles, split_keys, shares)
+        o4, lse, launch, key = _prepare_split_forward(q4, k4, v4, is_causal, tiles, split_keys)
     kept = _LAUNCHES.get(key)
     # Inputs _as_batch_heads copied are not read in place, so their calls take this path each time.
     if (signature is not None and kept is not None
