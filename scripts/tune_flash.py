@@ -27,7 +27,9 @@ import triton
 import triton.testing
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from cs336_systems.attention import flash_triton as ft
+from cs336_systems.attention.flash_triton import FlashAttentionTriton
+from cs336_systems.attention.flash_triton import launch as ft
+from cs336_systems.attention.flash_triton.tiles import Tiles, tiles_for
 from cs336_systems.benchmarks.attention import DTYPES
 
 KERNELS = ("forward", "dkdv", "dq")
@@ -47,7 +49,7 @@ COMPILE_SEQ_LEN = 256  # compiling needs only the launch signature; a short sequ
 CHECK_TOLERANCE = {torch.bfloat16: 2e-1, torch.float32: 1e-2}
 
 
-def candidates(kernel: str, head_dim: int, dtype: torch.dtype) -> list[ft.Tiles]:
+def candidates(kernel: str, head_dim: int, dtype: torch.dtype) -> list[Tiles]:
     element_bytes = torch.finfo(dtype).bits // 8
     shapes = []
     for (owned, stepped), stages in itertools.product(OWNED_STEPPED[element_bytes], STAGES):
@@ -55,9 +57,9 @@ def candidates(kernel: str, head_dim: int, dtype: torch.dtype) -> list[ft.Tiles]
             continue  # two d=128 fp32 accumulators of this size spill registers
         for warps in WARPS[owned]:
             if kernel == "dkdv":
-                shapes.append(ft.Tiles(block_m=stepped, block_n=owned, num_warps=warps, num_stages=stages))
+                shapes.append(Tiles(block_m=stepped, block_n=owned, num_warps=warps, num_stages=stages))
             else:
-                shapes.append(ft.Tiles(block_m=owned, block_n=stepped, num_warps=warps, num_stages=stages))
+                shapes.append(Tiles(block_m=owned, block_n=stepped, num_warps=warps, num_stages=stages))
     return shapes
 
 
@@ -66,7 +68,7 @@ def _inputs(shape, dtype, seed=0):
     return [torch.randn(shape, generator=generator, device="cuda", dtype=dtype) for _ in range(4)]
 
 
-def _run_kernel(kernel: str, tiles: ft.Tiles, q, k, v, do, is_causal: bool, prepared=None):
+def _run_kernel(kernel: str, tiles: Tiles, q, k, v, do, is_causal: bool, prepared=None):
     if kernel == "forward":
         return lambda: ft.launch_forward(q, k, v, is_causal, tiles)
     o, lse, delta = prepared
@@ -76,7 +78,7 @@ def _run_kernel(kernel: str, tiles: ft.Tiles, q, k, v, do, is_causal: bool, prep
 
 
 def _prepare(q, k, v, do, is_causal):
-    tile_set = ft.tiles_for(q.shape[-1], q.dtype)
+    tile_set = tiles_for(q.shape[-1], q.dtype)
     o, lse = ft.launch_forward(q, k, v, is_causal, tile_set.forward)
     return o, lse, ft.launch_dq(q, k, v, o, do, lse, is_causal, tile_set.dq)[1]
 
@@ -100,7 +102,7 @@ def tune_class(head_dim, precision, shape, is_causal, pool, rep_ms) -> dict:
     score_elements = batch_heads * n * n / (2 if is_causal else 1)
     q, k, v, do = _inputs(shape, dtype)
     prepared = _prepare(q, k, v, do, is_causal)
-    current = ft.tiles_for(head_dim, dtype)
+    current = tiles_for(head_dim, dtype)
     reference = {name: _run_kernel(name, getattr(current, name), q, k, v, do, is_causal, prepared)()
                  for name in KERNELS}
     result = {"head_dim": head_dim, "precision": precision, "shape": list(shape), "is_causal": is_causal,
@@ -134,13 +136,12 @@ def tune_class(head_dim, precision, shape, is_causal, pool, rep_ms) -> dict:
     return result
 
 
-def time_splits(head_dim, precision, shape, is_causal, split_keys, shares, rep_ms) -> dict:
-    """The forward on narrow tiles, whole and with its keys cut into runs of each of `split_keys` and its
-    columns into each of `shares` (launch_split_forward), against SDPA's forward (flash in bf16, efficient
-    attention in fp32)."""
+def time_splits(head_dim, precision, shape, is_causal, split_keys, rep_ms) -> dict:
+    """The forward on narrow tiles, whole and with its keys cut into runs of each of `split_keys`
+    (launch_split_forward), against SDPA's forward (flash in bf16, efficient attention in fp32)."""
     dtype = DTYPES[precision]
     q, k, v, _ = _inputs(shape, dtype)
-    tile_set = ft.tiles_for(head_dim, dtype)
+    tile_set = tiles_for(head_dim, dtype)
     tiles = tile_set.narrow_forward or tile_set.forward
     whole = ft.launch_forward(q, k, v, is_causal, tiles)
     backend = SDPBackend.FLASH_ATTENTION if precision == "bf16" else SDPBackend.EFFICIENT_ATTENTION
@@ -150,19 +151,15 @@ def time_splits(head_dim, precision, shape, is_causal, split_keys, shares, rep_m
     times = {"sdpa": sdpa,
              "whole": triton.testing.do_bench(lambda: ft.launch_forward(q, k, v, is_causal, tiles), warmup=25,
                                               rep=rep_ms, return_mode="median")}
-    for keys, share_count in itertools.product(split_keys, shares):
-        if keys % tiles.block_m or ft._block_d(head_dim) // share_count < ft.MIN_DOT_DIM:
+    for keys in split_keys:
+        if keys % tiles.block_m:
             continue
-        run = (lambda keys, share_count: lambda: ft.launch_split_forward(q, k, v, is_causal, tiles, keys,
-                                                                         share_count))(keys, share_count)
-        for _ in range(3):  # repeated launches must find the arrival counts back at zero
-            got = run()
+        run = (lambda keys: lambda: ft.launch_split_forward(q, k, v, is_causal, tiles, keys))(keys)
+        got = run()
         mismatch = max((a.float() - b.float()).abs().max().item() for a, b in zip(got, whole))
         if mismatch > CHECK_TOLERANCE[dtype]:
-            raise AssertionError(f"split forward with runs of {keys} keys in {share_count} shares differs by "
-                                 f"{mismatch}")
-        times[f"split {keys} x{share_count}"] = triton.testing.do_bench(run, warmup=25, rep=rep_ms,
-                                                                        return_mode="median")
+            raise AssertionError(f"split forward with runs of {keys} keys differs by {mismatch}")
+        times[f"split {keys}"] = triton.testing.do_bench(run, warmup=25, rep=rep_ms, return_mode="median")
     print("  forward (us): " + ", ".join(f"{name} {ms * 1e3:.1f}" for name, ms in times.items()), flush=True)
     return {"head_dim": head_dim, "precision": precision, "shape": list(shape), "tiles": vars(tiles),
             "split_forward_ms": times}
@@ -182,7 +179,7 @@ def compare_whole(head_dim, precision, shape, is_causal, rep_ms) -> dict:
     q, k, v, do = (t.requires_grad_(i < 3) for i, t in enumerate(_inputs(shape, dtype, seed=1)))
     grads = [q, k, v]
     out = {}
-    runners = {"triton": lambda: ft.FlashAttentionTriton.apply(q, k, v, is_causal)}
+    runners = {"triton": lambda: FlashAttentionTriton.apply(q, k, v, is_causal)}
     for name, backend in (("sdpa_flash", SDPBackend.FLASH_ATTENTION), ("sdpa_cudnn", SDPBackend.CUDNN_ATTENTION)):
         runners[name] = (lambda b: lambda: _sdpa(b, q, k, v, is_causal))(backend)
     for name, forward in runners.items():
@@ -222,8 +219,6 @@ def main(argv=None) -> int:
     parser.add_argument("--skip-whole", action="store_true", help="only time the kernels, not the Function")
     parser.add_argument("--split-keys", type=int, nargs="+",
                         help="time only the forward, whole and split into runs of these many keys")
-    parser.add_argument("--shares", type=int, nargs="+", default=[1, 2],
-                        help="with --split-keys: the output's columns in these many shares")
     parser.add_argument("--json", help="write every measurement here")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
@@ -238,8 +233,7 @@ def main(argv=None) -> int:
                 shape = (args.batch, args.heads, n, head_dim)
                 print(f"{precision} d={head_dim} shape {shape} causal={is_causal}", flush=True)
                 if args.split_keys:
-                    results.append(time_splits(head_dim, precision, shape, is_causal, args.split_keys, args.shares,
-                                               args.rep_ms))
+                    results.append(time_splits(head_dim, precision, shape, is_causal, args.split_keys, args.rep_ms))
                     continue
                 entry = {} if args.skip_tuning else tune_class(head_dim, precision, shape, is_causal, pool,
                                                                args.rep_ms)

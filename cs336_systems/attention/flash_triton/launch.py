@@ -1,0 +1,243 @@
+"""Launching the FlashAttention-2 kernels: inputs viewed as (batch, heads, n, d), the launch plan of
+each kernel (wide or narrow tiles, whole or split forward), and Triton's own JIT launch.
+
+    o, lse = forward(q, k, v, is_causal)
+    dq, dk, dv = backward(q, k, v, o, lse, do, is_causal)
+
+Leading dims are viewed as (batch, heads) and addressed by stride, so transposed heads and views out
+of a fused QKV projection are read in place; a last dim with a stride other than 1 is copied first.
+
+Under TRITON_INTERPRET=1 (no GPU) the kernels run on CPU tensors in the interpreter, with small tiles
+(INTERPRETER_TILES) so short test sequences cross tile boundaries. The interpreter computes bf16
+tl.dot wrongly, so bf16 is refused there.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import math
+from dataclasses import dataclass
+
+import torch
+import triton
+
+from cs336_systems.attention.flash_pytorch import check_inputs
+from cs336_systems.attention.flash_triton.kernels import (
+    LOG2E,
+    dkdv_kernel,
+    dq_kernel,
+    forward_kernel,
+    split_forward_kernel,
+)
+from cs336_systems.attention.flash_triton.tiles import (
+    Tiles,
+    cdiv,
+    forward_split_keys,
+    kernel_tiles,
+    longest_tile_keys,
+    tiles_for,
+)
+
+INTERPRETED = not isinstance(forward_kernel, triton.runtime.JITFunction)
+# tl.dot needs every dimension to be at least 16; smaller head dims are zero-padded on chip.
+MIN_DOT_DIM = 16
+
+
+@dataclass(frozen=True)
+class ForwardPlan:
+    """How the forward runs: on `tiles`, whole (split_keys None) or with each query tile's keys in runs
+    of split_keys, a program each (the split forward)."""
+
+    tiles: Tiles
+    split_keys: int | None
+
+
+@dataclass(frozen=True)
+class LaunchPlan:
+    """Each kernel's tiles for one input shape; `paths` names them as the tests count them."""
+
+    forward: ForwardPlan
+    dq: Tiles
+    dkdv: Tiles
+    narrow: dict[str, bool]  # per kernel, whether it took its narrow tiles
+
+    @property
+    def paths(self) -> dict[str, str]:
+        forward = "split" if self.forward.split_keys is not None else self._width("forward")
+        return {"forward": forward, "dq": self._width("dq"), "dkdv": self._width("dkdv")}
+
+    def _width(self, kernel: str) -> str:
+        return "narrow" if self.narrow[kernel] else "wide"
+
+
+def launch_plan(batch_heads: int, n_queries: int, n_keys: int, head_dim: int, dtype: torch.dtype, is_causal: bool,
+                device: torch.device) -> LaunchPlan:
+    """The tiles each kernel takes for this shape: its narrow ones on grids too small to fill the GPU,
+    where the forward also splits each query tile's keys into runs when there is more than one."""
+    tile_set = tiles_for(head_dim, dtype, INTERPRETED)
+    chosen = {"forward": kernel_tiles(tile_set, "forward", batch_heads, n_queries, device),
+              "dq": kernel_tiles(tile_set, "dq", batch_heads, n_queries, device),
+              "dkdv": kernel_tiles(tile_set, "dkdv", batch_heads, n_keys, device)}
+    narrow = {kernel: tiles is not getattr(tile_set, kernel) for kernel, tiles in chosen.items()}
+    split_keys = forward_split_keys(chosen["forward"], n_queries, n_keys, is_causal) if narrow["forward"] else None
+    return LaunchPlan(ForwardPlan(chosen["forward"], split_keys), chosen["dq"], chosen["dkdv"], narrow)
+
+
+def plan_for(q: torch.Tensor, k: torch.Tensor, is_causal: bool) -> LaunchPlan:
+    """launch_plan for (..., n, d) inputs."""
+    return launch_plan(math.prod(q.shape[:-2]), q.shape[-2], k.shape[-2], q.shape[-1], q.dtype, is_causal, q.device)
+
+
+# ------------------------------------------------------------------------------------------- inputs
+
+def as_batch_heads(t: torch.Tensor) -> torch.Tensor:
+    """(..., n, d) as a 4-D (batch, heads, n, d) view with unit stride along d.
+
+    3-D inputs get a batch of one; more than two leading dims are folded into the batch (a copy only
+    when the strides do not allow a view). A strided last dim is copied: the kernels read rows of d
+    contiguous elements, which is what makes their loads wide.
+    """
+    if t.stride(-1) != 1:
+        t = t.contiguous()
+    if t.dim() == 4:
+        return t
+    if t.dim() == 2:
+        return t[None, None]
+    if t.dim() == 3:
+        return t[None]
+    return t.reshape(-1, *t.shape[-3:])
+
+
+def check_device(q: torch.Tensor) -> None:
+    """Refuse inputs the compiled kernels (or the interpreter) cannot run, naming why."""
+    if INTERPRETED:
+        if q.dtype == torch.bfloat16:
+            raise TypeError("bf16 is not supported under TRITON_INTERPRET=1: the Triton interpreter computes "
+                            "bf16 tl.dot wrongly; use fp32 or fp16 on CPU, or run on a GPU")
+        return
+    if not q.is_cuda:
+        raise ValueError(f"FlashAttentionTriton needs CUDA tensors, got {q.device}; on a machine without a "
+                         "GPU set TRITON_INTERPRET=1 before this module is imported")
+
+
+def _on_device(t: torch.Tensor):
+    """Triton launches on the current CUDA device: make it t's for the launch."""
+    if INTERPRETED or t.device.index == torch.cuda.current_device():
+        return contextlib.nullcontext()
+    return torch.cuda.device(t.device)
+
+
+@functools.cache
+def _block_d(head_dim: int) -> int:
+    return max(MIN_DOT_DIM, triton.next_power_of_2(head_dim))
+
+
+def _options(head_dim: int, is_causal: bool, tiles: Tiles) -> dict:
+    """The compile-time constants and launch shape every kernel takes."""
+    return dict(IS_CAUSAL=is_causal, HEAD_DIM=head_dim, BLOCK_D=_block_d(head_dim), BLOCK_M=tiles.block_m,
+                BLOCK_N=tiles.block_n, num_warps=tiles.num_warps, num_stages=tiles.num_stages)
+
+
+def _scales(head_dim: int) -> tuple[float, float]:
+    """(scale of q k^T in base-2 score units, softmax scale 1/sqrt(d))."""
+    return LOG2E / math.sqrt(head_dim), 1.0 / math.sqrt(head_dim)
+
+
+def _strides(*tensors: torch.Tensor) -> tuple[int, ...]:
+    """Batch, head and row strides of 4-D tensors, in order."""
+    return tuple(s for t in tensors for s in t.stride()[:3])
+
+
+def _merge_columns(block_d: int) -> int:
+    """Columns the split forward's merge takes at a time: half of them from 64 columns up (measured fastest
+    at d 64 and 128 on an H100, docs/flash_tuning.md v10), else all."""
+    return block_d // 2 if block_d >= 64 else block_d
+
+
+# ------------------------------------------------------------------------------------------ kernels
+
+def launch_forward(q4, k4, v4, is_causal: bool, tiles: Tiles) -> tuple[torch.Tensor, torch.Tensor]:
+    """The whole forward on (batch, heads, n, d) views: (o4 contiguous, L (batch, heads, n_queries) fp32)."""
+    batch, heads, n_queries, head_dim = q4.shape
+    o4 = q4.new_empty(q4.shape)
+    lse = q4.new_empty((batch, heads, n_queries), dtype=torch.float32)
+    grid = (batch * heads * cdiv(n_queries, tiles.block_m),)
+    forward_kernel[grid](q4, k4, v4, o4, lse, *_strides(q4, k4, v4, o4), heads, n_queries, k4.shape[2],
+                         _scales(head_dim)[0], **_options(head_dim, is_causal, tiles))
+    return o4, lse
+
+
+def launch_split_forward(q4, k4, v4, is_causal: bool, tiles: Tiles,
+                         split_keys: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The split forward, each query tile's keys in runs of `split_keys` (a multiple of tiles.block_m):
+    returns like launch_forward."""
+    batch, heads, n_queries, head_dim = q4.shape
+    n_keys = k4.shape[2]
+    if split_keys <= 0 or split_keys % tiles.block_m:
+        raise ValueError(f"split_keys {split_keys} must be a positive multiple of the query tile, {tiles.block_m}")
+    tiles_runs = (batch * heads * cdiv(n_queries, tiles.block_m),
+                  cdiv(longest_tile_keys(tiles.block_m, n_queries, n_keys, is_causal), split_keys))
+    block_d = _block_d(head_dim)
+    o4 = q4.new_empty(q4.shape)
+    lse = q4.new_empty((batch, heads, n_queries), dtype=torch.float32)
+    # Per (tile, run): a tile of normalised outputs and its lse; per tile, a count of the runs done.
+    slots = tiles_runs[0] * tiles_runs[1]
+    partial = q4.new_empty(slots * tiles.block_m * (block_d + 1), dtype=torch.float32)
+    arrivals = torch.zeros(tiles_runs[0], dtype=torch.int32, device=q4.device)
+    split_forward_kernel[tiles_runs](q4, k4, v4, o4, lse, partial, arrivals, *_strides(q4, k4, v4, o4),
+                                     heads, n_queries, n_keys, split_keys, _scales(head_dim)[0],
+                                     RUNS=tiles_runs[1], MERGE_COLUMNS=_merge_columns(block_d),
+                                     **_options(head_dim, is_causal, tiles))
+    return o4, lse
+
+
+def launch_dq(q4, k4, v4, o4, do4, lse, is_causal: bool, tiles: Tiles) -> tuple[torch.Tensor, torch.Tensor]:
+    """The dQ kernel: (dq4 contiguous, D = rowsum(dO * O) (batch, heads, n_queries) fp32)."""
+    batch, heads, n_queries, head_dim = q4.shape
+    dq4 = q4.new_empty(q4.shape)
+    delta = q4.new_empty((batch, heads, n_queries), dtype=torch.float32)
+    grid = (batch * heads * cdiv(n_queries, tiles.block_m),)
+    dq_kernel[grid](q4, k4, v4, o4, do4, lse, delta, dq4, *_strides(q4, k4, v4, o4, do4, dq4), heads, n_queries,
+                    k4.shape[2], *_scales(head_dim), **_options(head_dim, is_causal, tiles))
+    return dq4, delta
+
+
+def launch_dkdv(q4, k4, v4, do4, lse, delta, is_causal: bool, tiles: Tiles) -> tuple[torch.Tensor, torch.Tensor]:
+    """The dK/dV kernel: (dk4, dv4), contiguous; lse and delta are (batch, heads, n_queries) fp32, contiguous."""
+    batch, heads, n_queries, head_dim = q4.shape
+    n_keys = k4.shape[2]
+    dk4, dv4 = k4.new_empty(k4.shape), v4.new_empty(v4.shape)
+    grid = (batch * heads * cdiv(n_keys, tiles.block_n),)
+    dkdv_kernel[grid](q4, k4, v4, do4, lse, delta, dk4, dv4, *_strides(q4, k4, v4, do4, dk4, dv4), heads, n_queries,
+                      n_keys, *_scales(head_dim), **_options(head_dim, is_causal, tiles))
+    return dk4, dv4
+
+
+# ------------------------------------------------------------------------------- forward, backward
+
+def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """(o, L): o shaped like q (contiguous), L (..., n_queries) fp32. Raises naming the problem on inputs
+    that break the contract (flash_pytorch.check_inputs)."""
+    check_inputs(q, k, v, is_causal)
+    check_device(q)
+    q4, k4, v4 = as_batch_heads(q), as_batch_heads(k), as_batch_heads(v)
+    plan = plan_for(q, k, is_causal).forward
+    with _on_device(q):
+        if plan.split_keys is None:
+            o4, lse = launch_forward(q4, k4, v4, is_causal, plan.tiles)
+        else:
+            o4, lse = launch_split_forward(q4, k4, v4, is_causal, plan.tiles, plan.split_keys)
+    return o4.view(q.shape), lse.view(q.shape[:-1])
+
+
+def backward(q, k, v, o, lse, do, is_causal: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """dq, dk, dv (shapes and dtypes of q, k, v, contiguous): dQ over query tiles (writing D on the way),
+    then dK/dV over key tiles."""
+    q4, k4, v4, o4, do4 = (as_batch_heads(t) for t in (q, k, v, o, do))
+    lse4 = lse.reshape(q4.shape[:3]).contiguous()  # the kernels index L by row; a no-op for L as saved
+    plan = plan_for(q, k, is_causal)
+    with _on_device(q):
+        dq4, delta = launch_dq(q4, k4, v4, o4, do4, lse4, is_causal, plan.dq)
+        dk4, dv4 = launch_dkdv(q4, k4, v4, do4, lse4, delta, is_causal, plan.dkdv)
+    return dq4.view(q.shape), dk4.view(k.shape), dv4.view(v.shape)

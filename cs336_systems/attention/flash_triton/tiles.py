@@ -1,0 +1,114 @@
+"""Launch shapes of the FlashAttention-2 kernels: which tiles, warps and pipeline stages each kernel
+takes per head dim and dtype (TILE_TABLE, measured by scripts/tune_flash.py), the narrower tiles of
+grids too small to fill the GPU, and how the split forward cuts a query tile's keys into runs."""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import torch
+
+
+def cdiv(a: int, b: int) -> int:
+    """Ceiling division of two ints."""
+    return -(-a // b)
+
+
+@dataclass(frozen=True)
+class Tiles:
+    """One kernel's launch shape: its main tile (rows per program) and the step of its loop."""
+
+    block_m: int  # queries per tile
+    block_n: int  # keys per tile
+    num_warps: int
+    num_stages: int
+
+
+@dataclass(frozen=True)
+class TileSet:
+    forward: Tiles  # forward and dQ: a program owns block_m queries and steps over block_n keys
+    dkdv: Tiles  # dK/dV: a program owns block_n keys and steps over block_m queries
+    dq: Tiles
+    # Each kernel's tiles for grids too small to fill the GPU (short sequences, few heads): then a
+    # program's latency, one tile after another, is the time, and smaller tiles shorten it. None
+    # where the wide tiles are the fastest there too.
+    narrow_forward: Tiles | None = None
+    narrow_dkdv: Tiles | None = None
+    narrow_dq: Tiles | None = None
+
+
+# Measured on an H100 by scripts/tune_flash.py, keyed on (head dim class, bytes per element);
+# docs/flash_tuning.md has each version's figures. Wide tiles: causal, batch 1 x 16 heads, N 16384 in bf16 and 8192 in
+# fp32. Narrow tiles: the shape fastest over N 1024, 4096 and 16384 at batch 1 x 1 head.
+# Invariants the causal loop split relies on: forward/dq block_m % block_n == 0, dkdv block_n %
+# block_m == 0. fp32 runs tf32 dots on tiles of half the bf16 ones' bytes, within shared memory.
+TILE_TABLE: dict[tuple[int, int], TileSet] = {
+    (64, 2): TileSet(forward=Tiles(128, 128, 4, 3), dkdv=Tiles(64, 64, 4, 3), dq=Tiles(128, 64, 4, 3),
+                     narrow_forward=Tiles(64, 64, 4, 4), narrow_dq=Tiles(64, 64, 4, 4)),
+    (128, 2): TileSet(forward=Tiles(128, 64, 8, 4), dkdv=Tiles(64, 128, 8, 4), dq=Tiles(128, 64, 8, 4),
+                      narrow_forward=Tiles(64, 64, 4, 3), narrow_dkdv=Tiles(64, 64, 4, 3),
+                      narrow_dq=Tiles(64, 64, 4, 3)),
+    (64, 4): TileSet(forward=Tiles(128, 32, 4, 3), dkdv=Tiles(32, 128, 8, 3), dq=Tiles(128, 32, 8, 2),
+                     narrow_forward=Tiles(64, 64, 4, 4), narrow_dkdv=Tiles(64, 64, 4, 4),
+                     narrow_dq=Tiles(64, 64, 4, 4)),
+    (128, 4): TileSet(forward=Tiles(128, 32, 8, 3), dkdv=Tiles(32, 128, 8, 2), dq=Tiles(128, 32, 8, 2),
+                      narrow_forward=Tiles(32, 32, 4, 3), narrow_dkdv=Tiles(32, 32, 4, 4),
+                      narrow_dq=Tiles(32, 32, 4, 4)),
+}
+# The interpreter runs programs one after another in Python: tiles small enough that tests with
+# a few dozen tokens cover several tiles, unequal so the diagonal logic is exercised.
+INTERPRETER_TILES = TileSet(forward=Tiles(32, 16, 1, 1), dkdv=Tiles(16, 32, 1, 1), dq=Tiles(32, 16, 1, 1))
+
+
+def tiles_for(head_dim: int, dtype: torch.dtype, interpreted: bool = False) -> TileSet:
+    """The tile set for a head dim and dtype on a GPU (per head-dim class and element size), or the
+    interpreter's."""
+    if interpreted:
+        return INTERPRETER_TILES
+    head_dim_class = 64 if head_dim <= 64 else 128
+    return TILE_TABLE[(head_dim_class, torch.finfo(dtype).bits // 8)]
+
+
+# Below this many programs per SM a kernel's wide tiles leave the GPU short of work. Measured on an
+# H100 at batch x heads 1: at N 16384 (128 wide programs of 128 rows, on 132 SMs) every kernel's
+# narrow tiles were 1.1-1.6x faster; at N 32768 (256 programs) narrow tiles were up to 2x slower.
+NARROW_GRID_PROGRAMS_PER_SM = 1
+
+
+@functools.cache
+def sm_count(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def kernel_tiles(tile_set: TileSet, kernel: str, batch_heads: int, n_rows: int, device: torch.device) -> Tiles:
+    """One kernel's tiles for this grid ("forward", "dkdv" or "dq"; n_rows are the queries, or the
+    keys for dK/dV): its narrow tiles when its wide ones would not fill the GPU."""
+    wide = getattr(tile_set, kernel)
+    narrow = getattr(tile_set, f"narrow_{kernel}")
+    if narrow is None or device.type != "cuda":
+        return wide
+    owned_rows = wide.block_n if kernel == "dkdv" else wide.block_m
+    if batch_heads * cdiv(n_rows, owned_rows) < NARROW_GRID_PROGRAMS_PER_SM * sm_count(device.index or 0):
+        return narrow
+    return wide
+
+
+# On grids that take the narrow tiles the forward also splits keys (split_forward_kernel): the longest
+# query tile's keys in this many runs. Measured on an H100 at batch x heads 1, causal, runs of 128 to
+# 4096 keys: a quarter of N was the fastest or within noise of it at N 1024 to 8192 (bf16 N 8192:
+# 72 -> 42 us at d 64, 99 -> 68 us at d 128); docs/flash_tuning.md has the table.
+SPLIT_RUNS = 4
+
+
+def longest_tile_keys(block_m: int, n_queries: int, n_keys: int, is_causal: bool) -> int:
+    """How many keys the query tile that sees the most of them sees: under a causal mask, the last tile's."""
+    return min(cdiv(n_queries, block_m) * block_m, n_keys) if is_causal else n_keys
+
+
+def forward_split_keys(tiles: Tiles, n_queries: int, n_keys: int, is_causal: bool) -> int | None:
+    """Keys per run for the split forward on narrow tiles, or None where the longest query tile's
+    keys make a single run."""
+    longest = longest_tile_keys(tiles.block_m, n_queries, n_keys, is_causal)
+    split_keys = cdiv(longest, SPLIT_RUNS * tiles.block_m) * tiles.block_m
+    return split_keys if split_keys < longest else None

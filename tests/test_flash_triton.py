@@ -1,0 +1,423 @@
+"""What is particular to the Triton FlashAttention-2: its tile tables and launch plans, every launch
+path on every head dim and pointer alignment (the split forward included), the torch.library op under
+torch.compile and CUDA graphs, and long sequences on a GPU.
+
+Without a GPU the kernels run in the Triton interpreter, which neither models shared memory nor
+alignment, and every grid takes the wide path: the launch-path tests that matter are the `gpu` ones,
+run on a GPU with compute-sanitizer too (`make gpu-check`).
+"""
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from cs336_systems.attention.flash_triton import (
+    INTERPRETED,
+    FlashAttentionTriton,
+    flash_attention_forward,
+    flash_attention_triton,
+    plan_for,
+)
+from cs336_systems.attention.flash_triton import launch, tiles
+from cs336_systems.model import ModelConfig, TransformerLM
+from tests.flash_reference import (
+    LAYOUTS,
+    assert_close_to_reference,
+    assert_matches_reference,
+    leaf_inputs,
+    make_tensor,
+    misaligned,
+    reference_attention,
+)
+
+# The Triton interpreter turns loop bounds into ints through a NumPy conversion that NumPy deprecates;
+# the warning is the interpreter's, once per loop, and says nothing about these kernels.
+pytestmark = [pytest.mark.flash,
+              pytest.mark.filterwarnings("ignore:Conversion of an array with ndim > 0:DeprecationWarning")]
+
+PATHS = ("wide", "narrow", "split")
+# Every head dim class the contract accepts, powers of two or not (those are padded on chip, and 8 is
+# below a dot's 16).
+HEAD_DIMS = (8, 24, 40, 64, 80, 96, 112, 128)
+GPU_DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32, "fp16": torch.float16}
+
+
+def _sm_count(device: torch.device) -> int:
+    return tiles.sm_count(device.index or 0)
+
+
+def path_case(path: str, device: torch.device, is_causal: bool) -> tuple[tuple[int, ...], int, int]:
+    """(leading dims, n_queries, n_keys) whose forward takes `path` on `device`: `wide` fills the SMs
+    with (batch x heads) alone; `narrow` is a few heads whose query tiles each see one run of keys;
+    `split` is a few heads with more keys than one run."""
+    if path == "wide":
+        return (2, _sm_count(device) // 2 + 3), 70, 100
+    if path == "narrow":
+        return (2,), 30, (100 if is_causal else 30)
+    return (1, 3), 300, 260
+
+
+# ------------------------------------------------------------------------------- tiles and plans
+
+@pytest.mark.parametrize("key", sorted(tiles.TILE_TABLE) + ["interpreter"])
+def test_every_tile_set_keeps_the_divisibility_the_causal_loop_split_relies_on(key):
+    tile_set = tiles.INTERPRETER_TILES if key == "interpreter" else tiles.TILE_TABLE[key]
+    # A program that owns a query tile steps over key tiles, and the other way round for dK/dV.
+    query_owners = [tile_set.forward, tile_set.dq, tile_set.narrow_forward, tile_set.narrow_dq]
+    assert all(t.block_m % t.block_n == 0 for t in query_owners if t is not None)
+    assert all(t.block_n % t.block_m == 0 for t in (tile_set.dkdv, tile_set.narrow_dkdv) if t is not None)
+
+
+@pytest.mark.parametrize(("kernel", "owned"), [("forward", "block_m"), ("dq", "block_m"), ("dkdv", "block_n")])
+def test_narrow_tiles_are_taken_only_for_grids_below_the_programs_per_sm_threshold(kernel, owned, monkeypatch):
+    monkeypatch.setattr(tiles, "sm_count", lambda index: 132)
+    gpu = torch.device("cuda", 0)
+    wide = {"forward": tiles.Tiles(128, 64, 4, 3), "dkdv": tiles.Tiles(64, 128, 4, 3), "dq": tiles.Tiles(128, 64, 4, 3)}
+    narrow = {f"narrow_{name}": tiles.Tiles(64, 64, 4, 3) for name in wide}
+    tile_set = tiles.TileSet(**wide, **narrow)
+    rows = getattr(wide[kernel], owned)  # rows one wide program owns
+    threshold = tiles.NARROW_GRID_PROGRAMS_PER_SM * 132
+    pick = tiles.kernel_tiles
+    # batch x heads x tiles: one program short of the threshold, then exactly at it.
+    assert pick(tile_set, kernel, 1, rows * (threshold - 1), gpu) == narrow[f"narrow_{kernel}"]
+    assert pick(tile_set, kernel, 1, rows * (threshold - 1) - 1, gpu) == narrow[f"narrow_{kernel}"]
+    assert pick(tile_set, kernel, threshold, rows, gpu) == wide[kernel]
+    assert pick(tile_set, kernel, 16, 16384, gpu) == wide[kernel]  # the leaderboard's grid
+    assert pick(tiles.TileSet(**wide), kernel, 1, 1024, gpu) == wide[kernel]
+    assert pick(tile_set, kernel, 1, 1024, torch.device("cpu")) == wide[kernel]
+
+
+def test_split_forward_runs_are_a_quarter_of_the_longest_tile_in_query_tile_multiples():
+    tile_shape = tiles.Tiles(64, 64, 4, 3)
+    split = tiles.forward_split_keys
+    assert split(tile_shape, 8192, 8192, is_causal=True) == 2048
+    assert split(tile_shape, 1000, 1000, is_causal=True) == 256  # the longest tile ends at 1000: runs of 250 -> 256
+    assert split(tile_shape, 100, 8192, is_causal=True) == 64  # causal: the queries' last tile ends at 128
+    assert split(tile_shape, 100, 8192, is_causal=False) == 2048
+    assert split(tile_shape, 64, 64, is_causal=True) is None  # one run: the whole forward
+
+
+@pytest.mark.parametrize("is_causal", [False, True])
+@pytest.mark.parametrize("path", PATHS)
+def test_path_cases_take_their_path_on_an_h100_sized_gpu(path, is_causal, monkeypatch):
+    # The shapes the GPU tests use to reach each path, planned as on an H100 (132 SMs) for every
+    # head dim and dtype class, so that a change to the tile table cannot quietly skip a path.
+    monkeypatch.setattr(tiles, "sm_count", lambda index: 132)
+    monkeypatch.setattr(launch, "INTERPRETED", False)
+    gpu = torch.device("cuda", 0)
+    lead, n_queries, n_keys = path_case(path, gpu, is_causal)
+    for head_dim in HEAD_DIMS:
+        for dtype in GPU_DTYPES.values():
+            plan = launch.launch_plan(int(torch.tensor(lead).prod()), n_queries, n_keys, head_dim, dtype, is_causal,
+                                      gpu)
+            assert plan.paths["forward"] == path, (head_dim, dtype)
+            if path == "wide":
+                assert plan.paths["dq"] == plan.paths["dkdv"] == "wide"
+
+
+# ---------------------------------------------------------------------------------- every path
+
+@pytest.mark.skipif(not INTERPRETED, reason="the Triton interpreter is not in use")
+def test_interpreter_refuses_bf16_whose_dots_it_computes_wrongly():
+    q, k, v, _ = leaf_inputs((2,), 8, 8, 16, torch.bfloat16, "cpu")
+    with pytest.raises(TypeError, match="bf16 is not supported under TRITON_INTERPRET=1"):
+        FlashAttentionTriton.apply(q, k, v)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", ["bf16", "fp32"])  # fp16 shares bf16's tiles and code; the drawn test has it
+@pytest.mark.parametrize("aligned", [True, False], ids=["aligned", "misaligned"])
+@pytest.mark.parametrize("head_dim", HEAD_DIMS)
+@pytest.mark.parametrize("path", PATHS)
+def test_every_launch_path_on_every_head_dim_and_alignment(path, head_dim, aligned, dtype, device):
+    # The subset compute-sanitizer runs: every kernel on each of its tile widths, the split forward
+    # with its merge, head dims padded on chip, and inputs whose rows start off 16-byte boundaries.
+    is_causal = aligned or path == "narrow"  # both causalities on each path and head dim
+    lead, n_queries, n_keys = path_case(path, device, is_causal)
+    q, k, v, do = leaf_inputs(lead, n_queries, n_keys, head_dim, GPU_DTYPES[dtype], device)
+    if not aligned:
+        q, k, v, do = (misaligned(t) for t in (q, k, v, do))
+    assert plan_for(q, k, is_causal).paths["forward"] == path
+    assert_matches_reference("triton", q, k, v, do, is_causal)
+
+
+# Examples of the GPU property test per (path, dtype): every head dim class, alignment and layout
+# appears many times over. Each example can compile kernels (seconds each on a cold cache), so the
+# draws are split by path and dtype into tests of their own, which pytest-xdist runs side by side.
+GPU_PATH_EXAMPLES = 25
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", GPU_DTYPES)
+@pytest.mark.parametrize("path", PATHS)
+def test_drawn_inputs_on_every_launch_path_match_the_float64_reference(path, dtype, device):
+    reached = set()
+
+    @given(data=st.data())
+    @settings(max_examples=GPU_PATH_EXAMPLES, deadline=None, derandomize=True,
+              suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+    def check(data):
+        is_causal = data.draw(st.booleans(), label="is_causal")
+        batch_heads = {"wide": st.integers(_sm_count(device), 2 * _sm_count(device)),
+                       "narrow": st.integers(1, 8), "split": st.integers(1, 8)}[path]
+        lead = (1, data.draw(batch_heads, label="batch x heads"))
+        if path == "narrow":  # one run of keys for every query tile: the narrow query tile is at least 32
+            n_queries = data.draw(st.integers(1, 32 if is_causal else 600), label="n_queries")
+            n_keys = data.draw(st.integers(1, 600 if is_causal else 32), label="n_keys")
+        else:
+            n_queries = data.draw(st.integers(1 if path == "wide" else 129, 1100), label="n_queries")
+            n_keys = data.draw(st.integers(1 if path == "wide" else 129, 1100), label="n_keys")
+        head_dim = data.draw(st.sampled_from(HEAD_DIMS), label="head dim")
+        aligned = data.draw(st.booleans(), label="aligned")
+        layouts = [data.draw(st.sampled_from(LAYOUTS), label=f"{name} layout") for name in "qkv"]
+        q, k, v = (make_tensor(lead, n, head_dim, layout, GPU_DTYPES[dtype], device)
+                   for n, layout in zip((n_queries, n_keys, n_keys), layouts))
+        do = torch.randn(*lead, n_queries, head_dim, dtype=GPU_DTYPES[dtype], device=device)
+        if not aligned:
+            q, k, v, do = (misaligned(t) for t in (q, k, v, do))
+        paths = plan_for(q, k, is_causal).paths
+        assert paths["forward"] == path
+        reached.update({("dq", paths["dq"]), ("dkdv", paths["dkdv"]), ("aligned", aligned), ("causal", is_causal),
+                        ("head dim padded", head_dim & (head_dim - 1) != 0)})
+        assert_matches_reference("triton", q, k, v, do, is_causal)
+
+    check()
+    # What every (path, dtype) must have drawn; narrow dK/dV tiles exist only for some tile classes.
+    expected = {(name, value) for name in ("aligned", "causal", "head dim padded") for value in (True, False)}
+    expected |= {("dq", "wide" if path == "wide" else "narrow")}
+    assert expected <= reached, f"never reached: {sorted(map(str, expected - reached))}"
+
+
+def test_misaligned_inputs_through_the_split_forward_match_the_reference(device):
+    # Once an illegal memory access on an H100: batch 2, 1 head, N 80, d 32, bf16, causal, every input
+    # one element past a 16-byte boundary, through the split forward when its output's columns were
+    # shared between programs.
+    dtype = torch.float32 if device.type == "cpu" else torch.bfloat16
+    q, k, v, do = (misaligned(t) for t in leaf_inputs((2, 1), 80, 80, 32, dtype, device, seed=2))
+    assert_matches_reference("triton", q, k, v, do, is_causal=True)
+
+
+def test_calls_that_differ_in_rank_layout_or_alignment_each_match_the_reference(device):
+    # Triton specialises compiled kernels on pointer alignment and strides: a call must never run a
+    # kernel compiled for another call's.
+    dtype = torch.float32 if device.type == "cpu" else torch.bfloat16
+    n, d = 80, 32
+    for lead in ((2,), (), (2, 2, 1)):  # 3-D, 2-D and 5-D inputs, each viewed as 4-D differently
+        assert_matches_reference("triton", *leaf_inputs(lead, n, n, d, dtype, device), is_causal=True)
+    for layout in LAYOUTS:
+        inputs = [make_tensor((2,), n, d, layout, dtype, device) for _ in range(4)]
+        assert_matches_reference("triton", *inputs, is_causal=True)
+        assert_matches_reference("triton", *(misaligned(t) for t in inputs), is_causal=True)
+
+
+@pytest.mark.parametrize("aligned", [True, False], ids=["aligned", "misaligned"])
+@pytest.mark.parametrize("head_dim", [24, 80])  # padded on chip: masked columns in the merge too
+@pytest.mark.parametrize("is_causal", [False, True])
+@pytest.mark.parametrize(("n_queries", "n_keys"), [(80, 80), (100, 70), (50, 130), (16, 16)])
+def test_split_forward_matches_the_whole_forward(n_queries, n_keys, is_causal, head_dim, aligned, device):
+    # Runs of one query tile up to more keys than any tile sees; the merge must give the whole forward's
+    # o and L (to rounding: the runs sum in another order).
+    dtype = torch.float32 if device.type == "cpu" else torch.bfloat16
+    q, k, v, _ = leaf_inputs((2, 3), n_queries, n_keys, head_dim, dtype, device)
+    if not aligned:
+        q, k, v = (misaligned(t) for t in (q, k, v))
+    tile_set = tiles.tiles_for(head_dim, dtype, INTERPRETED)
+    forward_tiles = tile_set.narrow_forward or tile_set.forward
+    o, lse = launch.launch_forward(q, k, v, is_causal, forward_tiles)
+    tolerance = 1e-5 if dtype == torch.float32 else 2e-2
+    for runs_of in (1, 2):
+        split_o, split_lse = launch.launch_split_forward(q, k, v, is_causal, forward_tiles,
+                                                         runs_of * forward_tiles.block_m)
+        torch.testing.assert_close(split_o, o, atol=tolerance, rtol=tolerance)
+        torch.testing.assert_close(split_lse, lse, atol=1e-5, rtol=1e-5)
+    with pytest.raises(ValueError, match="multiple of the query tile"):
+        launch.launch_split_forward(q, k, v, is_causal, forward_tiles, forward_tiles.block_m + 1)
+
+
+@pytest.mark.gpu
+def test_triton_refuses_cpu_tensors_when_compiled_for_the_gpu():
+    if INTERPRETED:
+        pytest.skip("the Triton interpreter runs CPU tensors")
+    q, k, v, _ = leaf_inputs((2,), 8, 8, 16, torch.float32, "cpu")
+    with pytest.raises(ValueError, match="needs CUDA tensors, got cpu"):
+        FlashAttentionTriton.apply(q, k, v)
+
+
+@pytest.mark.gpu
+def test_triton_launch_hooks_see_every_launch(device):
+    # Profilers (Proton) hook Triton's launches: forward (one kernel) and backward (two) must reach them.
+    if INTERPRETED:
+        pytest.skip("the Triton interpreter does not launch kernels")
+    from triton import knobs
+
+    launches = []
+
+    def hook(metadata):
+        launches.append(metadata)
+
+    q, k, v, do = leaf_inputs((1, 2), 200, 200, 32, torch.bfloat16, device)
+    inputs = [t.requires_grad_() for t in (q, k, v)]
+    knobs.runtime.launch_enter_hook.add(hook)
+    try:
+        for _ in range(3):
+            torch.autograd.grad(FlashAttentionTriton.apply(*inputs, True), inputs, do)
+    finally:
+        knobs.runtime.launch_enter_hook.remove(hook)
+    assert len(launches) == 9
+
+
+# ------------------------------------------------------------------------------ the torch.library op
+
+def test_the_op_passes_torch_library_opcheck(device):
+    dtype = torch.float32 if device.type == "cpu" else torch.bfloat16
+    for lead, n_queries, n_keys, head_dim in (((2, 3), 45, 70, 24), ((3,), 33, 33, 16)):
+        q, k, v, _ = leaf_inputs(lead, n_queries, n_keys, head_dim, dtype, device)
+        for is_causal in (False, True):
+            torch.library.opcheck(flash_attention_forward, (q.requires_grad_(), k.requires_grad_(),
+                                                            v.requires_grad_(), is_causal))
+
+
+def test_the_op_gives_the_function_s_output_and_gradients(device):
+    dtype = torch.float32 if device.type == "cpu" else torch.bfloat16
+    q, k, v, do = leaf_inputs((2, 3), 45, 70, 40, dtype, device)
+    results = []
+    for attend in (flash_attention_triton, FlashAttentionTriton.apply):
+        inputs = [t.clone().requires_grad_() for t in (q, k, v)]
+        out = attend(*inputs, True)
+        results.append((out, *torch.autograd.grad(out, inputs, do)))
+    for got, want in zip(*results):
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+
+def test_the_op_s_log_sum_exp_is_not_differentiable(device):
+    q, k, v, _ = leaf_inputs((2,), 20, 20, 16, torch.float32, device)
+    o, lse = flash_attention_forward(*(t.requires_grad_() for t in (q, k, v)), True)
+    assert o.requires_grad and not lse.requires_grad
+
+
+def _model_step(run, model, tokens):
+    """Logits and `model`'s parameter gradients of one forward and backward through `run` (the model or
+    a compiled wrapper of it)."""
+    model.zero_grad(set_to_none=True)
+    logits = run(tokens)
+    logits.float().logsumexp(-1).mean().backward()
+    return logits, {name: p.grad.clone() for name, p in model.named_parameters()}
+
+
+def test_the_whole_model_compiles_to_one_graph_with_the_op(device):
+    # fullgraph=True fails on any graph break; the compiled step must give the eager one's results.
+    # On CPU the aot_eager backend keeps inductor's C++ compiler out of the test; a GPU uses inductor.
+    torch.manual_seed(0)
+    dtype_context = (torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda"
+                     else torch.autocast("cpu", enabled=False))
+    model = TransformerLM(ModelConfig.for_size("tiny", context_length=48), attention="flash_triton").to(device)
+    tokens = torch.randint(1000, (2, 48), device=device)
+    backend = "inductor" if device.type == "cuda" else "aot_eager"
+    torch._dynamo.reset()
+    explanation = torch._dynamo.explain(model)(tokens)
+    assert explanation.graph_break_count == 0, explanation.break_reasons
+    compiled = torch.compile(model, backend=backend, fullgraph=True)
+    with dtype_context:
+        eager_logits, eager_grads = _model_step(model, model, tokens)
+        compiled_logits, compiled_grads = _model_step(compiled, model, tokens)
+    tolerance = 2e-2 if device.type == "cuda" else 1e-5
+    torch.testing.assert_close(compiled_logits, eager_logits, rtol=tolerance, atol=tolerance)
+    for name, grad in eager_grads.items():
+        torch.testing.assert_close(compiled_grads[name], grad, rtol=tolerance, atol=tolerance, msg=name)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("path", PATHS)
+def test_the_op_replays_in_a_cuda_graph(path, device):
+    # Every allocation of a launch comes from torch's allocator, so a captured forward and backward
+    # replay on fresh inputs copied into the captured ones; the split forward's workspace included.
+    if INTERPRETED:
+        pytest.skip("the Triton interpreter does not capture CUDA graphs")
+    lead, n_queries, n_keys = path_case(path, device, True)
+    static = [t.requires_grad_() for t in leaf_inputs(lead, n_queries, n_keys, 64, torch.bfloat16, device)[:3]]
+    static_do = torch.randn(*lead, n_queries, 64, dtype=torch.bfloat16, device=device)
+
+    def step():
+        out = flash_attention_triton(*static, True)
+        return (out, *torch.autograd.grad(out, static, static_do))
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        step()  # compiles the kernels outside the capture
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = step()
+    for seed in (1, 2):
+        fresh = leaf_inputs(lead, n_queries, n_keys, 64, torch.bfloat16, device, seed=seed)
+        with torch.no_grad():
+            for t, value in zip((*static, static_do), fresh):
+                t.copy_(value)
+        graph.replay()
+        torch.cuda.synchronize()
+        expected, magnitudes = reference_attention(*fresh, True)
+        assert_close_to_reference([captured[0], *captured[1:]], [expected[0], *expected[2:]],
+                                  [magnitudes[0], *magnitudes[2:]], torch.bfloat16, names=("o", "dq", "dk", "dv"))
+
+
+@pytest.mark.gpu
+def test_the_model_compiled_with_cuda_graphs_matches_eager(device):
+    torch.manual_seed(0)
+    model = TransformerLM(ModelConfig.for_size("tiny", context_length=64), attention="flash_triton").to(device)
+    tokens = torch.randint(1000, (2, 64), device=device)
+    torch._dynamo.reset()
+    compiled = torch.compile(model, mode="reduce-overhead", fullgraph=True)
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        eager_logits, eager_grads = _model_step(model, model, tokens)
+        for _ in range(3):  # warm-up, record, replay
+            compiled_logits, compiled_grads = _model_step(compiled, model, tokens)
+    torch.testing.assert_close(compiled_logits, eager_logits, rtol=2e-2, atol=2e-2)
+    for name, grad in eager_grads.items():
+        torch.testing.assert_close(compiled_grads[name], grad, rtol=2e-2, atol=2e-2, msg=name)
+
+
+# ---------------------------------------------------------------------------------------- GPU scale
+
+LONG_SEQUENCE = 16_384
+LONG_HEAD_DIM = 128
+MEMORY_SEQUENCE = 65_536
+# Forward + backward keep q, k, v, o, dO, dq, dk, dv (8 tensors like q) and L, D; 16 x the bytes of
+# q is generous for that and for allocator rounding, and 1/16 of one n x n bf16 score matrix.
+MEMORY_BOUND_IN_Q_SIZES = 16
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+@pytest.mark.parametrize("is_causal", [False, True])
+def test_triton_is_accurate_at_16k_tokens_and_head_dim_128(dtype, is_causal, device):
+    q, k, v, do = leaf_inputs((1, 2), LONG_SEQUENCE, LONG_SEQUENCE, LONG_HEAD_DIM, dtype, device)
+    assert_matches_reference("triton", q, k, v, do, is_causal)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_wide_tiles_are_accurate_at_the_leaderboard_s_grid(dtype, head_dim, device):
+    heads, n = 16, 4096
+    q, k, v, do = leaf_inputs((1, heads), n, n, head_dim, dtype, device)
+    assert plan_for(q, k, True).paths == {"forward": "wide", "dq": "wide", "dkdv": "wide"}
+    assert_matches_reference("triton", q, k, v, do, is_causal=True)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+def test_triton_forward_and_backward_at_64k_tokens_never_allocate_n_by_n(dtype, device):
+    q, k, v, do = leaf_inputs((1, 2), MEMORY_SEQUENCE, MEMORY_SEQUENCE, LONG_HEAD_DIM, dtype, device)
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    before = torch.cuda.memory_allocated()
+    dq, dk, dv = torch.autograd.grad(FlashAttentionTriton.apply(*(t.requires_grad_() for t in (q, k, v)), True),
+                                     (q, k, v), do)
+    torch.cuda.synchronize()
+    peak_extra_bytes = torch.cuda.max_memory_allocated() - before
+    assert torch.isfinite(dq).all() and torch.isfinite(dk).all() and torch.isfinite(dv).all()
+    assert peak_extra_bytes <= MEMORY_BOUND_IN_Q_SIZES * q.nbytes, (
+        f"peak {peak_extra_bytes / 2**20:.0f} MiB above the inputs; one n x n score matrix would be "
+        f"{MEMORY_SEQUENCE**2 * q.element_size() / 2**20:.0f} MiB")
