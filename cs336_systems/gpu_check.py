@@ -1,0 +1,215 @@
+"""GPU evidence that CPU CI can check: on a CUDA machine, run the whole test suite with a worker per
+core and then in one process (an illegal memory access poisons the process, so no other worker can hide
+it), compute-sanitizer memcheck on the tests that reach every FlashAttention launch path, and racecheck
+on the split forward, whose programs merge each other's results; then write
+reports/<gpu>/gpu_check.json (and a Markdown twin) with the device, versions, date, command, counts
+and the hash of the GPU source that was tested.
+
+    python -m cs336_systems.gpu_check                        # or: make gpu-check
+    python -m cs336_systems.gpu_check --parts memcheck,racecheck
+
+Most of a cold run is compiling kernels (a few hundred, seconds each), which parallel runs spread over
+the cores and leave in Triton's on-disk cache for the single-process runs after them.
+
+`problems(record, source_hash)` says what is wrong with a record; tests/test_gpu_evidence.py runs it on
+the committed records, so a kernel change cannot land without a fresh, clean GPU run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+import xml.etree.ElementTree as ElementTree
+from pathlib import Path
+from typing import Any
+
+RECORD_NAME = "gpu_check"
+# The suite in parallel first (pytest-xdist, a worker per core): it must pass that way too, and its
+# workers fill Triton's on-disk cache, so that the one-process run after it compiles nothing.
+PARALLEL_TESTS = ("tests/", "-n", "auto")
+TESTS = ("tests/",)
+# Every launch path on every head dim and alignment, the split forward against the whole, misaligned
+# inputs, and captured CUDA graphs: small shapes, so that the sanitizer's slowdown stays in minutes.
+MEMCHECK_TESTS = ("tests/test_flash_triton.py", "-k", "every_launch_path or split_forward or misaligned")
+# racecheck tracks shared memory hazards within a program, far slower than memcheck: the split
+# forward (its merge reads what other programs stored) on one dtype, every head dim and alignment.
+RACECHECK_TESTS = ("tests/test_flash_triton.py", "-k", "every_launch_path and split and bf16")
+SANITIZER_TOOLS = {"memcheck": MEMCHECK_TESTS, "racecheck": RACECHECK_TESTS}
+
+
+def parse_junit(path: Path) -> dict[str, Any]:
+    """Counts of a pytest JUnit XML file, the ids of failed tests and the reasons tests were skipped."""
+    counts = {"passed": 0, "failed": 0, "errors": 0, "skipped": 0}
+    failures, skip_reasons = [], {}
+    for case in ElementTree.parse(path).getroot().iter("testcase"):
+        test_id = f"{case.get('classname')}::{case.get('name')}"
+        outcome = next((child for child in case if child.tag in ("failure", "error", "skipped")), None)
+        if outcome is None:
+            counts["passed"] += 1
+        elif outcome.tag == "skipped":
+            counts["skipped"] += 1
+            reason = (outcome.get("message") or "").removeprefix("Skipped: ")
+            skip_reasons[reason] = skip_reasons.get(reason, 0) + 1
+        else:
+            counts["failed" if outcome.tag == "failure" else "errors"] += 1
+            failures.append(test_id)
+    return {**counts, "failures": failures, "skip_reasons": skip_reasons}
+
+
+def sanitizer_error_count(output: str) -> int | None:
+    """The errors compute-sanitizer reported (its ERROR SUMMARY lines, summed), or None without one."""
+    counts = [int(n) for n in re.findall(r"ERROR SUMMARY: (\d+) error", output)]
+    return sum(counts) if counts else None
+
+
+# A run that takes longer than this is stopped and recorded as an error rather than left hanging.
+RUN_TIMEOUT_S = 1800
+
+
+def _pytest(arguments: tuple[str, ...], junit: Path, prefix: tuple[str, ...] = ()) -> tuple[dict[str, Any], str]:
+    command = (*prefix, sys.executable, "-m", "pytest", *arguments, "-q", "-rfE", "-p", "no:cacheprovider",
+               f"--junitxml={junit}")
+    started = time.monotonic()
+    try:
+        result = subprocess.run(command, capture_output=True, text=True, timeout=RUN_TIMEOUT_S)
+        output, ending = result.stdout + result.stderr, f"pytest exited {result.returncode} without a report"
+    except subprocess.TimeoutExpired as expired:
+        output = (expired.stdout or b"").decode(errors="replace") + (expired.stderr or b"").decode(errors="replace")
+        ending = f"stopped after {RUN_TIMEOUT_S} s"
+    sys.stdout.write(output[-6000:])
+    summary = parse_junit(junit) if junit.exists() else {"passed": 0, "failed": 0, "errors": 1, "skipped": 0,
+                                                          "failures": [ending], "skip_reasons": {}}
+    pytest_command = " ".join(("python -m pytest", *arguments))
+    return {"command": pytest_command, "seconds": round(time.monotonic() - started), **summary}, output
+
+
+TEST_RUNS = {"parallel tests": PARALLEL_TESTS, "tests": TESTS}
+PARTS = ("parallel", "tests", *SANITIZER_TOOLS)
+
+
+def run_checks(parts: tuple[str, ...] = PARTS, earlier: dict[str, Any] | None = None,
+               save=lambda record: None) -> dict[str, Any]:
+    """Run `parts` here (the suite in parallel, in one process, each sanitizer on its subset); the record
+    (see module docstring), handed to `save` after each part, keeping the parts of `earlier` not run
+    again when it tested the same source on the same device."""
+    import torch
+
+    from cs336_systems.attention.flash_triton import source_hash
+    from cs336_systems.reports import device_description, software_versions
+
+    if not torch.cuda.is_available():
+        raise SystemExit("gpu_check needs a CUDA GPU; none is visible here")
+    if shutil.which("compute-sanitizer") is None and set(parts) & set(SANITIZER_TOOLS):
+        raise SystemExit("gpu_check needs compute-sanitizer (part of the CUDA toolkit) on the PATH")
+    record: dict[str, Any] = {"device": device_description("cuda"), **software_versions(),
+                              "driver": _driver_version(),
+                              "date": dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+                              "command": "python -m cs336_systems.gpu_check", "source_hash": source_hash(),
+                              "runs": {}}
+    if earlier and all(earlier.get(k) == record[k] for k in ("device", "source_hash", "torch", "triton")):
+        record["runs"] = dict(earlier.get("runs", {}))
+    with tempfile.TemporaryDirectory() as scratch:
+        for part in parts:
+            if part in SANITIZER_TOOLS:
+                # Compiling is most of a cold run and the sanitizer's process is one: the same tests in
+                # parallel first leave every kernel in Triton's cache.
+                _pytest((*SANITIZER_TOOLS[part], "-n", "auto"), Path(scratch) / f"{part}-warm-up.xml")
+                run, output = _pytest(SANITIZER_TOOLS[part], Path(scratch) / f"{part}.xml",
+                                      ("compute-sanitizer", "--tool", part))
+                run |= {"command": f"compute-sanitizer --tool {part} {run['command']}",
+                        "sanitizer_errors": sanitizer_error_count(output)}
+                record["runs"][part] = run
+            else:
+                name = "parallel tests" if part == "parallel" else "tests"
+                record["runs"][name], _ = _pytest(TEST_RUNS[name], Path(scratch) / f"{part}.xml")
+            save(record)
+    return record
+
+
+def _driver_version() -> str:
+    result = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+                            capture_output=True, text=True)
+    return result.stdout.strip().splitlines()[0] if result.returncode == 0 and result.stdout.strip() else "unknown"
+
+
+def problems(record: dict[str, Any], current_hash: str) -> list[str]:
+    """What makes `record` fail as evidence for the source whose hash is `current_hash` (empty if nothing)."""
+    found = []
+    if record.get("source_hash") != current_hash:
+        found.append(f"it tested GPU source {record.get('source_hash')}, not the current {current_hash}: "
+                     "run `make gpu-check` on a CUDA machine and commit its record")
+    runs = record.get("runs", {})
+    for name in (*TEST_RUNS, *SANITIZER_TOOLS):
+        run = runs.get(name)
+        if not run:
+            found.append(f"no {name} run in the record")
+            continue
+        if run["failed"] or run["errors"]:
+            found.append(f"{name}: {run['failed']} failed, {run['errors']} errors ({', '.join(run['failures'][:5])})")
+        if not run["passed"]:
+            found.append(f"{name}: no test passed")
+        if name in SANITIZER_TOOLS and run.get("sanitizer_errors") != 0:
+            found.append(f"{name}: compute-sanitizer reported {run.get('sanitizer_errors')} errors")
+    return found
+
+
+def render(record: dict[str, Any]) -> str:
+    """The record as Markdown, for people."""
+    lines = [f"# {RECORD_NAME}", "", f"- device: {record['device']}",
+             f"- software: python {record['python']}, torch {record['torch']}, triton {record['triton']}, "
+             f"cuda {record['cuda']}, driver {record['driver']}",
+             f"- date: {record['date']}", f"- command: `{record['command']}`",
+             f"- FlashAttention GPU source: {record['source_hash']}", "",
+             "| run | command | passed | failed | errors | skipped | sanitizer errors | seconds |",
+             "|---|---|---|---|---|---|---|---|"]
+    runs = list(record["runs"].items())
+    for name, run in runs:
+        lines.append(f"| {name} | `{run['command']}` | {run['passed']} | {run['failed']} | {run['errors']} | "
+                     f"{run['skipped']} | {run.get('sanitizer_errors', '')} | {run['seconds']} |")
+    for name, run in runs:
+        if run["skip_reasons"]:
+            lines += ["", f"Skipped in {name}:", ""]
+            lines += [f"- {count} x {reason}" for reason, count in sorted(run["skip_reasons"].items())]
+    return "\n".join(lines) + "\n"
+
+
+def load_record(report_dir: Path) -> dict[str, Any] | None:
+    path = report_dir / f"{RECORD_NAME}.json"
+    return json.loads(path.read_text()) if path.exists() else None
+
+
+def main(argv: list[str] | None = None) -> int:
+    from cs336_systems.gpus import resolve_gpu
+
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--report-dir", default="reports", help="the record goes to REPORT_DIR/<gpu>/")
+    parser.add_argument("--parts", default=",".join(PARTS),
+                        help=f"comma-separated subset of {', '.join(PARTS)} (default all); a record of the same "
+                             "source keeps the parts not run again")
+    args = parser.parse_args(argv)
+    parts = tuple(p.strip() for p in args.parts.split(",") if p.strip())
+    if not parts or set(parts) - set(PARTS):
+        parser.error(f"--parts: choose from {', '.join(PARTS)}, got {args.parts!r}")
+    slug, _ = resolve_gpu("auto")
+    out = Path(args.report_dir) / slug
+    out.mkdir(parents=True, exist_ok=True)
+
+    def save(record):
+        (out / f"{RECORD_NAME}.json").write_text(json.dumps(record, indent=1) + "\n")
+        (out / f"{RECORD_NAME}.md").write_text(render(record))
+
+    record = run_checks(parts, load_record(out), save)
+    found = problems(record, record["source_hash"])
+    print(f"wrote {out / RECORD_NAME}.json and .md" + "".join(f"\n  problem: {p}" for p in found))
+    return 1 if found else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

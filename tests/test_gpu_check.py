@@ -1,0 +1,58 @@
+"""The checker of GPU evidence (cs336_systems.gpu_check): what makes a `make gpu-check` record fail as
+evidence, and how it reads pytest's and compute-sanitizer's output."""
+
+import pytest
+
+from cs336_systems import gpu_check
+
+
+def _run(**changes):
+    return {"command": "python -m pytest", "passed": 10, "failed": 0, "errors": 0, "skipped": 1, "failures": [],
+            "skip_reasons": {"needs 2 CUDA GPUs, 1 present": 1}, "seconds": 5, **changes}
+
+
+def _record(source_hash="abc", **runs):
+    clean = {"parallel tests": _run(), "tests": _run()}
+    clean |= {tool: _run(sanitizer_errors=0) for tool in gpu_check.SANITIZER_TOOLS}
+    return {"source_hash": source_hash, "runs": {name: run for name, run in (clean | runs).items() if run}}
+
+
+def test_a_clean_record_of_the_current_source_has_no_problems():
+    assert gpu_check.problems(_record(), "abc") == []
+
+
+@pytest.mark.parametrize(("record", "problem"), [
+    (_record(source_hash="old"), "tested GPU source old, not the current abc"),
+    (_record(tests=_run(failed=2, failures=["tests/x.py::test_a"])), "tests: 2 failed"),
+    (_record(tests=_run(errors=1)), "tests: 0 failed, 1 errors"),
+    (_record(tests=_run(passed=0)), "tests: no test passed"),
+    (_record(tests=None), "no tests run in the record"),
+    (_record(**{"parallel tests": _run(failed=1, failures=["tests/x.py::test_b"])}), "parallel tests: 1 failed"),
+    (_record(memcheck=_run(sanitizer_errors=269)), "memcheck: compute-sanitizer reported 269 errors"),
+    (_record(memcheck=_run(sanitizer_errors=None)), "memcheck: compute-sanitizer reported None errors"),
+    (_record(racecheck=None), "no racecheck run in the record"),
+], ids=["stale source", "failed tests", "errors", "nothing passed", "no tests", "failed in parallel",
+        "sanitizer errors", "no sanitizer summary", "missing racecheck"])
+def test_a_record_that_is_no_evidence_says_why(record, problem):
+    assert any(problem in found for found in gpu_check.problems(record, "abc"))
+
+
+def test_sanitizer_summaries_are_summed_and_a_missing_one_is_none():
+    assert gpu_check.sanitizer_error_count("========= ERROR SUMMARY: 0 errors\n") == 0
+    assert gpu_check.sanitizer_error_count("ERROR SUMMARY: 3 errors\n...\nERROR SUMMARY: 1 error\n") == 4
+    assert gpu_check.sanitizer_error_count("Segmentation fault") is None
+
+
+def test_junit_counts_outcomes_failures_and_skip_reasons(tmp_path):
+    junit = tmp_path / "tests.xml"
+    junit.write_text("""<?xml version="1.0"?><testsuites><testsuite>
+      <testcase classname="tests.test_a" name="test_ok"/>
+      <testcase classname="tests.test_a" name="test_bad"><failure message="boom"/></testcase>
+      <testcase classname="tests.test_a" name="test_broken"><error message="fixture"/></testcase>
+      <testcase classname="tests.test_a" name="test_skip"><skipped message="needs 2 CUDA GPUs, 1 present"/></testcase>
+    </testsuite></testsuites>""")
+    summary = gpu_check.parse_junit(junit)
+    assert {k: summary[k] for k in ("passed", "failed", "errors", "skipped")} == {
+        "passed": 1, "failed": 1, "errors": 1, "skipped": 1}
+    assert summary["failures"] == ["tests.test_a::test_bad", "tests.test_a::test_broken"]
+    assert summary["skip_reasons"] == {"needs 2 CUDA GPUs, 1 present": 1}
