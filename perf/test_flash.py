@@ -1,6 +1,7 @@
 """Problem flash_benchmarking: Triton FlashAttention-2 against naive attention and PyTorch SDPA, one
-test per (precision, head dim, sequence length); the leaderboard configuration; and the speed-up
-gates that fail CI on a GPU when the Triton kernels regress."""
+test per (precision, head dim, sequence length); the leaderboard configuration; the speed-up gates that
+fail CI on a GPU when the Triton kernels regress. Problem flash_in_training: the kernels inside a
+compiled training step, against SDPA."""
 
 import pytest
 
@@ -12,7 +13,16 @@ from cs336_systems.benchmarks.flash import (
     BenchSettings,
     FlashCell,
     benchmark_flash_cell,
+    GATED_PROVIDERS,
+    gate,
+    gate_name,
     leaderboard,
+)
+from cs336_systems.benchmarks.flash_in_training import (
+    TrainingCell,
+    attention_kernels,
+    kernel_cell_of,
+    training_steps,
 )
 from cs336_systems.pytest_plugin import settings
 from cs336_systems.reports import OOM
@@ -24,14 +34,6 @@ CPU_SEQ_LENS = (16, 32)
 CPU_HEAD_DIMS = (16,)
 CPU_PRECISIONS = ("fp32",)
 CPU_SETTINGS = BenchSettings(cpu_warmup=1, cpu_steps=3)
-# Gated cell: the longest sequence at the head dim of most models, bf16, forward+backward, where the
-# kernels take milliseconds. Shorter ones are not gated: at batch 1 x 1 head their forward+backward
-# includes the host's launch overhead (most of a millisecond on an H100 host), which moves by more
-# than the gate's tolerance from run to run.
-GATED_SEQ_LENS = (65536,)
-GATED_HEAD_DIM = 64
-GATED_PRECISION = "bf16"
-
 pytestmark = [
     pytest.mark.flash,
     # The Triton interpreter (CPU runs) turns loop bounds into ints through a NumPy conversion that
@@ -67,15 +69,29 @@ def test_flash_leaderboard(device, report):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("gated_seq_len", GATED_SEQ_LENS)
-def test_flash_speedup_gate(gated_seq_len, device, speedup_gate):
-    cell = FlashCell(gated_seq_len, GATED_HEAD_DIM, GATED_PRECISION)
-    rows = benchmark_flash_cell(cell, ("flash_triton", "naive", "sdpa_flash"), device, ("forward_backward",))
+def test_flash_speedup_gate(device, report, speedup_gate):
+    rows = gate(device)
+    for row in rows:
+        report(PROBLEM).add(row)
     ms = {r["provider"]: r["median_ms"] for r in rows if r["status"] == "ok"}
-    assert "flash_triton" in ms, rows
-    prefix = f"{PROBLEM}/N={gated_seq_len},d={GATED_HEAD_DIM},{GATED_PRECISION},fwd+bwd"
-    missing = [p for p in ("naive", "sdpa_flash") if p not in ms]
-    if missing:
-        pytest.skip(f"{prefix}: {', '.join(missing)} did not run ({[r['status'] for r in rows]}); nothing to gate")
-    speedup_gate(f"{prefix}: naive / triton", ms["naive"], ms["flash_triton"])
-    speedup_gate(f"{prefix}: sdpa_flash / triton", ms["sdpa_flash"], ms["flash_triton"])
+    for provider in GATED_PROVIDERS:
+        if provider not in ms or "flash_triton" not in ms:  # a gate whose variant did not run fails
+            pytest.fail(f"{gate_name(provider)}: {[(r['provider'], r['status']) for r in rows]}")
+        speedup_gate(gate_name(provider), ms[provider], ms["flash_triton"])
+
+
+# ---------------------------------------------------------------------------------- flash_in_training
+
+TRAINING_CELLS = tuple(TrainingCell(size, context) for size in ("xl", "2.7B") for context in (512, 2048))
+
+
+@pytest.mark.gpu
+@pytest.mark.slow
+@pytest.mark.parametrize("cell", TRAINING_CELLS, ids=lambda c: f"{c.size}-{c.context_length}")
+def test_flash_in_training(cell, device, report):
+    rows = training_steps(cell, device) + attention_kernels(kernel_cell_of(cell), device)
+    for row in rows:
+        report("flash_in_training").add(row)
+    steps = {r["attention"]: r["status"] for r in rows if r["table"] == "step"}
+    assert steps["flash_triton"] == "ok" or steps["flash_triton"] == steps["sdpa"] == OOM, steps
+    assert all(r["status"] in ("ok", UNSUPPORTED) for r in rows if r["table"] == "kernels")

@@ -187,12 +187,15 @@ def _naive_fits(cell: FlashCell, device: torch.device) -> tuple[bool, int, int |
 
 
 def _cell_row(cell: FlashCell, provider: str, mode: str, device: torch.device) -> Row:
+    from cs336_systems.attention.flash_triton import source_hash
+
     return {"table": "sweep", "provider": provider, "backend": None, "precision": cell.precision,
             "batch_size": cell.batch_size, "n_heads": cell.n_heads, "seq_len": cell.seq_len,
             "head_dim": cell.head_dim, "is_causal": cell.is_causal, "mode": mode, "device": device.type,
             "status": None, "oom_predicted": None, "median_ms": None, "p20_ms": None, "p80_ms": None,
             "samples": None, "timer": None, "tflops": None, "predicted_peak_bytes": None,
-            "free_memory_bytes": None, "fp32_matmul_precision": torch.get_float32_matmul_precision()}
+            "free_memory_bytes": None, "fp32_matmul_precision": torch.get_float32_matmul_precision(),
+            "source_hash": source_hash()}
 
 
 def _inputs(cell: FlashCell, device: torch.device) -> tuple[tuple[torch.Tensor, ...], torch.Tensor]:
@@ -259,6 +262,31 @@ def leaderboard(device: torch.device | str = "cuda", settings: BenchSettings = B
     torch._dynamo.reset()  # compile the Triton Function afresh, with no earlier graphs in dynamo's caches
     rows = benchmark_flash_cell(LEADERBOARD_CELL, LEADERBOARD_PROVIDERS, device, ("forward_backward",), settings)
     return [{**row, "table": "leaderboard"} for row in rows]
+
+
+# The speed-up gates: the longest sequence at the head dim of most models, bf16, forward+backward, where
+# the kernels take milliseconds. Shorter ones are not gated: at batch 1 x 1 head their time includes the
+# host's launch overhead, which moves by more than a gate's tolerance from run to run.
+GATE_CELL = FlashCell(seq_len=65536, head_dim=64, precision="bf16")
+GATED_PROVIDERS = ("naive", "sdpa_flash")
+
+
+def gate(device: torch.device | str = "cuda", settings: BenchSettings = BenchSettings()) -> list[Row]:
+    """The gated cell's rows: Triton and the providers whose time over Triton's is gated."""
+    rows = benchmark_flash_cell(GATE_CELL, ("flash_triton", *GATED_PROVIDERS), device, ("forward_backward",), settings)
+    return [{**row, "table": "gate"} for row in rows]
+
+
+def gate_name(provider: str) -> str:
+    """The baseline entry of `provider`'s time over Triton's at the gated cell."""
+    cell = GATE_CELL
+    return f"flash_benchmarking/N={cell.seq_len},d={cell.head_dim},{cell.precision},fwd+bwd: {provider} / triton"
+
+
+def gate_ratios(rows: list[Row]) -> dict[str, float | None]:
+    """Gate name -> the gated provider's time over Triton's in the gate rows; None where either did not run."""
+    measured = {r["provider"]: r for r in rows if r.get("table") == "gate"}
+    return {gate_name(p): _ratio(measured.get(p), measured.get("flash_triton")) for p in GATED_PROVIDERS}
 
 
 # ------------------------------------------------------------------------------------------ reports
@@ -365,7 +393,7 @@ def _host_bound_finding(rows: list[Row], precision: str) -> str | None:
         return None
     return (f"- {precision}: from N={shortest} to N={longest}, Triton's forward+backward takes {low:.3g} to "
             f"{high:.3g} ms at every d while the work grows {growth:.0f}x: at these lengths the time is the "
-            "host's (Python and kernel-launch overhead per call; cs336_systems/attention/TUNING.md measures it), "
+            "host's (Python and kernel-launch overhead per call; docs/flash_tuning.md measures it), "
             "not the kernels'.")
 
 
@@ -471,10 +499,28 @@ def _plot(rows: list[Row], precision: str):
     return figure
 
 
+def _gate_section(rows: list[Row]) -> str:
+    if not rows:
+        return ""
+    cell = GATE_CELL
+    table = [{"provider": PROVIDER_LABELS[r["provider"]], "backend": r.get("backend") or "",
+              "median (ms)": _time_cell(r)} for r in rows]
+    ratios = "; ".join(f"{provider} / triton " + ("did not run" if ratio is None else f"{ratio:.3g}x")
+                       for provider, ratio in zip(GATED_PROVIDERS, gate_ratios(rows).values()))
+    return (f"## Speed-up gates\n\nBatch 1, 1 head, N {cell.seq_len}, d {cell.head_dim}, {cell.precision}, causal, "
+            "forward+backward. The ratios are checked against perf/baselines/<gpu>.json by the perf suite on a "
+            f"GPU and, for these committed rows, by the CPU tests: {ratios}.\n\n" + markdown_table(table))
+
+
+def _sources(rows: list[Row]) -> str:
+    hashes = sorted({str(r["source_hash"]) for r in rows if r.get("source_hash")})
+    return f"FlashAttention GPU source measured: {', '.join(hashes) or 'not recorded'}.\n"
+
+
 @renderer("flash_benchmarking", key=FLASH_KEY)
 def render_flash_benchmarking(rows: list[Row]) -> Rendered:
     sweep = [r for r in rows if r.get("table") == "sweep"]
-    parts, figures = [], {}
+    parts, figures = [_sources(rows)], {}
     if sweep:
         parts.append(f"## Sweep\n\n{_setup(sweep)}")
         for precision in [p for p in PRECISIONS if any(r["precision"] == p for r in sweep)]:
@@ -488,4 +534,5 @@ def render_flash_benchmarking(rows: list[Row]) -> Rendered:
         if findings:
             parts.append("## Findings\n\n" + "\n".join(findings) + "\n")
     parts.append(_leaderboard_section([r for r in rows if r.get("table") == "leaderboard"]))
+    parts.append(_gate_section([r for r in rows if r.get("table") == "gate"]))
     return Rendered("\n".join(p for p in parts if p), figures=figures)

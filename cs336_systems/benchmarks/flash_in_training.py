@@ -1,0 +1,203 @@
+"""Problem flash_in_training: the Triton FlashAttention op inside a compiled training step, against
+PyTorch SDPA, at the sizes and contexts people train at; and the attention kernels alone at those
+steps' shapes, where the step's attention time comes from.
+
+    rows = training_steps(TrainingCell("xl", 512), "cuda")
+    rows = attention_kernels(kernel_cell_of(TrainingCell("xl", 512)), "cuda")
+
+A training step is the whole model under torch.compile(fullgraph=True) (a graph break fails the cell)
+with bf16 autocast, cross-entropy, backward, a fused AdamW step and zero_grad. Both attentions run in
+one process, one after the other, from the same initial weights and batch; whole steps are timed with
+CUDA events, one synchronisation per step, garbage collection off; the median with the 25th and 75th
+percentiles, and the mean and std. The first step's loss is recorded so that the two attentions can be
+seen to compute the same function.
+"""
+
+from __future__ import annotations
+
+import gc
+import statistics
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from cs336_systems.accounting.flops import step_flops
+from cs336_systems.benchmarks.flash import BenchSettings, FlashCell, benchmark_flash_cell
+from cs336_systems.model import ModelConfig, TransformerLM
+from cs336_systems.reports import OOM, Rendered, Row, markdown_table, renderer
+
+ATTENTIONS = ("sdpa", "flash_triton")
+KERNEL_PROVIDERS = ("flash_triton", "sdpa_cudnn", "sdpa_flash")
+DEFAULT_WARMUP = 5
+DEFAULT_STEPS = 20
+
+
+@dataclass(frozen=True)
+class TrainingCell:
+    size: str
+    context_length: int
+    batch_size: int = 4
+
+
+def kernel_cell_of(cell: TrainingCell) -> FlashCell:
+    """The attention call inside `cell`'s training step (causal, bf16)."""
+    config = ModelConfig.for_size(cell.size, cell.context_length)
+    return FlashCell(cell.context_length, config.d_model // config.num_heads, "bf16", batch_size=cell.batch_size,
+                     n_heads=config.num_heads)
+
+
+def _time_steps(step, warmup: int, steps: int) -> list[float]:
+    """Milliseconds of `steps` whole steps after `warmup` untimed ones: CUDA events, one sync per step."""
+    for _ in range(warmup):
+        step()
+    torch.cuda.synchronize()
+    samples = []
+    gc.disable()
+    try:
+        for _ in range(steps):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            step()
+            end.record()
+            end.synchronize()
+            samples.append(start.elapsed_time(end))
+    finally:
+        gc.enable()
+    return samples
+
+
+def _summary(samples: list[float]) -> Row:
+    q1, _, q3 = statistics.quantiles(samples, n=4)
+    return {"median_ms": statistics.median(samples), "p25_ms": q1, "p75_ms": q3, "mean_ms": statistics.fmean(samples),
+            "std_ms": statistics.stdev(samples), "steps": len(samples)}
+
+
+def _training_step_row(cell: TrainingCell, attention: str, device: torch.device, warmup: int, steps: int) -> Row:
+    from cs336_systems.attention.flash_triton import source_hash
+
+    config = ModelConfig.for_size(cell.size, cell.context_length)
+    row: Row = {"table": "step", "size": cell.size, "d_model": config.d_model, "n_heads": config.num_heads,
+                "head_dim": config.d_model // config.num_heads, "context_length": cell.context_length,
+                "batch_size": cell.batch_size, "attention": attention, "compile": "whole model, fullgraph",
+                "precision": "bf16 autocast", "optimizer": "AdamW (fused)", "warmup": warmup,
+                "source_hash": source_hash()}
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = TransformerLM(config, attention=attention)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
+    generator = torch.Generator().manual_seed(0)
+    inputs, targets = (torch.randint(config.vocab_size, (cell.batch_size, cell.context_length),
+                                     generator=generator).to(device) for _ in range(2))
+    torch._dynamo.reset()
+    compiled = torch.compile(model, fullgraph=True)
+    losses = []
+
+    def step():
+        with torch.autocast(device.type, dtype=torch.bfloat16):
+            logits = compiled(inputs)
+            loss = F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        if not losses:
+            losses.append(loss.item())
+
+    torch.cuda.reset_peak_memory_stats(device)
+    try:
+        samples = _time_steps(step, warmup, steps)
+    except torch.OutOfMemoryError:
+        samples = None
+    peak = torch.cuda.max_memory_allocated(device)
+    del model, optimizer, compiled
+    gc.collect()
+    torch.cuda.empty_cache()
+    if samples is None:
+        return {**row, "status": OOM}
+    stats = _summary(samples)
+    flops = step_flops(config, cell.batch_size, cell.context_length, "train_step")
+    return {**row, "status": "ok", **stats, "tflops": flops / (stats["median_ms"] * 1e-3) / 1e12,
+            "peak_memory_gib": peak / 2**30, "first_loss": losses[0]}
+
+
+def training_steps(cell: TrainingCell, device: torch.device | str = "cuda", attentions=ATTENTIONS,
+                   warmup: int = DEFAULT_WARMUP, steps: int = DEFAULT_STEPS) -> list[Row]:
+    """One row per attention: the compiled training step's time, TFLOP/s, peak memory and first loss."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        raise ValueError(f"training steps are timed with CUDA events and need a CUDA device, got {device}")
+    return [_training_step_row(cell, attention, device, warmup, steps) for attention in attentions]
+
+
+def attention_kernels(cell: FlashCell, device: torch.device | str = "cuda",
+                      settings: BenchSettings = BenchSettings()) -> list[Row]:
+    """Forward, backward and forward+backward of the Triton kernels and SDPA's cuDNN and FA2 backends at
+    `cell`'s shape, timed by do_bench."""
+    rows = benchmark_flash_cell(cell, KERNEL_PROVIDERS, device, settings=settings)
+    return [{**row, "table": "kernels"} for row in rows]
+
+
+# ------------------------------------------------------------------------------------------ report
+
+KEY = ("table", "size", "context_length", "attention", "provider", "batch_size", "n_heads", "seq_len", "head_dim",
+       "mode")
+
+
+def _time(row: Row) -> str:
+    if row["status"] != "ok":
+        return row["status"]
+    return f"{row['median_ms']:.4g} ({row['p25_ms']:.4g}-{row['p75_ms']:.4g})"
+
+
+def _steps_section(rows: list[Row]) -> str:
+    table, text = [], []
+    for size, context in dict.fromkeys((r["size"], r["context_length"]) for r in rows):
+        cell = {r["attention"]: r for r in rows if (r["size"], r["context_length"]) == (size, context)}
+        sdpa = cell.get("sdpa")
+        for attention, r in cell.items():
+            ok = r["status"] == "ok"
+            ratio = r["median_ms"] / sdpa["median_ms"] if ok and sdpa and sdpa["status"] == "ok" else None
+            shape = f"{r['d_model']} / {r['n_heads']} / {r['head_dim']}"
+            table.append({"size": size, "d_model / heads / d_head": shape,
+                          "context": context, "attention": attention, "step ms, median (IQR)": _time(r),
+                          "std / mean": f"{r['std_ms'] / r['mean_ms']:.1%}" if ok else "",
+                          "vs SDPA": f"{ratio:.3f}x" if ratio else "",
+                          "TFLOP/s": f"{r['tflops']:.0f}" if ok else "",
+                          "peak GiB": f"{r['peak_memory_gib']:.1f}" if r.get("peak_memory_gib") else "",
+                          "first loss": f"{r['first_loss']:.4f}" if ok else ""})
+    sample = rows[0]
+    text.append(f"Batch {sample['batch_size']}, {sample['precision']}, {sample['optimizer']}, the whole model under "
+                f"torch.compile ({sample['compile']}), {sample['warmup']} warm-up steps then {sample['steps']} "
+                "timed whole steps (CUDA events, one synchronisation per step). TFLOP/s counts the step's matmul "
+                "FLOPs (accounting.flops.step_flops) over the median.\n")
+    return "## Training steps\n\n" + "\n".join(text) + "\n" + markdown_table(table)
+
+
+def _kernels_section(rows: list[Row]) -> str:
+    table = []
+    shapes = dict.fromkeys((r["batch_size"], r["n_heads"], r["seq_len"], r["head_dim"]) for r in rows)
+    for shape in shapes:
+        for mode in ("forward", "backward", "forward_backward"):
+            cell = {r["provider"]: r for r in rows
+                    if (r["batch_size"], r["n_heads"], r["seq_len"], r["head_dim"], r["mode"]) == (*shape, mode)}
+            ours = cell.get("flash_triton")
+            entry = {"batch x heads x N x d": " x ".join(map(str, shape)), "mode": mode}
+            for provider, r in cell.items():
+                entry[f"{provider} ms"] = f"{r['median_ms']:.4g}" if r["status"] == "ok" else r["status"]
+            for provider in ("sdpa_cudnn", "sdpa_flash"):
+                other = cell.get(provider)
+                if ours and other and ours["status"] == other["status"] == "ok":
+                    entry[f"triton / {provider}"] = f"{ours['median_ms'] / other['median_ms']:.2f}x"
+            if ours and ours["status"] == "ok":
+                entry["triton TFLOP/s"] = f"{ours['tflops']:.0f}"
+            table.append(entry)
+    return ("## Attention kernels at the training shapes\n\nCausal, bf16, do_bench medians; a ratio above 1 "
+            "means the Triton kernels are slower.\n\n" + markdown_table(table))
+
+
+@renderer("flash_in_training", key=KEY)
+def render_flash_in_training(rows: list[Row]) -> Rendered:
+    steps = [r for r in rows if r.get("table") == "step"]
+    kernels = [r for r in rows if r.get("table") == "kernels"]
+    parts = [_steps_section(steps) if steps else "", _kernels_section(kernels) if kernels else ""]
+    return Rendered("\n".join(p for p in parts if p))
