@@ -101,7 +101,8 @@ def _parse_precisions(value: str) -> tuple[str, ...]:
     chosen = PRECISIONS if value == "all" else tuple(p.strip() for p in value.split(",") if p.strip())
     unknown = [p for p in chosen if p not in PRECISIONS]
     if unknown or not chosen:
-        raise pytest.UsageError(f"--precision: unknown {unknown or value!r}; use a subset of {PRECISIONS} or all")
+        raise pytest.UsageError(f"--precision: unknown {', '.join(unknown) or repr(value)}; "
+                                f"use any of {', '.join(PRECISIONS)} (comma-separated), or all")
     return chosen
 
 
@@ -113,7 +114,8 @@ def _parse_sizes(value: str | None, on_gpu: bool) -> tuple[str, ...]:
     sizes = tuple(s.strip() for s in value.split(",") if s.strip())
     unknown = [s for s in sizes if s not in MODEL_SIZES]
     if unknown or not sizes:
-        raise pytest.UsageError(f"--model-sizes: unknown {unknown or value!r}; choose from {', '.join(MODEL_SIZES)}")
+        raise pytest.UsageError(f"--model-sizes: unknown {', '.join(unknown) or repr(value)}; "
+                                f"choose from {', '.join(MODEL_SIZES)}")
     return sizes
 
 

@@ -98,7 +98,10 @@ def test_precision_option_parametrizes_tests(pytester, option, count):
 
 def test_bad_precision_and_world_size_are_usage_errors(pytester):
     pytester.makepyfile("def test_x(): pass")
-    assert run(pytester, "--precision", "fp64").ret == pytest.ExitCode.USAGE_ERROR
+    result = run(pytester, "--precision", "fp32,fp64")
+    assert result.ret == pytest.ExitCode.USAGE_ERROR
+    result.stderr.fnmatch_lines(["ERROR: --precision: unknown fp64; use any of fp32, bf16, fp16 (comma-separated), "
+                                 "or all"])
     assert run(pytester, "--world-size", "0").ret == pytest.ExitCode.USAGE_ERROR
 
 

@@ -68,3 +68,10 @@ def test_keyed_report_accumulates_runs_and_drops_runs_left_without_rows(tmp_path
     assert "- run 1: " in text and "`second`" in text and "- run 2: " in text and "`third`" in text
     assert text.rstrip().endswith("a=5@2 b=3@1 c=4@1")
     assert len(read_rows(tmp_path / "_test_keyed.csv")) == 3
+
+
+def test_cpu_reports_are_not_tracked():
+    from pathlib import Path
+
+    ignored = (Path(__file__).resolve().parents[1] / ".gitignore").read_text().splitlines()
+    assert "reports/cpu/" in ignored
