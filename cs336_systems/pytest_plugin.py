@@ -48,6 +48,7 @@ class Settings:
     world_size: int
     report_root: Path
     update_baselines: bool
+    accept_regression: bool  # --update-baselines may record a ratio below its baseline's floor
     model_sizes: tuple[str, ...]
     staging_dir: Path
     command: str
@@ -89,6 +90,9 @@ def pytest_addoption(parser: pytest.Parser) -> None:
                     help="where reports go; each GPU gets a subdirectory (default reports)")
     group.addoption("--update-baselines", action="store_true",
                     help="write measured speed-up ratios to perf/baselines/<gpu>.json instead of gating")
+    group.addoption("--accept-regression", action="store_true",
+                    help="with --update-baselines: record ratios even where they fell past their tolerance "
+                         "below the current baseline (refused otherwise)")
     group.addoption("--time-budget", type=float, default=None, metavar="SECONDS",
                     help="skip the tests not started within SECONDS of the session's start; the ones "
                          "measured so far still reach the reports (for sweeps on borrowed time)")
@@ -137,16 +141,22 @@ def pytest_configure(config: pytest.Config) -> None:
     time_budget_s = config.getoption("--time-budget")
     if time_budget_s is not None and time_budget_s < 0:
         raise pytest.UsageError(f"--time-budget must be at least 0 seconds, got {time_budget_s:g}")
+    if config.getoption("--accept-regression") and not config.getoption("--update-baselines"):
+        raise pytest.UsageError("--accept-regression only applies with --update-baselines")
+    precisions = _parse_precisions(config.getoption("--precision"))
+    model_sizes = _parse_sizes(config.getoption("--model-sizes"), gpu_slug != "cpu")
+    # Staged only once every option is known to be good: a usage error leaves nothing behind.
     worker_input = getattr(config, "workerinput", None)
     staging = Path(worker_input[_STAGING_KEY] if worker_input else tempfile.mkdtemp(prefix="cs336-report-rows-"))
     config.stash[_settings_key] = Settings(
         gpu_slug=gpu_slug,
         gpu_spec=gpu_spec,
-        precisions=_parse_precisions(config.getoption("--precision")),
+        precisions=precisions,
         world_size=world_size,
         report_root=Path(config.getoption("--report-dir")).resolve(),
         update_baselines=config.getoption("--update-baselines"),
-        model_sizes=_parse_sizes(config.getoption("--model-sizes"), gpu_slug != "cpu"),
+        accept_regression=config.getoption("--accept-regression"),
+        model_sizes=model_sizes,
         staging_dir=staging,
         command=" ".join(["pytest", *config.invocation_params.args]),
         baseline_dir=config.rootpath / "perf" / "baselines",
@@ -271,26 +281,47 @@ def report(pytestconfig, run_settings):
 
 @pytest.fixture(scope="session")
 def speedup_gate(run_settings):
-    """speedup_gate(name, slow_ms, fast_ms): fail if slow/fast fell past tolerance below the baseline."""
+    """speedup_gate(name, slow_ms, fast_ms, note=""): the ratio slow/fast against the baseline.
+
+    Fails when the ratio fell past its tolerance below the baseline, when the baseline file has no
+    entry for it, and when either time is None (a variant that ran out of memory or errored gates
+    nothing, so it cannot pass). Skips, saying why, when this device has no baseline file. With
+    --update-baselines it records the ratio instead, refusing one past tolerance below the current
+    baseline unless --accept-regression is given. `note` (the variants' statuses, say) is added to
+    a failure's message.
+    """
     from cs336_systems import baselines
 
-    recorded = baselines.load_baselines(run_settings.baseline_path)
+    path = run_settings.baseline_path
+    recorded = baselines.load_baselines(path)
 
-    def gate(name: str, slow_ms: float, fast_ms: float) -> float:
+    def gate(name: str, slow_ms: float | None, fast_ms: float | None, note: str = "") -> float:
+        if slow_ms is None or fast_ms is None:
+            unmeasured = [side for side, ms in (("slower", slow_ms), ("faster", fast_ms)) if ms is None]
+            if run_settings.update_baselines or path.exists():
+                have = "variants have" if len(unmeasured) > 1 else "variant has"
+                pytest.fail(f"{name}: the {' and '.join(unmeasured)} {have} no time, so the gate cannot hold"
+                            + (f" ({note})" if note else ""))
+            pytest.skip(baselines.no_baseline_file(path))
         ratio = baselines.speedup_ratio(slow_ms, fast_ms)
+        result = baselines.check(name, ratio, recorded)
         if run_settings.update_baselines:
+            if not result.passed and not run_settings.accept_regression:
+                pytest.fail(f"refusing to record {result.message(path)}; pass --accept-regression to record it")
             worker = os.environ.get("PYTEST_XDIST_WORKER", "main")
-            with (run_settings.staging_dir / f"baselines.{worker}.jsonl").open("a") as f:
+            with (run_settings.staging_dir / f"{_BASELINES_STAGE}.{worker}.jsonl").open("a") as f:
                 f.write(json.dumps({"name": name, "ratio": ratio}) + "\n")
             return ratio
-        result = baselines.check(name, ratio, recorded)
-        if result.baseline is None:
-            pytest.skip(result.message(run_settings.baseline_path))
-        if not result.passed:
-            pytest.fail(result.message(run_settings.baseline_path))
+        if not path.exists():
+            pytest.skip(baselines.no_baseline_file(path))
+        if result.baseline is None or not result.passed:
+            pytest.fail(result.message(path) + (f" ({note})" if note else ""))
         return ratio
 
     return gate
+
+
+_BASELINES_STAGE = "baselines"
 
 
 # ------------------------------------------------------------------------------------ session end
@@ -306,7 +337,7 @@ def pytest_sessionfinish(session: pytest.Session) -> None:
 
     written = []
     staged = sorted(run.staging_dir.glob("*.jsonl"))
-    problems = sorted({f.name.split(".")[0] for f in staged} - {"baselines"})
+    problems = sorted({f.name.split(".")[0] for f in staged} - {_BASELINES_STAGE})
     for problem in problems:
         rows = [json.loads(line) for f in staged if f.name.split(".")[0] == problem
                 for line in f.read_text().splitlines()]

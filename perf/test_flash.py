@@ -74,8 +74,6 @@ def test_flash_speedup_gate(gated_seq_len, device, speedup_gate):
     ms = {r["provider"]: r["median_ms"] for r in rows if r["status"] == "ok"}
     assert "flash_triton" in ms, rows
     prefix = f"{PROBLEM}/N={gated_seq_len},d={GATED_HEAD_DIM},{GATED_PRECISION},fwd+bwd"
-    missing = [p for p in ("naive", "sdpa_flash") if p not in ms]
-    if missing:
-        pytest.skip(f"{prefix}: {', '.join(missing)} did not run ({[r['status'] for r in rows]}); nothing to gate")
-    speedup_gate(f"{prefix}: naive / triton", ms["naive"], ms["flash_triton"])
-    speedup_gate(f"{prefix}: sdpa_flash / triton", ms["sdpa_flash"], ms["flash_triton"])
+    statuses = ", ".join(f"{r['provider']}: {r['status']}" for r in rows)
+    speedup_gate(f"{prefix}: naive / triton", ms.get("naive"), ms["flash_triton"], note=statuses)
+    speedup_gate(f"{prefix}: sdpa_flash / triton", ms.get("sdpa_flash"), ms["flash_triton"], note=statuses)

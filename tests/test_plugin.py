@@ -148,13 +148,58 @@ def test_gate_passes_within_tolerance(pytester):
     run(pytester).assert_outcomes(passed=1)
 
 
-def test_gate_skips_without_a_baseline_and_update_writes_one(pytester):
+def test_gate_without_a_baseline_file_is_skipped_saying_why_and_update_writes_one(pytester):
     pytester.makepyfile(GATED_TEST)
-    run(pytester).assert_outcomes(skipped=1)
+    result = run(pytester, "-rs")
+    result.assert_outcomes(skipped=1)
+    result.stdout.fnmatch_lines(["SKIPPED [[]1[]] *: speed-up gate not run: no baseline file *cpu.json for this "
+                                 "device (--update-baselines writes one)"])
     run(pytester, "--update-baselines").assert_outcomes(passed=1)
     data = json.loads((pytester.path / "perf" / "baselines" / "cpu.json").read_text())
     assert data["ratios"]["flash vs naive"] == {"ratio": 5.0, "tolerance": 0.2}
     run(pytester).assert_outcomes(passed=1)
+
+
+def test_gate_fails_when_the_baseline_file_has_no_entry_for_it(pytester):
+    pytester.makepyfile(GATED_TEST.replace("flash vs naive", "a new comparison"))
+    write_baseline(pytester, ratio=5.0)
+    result = run(pytester)
+    result.assert_outcomes(failed=1)
+    result.stdout.fnmatch_lines(["*no baseline for 'a new comparison' in *cpu.json; run with --update-baselines "
+                                 "to record 5*"])
+
+
+@pytest.mark.parametrize("update", [False, True])
+def test_gate_fails_when_a_variant_did_not_run(pytester, update):
+    pytester.makepyfile("""
+        def test_speedup(speedup_gate):
+            speedup_gate("flash vs naive", slow_ms=None, fast_ms=2.0, note="naive: OOM")
+    """)
+    path = write_baseline(pytester, ratio=5.0)
+    result = run(pytester, *(["--update-baselines"] if update else []))
+    result.assert_outcomes(failed=1)
+    result.stdout.fnmatch_lines(["*flash vs naive: the slower variant has no time, so the gate cannot hold "
+                                 "(naive: OOM)*"])
+    assert json.loads(path.read_text())["ratios"]["flash vs naive"]["ratio"] == 5.0
+
+
+def test_update_refuses_a_regression_unless_it_is_accepted(pytester):
+    pytester.makepyfile(GATED_TEST)
+    path = write_baseline(pytester, ratio=8.0)  # 5.0 < 8.0 * 0.8
+    result = run(pytester, "--update-baselines")
+    result.assert_outcomes(failed=1)
+    result.stdout.fnmatch_lines(["*refusing to record REGRESSION: flash vs naive ratio 5 vs baseline 8*"
+                                 "pass --accept-regression to record it*"])
+    assert json.loads(path.read_text())["ratios"]["flash vs naive"]["ratio"] == 8.0
+    run(pytester, "--update-baselines", "--accept-regression").assert_outcomes(passed=1)
+    assert json.loads(path.read_text())["ratios"]["flash vs naive"]["ratio"] == 5.0
+
+
+def test_accept_regression_needs_update_baselines(pytester):
+    pytester.makepyfile(GATED_TEST)
+    result = run(pytester, "--accept-regression")
+    assert result.ret == pytest.ExitCode.USAGE_ERROR
+    result.stderr.fnmatch_lines(["*--accept-regression only applies with --update-baselines*"])
 
 
 def test_update_keeps_a_stated_tolerance(pytester):
