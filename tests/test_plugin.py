@@ -105,6 +105,24 @@ def test_bad_precision_and_world_size_are_usage_errors(pytester):
     assert run(pytester, "--world-size", "0").ret == pytest.ExitCode.USAGE_ERROR
 
 
+ROW_WRITING_TEST = """
+    def test_row(report):
+        report("_plugin_problem").add(x=1)
+"""
+
+
+def test_a_named_gpu_this_machine_lacks_is_a_usage_error_that_writes_nothing(pytester, monkeypatch):
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    pytester.makepyfile(ROW_WRITING_TEST)
+    result = pytester.runpytest(*PLUGIN, "--gpu", "h100", "--report-dir", "out")
+    assert result.ret == pytest.ExitCode.USAGE_ERROR
+    result.stderr.fnmatch_lines(["ERROR: --gpu: h100 is the NVIDIA H100 80GB HBM3, but torch sees no CUDA GPU on "
+                                 "this machine; pass none (or auto) to run on the CPU"])
+    assert "Traceback" not in result.stderr.str() and not (pytester.path / "out").exists()
+
+
 def test_report_rows_from_xdist_workers_are_merged_into_one_report(pytester):
     pytester.makepyfile("""
         import pytest
