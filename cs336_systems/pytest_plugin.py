@@ -253,11 +253,15 @@ def spawn(device):
 
 
 class ProblemReport:
-    """Rows for one problem's report, staged on disk as they arrive so a crash keeps them."""
+    """Rows for one problem's report, staged on disk as they arrive so a crash keeps them.
 
-    def __init__(self, problem: str, staging_dir: Path, report_dir: Path, worker: str):
+    Files that go with the report (plots) are staged too: nothing reaches the report directory
+    until the session ends and its reports are written.
+    """
+
+    def __init__(self, problem: str, staging_dir: Path, worker: str):
         self.problem = problem
-        self.report_dir = report_dir
+        self._staging_dir = staging_dir
         self._file = staging_dir / f"{problem}.{worker}.jsonl"
 
     def add(self, row: dict[str, Any] | None = None, **fields: Any) -> None:
@@ -267,16 +271,19 @@ class ProblemReport:
 
     def asset_path(self, file_name: str) -> Path:
         """Where a file that goes with this report (a PNG, a trace) should be written."""
-        self.report_dir.mkdir(parents=True, exist_ok=True)
-        return self.report_dir / file_name
+        assets = self._staging_dir / _ASSETS_DIR
+        assets.mkdir(exist_ok=True)
+        return assets / file_name
+
+
+_ASSETS_DIR = "assets"
 
 
 @pytest.fixture(scope="session")
-def report(pytestconfig, run_settings):
+def report(run_settings):
     """report("<problem>") -> a writer whose .add(row) lands in reports/<gpu>/<problem>.md and .csv."""
     worker = os.environ.get("PYTEST_XDIST_WORKER", "main")
-    return functools.cache(lambda problem: ProblemReport(problem, run_settings.staging_dir,
-                                                         run_settings.report_dir, worker))
+    return functools.cache(lambda problem: ProblemReport(problem, run_settings.staging_dir, worker))
 
 
 @pytest.fixture(scope="session")
@@ -327,6 +334,11 @@ _BASELINES_STAGE = "baselines"
 # ------------------------------------------------------------------------------------ session end
 
 def pytest_sessionfinish(session: pytest.Session) -> None:
+    """Write the staged rows into reports and the staged ratios into the baseline file.
+
+    Never raises: a report that cannot be written is named in the summary and fails the session,
+    and the others are still written.
+    """
     config = session.config
     if hasattr(config, "workerinput") or _settings_key not in config.stash:
         return  # xdist workers leave merging to the controller
@@ -335,29 +347,47 @@ def pytest_sessionfinish(session: pytest.Session) -> None:
         return
     from cs336_systems import baselines, reports
 
-    written = []
+    written, errors = [], []
     staged = sorted(run.staging_dir.glob("*.jsonl"))
     problems = sorted({f.name.split(".")[0] for f in staged} - {_BASELINES_STAGE})
     for problem in problems:
-        rows = [json.loads(line) for f in staged if f.name.split(".")[0] == problem
-                for line in f.read_text().splitlines()]
-        written.append(reports.write_report(problem, rows, run.report_dir, run.command,
-                                            "cuda" if run.on_gpu else "cpu"))
-    ratios = {r["name"]: r["ratio"] for f in staged if f.name.startswith("baselines.")
+        try:
+            rows = [json.loads(line) for f in staged if f.name.split(".")[0] == problem
+                    for line in f.read_text().splitlines()]
+            written.append(reports.write_report(problem, rows, run.report_dir, run.command,
+                                                "cuda" if run.on_gpu else "cpu"))
+        except Exception as error:  # one report's failure must not lose the others
+            errors.append(f"{problem}: {type(error).__name__}: {error}")
+    for asset in sorted((run.staging_dir / _ASSETS_DIR).glob("*")):
+        run.report_dir.mkdir(parents=True, exist_ok=True)
+        written.append(Path(shutil.move(asset, run.report_dir / asset.name)))
+    ratios = {r["name"]: r["ratio"] for f in staged if f.name.startswith(f"{_BASELINES_STAGE}.")
               for r in map(json.loads, f.read_text().splitlines())}
     if ratios:
-        baselines.update_baselines(run.baseline_path, ratios, reports.device_description())
-        written.append(run.baseline_path)
+        try:
+            baselines.update_baselines(run.baseline_path, ratios,
+                                       reports.device_description("cuda" if run.on_gpu else "cpu"))
+            written.append(run.baseline_path)
+        except Exception as error:
+            errors.append(f"{run.baseline_path}: {type(error).__name__}: {error}")
     config.stash[_written_key] = written
+    config.stash[_errors_key] = errors
+    if errors and session.exitstatus == pytest.ExitCode.OK:
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED
     shutil.rmtree(run.staging_dir, ignore_errors=True)
 
 
 _written_key = pytest.StashKey[list]()
+_errors_key = pytest.StashKey[list]()
 
 
 def pytest_terminal_summary(terminalreporter, config: pytest.Config) -> None:
-    written = config.stash.get(_written_key, [])
+    written, errors = config.stash.get(_written_key, []), config.stash.get(_errors_key, [])
     if written:
         terminalreporter.section("cs336-systems reports")
         for path in written:
             terminalreporter.write_line(str(path))
+    if errors:
+        terminalreporter.section("cs336-systems reports not written", red=True)
+        for error in errors:
+            terminalreporter.write_line(error)

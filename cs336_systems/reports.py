@@ -13,6 +13,7 @@ import datetime as dt
 import importlib
 import io
 import math
+import os
 import platform
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
@@ -135,8 +136,6 @@ def device_description(device: torch.device | str | None = None) -> str:
 
 
 def _cpu_count() -> int:
-    import os
-
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
 
@@ -181,12 +180,27 @@ def _parse_header(markdown: str) -> tuple[str, list[str]]:
 
 
 def write_csv(path: Path, rows: Sequence[Row]) -> None:
-    columns = all_columns(rows)
+    _replace_text(path, _csv_text(rows))
+
+
+def _csv_text(rows: Sequence[Row]) -> str:
     buffer = io.StringIO()
-    writer = csv.DictWriter(buffer, fieldnames=columns, lineterminator="\n")
+    writer = csv.DictWriter(buffer, fieldnames=all_columns(rows), lineterminator="\n")
     writer.writeheader()
     writer.writerows(rows)
-    path.write_text(buffer.getvalue())
+    return buffer.getvalue()
+
+
+def _staging_path(path: Path) -> Path:
+    """A sibling to write first and rename over `path`, with `path`'s suffix (matplotlib reads it)."""
+    return path.with_name(f".{path.stem}.partial{path.suffix}")
+
+
+def _replace_text(path: Path, text: str) -> None:
+    """Write `path` whole or not at all: a reader never finds half a file."""
+    partial = _staging_path(path)
+    partial.write_text(text)
+    os.replace(partial, path)
 
 
 def write_report(problem: str, rows: list[Row], report_dir: Path | str, command: str,
@@ -197,7 +211,6 @@ def write_report(problem: str, rows: list[Row], report_dir: Path | str, command:
     not measure again are kept (see `renderer`).
     """
     report_dir = Path(report_dir)
-    report_dir.mkdir(parents=True, exist_ok=True)
     key = _registration(problem).key
     runs = [f"{_now()}, `{command}`"]
     csv_path, md_path = report_dir / f"{problem}.csv", report_dir / f"{problem}.md"
@@ -209,9 +222,14 @@ def write_report(problem: str, rows: list[Row], report_dir: Path | str, command:
                 measured = {tuple(r.get(k) for k in key) for r in rows}
                 earlier = [r for r in read_rows(csv_path) if tuple(r.get(k) for k in key) not in measured]
         rows, runs = _merge_runs(earlier, old_runs if earlier else [], rows, runs[0])
+    # Everything that can fail (rendering, the header's device query) happens before a file is written,
+    # so a failure leaves no report directory, CSV without Markdown, or half a file behind.
+    head = header(problem, runs, device)
+    rendered = get_renderer(problem)(rows)
+    report_dir.mkdir(parents=True, exist_ok=True)
     if rows:
         write_csv(csv_path, rows)
-    return _write_markdown(problem, rows, report_dir, header(problem, runs, device))
+    return _write_rendered(problem, rendered, report_dir, head)
 
 
 def _merge_runs(earlier: list[Row], earlier_runs: list[str], rows: list[Row], run: str) -> tuple[list[Row], list[str]]:
@@ -224,15 +242,16 @@ def _merge_runs(earlier: list[Row], earlier_runs: list[str], rows: list[Row], ru
     return merged, runs
 
 
-def _write_markdown(problem: str, rows: list[Row], report_dir: Path, head: str) -> Path:
+def _write_rendered(problem: str, rendered: Rendered, report_dir: Path, head: str) -> Path:
     import matplotlib.pyplot as plt
 
-    rendered = get_renderer(problem)(rows)
     for file_name, figure in rendered.figures.items():
-        figure.savefig(report_dir / file_name, dpi=120, bbox_inches="tight")
+        partial = _staging_path(report_dir / file_name)
+        figure.savefig(partial, dpi=120, bbox_inches="tight")
+        os.replace(partial, report_dir / file_name)
         plt.close(figure)
     path = report_dir / f"{problem}.md"
-    path.write_text(head + "\n" + rendered.body.rstrip() + "\n")
+    _replace_text(path, head + "\n" + rendered.body.rstrip() + "\n")
     return path
 
 
@@ -261,4 +280,4 @@ def rerender(report_dir: Path | str, problem: str) -> Path:
     report_dir = Path(report_dir)
     markdown = (report_dir / f"{problem}.md").read_text()
     head = markdown[: markdown.index("\n\n", markdown.index("- device: ")) + 1]
-    return _write_markdown(problem, read_rows(report_dir / f"{problem}.csv"), report_dir, head)
+    return _write_rendered(problem, get_renderer(problem)(read_rows(report_dir / f"{problem}.csv")), report_dir, head)

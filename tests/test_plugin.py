@@ -123,6 +123,40 @@ def test_a_named_gpu_this_machine_lacks_is_a_usage_error_that_writes_nothing(pyt
     assert "Traceback" not in result.stderr.str() and not (pytester.path / "out").exists()
 
 
+def test_a_report_that_cannot_be_written_fails_the_run_leaves_nothing_and_keeps_the_others(pytester):
+    pytester.makeconftest("""
+        from cs336_systems.reports import renderer
+
+        @renderer("_unrenderable")
+        def render(rows):
+            raise RuntimeError("renderer broke")
+    """)
+    pytester.makepyfile("""
+        def test_rows(report):
+            report("_unrenderable").add(x=1)
+            report("_plugin_problem").add(x=2)
+    """)
+    result = run(pytester, "--report-dir", "out")
+    result.assert_outcomes(passed=1)
+    assert result.ret == pytest.ExitCode.TESTS_FAILED
+    result.stdout.fnmatch_lines(["*cs336-systems reports not written*",
+                                 "_unrenderable: RuntimeError: renderer broke"])
+    written = sorted(p.name for p in (pytester.path / "out" / "cpu").iterdir())
+    assert written == ["_plugin_problem.csv", "_plugin_problem.md"]
+
+
+def test_report_assets_reach_the_report_directory_only_when_the_session_ends(pytester):
+    pytester.makepyfile("""
+        def test_asset(report, run_settings):
+            path = report("_plugin_problem").asset_path("plot.png")
+            path.write_bytes(b"png")
+            assert not run_settings.report_dir.exists()
+            report("_plugin_problem").add(file="plot.png")
+    """)
+    run(pytester, "--report-dir", "out").assert_outcomes(passed=1)
+    assert (pytester.path / "out" / "cpu" / "plot.png").read_bytes() == b"png"
+
+
 def test_report_rows_from_xdist_workers_are_merged_into_one_report(pytester):
     pytester.makepyfile("""
         import pytest

@@ -70,6 +70,22 @@ def test_keyed_report_accumulates_runs_and_drops_runs_left_without_rows(tmp_path
     assert len(read_rows(tmp_path / "_test_keyed.csv")) == 3
 
 
+@renderer("_test_broken")
+def _render_broken(rows):
+    raise RuntimeError("renderer broke")
+
+
+def test_a_report_that_fails_to_render_leaves_no_directory_and_no_file(tmp_path):
+    with pytest.raises(RuntimeError, match="renderer broke"):
+        write_report("_test_broken", [{"x": 1}], tmp_path / "a100", command="c", device="cpu")
+    assert not (tmp_path / "a100").exists()
+    (tmp_path / "a100").mkdir()
+    write_report("_test_problem", [{"x": 1}], tmp_path / "a100", command="c", device="cpu")
+    with pytest.raises(RuntimeError, match="renderer broke"):
+        write_report("_test_broken", [{"x": 1}], tmp_path / "a100", command="c", device="cpu")
+    assert sorted(p.name for p in (tmp_path / "a100").iterdir()) == ["_test_problem.csv", "_test_problem.md"]
+
+
 def test_cpu_reports_are_not_tracked():
     from pathlib import Path
 
