@@ -94,7 +94,7 @@ def _cmd_e2e(args) -> None:
         rows += benchmark_model(cell, device, peak)
     columns = None if args.json else [
         "size", "context_length", "precision", "compile", "phase", "status", "mean_ms", "std_ms",
-        "median_ms", "tflops", "mfu"]
+        "median_ms", "tflops", "mfu", "estimated_peak_bytes", "available_bytes"]
     _print_rows(rows, args.json, columns)
 
 

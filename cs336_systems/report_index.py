@@ -23,6 +23,7 @@ from pathlib import Path
 
 from cs336_systems.accounting.ddp import optimal_bucket_bytes
 from cs336_systems.benchmarks.communication_accounting import DEFAULT_COMMAND as ACCOUNTING_COMMAND
+from cs336_systems.benchmarks.attention import oom_when
 from cs336_systems.benchmarks.e2e import PHASE_LABELS
 from cs336_systems.benchmarks.flash import PROVIDER_LABELS
 from cs336_systems.benchmarks.fsdp import OURS as OUR_FSDP
@@ -421,7 +422,7 @@ def _pytorch_attention(reports: Reports) -> list[str]:
         smallest = ooms[0]
         at_first = select(ooms, seq_len=smallest["seq_len"])
         text = f"Out of memory from N={smallest['seq_len']} (" + ", ".join(
-            f"d={r['head_dim']} during {r['oom_during']}" for r in at_first) + ")"
+            f"d={r['head_dim']} {oom_when(r)}" for r in at_first) + ")"
         if smallest.get("predicted_before_backward_bytes") is not None:
             text += (f"; the closed-form accounting puts d={smallest['head_dim']}, N={smallest['seq_len']} at "
                      f"{_size(smallest['predicted_before_backward_bytes'])} in use before backward and "
@@ -522,7 +523,7 @@ def _allreduce(reports: Reports) -> list[str]:
     rows = reports["distributed_communication_single_node"]
     sentences = []
     for backend, device in (("gloo", "CPU"), ("nccl", "GPUs")):
-        mine = select(rows, backend=backend)
+        mine = [r for r in select(rows, backend=backend) if r.get("status") != OOM]
         if not mine:
             sentences.append(_not_in_report(f"{backend} on {device}") if backend == "gloo" else
                              _not_in_report("NCCL on GPUs (it needs 2 GPUs)"))

@@ -91,3 +91,12 @@ def test_command_help_shows_the_defaults(capsys):
                     f"(default: {e2e.DEFAULT_STEPS})", "(default: train)", "(default: fp32)", "(default: sdpa)",
                     "(default: auto"):
         assert default in text
+
+
+def test_command_records_a_cell_too_large_for_this_machine_as_oom(capsys, monkeypatch):
+    from cs336_systems import memory_guard
+
+    monkeypatch.setattr(memory_guard, "_available_ram_bytes", lambda: 2**30)
+    assert main(["e2e", "--size", "tiny", "--context", "100000", "--device", "cpu"]) == 0
+    rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| tiny")]
+    assert len(rows) == 5 and all("| OOM " in row and "1,073,741,824" in row for row in rows)

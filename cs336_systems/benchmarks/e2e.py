@@ -24,7 +24,9 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from cs336_systems.accounting.activations import predict_peak_memory
 from cs336_systems.accounting.flops import step_flops
+from cs336_systems.memory_guard import check_memory, is_out_of_memory
 from cs336_systems.model import ModelConfig, TransformerLM
 from cs336_systems.profiling.ranges import annotate
 from cs336_systems.reports import OOM, Rendered, Row, renderer
@@ -77,6 +79,23 @@ class E2EConfig:
 
     def model_config(self) -> ModelConfig:
         return ModelConfig.for_size(self.size, self.model_context_length or self.context_length)
+
+    def estimated_peak_bytes(self) -> int:
+        """The closed-form peak: a no-grad forward in "forward" mode, a steady AdamW step in "train";
+        "forward_backward" holds the training step's memory less AdamW's state and its update."""
+        mode = "inference" if self.mode == "forward" else "train_step"
+        memory = predict_peak_memory(self.model_config(), self.batch_size, self.context_length, self.precision,
+                                     memory_model_attention(self.attention), mode)
+        if self.mode == "forward_backward":
+            return memory.parameters_bytes + max(memory.saved_activations_bytes + memory.transient_bytes,
+                                                 memory.gradients_bytes)
+        return memory.peak_bytes
+
+
+def memory_model_attention(attention: str) -> str:
+    """The attention the memory model counts for an attention variant: only naive attention (compiled
+    or not) keeps N x N scores; the others keep SDPA's O(N) tensors."""
+    return "naive" if attention.startswith("naive") else "sdpa"
 
 
 def autocast(precision: str, device: torch.device):
@@ -187,20 +206,27 @@ def _free_device_memory(device: torch.device) -> None:
 def benchmark_model(cfg: E2EConfig, device: torch.device | str, peak_flops: float | None = None) -> list[Row]:
     """Rows, one per reported phase: mean / std / median ms and, given a peak, TFLOP/s and MFU.
 
-    A configuration that runs out of device memory gives rows with status "OOM".
+    A configuration whose estimated peak does not fit the free memory is not run, and one that runs
+    out of memory stops; both give rows with status "OOM" and the estimate (cs336_systems.memory_guard).
     """
     device = torch.device(device)
     base: Row = {k: v for k, v in asdict(cfg).items() if k != "model_context_length"}
     base["device"] = device.type
     _free_device_memory(device)
+    memory = check_memory(cfg.estimated_peak_bytes(), device)
+    if not memory.fits:
+        return [{**base, "phase": phase, **memory.oom_columns(predicted=True)} for phase in PHASES[cfg.mode]]
     try:
         samples, first_step_ms = _measure(cfg, device)
-    except torch.OutOfMemoryError:
+    except Exception as error:
+        if not is_out_of_memory(error):
+            raise
         samples = None
     peak_memory = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None
     _free_device_memory(device)
     if samples is None:
-        return [{**base, "phase": phase, "status": OOM} for phase in PHASES[cfg.mode]]
+        return [{**base, "phase": phase, **memory.oom_columns(predicted=False)} for phase in PHASES[cfg.mode]]
+    base.update(memory.columns())
 
     samples["forward_backward"] = [f + b for f, b in zip(samples["forward"], samples["backward"])]
     samples["train_step"] = [fb + o for fb, o in zip(samples["forward_backward"], samples["optimizer"])]
