@@ -25,6 +25,10 @@ from tabulate import tabulate
 
 Row = dict[str, Any]
 OOM = "OOM"
+# A cell whose std is above this share of its mean varied too much between repetitions to be read as
+# one number; its table cell says so.
+NOISY_RELATIVE_STD = 0.20
+NOISY = "noisy"
 
 
 @dataclass
@@ -91,6 +95,27 @@ def format_value(value: Any) -> str:
     return str(value)
 
 
+def mean_std(mean: float, std: float, spec: str = ".1f", std_spec: str | None = None, unit: str = "") -> str:
+    """ "mean ± std [unit]", flagged noisy when the std is above NOISY_RELATIVE_STD of the mean."""
+    text = f"{mean:{spec}} ± {std:{std_spec or spec}}" + (f" {unit}" if unit else "")
+    return f"{text} ({NOISY})" if is_noisy(mean, std) else text
+
+
+def is_noisy(mean: float, std: float) -> bool:
+    return mean > 0 and std / mean > NOISY_RELATIVE_STD
+
+
+def span(values: Sequence[float], fmt: Callable[[float], str]) -> str:
+    """ "low to high", or one value where both read the same: never "X to X"."""
+    low, high = fmt(min(values)), fmt(max(values))
+    return low if low == high else f"{low} to {high}"
+
+
+def plural(count: int, noun: str, nouns: str | None = None) -> str:
+    """ "1 block", "3 blocks" (or `nouns` where the plural is not noun + s)."""
+    return f"{format_value(count)} {noun if count == 1 else nouns or noun + 's'}"
+
+
 def markdown_table(rows: Sequence[Row], columns: Sequence[str] | None = None) -> str:
     """A GitHub Markdown table of `rows`; columns default to every key, in first-seen order."""
     if not rows:
@@ -127,8 +152,8 @@ def select(rows: Iterable[Row], **equal: Any) -> list[Row]:
 
 
 def device_description(device: torch.device | str | None = None) -> str:
-    device = torch.device(device) if device is not None else None
-    if device is not None and device.type == "cuda" or device is None and torch.cuda.is_available():
+    if _on_cuda(device):
+        device = torch.device(device) if device is not None else None
         count = torch.cuda.device_count()
         name = torch.cuda.get_device_name(device if device is not None and device.index is not None else 0)
         return f"{count} x {name}" if count > 1 else name
@@ -160,12 +185,23 @@ def _now() -> str:
     return dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
 
 
+CPU_NOTE = ("- note: a CPU run. Triton kernels ran in the Triton interpreter, which emulates the GPU program "
+            "on the host, and every time here is a CPU time: these numbers show that the code runs, not how fast "
+            "a GPU runs it.")
+
+
 def header(problem: str, runs: Sequence[str], device: torch.device | str | None = None) -> str:
     """The report's title and provenance; `runs` are "<date>, `<command>`" lines, oldest first."""
     versions = ", ".join(f"{k} {v}" for k, v in software_versions().items())
     lines = [f"# {problem}", "", f"- device: {device_description(device)}", f"- software: {versions}"]
     lines += [f"- run {i}: {run}" for i, run in enumerate(runs, 1)]
+    if not _on_cuda(device):
+        lines.append(CPU_NOTE)
     return "\n".join(lines) + "\n"
+
+
+def _on_cuda(device: torch.device | str | None) -> bool:
+    return torch.device(device).type == "cuda" if device is not None else torch.cuda.is_available()
 
 
 def _parse_header(markdown: str) -> tuple[str, list[str]]:

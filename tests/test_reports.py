@@ -70,6 +70,18 @@ def test_keyed_report_accumulates_runs_and_drops_runs_left_without_rows(tmp_path
     assert len(read_rows(tmp_path / "_test_keyed.csv")) == 3
 
 
+def test_a_cpu_report_says_its_times_are_cpu_times_and_triton_ran_in_the_interpreter(tmp_path):
+    text = write_report("_test_problem", [{"x": 1}], tmp_path, command="c", device="cpu").read_text()
+    header = text.split("\n\n")[1]
+    assert "- note: a CPU run." in header and "Triton interpreter" in header and "CPU time" in header
+
+
+@pytest.mark.parametrize("mean, std, text", [
+    (10.0, 2.0, "10.0 ± 2.0"), (10.0, 2.1, "10.0 ± 2.1 (noisy)"), (0.0, 0.0, "0.0 ± 0.0")])
+def test_a_spread_above_a_fifth_of_the_mean_is_flagged_noisy(mean, std, text):
+    assert reports.mean_std(mean, std) == text
+
+
 @renderer("_test_broken")
 def _render_broken(rows):
     raise RuntimeError("renderer broke")

@@ -30,7 +30,7 @@ from cs336_systems.accounting.attention import naive_attention_memory
 from cs336_systems.attention.reference import naive_attention
 from cs336_systems.benchmarks import e2e
 from cs336_systems.memory_guard import check_memory, is_out_of_memory
-from cs336_systems.reports import OOM, Rendered, Row, markdown_table, renderer
+from cs336_systems.reports import OOM, Rendered, Row, markdown_table, mean_std, renderer
 from cs336_systems.timing import Timings, synchronize, time_fn, timed
 
 BATCH_SIZE = 8
@@ -196,7 +196,7 @@ ATTENTION_KEY = ("attention", "compile", "precision", "batch_size", "seq_len", "
 
 def _ms(row: Row, phase: str) -> str:
     if row.get(f"{phase}_mean_ms") is not None:
-        return f"{row[f'{phase}_mean_ms']:.3g} ± {row[f'{phase}_std_ms']:.2g}"
+        return mean_std(row[f"{phase}_mean_ms"], row[f"{phase}_std_ms"], ".3g", ".2g")
     return OOM if row.get("status") == OOM else ""
 
 

@@ -69,7 +69,7 @@ from cs336_systems.model import ModelConfig, TransformerLM
 from cs336_systems.profiling.kernels import profiler_activities
 from cs336_systems.profiling.ranges import annotate
 from cs336_systems.profiling.timeline import COMPUTE, CPU_COMPUTE_ROW, communication_summary, load_intervals
-from cs336_systems.reports import OOM, Rendered, Row, markdown_table, renderer
+from cs336_systems.reports import OOM, Rendered, Row, markdown_table, mean_std, renderer
 from cs336_systems.timing import synchronize, timed
 
 log = logging.getLogger(__name__)
@@ -403,7 +403,7 @@ def _step_table(rows: list[Row], methods: tuple[str, ...]) -> str:
         communication = r.get("profiled_communication_ms")
         table.append({
             "variant": r["variant"], "all-reduces": r.get("all_reduces_per_step"),
-            "step": f"{r['step_ms']:.1f} ± {r['step_std_ms']:.1f}",
+            "step": mean_std(r["step_ms"], r["step_std_ms"]),
             "forward": r["forward_ms"], "backward": r["backward_ms"], "gradient_sync": r["gradient_sync_ms"],
             "optimizer": r["optimizer_ms"],
             "over local": None if local_ms is None else r["step_ms"] - local_ms,

@@ -43,7 +43,7 @@ from cs336_systems.accounting.attention import attention_flops, naive_attention_
 from cs336_systems.attention.reference import naive_attention
 from cs336_systems.benchmarks.attention import DTYPES, free_device_memory
 from cs336_systems.memory_guard import available_bytes, is_out_of_memory
-from cs336_systems.reports import OOM, Rendered, Row, markdown_table, renderer
+from cs336_systems.reports import NOISY, OOM, Rendered, Row, is_noisy, markdown_table, renderer
 from cs336_systems.timing import time_fn
 
 SEQ_LENS = tuple(2**p for p in range(7, 17))  # 128 ... 65536
@@ -278,7 +278,9 @@ def _time_cell(row: Row | None) -> str:
         return "OOM (predicted)" if row.get("oom_predicted") else OOM
     if row["status"] != "ok":
         return row["status"]
-    return f"{row['median_ms']:.3g}"
+    # The middle 60% of the samples against the median: the spread do_bench's percentiles give.
+    noisy = is_noisy(row["median_ms"], row["p80_ms"] - row["p20_ms"])
+    return f"{row['median_ms']:.3g}" + (f" ({NOISY})" if noisy else "")
 
 
 def _ratio(slow: Row | None, fast: Row | None) -> float | None:

@@ -62,7 +62,7 @@ from cs336_systems.profiling.memory import (
     take_snapshot,
 )
 from cs336_systems.profiling.ranges import annotate
-from cs336_systems.reports import OOM, Rendered, Row, markdown_table, pivot, renderer
+from cs336_systems.reports import OOM, Rendered, Row, markdown_table, mean_std, pivot, plural, renderer, span
 from cs336_systems.timing import timed
 
 LEARNING_RATE = 1e-4
@@ -119,8 +119,7 @@ def _size(value: float | None) -> str:
 
 
 def _span(values: list[float], fmt: str = "{:.0%}") -> str:
-    low, high = min(values), max(values)
-    return fmt.format(low) if math.isclose(low, high, rel_tol=1e-3) else f"{fmt.format(low)} to {fmt.format(high)}"
+    return span(values, fmt.format)
 
 
 # =========================================================================================== nsys_profile
@@ -276,7 +275,7 @@ def _forward_time_section(cells: dict, device: str) -> str:
         busy.append(forward["work_ms"] / cell["timer_forward_ms"])
         wall.append(forward["wall_ms"] / cell["timer_forward_ms"])
         table.append({"size": size, "context": context,
-                      "timer forward (ms)": f"{cell['timer_forward_ms']:.2f} ± {cell['timer_forward_std_ms']:.2f}",
+                      "timer forward (ms)": mean_std(cell["timer_forward_ms"], cell["timer_forward_std_ms"], ".2f"),
                       "profiled forward range (ms)": forward["wall_ms"], "forward work (ms)": forward["work_ms"],
                       "work / timer": f"{busy[-1]:.0%}"})
     work = "GPU kernel time" if device == "cuda" else "operator CPU time"
@@ -408,7 +407,7 @@ def _kernel_tables_section(cells: dict) -> str:
         if name not in c["range"]:
             continue
         r = c["range"][name]
-        parts.append(f"### {name}\n\n{r['instances']} instance(s), {r['work_ms']:.2f} ms of kernel time, "
+        parts.append(f"### {name}\n\n{plural(r['instances'], 'instance')}, {r['work_ms']:.2f} ms of kernel time, "
                      f"{r['matmul_share']:.0%} in matmuls, {r['kernel_calls']} launches of {r['distinct_kernels']} kernels.\n")
         parts.append(markdown_table([{"kernel": short_name(k["kernel"], 80),
                                       "matmul": {True: "yes", False: "no"}.get(k.get("matmul"), ""),
@@ -992,6 +991,10 @@ def _longest_context_rows(model, cfg, num_layers, sweep, base, device) -> list[R
 
 # -------------------------------------------------------------------- gradient_checkpointing report
 
+def _levels(levels: int | str) -> str:
+    return f"{levels} levels" if levels == "unlimited" else plural(levels, "level")
+
+
 def _plan_label(r: Row) -> str:
     if r["plan_kind"] == "every_k":
         return "no checkpointing" if r["k"] == "none" else f"every {r['k']} block{'s' if r['k'] != 1 else ''}"
@@ -1060,7 +1063,8 @@ def _sweep_section(sweep: list[Row]) -> str:
                              key=lambda r: r["predicted_peak_bytes"])
         rule, refined = math.sqrt(layers), math.sqrt(layers * b / a)
         closer = "sqrt(L b / a)" if abs(best["k"] - refined) < abs(best["k"] - rule) else "sqrt(L)"
-        text = (f"Best single level: every {best['k']} block(s), {_size(best['measured_peak_bytes'])} (the model's "
+        text = (f"Best single level: every {plural(best['k'], 'block')}, {_size(best['measured_peak_bytes'])} "
+                f"(the model's "
                 f"best: every {predicted_best['k']}). The sqrt(L) rule gives k = sqrt({layers}) = {rule:.1f}; it "
                 "assumes a block keeps as much as a boundary. Minimising b L / k + a k instead gives "
                 f"k = sqrt(L b / a) = {refined:.2f}, since a block here keeps {a / b:.0f}x its input (projections, "
@@ -1070,20 +1074,20 @@ def _sweep_section(sweep: list[Row]) -> str:
         if none and none[0]["status"] == "ok":
             text += (f" Against no checkpointing ({_size(none[0]['measured_peak_bytes'])}) it keeps "
                      f"{best['measured_peak_bytes'] / none[0]['measured_peak_bytes']:.1%} of the peak for "
-                     f"{best['recomputed_blocks']} recomputed blocks.")
+                     f"{plural(best['recomputed_blocks'], 'recomputed block')}.")
         elif none:
             text += " Without checkpointing this context does not fit."
         parts.append(text + "\n")
         nested = [r for r in sweep if r["plan_kind"] == "optimal" and r["status"] == "ok"]
         if nested:
             parts.append("Optimal nested plans (profiling.checkpointing.optimal_plan): " + "; ".join(
-                f"{r['levels']} level(s): {_size(r['measured_peak_bytes'])} measured, "
-                f"{_size(r['predicted_peak_bytes'])} predicted, {r['recomputed_blocks']} recomputed blocks, "
+                f"{_levels(r['levels'])}: {_size(r['measured_peak_bytes'])} measured, "
+                f"{_size(r['predicted_peak_bytes'])} predicted, {plural(r['recomputed_blocks'], 'recomputed block')}, "
                 f"{r['step_ms'] / best['step_ms']:.2f}x the best single level's step time" for r in nested) + ".\n")
     offsets = [r["measured_peak_bytes"] - r["predicted_peak_bytes"] for r in sweep if r["status"] == "ok"]
     if offsets:
-        parts.append(f"Measured minus predicted peak: {_size(min(offsets))} to {_size(max(offsets))} "
-                     f"({min(offsets) / a:+.2f} to {max(offsets) / a:+.2f} blocks' worth).\n")
+        parts.append(f"Measured minus predicted peak: {span(offsets, _size)} "
+                     f"({span([x / a for x in offsets], '{:+.2f}'.format)} blocks' worth).\n")
     return "\n".join(parts)
 
 

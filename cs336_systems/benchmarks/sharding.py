@@ -39,7 +39,7 @@ from cs336_systems.distributed.sharded_optimizer import SYNC_METHODS, ShardedOpt
 from cs336_systems.memory_guard import check_memory_on_every_rank, is_out_of_memory
 from cs336_systems.model import ModelConfig, TransformerLM
 from cs336_systems.profiling.ranges import annotate
-from cs336_systems.reports import OOM, Rendered, Row, markdown_table, renderer
+from cs336_systems.reports import OOM, Rendered, Row, markdown_table, mean_std, renderer, span
 from cs336_systems.timing import synchronize, timed
 
 LEARNING_RATE = 1e-4
@@ -391,7 +391,7 @@ def step_table(rows: list[Row], baseline: str | None = None) -> str:
         if r["status"] != "ok":
             table.append({"variant": r["variant"], "step (ms)": OOM})
             continue
-        entry = {"variant": r["variant"], "step (ms)": f"{r['step_ms']:.1f} ± {r['step_std_ms']:.1f}",
+        entry = {"variant": r["variant"], "step (ms)": mean_std(r["step_ms"], r["step_std_ms"]),
                  "optimizer step (ms)": r["optimizer_ms"], "peak (GiB)": r.get("peak_gib"),
                  "model peak (GiB)": r["model_peak_gib"], "communicated per step (GB)": r["communicated_bytes"] / 1e9,
                  "sent per rank, ring (GB)": r["ring_bytes_sent_per_rank"] / 1e9}
@@ -525,7 +525,7 @@ def render_sharding(rows: list[Row]) -> Rendered:
             + "\n" + "\n".join(
                 f"- {r['sync']}: " + ("identical to AdamW" if r["max_abs_difference"] == 0 else
                                       f"largest difference {r['max_abs_difference']:.3g}")
-                + f"; each rank holds {r['state_share_min']:.0%} to {r['state_share']:.0%} of the state."
+                + f"; each rank holds {span([r['state_share_min'], r['state_share']], '{:.0%}'.format)} of the state."
                 for r in equivalence) + "\n")
     steps = [r for r in _ok(_steps(rows)) if r["variant"].startswith("DDP + ShardedOptimizer")]
     if steps:
