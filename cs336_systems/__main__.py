@@ -94,14 +94,18 @@ def _cmd_e2e(args) -> None:
         rows += benchmark_model(cell, device, peak)
     columns = None if args.json else [
         "size", "context_length", "precision", "compile", "phase", "status", "mean_ms", "std_ms",
-        "median_ms", "tflops", "mfu"]
+        "median_ms", "tflops", "mfu", "estimated_peak_bytes", "available_bytes"]
     _print_rows(rows, args.json, columns)
 
 
 def _cmd_accumulation(args) -> None:
-    from cs336_systems.benchmarks.mixed_precision import accumulation_experiment
+    from cs336_systems.benchmarks.mixed_precision import accumulation_experiment, accumulation_table
 
-    _print_rows(accumulation_experiment(), args.json)
+    rows = accumulation_experiment()
+    if args.json:
+        _print_rows(rows, as_json=True)
+    else:
+        print(accumulation_table(rows), end="")
 
 
 def _cmd_autocast_dtypes(args) -> None:
@@ -121,28 +125,38 @@ def _cmd_index(args) -> None:
 def build_parser() -> argparse.ArgumentParser:
     from cs336_systems.attention import ATTENTION_VARIANTS
     from cs336_systems.benchmarks.e2e import DEFAULT_BATCH_SIZE, DEFAULT_STEPS, DEFAULT_WARMUP, MODES, PRECISIONS
+    from cs336_systems.model import MODEL_SIZES
     from cs336_systems.report_index import DEFAULT_REPORTS_ROOT
 
     parser = _Parser(prog="python -m cs336_systems", description=__doc__,
                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    commands = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
+    commands = parser.add_subparsers(dest="command", title="commands", metavar="COMMAND", parser_class=_Parser)
 
     def common(sub):
-        sub.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
+        sub.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
+                         help="where to run (default: auto, the GPU if torch sees one)")
         sub.add_argument("--json", action="store_true", help="print rows as JSON lines")
 
     e2e = commands.add_parser("e2e", help="time forward / backward / optimizer steps of the LM")
-    e2e.add_argument("--size", type=_list(str), required=True, help="model size(s), comma-separated")
-    e2e.add_argument("--context", type=_list(_positive_int), required=True, help="context length(s)")
+    e2e.add_argument("--size", type=_list(str), required=True,
+                     help=f"model size(s), comma-separated: any of {', '.join(MODEL_SIZES)}")
+    e2e.add_argument("--context", type=_list(_positive_int), required=True, help="context length(s), comma-separated")
     e2e.add_argument("--model-context", type=_positive_int, default=None,
                      help="the model's maximum context (default: --context)")
-    e2e.add_argument("--batch-size", type=_positive_int, default=DEFAULT_BATCH_SIZE)
-    e2e.add_argument("--mode", choices=MODES, default="train")
-    e2e.add_argument("--precision", type=_list(str), default=["fp32"], help=f"any of {', '.join(PRECISIONS)}")
+    e2e.add_argument("--batch-size", type=_positive_int, default=DEFAULT_BATCH_SIZE,
+                     help=f"sequences per step (default: {DEFAULT_BATCH_SIZE})")
+    e2e.add_argument("--mode", choices=MODES, default="train",
+                     help="what a step runs: forward only (no autograd), forward and backward, or a full AdamW "
+                          "training step (default: train)")
+    e2e.add_argument("--precision", type=_list(str), default=["fp32"],
+                     help=f"comma-separated, any of {', '.join(PRECISIONS)}; bf16 and fp16 run under autocast "
+                          "(default: fp32)")
     e2e.add_argument("--compile", action="store_true", help="torch.compile each Transformer block")
-    e2e.add_argument("--attention", choices=ATTENTION_VARIANTS, default="sdpa")
-    e2e.add_argument("--warmup", type=_non_negative_int, default=DEFAULT_WARMUP)
-    e2e.add_argument("--steps", type=_positive_int, default=DEFAULT_STEPS)
+    e2e.add_argument("--attention", choices=ATTENTION_VARIANTS, default="sdpa", help="(default: sdpa)")
+    e2e.add_argument("--warmup", type=_non_negative_int, default=DEFAULT_WARMUP,
+                     help=f"untimed steps first (default: {DEFAULT_WARMUP})")
+    e2e.add_argument("--steps", type=_positive_int, default=DEFAULT_STEPS,
+                     help=f"timed steps (default: {DEFAULT_STEPS})")
     common(e2e)
     e2e.set_defaults(run=_cmd_e2e)
 
@@ -155,7 +169,8 @@ def build_parser() -> argparse.ArgumentParser:
     dtypes.set_defaults(run=_cmd_autocast_dtypes)
 
     index = commands.add_parser("index", help="write <reports>/README.md, the reports' index, from their CSVs")
-    index.add_argument("--reports", default=DEFAULT_REPORTS_ROOT, help="the reports' root directory")
+    index.add_argument("--reports", default=DEFAULT_REPORTS_ROOT,
+                       help=f"the reports' root directory (default: {DEFAULT_REPORTS_ROOT})")
     index.set_defaults(run=_cmd_index)
     return parser
 
@@ -163,6 +178,9 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    if args.command is None:  # no command: say which there are
+        parser.print_help(sys.stderr)
+        return 2
     logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stderr)
     try:
         args.run(args)

@@ -46,6 +46,11 @@ class GateResult:
         )
 
 
+def no_baseline_file(path: Path) -> str:
+    """Why a gate does not run on a device that has never recorded baselines."""
+    return f"speed-up gate not run: no baseline file {path} for this device (--update-baselines writes one)"
+
+
 def speedup_ratio(slow_ms: float, fast_ms: float) -> float:
     """A's time over B's: how many times faster B is than A."""
     if not (slow_ms > 0 and fast_ms > 0):

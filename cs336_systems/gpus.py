@@ -77,7 +77,10 @@ def resolve_gpu(choice: str) -> tuple[str, GpuSpec | None]:
     """Map a --gpu choice to (report slug, spec).
 
     "none" means CPU; "auto" detects the current CUDA device (CPU when there is none); any other
-    value must name a table entry. The slug names the report directory and the baseline file.
+    value must name a table entry, and the GPU this machine has: a name picks the peak figures MFU is
+    measured against and the baseline file the gates compare with, so naming another GPU would
+    measure one device and report it as another. The slug names the report directory and the
+    baseline file.
     """
     import torch
 
@@ -92,4 +95,13 @@ def resolve_gpu(choice: str) -> tuple[str, GpuSpec | None]:
     if choice not in GPU_SPECS:
         known = ", ".join(["auto", "none", *GPU_SPECS])
         raise ValueError(f"unknown GPU {choice!r}; choose one of {known}")
+    named = GPU_SPECS[choice].name
+    if not torch.cuda.is_available():
+        raise ValueError(f"{choice} is the {named}, but torch sees no CUDA GPU on this machine; pass none "
+                         "(or auto) to run on the CPU")
+    device_name = torch.cuda.get_device_name()
+    found = spec_for_device_name(device_name)
+    if found is None or found.slug != choice:
+        instead = f"{found.slug} or auto" if found else "auto"
+        raise ValueError(f"{choice} is the {named}, but this machine's GPU is the {device_name}; pass {instead}")
     return choice, GPU_SPECS[choice]

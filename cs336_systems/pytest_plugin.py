@@ -48,6 +48,7 @@ class Settings:
     world_size: int
     report_root: Path
     update_baselines: bool
+    accept_regression: bool  # --update-baselines may record a ratio below its baseline's floor
     model_sizes: tuple[str, ...]
     staging_dir: Path
     command: str
@@ -89,6 +90,9 @@ def pytest_addoption(parser: pytest.Parser) -> None:
                     help="where reports go; each GPU gets a subdirectory (default reports)")
     group.addoption("--update-baselines", action="store_true",
                     help="write measured speed-up ratios to perf/baselines/<gpu>.json instead of gating")
+    group.addoption("--accept-regression", action="store_true",
+                    help="with --update-baselines: record ratios even where they fell past their tolerance "
+                         "below the current baseline (refused otherwise)")
     group.addoption("--time-budget", type=float, default=None, metavar="SECONDS",
                     help="skip the tests not started within SECONDS of the session's start; the ones "
                          "measured so far still reach the reports (for sweeps on borrowed time)")
@@ -101,7 +105,8 @@ def _parse_precisions(value: str) -> tuple[str, ...]:
     chosen = PRECISIONS if value == "all" else tuple(p.strip() for p in value.split(",") if p.strip())
     unknown = [p for p in chosen if p not in PRECISIONS]
     if unknown or not chosen:
-        raise pytest.UsageError(f"--precision: unknown {unknown or value!r}; use a subset of {PRECISIONS} or all")
+        raise pytest.UsageError(f"--precision: unknown {', '.join(unknown) or repr(value)}; "
+                                f"use any of {', '.join(PRECISIONS)} (comma-separated), or all")
     return chosen
 
 
@@ -113,7 +118,8 @@ def _parse_sizes(value: str | None, on_gpu: bool) -> tuple[str, ...]:
     sizes = tuple(s.strip() for s in value.split(",") if s.strip())
     unknown = [s for s in sizes if s not in MODEL_SIZES]
     if unknown or not sizes:
-        raise pytest.UsageError(f"--model-sizes: unknown {unknown or value!r}; choose from {', '.join(MODEL_SIZES)}")
+        raise pytest.UsageError(f"--model-sizes: unknown {', '.join(unknown) or repr(value)}; "
+                                f"choose from {', '.join(MODEL_SIZES)}")
     return sizes
 
 
@@ -135,16 +141,22 @@ def pytest_configure(config: pytest.Config) -> None:
     time_budget_s = config.getoption("--time-budget")
     if time_budget_s is not None and time_budget_s < 0:
         raise pytest.UsageError(f"--time-budget must be at least 0 seconds, got {time_budget_s:g}")
+    if config.getoption("--accept-regression") and not config.getoption("--update-baselines"):
+        raise pytest.UsageError("--accept-regression only applies with --update-baselines")
+    precisions = _parse_precisions(config.getoption("--precision"))
+    model_sizes = _parse_sizes(config.getoption("--model-sizes"), gpu_slug != "cpu")
+    # Staged only once every option is known to be good: a usage error leaves nothing behind.
     worker_input = getattr(config, "workerinput", None)
     staging = Path(worker_input[_STAGING_KEY] if worker_input else tempfile.mkdtemp(prefix="cs336-report-rows-"))
     config.stash[_settings_key] = Settings(
         gpu_slug=gpu_slug,
         gpu_spec=gpu_spec,
-        precisions=_parse_precisions(config.getoption("--precision")),
+        precisions=precisions,
         world_size=world_size,
         report_root=Path(config.getoption("--report-dir")).resolve(),
         update_baselines=config.getoption("--update-baselines"),
-        model_sizes=_parse_sizes(config.getoption("--model-sizes"), gpu_slug != "cpu"),
+        accept_regression=config.getoption("--accept-regression"),
+        model_sizes=model_sizes,
         staging_dir=staging,
         command=" ".join(["pytest", *config.invocation_params.args]),
         baseline_dir=config.rootpath / "perf" / "baselines",
@@ -241,11 +253,15 @@ def spawn(device):
 
 
 class ProblemReport:
-    """Rows for one problem's report, staged on disk as they arrive so a crash keeps them."""
+    """Rows for one problem's report, staged on disk as they arrive so a crash keeps them.
 
-    def __init__(self, problem: str, staging_dir: Path, report_dir: Path, worker: str):
+    Files that go with the report (plots) are staged too: nothing reaches the report directory
+    until the session ends and its reports are written.
+    """
+
+    def __init__(self, problem: str, staging_dir: Path, worker: str):
         self.problem = problem
-        self.report_dir = report_dir
+        self._staging_dir = staging_dir
         self._file = staging_dir / f"{problem}.{worker}.jsonl"
 
     def add(self, row: dict[str, Any] | None = None, **fields: Any) -> None:
@@ -255,45 +271,74 @@ class ProblemReport:
 
     def asset_path(self, file_name: str) -> Path:
         """Where a file that goes with this report (a PNG, a trace) should be written."""
-        self.report_dir.mkdir(parents=True, exist_ok=True)
-        return self.report_dir / file_name
+        assets = self._staging_dir / _ASSETS_DIR
+        assets.mkdir(exist_ok=True)
+        return assets / file_name
+
+
+_ASSETS_DIR = "assets"
 
 
 @pytest.fixture(scope="session")
-def report(pytestconfig, run_settings):
+def report(run_settings):
     """report("<problem>") -> a writer whose .add(row) lands in reports/<gpu>/<problem>.md and .csv."""
     worker = os.environ.get("PYTEST_XDIST_WORKER", "main")
-    return functools.cache(lambda problem: ProblemReport(problem, run_settings.staging_dir,
-                                                         run_settings.report_dir, worker))
+    return functools.cache(lambda problem: ProblemReport(problem, run_settings.staging_dir, worker))
 
 
 @pytest.fixture(scope="session")
 def speedup_gate(run_settings):
-    """speedup_gate(name, slow_ms, fast_ms): fail if slow/fast fell past tolerance below the baseline."""
+    """speedup_gate(name, slow_ms, fast_ms, note=""): the ratio slow/fast against the baseline.
+
+    Fails when the ratio fell past its tolerance below the baseline, when the baseline file has no
+    entry for it, and when either time is None (a variant that ran out of memory or errored gates
+    nothing, so it cannot pass). Skips, saying why, when this device has no baseline file. With
+    --update-baselines it records the ratio instead, refusing one past tolerance below the current
+    baseline unless --accept-regression is given. `note` (the variants' statuses, say) is added to
+    a failure's message.
+    """
     from cs336_systems import baselines
 
-    recorded = baselines.load_baselines(run_settings.baseline_path)
+    path = run_settings.baseline_path
+    recorded = baselines.load_baselines(path)
 
-    def gate(name: str, slow_ms: float, fast_ms: float) -> float:
+    def gate(name: str, slow_ms: float | None, fast_ms: float | None, note: str = "") -> float:
+        if slow_ms is None or fast_ms is None:
+            unmeasured = [side for side, ms in (("slower", slow_ms), ("faster", fast_ms)) if ms is None]
+            if run_settings.update_baselines or path.exists():
+                have = "variants have" if len(unmeasured) > 1 else "variant has"
+                pytest.fail(f"{name}: the {' and '.join(unmeasured)} {have} no time, so the gate cannot hold"
+                            + (f" ({note})" if note else ""))
+            pytest.skip(baselines.no_baseline_file(path))
         ratio = baselines.speedup_ratio(slow_ms, fast_ms)
+        result = baselines.check(name, ratio, recorded)
         if run_settings.update_baselines:
+            if not result.passed and not run_settings.accept_regression:
+                pytest.fail(f"refusing to record {result.message(path)}; pass --accept-regression to record it")
             worker = os.environ.get("PYTEST_XDIST_WORKER", "main")
-            with (run_settings.staging_dir / f"baselines.{worker}.jsonl").open("a") as f:
+            with (run_settings.staging_dir / f"{_BASELINES_STAGE}.{worker}.jsonl").open("a") as f:
                 f.write(json.dumps({"name": name, "ratio": ratio}) + "\n")
             return ratio
-        result = baselines.check(name, ratio, recorded)
-        if result.baseline is None:
-            pytest.skip(result.message(run_settings.baseline_path))
-        if not result.passed:
-            pytest.fail(result.message(run_settings.baseline_path))
+        if not path.exists():
+            pytest.skip(baselines.no_baseline_file(path))
+        if result.baseline is None or not result.passed:
+            pytest.fail(result.message(path) + (f" ({note})" if note else ""))
         return ratio
 
     return gate
 
 
+_BASELINES_STAGE = "baselines"
+
+
 # ------------------------------------------------------------------------------------ session end
 
 def pytest_sessionfinish(session: pytest.Session) -> None:
+    """Write the staged rows into reports and the staged ratios into the baseline file.
+
+    Never raises: a report that cannot be written is named in the summary and fails the session,
+    and the others are still written.
+    """
     config = session.config
     if hasattr(config, "workerinput") or _settings_key not in config.stash:
         return  # xdist workers leave merging to the controller
@@ -302,29 +347,47 @@ def pytest_sessionfinish(session: pytest.Session) -> None:
         return
     from cs336_systems import baselines, reports
 
-    written = []
+    written, errors = [], []
     staged = sorted(run.staging_dir.glob("*.jsonl"))
-    problems = sorted({f.name.split(".")[0] for f in staged} - {"baselines"})
+    problems = sorted({f.name.split(".")[0] for f in staged} - {_BASELINES_STAGE})
     for problem in problems:
-        rows = [json.loads(line) for f in staged if f.name.split(".")[0] == problem
-                for line in f.read_text().splitlines()]
-        written.append(reports.write_report(problem, rows, run.report_dir, run.command,
-                                            "cuda" if run.on_gpu else "cpu"))
-    ratios = {r["name"]: r["ratio"] for f in staged if f.name.startswith("baselines.")
+        try:
+            rows = [json.loads(line) for f in staged if f.name.split(".")[0] == problem
+                    for line in f.read_text().splitlines()]
+            written.append(reports.write_report(problem, rows, run.report_dir, run.command,
+                                                "cuda" if run.on_gpu else "cpu"))
+        except Exception as error:  # one report's failure must not lose the others
+            errors.append(f"{problem}: {type(error).__name__}: {error}")
+    for asset in sorted((run.staging_dir / _ASSETS_DIR).glob("*")):
+        run.report_dir.mkdir(parents=True, exist_ok=True)
+        written.append(Path(shutil.move(asset, run.report_dir / asset.name)))
+    ratios = {r["name"]: r["ratio"] for f in staged if f.name.startswith(f"{_BASELINES_STAGE}.")
               for r in map(json.loads, f.read_text().splitlines())}
     if ratios:
-        baselines.update_baselines(run.baseline_path, ratios, reports.device_description())
-        written.append(run.baseline_path)
+        try:
+            baselines.update_baselines(run.baseline_path, ratios,
+                                       reports.device_description("cuda" if run.on_gpu else "cpu"))
+            written.append(run.baseline_path)
+        except Exception as error:
+            errors.append(f"{run.baseline_path}: {type(error).__name__}: {error}")
     config.stash[_written_key] = written
+    config.stash[_errors_key] = errors
+    if errors and session.exitstatus == pytest.ExitCode.OK:
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED
     shutil.rmtree(run.staging_dir, ignore_errors=True)
 
 
 _written_key = pytest.StashKey[list]()
+_errors_key = pytest.StashKey[list]()
 
 
 def pytest_terminal_summary(terminalreporter, config: pytest.Config) -> None:
-    written = config.stash.get(_written_key, [])
+    written, errors = config.stash.get(_written_key, []), config.stash.get(_errors_key, [])
     if written:
         terminalreporter.section("cs336-systems reports")
         for path in written:
             terminalreporter.write_line(str(path))
+    if errors:
+        terminalreporter.section("cs336-systems reports not written", red=True)
+        for error in errors:
+            terminalreporter.write_line(error)

@@ -23,6 +23,7 @@ from pathlib import Path
 
 from cs336_systems.accounting.ddp import optimal_bucket_bytes
 from cs336_systems.benchmarks.communication_accounting import DEFAULT_COMMAND as ACCOUNTING_COMMAND
+from cs336_systems.benchmarks.attention import oom_when
 from cs336_systems.benchmarks.e2e import PHASE_LABELS
 from cs336_systems.benchmarks.flash import PROVIDER_LABELS
 from cs336_systems.benchmarks.fsdp import OURS as OUR_FSDP
@@ -32,12 +33,26 @@ from cs336_systems.distributed.ddp import BYTES_PER_MB
 from cs336_systems.gpus import GB, GIB, GPU_SPECS, KIB, MB, MIB
 from cs336_systems.model import MODEL_SIZES
 from cs336_systems.profiling.kernels import short_name
-from cs336_systems.reports import OOM, Row, markdown_table, read_rows, select
+from cs336_systems.reports import (
+    NOISY,
+    NOISY_RELATIVE_STD,
+    OOM,
+    Row,
+    is_noisy,
+    markdown_table,
+    mean_std,
+    plural,
+    read_rows,
+    select,
+    span,
+)
 
 INDEX_FILE = "README.md"
 DEFAULT_REPORTS_ROOT = "reports"
 INDEX_COMMAND = "python -m cs336_systems index"
 CPU_SLUG = "cpu"
+CPU_NOTE = (f"The `{CPU_SLUG}/` reports come from a CPU run: Triton kernels ran in the Triton interpreter and every "
+            "time there is a CPU time, which shows that the code runs, not how fast a GPU runs it.\n")
 KERNEL_NAME_CHARS = 60
 # The training steps the assignment's first question and our anchors quote: 2.7B and xl at context 512.
 HEADLINE_SIZES = ("2.7B", "xl")
@@ -68,7 +83,16 @@ def _ms(value: float) -> str:
 
 
 def _mean_std(row: Row) -> str:
-    return f"{row['mean_ms']:,.1f} ± {row['std_ms']:.1f} ms"
+    return mean_std(row["mean_ms"], row["std_ms"], ",.1f", ".1f", unit="ms")
+
+
+def _noisy(*rows: Row, prefix: str = "") -> bool:
+    """Whether any of these timings varied too much between repetitions to be read as one number."""
+    return any(is_noisy(r[f"{prefix}mean_ms"], r[f"{prefix}std_ms"] or 0.0) for r in rows)
+
+
+def _speedup(slow: Row, fast: Row) -> str:
+    return _ratio(slow["mean_ms"] / fast["mean_ms"]) + (f" ({NOISY})" if _noisy(slow, fast) else "")
 
 
 def _size(num_bytes: float) -> str:
@@ -85,11 +109,6 @@ def _decimal_size(num_bytes: float) -> str:
 
 def _ratio(value: float) -> str:
     return f"{value:.2f}x"
-
-
-def _span(values: Sequence[float], fmt: Callable[[float], str]) -> str:
-    low, high = min(values), max(values)
-    return fmt(low) if math.isclose(low, high, rel_tol=1e-3) else f"{fmt(low)} to {fmt(high)}"
 
 
 def _share(value: float) -> str:
@@ -127,42 +146,58 @@ def _e2e_step(rows: list[Row], size: str, context: int, phase: str, precision: s
     return row if row and row.get("status") == "ok" else None
 
 
+def _headline_cells(sweep: list[Row]) -> tuple[list[str], int]:
+    """The sizes and context a training-step sentence quotes: the headline ones the run measured, or,
+    for a run without them (a CPU run of the tiny model), its largest size at its longest context."""
+    steps = select(sweep, phase="train_step", precision="fp32", compile=False)
+    sizes = [s for s in HEADLINE_SIZES if select(steps, size=s, context_length=HEADLINE_CONTEXT)]
+    if sizes or not steps:
+        return sizes, HEADLINE_CONTEXT
+    largest = max(steps, key=lambda r: (_size_order(r["size"]), r["context_length"]))
+    return [largest["size"]], largest["context_length"]
+
+
 def _benchmarking_script(reports: Reports) -> list[str]:
     rows = reports["benchmarking_script"]
     sweep = select(rows, table="sweep")
+    sizes, context = _headline_cells(sweep)
     steps, batch_sizes = [], set()
-    for size in HEADLINE_SIZES:
-        step = _one(sweep, size=size, context_length=HEADLINE_CONTEXT, phase="train_step", precision="fp32",
-                    compile=False)
-        if step is None or step["status"] != "ok":
-            steps.append(f"the {size} step is not in the report" if step is None else f"{size} ran out of memory")
+    for size in sizes:
+        step = _one(sweep, size=size, context_length=context, phase="train_step", precision="fp32", compile=False)
+        if step["status"] != "ok":
+            steps.append(f"{size} ran out of memory")
             continue
         batch_sizes.add(step["batch_size"])
-        phases = [(p, _e2e_step(sweep, size, HEADLINE_CONTEXT, p)) for p in ("forward", "backward", "optimizer")]
+        phases = [(p, _e2e_step(sweep, size, context, p)) for p in ("forward", "backward", "optimizer")]
         detail = ", ".join(f"{p} {_ms(r['mean_ms'])}" for p, r in phases if r)
         steps.append(f"{size} takes {_mean_std(step)} ({detail})")
     batch = f"batch {_listing(sorted(map(str, batch_sizes)))}, " if batch_sizes else ""
-    sentences = [f"A training step (forward, backward, AdamW) at {batch}context {HEADLINE_CONTEXT}, fp32, eager: "
-                 + "; ".join(steps) + "."]
+    sentences = [f"A training step (forward, backward, AdamW) at {batch}context {context}, fp32, eager: "
+                 + "; ".join(steps) + "." if steps else _not_in_report("An fp32 eager training step")]
     measured = [r for r in _ok(sweep) if r["mean_ms"] > 0]
     if measured:
         spreads = [r["std_ms"] / r["mean_ms"] for r in measured]
         worst = max(measured, key=lambda r: r["std_ms"] / r["mean_ms"])
-        sentences.append(f"Over the {len(measured)} measured cells the std is a median "
+        noisy = sum(_noisy(r) for r in measured)
+        sentences.append(f"Over the {plural(len(measured), 'measured cell')} the std is a median "
                          f"{statistics.median(spreads):.1%} of the mean (largest: {worst['size']} at context "
-                         f"{worst['context_length']}, {PHASE_LABELS[worst['phase']]}, {max(spreads):.1%}).")
+                         f"{worst['context_length']}, {PHASE_LABELS[worst['phase']]}, {max(spreads):.1%})"
+                         + (f"; {noisy} of them vary by more than {NOISY_RELATIVE_STD:.0%} and are marked noisy."
+                            if noisy else "."))
     cold = [r for r in _ok(select(rows, table="warmup", phase="train_step", warmup=0)) if r.get("first_ms")]
     warm = [r for r in _ok(select(rows, table="warmup", phase="train_step")) if r["warmup"] in (1, 2)]
     if cold and warm:
         slowest = max(cold, key=lambda r: r["first_ms"] / r["median_ms"])
         mildest = min(cold, key=lambda r: r["first_ms"] / r["median_ms"])
         warmed = max(select(rows, table="warmup", phase="train_step", size=slowest["size"]), key=lambda r: r["warmup"])
+        first_step = (f"{_ratio(slowest['first_ms'] / slowest['median_ms'])}" if mildest is slowest else
+                      f"{_ratio(mildest['first_ms'] / mildest['median_ms'])} ({mildest['size']}) to "
+                      f"{_ratio(slowest['first_ms'] / slowest['median_ms'])} ({slowest['size']})")
         sentences.append(
-            f"Without warm-up the first timed step takes {_ratio(mildest['first_ms'] / mildest['median_ms'])} "
-            f"({mildest['size']}) to {_ratio(slowest['first_ms'] / slowest['median_ms'])} ({slowest['size']}) the "
-            f"median step, so {slowest['size']}'s {slowest['steps']}-step mean is {_mean_std(slowest)} against "
-            f"{_mean_std(warmed)} after {warmed['warmup']} warm-up steps; after 1 or 2 warm-up steps the first timed "
-            f"step is at most {_ratio(max(r['first_ms'] / r['median_ms'] for r in warm))} the median.")
+            f"Without warm-up the first timed step takes {first_step} the median step, so {slowest['size']}'s "
+            f"{slowest['steps']}-step mean is {_mean_std(slowest)} against {_mean_std(warmed)} after "
+            f"{plural(warmed['warmup'], 'warm-up step')}; after 1 or 2 warm-up steps the first timed step is at most "
+            f"{_ratio(max(r['first_ms'] / r['median_ms'] for r in warm))} the median.")
     else:
         sentences.append(_not_in_report("The warm-up study"))
     return sentences
@@ -216,7 +251,8 @@ def _nsys_profile(reports: Reports) -> list[str]:
     sentences.append(
         f"Matmuls take {_share(shown['range']['forward']['matmul_share'])} of forward kernel time and "
         f"{_share(shown['range'][STEP_RANGE]['matmul_share'])} of the full training step there "
-        f"({_span(forward_shares, _share)} and {_span(step_shares, _share)} over the {len(cells)} profiled cells)"
+        f"({span(forward_shares, _share)} and {span(step_shares, _share)} over the "
+        f"{plural(len(cells), 'profiled cell')})"
         + (f"; the optimizer's share is {_share(shown['range']['optimizer']['matmul_share'])}."
            if "optimizer" in shown["range"] else "."))
     excess = {}
@@ -229,7 +265,7 @@ def _nsys_profile(reports: Reports) -> list[str]:
                 excess[key] = (softmax["work_ms"] / matmul_ms, flop_ratio)
     if (size, context) in excess:
         time_ratio, flop_ratio = excess[(size, context)]
-        over_cells = _span([t / f for t, f in excess.values()], "{:.0f}x".format)
+        over_cells = span([t / f for t, f in excess.values()], "{:.0f}x".format)
         sentences.append(
             f"Inside attention softmax takes {time_ratio:.2f}x the matmuls' time against {flop_ratio:.2%} of their "
             f"FLOPs, {time_ratio / flop_ratio:.0f}x its FLOP share ({over_cells} over the cells): it is paced by "
@@ -288,7 +324,7 @@ def _benchmarking_mixed_precision(reports: Reports) -> list[str]:
     for context in sorted({r["context_length"] for r in sweep if r["size"] == largest}):
         fp32, bf16 = (_e2e_step(sweep, largest, context, "train_step", p) for p in ("fp32", "bf16"))
         if fp32 and bf16:
-            speedups.append(f"{_ratio(fp32['mean_ms'] / bf16['mean_ms'])} at context {context} "
+            speedups.append(f"{_speedup(fp32, bf16)} at context {context} "
                             f"({_ms(fp32['mean_ms'])} -> {_ms(bf16['mean_ms'])})")
     if not speedups:
         sentences.append(_not_in_report(f"A {largest} training step in both fp32 and bf16"))
@@ -297,7 +333,7 @@ def _benchmarking_mixed_precision(reports: Reports) -> list[str]:
     first_context = min(r["context_length"] for r in sweep if r["size"] == smallest)
     fp32, bf16 = (_e2e_step(sweep, smallest, first_context, "train_step", p) for p in ("fp32", "bf16"))
     if smallest != largest and fp32 and bf16:
-        text += (f"; at {smallest}, context {first_context}, it is {_ratio(fp32['mean_ms'] / bf16['mean_ms'])}"
+        text += (f"; at {smallest}, context {first_context}, it is {_speedup(fp32, bf16)}"
                  + (" (bf16 slower)" if bf16["mean_ms"] > fp32["mean_ms"] else ""))
     sentences.append(text + ".")
     return sentences
@@ -387,13 +423,14 @@ def _gradient_checkpointing(reports: Reports) -> list[str]:
     unlimited, two = nested.get("unlimited"), nested.get(2)
     if unlimited:
         text = (f"The memory-optimal strategy nests checkpointed groups inside each other: with unlimited "
-                f"recomputation it peaks at {_size(unlimited['measured_peak_bytes'])} recomputing "
-                f"{unlimited['recomputed_blocks']} blocks for {layers} "
-                f"({_ratio(unlimited['step_ms'] / best['step_ms'])} the step time of {_every(best['k'])}), O(1) memory "
+                f"recomputation it peaks at {_size(unlimited['measured_peak_bytes'])}, recomputing "
+                f"{plural(unlimited['recomputed_blocks'], 'block forward pass', 'block forward passes')} per step "
+                f"in the {layers}-block model ({_ratio(unlimited['step_ms'] / best['step_ms'])} the step time of {_every(best['k'])}), O(1) memory "
                 "for O(L^2) recomputation")
         if two:
-            text += (f"; two levels reach {_size(two['measured_peak_bytes'])} for {two['recomputed_blocks']} "
-                     f"recomputed blocks ({_ratio(two['step_ms'] / best['step_ms'])})")
+            text += (f"; two levels reach {_size(two['measured_peak_bytes'])} for "
+                     f"{plural(two['recomputed_blocks'], 'recomputed block')} "
+                     f"({_ratio(two['step_ms'] / best['step_ms'])})")
         sentences.append(text + ".")
     else:
         sentences.append(_not_in_report("The optimal nested plan with unlimited recomputation"))
@@ -421,7 +458,7 @@ def _pytorch_attention(reports: Reports) -> list[str]:
         smallest = ooms[0]
         at_first = select(ooms, seq_len=smallest["seq_len"])
         text = f"Out of memory from N={smallest['seq_len']} (" + ", ".join(
-            f"d={r['head_dim']} during {r['oom_during']}" for r in at_first) + ")"
+            f"d={r['head_dim']} {oom_when(r)}" for r in at_first) + ")"
         if smallest.get("predicted_before_backward_bytes") is not None:
             text += (f"; the closed-form accounting puts d={smallest['head_dim']}, N={smallest['seq_len']} at "
                      f"{_size(smallest['predicted_before_backward_bytes'])} in use before backward and "
@@ -442,17 +479,25 @@ def _torch_compile(reports: Reports) -> list[str]:
     for size, context, precision in cells:
         eager, compiled = (_e2e_step(sweep, size, context, "train_step", precision, c) for c in (False, True))
         if eager and compiled:
-            speedups[(size, context, precision)] = (eager["mean_ms"], compiled["mean_ms"])
+            speedups[(size, context, precision)] = (eager, compiled)
     sentences = []
     if speedups:
-        ratios = [e / c for e, c in speedups.values()]
-        sentences.append(f"Compiling each Transformer block makes the whole-model training step "
-                         f"{_span(ratios, _ratio)} as fast as eager over {len(ratios)} size, context and precision "
-                         f"cells (median {_ratio(statistics.median(ratios))}).")
+        ratios = [e["mean_ms"] / c["mean_ms"] for e, c in speedups.values() if not _noisy(e, c)]
+        noisy = len(speedups) - len(ratios)
+        left_out = f"; {plural(noisy, 'noisy cell')} left out" if noisy else ""
+        if ratios:
+            sentences.append(f"Compiling each Transformer block makes the whole-model training step "
+                             f"{span(ratios, _ratio)} as fast as eager over {len(ratios)} size, context and "
+                             f"precision {'cell' if len(ratios) == 1 else 'cells'} (median "
+                             f"{_ratio(statistics.median(ratios))}{left_out}).")
+        else:
+            sentences.append(f"Every eager and compiled training step here is noisy (std above "
+                             f"{NOISY_RELATIVE_STD:.0%} of the mean), so no speed-up is read from them.")
         largest = max(speedups, key=lambda key: (_size_order(key[0]), key[1] == HEADLINE_CONTEXT, key[1]))
         size, context = largest[:2]
-        shown = [f"{precision} {_ms(e)} -> {_ms(c)} ({_ratio(e / c)})" for (s, n, precision), (e, c)
-                 in sorted(speedups.items(), key=lambda item: item[0][2], reverse=True) if (s, n) == (size, context)]
+        shown = [f"{precision} {_ms(e['mean_ms'])} -> {_ms(c['mean_ms'])}, {_speedup(e, c)}"
+                 for (s, n, precision), (e, c) in sorted(speedups.items(), key=lambda item: item[0][2], reverse=True)
+                 if (s, n) == (size, context)]
         sentences.append(f"At {size}, context {context}: " + ", ".join(shown) + ".")
     else:
         sentences.append(_not_in_report("A whole-model training step both eager and compiled"))
@@ -460,14 +505,22 @@ def _torch_compile(reports: Reports) -> list[str]:
     pairs: dict[tuple, dict[bool, Row]] = {}
     for r in attention:
         pairs.setdefault((r["head_dim"], r["seq_len"]), {})[bool(r["compile"])] = r
-    forward = [p[False]["forward_mean_ms"] / p[True]["forward_mean_ms"] for p in pairs.values() if len(p) == 2
-               and p[False].get("forward_mean_ms") and p[True].get("forward_mean_ms")]
-    backward = [p[False]["backward_mean_ms"] / p[True]["backward_mean_ms"] for p in pairs.values() if len(p) == 2
-                and p[False].get("backward_mean_ms") and p[True].get("backward_mean_ms")]
-    if forward or backward:
-        parts = [f"{name} {_span(values, _ratio)}" for name, values in (("forward", forward), ("backward", backward))
-                 if values]
-        sentences.append(f"Naive attention alone, compiled over eager ({len(pairs)} cells): " + ", ".join(parts) + ".")
+    ratios, noisy = {}, {}
+    for phase in ("forward", "backward"):
+        timed = [p for p in pairs.values() if len(p) == 2 and all(r.get(f"{phase}_mean_ms") for r in p.values())]
+        steady = [p for p in timed if not _noisy(*p.values(), prefix=f"{phase}_")]
+        ratios[phase] = [p[False][f"{phase}_mean_ms"] / p[True][f"{phase}_mean_ms"] for p in steady]
+        noisy[phase] = len(timed) - len(steady)
+    parts = []
+    for phase, values in ratios.items():
+        if values:
+            parts.append(f"{phase} {span(values, _ratio)}"
+                         + (f" ({plural(noisy[phase], 'noisy cell')} left out)" if noisy[phase] else ""))
+        elif noisy[phase]:
+            parts.append(f"{phase} noisy in every cell")
+    if parts:
+        sentences.append(f"Naive attention alone, compiled over eager ({plural(len(pairs), 'cell')}): "
+                         + ", ".join(parts) + ".")
     else:
         sentences.append(_not_in_report("The attention sweep compiled against eager (rows of table `attention`, "
                                         "which the `-m attention` perf run writes)"))
@@ -522,7 +575,7 @@ def _allreduce(reports: Reports) -> list[str]:
     rows = reports["distributed_communication_single_node"]
     sentences = []
     for backend, device in (("gloo", "CPU"), ("nccl", "GPUs")):
-        mine = select(rows, backend=backend)
+        mine = [r for r in select(rows, backend=backend) if r.get("status") != OOM]
         if not mine:
             sentences.append(_not_in_report(f"{backend} on {device}") if backend == "gloo" else
                              _not_in_report("NCCL on GPUs (it needs 2 GPUs)"))
@@ -654,7 +707,7 @@ def _sharding(reports: Reports) -> list[str]:
         if equivalence:
             sentences.append("ShardedOptimizer(AdamW) against AdamW: " + "; ".join(
                 f"{r['sync']} re-synchronisation differs by at most {r['max_abs_difference']:.3g}, each rank holding "
-                f"{_span([r['state_share_min'], r['state_share']], _share)} of the state"
+                f"{span([r['state_share_min'], r['state_share']], _share)} of the state"
                 for r in equivalence) + ".")
         else:
             sentences.append(_not_in_report("The comparison with unsharded AdamW"))
@@ -701,8 +754,9 @@ def _fsdp(reports: Reports) -> list[str]:
                          _not_in_report("A measured FSDP training step"))
         readiness = select(rows, table="readiness")
         if readiness:
-            sentences.append(f"In a profiled step {sum(r['on_time'] for r in readiness)} of {len(readiness)} "
-                             f"all-gathers finished before the layer that needs them; compute waited "
+            sentences.append(f"In a profiled step {sum(r['on_time'] for r in readiness)} of "
+                             f"{plural(len(readiness), 'all-gather')} finished before the layer that needs them; "
+                             "compute waited "
                              f"{_ms(sum(r['waited_ms'] for r in readiness))} in all.")
     return sentences
 
@@ -913,6 +967,7 @@ def render_index(reports_root: Path | str, command: str = INDEX_COMMAND) -> str:
         "software versions, dates and command that measured it.\n",
         "## Devices\n",
         _device_table(reports_root, slugs) if slugs else "No device reports yet.\n",
+        CPU_NOTE if CPU_SLUG in slugs else "",
         "## Status\n",
         markdown_table(status),
         *(_section(number, problem, reports_root, slugs) for number, problem in enumerate(PROBLEMS, 1)),

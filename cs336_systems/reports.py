@@ -13,6 +13,7 @@ import datetime as dt
 import importlib
 import io
 import math
+import os
 import platform
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
@@ -24,6 +25,10 @@ from tabulate import tabulate
 
 Row = dict[str, Any]
 OOM = "OOM"
+# A cell whose std is above this share of its mean varied too much between repetitions to be read as
+# one number; its table cell says so.
+NOISY_RELATIVE_STD = 0.20
+NOISY = "noisy"
 
 
 @dataclass
@@ -90,6 +95,27 @@ def format_value(value: Any) -> str:
     return str(value)
 
 
+def mean_std(mean: float, std: float, spec: str = ".1f", std_spec: str | None = None, unit: str = "") -> str:
+    """ "mean ± std [unit]", flagged noisy when the std is above NOISY_RELATIVE_STD of the mean."""
+    text = f"{mean:{spec}} ± {std:{std_spec or spec}}" + (f" {unit}" if unit else "")
+    return f"{text} ({NOISY})" if is_noisy(mean, std) else text
+
+
+def is_noisy(mean: float, std: float) -> bool:
+    return mean > 0 and std / mean > NOISY_RELATIVE_STD
+
+
+def span(values: Sequence[float], fmt: Callable[[float], str]) -> str:
+    """ "low to high", or one value where both read the same: never "X to X"."""
+    low, high = fmt(min(values)), fmt(max(values))
+    return low if low == high else f"{low} to {high}"
+
+
+def plural(count: int, noun: str, nouns: str | None = None) -> str:
+    """ "1 block", "3 blocks" (or `nouns` where the plural is not noun + s)."""
+    return f"{format_value(count)} {noun if count == 1 else nouns or noun + 's'}"
+
+
 def markdown_table(rows: Sequence[Row], columns: Sequence[str] | None = None) -> str:
     """A GitHub Markdown table of `rows`; columns default to every key, in first-seen order."""
     if not rows:
@@ -126,8 +152,8 @@ def select(rows: Iterable[Row], **equal: Any) -> list[Row]:
 
 
 def device_description(device: torch.device | str | None = None) -> str:
-    device = torch.device(device) if device is not None else None
-    if device is not None and device.type == "cuda" or device is None and torch.cuda.is_available():
+    if _on_cuda(device):
+        device = torch.device(device) if device is not None else None
         count = torch.cuda.device_count()
         name = torch.cuda.get_device_name(device if device is not None and device.index is not None else 0)
         return f"{count} x {name}" if count > 1 else name
@@ -135,8 +161,6 @@ def device_description(device: torch.device | str | None = None) -> str:
 
 
 def _cpu_count() -> int:
-    import os
-
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
 
@@ -161,12 +185,23 @@ def _now() -> str:
     return dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
 
 
+CPU_NOTE = ("- note: a CPU run. Triton kernels ran in the Triton interpreter, which emulates the GPU program "
+            "on the host, and every time here is a CPU time: these numbers show that the code runs, not how fast "
+            "a GPU runs it.")
+
+
 def header(problem: str, runs: Sequence[str], device: torch.device | str | None = None) -> str:
     """The report's title and provenance; `runs` are "<date>, `<command>`" lines, oldest first."""
     versions = ", ".join(f"{k} {v}" for k, v in software_versions().items())
     lines = [f"# {problem}", "", f"- device: {device_description(device)}", f"- software: {versions}"]
     lines += [f"- run {i}: {run}" for i, run in enumerate(runs, 1)]
+    if not _on_cuda(device):
+        lines.append(CPU_NOTE)
     return "\n".join(lines) + "\n"
+
+
+def _on_cuda(device: torch.device | str | None) -> bool:
+    return torch.device(device).type == "cuda" if device is not None else torch.cuda.is_available()
 
 
 def _parse_header(markdown: str) -> tuple[str, list[str]]:
@@ -181,12 +216,27 @@ def _parse_header(markdown: str) -> tuple[str, list[str]]:
 
 
 def write_csv(path: Path, rows: Sequence[Row]) -> None:
-    columns = all_columns(rows)
+    _replace_text(path, _csv_text(rows))
+
+
+def _csv_text(rows: Sequence[Row]) -> str:
     buffer = io.StringIO()
-    writer = csv.DictWriter(buffer, fieldnames=columns, lineterminator="\n")
+    writer = csv.DictWriter(buffer, fieldnames=all_columns(rows), lineterminator="\n")
     writer.writeheader()
     writer.writerows(rows)
-    path.write_text(buffer.getvalue())
+    return buffer.getvalue()
+
+
+def _staging_path(path: Path) -> Path:
+    """A sibling to write first and rename over `path`, with `path`'s suffix (matplotlib reads it)."""
+    return path.with_name(f".{path.stem}.partial{path.suffix}")
+
+
+def _replace_text(path: Path, text: str) -> None:
+    """Write `path` whole or not at all: a reader never finds half a file."""
+    partial = _staging_path(path)
+    partial.write_text(text)
+    os.replace(partial, path)
 
 
 def write_report(problem: str, rows: list[Row], report_dir: Path | str, command: str,
@@ -197,7 +247,6 @@ def write_report(problem: str, rows: list[Row], report_dir: Path | str, command:
     not measure again are kept (see `renderer`).
     """
     report_dir = Path(report_dir)
-    report_dir.mkdir(parents=True, exist_ok=True)
     key = _registration(problem).key
     runs = [f"{_now()}, `{command}`"]
     csv_path, md_path = report_dir / f"{problem}.csv", report_dir / f"{problem}.md"
@@ -209,9 +258,14 @@ def write_report(problem: str, rows: list[Row], report_dir: Path | str, command:
                 measured = {tuple(r.get(k) for k in key) for r in rows}
                 earlier = [r for r in read_rows(csv_path) if tuple(r.get(k) for k in key) not in measured]
         rows, runs = _merge_runs(earlier, old_runs if earlier else [], rows, runs[0])
+    # Everything that can fail (rendering, the header's device query) happens before a file is written,
+    # so a failure leaves no report directory, CSV without Markdown, or half a file behind.
+    head = header(problem, runs, device)
+    rendered = get_renderer(problem)(rows)
+    report_dir.mkdir(parents=True, exist_ok=True)
     if rows:
         write_csv(csv_path, rows)
-    return _write_markdown(problem, rows, report_dir, header(problem, runs, device))
+    return _write_rendered(problem, rendered, report_dir, head)
 
 
 def _merge_runs(earlier: list[Row], earlier_runs: list[str], rows: list[Row], run: str) -> tuple[list[Row], list[str]]:
@@ -224,15 +278,16 @@ def _merge_runs(earlier: list[Row], earlier_runs: list[str], rows: list[Row], ru
     return merged, runs
 
 
-def _write_markdown(problem: str, rows: list[Row], report_dir: Path, head: str) -> Path:
+def _write_rendered(problem: str, rendered: Rendered, report_dir: Path, head: str) -> Path:
     import matplotlib.pyplot as plt
 
-    rendered = get_renderer(problem)(rows)
     for file_name, figure in rendered.figures.items():
-        figure.savefig(report_dir / file_name, dpi=120, bbox_inches="tight")
+        partial = _staging_path(report_dir / file_name)
+        figure.savefig(partial, dpi=120, bbox_inches="tight")
+        os.replace(partial, report_dir / file_name)
         plt.close(figure)
     path = report_dir / f"{problem}.md"
-    path.write_text(head + "\n" + rendered.body.rstrip() + "\n")
+    _replace_text(path, head + "\n" + rendered.body.rstrip() + "\n")
     return path
 
 
@@ -261,4 +316,4 @@ def rerender(report_dir: Path | str, problem: str) -> Path:
     report_dir = Path(report_dir)
     markdown = (report_dir / f"{problem}.md").read_text()
     head = markdown[: markdown.index("\n\n", markdown.index("- device: ")) + 1]
-    return _write_markdown(problem, read_rows(report_dir / f"{problem}.csv"), report_dir, head)
+    return _write_rendered(problem, get_renderer(problem)(read_rows(report_dir / f"{problem}.csv")), report_dir, head)

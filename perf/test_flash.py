@@ -74,10 +74,9 @@ def test_flash_speedup_gate(device, report, speedup_gate):
     for row in rows:
         report(PROBLEM).add(row)
     ms = {r["provider"]: r["median_ms"] for r in rows if r["status"] == "ok"}
+    statuses = ", ".join(f"{r['provider']}: {r['status']}" for r in rows)
     for provider in GATED_PROVIDERS:
-        if provider not in ms or "flash_triton" not in ms:  # a gate whose variant did not run fails
-            pytest.fail(f"{gate_name(provider)}: {[(r['provider'], r['status']) for r in rows]}")
-        speedup_gate(gate_name(provider), ms[provider], ms["flash_triton"])
+        speedup_gate(gate_name(provider), ms.get(provider), ms.get("flash_triton"), note=statuses)
 
 
 # ---------------------------------------------------------------------------------- flash_in_training

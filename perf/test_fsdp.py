@@ -47,11 +47,15 @@ def test_fsdp_matches_single_process(rows):
     assert all(r["matches"] for r in equivalence), [r for r in equivalence if not r["matches"]]
 
 
-def test_fsdp_accounting(rows, run_settings, speedup_gate):
+def test_fsdp_accounting(rows):
     steps = {r["variant"]: r for r in rows if r["table"] == "step"}
     assert list(steps) == [label for label, _, _, _ in VARIANTS]
     assert {r["status"] for r in steps.values()} <= {"ok", OOM}
+
+
+def test_fsdp_speedup_gate(rows, speedup_gate):
+    """Ours must keep pace with torch FSDP: its time over ours."""
+    steps = {r["variant"]: r for r in rows if r["table"] == "step"}
     ours, theirs = steps[OURS], steps[TORCH_FSDP]
-    if run_settings.on_gpu and ours["status"] == theirs["status"] == "ok":
-        # Ours must keep pace with torch FSDP: its time over ours.
-        speedup_gate("fsdp_vs_torch_fsdp", theirs["step_ms"], ours["step_ms"])
+    speedup_gate("fsdp_vs_torch_fsdp", theirs.get("step_ms"), ours.get("step_ms"),
+                 note=f"torch FSDP: {theirs['status']}, ours: {ours['status']}")

@@ -41,11 +41,15 @@ def test_sharded_optimizer_matches_adamw(rows):
     assert all(r["max_abs_difference"] <= EQUIVALENCE_TOLERANCE for r in equivalence), equivalence
 
 
-def test_optimizer_sharding_accounting(rows, run_settings, speedup_gate):
+def test_optimizer_sharding_accounting(rows):
     steps = {r["variant"]: r for r in rows if r["table"] == "step"}
     assert list(steps) == [label for label, _, _ in VARIANTS]
     assert {r["status"] for r in steps.values()} <= {"ok", OOM}
+
+
+def test_optimizer_sharding_speedup_gate(rows, speedup_gate):
+    """Ours must keep pace with torch's ZeRO stage 1: its time over ours."""
+    steps = {r["variant"]: r for r in rows if r["table"] == "step"}
     zero, ours = steps["DDP + ZeroRedundancyOptimizer"], steps["DDP + ShardedOptimizer (bucketed)"]
-    if run_settings.on_gpu and zero["status"] == ours["status"] == "ok":
-        # Ours must keep pace with torch's ZeRO stage 1: its time over ours.
-        speedup_gate("sharded_optimizer_vs_zero_redundancy", zero["step_ms"], ours["step_ms"])
+    speedup_gate("sharded_optimizer_vs_zero_redundancy", zero.get("step_ms"), ours.get("step_ms"),
+                 note=f"ZeRO: {zero['status']}, ours: {ours['status']}")

@@ -74,3 +74,29 @@ def test_command_prints_rows(capsys):
 def test_fresh_process_benchmark_returns_rows():
     rows = e2e.benchmark_in_fresh_process(E2EConfig("tiny", 8, batch_size=1, mode="forward", warmup=0, steps=1), "cpu")
     assert [r["phase"] for r in rows] == ["forward"] and rows[0]["status"] == "ok"
+
+
+def test_command_without_arguments_lists_the_commands():
+    result = subprocess.run([sys.executable, "-m", "cs336_systems"], capture_output=True, text=True)
+    assert result.returncode == 2
+    listed = {line.split()[0] for line in result.stderr.splitlines() if line.startswith("    ") and line.strip()}
+    assert {"e2e", "accumulation", "autocast-dtypes", "index"} <= listed, result.stderr
+
+
+def test_command_help_shows_the_defaults(capsys):
+    with pytest.raises(SystemExit):
+        main(["e2e", "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    for default in (f"(default: {e2e.DEFAULT_BATCH_SIZE})", f"(default: {e2e.DEFAULT_WARMUP})",
+                    f"(default: {e2e.DEFAULT_STEPS})", "(default: train)", "(default: fp32)", "(default: sdpa)",
+                    "(default: auto"):
+        assert default in text
+
+
+def test_command_records_a_cell_too_large_for_this_machine_as_oom(capsys, monkeypatch):
+    from cs336_systems import memory_guard
+
+    monkeypatch.setattr(memory_guard, "_available_ram_bytes", lambda: 2**30)
+    assert main(["e2e", "--size", "tiny", "--context", "100000", "--device", "cpu"]) == 0
+    rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| tiny")]
+    assert len(rows) == 5 and all("| OOM " in row and "1,073,741,824" in row for row in rows)

@@ -31,10 +31,32 @@ def test_table_has_the_required_parts_with_consistent_figures():
     assert GPU_SPECS["h200"].memory_bandwidth_bytes_per_s > GPU_SPECS["h100"].memory_bandwidth_bytes_per_s
 
 
-def test_resolve_gpu_choices():
+def _machine_with(monkeypatch, device_name):
+    """Make torch see one CUDA device named `device_name`, or none."""
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: device_name is not None)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *args: device_name)
+
+
+def test_resolve_gpu_choices(monkeypatch):
+    _machine_with(monkeypatch, "NVIDIA H100 80GB HBM3")
     assert resolve_gpu("none") == ("cpu", None)
     assert resolve_gpu("h100") == ("h100", GPU_SPECS["h100"])
+    assert resolve_gpu("auto") == ("h100", GPU_SPECS["h100"])
     with pytest.raises(ValueError, match="unknown GPU 'v100'"):
         resolve_gpu("v100")
     with pytest.raises(ValueError, match="unknown precision"):
         GPU_SPECS["h100"].peak_flops("int8")
+
+
+@pytest.mark.parametrize("present, named, message", [
+    (None, "a100", "a100 is the NVIDIA A100-SXM4-80GB, but torch sees no CUDA GPU on this machine; pass none"),
+    ("NVIDIA H100 80GB HBM3", "a100", "this machine's GPU is the NVIDIA H100 80GB HBM3; pass h100 or auto"),
+    ("NVIDIA H100 PCIe", "h100", "this machine's GPU is the NVIDIA H100 PCIe; pass h100-pcie or auto"),
+    ("NVIDIA L4", "h100", "this machine's GPU is the NVIDIA L4; pass auto"),
+])
+def test_naming_a_gpu_this_machine_does_not_have_is_refused(monkeypatch, present, named, message):
+    _machine_with(monkeypatch, present)
+    with pytest.raises(ValueError, match=message):
+        resolve_gpu(named)

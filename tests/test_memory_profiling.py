@@ -331,7 +331,7 @@ def test_checkpoint_report_from_gpu_rows():
                  "run_context": 16384, "run_status": "ok", "run_peak_bytes": 58 * gib,
                  "run_predicted_peak_bytes": 60 * gib, "run_step_ms": 61000.0})
     body = get_renderer("gradient_checkpointing")(rows).body
-    assert "Best single level: every 1 block(s)" in body and "closer to sqrt(L b / a)" in body
+    assert "Best single level: every 1 block," in body and "closer to sqrt(L b / a)" in body
     assert "Run at context 16384 (every 1 block): it fits" in body
     assert "1128 recomputed blocks" in body
 

@@ -35,3 +35,13 @@ def test_fp16_statistics_overflow_and_bf16_statistics_lose_precision():
     assert rows["float16"]["mean_square"] == float("inf")
     assert 1e-4 < rows["bfloat16"]["relative_error"] < 0.05
     assert torch.finfo(torch.float16).max < 300.0**2
+
+
+def test_accumulation_table_shows_the_digits_where_the_variants_differ(capsys):
+    from cs336_systems.__main__ import main
+
+    assert main(["accumulation"]) == 0
+    table = capsys.readouterr().out
+    rows = {r["variant"]: r for r in accumulation_experiment()}
+    for variant in ("fp32 += fp32", "fp32 += fp16"):  # 10.0001 against 10.0021
+        assert f"| {rows[variant]['result']:.6f} " in table

@@ -98,8 +98,63 @@ def test_precision_option_parametrizes_tests(pytester, option, count):
 
 def test_bad_precision_and_world_size_are_usage_errors(pytester):
     pytester.makepyfile("def test_x(): pass")
-    assert run(pytester, "--precision", "fp64").ret == pytest.ExitCode.USAGE_ERROR
+    result = run(pytester, "--precision", "fp32,fp64")
+    assert result.ret == pytest.ExitCode.USAGE_ERROR
+    result.stderr.fnmatch_lines(["ERROR: --precision: unknown fp64; use any of fp32, bf16, fp16 (comma-separated), "
+                                 "or all"])
     assert run(pytester, "--world-size", "0").ret == pytest.ExitCode.USAGE_ERROR
+
+
+ROW_WRITING_TEST = """
+    def test_row(report):
+        report("_plugin_problem").add(x=1)
+"""
+
+
+def test_a_named_gpu_this_machine_lacks_is_a_usage_error_that_writes_nothing(pytester, monkeypatch):
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    pytester.makepyfile(ROW_WRITING_TEST)
+    result = pytester.runpytest(*PLUGIN, "--gpu", "h100", "--report-dir", "out")
+    assert result.ret == pytest.ExitCode.USAGE_ERROR
+    result.stderr.fnmatch_lines(["ERROR: --gpu: h100 is the NVIDIA H100 80GB HBM3, but torch sees no CUDA GPU on "
+                                 "this machine; pass none (or auto) to run on the CPU"])
+    assert "Traceback" not in result.stderr.str() and not (pytester.path / "out").exists()
+
+
+def test_a_report_that_cannot_be_written_fails_the_run_leaves_nothing_and_keeps_the_others(pytester):
+    pytester.makeconftest("""
+        from cs336_systems.reports import renderer
+
+        @renderer("_unrenderable")
+        def render(rows):
+            raise RuntimeError("renderer broke")
+    """)
+    pytester.makepyfile("""
+        def test_rows(report):
+            report("_unrenderable").add(x=1)
+            report("_plugin_problem").add(x=2)
+    """)
+    result = run(pytester, "--report-dir", "out")
+    result.assert_outcomes(passed=1)
+    assert result.ret == pytest.ExitCode.TESTS_FAILED
+    result.stdout.fnmatch_lines(["*cs336-systems reports not written*",
+                                 "_unrenderable: RuntimeError: renderer broke"])
+    written = sorted(p.name for p in (pytester.path / "out" / "cpu").iterdir())
+    assert written == ["_plugin_problem.csv", "_plugin_problem.md"]
+
+
+def test_report_assets_reach_the_report_directory_only_when_the_session_ends(pytester):
+    pytester.makepyfile("""
+        def test_asset(report, run_settings):
+            path = report("_plugin_problem").asset_path("plot.png")
+            path.write_bytes(b"png")
+            assert not run_settings.report_dir.exists()
+            report("_plugin_problem").add(file="plot.png")
+    """)
+    run(pytester, "--report-dir", "out").assert_outcomes(passed=1)
+    assert (pytester.path / "out" / "cpu" / "plot.png").read_bytes() == b"png"
 
 
 def test_report_rows_from_xdist_workers_are_merged_into_one_report(pytester):
@@ -145,13 +200,58 @@ def test_gate_passes_within_tolerance(pytester):
     run(pytester).assert_outcomes(passed=1)
 
 
-def test_gate_skips_without_a_baseline_and_update_writes_one(pytester):
+def test_gate_without_a_baseline_file_is_skipped_saying_why_and_update_writes_one(pytester):
     pytester.makepyfile(GATED_TEST)
-    run(pytester).assert_outcomes(skipped=1)
+    result = run(pytester, "-rs")
+    result.assert_outcomes(skipped=1)
+    result.stdout.fnmatch_lines(["SKIPPED [[]1[]] *: speed-up gate not run: no baseline file *cpu.json for this "
+                                 "device (--update-baselines writes one)"])
     run(pytester, "--update-baselines").assert_outcomes(passed=1)
     data = json.loads((pytester.path / "perf" / "baselines" / "cpu.json").read_text())
     assert data["ratios"]["flash vs naive"] == {"ratio": 5.0, "tolerance": 0.2}
     run(pytester).assert_outcomes(passed=1)
+
+
+def test_gate_fails_when_the_baseline_file_has_no_entry_for_it(pytester):
+    pytester.makepyfile(GATED_TEST.replace("flash vs naive", "a new comparison"))
+    write_baseline(pytester, ratio=5.0)
+    result = run(pytester)
+    result.assert_outcomes(failed=1)
+    result.stdout.fnmatch_lines(["*no baseline for 'a new comparison' in *cpu.json; run with --update-baselines "
+                                 "to record 5*"])
+
+
+@pytest.mark.parametrize("update", [False, True])
+def test_gate_fails_when_a_variant_did_not_run(pytester, update):
+    pytester.makepyfile("""
+        def test_speedup(speedup_gate):
+            speedup_gate("flash vs naive", slow_ms=None, fast_ms=2.0, note="naive: OOM")
+    """)
+    path = write_baseline(pytester, ratio=5.0)
+    result = run(pytester, *(["--update-baselines"] if update else []))
+    result.assert_outcomes(failed=1)
+    result.stdout.fnmatch_lines(["*flash vs naive: the slower variant has no time, so the gate cannot hold "
+                                 "(naive: OOM)*"])
+    assert json.loads(path.read_text())["ratios"]["flash vs naive"]["ratio"] == 5.0
+
+
+def test_update_refuses_a_regression_unless_it_is_accepted(pytester):
+    pytester.makepyfile(GATED_TEST)
+    path = write_baseline(pytester, ratio=8.0)  # 5.0 < 8.0 * 0.8
+    result = run(pytester, "--update-baselines")
+    result.assert_outcomes(failed=1)
+    result.stdout.fnmatch_lines(["*refusing to record REGRESSION: flash vs naive ratio 5 vs baseline 8*"
+                                 "pass --accept-regression to record it*"])
+    assert json.loads(path.read_text())["ratios"]["flash vs naive"]["ratio"] == 8.0
+    run(pytester, "--update-baselines", "--accept-regression").assert_outcomes(passed=1)
+    assert json.loads(path.read_text())["ratios"]["flash vs naive"]["ratio"] == 5.0
+
+
+def test_accept_regression_needs_update_baselines(pytester):
+    pytester.makepyfile(GATED_TEST)
+    result = run(pytester, "--accept-regression")
+    assert result.ret == pytest.ExitCode.USAGE_ERROR
+    result.stderr.fnmatch_lines(["*--accept-regression only applies with --update-baselines*"])
 
 
 def test_update_keeps_a_stated_tolerance(pytester):

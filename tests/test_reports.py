@@ -68,3 +68,38 @@ def test_keyed_report_accumulates_runs_and_drops_runs_left_without_rows(tmp_path
     assert "- run 1: " in text and "`second`" in text and "- run 2: " in text and "`third`" in text
     assert text.rstrip().endswith("a=5@2 b=3@1 c=4@1")
     assert len(read_rows(tmp_path / "_test_keyed.csv")) == 3
+
+
+def test_a_cpu_report_says_its_times_are_cpu_times_and_triton_ran_in_the_interpreter(tmp_path):
+    text = write_report("_test_problem", [{"x": 1}], tmp_path, command="c", device="cpu").read_text()
+    header = text.split("\n\n")[1]
+    assert "- note: a CPU run." in header and "Triton interpreter" in header and "CPU time" in header
+
+
+@pytest.mark.parametrize("mean, std, text", [
+    (10.0, 2.0, "10.0 ± 2.0"), (10.0, 2.1, "10.0 ± 2.1 (noisy)"), (0.0, 0.0, "0.0 ± 0.0")])
+def test_a_spread_above_a_fifth_of_the_mean_is_flagged_noisy(mean, std, text):
+    assert reports.mean_std(mean, std) == text
+
+
+@renderer("_test_broken")
+def _render_broken(rows):
+    raise RuntimeError("renderer broke")
+
+
+def test_a_report_that_fails_to_render_leaves_no_directory_and_no_file(tmp_path):
+    with pytest.raises(RuntimeError, match="renderer broke"):
+        write_report("_test_broken", [{"x": 1}], tmp_path / "a100", command="c", device="cpu")
+    assert not (tmp_path / "a100").exists()
+    (tmp_path / "a100").mkdir()
+    write_report("_test_problem", [{"x": 1}], tmp_path / "a100", command="c", device="cpu")
+    with pytest.raises(RuntimeError, match="renderer broke"):
+        write_report("_test_broken", [{"x": 1}], tmp_path / "a100", command="c", device="cpu")
+    assert sorted(p.name for p in (tmp_path / "a100").iterdir()) == ["_test_problem.csv", "_test_problem.md"]
+
+
+def test_cpu_reports_are_not_tracked():
+    from pathlib import Path
+
+    ignored = (Path(__file__).resolve().parents[1] / ".gitignore").read_text().splitlines()
+    assert "reports/cpu/" in ignored

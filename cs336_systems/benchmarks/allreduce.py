@@ -24,7 +24,8 @@ import torch.distributed as dist
 
 from cs336_systems.distributed.launch import rank_device
 from cs336_systems.gpus import MB, spec_for_device_name
-from cs336_systems.reports import Rendered, Row, markdown_table, pivot, renderer
+from cs336_systems.memory_guard import check_memory_on_every_rank
+from cs336_systems.reports import OOM, Rendered, Row, markdown_table, pivot, renderer
 from cs336_systems.timing import synchronize, timed
 
 GB = 10**9
@@ -32,6 +33,9 @@ SIZES_BYTES = (1 * MB, 10 * MB, 100 * MB, 1 * GB)
 GLOO_WORLD_SIZES = (2, 4, 6)
 NCCL_WORLD_SIZES = (2, 4, 6, 8)
 FLOAT32_BYTES = 4
+# What one rank holds for an all-reduce of a tensor: the tensor and, at most, a working copy of the
+# same size that the backend reduces into.
+ALLREDUCE_COPIES = 2
 WARMUP = 5
 # Timed iterations per cell: enough for a stable median, at most about SECONDS_PER_CELL of
 # all-reduces (1 GB over gloo takes on the order of a second each).
@@ -69,7 +73,7 @@ def summarize(backend: str, device_name: str, world_size: int, size_bytes: int, 
     mean_s = statistics.fmean(rank_medians_s)
     algbw = size_bytes / mean_s
     row = {"backend": backend, "device": device_name, "world_size": world_size, "size_bytes": size_bytes,
-           "size_mb": size_bytes / MB, "iterations": iterations,
+           "size_mb": size_bytes / MB, "status": "ok", "iterations": iterations,
            "mean_rank_median_ms": mean_s * 1e3, "max_rank_median_ms": max(rank_medians_s) * 1e3,
            "algbw_gbps": algbw / GB, "busbw_gbps": bus_bandwidth(algbw, world_size) / GB}
     spec = spec_for_device_name(device_name) if backend == "nccl" else None
@@ -116,6 +120,12 @@ def allreduce_sweep(rank: int, world_size: int, sizes_bytes: Sequence[int], worl
         group = dist.new_group(list(range(group_size)))  # every rank takes part in creating it
         if rank < group_size:
             for size_bytes in sizes_bytes:
+                memory = check_memory_on_every_rank(ALLREDUCE_COPIES * size_bytes, device, group_size, group)
+                if not memory.fits:
+                    rows.append({"backend": backend, "device": device_name, "world_size": group_size,
+                                 "size_bytes": size_bytes, "size_mb": size_bytes / MB,
+                                 **memory.oom_columns(predicted=True)})
+                    continue
                 median_s, iterations = time_allreduce(size_bytes, group)
                 medians: list[float | None] = [None] * group_size
                 dist.all_gather_object(medians, median_s, group=group)
@@ -205,15 +215,21 @@ def _plot(rows: list[Row]):
     return figure
 
 
+def _out_of_memory(row: Row) -> bool:
+    return row.get("status") == OOM  # rows measured before the status column read as measured
+
+
 @renderer("distributed_communication_single_node", key=("backend", "world_size", "size_bytes"))
 def render_allreduce(rows: list[Row]) -> Rendered:
     rows = sorted(rows, key=lambda r: (r["backend"], r["world_size"], r["size_bytes"]))
     labelled = [{**r, "size": _size_label(r["size_bytes"])} for r in rows]
     devices = ", ".join(sorted({f"{r['backend']} on {r['device']}" for r in rows}))
     times = pivot(labelled, ["backend", "world_size"], "size", "mean_rank_median_ms",
-                  fmt=lambda r: f"{r['mean_rank_median_ms']:.3g} (max {r['max_rank_median_ms']:.3g})")
+                  fmt=lambda r: OOM if _out_of_memory(r) else
+                  f"{r['mean_rank_median_ms']:.3g} (max {r['max_rank_median_ms']:.3g})")
     bandwidths = pivot(labelled, ["backend", "world_size"], "size", "busbw_gbps",
-                       fmt=lambda r: f"{r['busbw_gbps']:.3g} ({r['algbw_gbps']:.3g})")
+                       fmt=lambda r: OOM if _out_of_memory(r) else f"{r['busbw_gbps']:.3g} ({r['algbw_gbps']:.3g})")
+    rows = [r for r in rows if not _out_of_memory(r)]
     body = [
         f"float32 all-reduce (sum), {devices}; {WARMUP} warm-up all-reduces, then {MIN_ITERATIONS}-{MAX_ITERATIONS} "
         "timed ones per cell (each after a barrier, device synchronised). Every rank takes the median of its own "

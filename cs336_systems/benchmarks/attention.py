@@ -8,8 +8,9 @@ in use before backward and the cells that run out of memory.
 q, k and v are (batch, N, d), no head dimension, random normal. A cell runs its forward passes first
 (`warmup` untimed, then `passes` timed, outputs dropped), then its backward passes (each after an
 untimed forward of its own, `warmup` untimed then `passes` timed), with the device synchronised around
-every timed pass. An out-of-memory error ends the cell with status OOM, keeping what was measured
-before it (the forward times when only the backward runs out), and the sweep goes on.
+every timed pass. A cell whose closed-form peak does not fit the free memory is recorded as OOM
+without running; an out-of-memory error ends a cell with status OOM, keeping what was measured
+before it (the forward times when only the backward runs out); either way the sweep goes on.
 
 Memory (CUDA only) is read on the first backward pass: torch.cuda.memory_allocated before its
 forward (q, k, v, dO and workspaces), after it (adding the output and what autograd saved: the
@@ -28,7 +29,8 @@ import torch
 from cs336_systems.accounting.attention import naive_attention_memory
 from cs336_systems.attention.reference import naive_attention
 from cs336_systems.benchmarks import e2e
-from cs336_systems.reports import OOM, Rendered, Row, markdown_table, renderer
+from cs336_systems.memory_guard import check_memory, is_out_of_memory
+from cs336_systems.reports import OOM, Rendered, Row, markdown_table, mean_std, renderer
 from cs336_systems.timing import Timings, synchronize, time_fn, timed
 
 BATCH_SIZE = 8
@@ -157,15 +159,23 @@ def _measure(cell: AttentionCell, device: torch.device, row: Row) -> None:
 
 
 def benchmark_attention(cell: AttentionCell, device: torch.device | str) -> Row:
-    """One cell's row: status "ok", or OOM with `oom_during` naming the stage that ran out."""
+    """One cell's row: status "ok", or OOM, predicted (not run) or with `oom_during` naming the stage
+    that ran out."""
     device = torch.device(device)
     row = _empty_row(cell, device)
     free_device_memory(device)
+    # Eager attention's peak; a compiled graph keeps at most what eager autograd does.
+    memory = check_memory(naive_attention_memory(cell.batch_size, cell.seq_len, cell.seq_len, cell.head_dim,
+                                                 cell.precision, cell.is_causal).peak_bytes, device)
+    if not memory.fits:
+        return row | memory.oom_columns(predicted=True)
     try:
         _measure(cell, device, row)
-        row["status"] = "ok"
-    except torch.OutOfMemoryError:
-        row["status"] = OOM
+        row |= {"status": "ok", **memory.columns()}
+    except Exception as error:
+        if not is_out_of_memory(error):
+            raise
+        row |= memory.oom_columns(predicted=False)
     # Outside the except block: its traceback held the failed cell's frames, and their tensors, alive.
     free_device_memory(device)
     return row
@@ -186,8 +196,13 @@ ATTENTION_KEY = ("attention", "compile", "precision", "batch_size", "seq_len", "
 
 def _ms(row: Row, phase: str) -> str:
     if row.get(f"{phase}_mean_ms") is not None:
-        return f"{row[f'{phase}_mean_ms']:.3g} ± {row[f'{phase}_std_ms']:.2g}"
+        return mean_std(row[f"{phase}_mean_ms"], row[f"{phase}_std_ms"], ".3g", ".2g")
     return OOM if row.get("status") == OOM else ""
+
+
+def oom_when(row: Row) -> str:
+    """When a cell ran out of memory: predicted (and not run), or the stage that ran out."""
+    return "predicted, not run" if row.get("oom_predicted") else f"during {row['oom_during']}"
 
 
 def _gib_cell(value) -> str:
@@ -227,7 +242,7 @@ def _timing_table(rows: list[Row]) -> str:
         if _memory_measured(rows):
             entry["before backward (GiB)"] = _gib_cell(r.get("memory_before_backward_bytes"))
         entry["predicted (GiB)"] = _gib_cell(_memory_of(r).before_backward_bytes)
-        entry["out of memory"] = f"during {r['oom_during']}" if r["status"] == OOM else ""
+        entry["out of memory"] = oom_when(r) if r["status"] == OOM else ""
         table.append(entry)
     return markdown_table(table)
 
@@ -310,7 +325,7 @@ def _accounting_target(rows: list[Row]) -> tuple[Row, str]:
     if ooms:
         target = min(ooms, key=lambda r: _memory_of(r).peak_bytes)
         return target, (f"The smallest configuration that ran out of memory is d={target['head_dim']}, "
-                        f"N={target['seq_len']} (during {target['oom_during']}).")
+                        f"N={target['seq_len']} ({oom_when(target)}).")
     target = _first_predicted_oom(rows)
     if target is not None:
         return target, (f"No configuration ran out of memory on this device "
@@ -419,7 +434,7 @@ def render_pytorch_attention(rows: list[Row]) -> Rendered:
         return Rendered("")
     ooms = _by_cell([r for r in rows if r["status"] == OOM])
     if ooms:
-        oom_text = ("Out of memory: " + ", ".join(f"d={r['head_dim']} N={r['seq_len']} (during {r['oom_during']})"
+        oom_text = ("Out of memory: " + ", ".join(f"d={r['head_dim']} N={r['seq_len']} ({oom_when(r)})"
                                                   for r in ooms) +
                     f". The smallest sequence length that ran out is N={min(r['seq_len'] for r in ooms)}.")
     else:

@@ -52,6 +52,7 @@ from cs336_systems.accounting.ddp import (
     optimal_num_buckets,
     pipelined_overhead_s,
 )
+from cs336_systems.accounting.memory import training_memory
 from cs336_systems.benchmarks.allreduce import time_allreduce
 from cs336_systems.distributed.ddp import (
     BYTES_PER_MB,
@@ -63,11 +64,12 @@ from cs336_systems.distributed.ddp import (
 )
 from cs336_systems.distributed.launch import rank_device
 from cs336_systems.gpus import GIB
+from cs336_systems.memory_guard import check_memory_on_every_rank, is_out_of_memory
 from cs336_systems.model import ModelConfig, TransformerLM
 from cs336_systems.profiling.kernels import profiler_activities
 from cs336_systems.profiling.ranges import annotate
 from cs336_systems.profiling.timeline import COMPUTE, CPU_COMPUTE_ROW, communication_summary, load_intervals
-from cs336_systems.reports import OOM, Rendered, Row, markdown_table, renderer
+from cs336_systems.reports import OOM, Rendered, Row, markdown_table, mean_std, renderer
 from cs336_systems.timing import synchronize, timed
 
 log = logging.getLogger(__name__)
@@ -256,8 +258,9 @@ def _row(method: str, bucket_size_mb: float | None, per_rank: list[dict], summar
                 "backend": dist.get_backend()}
     for sweep_only in ("bucket_sizes_mb", "probe_large_bytes"):
         row.pop(sweep_only)
-    if any(stats["status"] == OOM for stats in per_rank):
-        return {**row, "status": OOM}
+    oom = next((stats for stats in per_rank if stats["status"] == OOM), None)
+    if oom is not None:
+        return {**row, **oom}
     pooled = {key: [x for stats in per_rank for x in stats[key]] for key in ("step_ms", *PHASES)}
     row.update(status="ok", trainable_bytes=per_rank[0]["trainable_bytes"],
                all_reduces_per_step=per_rank[0]["all_reduces_per_step"],
@@ -271,6 +274,14 @@ def _row(method: str, bucket_size_mb: float | None, per_rank: list[dict], summar
     return row
 
 
+def _estimated_peak_bytes(method: str, cfg: DDPBenchmarkConfig, world_size: int) -> int:
+    """One rank's peak from the memory model: the flat and bucketed wrappers and torch DDP (without
+    gradient_as_bucket_view) keep a second, flattened copy of the gradients."""
+    return training_memory(ModelConfig.for_size(cfg.size, cfg.context_length), cfg.batch_size, cfg.context_length,
+                           attention=cfg.attention, world_size=world_size,
+                           ddp_buckets=method in ("flat", "bucketed", "torch_ddp")).peak
+
+
 def benchmark_ddp(rank: int, world_size: int, cfg: DDPBenchmarkConfig) -> dict | None:
     """Run under launch. Rank 0 returns {"rows": [...], "timelines": {variant: intervals}}."""
     device = rank_device()
@@ -279,10 +290,17 @@ def benchmark_ddp(rank: int, world_size: int, cfg: DDPBenchmarkConfig) -> dict |
     for method, bucket_size_mb in cfg.variants():
         _free_memory(device)
         intervals = None
-        try:
-            stats, intervals = _measure_variant(method, bucket_size_mb, cfg, rank, device, profile=rank == 0)
-        except torch.OutOfMemoryError:
-            stats = {"status": OOM}
+        memory = check_memory_on_every_rank(_estimated_peak_bytes(method, cfg, world_size), device, world_size)
+        if not memory.fits:
+            stats = memory.oom_columns(predicted=True)
+        else:
+            try:
+                stats, intervals = _measure_variant(method, bucket_size_mb, cfg, rank, device, profile=rank == 0)
+                stats |= memory.columns()
+            except Exception as error:
+                if not is_out_of_memory(error):
+                    raise
+                stats = memory.oom_columns(predicted=False)
         _free_memory(device)
         per_rank: list[dict | None] = [None] * world_size
         dist.all_gather_object(per_rank, stats)
@@ -385,7 +403,7 @@ def _step_table(rows: list[Row], methods: tuple[str, ...]) -> str:
         communication = r.get("profiled_communication_ms")
         table.append({
             "variant": r["variant"], "all-reduces": r.get("all_reduces_per_step"),
-            "step": f"{r['step_ms']:.1f} ± {r['step_std_ms']:.1f}",
+            "step": mean_std(r["step_ms"], r["step_std_ms"]),
             "forward": r["forward_ms"], "backward": r["backward_ms"], "gradient_sync": r["gradient_sync_ms"],
             "optimizer": r["optimizer_ms"],
             "over local": None if local_ms is None else r["step_ms"] - local_ms,

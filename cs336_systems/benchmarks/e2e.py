@@ -24,10 +24,13 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from cs336_systems.accounting.activations import predict_peak_memory
 from cs336_systems.accounting.flops import step_flops
+from cs336_systems.memory_guard import check_memory, is_out_of_memory
 from cs336_systems.model import ModelConfig, TransformerLM
 from cs336_systems.profiling.ranges import annotate
-from cs336_systems.reports import OOM, Rendered, Row, renderer
+from cs336_systems import reports
+from cs336_systems.reports import NOISY, OOM, Rendered, Row, is_noisy, plural, renderer, span
 from cs336_systems.timing import synchronize, timed
 
 MODES = ("forward", "forward_backward", "train")
@@ -77,6 +80,23 @@ class E2EConfig:
 
     def model_config(self) -> ModelConfig:
         return ModelConfig.for_size(self.size, self.model_context_length or self.context_length)
+
+    def estimated_peak_bytes(self) -> int:
+        """The closed-form peak: a no-grad forward in "forward" mode, a steady AdamW step in "train";
+        "forward_backward" holds the training step's memory less AdamW's state and its update."""
+        mode = "inference" if self.mode == "forward" else "train_step"
+        memory = predict_peak_memory(self.model_config(), self.batch_size, self.context_length, self.precision,
+                                     memory_model_attention(self.attention), mode)
+        if self.mode == "forward_backward":
+            return memory.parameters_bytes + max(memory.saved_activations_bytes + memory.transient_bytes,
+                                                 memory.gradients_bytes)
+        return memory.peak_bytes
+
+
+def memory_model_attention(attention: str) -> str:
+    """The attention the memory model counts for an attention variant: only naive attention (compiled
+    or not) keeps N x N scores; the others keep SDPA's O(N) tensors."""
+    return "naive" if attention.startswith("naive") else "sdpa"
 
 
 def autocast(precision: str, device: torch.device):
@@ -187,20 +207,27 @@ def _free_device_memory(device: torch.device) -> None:
 def benchmark_model(cfg: E2EConfig, device: torch.device | str, peak_flops: float | None = None) -> list[Row]:
     """Rows, one per reported phase: mean / std / median ms and, given a peak, TFLOP/s and MFU.
 
-    A configuration that runs out of device memory gives rows with status "OOM".
+    A configuration whose estimated peak does not fit the free memory is not run, and one that runs
+    out of memory stops; both give rows with status "OOM" and the estimate (cs336_systems.memory_guard).
     """
     device = torch.device(device)
     base: Row = {k: v for k, v in asdict(cfg).items() if k != "model_context_length"}
     base["device"] = device.type
     _free_device_memory(device)
+    memory = check_memory(cfg.estimated_peak_bytes(), device)
+    if not memory.fits:
+        return [{**base, "phase": phase, **memory.oom_columns(predicted=True)} for phase in PHASES[cfg.mode]]
     try:
         samples, first_step_ms = _measure(cfg, device)
-    except torch.OutOfMemoryError:
+    except Exception as error:
+        if not is_out_of_memory(error):
+            raise
         samples = None
     peak_memory = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None
     _free_device_memory(device)
     if samples is None:
-        return [{**base, "phase": phase, "status": OOM} for phase in PHASES[cfg.mode]]
+        return [{**base, "phase": phase, **memory.oom_columns(predicted=False)} for phase in PHASES[cfg.mode]]
+    base.update(memory.columns())
 
     samples["forward_backward"] = [f + b for f, b in zip(samples["forward"], samples["backward"])]
     samples["train_step"] = [fb + o for fb, o in zip(samples["forward_backward"], samples["optimizer"])]
@@ -233,8 +260,8 @@ PHASE_LABELS = {"forward": "forward", "backward": "backward", "optimizer": "opti
 STEADY_RELATIVE_STD = 0.05
 
 
-def mean_std(row: Row) -> str:
-    return OOM if row.get("status") == OOM else f"{row['mean_ms']:.1f} ± {row['std_ms']:.1f}"
+def mean_std(row: Row, unit: str = "") -> str:
+    return OOM if row.get("status") == OOM else reports.mean_std(row["mean_ms"], row["std_ms"], unit=unit)
 
 
 def _ok(rows: list[Row]) -> list[Row]:
@@ -279,7 +306,8 @@ def _variation_summary(rows: list[Row]) -> str:
     ooms = sorted({(r["size"], r["context_length"]) for r in rows if r.get("status") == OOM},
                   key=lambda k: (_size_order(k[0]), k[1]))
     text = (f"Variation between steps: the median cell's std is {median_spread:.1%} of its mean, and {steady} of "
-            f"{len(spreads)} cells stay under {STEADY_RELATIVE_STD:.0%}; the most variable is {worst['size']} at "
+            f"{plural(len(spreads), 'cell')} stay under {STEADY_RELATIVE_STD:.0%}; the most variable is "
+            f"{worst['size']} at "
             f"context {worst['context_length']} ({PHASE_LABELS[worst['phase']]}: "
             f"{worst['std_ms'] / worst['mean_ms']:.1%} of {worst['mean_ms']:.1f} ms).")
     if ooms:
@@ -321,10 +349,10 @@ def _warmup_section(rows: list[Row]) -> str:
         cold, most = steps[0], steps[max(steps)]
         line = (f"- {size}: with no warm-up the first training step takes {cold['first_ms']:.1f} ms, "
                 f"{cold['first_ms'] / cold['median_ms']:.1f}x the median step, so the mean over "
-                f"{cold['steps']} steps is {mean_std(cold)} ms against {mean_std(most)} ms after {max(steps)} "
-                "warm-up steps.")
+                f"{cold['steps']} steps is {mean_std(cold, 'ms')} against {mean_std(most, 'ms')} after "
+                f"{plural(max(steps), 'warm-up step')}.")
         for w in sorted(steps)[1:-1]:
-            line += (f" After {w}: {mean_std(steps[w])} ms (first timed step "
+            line += (f" After {w}: {mean_std(steps[w], 'ms')} (first timed step "
                      f"{steps[w]['first_ms'] / steps[w]['median_ms']:.2f}x the median).")
         findings.append(line)
     if findings:
@@ -364,7 +392,10 @@ def _comparison_table(rows: list[Row], key: str, base_value, other_value, base_l
         entry[f"{base_label} (ms)"] = mean_std(base) if base else ""
         entry[f"{other_label} (ms)"] = mean_std(other) if other else ""
         both_ok = base and other and base.get("status") == other.get("status") == "ok"
-        entry["speed-up"] = f"{base['mean_ms'] / other['mean_ms']:.2f}x" if both_ok else ""
+        entry["speed-up"] = ""
+        if both_ok:
+            noisy = any(is_noisy(r["mean_ms"], r["std_ms"]) for r in (base, other))
+            entry["speed-up"] = f"{base['mean_ms'] / other['mean_ms']:.2f}x" + (f" ({NOISY})" if noisy else "")
         for label, variant in ((base_label, base), (other_label, other)):
             if variant and variant.get("mfu") is not None:
                 entry[f"{label} MFU"] = f"{variant['mfu']:.1%}"
@@ -373,11 +404,16 @@ def _comparison_table(rows: list[Row], key: str, base_value, other_value, base_l
 
 
 def _speedup_range(table: list[Row], phase: str) -> str:
+    """The speed-ups of one phase over its steady cells: a ratio of two noisy means is no finding."""
     label = PHASE_LABELS.get(phase, phase)  # the table's phase column holds labels
-    ratios = [float(r["speed-up"][:-1]) for r in table if r["phase"] == label and r["speed-up"]]
+    measured = [r["speed-up"] for r in table if r["phase"] == label and r["speed-up"]]
+    ratios = [float(ratio.removesuffix("x")) for ratio in measured if ratio.endswith("x")]
+    noisy = f"{plural(len(measured) - len(ratios), 'noisy cell')} left out" if len(ratios) < len(measured) else ""
     if not ratios:
-        return ""
-    return f"{label}: {min(ratios):.2f}x to {max(ratios):.2f}x (median {sorted(ratios)[len(ratios) // 2]:.2f}x)"
+        return f"{label}: every cell noisy" if measured else ""
+    median = f"median {sorted(ratios)[len(ratios) // 2]:.2f}x" if len(ratios) > 1 else ""
+    details = "; ".join(filter(None, (median, noisy)))
+    return f"{label}: {span(ratios, '{:.2f}x'.format)}" + (f" ({details})" if details else "")
 
 
 def _autocast_section(dtypes: list[Row]) -> str:

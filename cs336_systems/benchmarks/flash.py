@@ -42,7 +42,8 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from cs336_systems.accounting.attention import attention_flops, naive_attention_memory
 from cs336_systems.attention.reference import naive_attention
 from cs336_systems.benchmarks.attention import DTYPES, free_device_memory
-from cs336_systems.reports import OOM, Rendered, Row, markdown_table, renderer
+from cs336_systems.memory_guard import available_bytes, is_out_of_memory
+from cs336_systems.reports import NOISY, OOM, Rendered, Row, is_noisy, markdown_table, renderer
 from cs336_systems.timing import time_fn
 
 SEQ_LENS = tuple(2**p for p in range(7, 17))  # 128 ... 65536
@@ -172,15 +173,12 @@ def _bench_mode(mode: str, forward: Callable[[], torch.Tensor], inputs: tuple[to
     raise ValueError(f"unknown mode {mode!r}; choose one of {', '.join(MODES)}")
 
 
-def _naive_fits(cell: FlashCell, device: torch.device) -> tuple[bool, int, int | None]:
-    """(whether naive attention's predicted peak fits in the free memory, that peak, the free bytes);
-    on a CPU nothing is predicted to fail and the free memory is not read."""
+def _naive_fits(cell: FlashCell, device: torch.device) -> tuple[bool, int, int]:
+    """(whether naive attention's predicted peak fits in the free memory, that peak, the free bytes)."""
     memory = naive_attention_memory(cell.batch_size * cell.n_heads, cell.seq_len, cell.seq_len, cell.head_dim,
                                     cell.precision, cell.is_causal)
-    if device.type != "cuda":
-        return True, memory.peak_bytes, None
     free_device_memory(device)
-    free_bytes, _ = torch.cuda.mem_get_info(device)
+    free_bytes = available_bytes(device)
     # q, k, v and dO are allocated already, so they are not part of what must still fit.
     fits = memory.peak_bytes - memory.caller_bytes <= NAIVE_FREE_MEMORY_SHARE * free_bytes
     return fits, memory.peak_bytes, free_bytes
@@ -243,8 +241,9 @@ def benchmark_flash_cell(cell: FlashCell, providers=PROVIDERS, device: torch.dev
             try:
                 with sdpa_kernel(backend) if backend is not None else nullcontext():
                     stats = _bench_mode(row["mode"], forward, inputs, grad_out, device, settings)
-            except torch.OutOfMemoryError:
-                pass
+            except Exception as error:
+                if not is_out_of_memory(error):
+                    raise
             # After the except block: its traceback kept the failed call's tensors alive until here.
             free_device_memory(device)
             for t in inputs:
@@ -307,7 +306,9 @@ def _time_cell(row: Row | None) -> str:
         return "OOM (predicted)" if row.get("oom_predicted") else OOM
     if row["status"] != "ok":
         return row["status"]
-    return f"{row['median_ms']:.3g}"
+    # The middle 60% of the samples against the median: the spread do_bench's percentiles give.
+    noisy = is_noisy(row["median_ms"], row["p80_ms"] - row["p20_ms"])
+    return f"{row['median_ms']:.3g}" + (f" ({NOISY})" if noisy else "")
 
 
 def _ratio(slow: Row | None, fast: Row | None) -> float | None:

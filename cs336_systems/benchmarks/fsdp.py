@@ -45,9 +45,9 @@ from cs336_systems.benchmarks.sharding import (
     TrainingSetup,
     ddp_adamw,
     communication_rows,
-    free_device_memory,
+    estimated_peak_bytes,
     gather_rows,
-    measure_training,
+    guarded_training,
     memory_rows,
     memory_table,
     optimizer_state_tensors,
@@ -61,7 +61,7 @@ from cs336_systems.distributed.launch import rank_device
 from cs336_systems.model import ModelConfig, TransformerLM
 from cs336_systems.profiling.kernels import profiler_activities
 from cs336_systems.profiling.timeline import COMPUTE, PHASE, Interval, intervals_from_events
-from cs336_systems.reports import OOM, Rendered, Row, markdown_table, renderer
+from cs336_systems.reports import Rendered, Row, markdown_table, renderer
 from cs336_systems.timing import synchronize
 
 STEP_PHASES = ("forward", "backward", "optimizer")
@@ -187,12 +187,9 @@ def benchmark_fsdp(rank: int, world_size: int, cfg: ShardingBenchmarkConfig) -> 
     timeline = None
     for label, strategy, ddp_buckets, make_setup in VARIANTS:
         profile = _profiled(rank, device) if label == OURS else None
-        try:
-            stats = measure_training(make_setup, cfg, rank, device, profile=profile)
-        except torch.OutOfMemoryError:
-            stats = {"status": OOM}
-            free_device_memory(device)
-        trace, stats["trace"] = stats.get("trace"), None  # the trace stays on rank 0
+        stats = guarded_training(make_setup, cfg, rank, world_size, device,
+                                 estimated_peak_bytes(cfg, strategy, world_size, ddp_buckets), profile)
+        trace = stats.pop("trace", None)  # the trace stays on rank 0
         per_rank = gather_rows(stats, world_size)
         rows.append(step_row(label, per_rank, cfg, world_size, strategy, ddp_buckets))
         rows += memory_rows(label, per_rank) + communication_rows(label, per_rank, world_size)

@@ -124,13 +124,25 @@ def normalization_precision_experiment() -> list[Row]:
     return rows
 
 
-@renderer("mixed_precision_accumulation")
-def render_accumulation(rows: list[Row]) -> Rendered:
+# Sums to show: the variants differ from 10 in the fourth decimal place and beyond (10.0001 against
+# 10.0021), which a table rounded to two decimals would hide.
+SUM_DIGITS = 6
+
+
+def accumulation_table(rows: list[Row]) -> str:
     from cs336_systems.reports import markdown_table
 
+    return markdown_table([{**r, "result": f"{r['result']:.{SUM_DIGITS}f}", "abs_error": f"{r['abs_error']:.3g}",
+                            "exact_sum_of_stored_addend": f"{r['exact_sum_of_stored_addend']:.{SUM_DIGITS}f}"}
+                           for r in rows],
+                          ["variant", "accumulator", "addend", "result", "abs_error", "exact_sum_of_stored_addend"])
+
+
+@renderer("mixed_precision_accumulation")
+def render_accumulation(rows: list[Row]) -> Rendered:
     by_variant = {r["variant"]: r for r in rows}
     body = [f"Adding {ADDEND} {ACCUMULATION_STEPS} times; the exact sum is {ACCUMULATION_STEPS * ADDEND:g}.\n",
-            markdown_table(rows, ["variant", "accumulator", "addend", "result", "abs_error", "exact_sum_of_stored_addend"])]
+            accumulation_table(rows)]
     fp32, fp16 = by_variant.get("fp32 += fp32"), by_variant.get("fp16 += fp16")
     mixed = by_variant.get("fp32 += fp16")
     if fp32 and fp16 and mixed:

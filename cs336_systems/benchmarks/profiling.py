@@ -27,8 +27,16 @@ from cs336_systems.accounting.activations import (
     saved_activation_bytes,
     training_transient_bytes,
 )
-from cs336_systems.benchmarks.e2e import DEFAULT_BATCH_SIZE, PRECISIONS, adamw, autocast, build_model
+from cs336_systems.benchmarks.e2e import (
+    DEFAULT_BATCH_SIZE,
+    PRECISIONS,
+    adamw,
+    autocast,
+    build_model,
+    memory_model_attention,
+)
 from cs336_systems.gpus import GIB, MIB
+from cs336_systems.memory_guard import check_memory, is_out_of_memory
 from cs336_systems.model import MODEL_SIZES, ModelConfig
 from cs336_systems.profiling.checkpointing import (
     apply_checkpointing,
@@ -54,7 +62,7 @@ from cs336_systems.profiling.memory import (
     take_snapshot,
 )
 from cs336_systems.profiling.ranges import annotate
-from cs336_systems.reports import OOM, Rendered, Row, markdown_table, pivot, renderer
+from cs336_systems.reports import OOM, Rendered, Row, markdown_table, mean_std, pivot, plural, renderer, span
 from cs336_systems.timing import timed
 
 LEARNING_RATE = 1e-4
@@ -111,8 +119,7 @@ def _size(value: float | None) -> str:
 
 
 def _span(values: list[float], fmt: str = "{:.0%}") -> str:
-    low, high = min(values), max(values)
-    return fmt.format(low) if math.isclose(low, high, rel_tol=1e-3) else f"{fmt.format(low)} to {fmt.format(high)}"
+    return span(values, fmt.format)
 
 
 # =========================================================================================== nsys_profile
@@ -157,14 +164,21 @@ def profile_training_step(cfg: ProfileConfig, device: torch.device | str) -> lis
                  "precision": cfg.precision, "attention": cfg.attention, "device": device.type,
                  "d_head": config.d_head, "num_layers": config.num_layers}
     _release(device)
+    memory = check_memory(predict_peak_memory(config, cfg.batch_size, cfg.context_length, cfg.precision,
+                                              memory_model_attention(cfg.attention)).peak_bytes, device)
+    if not memory.fits:
+        return [{**base, "table": "cell", **memory.oom_columns(predicted=True)}]
     try:
         samples, tables = _timed_then_profiled(cfg, config, device)
-    except torch.OutOfMemoryError:
+    except Exception as error:
+        if not is_out_of_memory(error):
+            raise
         samples = tables = None
     _release(device)
     if samples is None:
-        return [{**base, "table": "cell", "status": OOM}]
-    cell = {**base, "table": "cell", "status": "ok", "warmup": cfg.warmup, "timed_steps": cfg.timed_steps}
+        return [{**base, "table": "cell", **memory.oom_columns(predicted=False)}]
+    cell = {**base, "table": "cell", "status": "ok", "warmup": cfg.warmup, "timed_steps": cfg.timed_steps,
+            **memory.columns()}
     steps = [sum(phase) for phase in zip(*(samples[p] for p in TRAIN_PHASES))]
     for name, series in [*((p, samples[p]) for p in TRAIN_PHASES), ("step", steps)]:
         cell[f"timer_{name}_ms"] = statistics.fmean(series)
@@ -261,7 +275,7 @@ def _forward_time_section(cells: dict, device: str) -> str:
         busy.append(forward["work_ms"] / cell["timer_forward_ms"])
         wall.append(forward["wall_ms"] / cell["timer_forward_ms"])
         table.append({"size": size, "context": context,
-                      "timer forward (ms)": f"{cell['timer_forward_ms']:.2f} ± {cell['timer_forward_std_ms']:.2f}",
+                      "timer forward (ms)": mean_std(cell["timer_forward_ms"], cell["timer_forward_std_ms"], ".2f"),
                       "profiled forward range (ms)": forward["wall_ms"], "forward work (ms)": forward["work_ms"],
                       "work / timer": f"{busy[-1]:.0%}"})
     work = "GPU kernel time" if device == "cuda" else "operator CPU time"
@@ -393,7 +407,7 @@ def _kernel_tables_section(cells: dict) -> str:
         if name not in c["range"]:
             continue
         r = c["range"][name]
-        parts.append(f"### {name}\n\n{r['instances']} instance(s), {r['work_ms']:.2f} ms of kernel time, "
+        parts.append(f"### {name}\n\n{plural(r['instances'], 'instance')}, {r['work_ms']:.2f} ms of kernel time, "
                      f"{r['matmul_share']:.0%} in matmuls, {r['kernel_calls']} launches of {r['distinct_kernels']} kernels.\n")
         parts.append(markdown_table([{"kernel": short_name(k["kernel"], 80),
                                       "matmul": {True: "yes", False: "no"}.get(k.get("matmul"), ""),
@@ -540,6 +554,15 @@ def _memory_cell(cfg, mode, precision, context, model, optimizer, device, snapsh
     run = inference if mode == "inference" else _training_step(model, optimizer, inputs, targets, precision, device)
     snapshot_path = snapshot_dir / f"memory_{cfg.size}_{mode}_{precision}_ctx{context}.pickle" if snapshot_dir else None
     _release(device)
+    config = ModelConfig.for_size(cfg.size, context)
+    prediction = predict_peak_memory(config, cfg.batch_size, context, precision,
+                                     memory_model_attention(cfg.attention), mode)
+    # The model, and AdamW's state once a step has made it, are allocated already: what must still
+    # fit is the rest of the predicted peak.
+    resident = prediction.parameters_bytes + (prediction.optimizer_state_bytes if optimizer and optimizer.state else 0)
+    memory = check_memory(prediction.peak_bytes - resident, device)
+    if not memory.fits:
+        return [{**base, "table": "peak", **memory.oom_columns(predicted=True)}]
     try:
         if mode == "train_step":
             run()  # the first step creates AdamW's state; the measured one is a steady-state step
@@ -551,25 +574,27 @@ def _memory_cell(cfg, mode, precision, context, model, optimizer, device, snapsh
                 snapshot = take_snapshot(snapshot_path)
         else:
             increase, _ = peak_memory_increase(run, device)
-    except torch.OutOfMemoryError:
+    except Exception as error:
+        if not is_out_of_memory(error):
+            raise
         increase = None
     if increase is None:
         model.zero_grad(set_to_none=True)
         _release(device)
-        return [{**base, "table": "peak", "status": OOM}]
-    config = ModelConfig.for_size(cfg.size, context)
+        return [{**base, "table": "peak", **memory.oom_columns(predicted=False)}]
     peak = {**base, "table": "peak", "status": "ok", "start_bytes": start, "peak_increase_bytes": increase,
-            "peak_bytes": None if start is None else start + increase}
+            "peak_bytes": None if start is None else start + increase, **memory.columns()}
     if mode == "train_step":
         try:
             peak["measured_saved_bytes"] = saved_tensor_bytes(loss, exclude=[*params, inputs, targets])
-        except torch.OutOfMemoryError:
+        except Exception as error:
+            if not is_out_of_memory(error):
+                raise
             peak["measured_saved_bytes"] = None
         _release(device)
         peak["predicted_saved_bytes"] = saved_activation_bytes(config, cfg.batch_size, context, precision,
                                                                cfg.attention, device.type)
     if device.type == "cuda":  # the predictor follows CUDA's autocast rules and foreach AdamW
-        prediction = predict_peak_memory(config, cfg.batch_size, context, precision, cfg.attention, mode)
         peak.update(predicted_peak_bytes=prediction.peak_bytes, predicted_phase=prediction.peak_phase,
                     predicted_parameters_bytes=prediction.parameters_bytes,
                     predicted_gradients_bytes=prediction.gradients_bytes,
@@ -869,11 +894,12 @@ def checkpoint_sweep(cfg: CheckpointSweepConfig, device: torch.device | str) -> 
     rows = []
     for kind, k, levels, plan in plans:
         cost = plan_cost(plan, block, boundary)
-        measured = _measure_plan(model, plan, cfg, cfg.context_length, device)
+        predicted_peak = cost.peak_bytes + head + transient
+        measured = _measure_plan(model, plan, cfg, cfg.context_length, device, predicted_peak)
         rows.append({**base, "table": "sweep", "context_length": cfg.context_length, "plan_kind": kind, "k": k,
                      "levels": levels, "plan": describe(plan), "recomputed_blocks": cost.recomputed_blocks,
                      "block_bytes": block, "boundary_bytes": boundary, "head_bytes": head,
-                     "transient_bytes": transient, "predicted_peak_bytes": cost.peak_bytes + head + transient,
+                     "transient_bytes": transient, "predicted_peak_bytes": predicted_peak,
                      "predicted_kept_bytes": cost.kept_bytes + head,
                      **measured})
     if on_gpu:
@@ -895,23 +921,32 @@ def _forward_backward(model, cfg: CheckpointSweepConfig, context: int, device: t
     model.zero_grad(set_to_none=False)
 
 
-def _measure_plan(model, plan, cfg: CheckpointSweepConfig, context: int, device: torch.device) -> Row:
+def _measure_plan(model, plan, cfg: CheckpointSweepConfig, context: int, device: torch.device,
+                  predicted_peak_bytes: int) -> Row:
+    """A plan's forward + backward: its peak above the start (the model and its gradients), or OOM
+    where the predicted peak does not fit what is free, or where it runs out."""
     apply_checkpointing(model, plan)
     _release(device)
+    memory = check_memory(predicted_peak_bytes, device)
+    if not memory.fits:
+        return memory.oom_columns(predicted=True)
     start = torch.cuda.memory_allocated(device) if device.type == "cuda" else None
     kept: dict = {}
     samples: list[float] = []
     try:
         with timed(device, samples):
             increase, _ = peak_memory_increase(lambda: _forward_backward(model, cfg, context, device, kept), device)
-    except torch.OutOfMemoryError:
+    except Exception as error:
+        if not is_out_of_memory(error):
+            raise
         increase = None
     if increase is None:
         model.zero_grad(set_to_none=False)
         _release(device)
-        return {"status": OOM}
+        return memory.oom_columns(predicted=False)
     return {"status": "ok", "start_bytes": start, "measured_peak_bytes": increase,
-            "measured_kept_bytes": kept["after_forward"] - start if kept else None, "step_ms": samples[0]}
+            "measured_kept_bytes": kept["after_forward"] - start if kept else None, "step_ms": samples[0],
+            **memory.columns()}
 
 
 def _predicted_peak(cfg: CheckpointSweepConfig, context: int, plan_for) -> float:
@@ -944,7 +979,8 @@ def _longest_context_rows(model, cfg, num_layers, sweep, base, device) -> list[R
                "next_context": longer, "next_predicted_peak_bytes": None if longer is None else peaks[longer] + start}
         if kind == "every_k" and k == best_k and longest is not None:
             run_context = min(longest, cfg.longest_context_run_limit)
-            measured = _measure_plan(model, every_k(num_layers, best_k), cfg, run_context, device)
+            measured = _measure_plan(model, every_k(num_layers, best_k), cfg, run_context, device,
+                                     _predicted_peak(cfg, run_context, plan_for))
             row.update({"run_context": run_context, "run_status": measured["status"],
                         "run_peak_bytes": None if measured["status"] == OOM else measured["measured_peak_bytes"] + start,
                         "run_predicted_peak_bytes": _predicted_peak(cfg, run_context, plan_for) + start,
@@ -954,6 +990,10 @@ def _longest_context_rows(model, cfg, num_layers, sweep, base, device) -> list[R
 
 
 # -------------------------------------------------------------------- gradient_checkpointing report
+
+def _levels(levels: int | str) -> str:
+    return f"{levels} levels" if levels == "unlimited" else plural(levels, "level")
+
 
 def _plan_label(r: Row) -> str:
     if r["plan_kind"] == "every_k":
@@ -1023,7 +1063,8 @@ def _sweep_section(sweep: list[Row]) -> str:
                              key=lambda r: r["predicted_peak_bytes"])
         rule, refined = math.sqrt(layers), math.sqrt(layers * b / a)
         closer = "sqrt(L b / a)" if abs(best["k"] - refined) < abs(best["k"] - rule) else "sqrt(L)"
-        text = (f"Best single level: every {best['k']} block(s), {_size(best['measured_peak_bytes'])} (the model's "
+        text = (f"Best single level: every {plural(best['k'], 'block')}, {_size(best['measured_peak_bytes'])} "
+                f"(the model's "
                 f"best: every {predicted_best['k']}). The sqrt(L) rule gives k = sqrt({layers}) = {rule:.1f}; it "
                 "assumes a block keeps as much as a boundary. Minimising b L / k + a k instead gives "
                 f"k = sqrt(L b / a) = {refined:.2f}, since a block here keeps {a / b:.0f}x its input (projections, "
@@ -1033,20 +1074,20 @@ def _sweep_section(sweep: list[Row]) -> str:
         if none and none[0]["status"] == "ok":
             text += (f" Against no checkpointing ({_size(none[0]['measured_peak_bytes'])}) it keeps "
                      f"{best['measured_peak_bytes'] / none[0]['measured_peak_bytes']:.1%} of the peak for "
-                     f"{best['recomputed_blocks']} recomputed blocks.")
+                     f"{plural(best['recomputed_blocks'], 'recomputed block')}.")
         elif none:
             text += " Without checkpointing this context does not fit."
         parts.append(text + "\n")
         nested = [r for r in sweep if r["plan_kind"] == "optimal" and r["status"] == "ok"]
         if nested:
             parts.append("Optimal nested plans (profiling.checkpointing.optimal_plan): " + "; ".join(
-                f"{r['levels']} level(s): {_size(r['measured_peak_bytes'])} measured, "
-                f"{_size(r['predicted_peak_bytes'])} predicted, {r['recomputed_blocks']} recomputed blocks, "
+                f"{_levels(r['levels'])}: {_size(r['measured_peak_bytes'])} measured, "
+                f"{_size(r['predicted_peak_bytes'])} predicted, {plural(r['recomputed_blocks'], 'recomputed block')}, "
                 f"{r['step_ms'] / best['step_ms']:.2f}x the best single level's step time" for r in nested) + ".\n")
     offsets = [r["measured_peak_bytes"] - r["predicted_peak_bytes"] for r in sweep if r["status"] == "ok"]
     if offsets:
-        parts.append(f"Measured minus predicted peak: {_size(min(offsets))} to {_size(max(offsets))} "
-                     f"({min(offsets) / a:+.2f} to {max(offsets) / a:+.2f} blocks' worth).\n")
+        parts.append(f"Measured minus predicted peak: {span(offsets, _size)} "
+                     f"({span([x / a for x in offsets], '{:+.2f}'.format)} blocks' worth).\n")
     return "\n".join(parts)
 
 

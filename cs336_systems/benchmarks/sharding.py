@@ -36,9 +36,10 @@ from cs336_systems.accounting.communication import bytes_sent_per_device
 from cs336_systems.accounting.memory import GIB, training_memory
 from cs336_systems.distributed.launch import rank_device
 from cs336_systems.distributed.sharded_optimizer import SYNC_METHODS, ShardedOptimizer
+from cs336_systems.memory_guard import check_memory_on_every_rank, is_out_of_memory
 from cs336_systems.model import ModelConfig, TransformerLM
 from cs336_systems.profiling.ranges import annotate
-from cs336_systems.reports import OOM, Rendered, Row, markdown_table, renderer
+from cs336_systems.reports import OOM, Rendered, Row, markdown_table, mean_std, renderer, span
 from cs336_systems.timing import synchronize, timed
 
 LEARNING_RATE = 1e-4
@@ -230,6 +231,28 @@ VARIANTS = (
 )
 
 
+def estimated_peak_bytes(cfg: ShardingBenchmarkConfig, strategy: str, world_size: int, ddp_buckets: bool) -> int:
+    """One rank's peak from the memory model (cs336_systems.accounting.memory)."""
+    return training_memory(cfg.model_config(), cfg.batch_size, cfg.context_length, attention=cfg.attention,
+                           strategy=strategy, world_size=world_size, ddp_buckets=ddp_buckets).peak
+
+
+def guarded_training(make_setup, cfg: ShardingBenchmarkConfig, rank: int, world_size: int, device: torch.device,
+                     estimated_bytes: int, profile: Callable | None = None) -> dict:
+    """`measure_training`, or OOM stats where the estimate does not fit on every rank (then no rank
+    runs it) or where it runs out of memory; the estimate goes with the stats either way."""
+    memory = check_memory_on_every_rank(estimated_bytes, device, world_size)
+    if not memory.fits:
+        return memory.oom_columns(predicted=True)
+    try:
+        return measure_training(make_setup, cfg, rank, device, profile=profile) | memory.columns()
+    except Exception as error:
+        if not is_out_of_memory(error):
+            raise
+    free_device_memory(device)  # outside the except block, whose traceback held the failed step's tensors
+    return memory.oom_columns(predicted=False)
+
+
 def gather_rows(stats: dict, world_size: int) -> list[dict]:
     per_rank: list[dict | None] = [None] * world_size
     dist.all_gather_object(per_rank, stats)
@@ -242,8 +265,9 @@ def step_row(label: str, per_rank: list[dict], cfg: ShardingBenchmarkConfig, wor
     model's prediction beside it, and communication per rank and step."""
     row: Row = {"table": "step", "variant": label, **asdict(cfg), "world_size": world_size,
                 "backend": dist.get_backend()}
-    if any(stats["status"] == OOM for stats in per_rank):
-        return {**row, "status": OOM}
+    oom = next((stats for stats in per_rank if stats["status"] == OOM), None)
+    if oom is not None:
+        return {**row, **oom}
     steps = [x for stats in per_rank for x in stats["step_ms"]]
     optimizer = [x for stats in per_rank for x in stats["optimizer_ms"]]
     row.update(status="ok", step_ms=statistics.fmean(steps),
@@ -253,9 +277,7 @@ def step_row(label: str, per_rank: list[dict], cfg: ShardingBenchmarkConfig, wor
     peaks = [point.get("peak_gib") for stats in per_rank for point in stats["memory"] if point["point"] != "init"]
     if all(peak is not None for peak in peaks):
         row["peak_gib"] = max(peaks)
-    model = training_memory(cfg.model_config(), cfg.batch_size, cfg.context_length, attention=cfg.attention,
-                            strategy=strategy, world_size=world_size, ddp_buckets=ddp_buckets)
-    row["model_peak_gib"] = model.peak / GIB
+    row["model_peak_gib"] = estimated_peak_bytes(cfg, strategy, world_size, ddp_buckets) / GIB
     collectives = per_rank[0]["collectives"]
     row["communicated_bytes"] = sum(collectives.values())
     row["ring_bytes_sent_per_rank"] = sum(
@@ -287,11 +309,8 @@ def benchmark_optimizer_sharding(rank: int, world_size: int, cfg: ShardingBenchm
     device = rank_device()
     rows: list[Row] = []
     for label, strategy, make_setup in VARIANTS:
-        try:
-            stats = measure_training(make_setup, cfg, rank, device)
-        except torch.OutOfMemoryError:
-            stats = {"status": OOM}
-            free_device_memory(device)
+        stats = guarded_training(make_setup, cfg, rank, world_size, device,
+                                 estimated_peak_bytes(cfg, strategy, world_size, ddp_buckets=True))
         per_rank = gather_rows(stats, world_size)
         rows.append(step_row(label, per_rank, cfg, world_size, strategy, ddp_buckets=True))
         rows += memory_rows(label, per_rank) + communication_rows(label, per_rank, world_size)
@@ -372,7 +391,7 @@ def step_table(rows: list[Row], baseline: str | None = None) -> str:
         if r["status"] != "ok":
             table.append({"variant": r["variant"], "step (ms)": OOM})
             continue
-        entry = {"variant": r["variant"], "step (ms)": f"{r['step_ms']:.1f} ± {r['step_std_ms']:.1f}",
+        entry = {"variant": r["variant"], "step (ms)": mean_std(r["step_ms"], r["step_std_ms"]),
                  "optimizer step (ms)": r["optimizer_ms"], "peak (GiB)": r.get("peak_gib"),
                  "model peak (GiB)": r["model_peak_gib"], "communicated per step (GB)": r["communicated_bytes"] / 1e9,
                  "sent per rank, ring (GB)": r["ring_bytes_sent_per_rank"] / 1e9}
@@ -506,7 +525,7 @@ def render_sharding(rows: list[Row]) -> Rendered:
             + "\n" + "\n".join(
                 f"- {r['sync']}: " + ("identical to AdamW" if r["max_abs_difference"] == 0 else
                                       f"largest difference {r['max_abs_difference']:.3g}")
-                + f"; each rank holds {r['state_share_min']:.0%} to {r['state_share']:.0%} of the state."
+                + f"; each rank holds {span([r['state_share_min'], r['state_share']], '{:.0%}'.format)} of the state."
                 for r in equivalence) + "\n")
     steps = [r for r in _ok(_steps(rows)) if r["variant"].startswith("DDP + ShardedOptimizer")]
     if steps:

@@ -1,0 +1,105 @@
+"""The one way a benchmark cell deals with memory it may not have.
+
+Before it runs, a cell estimates its peak from the closed-form models in `cs336_systems.accounting`
+and is recorded as OOM, without running, when the estimate does not fit what is free: the GPU's free
+memory, or on a CPU the RAM the kernel reports available. A cell that runs out all the same is
+recorded the same way, with its estimate beside it, and the sweep goes on.
+
+The estimate matters most on a CPU: Linux overcommits memory, so a process that allocates more than
+the machine has is not told so but killed by the kernel's OOM killer, with no error to catch.
+
+    check = check_memory(estimated_bytes, device)
+    if not check.fits:
+        return {**row, **check.oom_columns(predicted=True)}
+    try:
+        ...
+    except Exception as error:
+        if not is_out_of_memory(error):
+            raise
+        return {**row, **check.oom_columns(predicted=False)}
+"""
+
+from __future__ import annotations
+
+import gc
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from cs336_systems.reports import OOM, Row
+
+# The estimates leave out allocator rounding and fragmentation, library workspaces and the
+# interpreter's own memory: a cell whose estimate needs more than this share of what is free is not
+# started.
+FIT_SHARE = 0.9
+# What torch's CPU allocator raises when malloc fails (a RuntimeError, not torch.OutOfMemoryError).
+CPU_ALLOCATOR_FAILURE = "DefaultCPUAllocator: can't allocate memory"
+MEMINFO = Path("/proc/meminfo")
+CGROUP = Path("/sys/fs/cgroup")
+
+
+def available_bytes(device: torch.device | str) -> int:
+    """Memory a new cell on `device` can still get: free CUDA memory once the allocator's cache is
+    returned, or the host RAM available to this process."""
+    device = torch.device(device)
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+        return torch.cuda.mem_get_info(device)[0]
+    return _available_ram_bytes()
+
+
+def _available_ram_bytes() -> int:
+    """MemAvailable, or less where a cgroup (a container's memory limit) leaves less."""
+    fields = dict(line.split(":", 1) for line in MEMINFO.read_text().splitlines() if ":" in line)
+    available = int(fields["MemAvailable"].split()[0]) * 1024
+    limit, current = CGROUP / "memory.max", CGROUP / "memory.current"
+    if limit.is_file() and current.is_file() and limit.read_text().strip() != "max":
+        available = min(available, int(limit.read_text()) - int(current.read_text()))
+    return available
+
+
+@dataclass(frozen=True)
+class MemoryCheck:
+    estimated_bytes: int  # one process's estimated peak
+    available_bytes: int
+    processes: int = 1  # processes sharing the memory (ranks on one CPU host)
+
+    @property
+    def fits(self) -> bool:
+        return self.estimated_bytes * self.processes <= FIT_SHARE * self.available_bytes
+
+    def columns(self) -> Row:
+        return {"estimated_peak_bytes": self.estimated_bytes, "available_bytes": self.available_bytes}
+
+    def oom_columns(self, predicted: bool) -> Row:
+        """A row's status OOM, whether it was predicted (not run) or happened, and the estimate."""
+        return {"status": OOM, "oom_predicted": predicted, **self.columns()}
+
+
+def check_memory(estimated_bytes: int, device: torch.device | str, processes: int = 1) -> MemoryCheck:
+    if processes < 1:
+        raise ValueError(f"processes must be >= 1, got {processes}")
+    return MemoryCheck(int(estimated_bytes), available_bytes(device), processes)
+
+
+def is_out_of_memory(error: BaseException) -> bool:
+    """Whether `error` is an allocation failure, on a GPU or on the CPU."""
+    return isinstance(error, torch.OutOfMemoryError) or (
+        isinstance(error, RuntimeError) and CPU_ALLOCATOR_FAILURE in str(error))
+
+
+def check_memory_on_every_rank(estimated_bytes: int, device: torch.device | str, world_size: int,
+                               group=None) -> MemoryCheck:
+    """`check_memory` on every rank of `group` (world_size ranks), agreed: every rank must run a
+    variant's collectives or none, so a variant runs only where it fits on every rank (the first
+    rank's check that does not fit is returned). Ranks on one CPU host share its RAM; GPU ranks have a
+    GPU each."""
+    import torch.distributed as dist
+
+    processes = world_size if torch.device(device).type == "cpu" else 1
+    mine = check_memory(estimated_bytes, device, processes)
+    checks: list[MemoryCheck | None] = [None] * world_size
+    dist.all_gather_object(checks, mine, group=group)
+    return next((check for check in checks if not check.fits), mine)

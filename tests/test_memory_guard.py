@@ -1,0 +1,131 @@
+"""Benchmark cells that cannot fit are recorded as OOM, with their estimate, instead of being killed."""
+
+import pytest
+import torch
+
+from cs336_systems import memory_guard
+from cs336_systems.benchmarks import attention as attention_bench
+from cs336_systems.benchmarks import e2e, profiling
+from cs336_systems.benchmarks.attention import AttentionCell, benchmark_attention
+from cs336_systems.benchmarks.e2e import E2EConfig, benchmark_model
+from cs336_systems.benchmarks.flash import FlashCell, benchmark_flash_cell
+from cs336_systems.memory_guard import FIT_SHARE, MemoryCheck, check_memory, is_out_of_memory
+from cs336_systems.reports import OOM
+
+GIB = 2**30
+
+
+@pytest.fixture
+def free_ram(monkeypatch):
+    """Pretend the host has this many bytes of RAM available."""
+    def set_free(num_bytes: int):
+        monkeypatch.setattr(memory_guard, "_available_ram_bytes", lambda: num_bytes)
+    return set_free
+
+
+def _never_run(*args, **kwargs):
+    raise AssertionError("a cell predicted not to fit must not run")
+
+
+def test_available_ram_is_what_the_kernel_reports_and_no_more_than_the_cgroup_allows(tmp_path, monkeypatch):
+    (tmp_path / "meminfo").write_text("MemTotal:       24000000 kB\nMemAvailable:   20000000 kB\n")
+    monkeypatch.setattr(memory_guard, "MEMINFO", tmp_path / "meminfo")
+    monkeypatch.setattr(memory_guard, "CGROUP", tmp_path / "no-cgroup")
+    assert memory_guard.available_bytes("cpu") == 20_000_000 * 1024
+    cgroup = tmp_path / "cgroup"
+    cgroup.mkdir()
+    (cgroup / "memory.max").write_text("8000000000\n")
+    (cgroup / "memory.current").write_text("3000000000\n")
+    monkeypatch.setattr(memory_guard, "CGROUP", cgroup)
+    assert memory_guard.available_bytes("cpu") == 5_000_000_000
+    (cgroup / "memory.max").write_text("max\n")
+    assert memory_guard.available_bytes("cpu") == 20_000_000 * 1024
+
+
+def test_a_cell_fits_within_the_share_of_free_memory_its_processes_share(free_ram):
+    free_ram(10 * GIB)
+    assert check_memory(int(FIT_SHARE * 10 * GIB), "cpu").fits
+    assert not check_memory(int(FIT_SHARE * 10 * GIB) + 1, "cpu").fits
+    assert not check_memory(3 * GIB, "cpu", processes=4).fits  # four ranks on one host: 12 GiB
+    check = MemoryCheck(estimated_bytes=20 * GIB, available_bytes=10 * GIB)
+    assert check.oom_columns(predicted=True) == {"status": OOM, "oom_predicted": True,
+                                                 "estimated_peak_bytes": 20 * GIB, "available_bytes": 10 * GIB}
+
+
+def test_cpu_and_gpu_allocation_failures_count_as_out_of_memory_and_nothing_else_does():
+    with pytest.raises(RuntimeError) as cpu_failure:
+        torch.empty(2**62, dtype=torch.uint8)
+    assert is_out_of_memory(cpu_failure.value)
+    assert is_out_of_memory(torch.OutOfMemoryError("CUDA out of memory"))
+    assert not is_out_of_memory(RuntimeError("shape mismatch"))
+    assert not is_out_of_memory(ValueError(memory_guard.CPU_ALLOCATOR_FAILURE))
+
+
+def test_e2e_cell_that_cannot_fit_is_oom_with_its_estimate_and_never_runs(free_ram, monkeypatch):
+    free_ram(1 * GIB)
+    monkeypatch.setattr(e2e, "_measure", _never_run)
+    cfg = E2EConfig("tiny", 100_000)
+    rows = benchmark_model(cfg, "cpu")
+    assert len(rows) == 5 and all(r["status"] == OOM and r["oom_predicted"] for r in rows)
+    # The logits and log-probabilities of 400,000 tokens over a 10,000-word vocabulary alone are 16 GB each.
+    assert all(r["estimated_peak_bytes"] == cfg.estimated_peak_bytes() > 32 * 10**9 for r in rows)
+    assert all(r["available_bytes"] == 1 * GIB for r in rows)
+
+
+@pytest.mark.parametrize("mode", ["forward", "forward_backward", "train"])
+def test_e2e_estimate_grows_with_what_a_mode_keeps(mode):
+    forward, chosen = (E2EConfig("tiny", 512, mode=m).estimated_peak_bytes() for m in ("forward", mode))
+    train = E2EConfig("tiny", 512).estimated_peak_bytes()
+    assert forward <= chosen <= train
+
+
+def test_e2e_cell_that_runs_out_on_the_cpu_is_oom_with_its_estimate(monkeypatch):
+    def run_out(cfg, device):
+        torch.empty(2**62, dtype=torch.uint8)
+
+    monkeypatch.setattr(e2e, "_measure", run_out)
+    rows = benchmark_model(E2EConfig("tiny", 16), "cpu")
+    assert all(r["status"] == OOM and r["oom_predicted"] is False and r["estimated_peak_bytes"] > 0 for r in rows)
+
+
+def test_an_error_that_is_not_out_of_memory_still_raises(monkeypatch):
+    def fail(cfg, device):
+        raise RuntimeError("a bug")
+
+    monkeypatch.setattr(e2e, "_measure", fail)
+    with pytest.raises(RuntimeError, match="a bug"):
+        benchmark_model(E2EConfig("tiny", 16), "cpu")
+
+
+def test_attention_cell_that_cannot_fit_is_predicted_oom(free_ram, monkeypatch):
+    free_ram(1 * GIB)
+    monkeypatch.setattr(attention_bench, "_measure", _never_run)
+    row = benchmark_attention(AttentionCell(16, 16384), "cpu")  # three (8, 16384, 16384) fp32 matrices: 24 GiB
+    assert row["status"] == OOM and row["oom_predicted"] and row["estimated_peak_bytes"] > 24 * GIB
+    assert attention_bench.oom_when(row) == "predicted, not run"
+
+
+def test_flash_naive_cell_that_cannot_fit_in_ram_is_predicted_oom(free_ram):
+    free_ram(1 * GIB)
+    rows = benchmark_flash_cell(FlashCell(65536, 16, "fp32"), ("naive",), "cpu", ("forward",))
+    assert [(r["status"], r["oom_predicted"], r["free_memory_bytes"]) for r in rows] == [(OOM, True, 1 * GIB)]
+
+
+def test_profiled_cell_that_cannot_fit_is_predicted_oom(free_ram, monkeypatch):
+    free_ram(1 * GIB)
+    monkeypatch.setattr(profiling, "_timed_then_profiled", _never_run)
+    rows = profiling.profile_training_step(profiling.ProfileConfig("tiny", 16384, batch_size=4), "cpu")
+    assert [(r["table"], r["status"], r["oom_predicted"]) for r in rows] == [("cell", OOM, True)]
+
+
+def _checks_on_each_rank(rank, world_size):
+    """Whether rank 1 alone asking for more than any machine has stops both ranks; then a cell both fit."""
+    impossible = memory_guard.check_memory_on_every_rank(2**60 if rank == 1 else 1, "cpu", world_size)
+    possible = memory_guard.check_memory_on_every_rank(1, "cpu", world_size)
+    return impossible.fits, impossible.estimated_bytes, possible.fits
+
+
+def test_ranks_agree_that_a_variant_runs_only_where_it_fits_on_every_rank():
+    from cs336_systems.distributed.launch import launch
+
+    assert launch(_checks_on_each_rank, 2, device="cpu") == [(False, 2**60, True)] * 2
