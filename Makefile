@@ -11,7 +11,7 @@ $(STAMP): pyproject.toml constraints.txt
 	$(PYTHON) -m pip install --quiet -c constraints.txt -e .
 	touch $(STAMP)
 
-.PHONY: test perf gpu-check
+.PHONY: test perf gpu-check single-gpu-reports
 test: $(STAMP)
 	$(PYTHON) -m pytest tests/ -n $(PYTEST_WORKERS)
 
@@ -19,7 +19,15 @@ perf: $(STAMP)
 	$(PYTHON) -m pytest perf/
 
 # On a CUDA machine: every test in one process, compute-sanitizer on the FlashAttention launch paths, and
-# the record CPU CI checks (reports/<gpu>/gpu_check.json). PYTHON=python3 runs it with a Python that
-# already has torch and triton, without setting up .venv.
-gpu-check: $(if $(filter $(VENV)/bin/python,$(PYTHON)),$(STAMP))
+# the record CPU CI checks (reports/<gpu>/gpu_check.json). PYTHON=python3 runs these GPU targets with a
+# Python that already has torch and triton, without setting up .venv.
+GPU_SETUP := $(if $(filter $(VENV)/bin/python,$(PYTHON)),$(STAMP))
+gpu-check: $(GPU_SETUP)
 	$(PYTHON) -m cs336_systems.gpu_check
+
+# On one GPU, the reports of pytorch_attention (eager), nsys_profile, memory_profiling (with its memory_viz
+# snapshots) and gradient_checkpointing, on the 2026 sizes; expected to take about 8 minutes on an H100 or
+# H200 (an estimate from earlier runs of these tests, not yet timed as one command).
+single-gpu-reports: $(GPU_SETUP)
+	$(PYTHON) -m pytest perf/test_attention.py perf/test_profile.py perf/test_memory.py \
+		-m "attention or profile or memory" -k "not compiled" --gpu auto -p no:cacheprovider -q

@@ -2,8 +2,10 @@
 
     python -m cs336_systems e2e --size xl --context 512 --precision bf16 --compile
     python -m cs336_systems e2e --size small,medium --context 128,256 --json
+    python -m cs336_systems e2e --size-table 2025 --size 2.7B --context 512
     python -m cs336_systems accumulation
     python -m cs336_systems autocast-dtypes
+    python -m cs336_systems analysis --reports reports
     python -m cs336_systems index --reports reports
 """
 
@@ -76,7 +78,10 @@ def _print_rows(rows, as_json: bool, columns=None) -> None:
 def _cmd_e2e(args) -> None:
     from cs336_systems.benchmarks.e2e import E2EConfig, benchmark_model
     from cs336_systems.gpus import resolve_gpu
+    from cs336_systems.model import use_size_table
 
+    if args.size_table:
+        use_size_table(args.size_table)
     device = _device(args.device)
     _, spec = resolve_gpu("auto" if device.type == "cuda" else "none")
     cells = [
@@ -114,6 +119,16 @@ def _cmd_autocast_dtypes(args) -> None:
     _print_rows(autocast_dtypes_experiment(_device(args.device)), args.json)
 
 
+def _cmd_analysis(args) -> None:
+    from cs336_systems.benchmarks.communication_accounting import write_communication_accounting
+    from cs336_systems.benchmarks.parallelism_calcs import ANALYSIS_COMMAND, write_parallelism_calcs
+    from cs336_systems.report_index import DEFAULT_REPORTS_ROOT
+
+    command = ANALYSIS_COMMAND if args.reports == DEFAULT_REPORTS_ROOT else f"{ANALYSIS_COMMAND} --reports {args.reports}"
+    for path in [write_communication_accounting(args.reports, command), *write_parallelism_calcs(args.reports, command)]:
+        print(path)
+
+
 def _cmd_index(args) -> None:
     from cs336_systems.report_index import DEFAULT_REPORTS_ROOT, INDEX_COMMAND, write_index
 
@@ -125,7 +140,7 @@ def _cmd_index(args) -> None:
 def build_parser() -> argparse.ArgumentParser:
     from cs336_systems.attention import ATTENTION_VARIANTS
     from cs336_systems.benchmarks.e2e import DEFAULT_BATCH_SIZE, DEFAULT_STEPS, DEFAULT_WARMUP, MODES, PRECISIONS
-    from cs336_systems.model import MODEL_SIZES
+    from cs336_systems.model import DEFAULT_SIZE_TABLE, SIZE_TABLES
     from cs336_systems.report_index import DEFAULT_REPORTS_ROOT
 
     parser = _Parser(prog="python -m cs336_systems", description=__doc__,
@@ -139,7 +154,11 @@ def build_parser() -> argparse.ArgumentParser:
 
     e2e = commands.add_parser("e2e", help="time forward / backward / optimizer steps of the LM")
     e2e.add_argument("--size", type=_list(str), required=True,
-                     help=f"model size(s), comma-separated: any of {', '.join(MODEL_SIZES)}")
+                     help=f"model size(s), comma-separated: any of {', '.join(SIZE_TABLES[DEFAULT_SIZE_TABLE])} "
+                          "or tiny")
+    e2e.add_argument("--size-table", choices=tuple(SIZE_TABLES), default=None,
+                     help=f"the handout whose size table --size names (default: {DEFAULT_SIZE_TABLE}; 2025 has "
+                          "xl = 1600/6400/48/25 and 2.7B)")
     e2e.add_argument("--context", type=_list(_positive_int), required=True, help="context length(s), comma-separated")
     e2e.add_argument("--model-context", type=_positive_int, default=None,
                      help="the model's maximum context (default: --context)")
@@ -167,6 +186,11 @@ def build_parser() -> argparse.ArgumentParser:
     dtypes = commands.add_parser("autocast-dtypes", help="dtypes inside a toy model under autocast")
     common(dtypes)
     dtypes.set_defaults(run=_cmd_autocast_dtypes)
+
+    analysis = commands.add_parser("analysis", help="write the closed-form reports (communication_accounting and "
+                                   "the parallelism calculations) into <reports>/")
+    analysis.add_argument("--reports", default=DEFAULT_REPORTS_ROOT, help="the reports' root directory")
+    analysis.set_defaults(run=_cmd_analysis)
 
     index = commands.add_parser("index", help="write <reports>/README.md, the reports' index, from their CSVs")
     index.add_argument("--reports", default=DEFAULT_REPORTS_ROOT,

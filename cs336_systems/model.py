@@ -9,6 +9,7 @@ devices or precisions: wrappers and autocast are applied from outside.
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import dataclass
 
 import torch
@@ -21,15 +22,53 @@ VOCAB_SIZE = 10_000
 ROPE_THETA = 10_000.0
 RMSNORM_EPS = 1e-5
 
-# The sizes of the course's benchmarks; "tiny" is ours, a size that runs in seconds on a CPU.
-MODEL_SIZES: dict[str, dict[str, int]] = {
-    "tiny": dict(d_model=64, d_ff=256, num_layers=2, num_heads=4),
+# The course's benchmark sizes, one table per handout. The Spring 2026 handout moved xl to the 2025
+# table's 2.7B shape and added a 10B size; the 2025 table stays selectable because its tests and
+# write-ups use it. The sizes in common are the same in both.
+_SHARED_SIZES = {
     "small": dict(d_model=768, d_ff=3072, num_layers=12, num_heads=12),
     "medium": dict(d_model=1024, d_ff=4096, num_layers=24, num_heads=16),
     "large": dict(d_model=1280, d_ff=5120, num_layers=36, num_heads=20),
-    "xl": dict(d_model=1600, d_ff=6400, num_layers=48, num_heads=25),
-    "2.7B": dict(d_model=2560, d_ff=10240, num_layers=32, num_heads=32),
 }
+SIZE_TABLES: dict[str, dict[str, dict[str, int]]] = {
+    "2026": {**_SHARED_SIZES, "xl": dict(d_model=2560, d_ff=10240, num_layers=32, num_heads=32),
+             "10B": dict(d_model=4608, d_ff=12288, num_layers=50, num_heads=36)},
+    "2025": {**_SHARED_SIZES, "xl": dict(d_model=1600, d_ff=6400, num_layers=48, num_heads=25),
+             "2.7B": dict(d_model=2560, d_ff=10240, num_layers=32, num_heads=32)},
+}
+DEFAULT_SIZE_TABLE = "2026"
+# "tiny" is ours, in every table: a size that runs in seconds on a CPU.
+TINY = dict(d_model=64, d_ff=256, num_layers=2, num_heads=4)
+# Sizes of both tables in increasing parameter count, for ordering rows.
+SIZE_ORDER = ("tiny", "small", "medium", "large", "xl", "2.7B", "10B")
+# The table in use lives in the environment, so processes started for distributed ranks or a fresh
+# benchmark process use the one their parent chose.
+SIZE_TABLE_ENV = "CS336_SIZE_TABLE"
+
+
+def _check_table(table: str) -> str:
+    if table not in SIZE_TABLES:
+        raise ValueError(f"unknown size table {table!r}; choose one of {', '.join(SIZE_TABLES)}")
+    return table
+
+
+def size_table() -> str:
+    """The size table in use: the one `use_size_table` chose, else the current handout's."""
+    return _check_table(os.environ.get(SIZE_TABLE_ENV, DEFAULT_SIZE_TABLE))
+
+
+def use_size_table(table: str) -> None:
+    """Make `table` the one model sizes are looked up in, here and in processes started from here."""
+    os.environ[SIZE_TABLE_ENV] = _check_table(table)
+
+
+def model_sizes(table: str | None = None) -> dict[str, dict[str, int]]:
+    """Size name -> d_model, d_ff, num_layers, num_heads, in `table` (default: the one in use)."""
+    return {"tiny": TINY, **SIZE_TABLES[_check_table(table or size_table())]}
+
+
+def size_order(size: str) -> int:
+    return SIZE_ORDER.index(size) if size in SIZE_ORDER else len(SIZE_ORDER)
 
 
 @dataclass(frozen=True)
@@ -55,10 +94,17 @@ class ModelConfig:
         return self.d_model // self.num_heads
 
     @classmethod
-    def for_size(cls, size: str, context_length: int, vocab_size: int = VOCAB_SIZE) -> ModelConfig:
-        if size not in MODEL_SIZES:
-            raise ValueError(f"unknown model size {size!r}; choose one of {', '.join(MODEL_SIZES)}")
-        return cls(**MODEL_SIZES[size], context_length=context_length, vocab_size=vocab_size)
+    def for_size(cls, size: str, context_length: int, vocab_size: int = VOCAB_SIZE,
+                 table: str | None = None) -> ModelConfig:
+        """The config of `size` in the size table `table` (default: the one in use)."""
+        table = table or size_table()
+        sizes = model_sizes(table)
+        if size not in sizes:
+            elsewhere = [name for name in SIZE_TABLES if size in SIZE_TABLES[name]]
+            raise ValueError(f"unknown model size {size!r} in the {table} size table; choose one of "
+                             f"{', '.join(sizes)}" + (f" (or select the {elsewhere[0]} table, which has it)"
+                                                       if elsewhere else ""))
+        return cls(**sizes[size], context_length=context_length, vocab_size=vocab_size)
 
 
 class Linear(nn.Module):

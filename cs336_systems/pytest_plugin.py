@@ -35,7 +35,6 @@ MARKERS = {
 PRECISIONS = ("fp32", "bf16", "fp16")
 DEFAULT_PRECISIONS = "fp32,bf16"
 DEFAULT_WORLD_SIZE = 2
-GPU_MODEL_SIZES = ("small", "medium", "large", "xl", "2.7B")
 CPU_MODEL_SIZES = ("tiny",)
 _STAGING_KEY = "cs336_staging_dir"
 
@@ -50,6 +49,7 @@ class Settings:
     update_baselines: bool
     accept_regression: bool  # --update-baselines may record a ratio below its baseline's floor
     model_sizes: tuple[str, ...]
+    size_table: str  # the handout whose model-size table the sizes name
     staging_dir: Path
     command: str
     baseline_dir: Path
@@ -97,8 +97,11 @@ def pytest_addoption(parser: pytest.Parser) -> None:
                     help="skip the tests not started within SECONDS of the session's start; the ones "
                          "measured so far still reach the reports (for sweeps on borrowed time)")
     group.addoption("--model-sizes", default=None,
-                    help="comma-separated model sizes for the model benchmarks "
-                         f"(default {','.join(GPU_MODEL_SIZES)} on a GPU, {','.join(CPU_MODEL_SIZES)} on CPU)")
+                    help="comma-separated model sizes for the model benchmarks (default: every size of "
+                         f"the size table on a GPU, {','.join(CPU_MODEL_SIZES)} on CPU)")
+    group.addoption("--size-table", default=None, choices=("2026", "2025"),
+                    help="the handout whose model-size table sizes are looked up in: 2026 (xl = "
+                         "2560/10240/32/32, and 10B; the default) or 2025 (xl = 1600/6400/48/25, and 2.7B)")
 
 
 def _parse_precisions(value: str) -> tuple[str, ...]:
@@ -111,15 +114,16 @@ def _parse_precisions(value: str) -> tuple[str, ...]:
 
 
 def _parse_sizes(value: str | None, on_gpu: bool) -> tuple[str, ...]:
-    from cs336_systems.model import MODEL_SIZES
+    from cs336_systems.model import model_sizes, size_table
 
+    table = model_sizes()
     if value is None:
-        return GPU_MODEL_SIZES if on_gpu else CPU_MODEL_SIZES
+        return tuple(s for s in table if s not in CPU_MODEL_SIZES) if on_gpu else CPU_MODEL_SIZES
     sizes = tuple(s.strip() for s in value.split(",") if s.strip())
-    unknown = [s for s in sizes if s not in MODEL_SIZES]
+    unknown = [s for s in sizes if s not in table]
     if unknown or not sizes:
-        raise pytest.UsageError(f"--model-sizes: unknown {', '.join(unknown) or repr(value)}; "
-                                f"choose from {', '.join(MODEL_SIZES)}")
+        raise pytest.UsageError(f"--model-sizes: unknown {', '.join(unknown) or repr(value)} in the {size_table()} "
+                                f"size table; choose from {', '.join(table)} (--size-table picks the table)")
     return sizes
 
 
@@ -143,6 +147,10 @@ def pytest_configure(config: pytest.Config) -> None:
         raise pytest.UsageError(f"--time-budget must be at least 0 seconds, got {time_budget_s:g}")
     if config.getoption("--accept-regression") and not config.getoption("--update-baselines"):
         raise pytest.UsageError("--accept-regression only applies with --update-baselines")
+    from cs336_systems.model import size_table, use_size_table
+
+    if config.getoption("--size-table"):
+        use_size_table(config.getoption("--size-table"))
     precisions = _parse_precisions(config.getoption("--precision"))
     model_sizes = _parse_sizes(config.getoption("--model-sizes"), gpu_slug != "cpu")
     # Staged only once every option is known to be good: a usage error leaves nothing behind.
@@ -157,6 +165,7 @@ def pytest_configure(config: pytest.Config) -> None:
         update_baselines=config.getoption("--update-baselines"),
         accept_regression=config.getoption("--accept-regression"),
         model_sizes=model_sizes,
+        size_table=size_table(),
         staging_dir=staging,
         command=" ".join(["pytest", *config.invocation_params.args]),
         baseline_dir=config.rootpath / "perf" / "baselines",
@@ -265,7 +274,12 @@ class ProblemReport:
         self._file = staging_dir / f"{problem}.{worker}.jsonl"
 
     def add(self, row: dict[str, Any] | None = None, **fields: Any) -> None:
+        from cs336_systems.model import size_table
+
         record = {**(row or {}), **fields}
+        if "size" in record:
+            # A size name means different models in different tables: the row says which it measured.
+            record.setdefault("size_table", size_table())
         with self._file.open("a") as f:
             f.write(json.dumps(record, default=str) + "\n")
 

@@ -22,21 +22,25 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from cs336_systems.accounting.ddp import optimal_bucket_bytes
-from cs336_systems.benchmarks.communication_accounting import DEFAULT_COMMAND as ACCOUNTING_COMMAND
 from cs336_systems.benchmarks.attention import oom_when
+from cs336_systems.benchmarks.parallelism_calcs import ANALYSIS_COMMAND, NODE_SIZE
 from cs336_systems.benchmarks.e2e import PHASE_LABELS
 from cs336_systems.benchmarks.flash import PROVIDER_LABELS
 from cs336_systems.benchmarks.fsdp import OURS as OUR_FSDP
 from cs336_systems.benchmarks.fsdp import TORCH_DDP, TORCH_FSDP
 from cs336_systems.benchmarks.profiling import ATTENTION_RANGES, SOFTMAX_FLOPS_PER_SCORE, STEP_RANGE
+from cs336_systems.benchmarks.profiling import HANDOUT_CHECKPOINT_CONTEXT as CHECKPOINT_CONTEXT
+from cs336_systems.benchmarks.profiling import HANDOUT_MEMORY_CONTEXTS
 from cs336_systems.distributed.ddp import BYTES_PER_MB
 from cs336_systems.gpus import GB, GIB, GPU_SPECS, KIB, MB, MIB
-from cs336_systems.model import MODEL_SIZES
+from cs336_systems.model import DEFAULT_SIZE_TABLE as CURRENT_SIZE_TABLE
+from cs336_systems.model import model_sizes, size_order
 from cs336_systems.profiling.kernels import short_name
 from cs336_systems.reports import (
     NOISY,
     NOISY_RELATIVE_STD,
     OOM,
+    UNRECORDED_SIZE_TABLE,
     Row,
     is_noisy,
     markdown_table,
@@ -54,8 +58,8 @@ CPU_SLUG = "cpu"
 CPU_NOTE = (f"The `{CPU_SLUG}/` reports come from a CPU run: Triton kernels ran in the Triton interpreter and every "
             "time there is a CPU time, which shows that the code runs, not how fast a GPU runs it.\n")
 KERNEL_NAME_CHARS = 60
-# The training steps the assignment's first question and our anchors quote: 2.7B and xl at context 512.
-HEADLINE_SIZES = ("2.7B", "xl")
+# The training steps the first answer quotes: the two largest sizes measured, at context 512.
+HEADLINE_SIZE_COUNT = 2
 HEADLINE_CONTEXT = 512
 # The accumulation experiment's definition (cs336_systems.benchmarks.mixed_precision): 0.01 added 1000 times.
 ADDEND, ADDITIONS = 0.01, 1000
@@ -74,6 +78,8 @@ class Problem:
     marker: str = ""  # the perf marker whose run writes its reports
     gpus: int = 1  # GPUs that run needs on a GPU machine
     device_independent: bool = False  # computed in closed form, reported once in the reports' root
+    # What the reports' rows leave unanswered (a part not measured, an old run), beyond absent reports.
+    open_items: Callable[[Reports], list[str]] | None = None
 
 
 # ------------------------------------------------------------------------------------------ formatting
@@ -129,10 +135,6 @@ def _ok(rows: list[Row]) -> list[Row]:
     return [r for r in rows if r.get("status") == "ok"]
 
 
-def _size_order(size: str) -> int:
-    return list(MODEL_SIZES).index(size) if size in MODEL_SIZES else len(MODEL_SIZES)
-
-
 def _not_in_report(what: str) -> str:
     return f"{what} is not in the report."
 
@@ -147,13 +149,14 @@ def _e2e_step(rows: list[Row], size: str, context: int, phase: str, precision: s
 
 
 def _headline_cells(sweep: list[Row]) -> tuple[list[str], int]:
-    """The sizes and context a training-step sentence quotes: the headline ones the run measured, or,
-    for a run without them (a CPU run of the tiny model), its largest size at its longest context."""
+    """The sizes and context a training-step sentence quotes: the largest sizes the run measured, at the
+    headline context, or, for a run that never measured that context (a CPU run of the tiny model), its
+    largest size at its longest context."""
     steps = select(sweep, phase="train_step", precision="fp32", compile=False)
-    sizes = [s for s in HEADLINE_SIZES if select(steps, size=s, context_length=HEADLINE_CONTEXT)]
-    if sizes or not steps:
-        return sizes, HEADLINE_CONTEXT
-    largest = max(steps, key=lambda r: (_size_order(r["size"]), r["context_length"]))
+    if not steps or any(r["context_length"] == HEADLINE_CONTEXT for r in steps):
+        largest = sorted({r["size"] for r in steps}, key=size_order, reverse=True)
+        return largest[:HEADLINE_SIZE_COUNT], HEADLINE_CONTEXT
+    largest = max(steps, key=lambda r: (size_order(r["size"]), r["context_length"]))
     return [largest["size"]], largest["context_length"]
 
 
@@ -164,13 +167,13 @@ def _benchmarking_script(reports: Reports) -> list[str]:
     steps, batch_sizes = [], set()
     for size in sizes:
         step = _one(sweep, size=size, context_length=context, phase="train_step", precision="fp32", compile=False)
-        if step["status"] != "ok":
-            steps.append(f"{size} ran out of memory")
+        if step is None or step["status"] != "ok":
+            steps.append(f"the {size} step is not in the report" if step is None else f"{size} ran out of memory")
             continue
         batch_sizes.add(step["batch_size"])
         phases = [(p, _e2e_step(sweep, size, context, p)) for p in ("forward", "backward", "optimizer")]
         detail = ", ".join(f"{p} {_ms(r['mean_ms'])}" for p, r in phases if r)
-        steps.append(f"{size} takes {_mean_std(step)} ({detail})")
+        steps.append(f"{size} takes {_mean_std(step)}" + (f" ({detail})" if detail else ""))
     batch = f"batch {_listing(sorted(map(str, batch_sizes)))}, " if batch_sizes else ""
     sentences = [f"A training step (forward, backward, AdamW) at {batch}context {context}, fp32, eager: "
                  + "; ".join(steps) + "." if steps else _not_in_report("An fp32 eager training step")]
@@ -227,7 +230,7 @@ def _nsys_profile(reports: Reports) -> list[str]:
     if not cells:
         return [_not_in_report("A profiled cell that ran to completion")]
     at_headline = [key for key in cells if key[1] == HEADLINE_CONTEXT] or list(cells)
-    size, context = max(at_headline, key=lambda key: (_size_order(key[0]), key[1]))
+    size, context = max(at_headline, key=lambda key: (size_order(key[0]), key[1]))
     shown = cells[(size, context)]
     sample = shown["cell"]
     ooms = [f"{r['size']} at context {r['context_length']}" for r in select(rows, table="cell", status=OOM)]
@@ -315,7 +318,7 @@ def _benchmarking_mixed_precision(reports: Reports) -> list[str]:
                        + f" in fp16 and is off by {bf16['relative_error']:.2%} in bf16")
     sentences = ["; ".join(clauses) + "."]
     sweep = _ok(select(rows, table="sweep"))
-    sizes = sorted({r["size"] for r in sweep}, key=_size_order)
+    sizes = sorted({r["size"] for r in sweep}, key=size_order)
     if not sizes:
         sentences.append(_not_in_report("The fp32 against bf16 timing sweep"))
         return sentences
@@ -383,7 +386,52 @@ def _memory_profiling(reports: Reports) -> list[str]:
         sentences.append(f"The largest allocations of {MEMORY_MODE_LABELS[top['mode']]} in {top['precision']} at "
                          f"context {top['context_length']} are {top['count']} blocks of {top['size_mib']:.2f} MiB from "
                          f"`{top['source']}`.")
+    blocks = _ok(select(rows, table="block"))
+    if blocks:
+        block = blocks[len(blocks) // 2]
+        operations = sorted(select(rows, table="block_operation", precision=block["precision"]),
+                            key=lambda r: r["rank"])
+        text = (f"(f) In {block['precision']} at context {block['context_length']} a block saves "
+                f"{_size(block['saved_bytes'])} for backward (the model: {_size(block['predicted_saved_bytes'])})")
+        if operations:
+            text += (", " + _share(sum(r["share"] for r in operations)) + " of it allocated by "
+                     + _listing([f"`{r['operation']}` ({_share(r['share'])})" for r in operations]))
+        text += (f"; its weight gradients take {_size(block['weight_gradient_bytes'])}, 4 bytes for each of its "
+                 f"{block['parameters']:,} parameters")
+        if block.get("gradient_bytes") is not None:
+            text += f", and the allocator saw its backward add {_size(block['gradient_bytes'])} of gradients"
+        sentences.append(text + ".")
     return sentences
+
+
+def _memory_profiling_open(reports: Reports) -> list[str]:
+    rows = reports["memory_profiling"]
+    gaps = []
+    if not select(rows, table="block"):
+        gaps.append("part (f), residuals and gradients per block")
+    if not select(rows, table="snapshot"):
+        gaps.append("the memory_viz snapshots beside the report")
+    contexts = {r["context_length"] for r in select(rows, table="peak")}
+    missing = [str(n) for n in HANDOUT_MEMORY_CONTEXTS if n not in contexts]
+    if missing:
+        gaps.append(f"the 2026 handout's context {_listing(missing)}")
+    return [f"not in this run: {_listing(gaps)} (`make single-gpu-reports` measures them)"] if gaps else []
+
+
+def _gradient_checkpointing_open(reports: Reports) -> list[str]:
+    sweep = select(reports["gradient_checkpointing"], table="sweep")
+    if any(r.get("context_length") == CHECKPOINT_CONTEXT for r in sweep):
+        return []
+    return [f"the 2026 handout's (b) is xl at batch 4, context {CHECKPOINT_CONTEXT:,}; this run measured context "
+            + _listing(sorted({str(r["context_length"]) for r in sweep})) + " (`make single-gpu-reports` runs it)"]
+
+
+def _nsys_profile_open(reports: Reports) -> list[str]:
+    ranges = select(reports["nsys_profile"], table="range")
+    if ranges and not any("self_work_ms" in r for r in ranges):
+        return ["its kernel tables predate kernels being attributed once each (a kernel could count twice); "
+                "`make single-gpu-reports` measures them again"]
+    return []
 
 
 def _every(k: int) -> str:
@@ -493,7 +541,7 @@ def _torch_compile(reports: Reports) -> list[str]:
         else:
             sentences.append(f"Every eager and compiled training step here is noisy (std above "
                              f"{NOISY_RELATIVE_STD:.0%} of the mean), so no speed-up is read from them.")
-        largest = max(speedups, key=lambda key: (_size_order(key[0]), key[1] == HEADLINE_CONTEXT, key[1]))
+        largest = max(speedups, key=lambda key: (size_order(key[0]), key[1] == HEADLINE_CONTEXT, key[1]))
         size, context = largest[:2]
         shown = [f"{precision} {_ms(e['mean_ms'])} -> {_ms(c['mean_ms'])}, {_speedup(e, c)}"
                  for (s, n, precision), (e, c) in sorted(speedups.items(), key=lambda item: item[0][2], reverse=True)
@@ -594,6 +642,13 @@ def _allreduce(reports: Reports) -> list[str]:
                      f"{_ms(at_size[-1]['mean_rank_median_ms'])}")
         sentences.append(text + ".")
     return sentences
+
+
+def _allreduce_open(reports: Reports) -> list[str]:
+    rows = reports["distributed_communication_single_node"]
+    gloo = {r["world_size"] for r in select(rows, backend="gloo")}
+    missing = sorted(gloo - {r["world_size"] for r in select(rows, backend="nccl")})
+    return [f"NCCL at {_listing([str(n) for n in missing])} ranks: needs as many GPUs in one machine"] if missing else []
 
 
 def _equivalence(rows: list[Row], methods: tuple[str, ...]) -> str:
@@ -808,18 +863,86 @@ def _communication_accounting(reports: Reports) -> list[str]:
     return sentences
 
 
+def _setting(rows: list[Row]) -> Row | None:
+    return _one(rows, table="setting")
+
+
+def _node(setting: Row) -> str:
+    return (f"on {NODE_SIZE} NVLink GPUs (C = {setting['C_flops_per_s'] / 1e12:.1f} TFLOP/s, W = "
+            f"{setting['W_bytes_per_s'] / GB:.0f} GB/s) with the {setting['size_table']} {setting['size']} FFN and "
+            f"B = {setting['B']:,} tokens")
+
+
+def _alternate_ring(reports: Reports) -> list[str]:
+    rows = reports["alternate_ring_all_reduce"]
+    node = select(rows, table="node")
+    if not node:
+        return [_not_in_report("The worked figure")]
+    largest = max(node, key=lambda r: r["N"])
+    return [f"T = (N - 1) S / W, N/2 times the ring all-reduce's 2 (N - 1) S / (N W): for the xl model's FP16 "
+            f"gradients ({largest['S_bytes'] / GB:.2f} GB) on {largest['N']} NVLink GPUs, "
+            f"{_ms(largest['alternate_ms'])} against {_ms(largest['ring_ms'])}."]
+
+
+def _bound_answer(reports: Reports, report: str, formulas: dict[str, str]) -> list[str]:
+    rows = reports[report]
+    setting = _setting(rows)
+    if setting is None:
+        return [_not_in_report("The worked figure")]
+    bounds = "; ".join(f"{phase}: {formula} = {_one(rows, table='bound', phase=phase)['max_devices']:,.2f}"
+                       for phase, formula in formulas.items() if _one(rows, table="bound", phase=phase))
+    return [f"Answered part by part in the handout's symbols; {_node(setting)}: {bounds}."]
+
+
+def _data_parallel(reports: Reports) -> list[str]:
+    return _bound_answer(reports, "data_parallel_calcs", {"backward": "N_DP <= 1 + B W / C"})
+
+
+def _fsdp_calcs(reports: Reports) -> list[str]:
+    return _bound_answer(reports, "fsdp_calcs", {"forward": "N_FSDP <= 1 + B W / C",
+                                                "backward": "N_FSDP <= 1 + B W / C"})
+
+
+def _tp_calcs(reports: Reports) -> list[str]:
+    return _bound_answer(reports, "tp_calcs", {"forward": "N_TP <= 1 + 3 D_FF W / (2 C)",
+                                              "backward": "N_TP <= 1 + 3 D_FF W / C"})
+
+
+def _fsdp_tp_calcs(reports: Reports) -> list[str]:
+    rows = reports["fsdp_tp_calcs"]
+    setting = _setting(rows)
+    overlapped, shared = _one(rows, table="bound", axes="overlapped"), _one(rows, table="bound", axes="shared")
+    if setting is None or not (overlapped and shared):
+        return [_not_in_report("The worked figure")]
+    return [f"Answered part by part in the handout's symbols; {_node(setting)}: with the axes overlapped N <= "
+            f"(1 + B W / C)(1 + 3 D_FF W / (2 C)) = {overlapped['max_devices']:,.1f}, sharing the network N <= "
+            f"(a b + a + b)^2 / (4 a b) = {shared['max_devices']:,.1f}."]
+
+
+def _leaderboard(reports: Reports) -> list[str]:
+    return ["No report: no benchmark of the leaderboard's full training step (the 8B-class model, d_model 4096, "
+            "34 layers, vocabulary 151,936, batch 2 x 32,768 tokens, bf16, AdamW) exists in the project yet; it "
+            "needs two GPUs. flash_benchmarking measures the attention part of the 2025 leaderboard."]
+
+
+def _leaderboard_open(reports: Reports) -> list[str]:
+    return ["the full training step of the 8B-class model on two GPUs: not implemented"]
+
+
 PROBLEMS: tuple[Problem, ...] = (
     Problem("benchmarking_script", ("benchmarking_script",), _benchmarking_script, "e2e"),
-    Problem("nsys_profile", ("nsys_profile",), _nsys_profile, "profile"),
+    Problem("nsys_profile", ("nsys_profile",), _nsys_profile, "profile", open_items=_nsys_profile_open),
     Problem("mixed_precision_accumulation", ("mixed_precision_accumulation",), _mixed_precision_accumulation, "e2e"),
     Problem("benchmarking_mixed_precision", ("benchmarking_mixed_precision",), _benchmarking_mixed_precision, "e2e"),
-    Problem("memory_profiling", ("memory_profiling",), _memory_profiling, "memory"),
-    Problem("gradient_checkpointing", ("gradient_checkpointing",), _gradient_checkpointing, "memory"),
+    Problem("memory_profiling", ("memory_profiling",), _memory_profiling, "memory", open_items=_memory_profiling_open),
+    Problem("gradient_checkpointing", ("gradient_checkpointing",), _gradient_checkpointing, "memory",
+            open_items=_gradient_checkpointing_open),
     Problem("pytorch_attention", ("pytorch_attention",), _pytorch_attention, "attention"),
     Problem("torch_compile", ("torch_compile",), _torch_compile, "e2e"),
     Problem("flash_forward / flash_backward", (), _flash_forward_backward),
     Problem("flash_benchmarking", ("flash_benchmarking",), _flash_benchmarking, "flash"),
-    Problem("distributed_communication_single_node", ("distributed_communication_single_node",), _allreduce, "ddp"),
+    Problem("distributed_communication_single_node", ("distributed_communication_single_node",), _allreduce, "ddp",
+            open_items=_allreduce_open),
     Problem("naive_ddp / naive_ddp_benchmarking", ("naive_ddp", "naive_ddp_benchmarking"), _naive_ddp, "ddp", 2),
     Problem("minimal_ddp_flat_benchmarking", ("minimal_ddp_flat_benchmarking",), _flat_ddp, "ddp", 2),
     Problem("ddp_overlap_individual_parameters",
@@ -831,6 +954,12 @@ PROBLEMS: tuple[Problem, ...] = (
     Problem("fsdp", ("fsdp", "fsdp_accounting"), _fsdp, "fsdp", 2),
     Problem("communication_accounting", ("communication_accounting",), _communication_accounting,
             device_independent=True),
+    Problem("alternate_ring_all_reduce", ("alternate_ring_all_reduce",), _alternate_ring, device_independent=True),
+    Problem("data_parallel_calcs", ("data_parallel_calcs",), _data_parallel, device_independent=True),
+    Problem("fsdp_calcs", ("fsdp_calcs",), _fsdp_calcs, device_independent=True),
+    Problem("tp_calcs", ("tp_calcs",), _tp_calcs, device_independent=True),
+    Problem("fsdp_tp_calcs", ("fsdp_tp_calcs",), _fsdp_tp_calcs, device_independent=True),
+    Problem("leaderboard", (), _leaderboard, gpus=2, open_items=_leaderboard_open),
 )
 
 
@@ -926,7 +1055,7 @@ def _device_paragraph(problem: Problem, reports_root: Path, slug: str) -> str:
 
 def _status(problem: Problem, reports_root: Path, slug: str) -> str:
     if not problem.reports:
-        return "no report (correctness tests)"
+        return "open" if problem.open_items else "no report (correctness tests)"
     if problem.device_independent:
         return "device-independent" if _Directory(reports_root, "").has(problem.reports[0]) else "not computed"
     present = [r for r in problem.reports if _device(reports_root, slug).has(r)]
@@ -944,7 +1073,7 @@ def _section(number: int, problem: Problem, reports_root: Path, slugs: list[str]
     if problem.device_independent:
         root, report = _Directory(reports_root, ""), problem.reports[0]
         if not root.has(report):
-            return head + f"- not computed: `{report}.md` is absent; `{ACCOUNTING_COMMAND}` writes it.\n"
+            return head + f"- not computed: `{report}.md` is absent; `{ANALYSIS_COMMAND}` writes it.\n"
         links = root.links(report)
         return (head + "Device-independent, closed form" + (f" ({', '.join(links)})" if links else "") + ": "
                 + " ".join(problem.answer({report: root.rows(report)})) + "\n")
@@ -953,13 +1082,80 @@ def _section(number: int, problem: Problem, reports_root: Path, slugs: list[str]
     return head + "\n\n".join(_device_paragraph(problem, reports_root, slug) for slug in slugs) + "\n"
 
 
+def _measured(problem: Problem, reports_root: Path, slugs: list[str]) -> dict[str, Reports]:
+    """slug -> the problem's reports present there ("" for the reports' root, closed forms)."""
+    if problem.device_independent:
+        root = _Directory(reports_root, "")
+        return {"": {r: root.rows(r) for r in problem.reports if root.has(r)}} if root.has(problem.reports[0]) else {}
+    found = {}
+    for slug in slugs:
+        directory = _device(reports_root, slug)
+        present = {r: directory.rows(r) for r in problem.reports if directory.has(r)}
+        if present:
+            found[slug] = present
+    return found
+
+
+def _model_sizes(measured: dict[str, Reports]) -> dict[str, list[str]]:
+    """Size table -> the model sizes the rows measured (rows that predate the size_table column: 2025)."""
+    tables: dict[str, set[str]] = {}
+    for reports in measured.values():
+        for rows in reports.values():
+            for r in rows:
+                if r.get("size"):
+                    tables.setdefault(str(r.get("size_table") or UNRECORDED_SIZE_TABLE), set()).add(r["size"])
+    return {table: sorted(sizes, key=size_order) for table, sizes in sorted(tables.items(), reverse=True)}
+
+
+def _open(problem: Problem, measured: dict[str, Reports], sizes: dict[str, list[str]]) -> list[str]:
+    """What is left to answer: runs no machine here has made, old runs, parts the rows lack."""
+    items = []
+    if not problem.reports:
+        return problem.open_items({}) if problem.open_items else []
+    complete = [slug for slug, reports in measured.items() if len(reports) == len(problem.reports)]
+    if not complete:
+        if problem.device_independent:
+            items.append(f"not computed: `{ANALYSIS_COMMAND}`")
+        elif problem.gpus > 1:
+            items.append(f"needs a machine with {problem.gpus} GPUs: `pytest perf/ -m {problem.marker} "
+                         f"--world-size {problem.gpus}`")
+        else:
+            items.append(f"not measured on a GPU: `pytest perf/ -m {problem.marker} --gpu auto`")
+    items += _size_gaps(sizes)
+    if problem.open_items:
+        items += [f"{slug}: {item}" if slug else item for slug, reports in measured.items()
+                  if len(reports) == len(problem.reports) for item in problem.open_items(reports)]
+    return items
+
+
+def _size_gaps(sizes: dict[str, list[str]]) -> list[str]:
+    """The current table's sizes a sweep left out, and sizes measured that the current table lacks. A size
+    of another table with the same shape counts as measured (the 2025 table's 2.7B is the 2026 xl)."""
+    current = {name: shape for name, shape in model_sizes(CURRENT_SIZE_TABLE).items() if name != "tiny"}
+    shapes = {(table, name): model_sizes(table).get(name) for table, names in sizes.items() for name in names}
+    foreign = [f"{table} table's {name}" for (table, name), shape in shapes.items()
+               if name != "tiny" and shape not in current.values()]
+    items = [f"measured on the {_listing(foreign)}, which the {CURRENT_SIZE_TABLE} table does not have"] if foreign else []
+    if len([name for _, name in shapes if name != "tiny"]) > 1:  # a sweep over sizes
+        missing = [name for name, shape in current.items() if shape not in shapes.values()]
+        if missing:
+            items.append(f"the {CURRENT_SIZE_TABLE} table's {_listing(missing)} {'is' if len(missing) == 1 else 'are'} "
+                         "not measured")
+    return items
+
+
 def render_index(reports_root: Path | str, command: str = INDEX_COMMAND) -> str:
     reports_root = Path(reports_root)
     if not reports_root.is_dir():
         raise ValueError(f"no reports directory {reports_root}")
     slugs = _device_directories(reports_root)
-    status = [{"problem": f"{number}. {problem.title}", **{s: _status(problem, reports_root, s) for s in slugs}}
-              for number, problem in enumerate(PROBLEMS, 1)]
+    status = []
+    for number, problem in enumerate(PROBLEMS, 1):
+        measured = _measured(problem, reports_root, slugs)
+        sizes = _model_sizes(measured)
+        status.append({"problem": f"{number}. {problem.title}", **{s: _status(problem, reports_root, s) for s in slugs},
+                       "model sizes": "; ".join(f"{table}: {', '.join(names)}" for table, names in sizes.items()),
+                       "open": "; ".join(_open(problem, measured, sizes))})
     parts = [
         "# Reports index\n",
         f"Generated by `{command}` from the reports' CSVs; run it again rather than editing this file. Every "
@@ -969,6 +1165,8 @@ def render_index(reports_root: Path | str, command: str = INDEX_COMMAND) -> str:
         _device_table(reports_root, slugs) if slugs else "No device reports yet.\n",
         CPU_NOTE if CPU_SLUG in slugs else "",
         "## Status\n",
+        "Per problem and device directory: whether its reports are there, the model sizes they measured (by size "
+        "table) and what is still open.\n",
         markdown_table(status),
         *(_section(number, problem, reports_root, slugs) for number, problem in enumerate(PROBLEMS, 1)),
     ]

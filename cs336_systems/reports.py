@@ -190,10 +190,35 @@ CPU_NOTE = ("- note: a CPU run. Triton kernels ran in the Triton interpreter, wh
             "a GPU runs it.")
 
 
-def header(problem: str, runs: Sequence[str], device: torch.device | str | None = None) -> str:
+
+# Rows from before reports recorded their size table were measured with the 2025 table, then the only one.
+UNRECORDED_SIZE_TABLE = "2025"
+
+
+def model_size_lines(rows: Iterable[Row]) -> list[str]:
+    """"- model sizes: ..." lines naming the size table of each model size the rows measured."""
+    from cs336_systems.model import model_sizes, size_order
+
+    used: dict[str, set[str]] = {}
+    for row in rows:
+        if row.get("size"):
+            used.setdefault(str(row.get("size_table") or UNRECORDED_SIZE_TABLE), set()).add(row["size"])
+    lines = []
+    for table, sizes in sorted(used.items(), reverse=True):
+        shapes = model_sizes(table)
+        described = [f"{size} {'/'.join(str(v) for v in shapes[size].values())}" if size in shapes else size
+                     for size in sorted(sizes, key=size_order)]
+        lines.append(f"- model sizes: the {table} size table, {', '.join(described)} "
+                     "(d_model/d_ff/layers/heads)")
+    return lines
+
+
+def header(problem: str, runs: Sequence[str], device: torch.device | str | None = None,
+           rows: Iterable[Row] = ()) -> str:
     """The report's title and provenance; `runs` are "<date>, `<command>`" lines, oldest first."""
     versions = ", ".join(f"{k} {v}" for k, v in software_versions().items())
     lines = [f"# {problem}", "", f"- device: {device_description(device)}", f"- software: {versions}"]
+    lines += model_size_lines(rows)
     lines += [f"- run {i}: {run}" for i, run in enumerate(runs, 1)]
     if not _on_cuda(device):
         lines.append(CPU_NOTE)
@@ -260,7 +285,7 @@ def write_report(problem: str, rows: list[Row], report_dir: Path | str, command:
         rows, runs = _merge_runs(earlier, old_runs if earlier else [], rows, runs[0])
     # Everything that can fail (rendering, the header's device query) happens before a file is written,
     # so a failure leaves no report directory, CSV without Markdown, or half a file behind.
-    head = header(problem, runs, device)
+    head = header(problem, runs, device, rows)
     rendered = get_renderer(problem)(rows)
     report_dir.mkdir(parents=True, exist_ok=True)
     if rows:
@@ -312,8 +337,14 @@ def read_rows(csv_path: Path | str) -> list[Row]:
 
 def rerender(report_dir: Path | str, problem: str) -> Path:
     """Re-render a report's Markdown and figures from its CSV, keeping its header (device, versions,
-    date, command): the measurements stay those of the run that made them."""
+    date, command): the measurements stay those of the run that made them. The model-size lines are
+    derived from the rows again."""
     report_dir = Path(report_dir)
     markdown = (report_dir / f"{problem}.md").read_text()
     head = markdown[: markdown.index("\n\n", markdown.index("- device: ")) + 1]
-    return _write_rendered(problem, get_renderer(problem)(read_rows(report_dir / f"{problem}.csv")), report_dir, head)
+    rows = read_rows(report_dir / f"{problem}.csv")
+    # The size-table lines are derived from the rows, so they are written afresh, after the software line.
+    lines = [line for line in head.splitlines() if not line.startswith("- model sizes: ")]
+    at = next(i for i, line in enumerate(lines) if line.startswith("- software: ")) + 1
+    head = "\n".join(lines[:at] + model_size_lines(rows) + lines[at:]) + "\n"
+    return _write_rendered(problem, get_renderer(problem)(rows), report_dir, head)

@@ -1,12 +1,14 @@
 """memory_profiling and gradient_checkpointing.
 
-memory_profiling: the 2.7B model at contexts 128, 256 and 512, forward only and a training step, in
-each --precision (fp32 and bf16 by default): peaks, allocator snapshots (CUDA), active-memory
-timelines, largest allocations, and the analytical model against them. About 3 minutes on one H100.
+memory_profiling: the handout's model and contexts (2026: xl at 128 and 2048; with --size-table 2025,
+2.7B at 128, 256 and 512), forward only and a training step, in each --precision (fp32 and bf16 by
+default): peaks, allocator snapshots (CUDA; those of the shortest context are kept beside the report
+for pytorch.org/memory_viz), active-memory timelines, largest allocations, the analytical model
+against them, and part (f): each block's residuals and its gradients' memory.
 
-gradient_checkpointing: xl, batch 4, fp32, SDPA attention at context 1024: peak activation memory
+gradient_checkpointing: xl, batch 4, fp32, SDPA attention at context 2048: peak activation memory
 for checkpointing every k blocks and for the optimal nested plans, then the longest context predicted
-to fit, checked by one run of the best single-level plan (up to 16,384). About 2 minutes on one H100.
+to fit, checked by one run of the best single-level plan (up to 8,192).
 
 On CPU both run the tiny model in seconds (no snapshots; peaks from torch.profiler's memory records).
 """
@@ -14,6 +16,7 @@ On CPU both run the tiny model in seconds (no snapshots; peaks from torch.profil
 import pytest
 
 from cs336_systems.benchmarks.profiling import (
+    HANDOUT_MEMORY_CONTEXTS,
     CheckpointSweepConfig,
     MemoryProfileConfig,
     checkpoint_sweep,
@@ -22,15 +25,22 @@ from cs336_systems.benchmarks.profiling import (
 from cs336_systems.reports import OOM
 
 CPU_MEMORY_CONFIG = dict(size="tiny", contexts=(16, 32), batch_size=2)
+# Each handout's memory_profiling model and contexts, by size table.
+HANDOUT_MEMORY_CONFIG = {"2026": dict(size="xl", contexts=HANDOUT_MEMORY_CONTEXTS),
+                         "2025": dict(size="2.7B", contexts=(128, 256, 512))}
 CPU_CHECKPOINT_CONFIG = dict(size="tiny", context_length=32, batch_size=2)
 
 pytestmark = pytest.mark.memory
 
 
-def test_memory_profile(device, run_settings, report, tmp_path):
-    fields = {} if run_settings.on_gpu else CPU_MEMORY_CONFIG
+def test_memory_profile(device, run_settings, report):
+    fields = HANDOUT_MEMORY_CONFIG[run_settings.size_table] if run_settings.on_gpu else CPU_MEMORY_CONFIG
     cfg = MemoryProfileConfig(precisions=run_settings.precisions, **fields)
-    rows = memory_profile(cfg, device, snapshot_dir=tmp_path if run_settings.on_gpu else None)
+    snapshot_dir = None
+    if run_settings.on_gpu:  # beside the report, whose Markdown links them for memory_viz
+        snapshot_dir = run_settings.report_dir
+        snapshot_dir.mkdir(parents=True, exist_ok=True)
+    rows = memory_profile(cfg, device, snapshot_dir=snapshot_dir)
     for row in rows:
         report("memory_profiling").add(row)
     peaks = [r for r in rows if r["table"] == "peak"]
@@ -38,8 +48,11 @@ def test_memory_profile(device, run_settings, report, tmp_path):
     assert {r["status"] for r in peaks} <= {"ok", OOM}
     residual = [r for r in rows if r["table"] == "residual"]
     assert all(r["measured_bytes"] == r["computed_bytes"] for r in residual), residual
+    blocks = [r for r in rows if r["table"] == "block" and r["status"] == "ok"]
+    assert blocks and all(r["weight_gradient_bytes"] == 4 * r["parameters"] for r in blocks)
     if run_settings.on_gpu:
         assert any(r["table"] == "timeline" for r in rows) and any(r["table"] == "allocation" for r in rows)
+        assert any(r["table"] == "snapshot" for r in rows)
 
 
 def test_checkpoint_sweep(device, run_settings, report):

@@ -29,7 +29,13 @@ from cs336_systems.benchmarks.ddp import (
 )
 from cs336_systems.distributed.ddp import BucketedDDP, FlatDDP, NaiveDDP, OverlapIndividualDDP
 from cs336_systems.distributed.launch import launch
-from cs336_systems.profiling.timeline import communication_summary, intervals_from_events, plot_timeline
+from cs336_systems.profiling.timeline import (
+    MIN_BAR_WIDTH_SHARE,
+    Interval,
+    communication_summary,
+    intervals_from_events,
+    plot_timeline,
+)
 from cs336_systems.reports import OOM
 from tests import adapters
 from tests.common import ToyModel, ToyModelWithTiedWeights, assert_passed_on_every_rank, course_ddp_check, run_checks
@@ -263,6 +269,21 @@ def test_gpu_timeline_puts_nccl_kernels_apart_and_measures_overlap():
     figure = plot_timeline(intervals, "test")
     assert [t.get_text() for t in figure.axes[0].get_yticklabels()] == [
         "phases", "compute (stream 7)", "NCCL (stream 20)", "NCCL (stream 7)"]
+
+
+def test_timeline_rows_of_short_kernels_are_drawn_visible():
+    # A 500 ms step of compute on stream 7 with three 5 us NCCL kernels on the same stream: drawn at true
+    # width, they would be 1e-5 of the axis, an empty row.
+    intervals = [Interval("compute", "compute (stream 7)", "gemm", 0.0, 500.0)]
+    intervals += [Interval("communication", "NCCL (stream 7)", "nccl", t, t + 0.005) for t in (10.0, 200.0, 400.0)]
+    figure = plot_timeline(intervals, "test")
+    axes = figure.axes[0]
+    bars = {label.get_text(): collection for label, collection in
+            zip(axes.get_yticklabels(), axes.collections)}
+    nccl = bars["NCCL (stream 7)"].get_paths()
+    assert len(nccl) == 3
+    widths = [path.vertices[:, 0].max() - path.vertices[:, 0].min() for path in nccl]
+    assert min(widths) >= MIN_BAR_WIDTH_SHARE * 500.0 - 1e-9
 
 
 def test_cpu_timeline_takes_gloo_work_from_its_own_threads():

@@ -2,6 +2,7 @@
 
 import subprocess
 import sys
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -38,6 +39,29 @@ def test_out_of_memory_is_recorded_not_raised(monkeypatch):
     monkeypatch.setattr(e2e, "_measure", run_out)
     rows = benchmark_model(E2EConfig("tiny", 16), "cpu")
     assert {r["status"] for r in rows} == {OOM} and len(rows) == 5
+    assert {r["oom_predicted"] for r in rows} == {False} and rows[0]["estimated_peak_bytes"] > 0
+
+
+def test_memory_estimate_of_the_10b_model_is_its_state_on_a_training_step():
+    # 12,832,823,808 parameters: fp32 weights, gradients and AdamW's two moments, 16 bytes each, and fused
+    # AdamW adds no temporary: 205,325,180,928 bytes, which no single GPU of the table holds.
+    estimate = e2e.memory_estimate(E2EConfig("10B", 512))
+    assert estimate.peak_bytes == 16 * 12_832_823_808 and estimate.peak_phase == "optimizer step"
+    # Forward only keeps the weights and one block's temporaries: it fits in 80 GB.
+    assert 51e9 < e2e.memory_estimate(E2EConfig("10B", 512, mode="forward")).peak_bytes < 60e9
+
+
+def test_report_lists_cells_out_of_memory_with_their_estimates():
+    cell = {"table": "sweep", "size": "10B", "context_length": 128, "batch_size": 4, "mode": "train", "precision": "fp32",
+            "compile": False, "attention": "sdpa", "warmup": 5, "steps": 10, "device": "cuda", "status": OOM}
+    ok = {**cell, "size": "small", "status": "ok", "mean_ms": 50.0, "std_ms": 1.0}
+    rows = [{**cell, "phase": "train_step", "estimated_peak_bytes": 191.2 * 2**30, "oom_predicted": True},
+            {**cell, "context_length": 512, "phase": "train_step", "estimated_peak_bytes": 191.4 * 2**30,
+             "oom_predicted": False},
+            {**ok, "phase": "train_step"}]
+    body = e2e.render_benchmarking_script(rows).body
+    assert ("Out of memory: 10B at context 128 in fp32 (estimate 191.2 GiB; not run: the estimate does not fit the "
+            "free memory), 10B at context 512 in fp32 (estimate 191.4 GiB).") in body
 
 
 @pytest.mark.parametrize("kwargs, message", [
@@ -55,6 +79,7 @@ def test_config_validation(kwargs, message):
 
 @pytest.mark.parametrize("argv, message", [
     (["--size", "huge", "--context", "16"], "unknown model size 'huge'"),
+    (["--size-table", "2025", "--size", "10B", "--context", "16"], "unknown model size '10B' in the 2025 size table"),
     (["--size", "tiny", "--context", "16", "--steps", "0"], "--steps: must be a positive integer"),
     (["--size", "tiny", "--context", "0"], "--context: must be a positive integer"),
     (["--size", "tiny", "--context", "64", "--model-context", "32"], "exceeds the model's context length 32"),
@@ -100,3 +125,12 @@ def test_command_records_a_cell_too_large_for_this_machine_as_oom(capsys, monkey
     assert main(["e2e", "--size", "tiny", "--context", "100000", "--device", "cpu"]) == 0
     rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| tiny")]
     assert len(rows) == 5 and all("| OOM " in row and "1,073,741,824" in row for row in rows)
+
+
+def test_a_cell_whose_state_exceeds_the_device_is_reported_oom_without_running(monkeypatch):
+    # An 80 GB device: the 10B model's weights, gradients and AdamW state (205 GB) cannot fit.
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: SimpleNamespace(total_memory=80e9))
+    monkeypatch.setattr(e2e, "_measure", lambda cfg, device: pytest.fail("a cell that cannot fit was run"))
+    rows = benchmark_model(E2EConfig("10B", 128), "cuda")
+    assert {(r["status"], r["oom_predicted"]) for r in rows} == {(OOM, True)}
+    assert rows[0]["estimated_peak_bytes"] == 16 * 12_832_823_808

@@ -12,7 +12,7 @@ from cs336_systems.reports import OOM
 
 
 def test_the_kernel_cell_is_the_attention_call_of_the_training_step():
-    cell = kernel_cell_of(TrainingCell("2.7B", 2048))
+    cell = kernel_cell_of(TrainingCell("2.7B", 2048, table="2025"))
     assert (cell.batch_size, cell.n_heads, cell.seq_len, cell.head_dim) == (4, 32, 2048, 80)
     assert cell.precision == "bf16" and cell.is_causal
 
@@ -23,8 +23,8 @@ def test_training_steps_need_a_cuda_device():
 
 
 def _step(attention, median_ms, status="ok"):
-    row = {"table": "step", "size": "xl", "d_model": 1600, "n_heads": 25, "head_dim": 64, "context_length": 512,
-           "batch_size": 4, "attention": attention, "compile": "whole model, fullgraph", "precision": "bf16 autocast",
+    row = {"table": "step", "size_table": "2025", "size": "xl", "d_model": 1600, "n_heads": 25, "head_dim": 64,
+           "context_length": 512, "batch_size": 4, "attention": attention, "compile": "whole model, fullgraph", "precision": "bf16 autocast",
            "optimizer": "AdamW (fused)", "warmup": 5, "steps": 20, "status": status}
     if status == "ok":
         row |= {"median_ms": median_ms, "p25_ms": median_ms - 1, "p75_ms": median_ms + 1, "mean_ms": median_ms,
@@ -34,6 +34,6 @@ def _step(attention, median_ms, status="ok"):
 
 def test_the_report_gives_each_step_against_sdpa_and_says_oom():
     body = render_flash_in_training([_step("sdpa", 100.0), _step("flash_triton", 95.0)]).body
-    assert "| xl " in body and "0.950x" in body and "1.000x" in body and "9.2103" in body
+    assert "| xl (2025 table) " in body and "0.950x" in body and "1.000x" in body and "9.2103" in body
     body = render_flash_in_training([_step("sdpa", 100.0), _step("flash_triton", None, OOM)]).body
     assert OOM in body

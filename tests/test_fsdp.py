@@ -1,6 +1,8 @@
 """FSDP against single-process training (gloo on CPU, ranks started by launch), through the
 course's adapters: fp32 and fp16 compute, world sizes whose sizes do not divide, the LM with AdamW,
-gradient accumulation, the prefetch order and the freeing of gathered weights.
+gradient accumulation, the prefetch order and the freeing of gathered weights. fp32 results are
+compared bit for bit where the arithmetic allows it and within the course's tolerances where the
+batch is split (see FP32_TOLERANCE).
 
 Starting ranks costs seconds of imports, so one launch per world size runs every check and each
 check's outcome is then asserted by its own test. A check compares only after its last collective,
@@ -33,9 +35,16 @@ WORLD_SIZES = (2, 3)
 LAUNCH_TIMEOUT_S = 180
 BATCH = 12  # divisible by every world size tested
 SEQ_LEN = 8
-# The course's tolerances: fp32 differs from single-process only in summation order; fp16 compute
-# rounds each matmul to 11 significant bits on both sides, in a different order.
+# The course's test has been published comparing fp32 parameters with torch.equal and with
+# allclose(atol=1e-6, rtol=1e-4). Bit equality cannot hold when each rank trains on its own slice of
+# the batch: one process sums every token's contribution to a weight gradient inside one matmul, FSDP
+# sums each slice on its rank and then the slices (reduce-scatter), a different order of float
+# additions. On the course's toy model the two differ by 1.5e-8 to 6e-8 after a step (measured), a few
+# units in the last place, so the course's procedure is checked at the allclose tolerances. Where bit
+# equality must hold it is checked with torch.equal (`_fp32_equals_one_process_on_the_same_batch`):
+# ranks training on the same batch add equal gradients and divide by the world size, exact for 2 and 4.
 FP32_TOLERANCE = dict(atol=1e-6, rtol=1e-4)
+# fp16 compute rounds each matmul to 11 significant bits on both sides, in a different order.
 FP16_TOLERANCE = dict(atol=1e-4, rtol=1e-4)
 # float64, every rank on the same batch: only the reduction over ranks rounds differently.
 FLOAT64_TOLERANCE = dict(atol=1e-12, rtol=1e-12)
@@ -129,6 +138,36 @@ def _course_equivalence(rank: int, world_size: int, compute_dtype: torch.dtype |
     tolerance = FP32_TOLERANCE if compute_dtype is None else FP16_TOLERANCE
     for step, (ref, full) in enumerate(snapshots):
         _assert_close(ref, full, tolerance, f"step {step}")
+
+
+def _fp32_equals_one_process_on_the_same_batch(rank: int, world_size: int) -> None:
+    """The course's procedure with every rank on the whole batch: forward and backward repeat one
+    process's arithmetic, and the reduce-scatter adds world-size equal gradients and divides by the
+    world size. For a power of two both are exact, so the parameters must be bit for bit one process's
+    (torch.equal, as one version of the course's test asks). Dividing 3 g by 3 can round, so three ranks
+    are held to the fp32 tolerance instead."""
+    with _strict():
+        torch.manual_seed(42)
+        reference = ToyFSDPModel()
+        model = adapters.get_fsdp(deepcopy(reference))
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+        reference_optimizer = torch.optim.SGD(reference.parameters(), lr=0.01)
+        generator = torch.Generator().manual_seed(123)
+        token_ids = torch.randint(0, 37, (BATCH, SEQ_LEN), generator=generator)
+        labels = torch.randint(0, 37, (BATCH,), generator=generator)
+        for _ in range(3):
+            for net, opt in ((reference, reference_optimizer), (model, optimizer)):
+                opt.zero_grad(set_to_none=True)
+                F.cross_entropy(net(token_ids)[:, -1].float(), labels).backward()
+                if net is model:
+                    adapters.fsdp_on_after_backward(model, optimizer)
+                opt.step()
+        full = adapters.fsdp_gather_full_params(model)
+    if world_size & (world_size - 1) == 0:
+        unequal = [name for name, p in reference.named_parameters() if not torch.equal(full[name], p.detach())]
+        assert not unequal, f"not bit for bit one process's: {unequal}"
+    else:
+        _assert_close(reference, full, FP32_TOLERANCE, "every rank on the whole batch")
 
 
 def _gradient_sync(rank: int, world_size: int, compute_dtype: torch.dtype | None) -> None:
@@ -342,6 +381,7 @@ CHECKS = {
        for name, dtype in (("fp32", None), ("fp16", torch.float16))},
     **{f"gradient_sync_{name}": functools.partial(_gradient_sync, compute_dtype=dtype)
        for name, dtype in (("fp32", None), ("fp16", torch.float16))},
+    "fp32_equals_one_process_on_the_same_batch": _fp32_equals_one_process_on_the_same_batch,
     "lm_matches_single_process": _lm_matches_single_process,
     "adamw_on_shards_matches_single_process": _adamw_on_shards_matches_single_process,
     "lm_bf16_compute_keeps_fp32_masters": _lm_bf16_compute_keeps_fp32_masters,
@@ -444,10 +484,22 @@ def test_fsdp_accounting_report_answers_from_the_rows():
     # Model 45.7 - 27.5 = 18.2 GiB; measured 47.1 - 29.0 = 18.1 GiB.
     assert "Expected saving of FSDP over torch DDP: 18.2 GiB per rank; measured 18.1 GiB" in body
     assert "1.4 GiB below the measured one for DDP and 1.5 GiB below the measured one for FSDP" in body
-    # FSDP sends 4 + 3.9 + 4 = 11.9 GB; ZeRO stage 1 8 + 4 = 12 GB for the 8 GB of gradients.
-    assert "Each rank sends 11.9 GB per step under FSDP and 12 GB under ZeRO stage 1 (ratio 0.992)" in body
+    # FSDP sends 4 + 3.9 + 4 = 11.9 GB; optimizer-state sharding 8 + 4 = 12 GB for the 8 GB of gradients; ZeRO
+    # stage 1 reduce-scatters and all-gathers, 4 + 4 = 8 GB, DDP's volume.
+    assert ("Each rank sends 11.9 GB per step under FSDP, 12 GB under optimizer-state sharding and 8 GB under ZeRO "
+            "stage 1, as much as DDP alone (8 GB)") in body
     assert "1 of 2 all-gathers ended before" in body and "compute waited 0.50 ms in all" in body
     assert "![FSDP timeline](fsdp_timeline.png)" in body
+
+
+def test_fsdp_accounting_report_renders_the_same_from_its_csv(tmp_path):
+    from cs336_systems.benchmarks.fsdp import render_fsdp_accounting
+    from cs336_systems.reports import read_rows, write_csv
+
+    rows = _gpu_like_fsdp_rows()
+    write_csv(tmp_path / "rows.csv", rows)
+    # Rows read back carry every column, None where a row had none: the model table keeps its own columns.
+    assert render_fsdp_accounting(read_rows(tmp_path / "rows.csv")).body == render_fsdp_accounting(rows).body
 
 
 def test_fsdp_report_gives_each_precision_a_verdict():

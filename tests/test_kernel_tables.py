@@ -1,16 +1,18 @@
-"""Kernel tables per profiler range: a real CPU profile of the tiny model, and synthetic CUDA-style
-events for the kernel path (launching operator -> kernels, ranges on another thread)."""
+"""Kernel tables per profiler range: a real CPU profile of the tiny model, and a synthetic CUDA trace
+for the kernel path (launch calls and kernels by correlation id, ranges on another thread)."""
 
-from types import SimpleNamespace
+import itertools
 
 import pytest
 import torch
 import torch.nn.functional as F
 from torch.autograd import DeviceType
+from torch.autograd.profiler_util import FunctionEvent
 
 from cs336_systems.benchmarks.profiling import ATTENTION_RANGES, ProfileConfig, profile_training_step
 from cs336_systems.model import ModelConfig, TransformerLM
 from cs336_systems.profiling.kernels import (
+    Work,
     device_work,
     is_matmul,
     kernel_tables,
@@ -116,41 +118,81 @@ def test_short_name_drops_signature_and_namespaces():
     assert short_name("aten::mm") == "aten::mm"
 
 
-def _event(name, start, end, kernels=(), thread=1, annotation=False, device=DeviceType.CPU, self_us=0.0):
-    return SimpleNamespace(name=name, time_range=SimpleNamespace(start=start, end=end), thread=thread,
-                           is_user_annotation=annotation, is_async=False, device_type=device,
-                           kernels=[SimpleNamespace(name=k, duration=d) for k, d in kernels],
-                           self_cpu_time_total=self_us)
+class Trace:
+    """A CUDA profile built event by event, as torch.profiler lists it: operators and ranges on host
+    threads, launch calls and kernels tied by CUPTI correlation ids (their `id`), kernels linked to their
+    operator's id. Operator ids and CUPTI ids are separate counters, so they overlap."""
+
+    def __init__(self):
+        self.events: list[FunctionEvent] = []
+        self._cupti_ids = itertools.count(1)
+
+    def add(self, name, start, end, activity, thread=1, id=0, linked=0, device=DeviceType.CPU):
+        event = FunctionEvent(id, name, thread, start, end, device_type=device, activity_type=activity,
+                              is_user_annotation=activity in ("user_annotation", "gpu_user_annotation"),
+                              linked_correlation_id=linked)
+        self.events.append(event)
+        return event
+
+    def range(self, name, start, end, thread=1, id=0):
+        return self.add(name, start, end, "user_annotation", thread, id)
+
+    def operator(self, name, start, end, kernels=(), thread=1, id=0):
+        """An operator and, per (kernel, device start, duration), its launch call inside it and the kernel."""
+        operator = self.add(name, start, end, "cpu_op", thread, id)
+        for i, (kernel, device_start, duration) in enumerate(kernels):
+            cupti = next(self._cupti_ids)
+            launch = start + (end - start) * (i + 1) / (len(kernels) + 1)
+            self.add("cudaLaunchKernel", launch, launch + 0.5, "cuda_runtime", thread, cupti, linked=id)
+            kernel_event = self.add(kernel, device_start, device_start + duration, "kernel", id=cupti, linked=id,
+                                    device=DeviceType.CUDA)
+            # What torch.profiler does: the kernel is listed on every host event with its linked id.
+            for host in self.events:
+                if host.device_type == DeviceType.CPU and host.id == id and host.activity_type == "cpu_op":
+                    host.append_kernel(kernel, 0, duration)
+        return operator
 
 
-def test_cuda_kernels_go_to_the_range_containing_their_launching_operator():
-    events = [
-        _event("forward", 0, 100, annotation=True),
-        _event("backward", 100, 300, annotation=True),
-        # The GPU mirrors each range as a device-side annotation: a span, not a kernel.
-        _event("forward", 5, 150, annotation=True, device=DeviceType.CUDA),
-        _event("aten::mm", 10, 20, kernels=[("sm90_xmma_gemm_a", 40.0)]),
-        _event("aten::add", 30, 35, kernels=[("elementwise_add", 5.0), ("elementwise_add", 5.0)]),
-        # Launched from autograd's thread, inside the backward range's time: belongs to backward.
-        _event("aten::mm", 150, 160, kernels=[("sm90_xmma_gemm_a", 80.0)], thread=2),
-        # A range's mirror on the GPU timeline, linked to an operator: a span, not a kernel.
-        _event("aten::copy_", 40, 45, kernels=[("forward", 60.0)]),
-        # Straddles the boundary: in no range.
-        _event("aten::mul", 95, 105, kernels=[("elementwise_mul", 3.0)]),
-    ]
-    tables = kernel_tables(events, "cuda")
-    assert set(tables) == {"forward", "backward"}
+def test_each_cuda_kernel_counts_once_in_the_innermost_range_open_at_its_launch():
+    trace = Trace()
+    trace.range("step", 0, 400, id=1)
+    trace.range("forward", 0, 100, id=2)
+    trace.range("attention/softmax", 40, 60, id=3)
+    trace.range("backward", 100, 300, id=4)
+    trace.operator("aten::mm", 10, 20, [("sm90_xmma_gemm_a", 110, 40.0)], id=10)
+    trace.operator("aten::add", 30, 35, [("elementwise_add", 150, 5.0), ("elementwise_add", 155, 5.0)], id=11)
+    trace.operator("aten::_softmax", 45, 50, [("softmax_warp_forward", 160, 7.0)], id=12)
+    # Launched from autograd's thread, inside the backward range's time: belongs to backward.
+    trace.operator("aten::mm", 150, 160, [("sm90_xmma_gemm_a", 300, 80.0)], thread=2, id=13)
+    # The GPU's own mirror of a range is a span, not work.
+    trace.add("forward", 110, 167, "gpu_user_annotation", device=DeviceType.CUDA, linked=10)
+    # Straddles the forward/backward boundary; its kernel is launched at 97.5, in forward.
+    trace.operator("aten::mul", 90, 105, [("elementwise_mul", 170, 3.0)], id=14)
+    # A host call of no operator whose CUPTI id equals the first operator's id: torch.profiler lists the
+    # operator's kernels on it too, which counted them twice.
+    sync = trace.add("cudaStreamSynchronize", 380, 390, "cuda_runtime", id=10)
+    sync.append_kernel("sm90_xmma_gemm_a", 0, 40.0)
+    tables = kernel_tables(trace.events, "cuda")
+    assert set(tables) == {"step", "forward", "attention/softmax", "backward"}
     forward = {k.name: k for k in tables["forward"].kernels}
-    assert forward["sm90_xmma_gemm_a"].total_us == 40 and forward["elementwise_add"].calls == 2
-    assert tables["forward"].work_us == 50 and tables["forward"].matmul_share == pytest.approx(0.8)
+    assert forward["sm90_xmma_gemm_a"].calls == 1 and forward["sm90_xmma_gemm_a"].total_us == 40
+    assert forward["elementwise_add"].calls == 2 and "softmax_warp_forward" in forward
+    assert tables["forward"].work_us == 40 + 10 + 7 + 3  # nested softmax included, once
+    assert tables["forward"].self_work_us == 40 + 10 + 3 and tables["attention/softmax"].self_work_us == 7
+    assert tables["forward"].matmul_share == pytest.approx(40 / 60)
     assert [k.name for k in tables["backward"].kernels] == ["sm90_xmma_gemm_a"]
     assert tables["backward"].kernels[0].share == 1.0
-    assert tables["forward"].wall_us == 100
+    # The step holds every kernel once: its work is the profile's, and the self parts add up to it.
+    assert tables["step"].work_us == 40 + 10 + 7 + 80 + 3 == sum(t.self_work_us for t in tables.values())
+    assert tables["forward"].wall_us == 100 and tables["attention/softmax"].instances == 1
+    assert kernel_tables(trace.events, "cuda", ranges=["forward"]).keys() == {"forward"}
 
 
 def test_a_cuda_profile_without_kernels_is_an_error_not_an_empty_table():
+    trace = Trace()
+    trace.operator("aten::mm", 0, 1, id=1)
     with pytest.raises(RuntimeError, match="no CUDA kernels"):
-        device_work([_event("aten::mm", 0, 1, self_us=1.0)], "cuda")
+        device_work(trace.events, "cuda")
     with pytest.raises(ValueError, match="cuda and cpu"):
         device_work([], "mps")
 
@@ -167,6 +209,10 @@ def test_profile_cell_rows_and_report():
     body = get_renderer("nsys_profile")(rows).body
     for heading in ("(a) Forward time", "(b) The top forward kernel", "(d) Matmul share", "(e) Softmax"):
         assert heading in body
+    assert "Each kernel is attributed once" in body and "adds up to no more than the step's" in body
+    # Rows of a run from before the attribution was fixed have no self work: the report says so.
+    old = [{k: v for k, v in r.items() if k != "self_work_ms"} for r in rows]
+    assert "measured before kernels were attributed once" in get_renderer("nsys_profile")(old).body
 
 
 def test_out_of_memory_cell_is_recorded(monkeypatch):
@@ -189,3 +235,28 @@ def test_out_of_memory_cell_is_recorded(monkeypatch):
 def test_profile_config_validation(kwargs, message):
     with pytest.raises(ValueError, match=message):
         ProfileConfig(**{"size": "tiny", "context_length": 16, **kwargs})
+
+
+def test_a_cell_whose_state_exceeds_the_device_is_reported_oom_without_running(monkeypatch):
+    from types import SimpleNamespace
+
+    from cs336_systems.benchmarks import profiling
+
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: SimpleNamespace(total_memory=80e9))
+    monkeypatch.setattr(profiling, "_timed_then_profiled", lambda *args: pytest.fail("a cell that cannot fit was run"))
+    rows = profile_training_step(ProfileConfig("10B", 128), "cuda")
+    assert len(rows) == 1 and rows[0]["status"] == OOM and rows[0]["oom_predicted"]
+    body = get_renderer("nsys_profile")(rows).body
+    assert "Out of memory: 10B at context 128 (estimate 191.22 GiB; not run)." in body
+
+
+def test_a_kernel_without_its_launch_call_is_placed_at_its_operator():
+    trace = Trace()
+    trace.range("forward", 0, 100, id=1)
+    trace.range("backward", 100, 200, id=2)
+    trace.add("aten::mm", 10, 20, "cpu_op", id=10)
+    # Its launch call is missing; a host call with the kernel's id linked to another operator is not it.
+    trace.add("cudaLaunchKernel", 150, 151, "cuda_runtime", id=77, linked=11)
+    trace.add("sm90_xmma_gemm", 300, 340, "kernel", id=77, linked=10, device=DeviceType.CUDA)
+    assert device_work(trace.events, "cuda") == [Work("sm90_xmma_gemm", 10, 40)]
+    assert kernel_tables(trace.events, "cuda")["forward"].work_us == 40

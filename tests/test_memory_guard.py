@@ -7,7 +7,7 @@ from cs336_systems import memory_guard
 from cs336_systems.benchmarks import attention as attention_bench
 from cs336_systems.benchmarks import e2e, profiling
 from cs336_systems.benchmarks.attention import AttentionCell, benchmark_attention
-from cs336_systems.benchmarks.e2e import E2EConfig, benchmark_model
+from cs336_systems.benchmarks.e2e import E2EConfig, benchmark_model, memory_estimate
 from cs336_systems.benchmarks.flash import FlashCell, benchmark_flash_cell
 from cs336_systems.memory_guard import FIT_SHARE, MemoryCheck, check_memory, is_out_of_memory
 from cs336_systems.reports import OOM
@@ -68,14 +68,14 @@ def test_e2e_cell_that_cannot_fit_is_oom_with_its_estimate_and_never_runs(free_r
     rows = benchmark_model(cfg, "cpu")
     assert len(rows) == 5 and all(r["status"] == OOM and r["oom_predicted"] for r in rows)
     # The logits and log-probabilities of 400,000 tokens over a 10,000-word vocabulary alone are 16 GB each.
-    assert all(r["estimated_peak_bytes"] == cfg.estimated_peak_bytes() > 32 * 10**9 for r in rows)
+    assert all(r["estimated_peak_bytes"] == memory_estimate(cfg).peak_bytes > 32 * 10**9 for r in rows)
     assert all(r["available_bytes"] == 1 * GIB for r in rows)
 
 
 @pytest.mark.parametrize("mode", ["forward", "forward_backward", "train"])
 def test_e2e_estimate_grows_with_what_a_mode_keeps(mode):
-    forward, chosen = (E2EConfig("tiny", 512, mode=m).estimated_peak_bytes() for m in ("forward", mode))
-    train = E2EConfig("tiny", 512).estimated_peak_bytes()
+    forward, chosen = (memory_estimate(E2EConfig("tiny", 512, mode=m)).peak_bytes for m in ("forward", mode))
+    train = memory_estimate(E2EConfig("tiny", 512)).peak_bytes
     assert forward <= chosen <= train
 
 

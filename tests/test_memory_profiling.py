@@ -98,10 +98,12 @@ def test_cuda_and_cpu_autocast_differ_only_where_their_rules_do():
     assert cuda["attention_scores"] - cpu["attention_scores"] == 32 * 4
 
 
-@pytest.mark.parametrize("size, params", [("small", 128_625_408), ("medium", 423_183_360), ("large", 969_411_840),
-                                          ("xl", 1_998_235_200), ("2.7B", 3_406_809_600)])
-def test_parameter_count_matches_the_size_table(size, params):
-    config = ModelConfig.for_size(size, 128)
+@pytest.mark.parametrize("table, size, params", [
+    ("2025", "small", 128_625_408), ("2025", "medium", 423_183_360), ("2025", "large", 969_411_840),
+    ("2025", "xl", 1_998_235_200), ("2025", "2.7B", 3_406_809_600), ("2026", "xl", 3_406_809_600),
+    ("2026", "10B", 12_832_823_808)])
+def test_parameter_count_matches_the_size_table(table, size, params):
+    config = ModelConfig.for_size(size, 128, table=table)
     assert parameter_count(config) == params
 
 
@@ -112,11 +114,11 @@ def test_parameter_count_matches_a_built_model():
 
 def test_residual_stream_is_fp32_sized():
     # 2.7B at batch 4, context 512: 4 x 512 x 2560 x 4 B = 20,971,520 B (20 MiB).
-    assert residual_stream_bytes(ModelConfig.for_size("2.7B", 512), 4, 512) == 20_971_520
+    assert residual_stream_bytes(ModelConfig.for_size("2.7B", 512, table="2025"), 4, 512) == 20_971_520
 
 
 def test_training_peak_of_27b_is_the_optimizer_step():
-    config = ModelConfig.for_size("2.7B", 512)
+    config = ModelConfig.for_size("2.7B", 512, table="2025")
     prediction = predict_peak_memory(config, 4, 512, "fp32", "naive", "train_step")
     params = 3_406_809_600 * 4  # 13,627,238,400 B
     # Saved activations: 32 blocks x 680,083,456 B + head 144,842,756 B.
@@ -126,8 +128,19 @@ def test_training_peak_of_27b_is_the_optimizer_step():
     assert prediction.peak_bytes == 5 * params and prediction.peak_phase == "optimizer step"
 
 
+def test_fused_adamw_and_forward_backward_peaks():
+    config = ModelConfig.for_size("2.7B", 512, table="2025")
+    params = 3_406_809_600 * 4
+    fused = predict_peak_memory(config, 4, 512, "fp32", "naive", "train_step", adamw="fused")
+    # Fused AdamW updates in place: the optimizer step holds 4P, below the end of forward (63.1 GB).
+    assert fused.peak_phase == "end of forward" and fused.peak_bytes == 3 * params + 32 * 680_083_456 + 144_842_756 + \
+        fused.transient_bytes
+    no_optimizer = predict_peak_memory(config, 4, 512, "fp32", "naive", "forward_backward")
+    assert no_optimizer.optimizer_state_bytes == 0 and no_optimizer.peak_bytes == fused.peak_bytes - 2 * params
+
+
 def test_inference_peak_by_hand():
-    config = ModelConfig.for_size("2.7B", 512)
+    config = ModelConfig.for_size("2.7B", 512, table="2025")
     fp32 = predict_peak_memory(config, 4, 512, "fp32", "naive", "inference")
     # Residual + norm output 41,943,040 B; attention stage: rotated q, k and v 62,914,560 B + 33,554,432
     # scores x (masked 4 B + softmax 4 B) 268,435,456 B: transient 373,293,056 B on top of P.
@@ -259,9 +272,14 @@ def test_memory_profile_on_cpu_gives_peaks_saved_bytes_and_the_residual_check():
     train = [r for r in peaks if r["mode"] == "train_step"]
     assert all(r["measured_saved_bytes"] == r["predicted_saved_bytes"] for r in train)
     residual = next(r for r in rows if r["table"] == "residual")
-    assert residual["measured_bytes"] == residual["computed_bytes"] == 1 * 16 * 64 * 4
+    # At the shown context, the shortest: 1 x 8 x 64 x 4 bytes.
+    assert residual["measured_bytes"] == residual["computed_bytes"] == 1 * 8 * 64 * 4
+    blocks = [r for r in rows if r["table"] == "block"]
+    assert [r["block"] for r in blocks] == [0, 1] and all(r["context_length"] == 8 for r in blocks)
+    assert all(r["saved_bytes"] == r["predicted_saved_bytes"] for r in blocks)
     body = get_renderer("memory_profiling")(rows).body
     assert "Residual-stream activation size" in body and "2 of 2 cells match to the byte" in body
+    assert "## (f) Residuals and gradients per TransformerBlock" in body
 
 
 def _gpu_memory_rows() -> list[dict]:
@@ -310,7 +328,7 @@ def test_checkpoint_sweep_on_cpu_and_its_report():
     assert "Best single level" in rendered.body and "gradient_checkpointing.png" in rendered.figures
 
 
-def test_checkpoint_report_from_gpu_rows():
+def _gpu_checkpoint_rows() -> list[dict]:
     base = {"size": "xl", "batch_size": 4, "precision": "fp32", "attention": "sdpa", "device": "cuda",
             "num_layers": 48, "context_length": 1024, "block_bytes": 734_003_200, "boundary_bytes": 26_214_400,
             "head_bytes": 300_000_000, "transient_bytes": 330_000_000, "table": "sweep"}
@@ -330,8 +348,34 @@ def test_checkpoint_report_from_gpu_rows():
                  "predicted_peak_bytes": 60 * gib, "next_context": 32768, "next_predicted_peak_bytes": 100 * gib,
                  "run_context": 16384, "run_status": "ok", "run_peak_bytes": 58 * gib,
                  "run_predicted_peak_bytes": 60 * gib, "run_step_ms": 61000.0})
-    body = get_renderer("gradient_checkpointing")(rows).body
+    return rows
+
+
+def test_checkpoint_report_from_gpu_rows():
+    body = get_renderer("gradient_checkpointing")(_gpu_checkpoint_rows()).body
     assert "Best single level: every 1 block," in body and "closer to sqrt(L b / a)" in body
     assert "Run at context 16384 (every 1 block): it fits" in body
     assert "1128 recomputed blocks" in body
 
+
+
+def test_checkpoint_plot_y_labels_do_not_overlap_and_reach_the_lowest_line():
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+
+    figure = get_renderer("gradient_checkpointing")(_gpu_checkpoint_rows()).figures["gradient_checkpointing.png"]
+    FigureCanvasAgg(figure).draw()
+    axes = figure.axes[0]
+    low, high = axes.get_ylim()
+    labels = [t for t in axes.yaxis.get_ticklabels(which="both") if t.get_text() and low <= t.get_position()[1] <= high]
+    boxes = sorted((t.get_window_extent() for t in labels), key=lambda box: box.y0)
+    assert all(lower.y1 <= upper.y0 for lower, upper in zip(boxes, boxes[1:])), [t.get_text() for t in labels]
+    # The data run from 1.4 GiB (the nested plan's prediction) to 33 GiB: a label below 2 and one above 20.
+    values = [float(t.get_text()) for t in labels]
+    assert min(values) < 2 and max(values) > 20 and len(values) >= 6
+
+
+def test_memory_report_names_the_adamw_its_rows_used():
+    rows = _gpu_memory_rows()
+    assert "(forward, backward, foreach AdamW step, zero_grad)" in get_renderer("memory_profiling")(rows).body
+    fused = [{**r, "adamw": "fused"} if r.get("mode") == "train_step" else r for r in rows]
+    assert "(forward, backward, fused AdamW step, zero_grad)" in get_renderer("memory_profiling")(fused).body

@@ -5,8 +5,11 @@ import math
 import pytest
 import torch
 
+from cs336_systems.accounting.activations import parameter_count
 from cs336_systems.model import (
-    MODEL_SIZES,
+    DEFAULT_SIZE_TABLE,
+    SIZE_TABLE_ENV,
+    SIZE_TABLES,
     Embedding,
     Linear,
     ModelConfig,
@@ -14,23 +17,47 @@ from cs336_systems.model import (
     RotaryEmbedding,
     TransformerLM,
     count_parameters,
+    model_sizes,
+    size_table,
+    use_size_table,
 )
 
-# The parameter counts of the course's model sizes (vocabulary 10,000, untied LM head).
+# The parameter counts of the course's model sizes (vocabulary 10,000, untied LM head, SwiGLU, RMSNorm
+# weights): per block 4 d^2 + 3 d d_ff + 2 d, plus 2 x 10,000 d for the embedding and the head and d for
+# the final norm. The 2025 ones are the handout's; 2026's xl is 2025's 2.7B.
 EXPECTED_PARAMETERS = {
-    "small": 128_625_408,
-    "medium": 423_183_360,
-    "large": 969_411_840,
-    "xl": 1_998_235_200,
-    "2.7B": 3_406_809_600,
+    ("2025", "small"): 128_625_408,
+    ("2025", "medium"): 423_183_360,
+    ("2025", "large"): 969_411_840,
+    ("2025", "xl"): 1_998_235_200,
+    ("2025", "2.7B"): 3_406_809_600,
+    ("2026", "small"): 128_625_408,
+    ("2026", "medium"): 423_183_360,
+    ("2026", "large"): 969_411_840,
+    ("2026", "xl"): 3_406_809_600,
+    ("2026", "10B"): 12_832_823_808,
 }
 
 
-@pytest.mark.parametrize("size", EXPECTED_PARAMETERS)
-def test_parameter_count_matches_the_size_table(size):
-    with torch.device("meta"):
-        model = TransformerLM(ModelConfig.for_size(size, context_length=128))
-    assert count_parameters(model) == EXPECTED_PARAMETERS[size]
+@pytest.mark.parametrize(("table", "size"), EXPECTED_PARAMETERS)
+def test_parameter_count_matches_the_size_table(table, size):
+    config = ModelConfig.for_size(size, context_length=128, table=table)
+    with torch.device("meta"):  # no memory: the 10B model would need 51 GB
+        model = TransformerLM(config)
+    assert count_parameters(model) == parameter_count(config) == EXPECTED_PARAMETERS[(table, size)]
+
+
+def test_the_2026_table_is_the_default_and_the_2025_one_is_selectable(monkeypatch):
+    monkeypatch.setenv(SIZE_TABLE_ENV, DEFAULT_SIZE_TABLE)  # undone after the test, with use_size_table's change
+    monkeypatch.delenv(SIZE_TABLE_ENV)
+    assert size_table() == DEFAULT_SIZE_TABLE == "2026"
+    assert ModelConfig.for_size("xl", 128).d_model == 2560
+    use_size_table("2025")
+    assert size_table() == "2025" and ModelConfig.for_size("xl", 128).d_model == 1600
+    with pytest.raises(ValueError, match="select the 2026 table"):
+        ModelConfig.for_size("10B", 128)
+    with pytest.raises(ValueError, match="unknown size table"):
+        use_size_table("2024")
 
 
 def tiny_model(attention="naive", context_length=32, seed=0) -> TransformerLM:
@@ -124,5 +151,6 @@ def test_bad_input_gives_clear_errors():
         ModelConfig(d_model=30, d_ff=64, num_layers=1, num_heads=4, context_length=8)
 
 
-def test_size_table_is_the_single_source_of_sizes():
-    assert set(EXPECTED_PARAMETERS) <= set(MODEL_SIZES)
+def test_size_tables_are_the_single_source_of_sizes():
+    assert {(table, size) for table in SIZE_TABLES for size in SIZE_TABLES[table]} == set(EXPECTED_PARAMETERS)
+    assert all("tiny" in model_sizes(table) for table in SIZE_TABLES)

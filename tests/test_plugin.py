@@ -2,9 +2,15 @@
 
 import json
 import os
+import shlex
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
+
+from cs336_systems.model import SIZE_TABLE_ENV
+from cs336_systems.reports import read_rows
 
 PLUGIN = ["-p", "cs336_systems.pytest_plugin", "-p", "no:cacheprovider"]
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -173,6 +179,40 @@ def test_report_rows_from_xdist_workers_are_merged_into_one_report(pytester):
     assert "UTC, `pytest" in markdown and "-n 2" in markdown
 
 
+@pytest.mark.parametrize("option, xl_d_model, default_gpu_sizes", [
+    ((), 2560, ("small", "medium", "large", "xl", "10B")),
+    (("--size-table", "2025"), 1600, ("small", "medium", "large", "xl", "2.7B")),
+])
+def test_size_table_option_picks_the_sizes_and_report_rows_name_it(pytester, monkeypatch, option, xl_d_model,
+                                                                   default_gpu_sizes):
+    pytester.makepyfile(f"""
+        from cs336_systems.model import ModelConfig
+        from cs336_systems.pytest_plugin import _parse_sizes
+        def test_sizes(report, run_settings):
+            assert ModelConfig.for_size("xl", 16).d_model == {xl_d_model}
+            assert _parse_sizes(None, on_gpu=True) == {default_gpu_sizes!r}
+            report("_plugin_sizes").add(size="xl", ms=1.0)
+            report("_plugin_sizes").add(name="no model", ms=2.0)
+    """)
+    report_dir = pytester.path / "out"
+    monkeypatch.delenv(SIZE_TABLE_ENV, raising=False)
+    run(pytester, *option, "--report-dir", str(report_dir), subprocess=True).assert_outcomes(passed=1)
+    table = option[1] if option else "2026"
+    rows = read_rows(report_dir / "cpu" / "_plugin_sizes.csv")
+    assert [r.get("size_table") for r in rows] == [int(table), None]
+    markdown = (report_dir / "cpu" / "_plugin_sizes.md").read_text()
+    assert f"- model sizes: the {table} size table, xl {xl_d_model}/" in markdown
+
+
+def test_size_missing_from_the_table_is_a_usage_error(pytester, monkeypatch):
+    monkeypatch.setenv(SIZE_TABLE_ENV, "2026")  # the in-process runs below change it; this undoes that
+    pytester.makepyfile("def test_x(): pass")
+    result = run(pytester, "--model-sizes", "2.7B")
+    assert result.ret == pytest.ExitCode.USAGE_ERROR
+    result.stderr.fnmatch_lines(["*unknown 2.7B in the 2026 size table*"])
+    assert run(pytester, "--size-table", "2025", "--model-sizes", "2.7B").ret == pytest.ExitCode.OK
+
+
 GATED_TEST = """
     def test_speedup(speedup_gate):
         speedup_gate("flash vs naive", slow_ms=10.0, fast_ms=2.0)  # measured ratio 5.0
@@ -274,3 +314,18 @@ def test_spawn_fixture_runs_a_function_on_each_rank(pytester):
     """)
     pytester.syspathinsert()
     run(pytester, subprocess=True).assert_outcomes(passed=1)
+
+
+def test_the_single_gpu_reports_target_collects_the_four_problems_tests():
+    makefile = (REPO_ROOT / "Makefile").read_text()
+    recipe = makefile.split("single-gpu-reports: $(GPU_SETUP)\n", 1)[1].split("\n\n", 1)[0]
+    args = shlex.split(recipe.replace("\\\n", " "))
+    assert args[:3] == ["$(PYTHON)", "-m", "pytest"] and "--gpu" in args
+    args[args.index("--gpu") + 1] = "none"  # collected as on CPU, where the parametrisation is smaller
+    args += [] if "-q" in args else ["-q"]  # one node id per line
+    result = subprocess.run([sys.executable, "-m", "pytest", *args[3:], "--collect-only"], cwd=REPO_ROOT,
+                            capture_output=True, text=True)
+    collected = [line for line in result.stdout.splitlines() if "::" in line]
+    modules = {line.split("::")[0] for line in collected}
+    assert modules == {"perf/test_attention.py", "perf/test_profile.py", "perf/test_memory.py"}, result.stdout
+    assert not any("compiled" in line for line in collected) and any("eager" in line for line in collected)

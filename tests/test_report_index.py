@@ -95,10 +95,12 @@ def test_absent_reports_are_listed_as_not_measured_with_the_file_and_the_reason(
 
 
 def test_a_row_that_is_not_in_the_report_is_named_as_absent(tmp_path):
-    write_fake_report(tmp_path / "h100", "benchmarking_script", step_rows("xl", {"train_step": 700.0}))
+    # The two largest sizes measured are quoted; 10B was measured only at context 128.
+    write_fake_report(tmp_path / "h100", "benchmarking_script", step_rows("xl", {"train_step": 700.0})
+                      + [e2e_row("10B", 128, "train_step", 2000.0)])
     write_fake_report(tmp_path / "h100", "torch_compile", step_rows("xl", {"train_step": 700.0}))
     index = render_index(tmp_path)
-    assert "context 512, fp32, eager: xl takes 700.0 ± 7.0 ms" in index
+    assert "context 512, fp32, eager: the 10B step is not in the report; xl takes 700.0 ± 7.0 ms." in index
     assert "The attention sweep compiled against eager" in index
 
 
@@ -179,3 +181,69 @@ def test_noisy_times_are_marked_and_left_out_of_speed_ups(tmp_path):
             "(median 2.00x; 1 noisy cell left out)") in index
     assert "At tiny, context 64: fp32 10.0 ms -> 5 ms, 2.00x (noisy)." in index
     assert "The `cpu/` reports come from a CPU run" in index
+
+
+def _status_row(index: str, title: str) -> list[str]:
+    line = next(line for line in index.splitlines() if re.match(rf"\| \d+\. {re.escape(title)} +\|", line))
+    return [cell.strip() for cell in line.strip("|").split("|")]
+
+
+def test_status_names_the_size_table_of_every_measured_size_and_what_the_current_one_lacks(reports_root):
+    index = render_index(reports_root)
+    header = [cell.strip() for cell in index.split("## Status", 1)[1].split("\n| ", 1)[1].split("\n")[0].strip("|").split("|")]
+    assert header[-2:] == ["model sizes", "open"]
+    row = _status_row(index, "benchmarking_script")
+    # Rows without a size_table column were measured with the 2025 table; its 2.7B is the 2026 xl, its xl
+    # is no size of the 2026 table, and of the 2026 sizes only xl was measured.
+    assert row[-2] == "2025: xl, 2.7B"
+    assert row[-1] == ("measured on the 2025 table's xl, which the 2026 table does not have; the 2026 table's "
+                       "small, medium, large and 10B are not measured")
+    write_fake_report(reports_root / "h100", "benchmarking_script",
+                      [{**r, "size_table": 2026} for r in step_rows("xl", {"train_step": 700.0})
+                       + step_rows("10B", {"train_step": 2000.0})])
+    row = _status_row(render_index(reports_root), "benchmarking_script")
+    assert row[-2] == "2026: xl, 10B" and row[-1] == "the 2026 table's small, medium and large are not measured"
+
+
+def test_open_items_name_runs_that_need_more_gpus_and_parts_the_rows_lack(reports_root):
+    write_fake_report(reports_root / "h200", "distributed_communication_single_node", [
+        {"backend": backend, "world_size": n, "size_bytes": 10**6, "mean_rank_median_ms": 1.0, "busbw_gbps": 1.0}
+        for backend, sizes in (("gloo", (2, 4, 6)), ("nccl", (2,))) for n in sizes])
+    index = render_index(reports_root)
+    assert _status_row(index, "distributed_communication_single_node")[-1] == (
+        "h200: NCCL at 4 and 6 ranks: needs as many GPUs in one machine")
+    assert _status_row(index, "fsdp")[-1] == "needs a machine with 2 GPUs: `pytest perf/ -m fsdp --world-size 2`"
+    assert _status_row(index, "gradient_checkpointing")[-1].endswith(
+        "h100: the 2026 handout's (b) is xl at batch 4, context 2,048; this run measured context 1024 "
+        "(`make single-gpu-reports` runs it)")
+    assert "not implemented" in _status_row(index, "leaderboard")[-1]
+
+
+def test_the_2026_parallelism_problems_are_answered_from_their_reports(tmp_path):
+    from cs336_systems.benchmarks.parallelism_calcs import write_parallelism_calcs
+
+    write_parallelism_calcs(tmp_path)
+    index = render_index(tmp_path)
+    section = index[index.index("## 19. alternate_ring_all_reduce"):index.index("## 24. leaderboard")]
+    assert "T = (N - 1) S / W, N/2 times the ring all-reduce's" in section
+    assert "N_TP <= 1 + 3 D_FF W / (2 C) = 7.99" in section and "N_DP <= 1 + B W / C = 8.45" in section
+    assert "sharing the network N <= (a b + a + b)^2 / (4 a b) = 21.2" in section
+
+
+def test_memory_profiling_answer_includes_part_f(tmp_path):
+    base = {"size": "xl", "size_table": 2026, "batch_size": 4, "attention": "naive", "precision": "fp32",
+            "context_length": 128}
+    rows = [{**base, "table": "peak", "mode": mode, "status": "ok", "peak_bytes": 60 * 2**30}
+            for mode in ("inference", "train_step")]
+    rows += [{**base, "table": "block", "status": "ok", "block": i, "saved_bytes": 166 * 2**20,
+              "predicted_saved_bytes": 166 * 2**20, "weight_gradient_bytes": 4 * 104_862_720, "parameters": 104_862_720,
+              "gradient_bytes": 405 * 2**20} for i in range(32)]
+    rows += [{**base, "table": "block_operation", "block": 16, "rank": 1, "operation": "aten::mm", "bytes": 40 * 2**20,
+              "share": 0.24}, {**base, "table": "snapshot", "file": "memory_xl_train_step_fp32_ctx128.pickle"},
+             {**base, "context_length": 2048, "table": "peak", "mode": "train_step", "status": "OOM"}]
+    write_fake_report(tmp_path / "h100", "memory_profiling", rows)
+    index = render_index(tmp_path)
+    assert ("(f) In fp32 at context 128 a block saves 166.00 MiB for backward (the model: 166.00 MiB), 24% of it "
+            "allocated by `aten::mm` (24%); its weight gradients take 400.02 MiB, 4 bytes for each of its 104,862,720 "
+            "parameters, and the allocator saw its backward add 405.00 MiB of gradients.") in index
+    assert _status_row(index, "memory_profiling")[-1] == ""

@@ -387,12 +387,30 @@ def test_sharding_accounting_report_answers_from_the_rows():
             "target), peak memory +1.5% (within the +5% target)") in body
     assert "| DDP + ShardedOptimizer (broadcast) | OOM" in body
     # Peaks 47.1 -> 39.4 GiB: 7.7 saved; the model's 45.7 - 38.3 = 7.4.
-    assert "ZeRO stage 1 lowers the peak from 47.1 to 39.4 GiB, 7.7 GiB; the memory model expected 7.4 GiB" in body
+    assert ("Sharding the optimizer state lowers the peak from 47.1 to 39.4 GiB, 7.7 GiB; the memory model expected "
+            "7.4 GiB") in body
     # Before the step, DDP: 7.4 x 3 + 14.9 = 37.1 GiB allocated, other 37.1 - 7.4 - 7.4 - 14.9 = 7.4.
     assert "before the optimizer step 37.1 GiB allocated" in body
     assert "other 7.4)" in body
     assert "Forward leaves 16.0 GiB of activations" in body
     assert "Sharding keeps 7.5 of 14.9 GiB of optimizer state on this rank (50%)" in body
+
+
+def test_sharding_accounting_answers_c_against_zero_stage_1():
+    from cs336_systems.benchmarks.sharding import render_sharding_accounting
+
+    rows = _gpu_like_sharding_rows() + [
+        {"table": "communication", "variant": "DDP + AdamW", "collective": "all_reduce (DDP gradients)",
+         "payload_bytes": 8e9, "ring_bytes_sent_per_rank": 8e9}]
+    body = render_sharding_accounting(rows).body
+    section = body[body.index("## (c) Against ZeRO stage 1"):]
+    # Psi = 8 GB on 2 ranks: all-reduce 8 + broadcast 4 = 12 GB; reduce-scatter 4 + all-gather 4 = 8 GB.
+    assert "3 (N-1)/N Psi = 12 GB" in section and "2 (N-1)/N Psi = 8 GB" in section
+    assert "ours sends 1.5x ZeRO stage 1's bytes: 12 GB against 8 GB per rank per step" in section
+    assert "4 + 4 + 8 / N (fp32 AdamW)" in section and "2 + 2 + 12 / N" in section
+    assert "7.5 GiB of optimizer state per rank against 14.9 GiB unsharded" in section
+    # The torch optimizer is not called ZeRO stage 1 anywhere: it communicates like ours.
+    assert "ZeRO stage 1 lowers" not in body and "ZeRO stage 1 also broadcasts" not in body
 
 
 def test_sharding_report_names_the_faster_resynchronisation():

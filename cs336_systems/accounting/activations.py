@@ -41,7 +41,10 @@ ATTENTIONS = ("naive", "sdpa")
 DEVICE_TYPES = ("cuda", "cpu")
 # AdamW keeps two fp32 moments per parameter.
 ADAMW_STATE_PER_PARAMETER = 2
-MODES = ("inference", "train_step")
+MODES = ("inference", "forward_backward", "train_step")
+# AdamW implementations: foreach (torch's default on CUDA) allocates one parameter-sized temporary in its
+# step (sqrt of the second moment); fused updates in place.
+ADAMW_IMPLEMENTATIONS = ("foreach", "fused")
 
 
 def _check(precision: str, attention: str = "naive", device_type: str = "cuda") -> None:
@@ -188,22 +191,27 @@ class MemoryPrediction:
 
 
 def predict_peak_memory(config: ModelConfig, batch_size: int, seq_len: int, precision: str = "fp32",
-                        attention: str = "naive", mode: str = "train_step") -> MemoryPrediction:
-    """Peak device memory of one inference forward or one steady-state AdamW training step on CUDA.
+                        attention: str = "naive", mode: str = "train_step",
+                        adamw: str = "foreach") -> MemoryPrediction:
+    """Peak device memory of one inference forward, one forward+backward or one steady-state AdamW
+    training step on CUDA.
 
     Inference (no grad): parameters, plus under autocast the bf16 copies of every matmul weight (the
     autocast cache keeps them until the autocast region exits), plus the forward's transient peak.
 
-    Training step (after a first step created the AdamW state; foreach AdamW, the CUDA default): the
-    peak is the larger of two moments. At the end of forward the parameters, AdamW state (2P) and every
-    saved activation are alive, with the loss's or attention's temporaries on top. During backward,
-    activations are freed about as fast as gradients appear, so the end of backward (P + 2P + G) is
-    below the optimizer step, where the foreach update allocates one more parameter-sized temporary
-    (sqrt of the second moment) beside parameters, gradients and state: 5P, with P the bytes of the
-    fp32 parameters (fp32 under autocast too).
+    Training step (after a first step created the AdamW state): the peak is the larger of two moments.
+    At the end of forward the parameters, AdamW state (2P) and every saved activation are alive, with
+    the loss's or attention's temporaries on top. During backward, activations are freed about as fast
+    as gradients appear, so the end of backward (P + 2P + G) is below the optimizer step, where foreach
+    AdamW allocates one more parameter-sized temporary (sqrt of the second moment) beside parameters,
+    gradients and state: 5P, with P the bytes of the fp32 parameters (fp32 under autocast too); fused
+    AdamW updates in place, 4P. Forward+backward has no AdamW state: the larger of the end of forward
+    and the end of backward (P + G).
     """
     if mode not in MODES:
         raise ValueError(f"unknown mode {mode!r}; choose one of {', '.join(MODES)}")
+    if adamw not in ADAMW_IMPLEMENTATIONS:
+        raise ValueError(f"unknown AdamW implementation {adamw!r}; choose one of {', '.join(ADAMW_IMPLEMENTATIONS)}")
     _check(precision, attention)
     params = parameter_count(config) * FP32_BYTES
     cast_weights = matmul_weight_count(config) * ACTIVATION_BYTES[precision] if precision != "fp32" else 0
@@ -211,11 +219,21 @@ def predict_peak_memory(config: ModelConfig, batch_size: int, seq_len: int, prec
         transient = inference_transient_bytes(config, batch_size, seq_len, precision, attention)
         return MemoryPrediction(mode, params, 0, 0, 0, cast_weights, transient,
                                 params + cast_weights + transient, "forward")
-    grads, state = params, ADAMW_STATE_PER_PARAMETER * params
+    grads = params
+    state = ADAMW_STATE_PER_PARAMETER * params if mode == "train_step" else 0
     saved = saved_activation_bytes(config, batch_size, seq_len, precision, attention)
     transient = training_transient_bytes(config, batch_size, seq_len, precision, attention)
     # Under autocast, the weight copies are among the saved activations (each Linear keeps its own).
-    forward_end = params + state + saved + transient
-    optimizer_step = params + grads + state + params
-    phase, peak = max(("end of forward", forward_end), ("optimizer step", optimizer_step), key=lambda p: p[1])
+    moments = [("end of forward", params + state + saved + transient)]
+    if mode == "train_step":
+        step_temporary = params if adamw == "foreach" else 0
+        moments.append(("optimizer step", params + grads + state + step_temporary))
+    else:
+        moments.append(("end of backward", params + grads))
+    phase, peak = max(moments, key=lambda p: p[1])
     return MemoryPrediction(mode, params, grads, state, saved, 0, transient, peak, phase)
+
+
+def state_bytes(prediction: MemoryPrediction) -> int:
+    """Parameters, gradients and optimizer state: memory a step needs whatever the batch or context."""
+    return prediction.parameters_bytes + prediction.gradients_bytes + prediction.optimizer_state_bytes

@@ -22,12 +22,16 @@ variable keeps the last S alive until it returns, so the forward peaks with two 
 
 Backward, gradients named after the tensors they belong to, and the score-sized matrices alive:
     P @ v                dP = dO v^T (B, Nq, Nk), dv = P^T dO      P, dP
-    softmax              dS = P * (dP - rowsum(dP * P))            P, dP, dS  <- the peak; then P, dP freed
+    softmax              dS = P * (dP - rowsum(dP * P))            P, dP, dS (+ dP * P on CUDA) <- the peak
     causal: masked_fill  dS1 = dS.masked_fill(~m, 0)               dS, dS1
     / sqrt(d)            dS0 = dS1 / sqrt(d)                       dS1, dS0
     q @ k^T              dq = dS0 k, dk = dS0^T q                  dS0
-so backward peaks with three score-sized matrices. With retain_graph=True P outlives the softmax
-step, which keeps three alive one step longer but not more.
+The softmax's backward is where the peak falls, and its size depends on the device. On CUDA,
+ATen's softmax_backward_cuda_out computes `tmp = grad * output` into a new tensor first and runs
+its kernel on tmp and P, so dP * P is a fourth score-sized matrix beside P, dP and dS: four at the
+peak. The CPU kernel is fused and needs no temporary: three. (The H100 sweep measured the backward
+peak at 4/3 of a three-matrix prediction in every cell from N = 1024 up.) With retain_graph=True P
+outlives the softmax step, which keeps that many alive one step longer but not more.
 
 Totals count what the benchmarks hold as well: q, k, v and the output gradient dO, allocated before
 the forward. They leave out cuBLAS workspaces, allocator rounding and fragmentation.
@@ -46,9 +50,10 @@ from dataclasses import dataclass
 
 PRECISION_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 BOOL_BYTES = 1
-# Score-sized (B, Nq, Nk) matrices alive at the forward's and the backward's peak (see above).
+# Score-sized (B, Nq, Nk) matrices alive at the forward's and, per device type, the backward's peak
+# (see above).
 FORWARD_PEAK_SCORE_MATRICES = 2
-BACKWARD_PEAK_SCORE_MATRICES = 3
+BACKWARD_PEAK_SCORE_MATRICES = {"cuda": 4, "cpu": 3}
 # Backward over forward FLOPs: five matmuls of the forward's size against its two.
 BACKWARD_FLOPS_MULTIPLE = 2.5
 PHASES = ("forward", "backward", "forward_backward")
@@ -77,10 +82,18 @@ class NaiveAttentionMemory:
     head_dim: int
     precision: str
     is_causal: bool = False
+    device_type: str = "cuda"
 
     def __post_init__(self):
         _check_positive_int(batch=self.batch, n_queries=self.n_queries, n_keys=self.n_keys, head_dim=self.head_dim)
         _check_precision(self.precision)
+        if self.device_type not in BACKWARD_PEAK_SCORE_MATRICES:
+            raise ValueError(f"unknown device type {self.device_type!r}; choose one of "
+                             f"{', '.join(BACKWARD_PEAK_SCORE_MATRICES)}")
+
+    @property
+    def backward_peak_score_matrices(self) -> int:
+        return BACKWARD_PEAK_SCORE_MATRICES[self.device_type]
 
     @property
     def element_bytes(self) -> int:
@@ -137,8 +150,9 @@ class NaiveAttentionMemory:
 
     @property
     def backward_peak_bytes(self) -> int:
-        """P, dP and dS at the softmax step, the saved mask, O and dv (made by the first matmul's backward)."""
-        return (self.caller_bytes + BACKWARD_PEAK_SCORE_MATRICES * self.scores_bytes + self.mask_bytes
+        """P, dP, dS (and on CUDA dP * P) at the softmax step, the saved mask, O and dv (made by the first
+        matmul's backward)."""
+        return (self.caller_bytes + self.backward_peak_score_matrices * self.scores_bytes + self.mask_bytes
                 + self.query_sized_bytes + self.key_sized_bytes)
 
     @property
@@ -165,6 +179,9 @@ class NaiveAttentionMemory:
             ("dP, dS", f"2 x ({b}, {nq}, {nk})", 2 * self.scores_bytes,
              "gradients of P and of the scores, alive with P at the softmax's backward"),
         ]
+        if self.backward_peak_score_matrices == 4:
+            rows.append(("dP * P", f"({b}, {nq}, {nk})", self.scores_bytes,
+                         "the CUDA softmax backward's temporary, alive with P, dP and dS"))
         return [{"tensor": name, "shape": shape, "bytes": size, "note": note} for name, shape, size, note in rows]
 
     def as_row(self) -> dict[str, int]:
@@ -175,8 +192,8 @@ class NaiveAttentionMemory:
 
 
 def naive_attention_memory(batch: int, n_queries: int, n_keys: int, head_dim: int, precision: str,
-                           is_causal: bool = False) -> NaiveAttentionMemory:
-    return NaiveAttentionMemory(batch, n_queries, n_keys, head_dim, precision, is_causal)
+                           is_causal: bool = False, device_type: str = "cuda") -> NaiveAttentionMemory:
+    return NaiveAttentionMemory(batch, n_queries, n_keys, head_dim, precision, is_causal, device_type)
 
 
 def attention_flops(batch: int, seq_len: int, head_dim: int, is_causal: bool, phase: str) -> float:

@@ -23,10 +23,12 @@ one algorithm, 2(N - 1) steps of V / N bytes:
 
     T_ar = 2 (N - 1) latency_s + 2 (N - 1) / N * V / w.
 
-The alternate all-reduce runs the two collectives one after the other (reduce-scatter to shards,
-then all-gather of the reduced shards). It moves the same bytes in the same number of steps, so it
-takes exactly as long; what it buys is the freedom to do something between the two halves (FSDP
-and ZeRO update the optimizer shard there, and defer the gather until the weights are next needed).
+The alternate all-reduce of the course's handout passes whole arrays around the ring instead: in
+step t = 1 ... N - 1 device i sends x^((i - t + 1) mod N), the array it received last (its own
+first), and adds the one it receives to its running sum. After N - 1 steps every device has added
+every other device's array, so it is an all-reduce, but each step moves all V bytes, not V / N:
+
+    T_alt = (N - 1) latency_s + (N - 1) V / w,   N / 2 times the ring all-reduce's bandwidth term.
 
 As N grows, (N - 1) / N -> 1: the bandwidth term of an all-gather tends to V / w whatever N is (the
 scaling book's T = V / W_ici), while the latency term keeps growing with N. Below roughly
@@ -75,26 +77,29 @@ def all_reduce_s(array_bytes: float, num_devices: int, bandwidth_bytes_per_s: fl
     return _ring_steps_s(2 * (num_devices - 1), array_bytes / num_devices, bandwidth_bytes_per_s, latency_s)
 
 
-def reduce_scatter_then_all_gather_s(array_bytes: float, num_devices: int, bandwidth_bytes_per_s: float,
-                                     latency_s: float = 0.0) -> float:
-    """The alternate all-reduce: a reduce-scatter, then an all-gather of the reduced shards."""
-    return (reduce_scatter_s(array_bytes, num_devices, bandwidth_bytes_per_s, latency_s)
-            + all_gather_s(array_bytes, num_devices, bandwidth_bytes_per_s, latency_s))
+def alternate_all_reduce_s(array_bytes: float, num_devices: int, bandwidth_bytes_per_s: float,
+                           latency_s: float = 0.0) -> float:
+    """(N - 1) latency + (N - 1) V / w: N - 1 steps, each passing a whole V-byte array to the next device."""
+    _check(array_bytes, num_devices, bandwidth_bytes_per_s, latency_s)
+    return _ring_steps_s(num_devices - 1, array_bytes, bandwidth_bytes_per_s, latency_s)
 
 
 COLLECTIVES = {
     "all_gather": all_gather_s,
     "reduce_scatter": reduce_scatter_s,
     "all_reduce": all_reduce_s,
-    "reduce_scatter_then_all_gather": reduce_scatter_then_all_gather_s,
+    "alternate_all_reduce": alternate_all_reduce_s,
 }
 
 
 def bytes_sent_per_device(collective: str, array_bytes: float, num_devices: int) -> float:
-    """Bytes each device sends (and receives): (N - 1) / N * V, twice that for the all-reduces."""
+    """Bytes each device sends (and receives): (N - 1) / N * V, twice that for the ring all-reduce,
+    (N - 1) V for the alternate all-reduce."""
     if collective not in COLLECTIVES:
         raise ValueError(f"unknown collective {collective!r}; choose one of {', '.join(COLLECTIVES)}")
     _check(array_bytes, num_devices, 1.0, 0.0)
+    if collective == "alternate_all_reduce":
+        return (num_devices - 1) * array_bytes
     phases = 1 if collective in ("all_gather", "reduce_scatter") else 2
     return phases * (num_devices - 1) / num_devices * array_bytes
 

@@ -141,33 +141,65 @@ def _size_label(size_bytes: float) -> str:
     return f"{size_bytes / GB:g} GB" if size_bytes >= GB else f"{size_bytes / MB:g} MB"
 
 
+# At the smallest size, a backend reaching under this share of its best bus bandwidth spends more than
+# half the time on its fixed per-call cost; the largest size this far short of the best is a decline.
+FIXED_COST_BOUND_SHARE = 0.5
+DECLINE_SHARE = 0.9
+# Across world sizes, bus bandwidth within this share of the first is "flat": the ring's extra bytes
+# per link account for the extra time.
+FLAT_BUS_BANDWIDTH = 0.15
+
+
+def _size_findings(backend: str, n: int, line: list[Row]) -> str:
+    """How bandwidth changes with size for one backend and world size, read from its rows."""
+    small, large = line[0], line[-1]
+    best = max(line, key=lambda r: r["busbw_gbps"])
+    share = small["busbw_gbps"] / best["busbw_gbps"]
+    text = (f"- {backend}, {n} ranks: {small['mean_rank_median_ms']:.3g} ms for {_size_label(small['size_bytes'])} "
+            f"({small['busbw_gbps']:.3g} GB/s bus bandwidth) against {large['mean_rank_median_ms']:.3g} ms for "
+            f"{_size_label(large['size_bytes'])} ({large['busbw_gbps']:.3g} GB/s); the best is "
+            f"{best['busbw_gbps']:.3g} GB/s at {_size_label(best['size_bytes'])}. ")
+    if share < FIXED_COST_BOUND_SHARE:
+        text += (f"At {_size_label(small['size_bytes'])} it reaches {share:.0%} of that: a fixed per-call cost "
+                 "takes more than half the time there")
+    else:
+        text += (f"Already at {_size_label(small['size_bytes'])} it reaches {share:.0%} of that: the per-call cost "
+                 "is small beside the transfer at every size measured")
+    if best is not large and large["busbw_gbps"] < DECLINE_SHARE * best["busbw_gbps"]:
+        text += (f", and past {_size_label(best['size_bytes'])} bandwidth falls "
+                 f"({large['busbw_gbps'] / best['busbw_gbps']:.0%} of the best at {_size_label(large['size_bytes'])})")
+    return text + "."
+
+
+def _rank_findings(backend: str, at_size: list[Row]) -> str:
+    """How time and bus bandwidth change with the world size at one size."""
+    first, last = at_size[0], at_size[-1]
+    ring = [2 * (r["world_size"] - 1) / r["world_size"] for r in (first, last)]
+    spread = max(abs(r["busbw_gbps"] / first["busbw_gbps"] - 1) for r in at_size)
+    text = (f"- {backend} at {_size_label(first['size_bytes'])}: from {first['world_size']} to {last['world_size']} "
+            f"ranks the time goes {first['mean_rank_median_ms']:.3g} -> {last['mean_rank_median_ms']:.3g} ms "
+            f"({last['mean_rank_median_ms'] / first['mean_rank_median_ms']:.2f}x); a ring's 2(n-1)/n of the data "
+            f"per link goes {ring[0]:.2f} -> {ring[1]:.2f} ({ring[1] / ring[0]:.2f}x). Bus bandwidth, which divides "
+            "that factor out, ")
+    values = ", ".join(f"{r['busbw_gbps']:.3g}" for r in at_size)
+    if spread <= FLAT_BUS_BANDWIDTH:
+        return text + (f"stays within {spread:.0%} ({values} GB/s): the extra time is the extra bytes each rank's "
+                       "link carries.")
+    direction = "falls" if last["busbw_gbps"] < first["busbw_gbps"] else "rises"
+    return text + f"{direction} ({values} GB/s): more ranks change more than the bytes per link."
+
+
 def _findings(rows: list[Row]) -> list[str]:
     findings = []
     for backend in sorted({r["backend"] for r in rows}):
         mine = [r for r in rows if r["backend"] == backend]
-        smallest, largest = min(r["size_bytes"] for r in mine), max(r["size_bytes"] for r in mine)
         for n in sorted({r["world_size"] for r in mine}):
-            small = next(r for r in mine if r["world_size"] == n and r["size_bytes"] == smallest)
-            large = next(r for r in mine if r["world_size"] == n and r["size_bytes"] == largest)
-            findings.append(
-                f"- {backend}, {n} ranks: {small['mean_rank_median_ms']:.3g} ms for {_size_label(smallest)} "
-                f"({small['busbw_gbps']:.3g} GB/s bus bandwidth) against {large['mean_rank_median_ms']:.3g} ms for "
-                f"{_size_label(largest)} ({large['busbw_gbps']:.3g} GB/s): "
-                + ("bandwidth grows with size, since a fixed per-call cost dominates small all-reduces."
-                   if large["busbw_gbps"] > small["busbw_gbps"] else
-                   "bandwidth does not grow with size here."))
+            findings.append(_size_findings(backend, n, sorted((r for r in mine if r["world_size"] == n),
+                                                               key=lambda r: r["size_bytes"])))
+        largest = max(r["size_bytes"] for r in mine)
         at_largest = sorted((r for r in mine if r["size_bytes"] == largest), key=lambda r: r["world_size"])
         if len(at_largest) > 1:
-            first, last = at_largest[0], at_largest[-1]
-            rises = last["mean_rank_median_ms"] > first["mean_rank_median_ms"]
-            findings.append(
-                f"- {backend} at {_size_label(largest)}: from {first['world_size']} to {last['world_size']} ranks "
-                f"the time "
-                f"{'rises' if rises else 'does not rise'} ({first['mean_rank_median_ms']:.3g} -> "
-                f"{last['mean_rank_median_ms']:.3g} ms) and bus bandwidth goes {first['busbw_gbps']:.3g} -> "
-                f"{last['busbw_gbps']:.3g} GB/s"
-                + ("; a ring moves 2(n-1)/n of the data over every rank's link and takes 2(n-1) steps, so more ranks "
-                   "mean more bytes per link and more latency." if rises else "."))
+            findings.append(_rank_findings(backend, at_largest))
     common = [(g, n) for g in rows if g["backend"] == "gloo" for n in rows
               if n["backend"] == "nccl" and (n["world_size"], n["size_bytes"]) == (g["world_size"], g["size_bytes"])]
     if common:

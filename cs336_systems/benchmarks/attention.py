@@ -43,6 +43,7 @@ WARMUP_PASSES = 5
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 GIB = 2**30
 LOGSUMEXP_BYTES = 4  # FlashAttention keeps one fp32 logsumexp per query row
+COUNTS = {3: "three", 4: "four"}
 
 
 @dataclass(frozen=True)
@@ -95,7 +96,7 @@ def _empty_row(cell: AttentionCell, device: torch.device) -> Row:
             "memory_before_backward_bytes": None, "forward_peak_bytes": None, "backward_peak_bytes": None}
     if not cell.compiled:  # the closed form models eager autograd; compiled graphs save what Inductor decides
         memory = naive_attention_memory(cell.batch_size, cell.seq_len, cell.seq_len, cell.head_dim,
-                                        cell.precision, cell.is_causal)
+                                        cell.precision, cell.is_causal, device.type)
         row |= memory.as_row()
     on_cuda = device.type == "cuda"
     row["device_memory_bytes"] = torch.cuda.get_device_properties(device).total_memory if on_cuda else None
@@ -302,7 +303,7 @@ def _scaling_findings(rows: list[Row]) -> list[str]:
 
 def _memory_of(row: Row):
     return naive_attention_memory(row["batch_size"], row["seq_len"], row["seq_len"], row["head_dim"],
-                                  row["precision"], row["is_causal"])
+                                  row["precision"], row["is_causal"], row.get("device") or "cuda")
 
 
 def _first_predicted_oom(rows: list[Row]) -> Row | None:
@@ -345,7 +346,9 @@ def _accounting_section(rows: list[Row]) -> str:
     totals = [("before backward: q, k, v, dO, O and what autograd saved", memory.before_backward_bytes,
                target.get("memory_before_backward_bytes")),
               ("forward peak: two score matrices (the last S, and P) and O", memory.forward_peak_bytes, None),
-              ("backward peak: three score matrices (P, dP, dS), O and dv", memory.backward_peak_bytes, None)]
+              (f"backward peak: {COUNTS[memory.backward_peak_score_matrices]} score matrices (P, dP, dS"
+               + (", dP * P" if memory.backward_peak_score_matrices == 4 else "") + "), O and dv",
+               memory.backward_peak_bytes, None)]
     total_rows = [{"total": name, "predicted (GiB)": f"{predicted / GIB:.4g}", "measured (GiB)": _gib_cell(measured),
                    "share of device memory": f"{predicted / capacity:.0%}" if capacity else ""}
                   for name, predicted, measured in totals]
@@ -372,11 +375,13 @@ def _validation_section(rows: list[Row]) -> str:
     measured = [r for r in _by_cell(rows) if r.get("backward_peak_bytes") is not None]
     if not measured:
         return ""
-    table, added_ratios = [], []
+    table, added_ratios, backward_ratios = [], [], []
     for r in measured:
         memory = _memory_of(r)
         held = r["allocated_before_forward_bytes"]  # q, k, v, dO and cuBLAS workspaces
         added_ratios.append((r["seq_len"], _retained(r) / memory.retained_bytes))
+        backward_ratios.append((r["seq_len"], (r["backward_peak_bytes"] - held)
+                                / (memory.backward_peak_bytes - memory.caller_bytes)))
         table.append({
             "d": r["head_dim"], "N": r["seq_len"],
             "added by forward: measured (GiB)": _gib_cell(_retained(r)),
@@ -395,7 +400,10 @@ def _validation_section(rows: list[Row]) -> str:
         "predicted.\n",
         markdown_table(table),
         f"At the largest measured N ({largest}) the memory added by the forward is {min(at_largest):.3f}x to "
-        f"{max(at_largest):.3f}x the prediction.\n",
+        f"{max(at_largest):.3f}x the prediction, and the backward's peak "
+        f"{min(ratio for n, ratio in backward_ratios if n == largest):.3f}x to "
+        f"{max(ratio for n, ratio in backward_ratios if n == largest):.3f}x (at the smallest N, what the closed form "
+        "leaves out, cuBLAS workspaces and allocator rounding, weighs more than the score matrices).\n",
     ])
 
 
@@ -427,18 +435,37 @@ def _memory_plot(rows: list[Row]):
     return figure
 
 
+def _oom_text(rows: list[Row]) -> str:
+    """Where naive attention first ran out of memory, per head dimension, read from the table's rows, and
+    whether the accounting predicted each cell's outcome."""
+    ooms = _by_cell([r for r in rows if r["status"] == OOM])
+    if ooms:
+        text = ("Out of memory: " + ", ".join(f"d={r['head_dim']} N={r['seq_len']} (during {r['oom_during']})"
+                                              for r in ooms) +
+                f". The smallest sequence length that ran out is N={min(r['seq_len'] for r in ooms)}: " + "; ".join(
+                    f"d={d} from N={min(r['seq_len'] for r in ooms if r['head_dim'] == d)}"
+                    for d in sorted({r["head_dim"] for r in ooms})) + ".")
+    else:
+        text = f"No configuration ran out of memory, up to N={max(r['seq_len'] for r in rows)}."
+    capacity = next((r["device_memory_bytes"] for r in rows if r.get("device_memory_bytes")), None)
+    if capacity is None:
+        return text
+    # A cell that ran must be predicted to fit and a cell that ran out predicted not to.
+    wrong = [r for r in _by_cell(rows) if (r["status"] == OOM) != (_memory_of(r).peak_bytes > capacity)]
+    if not wrong:
+        return text + (f" The accounting's peak puts every cell on the same side of the device's "
+                       f"{capacity / GIB:.3g} GiB as the run did.")
+    return text + " The accounting's peak disagrees with the run for " + ", ".join(
+        f"d={r['head_dim']} N={r['seq_len']} ({'ran' if r['status'] != OOM else 'out of memory'}, predicted "
+        f"{_memory_of(r).peak_bytes / GIB:.3g} GiB of {capacity / GIB:.3g})" for r in wrong) + "."
+
+
 @renderer("pytorch_attention", key=ATTENTION_KEY)
 def render_pytorch_attention(rows: list[Row]) -> Rendered:
     rows = [r for r in rows if not r.get("compile")]
     if not rows:
         return Rendered("")
-    ooms = _by_cell([r for r in rows if r["status"] == OOM])
-    if ooms:
-        oom_text = ("Out of memory: " + ", ".join(f"d={r['head_dim']} N={r['seq_len']} ({oom_when(r)})"
-                                                  for r in ooms) +
-                    f". The smallest sequence length that ran out is N={min(r['seq_len'] for r in ooms)}.")
-    else:
-        oom_text = "No configuration ran out of memory."
+    oom_text = _oom_text(rows)
     findings = "\n".join(_scaling_findings(rows))
     return Rendered("\n".join([
         f"## Timings and memory\n\n{_setup(rows)} {_memory_note(rows)}\n",

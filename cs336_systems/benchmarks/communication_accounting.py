@@ -1,5 +1,6 @@
-"""Problem communication_accounting: the XXL model's memory, FSDP degree and compute-bound batch on a
-TPU v5p mesh, and the parallelism calculations (ring collectives; DP / FSDP / TP / FSDP+TP limits).
+"""Problem communication_accounting (2025 handout): the XXL model's memory, FSDP degree and compute-bound
+batch on a TPU v5p mesh, with ring collectives and DP / FSDP / TP / FSDP+TP limits of its block on that
+mesh. The 2026 handout's parallelism problems are `parallelism_calcs`.
 
 Nothing here is measured: `communication_accounting_rows` evaluates the closed-form models of
 `cs336_systems.accounting.communication` and `.parallelism`, the renderer writes every answer and
@@ -36,12 +37,11 @@ from cs336_systems.accounting.parallelism import (
     saved_activation_bytes_per_token,
     training_state_bytes,
 )
+from cs336_systems.benchmarks.parallelism_calcs import ANALYSIS_COMMAND, closed_form_header
 from cs336_systems.gpus import GB, GIB, GPU_SPECS, MB
 from cs336_systems.reports import Rendered, Row, markdown_table, renderer, select, write_csv
 
 PROBLEM = "communication_accounting"
-DEFAULT_COMMAND = ('python -c "from cs336_systems.benchmarks.communication_accounting import '
-                   "write_communication_accounting; write_communication_accounting('reports')\"")
 MS, US = 1e3, 1e6  # seconds -> milliseconds, microseconds
 
 H100 = GPU_SPECS["h100"]  # memory_bytes is the datasheet's 80 GB = 80e9 bytes
@@ -381,21 +381,17 @@ def _section_d(rows: list[Row], s: dict[str, float]) -> str:
 
 def _section_collectives(rows: list[Row], s: dict[str, float]) -> str:
     collectives = select(rows, table="collective")
-    table = []
-    for size in sorted({r["array_bytes"] for r in collectives}):
-        for devices in sorted({r["devices"] for r in collectives}):
-            cell = {r["collective"]: r for r in collectives if r["array_bytes"] == size and r["devices"] == devices}
-            gather = cell["all_gather"]
-            table.append({"array": _size(size), "N": devices,
-                          **{f"{name} (us)": cell[name]["total_us"] for name in COLLECTIVES},
-                          "all_gather latency share": gather["latency_term_us"] / gather["total_us"]})
-    same = all(abs(a["total_us"] - b["total_us"]) <= 1e-9 * b["total_us"]
-               for a in collectives if a["collective"] == "all_reduce"
-               for b in collectives if b["collective"] == "reduce_scatter_then_all_gather"
-               and b["array_bytes"] == a["array_bytes"] and b["devices"] == a["devices"])
+    table = [{"array": _size(size), "N": devices, **{f"{name} (us)": cell[name]["total_us"] for name in COLLECTIVES},
+              "all_gather latency share": cell["all_gather"]["latency_term_us"] / cell["all_gather"]["total_us"]}
+             for (size, devices), cell in _cells(collectives).items()]
+    ratios = [cell["alternate_all_reduce"]["total_us"] / cell["all_reduce"]["total_us"]
+              for cell in _cells(collectives).values()]
     crossovers = ", ".join(f"{_size(s[f'latency_bound_below_bytes_{n}'])} at N = {n}" for n in COLLECTIVE_DEVICE_COUNTS)
     return "\n".join([
-        "## Parallelism calculations\n",
+        "## Beyond the question: ring collectives and parallel layouts on the v5p mesh\n",
+        "The 2026 handout's parallelism problems (alternate_ring_all_reduce, data_parallel_calcs, fsdp_calcs, "
+        "tp_calcs, fsdp_tp_calcs) are answered part by part, in its symbols, in reports of their own beside this "
+        "one; this section models the XXL block's collectives on the v5p mesh of the question above.\n",
         "### Ring collectives\n",
         "N devices in a ring; a step sends one message to the next device, latency + bytes / w. V is the whole "
         "array's size; w a device's bandwidth into the ring (a bidirectional ring counts both directions, like "
@@ -403,14 +399,23 @@ def _section_collectives(rows: list[Row], s: dict[str, float]) -> str:
         "    all-gather      (N - 1) latency +     (N - 1) / N  V / w     N - 1 steps of V / N",
         "    reduce-scatter  (N - 1) latency +     (N - 1) / N  V / w     the same messages, summed on the way",
         "    all-reduce     2(N - 1) latency + 2 (N - 1) / N  V / w     reduce-scatter phase, then all-gather phase",
-        "    reduce-scatter, then all-gather: the same 2(N - 1) messages of V / N, so the same time\n",
-        f"Doubling w halves the bandwidth term; as N grows it tends to V / w (2 V / w for the all-reduces) while "
+        "    alternate       (N - 1) latency +      (N - 1)    V / w     N - 1 steps, each passing a whole array\n",
+        f"Doubling w halves the bandwidth term; as N grows it tends to V / w (2 V / w for the all-reduce) while "
         f"the latency term grows as N. On one v5p ICI axis (w = {s['ici_bytes_per_s']:.2g} bytes/s, "
         f"{s['ici_hop_latency_s'] * US:g} us per hop) collectives are latency bound below N w latency: {crossovers}.\n",
         markdown_table(table),
-        ("The alternate all-reduce (reduce-scatter, then all-gather) takes exactly as long as the ring all-reduce in "
-         "every row." if same else "The alternate all-reduce differs from the ring all-reduce in some rows.") + "\n",
+        "The alternate all-reduce (the 2026 handout's, answered in alternate_ring_all_reduce.md) takes "
+        f"{min(ratios):.2f}x to {max(ratios):.2f}x the ring all-reduce's time in these rows: N / 2 of its "
+        "bandwidth term, and half its latency term, since it takes N - 1 steps instead of 2 (N - 1).\n",
     ])
+
+
+def _cells(collectives: list[Row]) -> dict[tuple, dict[str, Row]]:
+    """(array bytes, devices) -> collective -> row."""
+    cells: dict[tuple, dict[str, Row]] = {}
+    for r in collectives:
+        cells.setdefault((r["array_bytes"], r["devices"]), {})[r["collective"]] = r
+    return dict(sorted(cells.items()))
 
 
 def _size(nbytes: float) -> str:
@@ -483,17 +488,7 @@ def render_communication_accounting(rows: list[Row]) -> Rendered:
     return Rendered(body, figures={"communication_accounting_forward.png": _plot(rows)})
 
 
-def header(command: str) -> str:
-    return "\n".join([
-        f"# {PROBLEM}", "",
-        "- device: none; computed in closed form by `cs336_systems.accounting.communication` and "
-        "`cs336_systems.accounting.parallelism`, nothing is measured",
-        f"- command: `{command}`",
-        "- units: bytes; GB = 10^9 bytes, GiB = 2^30 bytes, MB = 10^6 bytes; FLOP/s; batches in tokens", "",
-    ])
-
-
-def write_communication_accounting(report_dir: Path | str, command: str = DEFAULT_COMMAND) -> Path:
+def write_communication_accounting(report_dir: Path | str, command: str = ANALYSIS_COMMAND) -> Path:
     """Write <report_dir>/communication_accounting.md, .csv (every row) and its figure; returns the .md path.
 
     The report has no date or device in it, so writing it again gives identical files.
@@ -507,5 +502,6 @@ def write_communication_accounting(report_dir: Path | str, command: str = DEFAUL
         # No metadata: the PNG's bytes depend only on the figure.
         figure.savefig(report_dir / file_name, dpi=120, bbox_inches="tight", metadata={"Software": None})
     path = report_dir / f"{PROBLEM}.md"
-    path.write_text(header(command) + "\n" + rendered.body.rstrip() + "\n")
+    sources = "`cs336_systems.accounting.communication` and `cs336_systems.accounting.parallelism`"
+    path.write_text(closed_form_header(PROBLEM, command, sources) + "\n" + rendered.body.rstrip() + "\n")
     return path

@@ -24,10 +24,10 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from cs336_systems.accounting.activations import predict_peak_memory
+from cs336_systems.accounting.activations import predict_peak_memory, state_bytes
 from cs336_systems.accounting.flops import step_flops
-from cs336_systems.memory_guard import check_memory, is_out_of_memory
-from cs336_systems.model import ModelConfig, TransformerLM
+from cs336_systems.memory_guard import MemoryCheck, check_memory, is_out_of_memory
+from cs336_systems.model import ModelConfig, TransformerLM, size_order
 from cs336_systems.profiling.ranges import annotate
 from cs336_systems import reports
 from cs336_systems.reports import NOISY, OOM, Rendered, Row, is_noisy, plural, renderer, span
@@ -80,17 +80,6 @@ class E2EConfig:
 
     def model_config(self) -> ModelConfig:
         return ModelConfig.for_size(self.size, self.model_context_length or self.context_length)
-
-    def estimated_peak_bytes(self) -> int:
-        """The closed-form peak: a no-grad forward in "forward" mode, a steady AdamW step in "train";
-        "forward_backward" holds the training step's memory less AdamW's state and its update."""
-        mode = "inference" if self.mode == "forward" else "train_step"
-        memory = predict_peak_memory(self.model_config(), self.batch_size, self.context_length, self.precision,
-                                     memory_model_attention(self.attention), mode)
-        if self.mode == "forward_backward":
-            return memory.parameters_bytes + max(memory.saved_activations_bytes + memory.transient_bytes,
-                                                 memory.gradients_bytes)
-        return memory.peak_bytes
 
 
 def memory_model_attention(attention: str) -> str:
@@ -197,6 +186,18 @@ def benchmark_in_fresh_process(cfg: E2EConfig, device: torch.device | str) -> li
     return [json.loads(line) for line in result.stdout.splitlines() if line.startswith("{")]
 
 
+# The memory model's name for each benchmark mode.
+_MEMORY_MODES = {"forward": "inference", "forward_backward": "forward_backward", "train": "train_step"}
+
+
+def memory_estimate(cfg: E2EConfig):
+    """The cell's peak device memory by the closed-form model (cs336_systems.accounting.activations):
+    CUDA's autocast rules, fused AdamW as `adamw` builds it on CUDA, eager attention (compiled blocks
+    save what Inductor decides). Attention other than naive is modelled as SDPA."""
+    return predict_peak_memory(cfg.model_config(), cfg.batch_size, cfg.context_length, cfg.precision,
+                               memory_model_attention(cfg.attention), _MEMORY_MODES[cfg.mode], adamw="fused")
+
+
 def _free_device_memory(device: torch.device) -> None:
     gc.collect()
     if device.type == "cuda":
@@ -213,8 +214,16 @@ def benchmark_model(cfg: E2EConfig, device: torch.device | str, peak_flops: floa
     device = torch.device(device)
     base: Row = {k: v for k, v in asdict(cfg).items() if k != "model_context_length"}
     base["device"] = device.type
+    estimate = memory_estimate(cfg)
+    if device.type == "cuda":
+        total = torch.cuda.get_device_properties(device).total_memory
+        if state_bytes(estimate) > total:
+            # Parameters, gradients and AdamW state alone exceed the device: no batch or context fits, and
+            # building the model only to run out would take minutes.
+            check = MemoryCheck(estimate.peak_bytes, total)
+            return [{**base, "phase": phase, **check.oom_columns(predicted=True)} for phase in PHASES[cfg.mode]]
     _free_device_memory(device)
-    memory = check_memory(cfg.estimated_peak_bytes(), device)
+    memory = check_memory(estimate.peak_bytes, device)
     if not memory.fits:
         return [{**base, "phase": phase, **memory.oom_columns(predicted=True)} for phase in PHASES[cfg.mode]]
     try:
@@ -268,14 +277,8 @@ def _ok(rows: list[Row]) -> list[Row]:
     return [r for r in rows if r.get("status") == "ok"]
 
 
-def _size_order(size: str) -> int:
-    from cs336_systems.model import MODEL_SIZES
-
-    return list(MODEL_SIZES).index(size) if size in MODEL_SIZES else len(MODEL_SIZES)
-
-
 def _cell_order(row: Row) -> tuple:
-    return (_size_order(row["size"]), row["context_length"], str(row.get("precision")),
+    return (size_order(row["size"]), row["context_length"], str(row.get("precision")),
             list(PHASE_LABELS).index(row["phase"]))
 
 
@@ -288,7 +291,7 @@ def _sweep_setup(rows: list[Row]) -> str:
 def _sweep_table(rows: list[Row]) -> str:
     from cs336_systems.reports import markdown_table, pivot
 
-    ordered = sorted(rows, key=lambda r: (_size_order(r["size"]), list(PHASE_LABELS).index(r["phase"]),
+    ordered = sorted(rows, key=lambda r: (size_order(r["size"]), list(PHASE_LABELS).index(r["phase"]),
                                           r["context_length"]))
     table = pivot([{**r, "phase": PHASE_LABELS[r["phase"]]} for r in ordered],
                   index=["size", "phase"], column="context_length", value="mean_ms", fmt=mean_std, label="context")
@@ -304,15 +307,30 @@ def _variation_summary(rows: list[Row]) -> str:
     worst = max(measured, key=lambda r: r["std_ms"] / r["mean_ms"])
     steady = sum(s < STEADY_RELATIVE_STD for s in spreads)
     ooms = sorted({(r["size"], r["context_length"]) for r in rows if r.get("status") == OOM},
-                  key=lambda k: (_size_order(k[0]), k[1]))
+                  key=lambda k: (size_order(k[0]), k[1]))
     text = (f"Variation between steps: the median cell's std is {median_spread:.1%} of its mean, and {steady} of "
             f"{plural(len(spreads), 'cell')} stay under {STEADY_RELATIVE_STD:.0%}; the most variable is "
             f"{worst['size']} at "
             f"context {worst['context_length']} ({PHASE_LABELS[worst['phase']]}: "
             f"{worst['std_ms'] / worst['mean_ms']:.1%} of {worst['mean_ms']:.1f} ms).")
     if ooms:
-        text += " Out of memory: " + ", ".join(f"{s} at context {c}" for s, c in ooms) + "."
+        text += " Out of memory: " + _oom_listing([r for r in rows if r.get("status") == OOM]) + "."
     return text + "\n"
+
+
+def _oom_listing(ooms: list[Row]) -> str:
+    """Each cell that did not fit, with the memory model's estimate and whether it was run."""
+    cells: dict[tuple, Row] = {}
+    for r in sorted(ooms, key=_cell_order):
+        cells.setdefault((r["size"], r["context_length"], r.get("precision")), r)
+    listed = []
+    for (size, context, precision), r in cells.items():
+        notes = [f"estimate {r['estimated_peak_bytes'] / 2**30:,.1f} GiB"] if r.get("estimated_peak_bytes") else []
+        if r.get("oom_predicted"):
+            notes.append("not run: the estimate does not fit the free memory")
+        listed.append(f"{size} at context {context}" + (f" in {precision}" if precision else "")
+                      + (f" ({'; '.join(notes)})" if notes else ""))
+    return ", ".join(listed)
 
 
 def _one_time_costs(device_type: str) -> str:
@@ -332,7 +350,7 @@ def _warmup_section(rows: list[Row]) -> str:
     if not rows:
         return ""
     shown = sorted((r for r in rows if r["phase"] in ("forward", "backward", "optimizer")),
-                   key=lambda r: (_size_order(r["size"]), r["warmup"], list(PHASE_LABELS).index(r["phase"])))
+                   key=lambda r: (size_order(r["size"]), r["warmup"], list(PHASE_LABELS).index(r["phase"])))
     table = [{"size": r["size"], "warm-up steps": r["warmup"], "phase": r["phase"],
               "mean ± std (ms)": mean_std(r), "median (ms)": r.get("median_ms"),
               "first timed step (ms)": r.get("first_ms"), "slowest step (ms)": r.get("max_ms")} for r in shown]
@@ -342,7 +360,7 @@ def _warmup_section(rows: list[Row]) -> str:
             markdown_table(table)]
     ok = _ok(rows)
     findings = []
-    for size in sorted({r["size"] for r in ok}, key=_size_order):
+    for size in sorted({r["size"] for r in ok}, key=size_order):
         steps = {r["warmup"]: r for r in ok if r["size"] == size and r["phase"] == "train_step"}
         if 0 not in steps or len(steps) < 2:
             continue

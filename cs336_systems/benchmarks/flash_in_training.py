@@ -2,8 +2,8 @@
 PyTorch SDPA, at the sizes and contexts people train at; and the attention kernels alone at those
 steps' shapes, where the step's attention time comes from.
 
-    rows = training_steps(TrainingCell("xl", 512), "cuda")
-    rows = attention_kernels(kernel_cell_of(TrainingCell("xl", 512)), "cuda")
+    rows = training_steps(TrainingCell("xl", 512, table="2025"), "cuda")
+    rows = attention_kernels(kernel_cell_of(TrainingCell("xl", 512, table="2025")), "cuda")
 
 A training step is the whole model under torch.compile(fullgraph=True) (a graph break fails the cell)
 with bf16 autocast, cross-entropy, backward, a fused AdamW step and zero_grad. Both attentions run in
@@ -35,14 +35,20 @@ DEFAULT_STEPS = 20
 
 @dataclass(frozen=True)
 class TrainingCell:
+    """A model size of a size table (cs336_systems.model.SIZE_TABLES) at a context and batch size."""
+
     size: str
     context_length: int
     batch_size: int = 4
+    table: str = "2026"
+
+    def model_config(self) -> ModelConfig:
+        return ModelConfig.for_size(self.size, self.context_length, table=self.table)
 
 
 def kernel_cell_of(cell: TrainingCell) -> FlashCell:
     """The attention call inside `cell`'s training step (causal, bf16)."""
-    config = ModelConfig.for_size(cell.size, cell.context_length)
+    config = cell.model_config()
     return FlashCell(cell.context_length, config.d_model // config.num_heads, "bf16", batch_size=cell.batch_size,
                      n_heads=config.num_heads)
 
@@ -76,8 +82,9 @@ def _summary(samples: list[float]) -> Row:
 def _training_step_row(cell: TrainingCell, attention: str, device: torch.device, warmup: int, steps: int) -> Row:
     from cs336_systems.attention.flash_triton import source_hash
 
-    config = ModelConfig.for_size(cell.size, cell.context_length)
-    row: Row = {"table": "step", "size": cell.size, "d_model": config.d_model, "n_heads": config.num_heads,
+    config = cell.model_config()
+    row: Row = {"table": "step", "size_table": cell.table, "size": cell.size, "d_model": config.d_model,
+                "n_heads": config.num_heads,
                 "head_dim": config.d_model // config.num_heads, "context_length": cell.context_length,
                 "batch_size": cell.batch_size, "attention": attention, "compile": "whole model, fullgraph",
                 "precision": "bf16 autocast", "optimizer": "AdamW (fused)", "warmup": warmup,
@@ -139,8 +146,8 @@ def attention_kernels(cell: FlashCell, device: torch.device | str = "cuda",
 
 # ------------------------------------------------------------------------------------------ report
 
-KEY = ("table", "size", "context_length", "attention", "provider", "batch_size", "n_heads", "seq_len", "head_dim",
-       "mode")
+KEY = ("table", "size_table", "size", "context_length", "attention", "provider", "batch_size", "n_heads", "seq_len",
+       "head_dim", "mode")
 
 
 def _time(row: Row) -> str:
@@ -151,14 +158,15 @@ def _time(row: Row) -> str:
 
 def _steps_section(rows: list[Row]) -> str:
     table, text = [], []
-    for size, context in dict.fromkeys((r["size"], r["context_length"]) for r in rows):
-        cell = {r["attention"]: r for r in rows if (r["size"], r["context_length"]) == (size, context)}
+    for table_name, size, context in dict.fromkeys((r["size_table"], r["size"], r["context_length"]) for r in rows):
+        cell = {r["attention"]: r for r in rows
+                if (r["size_table"], r["size"], r["context_length"]) == (table_name, size, context)}
         sdpa = cell.get("sdpa")
         for attention, r in cell.items():
             ok = r["status"] == "ok"
             ratio = r["median_ms"] / sdpa["median_ms"] if ok and sdpa and sdpa["status"] == "ok" else None
             shape = f"{r['d_model']} / {r['n_heads']} / {r['head_dim']}"
-            table.append({"size": size, "d_model / heads / d_head": shape,
+            table.append({"size": f"{size} ({table_name} table)", "d_model / heads / d_head": shape,
                           "context": context, "attention": attention, "step ms, median (IQR)": _time(r),
                           "std / mean": f"{r['std_ms'] / r['mean_ms']:.1%}" if ok else "",
                           "vs SDPA": f"{ratio:.3f}x" if ratio else "",

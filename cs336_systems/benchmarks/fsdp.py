@@ -288,6 +288,9 @@ def fsdp_equivalence(rank: int, world_size: int) -> list[Row]:
 
 # ------------------------------------------------------------------------------------------ reports
 
+MEMORY_MODEL_FIELDS = ("parameters", "gradients", "optimizer_state", "activations", "buffers", "peak")
+
+
 def _ok_steps(rows: list[Row]) -> dict[str, Row]:
     return {r["variant"]: r for r in rows if r.get("table") == "step" and r.get("status") == "ok"}
 
@@ -315,8 +318,8 @@ def _expected_saving(rows: list[Row], steps: dict[str, Row]) -> str:
     ddp_model, fsdp_model = models.get("DDP (torch, gradient buckets)"), models.get("FSDP")
     if not (ddp_model and fsdp_model):
         return ""
-    table = [{"per rank (GiB)": name, **{k.removesuffix("_gib"): v for k, v in r.items() if k.endswith("_gib")}}
-             for name, r in models.items()]
+    # The model's fields by name and in its order: rows read back from the CSV carry every column.
+    table = [{"per rank (GiB)": name, **{k: r[f"{k}_gib"] for k in MEMORY_MODEL_FIELDS}} for name, r in models.items()]
     text = ["## Expected against measured\n",
             "The closed-form model (cs336_systems.accounting.memory), per rank; FSDP's buffers are three gathered "
             "weights and three fp32 gradients in flight, each the size of the largest weight:\n",
@@ -344,34 +347,40 @@ def _zero_differences(rows: list[Row], steps: dict[str, Row]) -> str:
         return ""
     world_size = next(iter(steps.values()))["world_size"]
     gradient_bytes = ddp["payload_bytes"]
-    zero = [{"variant": "ZeRO stage 1 (same sizes)", "collective": "all_reduce (DDP gradients)",
-             "payload_bytes": gradient_bytes,
-             "ring_bytes_sent_per_rank": bytes_sent_per_device("all_reduce", gradient_bytes, world_size)},
-            {"variant": "ZeRO stage 1 (same sizes)", "collective": "broadcast (updated parameters)",
-             "payload_bytes": gradient_bytes,
-             "ring_bytes_sent_per_rank": bytes_sent_per_device("all_gather", gradient_bytes, world_size)}]
+
+    def same_sizes(variant: str, collectives: tuple[tuple[str, str], ...]) -> list[Row]:
+        return [{"variant": f"{variant} (same sizes)", "collective": label, "payload_bytes": gradient_bytes,
+                 "ring_bytes_sent_per_rank": bytes_sent_per_device(kind, gradient_bytes, world_size)}
+                for label, kind in collectives]
+
+    sharded = same_sizes("optimizer-state sharding", (("all_reduce (DDP gradients)", "all_reduce"),
+                                                      ("broadcast (updated parameters)", "all_gather")))
+    zero = same_sizes("ZeRO stage 1", (("reduce_scatter (gradients)", "reduce_scatter"),
+                                       ("all_gather (updated parameters)", "all_gather")))
     table = [{**r, "payload (GB)": r["payload_bytes"] / 1e9, "sent per rank (GB)": r["ring_bytes_sent_per_rank"] / 1e9}
-             for r in ours + zero]
-    ours_total = sum(r["ring_bytes_sent_per_rank"] for r in ours)
-    zero_total = sum(r["ring_bytes_sent_per_rank"] for r in zero)
+             for r in ours + sharded + zero]
+    ours_total, sharded_total, zero_total = (sum(r["ring_bytes_sent_per_rank"] for r in group)
+                                             for group in (ours, sharded, zero))
     models = {r["strategy"]: r for r in rows if r.get("table") == "memory_model"}
     memory = ""
     if "ZeRO stage 1" in models and "FSDP" in models:
         z, f = models["ZeRO stage 1"], models["FSDP"]
-        memory = (" In memory, ZeRO stage 1 shards only the optimizer state "
-                  f"({z['optimizer_state_gib']:.3g} GiB per rank in the model) and keeps whole parameters "
+        memory = (" In memory, optimizer-state sharding and ZeRO stage 1 shard only the optimizer state "
+                  f"({z['optimizer_state_gib']:.3g} GiB per rank in the model) and keep whole parameters "
                   f"({z['parameters_gib']:.3g} GiB) and gradients ({z['gradients_gib']:.3g} GiB); FSDP shards all "
                   f"three ({f['parameters_gib']:.3g}, {f['gradients_gib']:.3g} and {f['optimizer_state_gib']:.3g} GiB).")
-    return ("## How this differs from ZeRO stage 1\n\n"
-            "ZeRO stage 1 all-reduces every gradient in backward and, after each rank has updated the parameters it "
-            "owns, broadcasts them; FSDP all-gathers each weight just before its use in forward and again in "
-            "backward, and reduce-scatters each gradient as backward produces it, so its traffic is spread over "
-            "the step where compute can hide it. Bytes per step, counted from the sizes communicated (ZeRO's from "
+    return ("## How this differs from optimizer-state sharding and ZeRO stage 1\n\n"
+            "Optimizer-state sharding as optimizer_state_sharding implements it (and torch's ZeroRedundancyOptimizer) "
+            "keeps DDP's all-reduce of every gradient and, after each rank has updated the parameters it owns, "
+            "broadcasts them; ZeRO stage 1 proper reduce-scatters the gradients and all-gathers the updated "
+            "parameters, DDP's volume. FSDP all-gathers each weight just before its use in forward and again in "
+            "backward, and reduce-scatters each gradient as backward produces it, so its traffic is spread over the "
+            "step where compute can hide it. Bytes per step, counted from the sizes communicated (the other two from "
             "the same model's gradient sizes):\n\n"
             + markdown_table(table, ["variant", "collective", "payload (GB)", "sent per rank (GB)"])
-            + f"\nEach rank sends {ours_total / 1e9:.3g} GB per step under FSDP and {zero_total / 1e9:.3g} GB under "
-            f"ZeRO stage 1 (ratio {ours_total / zero_total:.3g}); DDP alone sends "
-            f"{ddp['ring_bytes_sent_per_rank'] / 1e9:.3g} GB.{memory}\n")
+            + f"\nEach rank sends {ours_total / 1e9:.3g} GB per step under FSDP, {sharded_total / 1e9:.3g} GB under "
+            f"optimizer-state sharding and {zero_total / 1e9:.3g} GB under ZeRO stage 1, as much as DDP alone "
+            f"({ddp['ring_bytes_sent_per_rank'] / 1e9:.3g} GB).{memory}\n")
 
 
 def _readiness_section(rows: list[Row]) -> str:

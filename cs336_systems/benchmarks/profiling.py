@@ -25,6 +25,7 @@ from cs336_systems.accounting.activations import (
     predict_peak_memory,
     residual_stream_bytes,
     saved_activation_bytes,
+    state_bytes,
     training_transient_bytes,
 )
 from cs336_systems.benchmarks.e2e import (
@@ -36,8 +37,8 @@ from cs336_systems.benchmarks.e2e import (
     memory_model_attention,
 )
 from cs336_systems.gpus import GIB, MIB
-from cs336_systems.memory_guard import check_memory, is_out_of_memory
-from cs336_systems.model import MODEL_SIZES, ModelConfig
+from cs336_systems.memory_guard import MemoryCheck, check_memory, is_out_of_memory
+from cs336_systems.model import ModelConfig, size_order
 from cs336_systems.profiling.checkpointing import (
     apply_checkpointing,
     describe,
@@ -62,6 +63,7 @@ from cs336_systems.profiling.memory import (
     take_snapshot,
 )
 from cs336_systems.profiling.ranges import annotate
+from cs336_systems.profiling.residuals import block_memory
 from cs336_systems.reports import OOM, Rendered, Row, markdown_table, mean_std, pivot, plural, renderer, span
 from cs336_systems.timing import timed
 
@@ -98,10 +100,6 @@ def _training_step(model, optimizer, inputs, targets, precision: str, device: to
             optimizer.zero_grad(set_to_none=True)
 
     return step
-
-
-def _size_order(size: str) -> int:
-    return list(MODEL_SIZES).index(size) if size in MODEL_SIZES else len(MODEL_SIZES)
 
 
 def _gib(value) -> float | None:
@@ -163,9 +161,16 @@ def profile_training_step(cfg: ProfileConfig, device: torch.device | str) -> lis
     base: Row = {"size": cfg.size, "context_length": cfg.context_length, "batch_size": cfg.batch_size,
                  "precision": cfg.precision, "attention": cfg.attention, "device": device.type,
                  "d_head": config.d_head, "num_layers": config.num_layers}
+    estimate = predict_peak_memory(config, cfg.batch_size, cfg.context_length, cfg.precision,
+                                   memory_model_attention(cfg.attention), adamw="fused")
+    if device.type == "cuda":
+        base["predicted_peak_bytes"] = estimate.peak_bytes
+        total = torch.cuda.get_device_properties(device).total_memory
+        if state_bytes(estimate) > total:
+            # Parameters, gradients and AdamW state alone exceed the device: not worth building the model.
+            return [{**base, "table": "cell", **MemoryCheck(estimate.peak_bytes, total).oom_columns(predicted=True)}]
     _release(device)
-    memory = check_memory(predict_peak_memory(config, cfg.batch_size, cfg.context_length, cfg.precision,
-                                              memory_model_attention(cfg.attention)).peak_bytes, device)
+    memory = check_memory(estimate.peak_bytes, device)
     if not memory.fits:
         return [{**base, "table": "cell", **memory.oom_columns(predicted=True)}]
     try:
@@ -211,7 +216,8 @@ def _timed_then_profiled(cfg: ProfileConfig, config: ModelConfig, device: torch.
 
 def _range_rows(base: Row, table) -> list[Row]:
     rows = [{**base, "table": "range", "range": table.range, "instances": table.instances,
-             "wall_ms": table.wall_us / 1e3, "work_ms": table.work_us / 1e3, "matmul_ms": table.matmul_us / 1e3,
+             "wall_ms": table.wall_us / 1e3, "work_ms": table.work_us / 1e3, "self_work_ms": table.self_work_us / 1e3,
+             "matmul_ms": table.matmul_us / 1e3,
              "matmul_share": table.matmul_share, "kernel_calls": table.calls, "distinct_kernels": len(table.kernels)}]
     keep = [rank < KERNELS_PER_RANGE or (not k.matmul and k.share > MAIN_KERNEL_SHARE)
             for rank, k in enumerate(table.kernels)]
@@ -261,7 +267,7 @@ def _nsys_cells(rows: list[Row]) -> dict[tuple, dict]:
     for cell in cells.values():
         for kernels in cell["kernel"].values():
             kernels.sort(key=lambda r: r["rank"])
-    return dict(sorted(cells.items(), key=lambda item: (_size_order(item[0][0]), item[0][1])))
+    return dict(sorted(cells.items(), key=lambda item: (size_order(item[0][0]), item[0][1])))
 
 
 def _measured(cells: dict) -> dict:
@@ -398,7 +404,7 @@ def _attention_section(cells: dict) -> str:
 
 def _kernel_tables_section(cells: dict) -> str:
     preferred = [key for key in cells if key[1] == 512] or list(cells)
-    key = max(preferred, key=lambda k: (_size_order(k[0]), k[1]))
+    key = max(preferred, key=lambda k: (size_order(k[0]), k[1]))
     c = cells[key]
     parts = [f"## Kernel tables: {key[0]} at context {key[1]}\n\nOne profiled training step; the other cells' "
              "tables are in the CSV. Share is of the range's total kernel time; calls per instance divide by the "
@@ -430,6 +436,24 @@ def _nsys_section(rows: list[Row]) -> str:
             "(warmup, step_0, forward, backward, optimizer, attention/...) come from the same annotations.\n")
 
 
+def _attribution_note(cells: dict) -> str:
+    """How kernels were attributed, and the check that none was counted twice, from the rows."""
+    if not any("self_work_ms" in r for c in cells.values() for r in c["range"].values()):
+        return ("These rows were measured before kernels were attributed once each: a kernel could be counted "
+                "under two launching events, so a range's work may exceed its time; a new run replaces them.")
+    excess = []
+    for (size, context), c in cells.items():
+        ranges = {name: r for name, r in c["range"].items() if name != FORWARD_BACKWARD}
+        own = sum(r["self_work_ms"] for r in ranges.values())
+        if own > ranges[STEP_RANGE]["work_ms"] * (1 + 1e-9):
+            excess.append(f"{size} at context {context}")
+    return ("Each kernel is attributed once, to the innermost range (record_function/NVTX) open when its launch "
+            "call ran, kernel and launch linked by CUPTI correlation id; a range's table also holds the kernels of "
+            "the ranges nested in it (forward includes attention/*), each once. "
+            + ("In every cell the ranges' own kernel time adds up to no more than the step's."
+               if not excess else f"The ranges' own kernel time exceeds the step's in {', '.join(excess)}."))
+
+
 @renderer("nsys_profile", key=("table", "size", "context_length", "precision", "attention"))
 def render_nsys_profile(rows: list[Row]) -> Rendered:
     cells = _nsys_cells(rows)
@@ -438,11 +462,13 @@ def render_nsys_profile(rows: list[Row]) -> Rendered:
     if cells:
         sample = next(iter(cells.values()))["cell"] or {}
         device = sample.get("device", "cuda")
-        ooms = [f"{s} at context {n}" for (s, n), c in cells.items() if c["cell"] and c["cell"]["status"] == OOM]
+        ooms = [f"{s} at context {n}" + (f" (estimate {_size(c['cell']['predicted_peak_bytes'])}"
+                                        + ("; not run" if c["cell"].get("oom_predicted") else "") + ")"
+                                        if c["cell"].get("predicted_peak_bytes") else "")
+                for (s, n), c in cells.items() if c["cell"] and c["cell"]["status"] == OOM]
         parts.append(f"Kernel tables from torch.profiler for one training step (AdamW) per cell: "
                      f"{sample.get('attention', 'naive')} attention, {sample.get('precision', 'fp32')}, batch "
-                     f"{sample.get('batch_size')}. Kernels are attributed to the record_function/NVTX ranges whose "
-                     f"CPU interval contains the operator that launched them (linked by correlation id)."
+                     f"{sample.get('batch_size')}." + (" " + _attribution_note(measured) if measured else "")
                      + (f" Out of memory: {', '.join(ooms)}." if ooms else "") + "\n")
         if measured:
             parts += [_forward_time_section(measured, device), _top_kernel_section(measured),
@@ -457,6 +483,8 @@ def render_nsys_profile(rows: list[Row]) -> Rendered:
 # ======================================================================================= memory_profiling
 
 MEMORY_MODES = ("inference", "train_step")
+# The 2026 handout's memory_profiling contexts (for its xl).
+HANDOUT_MEMORY_CONTEXTS = (128, 2048)
 MODE_LABELS = {"inference": "forward only (inference)", "train_step": "training step"}
 # The analytical model should land within this share of a measured peak.
 PREDICTION_TOLERANCE = 0.15
@@ -464,13 +492,16 @@ PREDICTION_TOLERANCE = 0.15
 
 @dataclass(frozen=True)
 class MemoryProfileConfig:
-    size: str = "2.7B"
-    contexts: tuple[int, ...] = (128, 256, 512)
+    size: str = "xl"
+    contexts: tuple[int, ...] = HANDOUT_MEMORY_CONTEXTS
     precisions: tuple[str, ...] = ("fp32", "bf16")
     batch_size: int = DEFAULT_BATCH_SIZE
     attention: str = "naive"
     timeline_points: int = 300  # per plotted cell: enough to show every phase, few enough for the CSV
     top_allocations: int = 8
+    # The context whose timelines, snapshots, largest allocations and per-block residuals the report
+    # shows; None: the shortest, where a training step fits if any does.
+    detail_context: int | None = None
 
     def __post_init__(self):
         unknown = [p for p in self.precisions if p not in PRECISIONS]
@@ -478,36 +509,42 @@ class MemoryProfileConfig:
             raise ValueError(f"unknown precisions {unknown}; choose from {', '.join(PRECISIONS)}")
         if not self.contexts or min(self.contexts) < 1:
             raise ValueError(f"need positive context lengths, got {self.contexts}")
+        if self.detail_context is not None and self.detail_context not in self.contexts:
+            raise ValueError(f"detail_context {self.detail_context} is not one of the contexts {self.contexts}")
         ModelConfig.for_size(self.size, max(self.contexts))
 
     @property
-    def detail_context(self) -> int:
-        """The context whose timelines and largest allocations the report shows."""
-        return max(self.contexts)
+    def shown_context(self) -> int:
+        return self.detail_context or min(self.contexts)
 
 
 def memory_profile(cfg: MemoryProfileConfig, device: torch.device | str, snapshot_dir: Path | None = None) -> list[Row]:
-    """Peak memory of inference and of a steady-state training step per precision and context.
+    """Peak memory of inference and of a steady-state training step per precision and context, and
+    at the shown context what each block saves for backward and what its gradients take (part f).
 
-    On CUDA every cell also records the allocator's history: its snapshot (dumped to `snapshot_dir`
-    when given) gives the active-memory timeline and the largest allocations. On CPU, peaks come
-    from torch.profiler's memory records and there are no snapshots. Inference cells run first, before
-    AdamW exists; each training cell runs one step first, so the measured step has AdamW's state.
+    On CUDA every cell also records the allocator's history: its snapshot gives the active-memory
+    timeline and the largest allocations, and at the shown context it is dumped to `snapshot_dir`
+    (the pickle pytorch.org/memory_viz opens). On CPU, peaks come from torch.profiler's memory records
+    and there are no snapshots. Inference cells run first, before AdamW exists; each training cell
+    runs one step first, so the measured step has AdamW's state. AdamW is fused on CUDA, as in the
+    end-to-end benchmarks.
     """
     device = torch.device(device)
-    config = ModelConfig.for_size(cfg.size, cfg.detail_context)
+    config = ModelConfig.for_size(cfg.size, max(cfg.contexts))
     _release(device)
     model = build_model(config, cfg.attention, device, compile=False)
     rows = [_residual_row(cfg, model, precision, device) for precision in cfg.precisions]
     optimizer = None
     for mode in MEMORY_MODES:
         if mode == "train_step":
-            # torch's default (multi-tensor) AdamW: the variant whose temporaries the peak model counts.
-            optimizer = torch.optim.AdamW(model.parameters(), lr=LEARNING_RATE)
+            optimizer = adamw(model, lr=LEARNING_RATE)
         for precision in cfg.precisions:
             for context in cfg.contexts:
                 rows += _memory_cell(cfg, mode, precision, context, model, optimizer, device, snapshot_dir)
-    del model, optimizer
+    del optimizer
+    for precision in cfg.precisions:
+        rows += _block_rows(cfg, model, precision, device)
+    del model
     _release(device)
     return rows
 
@@ -518,7 +555,7 @@ def _memory_base(cfg: MemoryProfileConfig, device: torch.device, **fields) -> Ro
 
 def _residual_row(cfg: MemoryProfileConfig, model, precision: str, device: torch.device) -> Row:
     """The residual stream's size from the formula against the first block's real output."""
-    context = cfg.detail_context
+    context = cfg.shown_context
     inputs, _ = _random_tokens(model.config, cfg.batch_size, context, device)
     captured = {}
 
@@ -540,6 +577,14 @@ def _residual_row(cfg: MemoryProfileConfig, model, precision: str, device: torch
 
 def _memory_cell(cfg, mode, precision, context, model, optimizer, device, snapshot_dir) -> list[Row]:
     base = _memory_base(cfg, device, mode=mode, precision=precision, context_length=context)
+    if mode == "train_step":
+        base["adamw"] = "fused" if optimizer.defaults.get("fused") else None
+    config = ModelConfig.for_size(cfg.size, context)
+    # The predictor follows CUDA's autocast rules: on a CPU it only bounds what the cell may need.
+    prediction = predict_peak_memory(config, cfg.batch_size, context, precision, memory_model_attention(cfg.attention),
+                                     mode, adamw="fused" if base.get("adamw") == "fused" else "foreach")
+    if device.type == "cuda":
+        base["predicted_peak_bytes"] = prediction.peak_bytes
     inputs, targets = _random_tokens(model.config, cfg.batch_size, context, device)
     params = list(model.parameters())
 
@@ -552,11 +597,10 @@ def _memory_cell(cfg, mode, precision, context, model, optimizer, device, snapsh
             return F.cross_entropy(model(inputs).flatten(0, 1), targets.flatten())
 
     run = inference if mode == "inference" else _training_step(model, optimizer, inputs, targets, precision, device)
-    snapshot_path = snapshot_dir / f"memory_{cfg.size}_{mode}_{precision}_ctx{context}.pickle" if snapshot_dir else None
+    shown = context == cfg.shown_context
+    snapshot_path = (snapshot_dir / snapshot_file_name(cfg.size, mode, precision, context)
+                     if snapshot_dir and shown else None)
     _release(device)
-    config = ModelConfig.for_size(cfg.size, context)
-    prediction = predict_peak_memory(config, cfg.batch_size, context, precision,
-                                     memory_model_attention(cfg.attention), mode)
     # The model, and AdamW's state once a step has made it, are allocated already: what must still
     # fit is the rest of the predicted peak.
     resident = prediction.parameters_bytes + (prediction.optimizer_state_bytes if optimizer and optimizer.state else 0)
@@ -594,8 +638,8 @@ def _memory_cell(cfg, mode, precision, context, model, optimizer, device, snapsh
         _release(device)
         peak["predicted_saved_bytes"] = saved_activation_bytes(config, cfg.batch_size, context, precision,
                                                                cfg.attention, device.type)
-    if device.type == "cuda":  # the predictor follows CUDA's autocast rules and foreach AdamW
-        peak.update(predicted_peak_bytes=prediction.peak_bytes, predicted_phase=prediction.peak_phase,
+    if device.type == "cuda":  # the predictor follows CUDA's autocast rules
+        peak.update(predicted_phase=prediction.peak_phase,
                     predicted_parameters_bytes=prediction.parameters_bytes,
                     predicted_gradients_bytes=prediction.gradients_bytes,
                     predicted_optimizer_state_bytes=prediction.optimizer_state_bytes,
@@ -603,10 +647,12 @@ def _memory_cell(cfg, mode, precision, context, model, optimizer, device, snapsh
                     predicted_weight_cache_bytes=prediction.autocast_weight_cache_bytes,
                     predicted_transient_bytes=prediction.transient_bytes)
     rows = [peak]
+    if snapshot_path is not None:
+        rows.append({**base, "table": "snapshot", "file": snapshot_path.name})
     timeline = active_memory_timeline(snapshot, torch.cuda.current_device()) if snapshot is not None else []
     if timeline:
         peak.update(timeline_peak_bytes=max(active for _, active in timeline), trace_events=len(timeline))
-        if context == cfg.detail_context:
+        if shown:
             origin = timeline[0][0]
             rows += [{**base, "table": "timeline", "time_ms": (t - origin) / 1e3, "active_gib": active / GIB}
                      for t, active in downsample_peaks(timeline, cfg.timeline_points)]
@@ -617,16 +663,64 @@ def _memory_cell(cfg, mode, precision, context, model, optimizer, device, snapsh
     return rows
 
 
+def snapshot_file_name(size: str, mode: str, precision: str, context: int) -> str:
+    """The snapshot's file beside the report: the pickle pytorch.org/memory_viz opens."""
+    return f"memory_{size}_{mode}_{precision}_ctx{context}.pickle"
+
+
+# Part (f) reports the operations behind this many of a block's largest residuals.
+TOP_RESIDUAL_OPERATIONS = 5
+
+
+def _block_rows(cfg: MemoryProfileConfig, model, precision: str, device: torch.device) -> list[Row]:
+    """Part (f) at the shown context: each block's residuals and, on CUDA, its gradients' memory."""
+    context = cfg.shown_context
+    base = _memory_base(cfg, device, precision=precision, context_length=context)
+    config = ModelConfig.for_size(cfg.size, context)
+    inputs, targets = _random_tokens(model.config, cfg.batch_size, context, device)
+
+    def loss():
+        with autocast(precision, device):
+            return F.cross_entropy(model(inputs).flatten(0, 1), targets.flatten())
+
+    model.zero_grad(set_to_none=True)  # the backward allocates the gradients afresh, as after zero_grad
+    _release(device)
+    try:
+        profile = block_memory(model, loss, model.layers, exclude=[inputs, targets])
+    except torch.OutOfMemoryError:
+        profile = None
+    model.zero_grad(set_to_none=True)
+    _release(device)
+    if profile is None:
+        return [{**base, "table": "block", "status": OOM}]
+    predicted = sum(block_saved_bytes(config, cfg.batch_size, context, precision, cfg.attention, device.type).values())
+    rows = [{**base, "table": "block", "status": "ok", "block": b.index, "saved_bytes": b.saved_bytes,
+             "predicted_saved_bytes": predicted, "input_bytes": b.allocated_elsewhere_bytes,
+             "forward_allocated_bytes": b.forward_allocated_bytes, "backward_allocated_bytes": b.backward_allocated_bytes,
+             "gradient_bytes": b.gradient_bytes, "weight_gradient_bytes": b.gradient_parameter_bytes,
+             "parameters": b.parameter_count, "residual_stream_bytes": residual_stream_bytes(config, cfg.batch_size,
+                                                                                                 context)}
+            for b in profile.blocks]
+    middle = profile.blocks[len(profile.blocks) // 2]
+    rows += [{**base, "table": "block_operation", "block": middle.index, "rank": rank, "operation": op,
+              "bytes": size, "share": share}
+             for rank, (op, size, share) in enumerate(middle.top_operations(TOP_RESIDUAL_OPERATIONS), 1)]
+    return rows
+
+
 # -------------------------------------------------------------------------- memory_profiling report
 
 def _memory_setup(peaks: list[Row]) -> str:
     r = peaks[0]
     contexts = ", ".join(str(c) for c in sorted({p["context_length"] for p in peaks}))
     precisions = ", ".join(dict.fromkeys(p["precision"] for p in peaks))
+    # Runs before AdamW was fused here used torch's default, the foreach (multi-tensor) implementation.
+    fused = any(p.get("adamw") == "fused" for p in peaks)
+    optimizer = "fused AdamW" if fused else "foreach AdamW" if r["device"] == "cuda" else "AdamW"
     return (f"{r['size']} model, batch {r['batch_size']}, {r['attention']} attention, contexts {contexts}, "
             f"precisions {precisions} (bf16 is autocast over fp32 parameters). Forward only runs under "
-            "torch.no_grad(); the training step (forward, backward, AdamW step, zero_grad) is measured after one "
-            "unmeasured step, so AdamW's state already exists.\n")
+            f"torch.no_grad(); the training step (forward, backward, {optimizer} step, zero_grad) is measured after "
+            "one unmeasured step, so AdamW's state already exists.\n")
 
 
 def _peak_section(peaks: list[Row]) -> str:
@@ -638,6 +732,7 @@ def _peak_section(peaks: list[Row]) -> str:
         entry = {"mode": MODE_LABELS[r["mode"]], "precision": r["precision"], "context": r["context_length"]}
         if r["status"] == OOM:
             entry["peak"] = OOM
+            entry["predicted"] = _size(r.get("predicted_peak_bytes"))
         elif on_gpu:
             entry.update({"start": _size(r["start_bytes"]), "peak": _size(r["peak_bytes"]),
                           "timeline peak": _size(r.get("timeline_peak_bytes")),
@@ -779,9 +874,9 @@ def _allocation_section(rows: list[Row]) -> str:
     allocations = [r for r in rows if r.get("table") == "allocation"]
     if not allocations:
         return ""
-    parts = ["## Largest allocations\n\nThe largest blocks allocated in each measured window at the longest "
-             "context, with the innermost line of this package that asked for them and the innermost Python frame "
-             "of all; allocations of one size from one line are counted together.\n"]
+    parts = ["## Largest allocations\n\nThe largest blocks allocated in each measured window, with the innermost "
+             "line of this package that asked for them and the innermost Python frame of all (the snapshots hold "
+             "every allocation's whole stack); allocations of one size from one line are counted together.\n"]
     for mode in MEMORY_MODES:
         for precision in dict.fromkeys(r["precision"] for r in allocations):
             cell = sorted((r for r in allocations if r["mode"] == mode and r["precision"] == precision),
@@ -795,7 +890,7 @@ def _allocation_section(rows: list[Row]) -> str:
     return "\n".join(parts)
 
 
-@renderer("memory_profiling", key=("table", "size", "mode", "precision", "context_length"))
+@renderer("memory_profiling")
 def render_memory_profiling(rows: list[Row]) -> Rendered:
     peaks = [r for r in rows if r.get("table") == "peak"]
     if not peaks:
@@ -806,14 +901,98 @@ def render_memory_profiling(rows: list[Row]) -> Rendered:
     if figure is not None:
         figures["memory_timeline.png"] = figure
         parts.append("## Active memory over one step\n\nFrom each snapshot's allocator trace (allocations and "
-                     "completed frees), at the longest context; each plotted point is the highest of its run of "
-                     "events.\n\n![active memory](memory_timeline.png)\n")
-    parts.append(_allocation_section(rows))
+                     "completed frees); each plotted point is the highest of its run of events."
+                     + _snapshot_note(rows) + "\n\n![active memory](memory_timeline.png)\n")
+    parts += [_allocation_section(rows), _block_section(rows)]
     return Rendered("\n".join(p for p in parts if p), figures)
+
+
+def _snapshot_note(rows: list[Row]) -> str:
+    files = [r for r in rows if r.get("table") == "snapshot"]
+    if not files:
+        return ""
+    return (" The snapshots open in pytorch.org/memory_viz (its Active Memory Timeline, with every allocation's "
+            "stack): " + ", ".join(f"[{r['file']}]({r['file']})" for r in files) + ".")
+
+
+def _block_section(rows: list[Row]) -> str:
+    """Part (f): residuals per TransformerBlock, the operations behind them, gradients in backward."""
+    blocks = [r for r in rows if r.get("table") == "block" and r.get("status") == "ok"]
+    if not blocks:
+        failed = [r for r in rows if r.get("table") == "block"]
+        return ("## (f) Residuals and gradients per TransformerBlock\n\nOut of memory.\n" if failed else "")
+    parts = ["## (f) Residuals and gradients per TransformerBlock\n\n"
+             "One forward and backward at the shown context after zero_grad(set_to_none=True). A block's residuals "
+             "are the distinct storages autograd saved while its forward ran (saved-tensor hooks); the operation "
+             "behind each is the aten call that allocated it (a dispatch mode under autograd; its input, the "
+             "residual stream, was allocated by the previous block's last addition). In backward, on CUDA, "
+             "memory_allocated is read when autograd reaches the block and once the gradient of its input is "
+             "computed; that change plus the residuals the block freed is what its gradients took.\n"]
+    for precision in dict.fromkeys(r["precision"] for r in blocks):
+        mine = sorted((r for r in blocks if r["precision"] == precision), key=lambda r: r["block"])
+        parts.append(_block_precision_text(precision, mine, [r for r in rows if r.get("table") == "block_operation"
+                                                             and r["precision"] == precision]))
+    return "\n".join(parts)
+
+
+def _block_precision_text(precision: str, blocks: list[Row], operations: list[Row]) -> str:
+    r0 = blocks[0]
+    saved = [r["saved_bytes"] for r in blocks]
+    text = [f"### {precision}, context {r0['context_length']}\n",
+            f"Each of the {len(blocks)} blocks saves {_span_bytes(saved)} for backward "
+            f"({'all alike' if len(set(saved)) == 1 else 'blocks differ'}); the accounting model "
+            f"(accounting.activations.block_saved_bytes) gives {_size(r0['predicted_saved_bytes'])}"
+            + (", to the byte." if all(s == r0["predicted_saved_bytes"] for s in saved) else
+               f", {saved[len(saved) // 2] - r0['predicted_saved_bytes']:+,} bytes off in the middle block.")
+            + f" Of that, {_size(blocks[len(blocks) // 2]['input_bytes'])} is the block's input (one residual-stream "
+            f"tensor is {_size(r0['residual_stream_bytes'])}).\n"]
+    if operations:
+        middle = operations[0]["block"]
+        top = sorted(operations, key=lambda r: r["rank"])
+        text.append(f"The {len(top)} operations that allocated the most of block {middle}'s residuals, which "
+                    f"together hold {sum(r['share'] for r in top):.1%} of them:\n")
+        text.append(markdown_table([{"operation": r["operation"], "residuals": _size(r["bytes"]),
+                                     "share": f"{r['share']:.1%}"} for r in top]))
+    expected = 4 * r0["parameters"]
+    weight = [r["weight_gradient_bytes"] for r in blocks]
+    text.append(f"Gradients: each block has {r0['parameters']:,} parameters, so its weight gradients should take "
+                f"4 x {r0['parameters']:,} = {_size(expected)} (fp32 whatever the autocast precision); the "
+                f".grad storages found after each block's backward take {_span_bytes(weight)}"
+                + (", as expected." if all(w == expected for w in weight) else ", not what was expected."))
+    measured = [r for r in blocks if r.get("gradient_bytes") is not None]
+    if measured:
+        gradients = [r["gradient_bytes"] for r in measured]
+        middle = measured[len(measured) // 2]
+        extra = middle["gradient_bytes"] - expected
+        text.append(f" Read from the allocator: over block {middle['block']}'s backward memory changed by "
+                    f"{_signed_size(middle['backward_allocated_bytes'])} while it freed its "
+                    f"{_size(middle['saved_bytes'])} of residuals, so the new gradients took "
+                    f"{_size(middle['gradient_bytes'])} ({_span_bytes(gradients)} over the blocks): the weight "
+                    f"gradients and {_signed_size(extra)} more"
+                    + (", one residual-stream tensor: the gradient of the block's input, allocated while that of "
+                       "its output is still held."
+                       if abs(extra - r0["residual_stream_bytes"]) <= 0.01 * r0["residual_stream_bytes"] else "."))
+        forward = [r["forward_allocated_bytes"] for r in measured if r.get("forward_allocated_bytes") is not None]
+        if forward:
+            text.append(f" Over each block's forward allocated memory grew by {_span_bytes(forward)}: what it "
+                        "allocated and keeps for backward, and its output, which stands in for the input it saved "
+                        "but did not allocate.")
+    return "\n".join(text) + "\n"
+
+
+def _span_bytes(values: list[float]) -> str:
+    low, high = min(values), max(values)
+    return _size(low) if low == high else f"{_size(low)} to {_size(high)}"
+
+
+def _signed_size(value: float) -> str:
+    return ("-" if value < 0 else "+") + _size(abs(value))
 
 
 # ================================================================================= gradient_checkpointing
 
+# The 2026 handout's gradient_checkpointing (b): xl at batch 4 and this sequence length.
+HANDOUT_CHECKPOINT_CONTEXT = 2048
 # Checkpoint every k blocks for these k (None: no checkpointing); k above the depth equals k = depth.
 CHECKPOINT_KS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 48, None)
 # Recomputation levels of the memory-optimal nested plans (None: unlimited).
@@ -823,20 +1002,22 @@ NESTED_LEVELS = (1, 2, 3, None)
 USABLE_MEMORY_SHARE = 0.9
 # Longest context the prediction considers.
 MAX_PREDICTED_CONTEXT = 131_072
+Y_TICK_SUBS = (1.0, 1.5, 2.0, 3.0, 5.0, 7.0)
 
 
 @dataclass(frozen=True)
 class CheckpointSweepConfig:
     size: str = "xl"
-    context_length: int = 1024
+    context_length: int = HANDOUT_CHECKPOINT_CONTEXT
     batch_size: int = DEFAULT_BATCH_SIZE
     precision: str = "fp32"
     attention: str = "sdpa"
     ks: tuple[int | None, ...] = CHECKPOINT_KS
     nested_levels: tuple[int | None, ...] = NESTED_LEVELS
     # Longest context run to confirm the predicted longest (CUDA only; longer ones are predicted only:
-    # an xl step at 16,384 tokens x batch 4 in fp32 already takes about a minute).
-    longest_context_run_limit: int = 16_384
+    # by its FLOPs, an fp32 forward + backward of the 2026 xl at 8,192 tokens x batch 4 with every block
+    # recomputed is about half a minute on an H100, and twice the context more than doubles it).
+    longest_context_run_limit: int = 8_192
 
     def __post_init__(self):
         if self.precision not in PRECISIONS:
@@ -1003,7 +1184,7 @@ def _plan_label(r: Row) -> str:
 
 def _sweep_figure(sweep: list[Row], num_layers: int):
     from matplotlib.figure import Figure
-    from matplotlib.ticker import FuncFormatter
+    from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter
 
     single = sorted((r for r in sweep if r["plan_kind"] == "every_k" and r["k"] != "none"), key=lambda r: r["k"])
     measured = [r for r in single if r["status"] == "ok"]
@@ -1024,9 +1205,11 @@ def _sweep_figure(sweep: list[Row], num_layers: int):
     ax.set_xscale("log", base=2)
     ax.set_xticks([r["k"] for r in single], [str(r["k"]) for r in single])
     ax.set_yscale("log")
-    plain = FuncFormatter(lambda value, _: f"{value:g}")
-    ax.yaxis.set_major_formatter(plain)
-    ax.yaxis.set_minor_formatter(plain)
+    # Labels at 1, 1.5, 2, 3, 5 and 7 of each decade: a label in every stretch of a plot that spans one
+    # or two decades, none crowding the next (every minor tick labelled overlapped between 6 and 10).
+    ax.yaxis.set_major_locator(LogLocator(subs=Y_TICK_SUBS))
+    ax.yaxis.set_major_formatter(FuncFormatter(lambda value, _: f"{value:g}"))
+    ax.yaxis.set_minor_formatter(NullFormatter())
     ax.set_xlabel("checkpoint every k blocks")
     ax.set_ylabel(f"peak activation memory ({unit})")
     ax.grid(alpha=0.3, which="both")
@@ -1070,6 +1253,7 @@ def _sweep_section(sweep: list[Row]) -> str:
                 f"k = sqrt(L b / a) = {refined:.2f}, since a block here keeps {a / b:.0f}x its input (projections, "
                 "attention inputs and the d_ff-wide SwiGLU activations). The measured best is closer to "
                 f"{closer}.")
+        text += _neighbours(sweep, best)
         none = [r for r in sweep if r["k"] == "none"]
         if none and none[0]["status"] == "ok":
             text += (f" Against no checkpointing ({_size(none[0]['measured_peak_bytes'])}) it keeps "
@@ -1089,6 +1273,32 @@ def _sweep_section(sweep: list[Row]) -> str:
         parts.append(f"Measured minus predicted peak: {span(offsets, _size)} "
                      f"({span([x / a for x in offsets], '{:+.2f}'.format)} blocks' worth).\n")
     return "\n".join(parts)
+
+
+def _neighbours(sweep: list[Row], best: Row) -> str:
+    """The measured peaks of the next smaller and next larger k of the sweep, beside the best one's."""
+    ks = sorted((r for r in sweep if r["plan_kind"] == "every_k" and r["k"] != "none"), key=lambda r: r["k"])
+    at = next(i for i, r in enumerate(ks) if r["k"] == best["k"])
+    around = [ks[i] for i in (at - 1, at + 1) if 0 <= i < len(ks)]
+    if not around:
+        return ""
+    return (" To be sure, the next " + " and ".join(
+        f"{'smaller' if r['k'] < best['k'] else 'larger'} group, every {r['k']}, peaks at "
+        + (_size(r["measured_peak_bytes"]) if r["status"] == "ok" else "out of memory") for r in around)
+        + f", against {_size(best['measured_peak_bytes'])}.")
+
+
+# The memory-optimal nesting as code, for the report: what optimal_plan builds with no limit on levels.
+NESTED_SKETCH = """    from torch.utils.checkpoint import checkpoint
+
+    def run(blocks, x):
+        # Keeps one block's activations and a few residual-stream tensors at any time; backward
+        # recomputes the prefix before each block from x, (L - 1) L / 2 blocks in all.
+        if len(blocks) == 1:
+            return blocks[0](x)
+        prefix_out = checkpoint(run, blocks[:-1], x, use_reentrant=False)  # keeps only x
+        return blocks[-1](prefix_out)
+"""
 
 
 def _strategy_section(sweep: list[Row]) -> str:
@@ -1115,7 +1325,10 @@ def _strategy_section(sweep: list[Row]) -> str:
             "and r = log2 L recursive halving, a + O(b log L) memory for O(L log L) recomputation. Here a block "
             f"keeps {a / b:.0f}x its input, so the a term sets the floor: two levels come within "
             f"{two_levels.peak_bytes / unlimited.peak_bytes - 1:.0%} of the unlimited optimum for "
-            f"{two_levels.recomputed_blocks} recomputed blocks instead of {unlimited.recomputed_blocks}.\n")
+            f"{two_levels.recomputed_blocks} recomputed blocks instead of {unlimited.recomputed_blocks}.\n\n"
+            "The unlimited plan as code: each checkpoint keeps only the model's input, and in backward the "
+            "blocks before the current one are recomputed from it, nested once per block:\n\n"
+            + NESTED_SKETCH)
 
 
 def _longest_section(rows: list[Row]) -> str:
@@ -1152,7 +1365,7 @@ def _longest_section(rows: list[Row]) -> str:
     return text
 
 
-@renderer("gradient_checkpointing", key=("table", "size", "precision", "attention", "plan_kind", "k", "levels"))
+@renderer("gradient_checkpointing")
 def render_gradient_checkpointing(rows: list[Row]) -> Rendered:
     sweep = [r for r in rows if r.get("table") == "sweep"]
     if not sweep:

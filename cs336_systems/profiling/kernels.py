@@ -6,16 +6,21 @@
     tables = kernel_tables(prof.events(), device.type, ranges=["forward", "backward"])
     tables["forward"].kernels[0]     # KernelStat(name, calls, total_us, share, matmul)
 
-The work of a CUDA run is every kernel (and memcpy / memset) the GPU ran. The profiler links each of
-them by correlation id to the CPU operator that launched it, and lists them, with their GPU
-durations, in that operator's `FunctionEvent.kernels`. A CPU run launches nothing: there the work is
-each operator's own (self) CPU time, so the same tables come out of a CPU profile.
+The work of a CUDA run is every kernel (and memcpy / memset) the GPU ran, each one device event of
+the profile. A kernel and the host call that launched it (cudaLaunchKernel and kin) share a CUPTI
+correlation id, and the launch happened at a known host time, on whatever thread launched it. A CPU
+run launches nothing: there the work is each operator's own (self) CPU time, placed at its start.
 
-A piece of work belongs to a range (a record_function / NVTX range, recorded on the CPU) when the
-CPU interval of the operator that launched it lies inside one of the range's intervals. This is
-containment in time, not by thread: backward operators run on autograd's own thread while the
-"backward" range, on the main thread, waits for loss.backward() to return. Work in nested ranges
-counts in each of them ("forward" includes "attention/softmax").
+Each piece of work is attributed once, to the innermost range (record_function / NVTX) open at its
+launch: of the ranges open then, the one that started last. This is containment in time, not by
+thread: backward operators launch from autograd's own thread while the "backward" range, on the
+main thread, waits for loss.backward() to return. A range's table holds the work attributed to it or
+to a range nested in it ("forward" includes "attention/softmax"), each kernel once; `self_work_us` is
+the part attributed to the range itself, and the self parts of all ranges add up to at most the
+profile's work. Kernels are not read from an operator's `FunctionEvent.kernels`: torch.profiler
+appends a kernel there for every host event whose id equals the kernel's linked correlation id, and
+a host call that belongs to no operator (a cudaStreamSynchronize, say) carries an id of its own
+that can equal an operator's, so the same kernel can be listed twice.
 """
 
 from __future__ import annotations
@@ -39,6 +44,11 @@ _MATMUL = re.compile(
 # Fused attention kernels contain matmuls but also the softmax; CUTLASS-based ones (fmha_cutlass*)
 # would otherwise match above.
 _FUSED_ATTENTION = re.compile(r"fmha|flash|attention", re.IGNORECASE)
+# torch.profiler's activity types (the Chrome trace's categories): work on the device, the host calls
+# that put it there, and operators.
+DEVICE_WORK = ("kernel", "gpu_memcpy", "gpu_memset")
+LAUNCHES = ("cuda_runtime", "cuda_driver")
+OPERATOR = "cpu_op"
 
 
 def is_matmul(name: str) -> bool:
@@ -56,33 +66,35 @@ def profiler_activities(device: torch.device | str) -> list[torch.profiler.Profi
 @dataclass(frozen=True)
 class Work:
     name: str
-    start_us: float  # CPU interval of the launching operator (the operator itself on CPU)
-    end_us: float
+    launch_us: float  # host time of the launch call (of the operator itself on CPU)
     duration_us: float  # on the device (GPU kernel) or the operator's self CPU time
 
 
-def _cpu_operators(events: Iterable) -> list:
-    return [e for e in events
-            if e.device_type == DeviceType.CPU and not e.is_user_annotation and not e.is_async]
-
-
 def device_work(events: Iterable, device_type: str) -> list[Work]:
-    """The work of a profile: GPU kernels by launching operator (cuda), or operators' self time (cpu)."""
+    """The work of a profile, each piece once: GPU kernels placed at their launch call (cuda), or
+    operators' self time placed at their start (cpu)."""
     events = list(events)
-    operators = _cpu_operators(events)
     if device_type == "cuda":
-        # Kineto mirrors each range onto the GPU timeline as a span named like it; should one be linked
-        # to an operator, it is still not a kernel.
-        range_names = {e.name for e in events if e.is_user_annotation}
-        work = [Work(k.name, e.time_range.start, e.time_range.end, k.duration)
-                for e in operators for k in e.kernels if k.name not in range_names]
+        launches = {e.id: e for e in events if e.activity_type in LAUNCHES}
+        operators = {e.id: e for e in events if e.activity_type == OPERATOR}
+        work = []
+        for e in events:
+            if e.activity_type not in DEVICE_WORK:
+                continue
+            # The launch call by CUPTI correlation id (a launch links to the same operator as its kernel);
+            # failing that, the operator the kernel is linked to.
+            launch = launches.get(e.id)
+            if launch is None or launch.linked_correlation_id != e.linked_correlation_id:
+                launch = operators.get(e.linked_correlation_id)
+            if launch is not None:
+                work.append(Work(e.name, launch.time_range.start, e.time_range.end - e.time_range.start))
         if not work:
             raise RuntimeError("the profile holds no CUDA kernels: was it recorded with "
                                "ProfilerActivity.CUDA, and can the profiler reach CUPTI?")
         return work
     if device_type == "cpu":
-        return [Work(e.name, e.time_range.start, e.time_range.end, e.self_cpu_time_total)
-                for e in operators if e.self_cpu_time_total > 0]
+        return [Work(e.name, e.time_range.start, e.self_cpu_time_total) for e in events
+                if e.activity_type == OPERATOR and not e.is_async and e.self_cpu_time_total > 0]
     raise ValueError(f"kernel tables support cuda and cpu profiles, not {device_type!r}")
 
 
@@ -93,6 +105,29 @@ def range_intervals(events: Iterable, names: Sequence[str] | None = None) -> dic
         if e.is_user_annotation and e.device_type == DeviceType.CPU and (names is None or e.name in names):
             found[e.name].append((e.time_range.start, e.time_range.end))
     return {name: sorted(spans) for name, spans in found.items()}
+
+
+_OPEN, _WORK, _CLOSE = 0, 1, 2  # at equal times a range opens before, and closes after, the work there
+
+
+def attribute(work: Sequence[Work], ranges: dict[str, list[tuple[float, float]]]) -> list[tuple[str | None, set[str]]]:
+    """For each piece of work, the innermost range open at its launch (None outside every range) and
+    the names of every range open then: the innermost and those it is nested in."""
+    spans = [(start, end, name) for name, intervals in ranges.items() for start, end in intervals]
+    points = [(start, _OPEN, i) for i, (start, _, _) in enumerate(spans)]
+    points += [(end, _CLOSE, i) for i, (_, end, _) in enumerate(spans)]
+    points += [(w.launch_us, _WORK, i) for i, w in enumerate(work)]
+    # Open ranges by (start, -end): the innermost, last started and of those the first to end, is last.
+    open_ranges: list[tuple[float, float, int]] = []
+    found: list[tuple[str | None, set[str]]] = [(None, set())] * len(work)
+    for _, kind, i in sorted(points, key=lambda point: point[:2]):
+        if kind == _OPEN:
+            bisect.insort(open_ranges, (spans[i][0], -spans[i][1], i))
+        elif kind == _CLOSE:
+            open_ranges.remove((spans[i][0], -spans[i][1], i))
+        elif open_ranges:
+            found[i] = (spans[open_ranges[-1][2]][2], {spans[j][2] for _, _, j in open_ranges})
+    return found
 
 
 @dataclass(frozen=True)
@@ -109,8 +144,9 @@ class RangeTable:
     range: str
     instances: int  # how many times the range was entered
     wall_us: float  # summed length of its CPU intervals
-    work_us: float  # summed work inside it: GPU kernel time, or operator CPU time
+    work_us: float  # work inside it, nested ranges' included: GPU kernel time, or operator CPU time
     kernels: tuple[KernelStat, ...]  # by total time, largest first
+    self_work_us: float = 0.0  # the part of work_us whose innermost range is this one
 
     @property
     def matmul_us(self) -> float:
@@ -125,30 +161,31 @@ class RangeTable:
         return sum(k.calls for k in self.kernels)
 
 
-def _table(name: str, instances: int, wall_us: float, totals: dict[str, list]) -> RangeTable:
+def _table(name: str, instances: int, wall_us: float, totals: dict[str, list], self_work_us: float) -> RangeTable:
     work_us = sum(total for _, total in totals.values())
     stats = [KernelStat(kernel, calls, total, total / work_us if work_us else 0.0, is_matmul(kernel))
              for kernel, (calls, total) in totals.items()]
     stats.sort(key=lambda k: (-k.total_us, k.name))
-    return RangeTable(name, instances, wall_us, work_us, tuple(stats))
+    return RangeTable(name, instances, wall_us, work_us, tuple(stats), self_work_us)
 
 
 def kernel_tables(events: Iterable, device_type: str, ranges: Sequence[str] | None = None) -> dict[str, RangeTable]:
-    """One RangeTable per range found in the profile (`ranges` limits which)."""
+    """One RangeTable per range found in the profile (`ranges` limits which). Attribution looks at
+    every range of the profile, so work in a range left out of `ranges` is not counted as self work
+    of the range around it."""
     events = list(events)
     work = device_work(events, device_type)
-    tables = {}
-    for name, spans in range_intervals(events, ranges).items():
-        starts = [start for start, _ in spans]
-        totals: dict[str, list] = defaultdict(lambda: [0, 0.0])
-        for w in work:
-            # Instances of one range do not overlap, so only the last one starting before w can hold it.
-            i = bisect.bisect_right(starts, w.start_us) - 1
-            if i >= 0 and w.end_us <= spans[i][1]:
-                totals[w.name][0] += 1
-                totals[w.name][1] += w.duration_us
-        tables[name] = _table(name, len(spans), sum(end - start for start, end in spans), totals)
-    return tables
+    every_range = range_intervals(events)
+    totals: dict[str, dict[str, list]] = defaultdict(lambda: defaultdict(lambda: [0, 0.0]))
+    self_us: dict[str, float] = defaultdict(float)
+    for w, (innermost, open_names) in zip(work, attribute(work, every_range)):
+        if innermost is not None:
+            self_us[innermost] += w.duration_us
+        for name in open_names:
+            totals[name][w.name][0] += 1
+            totals[name][w.name][1] += w.duration_us
+    return {name: _table(name, len(spans), sum(end - start for start, end in spans), totals[name], self_us[name])
+            for name, spans in every_range.items() if ranges is None or name in ranges}
 
 
 def merge_tables(name: str, tables: Sequence[RangeTable]) -> RangeTable:
@@ -159,7 +196,7 @@ def merge_tables(name: str, tables: Sequence[RangeTable]) -> RangeTable:
             totals[k.name][0] += k.calls
             totals[k.name][1] += k.total_us
     instances = max((t.instances for t in tables), default=0)
-    return _table(name, instances, sum(t.wall_us for t in tables), totals)
+    return _table(name, instances, sum(t.wall_us for t in tables), totals, sum(t.self_work_us for t in tables))
 
 
 def short_name(name: str, limit: int = 90) -> str:

@@ -35,6 +35,10 @@ _DEVICE_WORK = ("kernel", "gpu_memcpy", "gpu_memset")
 # Host-side events of the CUDA calls that put work on a stream (runtime and driver API).
 _LAUNCH_CATEGORIES = ("cuda_runtime", "cuda_driver")
 _COLORS = {COMPUTE: "tab:blue", COMMUNICATION: "tab:red", PHASE: "tab:gray"}
+# Bars are drawn at least this share of the time axis wide: a row of microsecond kernels (a blocking
+# collective's on a compute stream) next to a step of hundreds of milliseconds would otherwise draw
+# nothing at all, and its row look empty.
+MIN_BAR_WIDTH_SHARE = 0.002
 
 
 @dataclass(frozen=True)
@@ -167,13 +171,14 @@ def plot_timeline(intervals: Iterable[Interval], title: str):
     rows = sorted({(order[i.kind], i.row) for i in intervals})
     figure = Figure(figsize=(14, 1.2 + 0.6 * len(rows)))
     axes = figure.subplots()
+    min_width = MIN_BAR_WIDTH_SHARE * (max(i.end_ms for i in intervals) - min(i.start_ms for i in intervals))
     for y, (_, row) in enumerate(rows):
         in_row = [i for i in intervals if i.row == row]
         kind = in_row[0].kind
         # Kernels are drawn as merged busy spans: the same picture as thousands of bars, much faster.
         spans = [(i.start_ms, i.end_ms) for i in in_row]
         if kind != PHASE:
-            spans = _union(spans)
+            spans = _union((start, max(end, start + min_width)) for start, end in spans)
         axes.broken_barh([(start, end - start) for start, end in spans], (y - 0.35, 0.7),
                          facecolors=_COLORS[kind], edgecolor="white" if kind == PHASE else "none")
         if kind == PHASE:
