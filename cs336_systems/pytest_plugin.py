@@ -70,6 +70,7 @@ class Settings:
 
 
 _settings_key = pytest.StashKey[Settings]()
+_interpret_key = pytest.StashKey[str | None]()
 
 
 def settings(config: pytest.Config) -> Settings:
@@ -137,7 +138,9 @@ def pytest_configure(config: pytest.Config) -> None:
     except ValueError as error:
         raise pytest.UsageError(f"--gpu: {error}") from None
     if gpu_slug == "cpu":
-        # Triton reads this when a kernel is decorated, so it must be set before kernels are imported.
+        # Triton reads this when a kernel is decorated, so it must be set before kernels are imported;
+        # pytest_unconfigure puts back what the process had, for a run inside another (pytester).
+        config.stash[_interpret_key] = os.environ.get("TRITON_INTERPRET")
         os.environ["TRITON_INTERPRET"] = "1"
     world_size = config.getoption("--world-size")
     if world_size < 1:
@@ -196,6 +199,15 @@ def pytest_runtest_setup(item: pytest.Item) -> None:
     run = settings(item.config)
     if run.time_budget_s is not None and time.monotonic() - run.started > run.time_budget_s:
         pytest.skip(f"--time-budget {run.time_budget_s:g} s was spent before this test started")
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    if _interpret_key in config.stash:
+        before = config.stash[_interpret_key]
+        if before is None:
+            os.environ.pop("TRITON_INTERPRET", None)
+        else:
+            os.environ["TRITON_INTERPRET"] = before
 
 
 def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:

@@ -13,6 +13,7 @@ from cs336_systems.benchmarks.profiling import ATTENTION_RANGES, ProfileConfig, 
 from cs336_systems.model import ModelConfig, TransformerLM
 from cs336_systems.profiling.kernels import (
     Work,
+    activity,
     device_work,
     is_matmul,
     kernel_tables,
@@ -123,14 +124,17 @@ class Trace:
     threads, launch calls and kernels tied by CUPTI correlation ids (their `id`), kernels linked to their
     operator's id. Operator ids and CUPTI ids are separate counters, so they overlap."""
 
-    def __init__(self):
+    def __init__(self, records_activity: bool = True):
+        # torch 2.11 records neither an event's activity type nor its linked operator; later builds do.
+        self.records_activity = records_activity
         self.events: list[FunctionEvent] = []
         self._cupti_ids = itertools.count(1)
 
     def add(self, name, start, end, activity, thread=1, id=0, linked=0, device=DeviceType.CPU):
-        event = FunctionEvent(id, name, thread, start, end, device_type=device, activity_type=activity,
-                              is_user_annotation=activity in ("user_annotation", "gpu_user_annotation"),
-                              linked_correlation_id=linked)
+        event = FunctionEvent(id, name, thread, start, end, device_type=device,
+                              is_user_annotation=activity in ("user_annotation", "gpu_user_annotation"))
+        if self.records_activity:
+            event.activity_type, event.linked_correlation_id = activity, linked
         self.events.append(event)
         return event
 
@@ -148,13 +152,14 @@ class Trace:
                                     device=DeviceType.CUDA)
             # What torch.profiler does: the kernel is listed on every host event with its linked id.
             for host in self.events:
-                if host.device_type == DeviceType.CPU and host.id == id and host.activity_type == "cpu_op":
+                if host.device_type == DeviceType.CPU and host.id == id and activity(host) == "cpu_op":
                     host.append_kernel(kernel, 0, duration)
         return operator
 
 
-def test_each_cuda_kernel_counts_once_in_the_innermost_range_open_at_its_launch():
-    trace = Trace()
+@pytest.mark.parametrize("records_activity", [True, False], ids=["activity recorded", "torch 2.11 events"])
+def test_each_cuda_kernel_counts_once_in_the_innermost_range_open_at_its_launch(records_activity):
+    trace = Trace(records_activity)
     trace.range("step", 0, 400, id=1)
     trace.range("forward", 0, 100, id=2)
     trace.range("attention/softmax", 40, 60, id=3)

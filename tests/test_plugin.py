@@ -39,14 +39,18 @@ def test_markers_are_registered_and_strict(pytester):
     run(pytester, "--strict-markers").assert_outcomes(passed=1)
 
 
-def test_gpu_none_runs_triton_in_the_interpreter(pytester):
+def test_gpu_none_runs_triton_in_the_interpreter(pytester, monkeypatch):
     pytester.makepyfile("""
         import os
         def test_env(device, gpu_spec, run_settings):
             assert os.environ["TRITON_INTERPRET"] == "1"
             assert device.type == "cpu" and gpu_spec is None and run_settings.gpu_slug == "cpu"
     """)
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)  # as in a GPU run
     run(pytester).assert_outcomes(passed=1)
+    # A run inside this process leaves no Triton mode behind: kernels that inductor compiled later for
+    # the GPU would run in the interpreter.
+    assert "TRITON_INTERPRET" not in os.environ
 
 
 def test_named_gpu_sets_the_spec_and_skips_gpu_tests_without_one(pytester):

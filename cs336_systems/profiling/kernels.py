@@ -70,22 +70,41 @@ class Work:
     duration_us: float  # on the device (GPU kernel) or the operator's self CPU time
 
 
+def activity(event) -> str:
+    """torch.profiler's activity type of `event` (a Chrome trace category). Builds that do not record
+    it on FunctionEvent (torch 2.11 among them) list device events with device_type CUDA and launch
+    calls under their CUDA API names, which tell the same."""
+    recorded = getattr(event, "activity_type", None)
+    if recorded:
+        return recorded
+    if event.device_type == DeviceType.CUDA:
+        if event.is_user_annotation:
+            return "gpu_user_annotation"
+        return {"Memcpy": "gpu_memcpy", "Memset": "gpu_memset"}.get(event.name.split(" ")[0], "kernel")
+    if event.is_user_annotation:
+        return "user_annotation"
+    if re.match(r"cuda[A-Z]|cu[A-Z]", event.name):
+        return "cuda_runtime"
+    return OPERATOR
+
+
 def device_work(events: Iterable, device_type: str) -> list[Work]:
     """The work of a profile, each piece once: GPU kernels placed at their launch call (cuda), or
     operators' self time placed at their start (cpu)."""
-    events = list(events)
+    events = [(activity(e), e) for e in events]
     if device_type == "cuda":
-        launches = {e.id: e for e in events if e.activity_type in LAUNCHES}
-        operators = {e.id: e for e in events if e.activity_type == OPERATOR}
+        launches = {e.id: e for kind, e in events if kind in LAUNCHES}
+        operators = {e.id: e for kind, e in events if kind == OPERATOR}
         work = []
-        for e in events:
-            if e.activity_type not in DEVICE_WORK:
+        for kind, e in events:
+            if kind not in DEVICE_WORK:
                 continue
             # The launch call by CUPTI correlation id (a launch links to the same operator as its kernel);
-            # failing that, the operator the kernel is linked to.
+            # failing that, the operator the kernel is linked to (where the build records links).
+            linked = getattr(e, "linked_correlation_id", 0)
             launch = launches.get(e.id)
-            if launch is None or launch.linked_correlation_id != e.linked_correlation_id:
-                launch = operators.get(e.linked_correlation_id)
+            if launch is None or getattr(launch, "linked_correlation_id", 0) != linked:
+                launch = operators.get(linked) if linked else None
             if launch is not None:
                 work.append(Work(e.name, launch.time_range.start, e.time_range.end - e.time_range.start))
         if not work:
@@ -93,8 +112,8 @@ def device_work(events: Iterable, device_type: str) -> list[Work]:
                                "ProfilerActivity.CUDA, and can the profiler reach CUPTI?")
         return work
     if device_type == "cpu":
-        return [Work(e.name, e.time_range.start, e.self_cpu_time_total) for e in events
-                if e.activity_type == OPERATOR and not e.is_async and e.self_cpu_time_total > 0]
+        return [Work(e.name, e.time_range.start, e.self_cpu_time_total) for kind, e in events
+                if kind == OPERATOR and not e.is_async and e.self_cpu_time_total > 0]
     raise ValueError(f"kernel tables support cuda and cpu profiles, not {device_type!r}")
 
 
