@@ -9,7 +9,8 @@ and the hash of the GPU source that was tested.
     python -m cs336_systems.gpu_check --parts memcheck,racecheck
 
 Most of a cold run is compiling kernels (a few hundred, seconds each), which parallel runs spread over
-the cores and leave in Triton's on-disk cache for the single-process runs after them.
+the cores and leave in Triton's on-disk cache for the single-process runs after them; those (the suite
+and each sanitizer) then run side by side.
 
 `problems(record, source_hash)` says what is wrong with a record; tests/test_gpu_evidence.py runs it on
 the committed records, so a kernel change cannot land without a fresh, clean GPU run.
@@ -27,20 +28,23 @@ import sys
 import tempfile
 import time
 import xml.etree.ElementTree as ElementTree
+from concurrent.futures import ThreadPoolExecutor, as_completed
 from pathlib import Path
 from typing import Any
 
 RECORD_NAME = "gpu_check"
 # The suite in parallel first (pytest-xdist, a worker per core): it must pass that way too, and its
-# workers fill Triton's on-disk cache, so that the one-process run after it compiles nothing.
-PARALLEL_TESTS = ("tests/", "-n", "auto")
+# workers fill Triton's on-disk cache, so that the one-process run after it compiles nothing. Idle
+# workers take queued tests from busy ones: a few drawn GPU tests take minutes each.
+PARALLEL_TESTS = ("tests/", "-n", "auto", "--dist", "worksteal")
 TESTS = ("tests/",)
 # Every launch path on every head dim and alignment, the split forward against the whole, misaligned
-# inputs, and captured CUDA graphs: small shapes, so that the sanitizer's slowdown stays in minutes.
-MEMCHECK_TESTS = ("tests/test_flash_triton.py", "-k", "every_launch_path or split_forward or misaligned")
+# inputs: small explicit shapes (not the drawn examples), so that the sanitizer's slowdown stays in minutes.
+MEMCHECK_TESTS = ("tests/test_flash_triton.py", "-k",
+                  "(every_launch_path or split_forward or misaligned) and not drawn")
 # racecheck tracks shared memory hazards within a program, far slower than memcheck: the split
 # forward (its merge reads what other programs stored) on one dtype, every head dim and alignment.
-RACECHECK_TESTS = ("tests/test_flash_triton.py", "-k", "every_launch_path and split and bf16")
+RACECHECK_TESTS = ("tests/test_flash_triton.py", "-k", "every_launch_path and split and bf16 and not drawn")
 SANITIZER_TOOLS = {"memcheck": MEMCHECK_TESTS, "racecheck": RACECHECK_TESTS}
 
 
@@ -64,8 +68,10 @@ def parse_junit(path: Path) -> dict[str, Any]:
 
 
 def sanitizer_error_count(output: str) -> int | None:
-    """The errors compute-sanitizer reported (its ERROR SUMMARY lines, summed), or None without one."""
-    counts = [int(n) for n in re.findall(r"ERROR SUMMARY: (\d+) error", output)]
+    """What compute-sanitizer reported, summed over its summary lines (memcheck's ERROR SUMMARY errors,
+    racecheck's RACECHECK SUMMARY hazards, warnings included), or None without one."""
+    found = re.findall(r"ERROR SUMMARY: (\d+) error|RACECHECK SUMMARY: (\d+) hazard", output)
+    counts = [int(errors or hazards) for errors, hazards in found]
     return sum(counts) if counts else None
 
 
@@ -74,16 +80,22 @@ RUN_TIMEOUT_S = 1800
 
 
 def _pytest(arguments: tuple[str, ...], junit: Path, prefix: tuple[str, ...] = ()) -> tuple[dict[str, Any], str]:
-    command = (*prefix, sys.executable, "-m", "pytest", *arguments, "-q", "-rfE", "-p", "no:cacheprovider",
-               f"--junitxml={junit}")
+    """Run pytest with `arguments` (under `prefix`, a sanitizer), its output streamed to a log beside
+    `junit`, so that a run stopped from outside still shows which tests had finished."""
+    command = (*prefix, sys.executable, "-m", "pytest", *arguments, "-v", "-rfE", "--durations=10",
+               "-p", "no:cacheprovider", f"--junitxml={junit}")
+    log = junit.with_suffix(".log")
     started = time.monotonic()
-    try:
-        result = subprocess.run(command, capture_output=True, text=True, timeout=RUN_TIMEOUT_S)
-        output, ending = result.stdout + result.stderr, f"pytest exited {result.returncode} without a report"
-    except subprocess.TimeoutExpired as expired:
-        output = (expired.stdout or b"").decode(errors="replace") + (expired.stderr or b"").decode(errors="replace")
-        ending = f"stopped after {RUN_TIMEOUT_S} s"
-    sys.stdout.write(output[-6000:])
+    with log.open("w") as stream:
+        stream.write(f"$ {' '.join(command)}\n")
+        stream.flush()
+        try:
+            result = subprocess.run(command, stdout=stream, stderr=subprocess.STDOUT, timeout=RUN_TIMEOUT_S)
+            ending = f"pytest exited {result.returncode} without a report"
+        except subprocess.TimeoutExpired:
+            ending = f"stopped after {RUN_TIMEOUT_S} s"
+    output = log.read_text(errors="replace")
+    sys.stdout.write(output[-6000:] + "\n")
     summary = parse_junit(junit) if junit.exists() else {"passed": 0, "failed": 0, "errors": 1, "skipped": 0,
                                                           "failures": [ending], "skip_reasons": {}}
     pytest_command = " ".join(("python -m pytest", *arguments))
@@ -95,7 +107,7 @@ PARTS = ("parallel", "tests", *SANITIZER_TOOLS)
 
 
 def run_checks(parts: tuple[str, ...] = PARTS, earlier: dict[str, Any] | None = None,
-               save=lambda record: None) -> dict[str, Any]:
+               save=lambda record: None, log_dir: Path | None = None) -> dict[str, Any]:
     """Run `parts` here (the suite in parallel, in one process, each sanitizer on its subset); the record
     (see module docstring), handed to `save` after each part, keeping the parts of `earlier` not run
     again when it tested the same source on the same device."""
@@ -115,22 +127,36 @@ def run_checks(parts: tuple[str, ...] = PARTS, earlier: dict[str, Any] | None = 
                               "runs": {}}
     if earlier and all(earlier.get(k) == record[k] for k in ("device", "source_hash", "torch", "triton")):
         record["runs"] = dict(earlier.get("runs", {}))
-    with tempfile.TemporaryDirectory() as scratch:
-        for part in parts:
+    with tempfile.TemporaryDirectory() as temporary:
+        if log_dir is not None:
+            log_dir.mkdir(parents=True, exist_ok=True)
+        scratch = log_dir or Path(temporary)
+        if "parallel" in parts:
+            record["runs"]["parallel tests"], _ = _pytest(PARALLEL_TESTS, scratch / "parallel.xml")
+            save(record)
+        one_process = [part for part in parts if part != "parallel"]
+        for part in one_process:
             if part in SANITIZER_TOOLS:
                 # Compiling is most of a cold run and the sanitizer's process is one: the same tests in
-                # parallel first leave every kernel in Triton's cache.
-                _pytest((*SANITIZER_TOOLS[part], "-n", "auto"), Path(scratch) / f"{part}-warm-up.xml")
-                run, output = _pytest(SANITIZER_TOOLS[part], Path(scratch) / f"{part}.xml",
-                                      ("compute-sanitizer", "--tool", part))
-                run |= {"command": f"compute-sanitizer --tool {part} {run['command']}",
-                        "sanitizer_errors": sanitizer_error_count(output)}
-                record["runs"][part] = run
-            else:
-                name = "parallel tests" if part == "parallel" else "tests"
-                record["runs"][name], _ = _pytest(TEST_RUNS[name], Path(scratch) / f"{part}.xml")
-            save(record)
+                # parallel first leave every kernel in Triton's cache (seconds when the suite ran before).
+                _pytest((*SANITIZER_TOOLS[part], "-n", "auto"), scratch / f"{part}-warm-up.xml")
+        # Each of these runs is one process on one core, so they run side by side; on one GPU, which
+        # changes no result (no test asserts a time).
+        # Each part is saved as it ends, so that a run stopped from outside keeps the parts that ended.
+        with ThreadPoolExecutor(max_workers=len(one_process) or 1) as pool:
+            for future in as_completed([pool.submit(_one_process_run, part, scratch) for part in one_process]):
+                name, run = future.result()
+                record["runs"][name] = run
+                save(record)
     return record
+
+
+def _one_process_run(part: str, scratch: Path) -> tuple[str, dict[str, Any]]:
+    if part not in SANITIZER_TOOLS:
+        return "tests", _pytest(TESTS, scratch / f"{part}.xml")[0]
+    run, output = _pytest(SANITIZER_TOOLS[part], scratch / f"{part}.xml", ("compute-sanitizer", "--tool", part))
+    return part, run | {"command": f"compute-sanitizer --tool {part} {run['command']}",
+                        "sanitizer_errors": sanitizer_error_count(output)}
 
 
 def _driver_version() -> str:
@@ -193,6 +219,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--parts", default=",".join(PARTS),
                         help=f"comma-separated subset of {', '.join(PARTS)} (default all); a record of the same "
                              "source keeps the parts not run again")
+    parser.add_argument("--log-dir", type=Path, help="keep each run's output (PART.log) and JUnit XML here")
     args = parser.parse_args(argv)
     parts = tuple(p.strip() for p in args.parts.split(",") if p.strip())
     if not parts or set(parts) - set(PARTS):
@@ -205,7 +232,7 @@ def main(argv: list[str] | None = None) -> int:
         (out / f"{RECORD_NAME}.json").write_text(json.dumps(record, indent=1) + "\n")
         (out / f"{RECORD_NAME}.md").write_text(render(record))
 
-    record = run_checks(parts, load_record(out), save)
+    record = run_checks(parts, load_record(out), save, args.log_dir)
     found = problems(record, record["source_hash"])
     print(f"wrote {out / RECORD_NAME}.json and .md" + "".join(f"\n  problem: {p}" for p in found))
     return 1 if found else 0

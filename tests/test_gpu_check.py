@@ -40,6 +40,9 @@ def test_a_record_that_is_no_evidence_says_why(record, problem):
 def test_sanitizer_summaries_are_summed_and_a_missing_one_is_none():
     assert gpu_check.sanitizer_error_count("========= ERROR SUMMARY: 0 errors\n") == 0
     assert gpu_check.sanitizer_error_count("ERROR SUMMARY: 3 errors\n...\nERROR SUMMARY: 1 error\n") == 4
+    racecheck = "========= RACECHECK SUMMARY: 2 hazards displayed (1 error, 1 warning)\n"
+    assert gpu_check.sanitizer_error_count(racecheck) == 2
+    assert gpu_check.sanitizer_error_count(racecheck.replace("2 hazards", "0 hazards")) == 0
     assert gpu_check.sanitizer_error_count("Segmentation fault") is None
 
 
