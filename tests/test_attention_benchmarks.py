@@ -372,3 +372,13 @@ def test_flash_report_calls_short_lengths_host_bound_only_when_time_stays_flat_w
     growing = [_flash_row("flash_triton", "forward_backward", n, ms) for n, ms in ((128, 0.01), (1024, 0.1),
                                                                                      (4096, 1.0))]
     assert "the time is the host's" not in _flat(get_renderer("flash_benchmarking")(growing).body)
+
+
+def test_flash_report_names_the_source_each_run_measured():
+    rows = [_flash_row("flash_triton", "forward_backward", 4096, 1.0, run=1),
+            _flash_row("flash_triton", "forward_backward", 16384, 8.0, table="leaderboard", run=2,
+                       source_hash="0123abcd")]
+    body = _flat(get_renderer("flash_benchmarking")(rows).body)
+    assert "FlashAttention GPU source measured: run 1: not recorded; run 2: 0123abcd." in body
+    one_run = [{**row, "run": 1, "source_hash": "0123abcd"} for row in rows]
+    assert "FlashAttention GPU source measured: 0123abcd." in _flat(get_renderer("flash_benchmarking")(one_run).body)

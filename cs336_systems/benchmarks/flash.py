@@ -31,6 +31,7 @@ from __future__ import annotations
 import math
 import statistics
 import warnings
+from collections import defaultdict
 from collections.abc import Callable
 from contextlib import nullcontext
 from dataclasses import dataclass
@@ -514,8 +515,16 @@ def _gate_section(rows: list[Row]) -> str:
 
 
 def _sources(rows: list[Row]) -> str:
-    hashes = sorted({str(r["source_hash"]) for r in rows if r.get("source_hash")})
-    return f"FlashAttention GPU source measured: {', '.join(hashes) or 'not recorded'}.\n"
+    """The FlashAttention source each run's rows measured (rows written before hashes were recorded
+    carry none)."""
+    by_run: dict[str, set[str]] = defaultdict(set)
+    for r in rows:
+        by_run[str(r.get("run") or 1)].add(str(r.get("source_hash") or "not recorded"))
+    runs = sorted(by_run.items(), key=lambda item: int(item[0]) if item[0].isdigit() else 0)
+    if len(runs) == 1:
+        return f"FlashAttention GPU source measured: {', '.join(sorted(runs[0][1]))}.\n"
+    return ("FlashAttention GPU source measured: "
+            + "; ".join(f"run {run}: {', '.join(sorted(hashes))}" for run, hashes in runs) + ".\n")
 
 
 @renderer("flash_benchmarking", key=FLASH_KEY)
