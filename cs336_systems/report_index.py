@@ -1009,7 +1009,8 @@ def _header_fields(markdown: Path) -> dict[str, list[str]]:
 def _device_table(reports_root: Path, slugs: list[str]) -> str:
     table = []
     for slug in slugs:
-        fields = [_header_fields(md) for md in sorted((reports_root / slug).glob("*.md"))]
+        # The problems' reports (each beside its rows), not records such as gpu_check.md.
+        fields = [_header_fields(md) for md in sorted((reports_root / slug).glob("*.md")) if md.with_suffix(".csv").exists()]
         devices = dict.fromkeys(d for f in fields for d in f["device"])
         software = dict.fromkeys(s for f in fields for s in f["software"])
         dates = sorted(d for f in fields for d in f["dates"])
@@ -1163,7 +1164,7 @@ def render_index(reports_root: Path | str, command: str = INDEX_COMMAND) -> str:
         "software versions, dates and command that measured it.\n",
         "## Devices\n",
         _device_table(reports_root, slugs) if slugs else "No device reports yet.\n",
-        CPU_NOTE if CPU_SLUG in slugs else "",
+        *([CPU_NOTE] if CPU_SLUG in slugs else []),
         "## Status\n",
         "Per problem and device directory: whether its reports are there, the model sizes they measured (by size "
         "table) and what is still open.\n",

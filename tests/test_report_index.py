@@ -2,6 +2,7 @@
 reports listed as not measured, the same bytes on every regeneration."""
 
 import re
+import shutil
 from pathlib import Path
 
 import pytest
@@ -247,3 +248,11 @@ def test_memory_profiling_answer_includes_part_f(tmp_path):
             "allocated by `aten::mm` (24%); its weight gradients take 400.02 MiB, 4 bytes for each of its 104,862,720 "
             "parameters, and the allocator saw its backward add 405.00 MiB of gradients.") in index
     assert _status_row(index, "memory_profiling")[-1] == ""
+
+
+def test_the_committed_index_is_the_one_the_committed_rows_give(tmp_path):
+    reports_root = Path(__file__).resolve().parents[1] / "reports"
+    # reports/cpu/ is not committed: a local CPU run must not make the committed index look stale.
+    shutil.copytree(reports_root, tmp_path / "reports", ignore=lambda directory, names: {"cpu"} & set(names))
+    assert (reports_root / "README.md").read_text() == render_index(tmp_path / "reports"), (
+        f"reports/README.md is stale: run `{INDEX_COMMAND}` and commit it")
