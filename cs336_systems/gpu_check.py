@@ -7,13 +7,14 @@ and the hash of the GPU source that was tested.
 
     python -m cs336_systems.gpu_check                        # or: make gpu-check
     python -m cs336_systems.gpu_check --parts memcheck,racecheck
+    python -m cs336_systems.gpu_check --parts tests:1/2,tests:2/2  # the one-process suite as two runs
 
 Most of a cold run is compiling kernels (a few hundred, seconds each), which parallel runs spread over
 the cores and leave in Triton's on-disk cache for the single-process runs after them; those (the suite
 and each sanitizer) then run side by side.
 
-`problems(record, source_hash)` says what is wrong with a record; tests/test_gpu_evidence.py runs it on
-the committed records, so a kernel change cannot land without a fresh, clean GPU run.
+`problems(record, source_hash)` says what is wrong with a record as evidence for the current source;
+the command prints it when it ends.
 """
 
 from __future__ import annotations
@@ -104,6 +105,23 @@ def _pytest(arguments: tuple[str, ...], junit: Path, prefix: tuple[str, ...] = (
 
 TEST_RUNS = {"parallel tests": PARALLEL_TESTS, "tests": TESTS}
 PARTS = ("parallel", "tests", *SANITIZER_TOOLS)
+# "tests:K/N": the K-th of N one-process runs that share the suite's test files between them, for a
+# machine that cannot give one run as long as the whole suite takes; a record needs all N of one split
+# (or the whole suite's run).
+_SHARD = re.compile(r"tests:(\d+)/(\d+)")
+
+
+def shard(part: str) -> tuple[int, int] | None:
+    """(K, N) of a part "tests:K/N" with 1 <= K <= N; None for any other part."""
+    match = _SHARD.fullmatch(part)
+    if match is None or not 1 <= int(match[1]) <= int(match[2]):
+        return None
+    return int(match[1]), int(match[2])
+
+
+def shard_files(k: int, n: int, tests_dir: Path = Path("tests")) -> tuple[str, ...]:
+    """The test files of run K of N: every N-th file, by name, from the K-th."""
+    return tuple(str(path) for path in sorted(tests_dir.glob("test_*.py"))[k - 1::n])
 
 
 def run_checks(parts: tuple[str, ...] = PARTS, earlier: dict[str, Any] | None = None,
@@ -152,8 +170,11 @@ def run_checks(parts: tuple[str, ...] = PARTS, earlier: dict[str, Any] | None = 
 
 
 def _one_process_run(part: str, scratch: Path) -> tuple[str, dict[str, Any]]:
+    if part == "tests":
+        return "tests", _pytest(TESTS, scratch / "tests.xml")[0]
     if part not in SANITIZER_TOOLS:
-        return "tests", _pytest(TESTS, scratch / f"{part}.xml")[0]
+        k, n = shard(part)
+        return f"tests {k}/{n}", _pytest(shard_files(k, n), scratch / f"tests-{k}-of-{n}.xml")[0]
     run, output = _pytest(SANITIZER_TOOLS[part], scratch / f"{part}.xml", ("compute-sanitizer", "--tool", part))
     return part, run | {"command": f"compute-sanitizer --tool {part} {run['command']}",
                         "sanitizer_errors": sanitizer_error_count(output)}
@@ -172,7 +193,7 @@ def problems(record: dict[str, Any], current_hash: str) -> list[str]:
         found.append(f"it tested GPU source {record.get('source_hash')}, not the current {current_hash}: "
                      "run `make gpu-check` on a CUDA machine and commit its record")
     runs = record.get("runs", {})
-    for name in (*TEST_RUNS, *SANITIZER_TOOLS):
+    for name in (*_one_process_test_runs(runs), *SANITIZER_TOOLS):
         run = runs.get(name)
         if not run:
             found.append(f"no {name} run in the record")
@@ -184,6 +205,19 @@ def problems(record: dict[str, Any], current_hash: str) -> list[str]:
         if name in SANITIZER_TOOLS and run.get("sanitizer_errors") != 0:
             found.append(f"{name}: compute-sanitizer reported {run.get('sanitizer_errors')} errors")
     return found
+
+
+def _one_process_test_runs(runs: dict[str, Any]) -> list[str]:
+    """The runs a record needs: the suite in parallel, and in one process, whole or as every run of one
+    split (shards of several splits do not add up to the suite)."""
+    splits: dict[int, set[int]] = {}
+    for name in runs:
+        if (found := shard(name.replace(" ", ":"))) is not None:
+            splits.setdefault(found[1], set()).add(found[0])
+    complete = [n for n, ks in sorted(splits.items()) if ks == set(range(1, n + 1))]
+    if "tests" in runs or not complete:
+        return [*TEST_RUNS]
+    return ["parallel tests", *(f"tests {k}/{complete[0]}" for k in range(1, complete[0] + 1))]
 
 
 def render(record: dict[str, Any]) -> str:
@@ -217,13 +251,14 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--report-dir", default="reports", help="the record goes to REPORT_DIR/<gpu>/")
     parser.add_argument("--parts", default=",".join(PARTS),
-                        help=f"comma-separated subset of {', '.join(PARTS)} (default all); a record of the same "
-                             "source keeps the parts not run again")
+                        help=f"comma-separated subset of {', '.join(PARTS)} (default all), or tests:K/N for the "
+                             "K-th of N one-process runs that share the test files; a record of the same source "
+                             "keeps the parts not run again")
     parser.add_argument("--log-dir", type=Path, help="keep each run's output (PART.log) and JUnit XML here")
     args = parser.parse_args(argv)
     parts = tuple(p.strip() for p in args.parts.split(",") if p.strip())
-    if not parts or set(parts) - set(PARTS):
-        parser.error(f"--parts: choose from {', '.join(PARTS)}, got {args.parts!r}")
+    if not parts or any(part not in PARTS and shard(part) is None for part in parts):
+        parser.error(f"--parts: choose from {', '.join(PARTS)} or tests:K/N (1 <= K <= N), got {args.parts!r}")
     slug, _ = resolve_gpu("auto")
     out = Path(args.report_dir) / slug
     out.mkdir(parents=True, exist_ok=True)

@@ -1,6 +1,8 @@
 """The checker of GPU evidence (cs336_systems.gpu_check): what makes a `make gpu-check` record fail as
 evidence, and how it reads pytest's and compute-sanitizer's output."""
 
+from pathlib import Path
+
 import pytest
 
 from cs336_systems import gpu_check
@@ -59,3 +61,28 @@ def test_junit_counts_outcomes_failures_and_skip_reasons(tmp_path):
         "passed": 1, "failed": 1, "errors": 1, "skipped": 1}
     assert summary["failures"] == ["tests.test_a::test_bad", "tests.test_a::test_broken"]
     assert summary["skip_reasons"] == {"needs 2 CUDA GPUs, 1 present": 1}
+
+
+def test_shards_deal_every_test_file_into_exactly_one_run():
+    tests_dir = Path(__file__).parent
+    every = sorted(str(path) for path in tests_dir.glob("test_*.py"))
+    for n in (1, 2, 3):
+        dealt = [file for k in range(1, n + 1) for file in gpu_check.shard_files(k, n, tests_dir)]
+        assert sorted(dealt) == every
+    assert gpu_check.shard("tests:2/3") == (2, 3)
+    assert [gpu_check.shard(part) for part in ("tests:0/2", "tests:3/2", "tests", "memcheck")] == [None] * 4
+
+
+def test_a_split_suite_counts_only_when_every_run_of_one_split_is_there():
+    whole = _record(tests=None, **{"tests 1/2": _run(), "tests 2/2": _run()})
+    assert gpu_check.problems(whole, "abc") == []
+    half = _record(tests=None, **{"tests 1/2": _run(), "tests 1/3": _run(), "tests 2/3": _run()})
+    assert any("no tests run" in found for found in gpu_check.problems(half, "abc"))
+    failed = _record(tests=None, **{"tests 1/2": _run(), "tests 2/2": _run(failed=1, failures=["tests/x.py::t"])})
+    assert any("tests 2/2: 1 failed" in found for found in gpu_check.problems(failed, "abc"))
+
+
+def test_parts_are_checked_before_anything_runs():
+    for parts in ("tests:3/2", "unit", ""):
+        with pytest.raises(SystemExit):
+            gpu_check.main(["--parts", parts])
