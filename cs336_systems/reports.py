@@ -151,6 +151,18 @@ def select(rows: Iterable[Row], **equal: Any) -> list[Row]:
     return [row for row in rows if all(row.get(k) == v for k, v in equal.items())]
 
 
+def unmeasured(rows: Iterable[Row], *columns: str) -> list[str]:
+    """Each of `columns` that a row with status "ok" holds as anything but a positive, finite number
+    (a time or a size that was never measured, or measured wrongly), as "column = value in row".
+    Empty when every ok row has them all; rows of any other status are not looked at."""
+    return [f"{column} = {row.get(column)!r} in {row}" for row in rows if row.get("status") == "ok"
+            for column in columns if not _positive_finite(row.get(column))]
+
+
+def _positive_finite(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) and value > 0
+
+
 def device_description(device: torch.device | str | None = None) -> str:
     if _on_cuda(device):
         device = torch.device(device) if device is not None else None

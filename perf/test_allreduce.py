@@ -13,6 +13,7 @@ from cs336_systems.benchmarks.allreduce import (
     gloo_sizes,
 )
 from cs336_systems.distributed.launch import launch
+from cs336_systems.reports import OOM, unmeasured
 
 PROBLEM = "distributed_communication_single_node"
 # 1 GB over gloo on 6 ranks takes about a second per all-reduce; a hang ends here instead.
@@ -21,13 +22,22 @@ LAUNCH_TIMEOUT_S = 600
 pytestmark = pytest.mark.ddp
 
 
+def _check_sweep(rows, backend, sizes_bytes, world_sizes):
+    """One row per (world size, size) in sweep order, each measured or out of memory."""
+    cells = [(world_size, size) for world_size in world_sizes for size in sizes_bytes]
+    assert [(r["world_size"], r["size_bytes"]) for r in rows] == cells
+    assert {r["backend"] for r in rows} == {backend}
+    assert {r["status"] for r in rows} <= {"ok", OOM}
+    assert not unmeasured(rows, "iterations", "mean_rank_median_ms", "max_rank_median_ms", "algbw_gbps", "busbw_gbps")
+
+
 def test_allreduce_gloo(report):
     sizes = gloo_sizes(len(os.sched_getaffinity(0)), max(GLOO_WORLD_SIZES))
     rows = launch(allreduce_sweep, max(GLOO_WORLD_SIZES), sizes, GLOO_WORLD_SIZES,
                   device="cpu", timeout_s=LAUNCH_TIMEOUT_S)[0]
     for row in rows:
         report(PROBLEM).add(row)
-    assert len(rows) == len(sizes) * len(GLOO_WORLD_SIZES)
+    _check_sweep(rows, "gloo", sizes, GLOO_WORLD_SIZES)
 
 
 @pytest.mark.gpu
@@ -40,4 +50,4 @@ def test_allreduce_nccl(run_settings, report):
                   device="cuda", timeout_s=LAUNCH_TIMEOUT_S)[0]
     for row in rows:
         report(PROBLEM).add(row)
-    assert len(rows) == len(SIZES_BYTES) * len(world_sizes)
+    _check_sweep(rows, "nccl", SIZES_BYTES, world_sizes)

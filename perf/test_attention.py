@@ -5,7 +5,7 @@ import pytest
 
 from cs336_systems.benchmarks.attention import HEAD_DIMS, SEQ_LENS, AttentionCell, benchmark_attention
 from cs336_systems.pytest_plugin import settings
-from cs336_systems.reports import OOM
+from cs336_systems.reports import OOM, unmeasured
 
 # CPU runs a small version of the sweep: a few passes over tiny shapes, seconds in all (each compiled
 # cell still pays a few seconds of compilation).
@@ -36,4 +36,7 @@ def test_attention_cell(head_dim, seq_len, compiled, device, run_settings, repor
     if not compiled:
         report("pytorch_attention").add(row)
     report("torch_compile").add(row, table="attention")
+    assert (row["head_dim"], row["seq_len"], row["compile"]) == (head_dim, seq_len, compiled)
     assert row["status"] in ("ok", OOM)
+    assert not unmeasured([row], "forward_mean_ms", "forward_median_ms", "first_forward_ms",
+                          "backward_mean_ms", "backward_median_ms", "first_backward_ms")

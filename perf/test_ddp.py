@@ -7,15 +7,23 @@ On GPUs: the XL model, context 512, batch 4 per rank, fp32, NCCL on --world-size
 uses 2). On CPU: the tiny model over gloo, a smoke run of the same code in seconds.
 """
 
+import math
 import re
 
 import pytest
 
 from cs336_systems.benchmarks.allreduce import MB
-from cs336_systems.benchmarks.ddp import DDPBenchmarkConfig, benchmark_ddp, ddp_equivalence
+from cs336_systems.benchmarks.ddp import (
+    EQUIVALENCE_BUCKET_SIZES_MB,
+    TORCH_DDP_METHODS,
+    DDPBenchmarkConfig,
+    benchmark_ddp,
+    ddp_equivalence,
+    variant_label,
+)
 from cs336_systems.distributed.launch import launch
 from cs336_systems.profiling.timeline import plot_timeline
-from cs336_systems.reports import OOM
+from cs336_systems.reports import OOM, unmeasured
 
 GPU_CONFIG = DDPBenchmarkConfig()
 CPU_CONFIG = DDPBenchmarkConfig(size="tiny", context_length=32, batch_size=2, warmup=1, steps=3,
@@ -34,6 +42,8 @@ def test_ddp_matches_single_process(distributed_device, world_size, report):
     for problem in EQUIVALENCE_PROBLEMS:
         for row in rows:
             report(problem).add(row)
+    bucketed = [variant_label("bucketed", mb) for mb in EQUIVALENCE_BUCKET_SIZES_MB]
+    assert [row["variant"] for row in rows] == ["naive", "flat", "overlap_individual", *bucketed]
     assert all(row["matches"] for row in rows), [row for row in rows if not row["matches"]]
 
 
@@ -42,8 +52,9 @@ def _file_name(variant: str) -> str:
 
 
 @pytest.fixture(scope="module")
-def steps(distributed_device, world_size, report):
-    """One launch measures every variant; its rows go to the four benchmarking reports."""
+def ddp_benchmark(distributed_device, world_size, report):
+    """One launch measures every variant; its rows go to the four benchmarking reports. Returns the
+    rows (the all-reduce probe, one step row per variant, the timelines' files) and the config."""
     cfg = GPU_CONFIG if distributed_device == "cuda" else CPU_CONFIG
     result = launch(benchmark_ddp, world_size, cfg, device=distributed_device, timeout_s=LAUNCH_TIMEOUT_S)[0]
     rows = result["rows"]
@@ -55,18 +66,34 @@ def steps(distributed_device, world_size, report):
     for problem in BENCHMARK_PROBLEMS:
         for row in rows:
             report(problem).add(row)
-    return [r for r in rows if r["table"] == "step"], cfg
+    return rows, cfg
 
 
-def test_ddp_training_step(steps):
-    rows, cfg = steps
-    assert len({r["variant"] for r in rows}) == len(rows) == len(cfg.variants())
+def test_ddp_training_step(ddp_benchmark):
+    measured, cfg = ddp_benchmark
+    probe = [r for r in measured if r["table"] == "allreduce_probe"]
+    assert len(probe) == 1 and all(0 < probe[0][k] < math.inf for k in ("small_ms", "large_ms")), probe
+    rows = [r for r in measured if r["table"] == "step"]
+    assert [r["variant"] for r in rows] == [variant_label(method, mb) for method, mb in cfg.variants()]
     assert {r["status"] for r in rows} <= {"ok", OOM}
+    assert not unmeasured(rows, "step_ms", "forward_ms", "backward_ms", "optimizer_ms")
+    ok = [r for r in rows if r["status"] == "ok"]
+    # Nothing is left to synchronise after backward in torch DDP or the local run: zero is a measurement.
+    assert all(0 <= r["gradient_sync_ms"] < math.inf for r in ok), ok
+    # Our wrappers count their gradient all-reduces; torch DDP and the local run have none to count.
+    for r in ok:
+        if r["method"] in ("local", *TORCH_DDP_METHODS):
+            assert r["all_reduces_per_step"] is None, r
+        else:
+            assert r["all_reduces_per_step"] >= 1, r
+    bucketed = sorted((r for r in ok if r["method"] == "bucketed"), key=lambda r: r["bucket_size_mb"])
+    counts = [r["all_reduces_per_step"] for r in bucketed]
+    assert counts == sorted(counts, reverse=True), "a larger bucket must not need more all-reduces"
 
 
-def test_ddp_speedup_gate(steps, speedup_gate):
+def test_ddp_speedup_gate(ddp_benchmark, speedup_gate):
     """Overlapping communication with backward must keep its lead over the naive wrapper."""
-    by_variant = {r["variant"]: r for r in steps[0]}
+    by_variant = {r["variant"]: r for r in ddp_benchmark[0] if r["table"] == "step"}
     measured = {name: r["step_ms"] for name, r in by_variant.items() if r["status"] == "ok"}
     statuses = ", ".join(f"{name}: {r['status']}" for name, r in by_variant.items())
     bucketed = [ms for name, ms in measured.items() if name.startswith("bucketed")]

@@ -1,22 +1,32 @@
 """End-to-end model benchmarks: problems benchmarking_script, benchmarking_mixed_precision,
 mixed_precision_accumulation and the whole-model part of torch_compile."""
 
+import math
+
 import pytest
 
-from cs336_systems.benchmarks.e2e import E2EConfig, benchmark_in_fresh_process, benchmark_model
+from cs336_systems.benchmarks.e2e import PHASES, E2EConfig, benchmark_in_fresh_process, benchmark_model
 from cs336_systems.benchmarks.mixed_precision import (
+    ACCUMULATION_VARIANTS,
     accumulation_experiment,
     autocast_dtypes_experiment,
     normalization_precision_experiment,
 )
 from cs336_systems.pytest_plugin import settings
-from cs336_systems.reports import OOM
+from cs336_systems.reports import OOM, unmeasured
 
 GPU_CONTEXTS = (128, 256, 512, 1024)
 CPU_CONTEXTS = (32, 64)
 WARMUP_STEPS_STUDIED = (0, 1, 2, 5)
 GPU_WARMUP_STUDY_CONTEXT = 512
 CPU_WARMUP_STUDY_CONTEXT = 64
+# Every timed column of an ok row: summaries of the timed steps, and the first step's wall time.
+TIMED_COLUMNS = ("mean_ms", "median_ms", "first_ms", "max_ms", "first_step_ms")
+# What torch's autocast documents for the toy model's layers (the Autocast Op Reference): linear is
+# on the low-precision list of both devices and the cross-entropy loss on both float32 lists;
+# layer_norm is on CUDA's float32 list but on no CPU list, so on a CPU it runs in its input's dtype,
+# the low-precision output of fc1 (through ReLU). Parameters and their gradients are never cast.
+LAYER_NORM_IN_FLOAT32 = {"cuda": True, "cpu": False}
 
 pytestmark = pytest.mark.e2e
 
@@ -38,7 +48,9 @@ def test_model_step(model_size, context_length, precision, compiled, device, gpu
         if not compiled:
             report("benchmarking_mixed_precision").add(row)
         report("torch_compile").add(row)
+    assert [r["phase"] for r in rows] == list(PHASES[cfg.mode])
     assert {r["status"] for r in rows} <= {"ok", OOM}
+    assert not unmeasured(rows, *TIMED_COLUMNS)
 
 
 @pytest.mark.parametrize("warmup", WARMUP_STEPS_STUDIED)
@@ -48,16 +60,39 @@ def test_warmup_study(model_size, warmup, device, run_settings, report):
     rows = benchmark_in_fresh_process(cfg, device)
     for row in rows:
         report("benchmarking_script").add(row, table="warmup")
-    assert rows
+    assert [r["phase"] for r in rows] == list(PHASES["train"])
+    assert {(r["warmup"], r["context_length"]) for r in rows} == {(warmup, context)}
+    assert {r["status"] for r in rows} <= {"ok", OOM}
+    assert not unmeasured(rows, *TIMED_COLUMNS)
 
 
 def test_mixed_precision_accumulation(report):
-    for row in accumulation_experiment():
+    rows = accumulation_experiment()
+    for row in rows:
         report("mixed_precision_accumulation").add(row)
+    error = {r["variant"]: r["abs_error"] for r in rows}
+    assert list(error) == [variant for variant, *_ in ACCUMULATION_VARIANTS]
+    # fp32 accumulation of fp32 addends is the most accurate; fp32 accumulation of fp16 addends
+    # carries fp16's error in 0.01, the same whether the upcast is explicit or not; an fp16
+    # accumulator rounds away part of every addend once the sum is large, the least accurate.
+    assert error["fp32 += fp32"] < error["fp32 += fp16"] == error["fp32 += fp16.to(fp32)"] < error["fp16 += fp16"]
 
 
 def test_autocast_dtypes(device, report):
-    for row in autocast_dtypes_experiment(device):
+    dtypes = autocast_dtypes_experiment(device)
+    for row in dtypes:
         report("benchmarking_mixed_precision").add(row, table="autocast_dtypes")
-    for row in normalization_precision_experiment():
+    observed = {r["tensor"]: r["dtype"] for r in dtypes}
+    low = dtypes[0]["autocast"]
+    assert low in ("float16", "bfloat16")
+    layer_norm = "float32" if LAYER_NORM_IN_FLOAT32[device.type] else low
+    assert observed == {"parameters": "float32", "fc1 output": low, "layer norm output": layer_norm,
+                        "logits": low, "loss": "float32", "gradients": "float32"}
+
+    norms = normalization_precision_experiment()
+    for row in norms:
         report("benchmarking_mixed_precision").add(row, table="normalization")
+    error = {r["storage_dtype"]: r["relative_error"] for r in norms}
+    assert list(error) == ["float32", "float16", "bfloat16"]
+    # Squares of ~300 pass fp16's largest finite value; bf16 keeps the range and loses mantissa bits.
+    assert math.isinf(error["float16"]) and error["float32"] < error["bfloat16"] < math.inf

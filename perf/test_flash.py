@@ -7,6 +7,8 @@ import pytest
 
 from cs336_systems.benchmarks.flash import (
     HEAD_DIMS,
+    LEADERBOARD_PROVIDERS,
+    MODES,
     PROVIDERS,
     SEQ_LENS,
     UNSUPPORTED,
@@ -19,15 +21,19 @@ from cs336_systems.benchmarks.flash import (
     leaderboard,
 )
 from cs336_systems.benchmarks.flash_in_training import (
+    ATTENTIONS,
+    KERNEL_PROVIDERS,
     TrainingCell,
     attention_kernels,
     kernel_cell_of,
     training_steps,
 )
 from cs336_systems.pytest_plugin import settings
-from cs336_systems.reports import OOM
+from cs336_systems.reports import OOM, unmeasured
 
 PROBLEM = "flash_benchmarking"
+# What an ok row of do_bench (GPU) or the host clock (CPU) measured.
+TIMED_COLUMNS = ("median_ms", "p20_ms", "p80_ms", "tflops")
 # CPU runs the Triton kernels in the interpreter: a smoke version, a few calls on tiny shapes. The
 # interpreter computes bf16 tl.dot wrongly, so only fp32 runs there.
 CPU_SEQ_LENS = (16, 32)
@@ -56,8 +62,10 @@ def test_flash_cell(precision, head_dim, seq_len, device, run_settings, report):
     rows = benchmark_flash_cell(FlashCell(seq_len, head_dim, precision), PROVIDERS, device, settings=bench)
     for row in rows:
         report(PROBLEM).add(row)
+    assert [(r["provider"], r["mode"]) for r in rows] == [(p, mode) for p in PROVIDERS for mode in MODES]
     assert {r["status"] for r in rows} <= {"ok", OOM, UNSUPPORTED}
     assert all(r["status"] == "ok" for r in rows if r["provider"] == "flash_triton")
+    assert not unmeasured(rows, *TIMED_COLUMNS)
 
 
 @pytest.mark.gpu
@@ -65,7 +73,10 @@ def test_flash_leaderboard(device, report):
     rows = leaderboard(device)
     for row in rows:
         report(PROBLEM).add(row)
+    assert [r["provider"] for r in rows] == list(LEADERBOARD_PROVIDERS)
+    assert {r["status"] for r in rows} <= {"ok", OOM, UNSUPPORTED}
     assert all(r["status"] == "ok" for r in rows if r["provider"].startswith("flash_triton"))
+    assert not unmeasured(rows, *TIMED_COLUMNS)
 
 
 @pytest.mark.gpu
@@ -73,6 +84,8 @@ def test_flash_speedup_gate(device, report, speedup_gate):
     rows = gate(device)
     for row in rows:
         report(PROBLEM).add(row)
+    assert [r["provider"] for r in rows] == ["flash_triton", *GATED_PROVIDERS]
+    assert not unmeasured(rows, *TIMED_COLUMNS)
     ms = {r["provider"]: r["median_ms"] for r in rows if r["status"] == "ok"}
     statuses = ", ".join(f"{r['provider']}: {r['status']}" for r in rows)
     for provider in GATED_PROVIDERS:
@@ -93,5 +106,9 @@ def test_flash_in_training(cell, device, report):
     for row in rows:
         report("flash_in_training").add(row)
     steps = {r["attention"]: r["status"] for r in rows if r["table"] == "step"}
+    assert list(steps) == list(ATTENTIONS)
     assert steps["flash_triton"] == "ok" or steps["flash_triton"] == steps["sdpa"] == OOM, steps
-    assert all(r["status"] in ("ok", UNSUPPORTED) for r in rows if r["table"] == "kernels")
+    kernels = [r for r in rows if r["table"] == "kernels"]
+    assert [(r["provider"], r["mode"]) for r in kernels] == [(p, mode) for p in KERNEL_PROVIDERS for mode in MODES]
+    assert all(r["status"] in ("ok", UNSUPPORTED) for r in kernels), kernels
+    assert not unmeasured(rows, "median_ms")

@@ -17,12 +17,14 @@ import pytest
 
 from cs336_systems.benchmarks.profiling import (
     HANDOUT_MEMORY_CONTEXTS,
+    MEMORY_MODES,
     CheckpointSweepConfig,
     MemoryProfileConfig,
     checkpoint_sweep,
     memory_profile,
 )
-from cs336_systems.reports import OOM
+from cs336_systems.model import ModelConfig
+from cs336_systems.reports import OOM, unmeasured
 
 CPU_MEMORY_CONFIG = dict(size="tiny", contexts=(16, 32), batch_size=2)
 # Each handout's memory_profiling model and contexts, by size table.
@@ -44,11 +46,21 @@ def test_memory_profile(device, run_settings, report):
     for row in rows:
         report("memory_profiling").add(row)
     peaks = [r for r in rows if r["table"] == "peak"]
-    assert len(peaks) == 2 * len(cfg.contexts) * len(cfg.precisions)
+    cells = [(mode, precision, context)
+             for mode in MEMORY_MODES for precision in cfg.precisions for context in cfg.contexts]
+    assert [(r["mode"], r["precision"], r["context_length"]) for r in peaks] == cells
     assert {r["status"] for r in peaks} <= {"ok", OOM}
+    assert not unmeasured(peaks, "peak_increase_bytes")
     residual = [r for r in rows if r["table"] == "residual"]
+    assert [r["precision"] for r in residual] == list(cfg.precisions)
     assert all(r["measured_bytes"] == r["computed_bytes"] for r in residual), residual
+    # Part (f): every block of the model, in each precision, unless that precision ran out of memory.
+    num_layers = ModelConfig.for_size(cfg.size, cfg.shown_context).num_layers
+    for precision in cfg.precisions:
+        mine = [r for r in rows if r["table"] == "block" and r["precision"] == precision]
+        assert [r["status"] for r in mine] in (["ok"] * num_layers, [OOM]), mine
     blocks = [r for r in rows if r["table"] == "block" and r["status"] == "ok"]
+    # Parameters stay fp32 under autocast, so their gradients take 4 bytes each.
     assert blocks and all(r["weight_gradient_bytes"] == 4 * r["parameters"] for r in blocks)
     if run_settings.on_gpu:
         assert any(r["table"] == "timeline" for r in rows) and any(r["table"] == "allocation" for r in rows)
@@ -61,7 +73,13 @@ def test_checkpoint_sweep(device, run_settings, report):
     for row in rows:
         report("gradient_checkpointing").add(row)
     sweep = [r for r in rows if r["table"] == "sweep"]
+    assert {r["k"] for r in sweep if r["plan_kind"] == "every_k"} >= {1, "none"}
+    levels = ["unlimited" if n is None else n for n in cfg.nested_levels]
+    assert [r["levels"] for r in sweep if r["plan_kind"] == "optimal"] == levels
     assert {r["status"] for r in sweep} <= {"ok", OOM}
     assert any(r["status"] == "ok" for r in sweep)
+    assert not unmeasured(sweep, "measured_peak_bytes", "step_ms")
     if run_settings.on_gpu:
-        assert any(r["table"] == "longest" for r in rows)
+        longest = [r for r in rows if r["table"] == "longest"]
+        assert [r["plan_kind"] for r in longest] == ["every_k", "optimal", "every_k"] and longest[-1]["k"] == "none"
+        assert {r.get("run_status") for r in longest} <= {None, "ok", OOM}

@@ -10,7 +10,8 @@ import pytest
 
 from cs336_systems.benchmarks.sharding import VARIANTS, ShardingBenchmarkConfig, optimizer_sharding_problems
 from cs336_systems.distributed.launch import launch
-from cs336_systems.reports import OOM
+from cs336_systems.distributed.sharded_optimizer import SYNC_METHODS
+from cs336_systems.reports import OOM, unmeasured
 
 GPU_CONFIG = ShardingBenchmarkConfig()
 CPU_CONFIG = ShardingBenchmarkConfig(size="tiny", context_length=32, batch_size=2, warmup=1, steps=3)
@@ -37,14 +38,18 @@ def rows(distributed_device, world_size, report):
 
 def test_sharded_optimizer_matches_adamw(rows):
     equivalence = [r for r in rows if r["table"] == "equivalence"]
-    assert equivalence
+    assert [r["sync"] for r in equivalence] == list(SYNC_METHODS)
     assert all(r["max_abs_difference"] <= EQUIVALENCE_TOLERANCE for r in equivalence), equivalence
+    # The ranks' parts of AdamW's state add up to the whole: the smallest part is at most 1/n of it and
+    # the largest at least 1/n (an unsharded optimizer would hold all of it on every rank).
+    assert all(r["state_share_min"] <= 1 / r["world_size"] <= r["state_share"] for r in equivalence), equivalence
 
 
 def test_optimizer_sharding_accounting(rows):
-    steps = {r["variant"]: r for r in rows if r["table"] == "step"}
-    assert list(steps) == [label for label, _, _ in VARIANTS]
-    assert {r["status"] for r in steps.values()} <= {"ok", OOM}
+    steps = [r for r in rows if r["table"] == "step"]
+    assert [r["variant"] for r in steps] == [label for label, _, _ in VARIANTS]
+    assert {r["status"] for r in steps} <= {"ok", OOM}
+    assert not unmeasured(steps, "step_ms", "optimizer_ms")
 
 
 def test_optimizer_sharding_speedup_gate(rows, speedup_gate):

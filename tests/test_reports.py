@@ -18,6 +18,18 @@ def test_pivot_makes_one_column_per_value():
     ]
 
 
+@pytest.mark.parametrize("value", [0.0, -1.0, float("nan"), float("inf"), None, True, "12"])
+def test_an_ok_row_without_a_positive_finite_measurement_is_unmeasured(value):
+    rows = [{"status": "ok", "ms": 1.5, "bytes": 4096}, {"status": "ok", "ms": value, "bytes": 4096}]
+    assert reports.unmeasured(rows, "ms", "bytes") == [f"ms = {value!r} in {rows[1]}"]
+
+
+def test_only_ok_rows_need_measurements():
+    rows = [{"status": OOM, "ms": None}, {"status": "unsupported"}, {"status": "ok", "ms": 0.25}]
+    assert reports.unmeasured(rows, "ms") == []
+    assert reports.unmeasured([{"status": "ok"}], "ms") == ["ms = None in {'status': 'ok'}"]
+
+
 @renderer("_test_problem")
 def _render(rows):
     return Rendered(f"{len(rows)} rows; total {sum(r['x'] for r in rows)}")
