@@ -7,17 +7,14 @@ Each measuring function returns rows; the renderers below answer the written que
 
 from __future__ import annotations
 
-import gc
 import math
 import shutil
 import statistics
 from collections import defaultdict
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 
 from cs336_systems.accounting.activations import (
     block_saved_bytes,
@@ -28,13 +25,18 @@ from cs336_systems.accounting.activations import (
     state_bytes,
     training_transient_bytes,
 )
-from cs336_systems.benchmarks.e2e import (
-    DEFAULT_BATCH_SIZE,
+from cs336_systems.benchmarks.e2e import DEFAULT_BATCH_SIZE, memory_model_attention
+from cs336_systems.benchmarks.harness import (
+    LEARNING_RATE,
     PRECISIONS,
     adamw,
     autocast,
     build_model,
-    memory_model_attention,
+    lm_loss,
+    random_batch,
+    release_memory,
+    timed_phases,
+    training_step,
 )
 from cs336_systems.gpus import GIB, MIB
 from cs336_systems.memory_guard import MemoryCheck, check_memory, is_out_of_memory
@@ -66,41 +68,6 @@ from cs336_systems.profiling.ranges import annotate
 from cs336_systems.profiling.residuals import block_memory
 from cs336_systems.reports import OOM, Rendered, Row, markdown_table, mean_std, pivot, plural, renderer, span
 from cs336_systems.timing import timed
-
-LEARNING_RATE = 1e-4
-
-
-def _release(device: torch.device) -> None:
-    gc.collect()
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
-
-
-def _random_tokens(config: ModelConfig, batch_size: int, seq_len: int, device: torch.device):
-    """(inputs, targets) of random token ids, the same on every run."""
-    generator = torch.Generator().manual_seed(0)
-    shape = (batch_size, seq_len)
-    return tuple(torch.randint(config.vocab_size, shape, generator=generator).to(device) for _ in range(2))
-
-
-def _training_step(model, optimizer, inputs, targets, precision: str, device: torch.device) -> Callable:
-    """step(samples=None): one AdamW training step in forward / backward / optimizer ranges.
-
-    Each range ends with the device synchronised, so its CPU interval spans the device's work; given
-    a dict of lists, each phase's time in ms is appended under its name.
-    """
-    def step(samples: dict[str, list[float]] | None = None) -> None:
-        sink = samples if samples is not None else defaultdict(list)
-        with annotate("forward"), timed(device, sink["forward"]), autocast(precision, device):
-            loss = F.cross_entropy(model(inputs).flatten(0, 1), targets.flatten())
-        with annotate("backward"), timed(device, sink["backward"]):
-            loss.backward()
-        with annotate("optimizer"), timed(device, sink["optimizer"]):
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
-
-    return step
-
 
 def _gib(value) -> float | None:
     return None if value is None else value / GIB
@@ -169,7 +136,7 @@ def profile_training_step(cfg: ProfileConfig, device: torch.device | str) -> lis
         if state_bytes(estimate) > total:
             # Parameters, gradients and AdamW state alone exceed the device: not worth building the model.
             return [{**base, "table": "cell", **MemoryCheck(estimate.peak_bytes, total).oom_columns(predicted=True)}]
-    _release(device)
+    release_memory(device)
     memory = check_memory(estimate.peak_bytes, device)
     if not memory.fits:
         return [{**base, "table": "cell", **memory.oom_columns(predicted=True)}]
@@ -179,7 +146,7 @@ def profile_training_step(cfg: ProfileConfig, device: torch.device | str) -> lis
         if not is_out_of_memory(error):
             raise
         samples = tables = None
-    _release(device)
+    release_memory(device)
     if samples is None:
         return [{**base, "table": "cell", **memory.oom_columns(predicted=False)}]
     cell = {**base, "table": "cell", "status": "ok", "warmup": cfg.warmup, "timed_steps": cfg.timed_steps,
@@ -195,10 +162,13 @@ def profile_training_step(cfg: ProfileConfig, device: torch.device | str) -> lis
 
 
 def _timed_then_profiled(cfg: ProfileConfig, config: ModelConfig, device: torch.device):
-    model = build_model(config, cfg.attention, device, compile=False)
-    optimizer = adamw(model, lr=LEARNING_RATE)
-    inputs, targets = _random_tokens(config, cfg.batch_size, cfg.context_length, device)
-    step = _training_step(model, optimizer, inputs, targets, cfg.precision, device)
+    model = build_model(config, device, cfg.attention)
+    optimizer = adamw(model, LEARNING_RATE)
+    inputs, targets = random_batch(config, cfg.batch_size, cfg.context_length, device)
+
+    def step(samples: dict[str, list[float]] | None = None) -> None:
+        training_step(model, optimizer, inputs, targets, precision=cfg.precision, phase=timed_phases(device, samples))
+
     for _ in range(cfg.warmup):
         with annotate("warmup"):
             step()
@@ -531,13 +501,13 @@ def memory_profile(cfg: MemoryProfileConfig, device: torch.device | str, snapsho
     """
     device = torch.device(device)
     config = ModelConfig.for_size(cfg.size, max(cfg.contexts))
-    _release(device)
-    model = build_model(config, cfg.attention, device, compile=False)
+    release_memory(device)
+    model = build_model(config, device, cfg.attention)
     rows = [_residual_row(cfg, model, precision, device) for precision in cfg.precisions]
     optimizer = None
     for mode in MEMORY_MODES:
         if mode == "train_step":
-            optimizer = adamw(model, lr=LEARNING_RATE)
+            optimizer = adamw(model, LEARNING_RATE)
         for precision in cfg.precisions:
             for context in cfg.contexts:
                 rows += _memory_cell(cfg, mode, precision, context, model, optimizer, device, snapshot_dir)
@@ -545,7 +515,7 @@ def memory_profile(cfg: MemoryProfileConfig, device: torch.device | str, snapsho
     for precision in cfg.precisions:
         rows += _block_rows(cfg, model, precision, device)
     del model
-    _release(device)
+    release_memory(device)
     return rows
 
 
@@ -556,7 +526,7 @@ def _memory_base(cfg: MemoryProfileConfig, device: torch.device, **fields) -> Ro
 def _residual_row(cfg: MemoryProfileConfig, model, precision: str, device: torch.device) -> Row:
     """The residual stream's size from the formula against the first block's real output."""
     context = cfg.shown_context
-    inputs, _ = _random_tokens(model.config, cfg.batch_size, context, device)
+    inputs, _ = random_batch(model.config, cfg.batch_size, context, device)
     captured = {}
 
     def capture(module, args, output):
@@ -585,7 +555,7 @@ def _memory_cell(cfg, mode, precision, context, model, optimizer, device, snapsh
                                      mode, adamw="fused" if base.get("adamw") == "fused" else "foreach")
     if device.type == "cuda":
         base["predicted_peak_bytes"] = prediction.peak_bytes
-    inputs, targets = _random_tokens(model.config, cfg.batch_size, context, device)
+    inputs, targets = random_batch(model.config, cfg.batch_size, context, device)
     params = list(model.parameters())
 
     def inference():
@@ -594,13 +564,16 @@ def _memory_cell(cfg, mode, precision, context, model, optimizer, device, snapsh
 
     def loss():
         with autocast(precision, device):
-            return F.cross_entropy(model(inputs).flatten(0, 1), targets.flatten())
+            return lm_loss(model(inputs), targets)
 
-    run = inference if mode == "inference" else _training_step(model, optimizer, inputs, targets, precision, device)
+    def train():
+        training_step(model, optimizer, inputs, targets, precision=precision, phase=timed_phases(device))
+
+    run = inference if mode == "inference" else train
     shown = context == cfg.shown_context
     snapshot_path = (snapshot_dir / snapshot_file_name(cfg.size, mode, precision, context)
                      if snapshot_dir and shown else None)
-    _release(device)
+    release_memory(device)
     # The model, and AdamW's state once a step has made it, are allocated already: what must still
     # fit is the rest of the predicted peak.
     resident = prediction.parameters_bytes + (prediction.optimizer_state_bytes if optimizer and optimizer.state else 0)
@@ -624,7 +597,7 @@ def _memory_cell(cfg, mode, precision, context, model, optimizer, device, snapsh
         increase = None
     if increase is None:
         model.zero_grad(set_to_none=True)
-        _release(device)
+        release_memory(device)
         return [{**base, "table": "peak", **memory.oom_columns(predicted=False)}]
     peak = {**base, "table": "peak", "status": "ok", "start_bytes": start, "peak_increase_bytes": increase,
             "peak_bytes": None if start is None else start + increase, **memory.columns()}
@@ -635,7 +608,7 @@ def _memory_cell(cfg, mode, precision, context, model, optimizer, device, snapsh
             if not is_out_of_memory(error):
                 raise
             peak["measured_saved_bytes"] = None
-        _release(device)
+        release_memory(device)
         peak["predicted_saved_bytes"] = saved_activation_bytes(config, cfg.batch_size, context, precision,
                                                                cfg.attention, device.type)
     if device.type == "cuda":  # the predictor follows CUDA's autocast rules
@@ -677,20 +650,20 @@ def _block_rows(cfg: MemoryProfileConfig, model, precision: str, device: torch.d
     context = cfg.shown_context
     base = _memory_base(cfg, device, precision=precision, context_length=context)
     config = ModelConfig.for_size(cfg.size, context)
-    inputs, targets = _random_tokens(model.config, cfg.batch_size, context, device)
+    inputs, targets = random_batch(model.config, cfg.batch_size, context, device)
 
     def loss():
         with autocast(precision, device):
-            return F.cross_entropy(model(inputs).flatten(0, 1), targets.flatten())
+            return lm_loss(model(inputs), targets)
 
     model.zero_grad(set_to_none=True)  # the backward allocates the gradients afresh, as after zero_grad
-    _release(device)
+    release_memory(device)
     try:
         profile = block_memory(model, loss, model.layers, exclude=[inputs, targets])
     except torch.OutOfMemoryError:
         profile = None
     model.zero_grad(set_to_none=True)
-    _release(device)
+    release_memory(device)
     if profile is None:
         return [{**base, "table": "block", "status": OOM}]
     predicted = sum(block_saved_bytes(config, cfg.batch_size, context, precision, cfg.attention, device.type).values())
@@ -1063,8 +1036,8 @@ def checkpoint_sweep(cfg: CheckpointSweepConfig, device: torch.device | str) -> 
     on_gpu = device.type == "cuda"
     model_context = max(cfg.context_length, cfg.longest_context_run_limit if on_gpu else 0)
     config = ModelConfig.for_size(cfg.size, model_context)
-    _release(device)
-    model = build_model(config, cfg.attention, device, compile=False)
+    release_memory(device)
+    model = build_model(config, device, cfg.attention)
     block, boundary, head, transient = _block_sizes(cfg, cfg.context_length, device.type)
     plans = _sweep_plans(cfg, config.num_layers, block, boundary)
     base = {"size": cfg.size, "batch_size": cfg.batch_size, "precision": cfg.precision, "attention": cfg.attention,
@@ -1087,14 +1060,14 @@ def checkpoint_sweep(cfg: CheckpointSweepConfig, device: torch.device | str) -> 
         rows += _longest_context_rows(model, cfg, config.num_layers, rows, base, device)
     remove_checkpointing(model)
     del model
-    _release(device)
+    release_memory(device)
     return rows
 
 
 def _forward_backward(model, cfg: CheckpointSweepConfig, context: int, device: torch.device, kept: dict | None = None):
-    inputs, targets = _random_tokens(model.config, cfg.batch_size, context, device)
+    inputs, targets = random_batch(model.config, cfg.batch_size, context, device)
     with autocast(cfg.precision, device):
-        loss = F.cross_entropy(model(inputs).flatten(0, 1), targets.flatten())
+        loss = lm_loss(model(inputs), targets)
     if kept is not None and device.type == "cuda":
         kept["after_forward"] = torch.cuda.memory_allocated(device)
     loss.backward()
@@ -1107,7 +1080,7 @@ def _measure_plan(model, plan, cfg: CheckpointSweepConfig, context: int, device:
     """A plan's forward + backward: its peak above the start (the model and its gradients), or OOM
     where the predicted peak does not fit what is free, or where it runs out."""
     apply_checkpointing(model, plan)
-    _release(device)
+    release_memory(device)
     memory = check_memory(predicted_peak_bytes, device)
     if not memory.fits:
         return memory.oom_columns(predicted=True)
@@ -1123,7 +1096,7 @@ def _measure_plan(model, plan, cfg: CheckpointSweepConfig, context: int, device:
         increase = None
     if increase is None:
         model.zero_grad(set_to_none=False)
-        _release(device)
+        release_memory(device)
         return memory.oom_columns(predicted=False)
     return {"status": "ok", "start_bytes": start, "measured_peak_bytes": increase,
             "measured_kept_bytes": kept["after_forward"] - start if kept else None, "step_ms": samples[0],
