@@ -15,13 +15,8 @@ On CPU both run the tiny model in seconds (no snapshots; peaks from torch.profil
 
 import pytest
 
-from cs336_systems.benchmarks.profiling import (
-    HANDOUT_MEMORY_CONTEXTS,
-    CheckpointSweepConfig,
-    MemoryProfileConfig,
-    checkpoint_sweep,
-    memory_profile,
-)
+from cs336_systems.benchmarks.gradient_checkpointing import CheckpointSweepConfig, checkpoint_sweep
+from cs336_systems.benchmarks.memory_profiling import HANDOUT_MEMORY_CONTEXTS, MemoryProfileConfig, memory_profile
 from cs336_systems.reports import OOM
 
 CPU_MEMORY_CONFIG = dict(size="tiny", contexts=(16, 32), batch_size=2)

@@ -7,7 +7,7 @@ that do not fit recorded as OOM). On CPU: the tiny model at contexts 16 and 32, 
 
 import pytest
 
-from cs336_systems.benchmarks.profiling import ATTENTION_RANGES, ProfileConfig, nsys_row, profile_training_step
+from cs336_systems.benchmarks.nsys_profile import ATTENTION_RANGES, ProfileConfig, nsys_row, profile_training_step
 from cs336_systems.pytest_plugin import settings
 from cs336_systems.reports import OOM
 

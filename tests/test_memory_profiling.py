@@ -6,12 +6,8 @@ import weakref
 import pytest
 import torch
 
-from cs336_systems.benchmarks.profiling import (
-    CheckpointSweepConfig,
-    MemoryProfileConfig,
-    checkpoint_sweep,
-    memory_profile,
-)
+from cs336_systems.benchmarks.gradient_checkpointing import CheckpointSweepConfig, checkpoint_sweep
+from cs336_systems.benchmarks.memory_profiling import MemoryProfileConfig, memory_profile
 from cs336_systems.profiling.memory import (
     active_memory_timeline,
     downsample_peaks,
@@ -31,7 +27,7 @@ def _frames(*locations):
 
 LINEAR = ("/venv/lib/python3.12/site-packages/torch/nn/functional.py", 10, "linear")
 MODEL = ("/repo/cs336_systems/model.py", 77, "forward")
-STEP = ("/repo/cs336_systems/benchmarks/profiling.py", 88, "step")
+STEP = ("/repo/cs336_systems/benchmarks/harness.py", 88, "training_step")
 
 
 def synthetic_snapshot() -> dict:
@@ -69,7 +65,7 @@ def test_downsampling_keeps_the_peak():
 def test_largest_allocations_group_by_size_and_source():
     top = largest_allocations(synthetic_snapshot(), top=5)
     assert [(a.size_bytes, a.count, a.source) for a in top] == [
-        (3000, 2, "cs336_systems/benchmarks/profiling.py:88 (step)"),
+        (3000, 2, "cs336_systems/benchmarks/harness.py:88 (training_step)"),
         (1000, 1, "cs336_systems/model.py:77 (forward)")]
     assert top[1].innermost == "torch/nn/functional.py:10 (linear)"
     assert source_frame(_frames(LINEAR)) == "outside cs336_systems"
