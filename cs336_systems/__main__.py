@@ -139,7 +139,8 @@ def _cmd_index(args) -> None:
 
 def build_parser() -> argparse.ArgumentParser:
     from cs336_systems.attention import ATTENTION_VARIANTS
-    from cs336_systems.benchmarks.e2e import DEFAULT_BATCH_SIZE, DEFAULT_STEPS, DEFAULT_WARMUP, MODES, PRECISIONS
+    from cs336_systems.benchmarks.e2e import DEFAULT_BATCH_SIZE, DEFAULT_STEPS, DEFAULT_WARMUP, MODES
+    from cs336_systems.benchmarks.harness import PRECISIONS
     from cs336_systems.model import DEFAULT_SIZE_TABLE, SIZE_TABLES
     from cs336_systems.report_index import DEFAULT_REPORTS_ROOT
 

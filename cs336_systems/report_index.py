@@ -28,9 +28,9 @@ from cs336_systems.benchmarks.e2e import PHASE_LABELS
 from cs336_systems.benchmarks.flash import PROVIDER_LABELS
 from cs336_systems.benchmarks.fsdp import OURS as OUR_FSDP
 from cs336_systems.benchmarks.fsdp import TORCH_DDP, TORCH_FSDP
-from cs336_systems.benchmarks.profiling import ATTENTION_RANGES, SOFTMAX_FLOPS_PER_SCORE, STEP_RANGE
-from cs336_systems.benchmarks.profiling import HANDOUT_CHECKPOINT_CONTEXT as CHECKPOINT_CONTEXT
-from cs336_systems.benchmarks.profiling import HANDOUT_MEMORY_CONTEXTS
+from cs336_systems.benchmarks.gradient_checkpointing import HANDOUT_CHECKPOINT_CONTEXT as CHECKPOINT_CONTEXT
+from cs336_systems.benchmarks.memory_profiling import HANDOUT_MEMORY_CONTEXTS
+from cs336_systems.benchmarks.nsys_profile import ATTENTION_RANGES, SOFTMAX_FLOPS_PER_SCORE, STEP_RANGE
 from cs336_systems.distributed.ddp import BYTES_PER_MB
 from cs336_systems.gpus import GB, GIB, GPU_SPECS, KIB, MB, MIB
 from cs336_systems.model import DEFAULT_SIZE_TABLE as CURRENT_SIZE_TABLE

@@ -111,6 +111,16 @@ def span(values: Sequence[float], fmt: Callable[[float], str]) -> str:
     return low if low == high else f"{low} to {high}"
 
 
+def format_bytes(num_bytes: float | None) -> str:
+    """Bytes in the largest binary unit that keeps the number at 1 or more ("" for None)."""
+    if num_bytes is None:
+        return ""
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if abs(num_bytes) >= scale:
+            return f"{num_bytes / scale:.2f} {unit}"
+    return f"{num_bytes:.0f} B"
+
+
 def plural(count: int, noun: str, nouns: str | None = None) -> str:
     """ "1 block", "3 blocks" (or `nouns` where the plural is not noun + s)."""
     return f"{format_value(count)} {noun if count == 1 else nouns or noun + 's'}"

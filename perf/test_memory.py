@@ -15,12 +15,11 @@ On CPU both run the tiny model in seconds (no snapshots; peaks from torch.profil
 
 import pytest
 
-from cs336_systems.benchmarks.profiling import (
+from cs336_systems.benchmarks.gradient_checkpointing import CheckpointSweepConfig, checkpoint_sweep
+from cs336_systems.benchmarks.memory_profiling import (
     HANDOUT_MEMORY_CONTEXTS,
     MEMORY_MODES,
-    CheckpointSweepConfig,
     MemoryProfileConfig,
-    checkpoint_sweep,
     memory_profile,
 )
 from cs336_systems.model import ModelConfig

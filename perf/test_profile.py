@@ -10,7 +10,7 @@ import shlex
 import pytest
 
 from cs336_systems.__main__ import build_parser
-from cs336_systems.benchmarks.profiling import ATTENTION_RANGES, ProfileConfig, nsys_row, profile_training_step
+from cs336_systems.benchmarks.nsys_profile import ATTENTION_RANGES, ProfileConfig, nsys_row, profile_training_step
 from cs336_systems.pytest_plugin import settings
 from cs336_systems.reports import OOM, unmeasured
 

@@ -9,7 +9,7 @@ import torch.nn.functional as F
 from torch.autograd import DeviceType
 from torch.autograd.profiler_util import FunctionEvent
 
-from cs336_systems.benchmarks.profiling import ATTENTION_RANGES, ProfileConfig, profile_training_step
+from cs336_systems.benchmarks.nsys_profile import ATTENTION_RANGES, ProfileConfig, profile_training_step
 from cs336_systems.model import ModelConfig, TransformerLM
 from cs336_systems.profiling.kernels import (
     Work,
@@ -221,12 +221,12 @@ def test_profile_cell_rows_and_report():
 
 
 def test_out_of_memory_cell_is_recorded(monkeypatch):
-    from cs336_systems.benchmarks import profiling
+    from cs336_systems.benchmarks import nsys_profile
 
     def run_out(*args):
         raise torch.OutOfMemoryError("CUDA out of memory")
 
-    monkeypatch.setattr(profiling, "_timed_then_profiled", run_out)
+    monkeypatch.setattr(nsys_profile, "_timed_then_profiled", run_out)
     rows = profile_training_step(ProfileConfig("tiny", 16), "cpu")
     assert len(rows) == 1 and rows[0]["table"] == "cell" and rows[0]["status"] == OOM
     assert "No cell ran to completion" in get_renderer("nsys_profile")(rows).body
@@ -245,10 +245,10 @@ def test_profile_config_validation(kwargs, message):
 def test_a_cell_whose_state_exceeds_the_device_is_reported_oom_without_running(monkeypatch):
     from types import SimpleNamespace
 
-    from cs336_systems.benchmarks import profiling
+    from cs336_systems.benchmarks import nsys_profile
 
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: SimpleNamespace(total_memory=80e9))
-    monkeypatch.setattr(profiling, "_timed_then_profiled", lambda *args: pytest.fail("a cell that cannot fit was run"))
+    monkeypatch.setattr(nsys_profile, "_timed_then_profiled", lambda *args: pytest.fail("a cell that cannot fit was run"))
     rows = profile_training_step(ProfileConfig("10B", 128), "cuda")
     assert len(rows) == 1 and rows[0]["status"] == OOM and rows[0]["oom_predicted"]
     body = get_renderer("nsys_profile")(rows).body

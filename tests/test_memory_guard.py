@@ -5,7 +5,7 @@ import torch
 
 from cs336_systems import memory_guard
 from cs336_systems.benchmarks import attention as attention_bench
-from cs336_systems.benchmarks import e2e, profiling
+from cs336_systems.benchmarks import e2e, nsys_profile
 from cs336_systems.benchmarks.attention import AttentionCell, benchmark_attention
 from cs336_systems.benchmarks.e2e import E2EConfig, benchmark_model, memory_estimate
 from cs336_systems.benchmarks.flash import FlashCell, benchmark_flash_cell
@@ -113,8 +113,8 @@ def test_flash_naive_cell_that_cannot_fit_in_ram_is_predicted_oom(free_ram):
 
 def test_profiled_cell_that_cannot_fit_is_predicted_oom(free_ram, monkeypatch):
     free_ram(1 * GIB)
-    monkeypatch.setattr(profiling, "_timed_then_profiled", _never_run)
-    rows = profiling.profile_training_step(profiling.ProfileConfig("tiny", 16384, batch_size=4), "cpu")
+    monkeypatch.setattr(nsys_profile, "_timed_then_profiled", _never_run)
+    rows = nsys_profile.profile_training_step(nsys_profile.ProfileConfig("tiny", 16384, batch_size=4), "cpu")
     assert [(r["table"], r["status"], r["oom_predicted"]) for r in rows] == [("cell", OOM, True)]
 
 

@@ -1,36 +1,32 @@
-"""The closed-form training memory model: worked values (by hand, in the comments) and the saved
-activations counted against what autograd actually saves on this machine."""
+"""The closed-form memory models: saved activations and the one-GPU peak predictor
+(accounting.activations) and per-device training memory under sharding (accounting.memory); worked
+values by hand, in the comments, and the saved activations against what autograd saves here."""
 
 from __future__ import annotations
+
+from contextlib import nullcontext
 
 import pytest
 import torch
 import torch.nn.functional as F
 
-from cs336_systems.accounting.memory import (
-    activation_bytes,
-    fsdp_shard_elements,
+from cs336_systems.accounting.activations import (
+    block_saved_bytes,
+    head_saved_bytes,
     parameter_count,
     parameter_counts,
+    predict_peak_memory,
     residual_stream_bytes,
-    saved_activations,
-    training_memory,
+    saved_activation_bytes,
 )
+from cs336_systems.accounting.memory import fsdp_shard_elements, training_memory
 from cs336_systems.model import ModelConfig, TransformerLM
+from cs336_systems.profiling.memory import saved_tensor_bytes
 
 # d_model 64, d_ff 256, 2 layers, 4 heads (d_head 16), vocabulary 10,000.
 TINY = ModelConfig.for_size("tiny", context_length=16)
 # The 2025 table's xl, whose values the worked examples below use.
 XL = ModelConfig.for_size("xl", context_length=512, table="2025")
-
-
-@pytest.mark.parametrize("table, size, expected", [
-    ("2025", "small", 128_625_408), ("2025", "medium", 423_183_360), ("2025", "large", 969_411_840),
-    ("2025", "xl", 1_998_235_200), ("2025", "2.7B", 3_406_809_600),
-    ("2026", "xl", 3_406_809_600), ("2026", "10B", 12_832_823_808),
-])
-def test_parameter_count_matches_the_size_table(table, size, expected):
-    assert parameter_count(ModelConfig.for_size(size, 128, table=table)) == expected
 
 
 def test_parameter_count_matches_the_model():
@@ -40,6 +36,129 @@ def test_parameter_count_matches_the_model():
                                       "norms": 320, "lm_head": 640_000}
     assert parameter_count(TINY) == sum(p.numel() for p in TransformerLM(TINY).parameters()) == 1_411_392
 
+
+# ------------------------------------------------------------------------------ saved activations
+
+# T = 1 x 4 tokens, d = 8, f = 16, h = 2 heads of d_head 4, vocab 10: every term below is small
+# enough to add up by hand.
+SMALL = ModelConfig(d_model=8, d_ff=16, num_layers=2, num_heads=2, context_length=4, vocab_size=10)
+
+
+def test_block_bytes_fp32_by_hand():
+    parts = block_saved_bytes(SMALL, batch_size=1, seq_len=4, precision="fp32", attention="naive")
+    # Each RMSNorm: input + normalised input (2 x 4 x 8 x 4 B = 256) + rsqrt per token (4 x 4 B) = 272.
+    assert parts["attention_norm"] == parts["ffn_norm"] == 272
+    # q/k/v share one fp32 input, w1/w3 another: 4 x 8 x 4 B = 128 each.
+    assert parts["qkv_inputs"] == parts["ffn_inputs"] == 128
+    # RoPE keeps cos and sin for q and for k: 4 tables of 4 positions x 2 pairs x 4 B = 128.
+    assert parts["rope_tables"] == 128
+    # Rotated q, rotated k, contiguous v: 3 x 128 = 384; the head-merge copy: 128.
+    assert parts["attention_qkv"] == 384 and parts["output_proj_input"] == 128
+    # Softmax output: 1 x 2 heads x 4 x 4 scores x 4 B = 128; the causal mask: 16 bools.
+    assert parts["attention_scores"] == 128 and parts["causal_mask"] == 16
+    # w1 out, SiLU out, w3 out, their product: 4 x (4 x 16) x 4 B = 1024.
+    assert parts["ffn_hidden"] == 1024
+    assert sum(parts.values()) == 2608
+
+
+def test_block_bytes_bf16_autocast_on_cuda_by_hand():
+    parts = block_saved_bytes(SMALL, 1, 4, precision="bf16", attention="naive", device_type="cuda")
+    # Norms stay fp32 (272 each). Each Linear casts its input: q, k, v 3 x 4 x 8 x 2 B = 192; w1, w3 128.
+    assert parts["attention_norm"] == 272 and parts["qkv_inputs"] == 192 and parts["ffn_inputs"] == 128
+    # Softmax runs in fp32 under CUDA autocast and P v casts P to bf16: 32 scores x (4 + 2) B = 192.
+    assert parts["attention_scores"] == 192
+    # bf16 weight copies kept by the 7 Linears: (4 x 8 x 8 + 3 x 8 x 16) x 2 B = 1280.
+    assert parts["weight_casts"] == 1280
+    assert sum(parts.values()) == 3184
+
+
+def test_head_bytes_by_hand():
+    # Final norm 272 + LM head input 128 + fp32 log-softmax 4 x 10 x 4 B = 160 + nll's total weight 4 = 564.
+    assert sum(head_saved_bytes(SMALL, 1, 4, "fp32").values()) == 564
+    assert saved_activation_bytes(SMALL, 1, 4) == 2 * 2608 + 564
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+@pytest.mark.parametrize("attention", ["naive", "sdpa"])
+def test_saved_bytes_match_what_autograd_saves(precision, attention):
+    torch.manual_seed(0)
+    batch, seq = 3, 24  # distinct sizes, so no term can stand in for another
+    config = ModelConfig(d_model=64, d_ff=160, num_layers=3, num_heads=4, context_length=seq, vocab_size=500)
+    model = TransformerLM(config, attention=attention)
+    inputs, targets = torch.randint(0, config.vocab_size, (2, batch, seq))
+
+    def loss():
+        with torch.autocast("cpu", dtype=torch.bfloat16) if precision == "bf16" else nullcontext():
+            return F.cross_entropy(model(inputs).flatten(0, 1), targets.flatten())
+
+    measured = saved_tensor_bytes(loss, exclude=[*model.parameters(), inputs, targets])
+    assert measured == saved_activation_bytes(config, batch, seq, precision, attention, device_type="cpu")
+    # The training-memory model also counts the token ids and targets, which autograd keeps too.
+    with_batch = saved_tensor_bytes(loss, exclude=list(model.parameters()))
+    assert with_batch == training_memory(config, batch, seq, precision, attention, device_type="cpu").activations
+
+
+def test_cuda_and_cpu_autocast_differ_only_where_their_rules_do():
+    cuda = block_saved_bytes(SMALL, 1, 4, "bf16", "naive", "cuda")
+    cpu = block_saved_bytes(SMALL, 1, 4, "bf16", "naive", "cpu")
+    # CPU autocast runs softmax in bf16: P kept once in 2 bytes instead of fp32 + a bf16 copy.
+    assert {k for k in cuda if cuda[k] != cpu[k]} == {"attention_scores"}
+    assert cuda["attention_scores"] - cpu["attention_scores"] == 32 * 4
+
+
+def test_residual_stream_is_fp32_sized():
+    # 2.7B at batch 4, context 512: 4 x 512 x 2560 x 4 B = 20,971,520 B (20 MiB).
+    assert residual_stream_bytes(ModelConfig.for_size("2.7B", 512, table="2025"), 4, 512) == 20_971_520
+
+
+def test_training_peak_of_27b_is_the_optimizer_step():
+    config = ModelConfig.for_size("2.7B", 512, table="2025")
+    prediction = predict_peak_memory(config, 4, 512, "fp32", "naive", "train_step")
+    params = 3_406_809_600 * 4  # 13,627,238,400 B
+    # Saved activations: 32 blocks x 680,083,456 B + head 144,842,756 B.
+    assert prediction.saved_activations_bytes == 32 * 680_083_456 + 144_842_756
+    # End of forward: P + 2P (AdamW) + 21.9 GB saved + 268 MB of score gradients = 63.1 GB; the optimizer
+    # step holds parameters, gradients, both moments and foreach AdamW's sqrt temporary: 5P = 68.1 GB.
+    assert prediction.peak_bytes == 5 * params and prediction.peak_phase == "optimizer step"
+
+
+def test_fused_adamw_and_forward_backward_peaks():
+    config = ModelConfig.for_size("2.7B", 512, table="2025")
+    params = 3_406_809_600 * 4
+    fused = predict_peak_memory(config, 4, 512, "fp32", "naive", "train_step", adamw="fused")
+    # Fused AdamW updates in place: the optimizer step holds 4P, below the end of forward (63.1 GB).
+    assert fused.peak_phase == "end of forward" and fused.peak_bytes == 3 * params + 32 * 680_083_456 + 144_842_756 + \
+        fused.transient_bytes
+    no_optimizer = predict_peak_memory(config, 4, 512, "fp32", "naive", "forward_backward")
+    assert no_optimizer.optimizer_state_bytes == 0 and no_optimizer.peak_bytes == fused.peak_bytes - 2 * params
+
+
+def test_inference_peak_by_hand():
+    config = ModelConfig.for_size("2.7B", 512, table="2025")
+    fp32 = predict_peak_memory(config, 4, 512, "fp32", "naive", "inference")
+    # Residual + norm output 41,943,040 B; attention stage: rotated q, k and v 62,914,560 B + 33,554,432
+    # scores x (masked 4 B + softmax 4 B) 268,435,456 B: transient 373,293,056 B on top of P.
+    assert fp32.transient_bytes == 373_293_056 and fp32.peak_bytes == 3_406_809_600 * 4 + 373_293_056
+    bf16 = predict_peak_memory(config, 4, 512, "bf16", "naive", "inference")
+    # Autocast caches a bf16 copy of every Linear weight: 2 B x 3,381,043,200 matmul weights.
+    assert bf16.autocast_weight_cache_bytes == 2 * 3_381_043_200
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(precision="fp8"), "unknown precision"),
+    (dict(attention="flash"), "no activation model"),
+    (dict(device_type="mps"), "unknown device type"),
+])
+def test_bad_model_arguments(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        block_saved_bytes(SMALL, 1, 4, **kwargs)
+    with pytest.raises(ValueError, match=message):
+        training_memory(SMALL, 1, 4, **kwargs)
+    with pytest.raises(ValueError, match="unknown mode"):
+        predict_peak_memory(SMALL, 1, 4, mode="serve")
+
+
+# ------------------------------------------------------------------------- training memory per device
 
 # Tiny, batch 2, sequence 16: T = 32 tokens, T d = 2,048 and T d_ff = 8,192 elements.
 #   fp32, SDPA: token ids 32 x 8 = 256; RMSNorm input and normed 5 norms x 2,048 x 4 = 40,960 each;
@@ -59,53 +178,15 @@ def test_parameter_count_matches_the_model():
     ("fp32", "sdpa", 1_753_220), ("fp32", "naive", 1_752_708), ("bf16", "sdpa", 3_125_380),
 ])
 def test_tiny_activation_bytes_worked_by_hand(precision, attention, expected):
-    assert activation_bytes(TINY, 2, 16, precision, attention, device_type="cpu") == expected
-
-
-def _measured_saved_bytes(config: ModelConfig, batch_size: int, seq_len: int, precision: str, attention: str) -> int:
-    """Bytes of the distinct storages autograd saves in one forward and loss, parameters excluded."""
-    torch.manual_seed(0)
-    model = TransformerLM(config, attention=attention)
-    parameter_storages = {p.untyped_storage().data_ptr() for p in model.parameters()}
-    saved: dict[int, int] = {}
-
-    def pack(t: torch.Tensor) -> torch.Tensor:
-        storage = t.untyped_storage()
-        if storage.data_ptr() not in parameter_storages:
-            saved[storage.data_ptr()] = storage.nbytes()
-        return t
-
-    generator = torch.Generator().manual_seed(0)
-    inputs, targets = (torch.randint(config.vocab_size, (batch_size, seq_len), generator=generator) for _ in range(2))
-    autocast = torch.autocast("cpu", dtype=torch.bfloat16, enabled=precision == "bf16")
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), autocast:
-        loss = F.cross_entropy(model(inputs).flatten(0, 1), targets.flatten())
-    del loss
-    return sum(saved.values())
-
-
-@pytest.mark.parametrize("precision", ["fp32", "bf16"])
-@pytest.mark.parametrize("attention", ["sdpa", "naive"])
-def test_model_counts_what_autograd_saves(precision, attention):
-    config = ModelConfig(d_model=48, d_ff=128, num_layers=3, num_heads=3, context_length=24, vocab_size=500)
-    measured = _measured_saved_bytes(config, 3, 24, precision, attention)
-    assert activation_bytes(config, 3, 24, precision, attention, device_type="cpu") == measured
+    assert training_memory(TINY, 2, 16, precision, attention, device_type="cpu").activations == expected
 
 
 def test_sdpa_on_cuda_merges_heads_without_a_copy():
     # CUDA's SDPA output is laid out (batch, seq, heads, d_head), so the output projection's input is
     # a view of it: one (T, d) fp32 tensor less per layer, 2 x 2,048 x 4 = 16,384 bytes.
-    difference = (activation_bytes(TINY, 2, 16, "fp32", "sdpa", device_type="cpu")
-                  - activation_bytes(TINY, 2, 16, "fp32", "sdpa", device_type="cuda"))
+    difference = (saved_activation_bytes(TINY, 2, 16, "fp32", "sdpa", device_type="cpu")
+                  - saved_activation_bytes(TINY, 2, 16, "fp32", "sdpa", device_type="cuda"))
     assert difference == 16_384
-
-
-def test_naive_bf16_on_cuda_saves_fp32_probabilities_and_a_bf16_copy():
-    # CUDA autocast runs softmax in fp32 (4 bytes) and the matmul after it casts to bf16 (2 more);
-    # the CPU keeps the bf16 probabilities (2): 4 bytes more per score, 2 layers x 2 x 4 x 16 x 16.
-    difference = (activation_bytes(TINY, 2, 16, "bf16", "naive", device_type="cuda")
-                  - activation_bytes(TINY, 2, 16, "bf16", "naive", device_type="cpu"))
-    assert difference == 2 * (2 * 4 * 16 * 16) * 4
 
 
 # XL, batch 4, context 512, SDPA on CUDA: T = 2,048, d 1,600, d_ff 6,400, 25 heads of 64,
@@ -120,7 +201,7 @@ XL_PARAMETERS = 1_998_235_200
 
 
 def test_xl_activations_worked_by_hand():
-    assert activation_bytes(XL, 4, 512) == XL_ACTIVATIONS
+    assert training_memory(XL, 4, 512).activations == XL_ACTIVATIONS
 
 
 def test_xl_training_memory_with_and_without_sharding():
@@ -156,14 +237,11 @@ def test_fsdp_shards_round_each_weight_up_to_a_multiple_of_the_world_size():
 def test_fsdp_keeps_no_autocast_weight_copies():
     # Gathered per layer and dropped after use, so the bf16 copies (2 bytes x 771,072 Linear weights)
     # are not among the saved tensors.
-    with_copies = activation_bytes(TINY, 2, 16, "bf16")
-    without = sum(t.total_bytes for t in saved_activations(TINY, 2, 16, "bf16", weight_copies=False))
+    with_copies = saved_activation_bytes(TINY, 2, 16, "bf16", "sdpa")
+    without = saved_activation_bytes(TINY, 2, 16, "bf16", "sdpa", weight_copies=False)
     assert with_copies - without == 2 * 771_072
-    assert training_memory(TINY, 2, 16, "bf16", strategy="fsdp", world_size=2).activations == without
-
-
-def test_residual_stream_is_fp32():
-    assert residual_stream_bytes(XL, 4, 512) == 4 * 512 * 1600 * 4
+    replicated = training_memory(TINY, 2, 16, "bf16").activations
+    assert replicated - training_memory(TINY, 2, 16, "bf16", strategy="fsdp", world_size=2).activations == 2 * 771_072
 
 
 @pytest.mark.parametrize("kwargs, error, message", [

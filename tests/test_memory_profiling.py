@@ -1,28 +1,13 @@
-"""The analytical memory model (worked values, and the tensors autograd really saves), the snapshot
-parser on a synthetic snapshot, CPU peak measurement, and the memory reports."""
+"""The snapshot parser on a synthetic snapshot, CPU peak and saved-tensor measurement, and the memory
+reports. The analytical memory model they are compared with is tested in test_memory_model.py."""
 
 import weakref
-from contextlib import nullcontext
 
 import pytest
 import torch
-import torch.nn.functional as F
 
-from cs336_systems.accounting.activations import (
-    block_saved_bytes,
-    head_saved_bytes,
-    parameter_count,
-    predict_peak_memory,
-    residual_stream_bytes,
-    saved_activation_bytes,
-)
-from cs336_systems.benchmarks.profiling import (
-    CheckpointSweepConfig,
-    MemoryProfileConfig,
-    checkpoint_sweep,
-    memory_profile,
-)
-from cs336_systems.model import ModelConfig, TransformerLM
+from cs336_systems.benchmarks.gradient_checkpointing import CheckpointSweepConfig, checkpoint_sweep
+from cs336_systems.benchmarks.memory_profiling import MemoryProfileConfig, memory_profile
 from cs336_systems.profiling.memory import (
     active_memory_timeline,
     downsample_peaks,
@@ -34,134 +19,6 @@ from cs336_systems.profiling.memory import (
 )
 from cs336_systems.reports import OOM, get_renderer
 
-# T = 1 x 4 tokens, d = 8, f = 16, h = 2 heads of d_head 4, vocab 10: every term below is small
-# enough to add up by hand.
-SMALL = ModelConfig(d_model=8, d_ff=16, num_layers=2, num_heads=2, context_length=4, vocab_size=10)
-
-
-def test_block_bytes_fp32_by_hand():
-    parts = block_saved_bytes(SMALL, batch_size=1, seq_len=4, precision="fp32", attention="naive")
-    # Each RMSNorm: input + normalised input (2 x 4 x 8 x 4 B = 256) + rsqrt per token (4 x 4 B) = 272.
-    assert parts["attention_norm"] == parts["ffn_norm"] == 272
-    # q/k/v share one fp32 input, w1/w3 another: 4 x 8 x 4 B = 128 each.
-    assert parts["qkv_inputs"] == parts["ffn_inputs"] == 128
-    # RoPE keeps cos and sin for q and for k: 4 tables of 4 positions x 2 pairs x 4 B = 128.
-    assert parts["rope_tables"] == 128
-    # Rotated q, rotated k, contiguous v: 3 x 128 = 384; the head-merge copy: 128.
-    assert parts["attention_qkv"] == 384 and parts["output_proj_input"] == 128
-    # Softmax output: 1 x 2 heads x 4 x 4 scores x 4 B = 128; the causal mask: 16 bools.
-    assert parts["attention_scores"] == 128 and parts["causal_mask"] == 16
-    # w1 out, SiLU out, w3 out, their product: 4 x (4 x 16) x 4 B = 1024.
-    assert parts["ffn_hidden"] == 1024
-    assert sum(parts.values()) == 2608
-
-
-def test_block_bytes_bf16_autocast_on_cuda_by_hand():
-    parts = block_saved_bytes(SMALL, 1, 4, precision="bf16", attention="naive", device_type="cuda")
-    # Norms stay fp32 (272 each). Each Linear casts its input: q, k, v 3 x 4 x 8 x 2 B = 192; w1, w3 128.
-    assert parts["attention_norm"] == 272 and parts["qkv_inputs"] == 192 and parts["ffn_inputs"] == 128
-    # Softmax runs in fp32 under CUDA autocast and P v casts P to bf16: 32 scores x (4 + 2) B = 192.
-    assert parts["attention_scores"] == 192
-    # bf16 weight copies kept by the 7 Linears: (4 x 8 x 8 + 3 x 8 x 16) x 2 B = 1280.
-    assert parts["weight_casts"] == 1280
-    assert sum(parts.values()) == 3184
-
-
-def test_head_bytes_by_hand():
-    # Final norm 272 + LM head input 128 + fp32 log-softmax 4 x 10 x 4 B = 160 + nll's total weight 4 = 564.
-    assert sum(head_saved_bytes(SMALL, 1, 4, "fp32").values()) == 564
-    assert saved_activation_bytes(SMALL, 1, 4) == 2 * 2608 + 564
-
-
-@pytest.mark.parametrize("precision", ["fp32", "bf16"])
-@pytest.mark.parametrize("attention", ["naive", "sdpa"])
-def test_saved_bytes_match_what_autograd_saves(precision, attention):
-    torch.manual_seed(0)
-    batch, seq = 3, 24  # distinct sizes, so no term can stand in for another
-    config = ModelConfig(d_model=64, d_ff=160, num_layers=3, num_heads=4, context_length=seq, vocab_size=500)
-    model = TransformerLM(config, attention=attention)
-    inputs, targets = torch.randint(0, config.vocab_size, (2, batch, seq))
-
-    def loss():
-        with torch.autocast("cpu", dtype=torch.bfloat16) if precision == "bf16" else nullcontext():
-            return F.cross_entropy(model(inputs).flatten(0, 1), targets.flatten())
-
-    measured = saved_tensor_bytes(loss, exclude=[*model.parameters(), inputs, targets])
-    assert measured == saved_activation_bytes(config, batch, seq, precision, attention, device_type="cpu")
-
-
-def test_cuda_and_cpu_autocast_differ_only_where_their_rules_do():
-    cuda = block_saved_bytes(SMALL, 1, 4, "bf16", "naive", "cuda")
-    cpu = block_saved_bytes(SMALL, 1, 4, "bf16", "naive", "cpu")
-    # CPU autocast runs softmax in bf16: P kept once in 2 bytes instead of fp32 + a bf16 copy.
-    assert {k for k in cuda if cuda[k] != cpu[k]} == {"attention_scores"}
-    assert cuda["attention_scores"] - cpu["attention_scores"] == 32 * 4
-
-
-@pytest.mark.parametrize("table, size, params", [
-    ("2025", "small", 128_625_408), ("2025", "medium", 423_183_360), ("2025", "large", 969_411_840),
-    ("2025", "xl", 1_998_235_200), ("2025", "2.7B", 3_406_809_600), ("2026", "xl", 3_406_809_600),
-    ("2026", "10B", 12_832_823_808)])
-def test_parameter_count_matches_the_size_table(table, size, params):
-    config = ModelConfig.for_size(size, 128, table=table)
-    assert parameter_count(config) == params
-
-
-def test_parameter_count_matches_a_built_model():
-    config = ModelConfig.for_size("tiny", 8)
-    assert parameter_count(config) == sum(p.numel() for p in TransformerLM(config).parameters())
-
-
-def test_residual_stream_is_fp32_sized():
-    # 2.7B at batch 4, context 512: 4 x 512 x 2560 x 4 B = 20,971,520 B (20 MiB).
-    assert residual_stream_bytes(ModelConfig.for_size("2.7B", 512, table="2025"), 4, 512) == 20_971_520
-
-
-def test_training_peak_of_27b_is_the_optimizer_step():
-    config = ModelConfig.for_size("2.7B", 512, table="2025")
-    prediction = predict_peak_memory(config, 4, 512, "fp32", "naive", "train_step")
-    params = 3_406_809_600 * 4  # 13,627,238,400 B
-    # Saved activations: 32 blocks x 680,083,456 B + head 144,842,756 B.
-    assert prediction.saved_activations_bytes == 32 * 680_083_456 + 144_842_756
-    # End of forward: P + 2P (AdamW) + 21.9 GB saved + 268 MB of score gradients = 63.1 GB; the optimizer
-    # step holds parameters, gradients, both moments and foreach AdamW's sqrt temporary: 5P = 68.1 GB.
-    assert prediction.peak_bytes == 5 * params and prediction.peak_phase == "optimizer step"
-
-
-def test_fused_adamw_and_forward_backward_peaks():
-    config = ModelConfig.for_size("2.7B", 512, table="2025")
-    params = 3_406_809_600 * 4
-    fused = predict_peak_memory(config, 4, 512, "fp32", "naive", "train_step", adamw="fused")
-    # Fused AdamW updates in place: the optimizer step holds 4P, below the end of forward (63.1 GB).
-    assert fused.peak_phase == "end of forward" and fused.peak_bytes == 3 * params + 32 * 680_083_456 + 144_842_756 + \
-        fused.transient_bytes
-    no_optimizer = predict_peak_memory(config, 4, 512, "fp32", "naive", "forward_backward")
-    assert no_optimizer.optimizer_state_bytes == 0 and no_optimizer.peak_bytes == fused.peak_bytes - 2 * params
-
-
-def test_inference_peak_by_hand():
-    config = ModelConfig.for_size("2.7B", 512, table="2025")
-    fp32 = predict_peak_memory(config, 4, 512, "fp32", "naive", "inference")
-    # Residual + norm output 41,943,040 B; attention stage: rotated q, k and v 62,914,560 B + 33,554,432
-    # scores x (masked 4 B + softmax 4 B) 268,435,456 B: transient 373,293,056 B on top of P.
-    assert fp32.transient_bytes == 373_293_056 and fp32.peak_bytes == 3_406_809_600 * 4 + 373_293_056
-    bf16 = predict_peak_memory(config, 4, 512, "bf16", "naive", "inference")
-    # Autocast caches a bf16 copy of every Linear weight: 2 B x 3,381,043,200 matmul weights.
-    assert bf16.autocast_weight_cache_bytes == 2 * 3_381_043_200
-
-
-@pytest.mark.parametrize("kwargs, message", [
-    (dict(precision="fp8"), "unknown precision"),
-    (dict(attention="flash"), "no activation model"),
-    (dict(device_type="mps"), "unknown device type"),
-])
-def test_bad_model_arguments(kwargs, message):
-    with pytest.raises(ValueError, match=message):
-        block_saved_bytes(SMALL, 1, 4, **kwargs)
-    with pytest.raises(ValueError, match="unknown mode"):
-        predict_peak_memory(SMALL, 1, 4, mode="serve")
-
-
 # ---------------------------------------------------------------------------------------- snapshots
 
 def _frames(*locations):
@@ -170,7 +27,7 @@ def _frames(*locations):
 
 LINEAR = ("/venv/lib/python3.12/site-packages/torch/nn/functional.py", 10, "linear")
 MODEL = ("/repo/cs336_systems/model.py", 77, "forward")
-STEP = ("/repo/cs336_systems/benchmarks/profiling.py", 88, "step")
+STEP = ("/repo/cs336_systems/benchmarks/harness.py", 88, "training_step")
 
 
 def synthetic_snapshot() -> dict:
@@ -208,7 +65,7 @@ def test_downsampling_keeps_the_peak():
 def test_largest_allocations_group_by_size_and_source():
     top = largest_allocations(synthetic_snapshot(), top=5)
     assert [(a.size_bytes, a.count, a.source) for a in top] == [
-        (3000, 2, "cs336_systems/benchmarks/profiling.py:88 (step)"),
+        (3000, 2, "cs336_systems/benchmarks/harness.py:88 (training_step)"),
         (1000, 1, "cs336_systems/model.py:77 (forward)")]
     assert top[1].innermost == "torch/nn/functional.py:10 (linear)"
     assert source_frame(_frames(LINEAR)) == "outside cs336_systems"

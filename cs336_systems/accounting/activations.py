@@ -24,7 +24,7 @@ Saved activations are counted op by op from what autograd keeps for backward in
 - The head keeps the final norm's three tensors, the LM head's input and the log-softmax output of the
   loss (T x vocab, fp32 in both precisions: autocast runs log_softmax in fp32).
 
-`tests/test_memory_profiling.py` checks these counts against the tensors autograd really saves.
+`tests/test_memory_model.py` checks these counts against the tensors autograd really saves.
 """
 
 from __future__ import annotations
@@ -56,16 +56,26 @@ def _check(precision: str, attention: str = "naive", device_type: str = "cuda") 
         raise ValueError(f"unknown device type {device_type!r}; choose one of {', '.join(DEVICE_TYPES)}")
 
 
+def parameter_counts(config: ModelConfig) -> dict[str, int]:
+    """Parameters by part: embedding, attention projections, feed-forward, RMSNorms and LM head."""
+    d, d_ff, layers, vocab = config.d_model, config.d_ff, config.num_layers, config.vocab_size
+    return {
+        "embedding": vocab * d,
+        "attention": layers * 4 * d * d,  # q, k, v, output projections
+        "feed_forward": layers * 3 * d * d_ff,  # w1, w3 up, w2 down
+        "norms": (2 * layers + 1) * d,  # two per block and the final one
+        "lm_head": d * vocab,
+    }
+
+
 def parameter_count(config: ModelConfig) -> int:
-    d, f, v = config.d_model, config.d_ff, config.vocab_size
-    per_block = 4 * d * d + 3 * d * f + 2 * d  # q, k, v, o; w1, w2, w3; two RMSNorm weights
-    return config.num_layers * per_block + 2 * v * d + d  # embedding, LM head, final norm
+    return sum(parameter_counts(config).values())
 
 
 def matmul_weight_count(config: ModelConfig) -> int:
     """Parameters that go through a matmul (every Linear): the ones autocast casts to bf16."""
-    d, f = config.d_model, config.d_ff
-    return config.num_layers * (4 * d * d + 3 * d * f) + config.vocab_size * d
+    counts = parameter_counts(config)
+    return counts["attention"] + counts["feed_forward"] + counts["lm_head"]
 
 
 def residual_stream_bytes(config: ModelConfig, batch_size: int, seq_len: int) -> int:
@@ -124,11 +134,20 @@ def head_saved_bytes(config: ModelConfig, batch_size: int, seq_len: int, precisi
     return parts
 
 
+# The parts that are autocast's low-precision weight copies, kept by each Linear for backward.
+WEIGHT_COPY_PARTS = ("weight_casts", "lm_head_weight_cast")
+
+
 def saved_activation_bytes(config: ModelConfig, batch_size: int, seq_len: int, precision: str = "fp32",
-                           attention: str = "naive", device_type: str = "cuda") -> int:
-    """Everything a forward pass (with the loss) keeps for backward, over all blocks and the head."""
-    block = sum(block_saved_bytes(config, batch_size, seq_len, precision, attention, device_type).values())
-    return config.num_layers * block + sum(head_saved_bytes(config, batch_size, seq_len, precision).values())
+                           attention: str = "naive", device_type: str = "cuda", weight_copies: bool = True) -> int:
+    """Everything a forward pass (with the loss) keeps for backward, over all blocks and the head.
+    `weight_copies=False` leaves out autocast's weight copies (FSDP gathers weights one layer at a time
+    and drops them after use)."""
+    def total(parts: dict[str, int]) -> int:
+        return sum(size for name, size in parts.items() if weight_copies or name not in WEIGHT_COPY_PARTS)
+
+    block = total(block_saved_bytes(config, batch_size, seq_len, precision, attention, device_type))
+    return config.num_layers * block + total(head_saved_bytes(config, batch_size, seq_len, precision))
 
 
 def _score_bytes(config: ModelConfig, batch_size: int, seq_len: int) -> int:

@@ -20,7 +20,6 @@ closed-form prediction of `cs336_systems.accounting.attention` beside what was m
 
 from __future__ import annotations
 
-import gc
 import math
 from dataclasses import dataclass
 
@@ -29,6 +28,7 @@ import torch
 from cs336_systems.accounting.attention import naive_attention_memory
 from cs336_systems.attention.reference import naive_attention
 from cs336_systems.benchmarks import e2e
+from cs336_systems.benchmarks.harness import release_memory
 from cs336_systems.memory_guard import check_memory, is_out_of_memory
 from cs336_systems.reports import OOM, Rendered, Row, markdown_table, mean_std, renderer
 from cs336_systems.timing import Timings, synchronize, time_fn, timed
@@ -64,14 +64,6 @@ class AttentionCell:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
         if self.precision not in DTYPES:
             raise ValueError(f"unknown precision {self.precision!r}; choose one of {', '.join(DTYPES)}")
-
-
-def free_device_memory(device: torch.device) -> None:
-    """Return cached blocks to the driver, so that a cell after an OOM starts from a clean pool."""
-    gc.collect()
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
-        torch.cuda.reset_peak_memory_stats(device)
 
 
 def _attention_fn(compiled: bool):
@@ -164,7 +156,7 @@ def benchmark_attention(cell: AttentionCell, device: torch.device | str) -> Row:
     that ran out."""
     device = torch.device(device)
     row = _empty_row(cell, device)
-    free_device_memory(device)
+    release_memory(device)
     # Eager attention's peak; a compiled graph keeps at most what eager autograd does.
     memory = check_memory(naive_attention_memory(cell.batch_size, cell.seq_len, cell.seq_len, cell.head_dim,
                                                  cell.precision, cell.is_causal).peak_bytes, device)
@@ -178,7 +170,7 @@ def benchmark_attention(cell: AttentionCell, device: torch.device | str) -> Row:
             raise
         row |= memory.oom_columns(predicted=False)
     # Outside the except block: its traceback held the failed cell's frames, and their tensors, alive.
-    free_device_memory(device)
+    release_memory(device)
     return row
 
 

@@ -32,18 +32,18 @@ in practice they run out together, and the variant is recorded as OOM.
 from __future__ import annotations
 
 import functools
-import gc
 import logging
 import statistics
 import tempfile
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from copy import deepcopy
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 
 from cs336_systems.accounting.ddp import (
     allreduce_cost,
@@ -54,6 +54,15 @@ from cs336_systems.accounting.ddp import (
 )
 from cs336_systems.accounting.memory import training_memory
 from cs336_systems.benchmarks.allreduce import time_allreduce
+from cs336_systems.benchmarks.harness import (
+    LEARNING_RATE,
+    adamw,
+    build_model,
+    lm_loss,
+    random_batch,
+    release_memory,
+    training_step,
+)
 from cs336_systems.distributed.ddp import (
     BYTES_PER_MB,
     BucketedDDP,
@@ -81,7 +90,6 @@ TORCH_DDP_METHODS = ("torch_ddp", "torch_ddp_bucket_view")
 TARGET_STEP_OVER_TORCH_DDP = 0.05
 TARGET_EXPOSED_SHARE = 0.10
 WRAPPERS = {"naive": NaiveDDP, "flat": FlatDDP, "overlap_individual": OverlapIndividualDDP, "bucketed": BucketedDDP}
-LEARNING_RATE = 1e-4
 # The all-reduce probe that gives the overhead model its o (a small all-reduce is nearly all
 # per-call cost) and w (bandwidth of a large one).
 PROBE_SMALL_BYTES = 4096
@@ -131,18 +139,18 @@ class _PhaseClock:
         else:
             self.marks.append(time.perf_counter())
 
+    @contextmanager
+    def phase(self, name: str) -> Iterator[None]:
+        """A step phase (harness.training_step's `phase`): a mark where it starts, and a named range."""
+        self.mark()
+        with annotate(name):
+            yield
+
     def durations_ms(self) -> list[float]:
         pairs = zip(self.marks, self.marks[1:])
         if self.on_cuda:
             return [start.elapsed_time(end) for start, end in pairs]
         return [(end - start) * 1e3 for start, end in pairs]
-
-
-def _free_memory(device: torch.device) -> None:
-    gc.collect()
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
-        torch.cuda.reset_peak_memory_stats(device)
 
 
 def _wrap(method: str, bucket_size_mb: float | None, model: torch.nn.Module, device: torch.device):
@@ -157,6 +165,10 @@ def _wrap(method: str, bucket_size_mb: float | None, model: torch.nn.Module, dev
     return wrapper, wrapper.finish_gradient_synchronization, getattr(wrapper, "on_train_batch_start", None)
 
 
+def _no_sync() -> None:
+    """The local run and torch DDP: nothing left to synchronise after backward."""
+
+
 def _all_reduces_per_step(method: str, module: torch.nn.Module, model: torch.nn.Module) -> int | None:
     """Gradient all-reduce calls per step (our wrappers add one small all-reduce of gradient counts);
     None for torch DDP and the local run."""
@@ -169,34 +181,20 @@ def _all_reduces_per_step(method: str, module: torch.nn.Module, model: torch.nn.
 
 def _measure_variant(method: str, bucket_size_mb: float | None, cfg: DDPBenchmarkConfig, rank: int,
                      device: torch.device, profile: bool) -> tuple[dict, list | None]:
-    torch.manual_seed(rank)  # a different initial model on every rank: the wrappers must broadcast
     config = ModelConfig.for_size(cfg.size, cfg.context_length)
-    with torch.device(device):
-        model = TransformerLM(config, attention=cfg.attention)
+    # A different initial model on every rank: the wrappers must broadcast.
+    model = build_model(config, device, cfg.attention, seed=rank)
     trainable_bytes = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
     module, sync, before_batch = _wrap(method, bucket_size_mb, model, device)
-    optimizer = torch.optim.AdamW(module.parameters(), lr=LEARNING_RATE)
-    generator = torch.Generator().manual_seed(rank)  # every rank trains on its own data
-    inputs, targets = (torch.randint(config.vocab_size, (cfg.batch_size, cfg.context_length),
-                                     generator=generator).to(device) for _ in range(2))
+    optimizer = adamw(module, LEARNING_RATE, fused=False)
+    # Every rank trains on its own data.
+    inputs, targets = random_batch(config, cfg.batch_size, cfg.context_length, device, seed=rank)
 
     def step(clock: _PhaseClock) -> None:
         if before_batch is not None:
             before_batch()
-        clock.mark()
-        with annotate("forward"):
-            loss = F.cross_entropy(module(inputs).flatten(0, 1), targets.flatten())
-        clock.mark()
-        with annotate("backward"):
-            loss.backward()
-        clock.mark()
-        with annotate("gradient_sync"):
-            if sync is not None:
-                sync()
-        clock.mark()
-        with annotate("optimizer"):
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
+        # Every variant has a gradient_sync phase, empty where backward left nothing to synchronise.
+        training_step(module, optimizer, inputs, targets, phase=clock.phase, after_backward=sync or _no_sync)
         clock.mark()
 
     for _ in range(cfg.warmup):
@@ -288,7 +286,7 @@ def benchmark_ddp(rank: int, world_size: int, cfg: DDPBenchmarkConfig) -> dict |
     rows = [{**_allreduce_probe(cfg, rank, world_size), "world_size": world_size}]
     timelines = {}
     for method, bucket_size_mb in cfg.variants():
-        _free_memory(device)
+        release_memory(device)
         intervals = None
         memory = check_memory_on_every_rank(_estimated_peak_bytes(method, cfg, world_size), device, world_size)
         if not memory.fits:
@@ -301,7 +299,7 @@ def benchmark_ddp(rank: int, world_size: int, cfg: DDPBenchmarkConfig) -> dict |
                 if not is_out_of_memory(error):
                     raise
                 stats = memory.oom_columns(predicted=False)
-        _free_memory(device)
+        release_memory(device)
         per_rank: list[dict | None] = [None] * world_size
         dist.all_gather_object(per_rank, stats)
         label = variant_label(method, bucket_size_mb)
@@ -332,23 +330,20 @@ def ddp_equivalence(rank: int, world_size: int) -> list[Row]:
              *[("bucketed", b) for b in EQUIVALENCE_BUCKET_SIZES_MB]]
     rows = []
     for method, bucket_size_mb in cases:
-        torch.manual_seed(rank)
-        with torch.device(device):
-            model = TransformerLM(config).double()
+        model = build_model(config, device, dtype=torch.float64, seed=rank)
         ddp_model, sync, _ = _wrap(method, bucket_size_mb, model, device)
         reference = deepcopy(ddp_model.module)
         ddp_optimizer = torch.optim.AdamW(ddp_model.parameters(), lr=1e-3)
         reference_optimizer = torch.optim.AdamW(reference.parameters(), lr=1e-3)
         for step in range(EQUIVALENCE_STEPS):
-            generator = torch.Generator().manual_seed(step)  # the same full batch on every rank
-            shape = (EQUIVALENCE_BATCH_PER_RANK * world_size, EQUIVALENCE_CONTEXT)
-            inputs, targets = (torch.randint(config.vocab_size, shape, generator=generator).to(device)
-                               for _ in range(2))
+            # The same full batch on every rank.
+            inputs, targets = random_batch(config, EQUIVALENCE_BATCH_PER_RANK * world_size, EQUIVALENCE_CONTEXT,
+                                           device, seed=step)
             shard = slice(rank * EQUIVALENCE_BATCH_PER_RANK, (rank + 1) * EQUIVALENCE_BATCH_PER_RANK)
             for net, optimizer, x, y in ((reference, reference_optimizer, inputs, targets),
                                          (ddp_model, ddp_optimizer, inputs[shard], targets[shard])):
                 optimizer.zero_grad(set_to_none=True)
-                F.cross_entropy(net(x).flatten(0, 1), y.flatten()).backward()
+                lm_loss(net(x), y).backward()
                 if net is ddp_model:
                     sync()
                 optimizer.step()

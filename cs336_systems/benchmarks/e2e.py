@@ -11,30 +11,37 @@ optimizer out.
 
 from __future__ import annotations
 
-import gc
 import json
 import os
 import subprocess
 import sys
 import time
-from contextlib import nullcontext
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 
 from cs336_systems.accounting.activations import predict_peak_memory, state_bytes
 from cs336_systems.accounting.flops import step_flops
+from cs336_systems.benchmarks.harness import (
+    LEARNING_RATE,
+    PRECISIONS,
+    adamw,
+    autocast,
+    build_model,
+    random_batch,
+    release_memory,
+    timed_phases,
+    training_step,
+)
 from cs336_systems.memory_guard import MemoryCheck, check_memory, is_out_of_memory
-from cs336_systems.model import ModelConfig, TransformerLM, size_order
+from cs336_systems.model import ModelConfig, size_order
 from cs336_systems.profiling.ranges import annotate
 from cs336_systems import reports
 from cs336_systems.reports import NOISY, OOM, Rendered, Row, is_noisy, plural, renderer, span
-from cs336_systems.timing import synchronize, timed
+from cs336_systems.timing import synchronize
 
 MODES = ("forward", "forward_backward", "train")
-PRECISIONS = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
 # The phases each mode reports, in order; the composite ones are sums of the measured phases.
 PHASES = {
     "forward": ("forward",),
@@ -88,68 +95,22 @@ def memory_model_attention(attention: str) -> str:
     return "naive" if attention.startswith("naive") else "sdpa"
 
 
-def autocast(precision: str, device: torch.device):
-    """bf16/fp16 autocast on `device`, or nothing for fp32."""
-    dtype = PRECISIONS[precision]
-    return nullcontext() if dtype is None else torch.autocast(device.type, dtype=dtype)
-
-
-def build_model(config: ModelConfig, attention: str, device: torch.device, compile: bool) -> TransformerLM:
-    with torch.device(device):  # initialise on the device: a 2.7B model takes seconds to initialise on a CPU
-        model = TransformerLM(config, attention=attention)
-    if compile:
-        # Start from empty compile caches: entries from earlier models would count towards dynamo's
-        # recompile limit, past which it silently falls back to eager.
-        torch._dynamo.reset()
-        # Regional compilation: every block has the same code and shapes, so one compiled graph
-        # serves all of them and compile time no longer grows with depth.
-        for block in model.layers:
-            block.compile()
-    return model
-
-
-def adamw(model: torch.nn.Module, lr: float) -> torch.optim.AdamW:
-    """AdamW as the benchmarks use it: the fused kernel on CUDA (one pass over parameters, gradients and
-    both moments; the default multi-tensor path takes about three times as long on a 2.7B model)."""
-    on_cuda = next(model.parameters()).is_cuda
-    return torch.optim.AdamW(model.parameters(), lr=lr, fused=on_cuda)
-
-
-def _random_batch(config: ModelConfig, batch_size: int, seq_len: int, device: torch.device,
-                  generator: torch.Generator):
-    shape = (batch_size, seq_len)
-    inputs = torch.randint(config.vocab_size, shape, generator=generator).to(device)
-    targets = torch.randint(config.vocab_size, shape, generator=generator).to(device)
-    return inputs, targets
-
-
 def _measure(cfg: E2EConfig, device: torch.device) -> tuple[dict[str, list[float]], float]:
     """Per-phase samples in ms over the timed steps, and the first step's wall time in ms."""
-    generator = torch.Generator().manual_seed(0)
     config = cfg.model_config()
-    model = build_model(config, cfg.attention, device, cfg.compile)
-    optimizer = adamw(model, lr=1e-4) if cfg.mode == "train" else None
-    inputs, targets = _random_batch(config, cfg.batch_size, cfg.context_length, device, generator)
+    model = build_model(config, device, cfg.attention, compile=cfg.compile)
+    optimizer = adamw(model, LEARNING_RATE) if cfg.mode == "train" else None
+    inputs, targets = random_batch(config, cfg.batch_size, cfg.context_length, device)
     samples: dict[str, list[float]] = {phase: [] for phase in ("forward", "backward", "optimizer")}
     first_step_ms = float("nan")
 
     def step(record: bool) -> None:
-        sink = samples if record else {phase: [] for phase in samples}
+        phase = timed_phases(device, samples if record else None)
         if cfg.mode == "forward":
-            with annotate("forward"), timed(device, sink["forward"]), torch.no_grad(), autocast(cfg.precision, device):
+            with phase("forward"), torch.no_grad(), autocast(cfg.precision, device):
                 model(inputs)
             return
-        with annotate("forward"), timed(device, sink["forward"]), autocast(cfg.precision, device):
-            logits = model(inputs)
-            loss = F.cross_entropy(logits.flatten(0, 1), targets.flatten())
-        with annotate("backward"), timed(device, sink["backward"]):
-            loss.backward()
-        if optimizer is not None:
-            with annotate("optimizer"), timed(device, sink["optimizer"]):
-                optimizer.step()
-                optimizer.zero_grad(set_to_none=True)
-        else:
-            model.zero_grad(set_to_none=True)
+        training_step(model, optimizer, inputs, targets, precision=cfg.precision, phase=phase, keep_logits=True)
 
     for i in range(cfg.warmup):
         with annotate("warmup"):
@@ -192,17 +153,10 @@ _MEMORY_MODES = {"forward": "inference", "forward_backward": "forward_backward",
 
 def memory_estimate(cfg: E2EConfig):
     """The cell's peak device memory by the closed-form model (cs336_systems.accounting.activations):
-    CUDA's autocast rules, fused AdamW as `adamw` builds it on CUDA, eager attention (compiled blocks
+    CUDA's autocast rules, fused AdamW as `harness.adamw` builds it on CUDA, eager attention (compiled blocks
     save what Inductor decides). Attention other than naive is modelled as SDPA."""
     return predict_peak_memory(cfg.model_config(), cfg.batch_size, cfg.context_length, cfg.precision,
                                memory_model_attention(cfg.attention), _MEMORY_MODES[cfg.mode], adamw="fused")
-
-
-def _free_device_memory(device: torch.device) -> None:
-    gc.collect()
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
-        torch.cuda.reset_peak_memory_stats(device)
 
 
 def benchmark_model(cfg: E2EConfig, device: torch.device | str, peak_flops: float | None = None) -> list[Row]:
@@ -222,7 +176,7 @@ def benchmark_model(cfg: E2EConfig, device: torch.device | str, peak_flops: floa
             # building the model only to run out would take minutes.
             check = MemoryCheck(estimate.peak_bytes, total)
             return [{**base, "phase": phase, **check.oom_columns(predicted=True)} for phase in PHASES[cfg.mode]]
-    _free_device_memory(device)
+    release_memory(device)
     memory = check_memory(estimate.peak_bytes, device)
     if not memory.fits:
         return [{**base, "phase": phase, **memory.oom_columns(predicted=True)} for phase in PHASES[cfg.mode]]
@@ -233,7 +187,7 @@ def benchmark_model(cfg: E2EConfig, device: torch.device | str, peak_flops: floa
             raise
         samples = None
     peak_memory = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None
-    _free_device_memory(device)
+    release_memory(device)
     if samples is None:
         return [{**base, "phase": phase, **memory.oom_columns(predicted=False)} for phase in PHASES[cfg.mode]]
     base.update(memory.columns())

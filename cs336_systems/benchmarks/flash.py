@@ -42,7 +42,8 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from cs336_systems.accounting.attention import attention_flops, naive_attention_memory
 from cs336_systems.attention.reference import naive_attention
-from cs336_systems.benchmarks.attention import DTYPES, free_device_memory
+from cs336_systems.benchmarks.attention import DTYPES
+from cs336_systems.benchmarks.harness import release_memory
 from cs336_systems.memory_guard import available_bytes, is_out_of_memory
 from cs336_systems.reports import NOISY, OOM, Rendered, Row, is_noisy, markdown_table, renderer
 from cs336_systems.timing import time_fn
@@ -178,7 +179,7 @@ def _naive_fits(cell: FlashCell, device: torch.device) -> tuple[bool, int, int]:
     """(whether naive attention's predicted peak fits in the free memory, that peak, the free bytes)."""
     memory = naive_attention_memory(cell.batch_size * cell.n_heads, cell.seq_len, cell.seq_len, cell.head_dim,
                                     cell.precision, cell.is_causal)
-    free_device_memory(device)
+    release_memory(device)
     free_bytes = available_bytes(device)
     # q, k, v and dO are allocated already, so they are not part of what must still fit.
     fits = memory.peak_bytes - memory.caller_bytes <= NAIVE_FREE_MEMORY_SHARE * free_bytes
@@ -246,7 +247,7 @@ def benchmark_flash_cell(cell: FlashCell, providers=PROVIDERS, device: torch.dev
                 if not is_out_of_memory(error):
                     raise
             # After the except block: its traceback kept the failed call's tensors alive until here.
-            free_device_memory(device)
+            release_memory(device)
             for t in inputs:
                 t.grad = None
             if stats is None:

@@ -17,14 +17,22 @@ from __future__ import annotations
 
 import gc
 import statistics
+from contextlib import nullcontext
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 
 from cs336_systems.accounting.flops import step_flops
 from cs336_systems.benchmarks.flash import BenchSettings, FlashCell, benchmark_flash_cell
-from cs336_systems.model import ModelConfig, TransformerLM
+from cs336_systems.benchmarks.harness import (
+    LEARNING_RATE,
+    adamw,
+    build_model,
+    random_batch,
+    release_memory,
+    training_step,
+)
+from cs336_systems.model import ModelConfig
 from cs336_systems.reports import OOM, Rendered, Row, markdown_table, renderer
 
 ATTENTIONS = ("sdpa", "flash_triton")
@@ -79,6 +87,11 @@ def _summary(samples: list[float]) -> Row:
             "std_ms": statistics.stdev(samples), "steps": len(samples)}
 
 
+def _no_range(name: str) -> nullcontext:
+    """Steps timed whole: no profiler ranges inside them."""
+    return nullcontext()
+
+
 def _training_step_row(cell: TrainingCell, attention: str, device: torch.device, warmup: int, steps: int) -> Row:
     from cs336_systems.attention.flash_triton import source_hash
 
@@ -89,24 +102,16 @@ def _training_step_row(cell: TrainingCell, attention: str, device: torch.device,
                 "batch_size": cell.batch_size, "attention": attention, "compile": "whole model, fullgraph",
                 "precision": "bf16 autocast", "optimizer": "AdamW (fused)", "warmup": warmup,
                 "source_hash": source_hash()}
-    torch.manual_seed(0)
-    with torch.device(device):
-        model = TransformerLM(config, attention=attention)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
-    generator = torch.Generator().manual_seed(0)
-    inputs, targets = (torch.randint(config.vocab_size, (cell.batch_size, cell.context_length),
-                                     generator=generator).to(device) for _ in range(2))
+    model = build_model(config, device, attention, seed=0)
+    optimizer = adamw(model, LEARNING_RATE)
+    inputs, targets = random_batch(config, cell.batch_size, cell.context_length, device)
     torch._dynamo.reset()
     compiled = torch.compile(model, fullgraph=True)
     losses = []
 
     def step():
-        with torch.autocast(device.type, dtype=torch.bfloat16):
-            logits = compiled(inputs)
-            loss = F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
-        loss.backward()
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
+        loss = training_step(compiled, optimizer, inputs, targets, precision="bf16", phase=_no_range,
+                             keep_logits=True)
         if not losses:
             losses.append(loss.item())
 
@@ -117,8 +122,7 @@ def _training_step_row(cell: TrainingCell, attention: str, device: torch.device,
         samples = None
     peak = torch.cuda.max_memory_allocated(device)
     del model, optimizer, compiled
-    gc.collect()
-    torch.cuda.empty_cache()
+    release_memory(device)
     if samples is None:
         return {**row, "status": OOM}
     stats = _summary(samples)

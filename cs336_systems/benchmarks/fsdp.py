@@ -33,14 +33,13 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch import nn
 
 from cs336_systems.accounting.communication import bytes_sent_per_device
 from cs336_systems.accounting.memory import training_memory
+from cs336_systems.benchmarks.harness import LEARNING_RATE, adamw, build_model, lm_loss, random_batch
 from cs336_systems.benchmarks.sharding import (
     BREAKDOWN_NOTE,
-    LEARNING_RATE,
     ShardingBenchmarkConfig,
     TrainingSetup,
     ddp_adamw,
@@ -58,7 +57,7 @@ from cs336_systems.benchmarks.sharding import (
 )
 from cs336_systems.distributed.fsdp import FSDP, MAX_PREFETCH_LAYERS, REDUCE_SCATTERS_IN_FLIGHT
 from cs336_systems.distributed.launch import rank_device
-from cs336_systems.model import ModelConfig, TransformerLM
+from cs336_systems.model import ModelConfig
 from cs336_systems.profiling.kernels import profiler_activities
 from cs336_systems.profiling.timeline import COMPUTE, PHASE, Interval, intervals_from_events
 from cs336_systems.reports import Rendered, Row, markdown_table, renderer
@@ -97,7 +96,7 @@ def _fsdp_collectives(model: FSDP) -> dict[str, int]:
 def _ours(prefetch_layers: int) -> Callable[[nn.Module, torch.device], TrainingSetup]:
     def make(model: nn.Module, device: torch.device) -> TrainingSetup:
         fsdp = FSDP(model, prefetch_layers=prefetch_layers)
-        optimizer = torch.optim.AdamW(fsdp.parameters(), lr=LEARNING_RATE)
+        optimizer = adamw(fsdp, LEARNING_RATE, fused=False)
         return TrainingSetup(fsdp, optimizer, lambda: optimizer_state_tensors(optimizer.state.values()),
                              after_backward=fsdp.finish_gradient_synchronization,
                              collectives=lambda: _fsdp_collectives(fsdp))
@@ -113,7 +112,7 @@ def _torch_fsdp(model: nn.Module, device: torch.device) -> TrainingSetup:
     for block in model.layers:
         fully_shard(block)
     fully_shard(model)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=LEARNING_RATE)
+    optimizer = adamw(model, LEARNING_RATE, fused=False)
     collectives = {"all_gather (forward weights)": total_bytes, "all_gather (backward weights)": block_bytes,
                    "reduce_scatter (gradients)": total_bytes}
     return TrainingSetup(model, optimizer, lambda: optimizer_state_tensors(optimizer.state.values()),
@@ -247,28 +246,24 @@ def fsdp_equivalence(rank: int, world_size: int) -> list[Row]:
     config = ModelConfig.for_size(EQUIVALENCE_SIZE, EQUIVALENCE_CONTEXT)
     rows = []
     for precision, compute_dtype in (("fp32", None), ("bf16", torch.bfloat16)):
-        torch.manual_seed(0)
-        with torch.device(device):
-            reference = TransformerLM(config)
+        reference = build_model(config, device, seed=0)
         model = FSDP(deepcopy(reference), compute_dtype=compute_dtype)
         sharded = {f"{w.name}.weight" for w in model.weights}
         optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
         reference_optimizer = torch.optim.SGD(reference.parameters(), lr=0.1)
         for step in range(EQUIVALENCE_STEPS):
-            generator = torch.Generator().manual_seed(step)
-            shape = (EQUIVALENCE_BATCH_PER_RANK * world_size, EQUIVALENCE_CONTEXT)
-            inputs, targets = (torch.randint(config.vocab_size, shape, generator=generator).to(device)
-                               for _ in range(2))
+            inputs, targets = random_batch(config, EQUIVALENCE_BATCH_PER_RANK * world_size, EQUIVALENCE_CONTEXT, device,
+                                           seed=step)
             rows_here = slice(rank * EQUIVALENCE_BATCH_PER_RANK, (rank + 1) * EQUIVALENCE_BATCH_PER_RANK)
             params = {n: p.to(compute_dtype) if compute_dtype and n in sharded else p
                       for n, p in reference.named_parameters()}
             reference_optimizer.zero_grad(set_to_none=True)
             logits = functional_call(reference, params, (inputs,))
-            F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten()).backward()
+            lm_loss(logits, targets).backward()
             reference_optimizer.step()
             optimizer.zero_grad(set_to_none=True)
             logits = model(inputs[rows_here])
-            F.cross_entropy(logits.flatten(0, 1).float(), targets[rows_here].flatten()).backward()
+            lm_loss(logits, targets[rows_here]).backward()
             model.finish_gradient_synchronization()
             optimizer.step()
         full = model.gather_full_params()

@@ -12,6 +12,7 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
+from cs336_systems.accounting.activations import parameter_count
 from cs336_systems.accounting.communication import all_reduce_s, alternate_all_reduce_s
 from cs336_systems.accounting.ffn_parallelism import (
     FP16_BYTES,
@@ -29,7 +30,6 @@ from cs336_systems.accounting.ffn_parallelism import (
     tp_comm_s,
     tp_max_devices,
 )
-from cs336_systems.accounting.memory import parameter_count
 from cs336_systems.benchmarks.allreduce import NVLINK_BYTES_PER_S_PER_DIRECTION
 from cs336_systems.gpus import GB, GPU_SPECS, TERA
 from cs336_systems.model import ModelConfig

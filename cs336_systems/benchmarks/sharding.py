@@ -21,7 +21,6 @@ first step, so "init" holds no optimizer state yet.
 
 from __future__ import annotations
 
-import gc
 import statistics
 from collections.abc import Callable, Iterable
 from copy import deepcopy
@@ -29,21 +28,18 @@ from dataclasses import asdict, dataclass
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch import nn
 
 from cs336_systems.accounting.communication import bytes_sent_per_device
 from cs336_systems.accounting.memory import GIB, training_memory
+from cs336_systems.benchmarks.harness import LEARNING_RATE, adamw, build_model, lm_loss, random_batch, release_memory
 from cs336_systems.distributed.launch import rank_device
 from cs336_systems.distributed.sharded_optimizer import SYNC_METHODS, ShardedOptimizer
 from cs336_systems.memory_guard import check_memory_on_every_rank, is_out_of_memory
-from cs336_systems.model import ModelConfig, TransformerLM
+from cs336_systems.model import ModelConfig
 from cs336_systems.profiling.ranges import annotate
 from cs336_systems.reports import OOM, Rendered, Row, markdown_table, mean_std, renderer, span
 from cs336_systems.timing import synchronize, timed
-
-LEARNING_RATE = 1e-4
-
 
 @dataclass(frozen=True)
 class ShardingBenchmarkConfig:
@@ -90,19 +86,6 @@ def optimizer_state_tensors(states: Iterable[dict]) -> list[torch.Tensor]:
     return [value for state in states for value in state.values() if torch.is_tensor(value)]
 
 
-def free_device_memory(device: torch.device) -> None:
-    gc.collect()
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
-        torch.cuda.reset_peak_memory_stats(device)
-
-
-def build_model(cfg: ShardingBenchmarkConfig, device: torch.device) -> TransformerLM:
-    torch.manual_seed(0)  # the same model on every rank, also for wrappers that broadcast nothing
-    with torch.device(device):
-        return TransformerLM(cfg.model_config(), attention=cfg.attention)
-
-
 def torch_ddp(model: nn.Module, device: torch.device) -> nn.parallel.DistributedDataParallel:
     return nn.parallel.DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
 
@@ -132,31 +115,29 @@ class _MemoryProbe:
         return allocated
 
 
-def _batch(config: ModelConfig, cfg: ShardingBenchmarkConfig, rank: int, device: torch.device):
-    generator = torch.Generator().manual_seed(rank)  # every rank trains on its own data
-    return tuple(torch.randint(config.vocab_size, (cfg.batch_size, cfg.context_length), generator=generator).to(device)
-                 for _ in range(2))
-
-
 def measure_training(make_setup: Callable[[nn.Module, torch.device], TrainingSetup], cfg: ShardingBenchmarkConfig,
                      rank: int, device: torch.device, profile: Callable | None = None) -> dict:
     """Time `cfg.steps` training steps of the variant `make_setup` builds, and probe its memory.
 
     `profile`, if given, is called with the step function and runs one more step under the profiler.
     """
-    free_device_memory(device)
+    release_memory(device)
     probe = _MemoryProbe(device)
-    setup = make_setup(build_model(cfg, device), device)
+    # The same model on every rank, also for wrappers that broadcast nothing.
+    setup = make_setup(build_model(cfg.model_config(), device, cfg.attention, seed=0), device)
     probe.record("init", setup)
-    inputs, targets = _batch(cfg.model_config(), cfg, rank, device)
+    # Every rank trains on its own data.
+    inputs, targets = random_batch(cfg.model_config(), cfg.batch_size, cfg.context_length, device, seed=rank)
     optimizer_ms: list[float] = []
 
+    # Its own step, not harness.training_step: memory is probed between the phases, zero_grad after
+    # the probe that follows the optimizer step, and only the optimizer step is timed.
     def step(points: bool = False, sink: list[float] | None = None) -> None:
         if points and probe.on_cuda:
             torch.cuda.reset_peak_memory_stats(device)
         start = probe.record("step start", setup) if points else None
         with annotate("forward"):
-            loss = F.cross_entropy(setup.module(inputs).flatten(0, 1), targets.flatten())
+            loss = lm_loss(setup.module(inputs), targets)
         if points:
             after = torch.cuda.memory_allocated(device) if probe.on_cuda else None
             probe.record("after forward", setup, None if after is None else after - start)
@@ -189,7 +170,7 @@ def measure_training(make_setup: Callable[[nn.Module, torch.device], TrainingSet
 
 def ddp_adamw(model: nn.Module, device: torch.device) -> TrainingSetup:
     ddp = torch_ddp(model, device)
-    optimizer = torch.optim.AdamW(ddp.parameters(), lr=LEARNING_RATE)
+    optimizer = adamw(ddp, LEARNING_RATE, fused=False)
     return TrainingSetup(ddp, optimizer, lambda: optimizer_state_tensors(optimizer.state.values()),
                          collectives=lambda: {"all_reduce (DDP gradients)": _gradient_bytes(model)})
 
@@ -249,7 +230,7 @@ def guarded_training(make_setup, cfg: ShardingBenchmarkConfig, rank: int, world_
     except Exception as error:
         if not is_out_of_memory(error):
             raise
-    free_device_memory(device)  # outside the except block, whose traceback held the failed step's tensors
+    release_memory(device)  # outside the except block, whose traceback held the failed step's tensors
     return memory.oom_columns(predicted=False)
 
 
@@ -337,19 +318,15 @@ def sharded_optimizer_equivalence(rank: int, world_size: int) -> list[Row]:
     config = ModelConfig.for_size(EQUIVALENCE_SIZE, EQUIVALENCE_CONTEXT)
     rows = []
     for sync in SYNC_METHODS:
-        torch.manual_seed(0)
-        with torch.device(device):
-            reference = TransformerLM(config)
+        reference = build_model(config, device, seed=0)
         model = deepcopy(reference)
         reference_optimizer = torch.optim.AdamW(reference.parameters(), lr=1e-3, weight_decay=0.1)
         optimizer = ShardedOptimizer(model.parameters(), torch.optim.AdamW, sync=sync, lr=1e-3, weight_decay=0.1)
         for step in range(EQUIVALENCE_STEPS):
-            generator = torch.Generator().manual_seed(step)
-            inputs, targets = (torch.randint(config.vocab_size, (EQUIVALENCE_BATCH, EQUIVALENCE_CONTEXT),
-                                             generator=generator).to(device) for _ in range(2))
+            inputs, targets = random_batch(config, EQUIVALENCE_BATCH, EQUIVALENCE_CONTEXT, device, seed=step)
             for net, opt in ((reference, reference_optimizer), (model, optimizer)):
                 opt.zero_grad(set_to_none=True)
-                F.cross_entropy(net(inputs).flatten(0, 1), targets.flatten()).backward()
+                lm_loss(net(inputs), targets).backward()
                 opt.step()
         difference = max((a - b).abs().max().item() for a, b in zip(reference.parameters(), model.parameters()))
         state_bytes = sum(map(local_bytes, optimizer_state_tensors(optimizer.state.values())))

@@ -1,0 +1,422 @@
+"""Problem gradient_checkpointing: peak activation memory of forward + backward under each
+checkpoint plan (every k blocks, and the memory-optimal nested plans), against the closed-form
+model, and the longest context each plan is predicted to fit.
+
+    rows = checkpoint_sweep(CheckpointSweepConfig(), "cuda")
+
+Each measuring function returns rows; the renderer below answers the written questions from them.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from cs336_systems.accounting.activations import (
+    block_saved_bytes,
+    head_saved_bytes,
+    residual_stream_bytes,
+    training_transient_bytes,
+)
+from cs336_systems.benchmarks.e2e import DEFAULT_BATCH_SIZE
+from cs336_systems.benchmarks.harness import PRECISIONS, autocast, build_model, lm_loss, random_batch, release_memory
+from cs336_systems.gpus import GIB, MIB
+from cs336_systems.memory_guard import check_memory, is_out_of_memory
+from cs336_systems.model import ModelConfig
+from cs336_systems.profiling.checkpointing import (
+    apply_checkpointing,
+    describe,
+    every_k,
+    optimal_plan,
+    plan_cost,
+    remove_checkpointing,
+)
+from cs336_systems.profiling.memory import peak_memory_increase
+from cs336_systems.reports import OOM, Rendered, Row, format_bytes, markdown_table, plural, renderer, span
+from cs336_systems.timing import timed
+
+# The 2026 handout's gradient_checkpointing (b): xl at batch 4 and this sequence length.
+HANDOUT_CHECKPOINT_CONTEXT = 2048
+# Checkpoint every k blocks for these k (None: no checkpointing); k above the depth equals k = depth.
+CHECKPOINT_KS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 48, None)
+# Recomputation levels of the memory-optimal nested plans (None: unlimited).
+NESTED_LEVELS = (1, 2, 3, None)
+# A context is predicted to fit when the predicted peak stays under this share of device memory: the
+# rest is room for the CUDA context, cuBLAS workspaces, allocator rounding and what the model leaves out.
+USABLE_MEMORY_SHARE = 0.9
+# Longest context the prediction considers.
+MAX_PREDICTED_CONTEXT = 131_072
+Y_TICK_SUBS = (1.0, 1.5, 2.0, 3.0, 5.0, 7.0)
+
+
+@dataclass(frozen=True)
+class CheckpointSweepConfig:
+    size: str = "xl"
+    context_length: int = HANDOUT_CHECKPOINT_CONTEXT
+    batch_size: int = DEFAULT_BATCH_SIZE
+    precision: str = "fp32"
+    attention: str = "sdpa"
+    ks: tuple[int | None, ...] = CHECKPOINT_KS
+    nested_levels: tuple[int | None, ...] = NESTED_LEVELS
+    # Longest context run to confirm the predicted longest (CUDA only; longer ones are predicted only:
+    # by its FLOPs, an fp32 forward + backward of the 2026 xl at 8,192 tokens x batch 4 with every block
+    # recomputed is about half a minute on an H100, and twice the context more than doubles it).
+    longest_context_run_limit: int = 8_192
+
+    def __post_init__(self):
+        if self.precision not in PRECISIONS:
+            raise ValueError(f"unknown precision {self.precision!r}; choose one of {', '.join(PRECISIONS)}")
+        if any(k is not None and k < 1 for k in self.ks):
+            raise ValueError(f"checkpoint every k blocks needs k >= 1, got {self.ks}")
+        ModelConfig.for_size(self.size, self.context_length)
+
+
+def _block_sizes(cfg: CheckpointSweepConfig, context: int, device_type: str) -> tuple[int, int, int, int]:
+    """(block, boundary, head, transient) bytes: one block's saved activations, one residual-stream
+    tensor, what the final norm, LM head and loss keep, and the largest temporary beside them."""
+    config = ModelConfig.for_size(cfg.size, context)
+    block = sum(block_saved_bytes(config, cfg.batch_size, context, cfg.precision, cfg.attention, device_type).values())
+    head = sum(head_saved_bytes(config, cfg.batch_size, context, cfg.precision).values())
+    transient = training_transient_bytes(config, cfg.batch_size, context, cfg.precision, cfg.attention)
+    return block, residual_stream_bytes(config, cfg.batch_size, context), head, transient
+
+
+def _sweep_plans(cfg: CheckpointSweepConfig, num_layers: int, block: int, boundary: int) -> list[tuple]:
+    """(kind, k, levels, plan) for every k of the sweep and every level count of the optimal plan."""
+    plans, seen = [], set()
+    for k in cfg.ks:
+        plan = every_k(num_layers, k)
+        if plan not in seen:  # k beyond the depth repeats k = depth
+            seen.add(plan)
+            plans.append(("every_k", "none" if k is None else min(k, num_layers), None, plan))
+    for levels in cfg.nested_levels:
+        plans.append(("optimal", None, "unlimited" if levels is None else levels,
+                      optimal_plan(num_layers, block, boundary, levels)[0]))
+    return plans
+
+
+def checkpoint_sweep(cfg: CheckpointSweepConfig, device: torch.device | str) -> list[Row]:
+    """Peak activation memory of forward + backward under each checkpoint plan, with predictions.
+
+    Gradients are allocated by a warm-up step and kept (zeroed, not freed), so a measured peak above
+    the start is activations and temporaries only. On CUDA, also the longest context predicted to fit
+    for the best single-level plan, the optimal nested plan and no checkpointing, and one run at the
+    single-level plan's longest context (up to `longest_context_run_limit`) to check it.
+    """
+    device = torch.device(device)
+    on_gpu = device.type == "cuda"
+    model_context = max(cfg.context_length, cfg.longest_context_run_limit if on_gpu else 0)
+    config = ModelConfig.for_size(cfg.size, model_context)
+    release_memory(device)
+    model = build_model(config, device, cfg.attention)
+    block, boundary, head, transient = _block_sizes(cfg, cfg.context_length, device.type)
+    plans = _sweep_plans(cfg, config.num_layers, block, boundary)
+    base = {"size": cfg.size, "batch_size": cfg.batch_size, "precision": cfg.precision, "attention": cfg.attention,
+            "device": device.type, "num_layers": config.num_layers}
+    # The warm-up runs the plan with the least memory, so it fits wherever anything does.
+    apply_checkpointing(model, every_k(config.num_layers, 1))
+    _forward_backward(model, cfg, cfg.context_length, device)
+    rows = []
+    for kind, k, levels, plan in plans:
+        cost = plan_cost(plan, block, boundary)
+        predicted_peak = cost.peak_bytes + head + transient
+        measured = _measure_plan(model, plan, cfg, cfg.context_length, device, predicted_peak)
+        rows.append({**base, "table": "sweep", "context_length": cfg.context_length, "plan_kind": kind, "k": k,
+                     "levels": levels, "plan": describe(plan), "recomputed_blocks": cost.recomputed_blocks,
+                     "block_bytes": block, "boundary_bytes": boundary, "head_bytes": head,
+                     "transient_bytes": transient, "predicted_peak_bytes": predicted_peak,
+                     "predicted_kept_bytes": cost.kept_bytes + head,
+                     **measured})
+    if on_gpu:
+        rows += _longest_context_rows(model, cfg, config.num_layers, rows, base, device)
+    remove_checkpointing(model)
+    del model
+    release_memory(device)
+    return rows
+
+
+def _forward_backward(model, cfg: CheckpointSweepConfig, context: int, device: torch.device, kept: dict | None = None):
+    inputs, targets = random_batch(model.config, cfg.batch_size, context, device)
+    with autocast(cfg.precision, device):
+        loss = lm_loss(model(inputs), targets)
+    if kept is not None and device.type == "cuda":
+        kept["after_forward"] = torch.cuda.memory_allocated(device)
+    loss.backward()
+    # Zero the gradients in place: they stay allocated, so the next measurement starts with them.
+    model.zero_grad(set_to_none=False)
+
+
+def _measure_plan(model, plan, cfg: CheckpointSweepConfig, context: int, device: torch.device,
+                  predicted_peak_bytes: int) -> Row:
+    """A plan's forward + backward: its peak above the start (the model and its gradients), or OOM
+    where the predicted peak does not fit what is free, or where it runs out."""
+    apply_checkpointing(model, plan)
+    release_memory(device)
+    memory = check_memory(predicted_peak_bytes, device)
+    if not memory.fits:
+        return memory.oom_columns(predicted=True)
+    start = torch.cuda.memory_allocated(device) if device.type == "cuda" else None
+    kept: dict = {}
+    samples: list[float] = []
+    try:
+        with timed(device, samples):
+            increase, _ = peak_memory_increase(lambda: _forward_backward(model, cfg, context, device, kept), device)
+    except Exception as error:
+        if not is_out_of_memory(error):
+            raise
+        increase = None
+    if increase is None:
+        model.zero_grad(set_to_none=False)
+        release_memory(device)
+        return memory.oom_columns(predicted=False)
+    return {"status": "ok", "start_bytes": start, "measured_peak_bytes": increase,
+            "measured_kept_bytes": kept["after_forward"] - start if kept else None, "step_ms": samples[0],
+            **memory.columns()}
+
+
+def _predicted_peak(cfg: CheckpointSweepConfig, context: int, plan_for) -> float:
+    block, boundary, head, transient = _block_sizes(cfg, context, "cuda")
+    return plan_cost(plan_for(block, boundary), block, boundary).peak_bytes + head + transient
+
+
+def _longest_context_rows(model, cfg, num_layers, sweep, base, device) -> list[Row]:
+    capacity = torch.cuda.get_device_properties(device).total_memory
+    start = torch.cuda.memory_allocated(device)  # parameters, gradients, buffers
+    budget = capacity * USABLE_MEMORY_SHARE - start
+    single = [r for r in sweep if r["plan_kind"] == "every_k" and r["k"] != "none" and r["status"] == "ok"]
+    best_k = (min(single, key=lambda r: r["measured_peak_bytes"])["k"] if single else
+              min((r for r in sweep if r["plan_kind"] == "every_k" and r["k"] != "none"),
+                  key=lambda r: r["predicted_peak_bytes"])["k"])
+    candidates = [("every_k", best_k, None, lambda a, b: every_k(num_layers, best_k)),
+                  ("optimal", None, "unlimited", lambda a, b: optimal_plan(num_layers, a, b)[0]),
+                  ("every_k", "none", None, lambda a, b: every_k(num_layers, None))]
+    rows = []
+    for kind, k, levels, plan_for in candidates:
+        contexts = [cfg.context_length * 2**i for i in range(int(math.log2(MAX_PREDICTED_CONTEXT / cfg.context_length)) + 1)]
+        peaks = {n: _predicted_peak(cfg, n, plan_for) for n in contexts}
+        fitting = [n for n in contexts if peaks[n] <= budget]
+        longest = max(fitting) if fitting else None
+        longer = min((n for n in contexts if longest is None or n > longest), default=None)
+        row = {**base, "table": "longest", "plan_kind": kind, "k": k, "levels": levels,
+               "capacity_bytes": capacity, "start_bytes": start, "usable_share": USABLE_MEMORY_SHARE,
+               "predicted_longest_context": longest,
+               "predicted_peak_bytes": None if longest is None else peaks[longest] + start,
+               "next_context": longer, "next_predicted_peak_bytes": None if longer is None else peaks[longer] + start}
+        if kind == "every_k" and k == best_k and longest is not None:
+            run_context = min(longest, cfg.longest_context_run_limit)
+            measured = _measure_plan(model, every_k(num_layers, best_k), cfg, run_context, device,
+                                     _predicted_peak(cfg, run_context, plan_for))
+            row.update({"run_context": run_context, "run_status": measured["status"],
+                        "run_peak_bytes": None if measured["status"] == OOM else measured["measured_peak_bytes"] + start,
+                        "run_predicted_peak_bytes": _predicted_peak(cfg, run_context, plan_for) + start,
+                        "run_step_ms": measured.get("step_ms")})
+        rows.append(row)
+    return rows
+
+
+# -------------------------------------------------------------------- gradient_checkpointing report
+
+def _levels(levels: int | str) -> str:
+    return f"{levels} levels" if levels == "unlimited" else plural(levels, "level")
+
+
+def _plan_label(r: Row) -> str:
+    if r["plan_kind"] == "every_k":
+        return "no checkpointing" if r["k"] == "none" else f"every {r['k']} block{'s' if r['k'] != 1 else ''}"
+    return f"optimal nested, {r['levels']} recomputation level{'s' if r['levels'] != 1 else ''}"
+
+
+def _sweep_figure(sweep: list[Row], num_layers: int):
+    from matplotlib.figure import Figure
+    from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter
+
+    single = sorted((r for r in sweep if r["plan_kind"] == "every_k" and r["k"] != "none"), key=lambda r: r["k"])
+    measured = [r for r in single if r["status"] == "ok"]
+    lines = [r for r in sweep if r["status"] == "ok" and (r["plan_kind"] == "optimal" or r["k"] == "none")]
+    largest = max([r["predicted_peak_bytes"] for r in single] + [r["measured_peak_bytes"] for r in measured + lines])
+    scale, unit = (GIB, "GiB") if largest >= GIB else (MIB, "MiB")
+    figure = Figure(figsize=(7, 4))
+    ax = figure.subplots()
+    ax.plot([r["k"] for r in single], [r["predicted_peak_bytes"] / scale for r in single], "o--", color="tab:gray",
+            label="predicted (every k)")
+    if measured:
+        ax.plot([r["k"] for r in measured], [r["measured_peak_bytes"] / scale for r in measured], "o-",
+                color="tab:blue", label="measured (every k)")
+    colors = iter(["tab:green", "tab:purple", "tab:orange", "tab:red", "tab:brown", "tab:olive"])
+    for r in lines:
+        ax.axhline(r["measured_peak_bytes"] / scale, ls=":", color=next(colors, "black"), label=_plan_label(r))
+    ax.axvline(math.sqrt(num_layers), color="black", lw=0.8, alpha=0.5, label=f"sqrt(L) = {math.sqrt(num_layers):.1f}")
+    ax.set_xscale("log", base=2)
+    ax.set_xticks([r["k"] for r in single], [str(r["k"]) for r in single])
+    ax.set_yscale("log")
+    # Labels at 1, 1.5, 2, 3, 5 and 7 of each decade: a label in every stretch of a plot that spans one
+    # or two decades, none crowding the next (every minor tick labelled overlapped between 6 and 10).
+    ax.yaxis.set_major_locator(LogLocator(subs=Y_TICK_SUBS))
+    ax.yaxis.set_major_formatter(FuncFormatter(lambda value, _: f"{value:g}"))
+    ax.yaxis.set_minor_formatter(NullFormatter())
+    ax.set_xlabel("checkpoint every k blocks")
+    ax.set_ylabel(f"peak activation memory ({unit})")
+    ax.grid(alpha=0.3, which="both")
+    ax.legend(fontsize=7)
+    figure.tight_layout()
+    return figure
+
+
+def _sweep_section(sweep: list[Row]) -> str:
+    r0 = sweep[0]
+    on_gpu = r0["device"] == "cuda"
+    a, b, layers = r0["block_bytes"], r0["boundary_bytes"], r0["num_layers"]
+    table = [{"plan": _plan_label(r), "recomputed blocks": r["recomputed_blocks"],
+              "kept after forward": format_bytes(r.get("measured_kept_bytes")) if r["status"] == "ok" else OOM,
+              "predicted kept": format_bytes(r["predicted_kept_bytes"]),
+              "peak": format_bytes(r["measured_peak_bytes"]) if r["status"] == "ok" else OOM,
+              "predicted peak": format_bytes(r["predicted_peak_bytes"]),
+              "step (ms)": r.get("step_ms") if r["status"] == "ok" else None} for r in sweep]
+    parts = [f"## Peak activation memory by checkpoint plan\n\n{r0['size']} ({layers} blocks), batch "
+             f"{r0['batch_size']}, context {r0['context_length']}, {r0['precision']}, {r0['attention']} attention; one "
+             "forward + backward per plan (torch.utils.checkpoint, non-reentrant). Gradients were allocated by a "
+             "warm-up step and kept, so the peak above the start is activations and temporaries. The model "
+             f"(accounting.activations): a block keeps a = {format_bytes(a)}, a checkpointed group keeps its input "
+             f"b = {format_bytes(b)} (one residual-stream tensor), the head and loss keep {format_bytes(r0['head_bytes'])}, and the "
+             f"largest temporary (accounting.activations.training_transient_bytes) is {format_bytes(r0['transient_bytes'])}; "
+             "predicted peak = the plan's peak under the model (profiling.checkpointing.plan_cost) + head + "
+             "temporary." +
+             ("" if on_gpu else " On CPU, peaks come from torch.profiler's memory records and step times include "
+              "the profiler's overhead.") + "\n", markdown_table(table)]
+    single = [r for r in sweep if r["plan_kind"] == "every_k" and r["k"] != "none" and r["status"] == "ok"]
+    if single:
+        best = min(single, key=lambda r: r["measured_peak_bytes"])
+        predicted_best = min((r for r in sweep if r["plan_kind"] == "every_k" and r["k"] != "none"),
+                             key=lambda r: r["predicted_peak_bytes"])
+        rule, refined = math.sqrt(layers), math.sqrt(layers * b / a)
+        closer = "sqrt(L b / a)" if abs(best["k"] - refined) < abs(best["k"] - rule) else "sqrt(L)"
+        text = (f"Best single level: every {plural(best['k'], 'block')}, {format_bytes(best['measured_peak_bytes'])} "
+                f"(the model's "
+                f"best: every {predicted_best['k']}). The sqrt(L) rule gives k = sqrt({layers}) = {rule:.1f}; it "
+                "assumes a block keeps as much as a boundary. Minimising b L / k + a k instead gives "
+                f"k = sqrt(L b / a) = {refined:.2f}, since a block here keeps {a / b:.0f}x its input (projections, "
+                "attention inputs and the d_ff-wide SwiGLU activations). The measured best is closer to "
+                f"{closer}.")
+        text += _neighbours(sweep, best)
+        none = [r for r in sweep if r["k"] == "none"]
+        if none and none[0]["status"] == "ok":
+            text += (f" Against no checkpointing ({format_bytes(none[0]['measured_peak_bytes'])}) it keeps "
+                     f"{best['measured_peak_bytes'] / none[0]['measured_peak_bytes']:.1%} of the peak for "
+                     f"{plural(best['recomputed_blocks'], 'recomputed block')}.")
+        elif none:
+            text += " Without checkpointing this context does not fit."
+        parts.append(text + "\n")
+        nested = [r for r in sweep if r["plan_kind"] == "optimal" and r["status"] == "ok"]
+        if nested:
+            parts.append("Optimal nested plans (profiling.checkpointing.optimal_plan): " + "; ".join(
+                f"{_levels(r['levels'])}: {format_bytes(r['measured_peak_bytes'])} measured, "
+                f"{format_bytes(r['predicted_peak_bytes'])} predicted, {plural(r['recomputed_blocks'], 'recomputed block')}, "
+                f"{r['step_ms'] / best['step_ms']:.2f}x the best single level's step time" for r in nested) + ".\n")
+    offsets = [r["measured_peak_bytes"] - r["predicted_peak_bytes"] for r in sweep if r["status"] == "ok"]
+    if offsets:
+        parts.append(f"Measured minus predicted peak: {span(offsets, format_bytes)} "
+                     f"({span([x / a for x in offsets], '{:+.2f}'.format)} blocks' worth).\n")
+    return "\n".join(parts)
+
+
+def _neighbours(sweep: list[Row], best: Row) -> str:
+    """The measured peaks of the next smaller and next larger k of the sweep, beside the best one's."""
+    ks = sorted((r for r in sweep if r["plan_kind"] == "every_k" and r["k"] != "none"), key=lambda r: r["k"])
+    at = next(i for i, r in enumerate(ks) if r["k"] == best["k"])
+    around = [ks[i] for i in (at - 1, at + 1) if 0 <= i < len(ks)]
+    if not around:
+        return ""
+    return (" To be sure, the next " + " and ".join(
+        f"{'smaller' if r['k'] < best['k'] else 'larger'} group, every {r['k']}, peaks at "
+        + (format_bytes(r["measured_peak_bytes"]) if r["status"] == "ok" else "out of memory") for r in around)
+        + f", against {format_bytes(best['measured_peak_bytes'])}.")
+
+
+# The memory-optimal nesting as code, for the report: what optimal_plan builds with no limit on levels.
+NESTED_SKETCH = """    from torch.utils.checkpoint import checkpoint
+
+    def run(blocks, x):
+        # Keeps one block's activations and a few residual-stream tensors at any time; backward
+        # recomputes the prefix before each block from x, (L - 1) L / 2 blocks in all.
+        if len(blocks) == 1:
+            return blocks[0](x)
+        prefix_out = checkpoint(run, blocks[:-1], x, use_reentrant=False)  # keeps only x
+        return blocks[-1](prefix_out)
+"""
+
+
+def _strategy_section(sweep: list[Row]) -> str:
+    r0 = sweep[0]
+    a, b, layers = r0["block_bytes"], r0["boundary_bytes"], r0["num_layers"]
+    table = []
+    for levels in sorted({1, 2, 3, 4, max(1, math.ceil(math.log2(layers)))}) + [None]:
+        plan, cost = optimal_plan(layers, a, b, levels)
+        table.append({"recomputation levels": "unlimited" if levels is None else levels,
+                      "predicted peak": format_bytes(cost.peak_bytes), "peak / a": f"{cost.peak_bytes / a:.2f}",
+                      "recomputed blocks": cost.recomputed_blocks, "plan": describe(plan)[:120]})
+    unlimited = optimal_plan(layers, a, b)[1]
+    two_levels = optimal_plan(layers, a, b, 2)[1]
+    return ("## The memory-optimal strategy\n\nUnder the model, a plan's peak is the most that backward holds at "
+            "once: what earlier items kept plus the peak inside the item being backpropagated (a for a plain block, "
+            "b plus its inner plan's peak for a recomputed group). Dynamic programming over the first item of each "
+            "sequence gives the least peak for each limit on how often a block may be recomputed (nesting depth):\n\n"
+            + markdown_table(table) +
+            f"\nWith no limit the least peak is {'a + b = ' if math.isclose(unlimited.peak_bytes, a + b) else ''}"
+            f"{format_bytes(unlimited.peak_bytes)}: groups nested inside "
+            f"each other recompute every block from the model's input, {unlimited.recomputed_blocks} recomputed blocks "
+            f"for {layers}, O(1) memory for O(L^2) recomputation. Limiting the depth to r levels gives a peak of about "
+            "a + r L^(1/r) b for at most r L recomputed blocks: r = 1 is single-level checkpointing (O(sqrt L) memory), "
+            "and r = log2 L recursive halving, a + O(b log L) memory for O(L log L) recomputation. Here a block "
+            f"keeps {a / b:.0f}x its input, so the a term sets the floor: two levels come within "
+            f"{two_levels.peak_bytes / unlimited.peak_bytes - 1:.0%} of the unlimited optimum for "
+            f"{two_levels.recomputed_blocks} recomputed blocks instead of {unlimited.recomputed_blocks}.\n\n"
+            "The unlimited plan as code: each checkpoint keeps only the model's input, and in backward the "
+            "blocks before the current one are recomputed from it, nested once per block:\n\n"
+            + NESTED_SKETCH)
+
+
+def _longest_section(rows: list[Row]) -> str:
+    longest = [r for r in rows if r.get("table") == "longest"]
+    if not longest:
+        return ""
+    r0 = longest[0]
+    sweep = [r for r in rows if r.get("table") == "sweep"]
+    fits = sum(r["status"] == "ok" for r in sweep)
+    table = [{"plan": _plan_label(r), "longest context predicted to fit": r["predicted_longest_context"] or "none",
+              "predicted peak there": format_bytes(r["predicted_peak_bytes"]),
+              "next context": r["next_context"], "its predicted peak": format_bytes(r["next_predicted_peak_bytes"])}
+             for r in longest]
+    text = (f"## Longest context that fits\n\nThe sweep above ran at context {sweep[0]['context_length']}, where "
+            f"{fits} of {len(sweep)} plans fit" + (", so the curve over k is measured whole" if fits == len(sweep) else "")
+            + "; the longest context is predicted from the model and checked with one run. Predicted: parameters, "
+            "gradients and buffers as measured "
+            f"({format_bytes(r0['start_bytes'])}) plus the plan's predicted activation peak, against "
+            f"{r0['usable_share']:.0%} of the device's {format_bytes(r0['capacity_bytes'])}; contexts double from the "
+            "sweep's.\n\n" + markdown_table(table))
+    for r in longest:
+        if r.get("run_context"):
+            if r["run_status"] == OOM:
+                text += (f"\nRun at context {r['run_context']} ({_plan_label(r)}): out of memory, against a predicted "
+                         f"{format_bytes(r['run_predicted_peak_bytes'])}: the prediction is too optimistic there.\n")
+            else:
+                text += (f"\nRun at context {r['run_context']} ({_plan_label(r)}): it fits, peak "
+                         f"{format_bytes(r['run_peak_bytes'])} against {format_bytes(r['run_predicted_peak_bytes'])} "
+                         f"predicted, {r['run_step_ms'] / 1e3:.1f} s for forward + backward.")
+                if r["run_context"] < r["predicted_longest_context"]:
+                    text += (f" Context {r['predicted_longest_context']} was not run (a step there takes minutes); it "
+                             "is the prediction.")
+                text += "\n"
+    return text
+
+
+@renderer("gradient_checkpointing")
+def render_gradient_checkpointing(rows: list[Row]) -> Rendered:
+    sweep = [r for r in rows if r.get("table") == "sweep"]
+    if not sweep:
+        return Rendered("_no rows_\n")
+    parts = [_sweep_section(sweep), _strategy_section(sweep), _longest_section(rows)]
+    figure = _sweep_figure(sweep, sweep[0]["num_layers"])
+    parts.insert(1, "![peak activation memory by plan](gradient_checkpointing.png)\n")
+    return Rendered("\n".join(p for p in parts if p), {"gradient_checkpointing.png": figure})

@@ -1,0 +1,141 @@
+"""What every model benchmark shares: building the LM, a batch of random tokens, the loss, autocast,
+AdamW, one training step, and releasing device memory between cells.
+
+    model = build_model(ModelConfig.for_size("small", 512), "cuda", attention="naive")
+    optimizer = adamw(model, lr=LEARNING_RATE)
+    inputs, targets = random_batch(model.config, 4, 512, "cuda")
+    samples = defaultdict(list)
+    training_step(model, optimizer, inputs, targets, precision="bf16", phase=timed_phases("cuda", samples))
+
+A step runs its phases (forward, backward, the optimizer) inside `phase(name)`; what that context
+does decides where the device is synchronised: `timed_phases` synchronises at every boundary and
+times each phase, `annotate` (the default) only names the ranges for profilers.
+"""
+
+from __future__ import annotations
+
+import gc
+from collections import defaultdict
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager, contextmanager, nullcontext
+
+import torch
+import torch.nn.functional as F
+
+from cs336_systems.model import ModelConfig, TransformerLM
+from cs336_systems.profiling.ranges import annotate
+from cs336_systems.timing import timed
+
+# Autocast dtype of each precision; fp32 runs without autocast.
+PRECISIONS = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
+LEARNING_RATE = 1e-4
+
+Phase = Callable[[str], AbstractContextManager]
+
+
+def autocast(precision: str, device: torch.device | str) -> AbstractContextManager:
+    """bf16/fp16 autocast on `device`, or nothing for fp32."""
+    dtype = PRECISIONS[precision]
+    return nullcontext() if dtype is None else torch.autocast(torch.device(device).type, dtype=dtype)
+
+
+def build_model(config: ModelConfig, device: torch.device | str, attention: str = "sdpa", *,
+                dtype: torch.dtype | None = None, seed: int | None = None, compile: bool = False) -> TransformerLM:
+    """The LM initialised on `device` (a 2.7B model takes seconds to initialise on a CPU); `seed`
+    seeds torch's global generator first, None leaves it as it is; `compile` compiles each block."""
+    if seed is not None:
+        torch.manual_seed(seed)
+    with torch.device(device):
+        model = TransformerLM(config, attention=attention)
+    if dtype is not None:
+        model = model.to(dtype)
+    if compile:
+        # Start from empty compile caches: entries from earlier models would count towards dynamo's
+        # recompile limit, past which it silently falls back to eager.
+        torch._dynamo.reset()
+        # Regional compilation: every block has the same code and shapes, so one compiled graph
+        # serves all of them and compile time no longer grows with depth.
+        for block in model.layers:
+            block.compile()
+    return model
+
+
+def adamw(module: torch.nn.Module, lr: float = LEARNING_RATE, fused: bool = True) -> torch.optim.AdamW:
+    """AdamW over `module`'s parameters. fused: the fused kernel on CUDA (one pass over parameters,
+    gradients and both moments; the default multi-tensor path takes about three times as long on a
+    2.7B model). The distributed benchmarks pass False, torch's default (foreach on CUDA), as they
+    were measured with."""
+    # None, not False: an explicit False would also turn off the foreach default.
+    use_fused = True if fused and next(module.parameters()).is_cuda else None
+    return torch.optim.AdamW(module.parameters(), lr=lr, fused=use_fused)
+
+
+def random_batch(config: ModelConfig, batch_size: int, seq_len: int, device: torch.device | str,
+                 seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """(inputs, targets) of random token ids, drawn on the CPU from a generator seeded with `seed`, so
+    the same on every run and every device."""
+    generator = torch.Generator().manual_seed(seed)
+    shape = (batch_size, seq_len)
+    inputs, targets = (torch.randint(config.vocab_size, shape, generator=generator).to(device) for _ in range(2))
+    return inputs, targets
+
+
+def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Mean next-token cross-entropy, low-precision logits upcast to fp32 first: that changes nothing
+    under autocast (which runs the loss in fp32) and keeps bf16 logits of low-precision compute
+    without autocast from rounding the loss."""
+    if logits.dtype in (torch.bfloat16, torch.float16):
+        logits = logits.float()
+    return F.cross_entropy(logits.flatten(0, 1), targets.flatten())
+
+
+def training_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None, inputs: torch.Tensor,
+                  targets: torch.Tensor, *, precision: str = "fp32", phase: Phase = annotate,
+                  after_backward: Callable[[], None] | None = None, keep_logits: bool = False) -> torch.Tensor:
+    """Forward and loss under `precision`'s autocast, backward, `after_backward` (gradient
+    synchronisation) if given, then the optimizer step and zero_grad(set_to_none=True); each in
+    `phase(name)`. Without an optimizer, the gradients are dropped instead. Returns the loss.
+
+    The logits are freed once the loss is computed, as in training; `keep_logits` holds them to the
+    end of the step, one (tokens x vocabulary) tensor more in backward and the optimizer step, as the
+    end-to-end and flash_in_training benchmarks measured their peak memory."""
+    with phase("forward"), autocast(precision, inputs.device):
+        logits = model(inputs)
+        loss = lm_loss(logits, targets)
+    if not keep_logits:
+        del logits
+    with phase("backward"):
+        loss.backward()
+    if after_backward is not None:
+        with phase("gradient_sync"):
+            after_backward()
+    if optimizer is None:
+        model.zero_grad(set_to_none=True)
+        return loss
+    with phase("optimizer"):
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+    return loss
+
+
+def timed_phases(device: torch.device | str, samples: dict[str, list[float]] | None = None) -> Phase:
+    """Phases in named ranges, each ending with the device synchronised, so its interval spans the
+    device's work; given a dict of lists, each phase's time in ms is appended under its name."""
+    sink = samples if samples is not None else defaultdict(list)
+
+    @contextmanager
+    def phase(name: str) -> Iterator[None]:
+        with annotate(name), timed(device, sink[name]):
+            yield
+
+    return phase
+
+
+def release_memory(device: torch.device | str) -> None:
+    """Free what earlier cells left (a failed cell's tensors included) and return the allocator's cached
+    blocks, so that the next cell starts from a clean pool; reset the peak counter for it."""
+    device = torch.device(device)
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(device)

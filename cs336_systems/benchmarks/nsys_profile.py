@@ -1,0 +1,410 @@
+"""Problem nsys_profile: kernel tables per range (step, forward, backward, optimizer and the naive
+attention's scores / softmax / final matmul) of one AdamW training step, from torch.profiler, beside
+the synchronising timer's phase times, and the Nsight Systems command for the same step.
+
+    rows = profile_training_step(ProfileConfig("small", 512), "cuda")
+
+Each measuring function returns rows; the renderer below answers the written questions from them.
+"""
+
+from __future__ import annotations
+
+import shutil
+import statistics
+from collections import defaultdict
+from dataclasses import dataclass
+
+import torch
+
+from cs336_systems.accounting.activations import predict_peak_memory, state_bytes
+from cs336_systems.benchmarks.e2e import DEFAULT_BATCH_SIZE, memory_model_attention
+from cs336_systems.benchmarks.harness import (
+    LEARNING_RATE,
+    PRECISIONS,
+    adamw,
+    build_model,
+    random_batch,
+    release_memory,
+    timed_phases,
+    training_step,
+)
+from cs336_systems.memory_guard import MemoryCheck, check_memory, is_out_of_memory
+from cs336_systems.model import ModelConfig, size_order
+from cs336_systems.profiling.kernels import kernel_tables, merge_tables, profiler_activities, short_name
+from cs336_systems.profiling.ranges import annotate
+from cs336_systems.reports import (
+    OOM,
+    Rendered,
+    Row,
+    format_bytes,
+    markdown_table,
+    mean_std,
+    pivot,
+    plural,
+    renderer,
+    span,
+)
+
+STEP_RANGE = "step"
+TRAIN_PHASES = ("forward", "backward", "optimizer")
+ATTENTION_RANGES = ("attention/scores", "attention/softmax", "attention/final_matmul")
+FORWARD_BACKWARD = "forward+backward"
+PROFILED_RANGES = (STEP_RANGE, *TRAIN_PHASES, *ATTENTION_RANGES)
+# Softmax over a row of scores: a max, a subtraction, an exp, a sum and a division per score.
+SOFTMAX_FLOPS_PER_SCORE = 5
+# A non-matmul kernel above this share of forward kernel time counts as a main forward cost.
+MAIN_KERNEL_SHARE = 0.02
+# Kernel rows kept per range (beside every main non-matmul kernel); the rest become one summary row.
+KERNELS_PER_RANGE = 12
+
+
+@dataclass(frozen=True)
+class ProfileConfig:
+    size: str
+    context_length: int
+    batch_size: int = DEFAULT_BATCH_SIZE
+    precision: str = "fp32"
+    attention: str = "naive"
+    warmup: int = 1  # untimed steps first: one-time costs (cuBLAS handles, AdamW state) stay out
+    timed_steps: int = 3  # steps timed by the synchronising host clock, for comparison
+
+    def __post_init__(self):
+        if self.precision not in PRECISIONS:
+            raise ValueError(f"unknown precision {self.precision!r}; choose one of {', '.join(PRECISIONS)}")
+        if self.warmup < 0 or self.timed_steps < 1:
+            raise ValueError(f"need warmup >= 0 and timed_steps >= 1, got {self.warmup} and {self.timed_steps}")
+        ModelConfig.for_size(self.size, self.context_length)  # validates size and context
+
+
+def profile_training_step(cfg: ProfileConfig, device: torch.device | str) -> list[Row]:
+    """Rows for one cell: the timer's phase means ("cell"), each range's totals ("range") and its
+    kernel table ("kernel"); one "cell" row with status OOM when the cell does not fit."""
+    device = torch.device(device)
+    config = ModelConfig.for_size(cfg.size, cfg.context_length)
+    base: Row = {"size": cfg.size, "context_length": cfg.context_length, "batch_size": cfg.batch_size,
+                 "precision": cfg.precision, "attention": cfg.attention, "device": device.type,
+                 "d_head": config.d_head, "num_layers": config.num_layers}
+    estimate = predict_peak_memory(config, cfg.batch_size, cfg.context_length, cfg.precision,
+                                   memory_model_attention(cfg.attention), adamw="fused")
+    if device.type == "cuda":
+        base["predicted_peak_bytes"] = estimate.peak_bytes
+        total = torch.cuda.get_device_properties(device).total_memory
+        if state_bytes(estimate) > total:
+            # Parameters, gradients and AdamW state alone exceed the device: not worth building the model.
+            return [{**base, "table": "cell", **MemoryCheck(estimate.peak_bytes, total).oom_columns(predicted=True)}]
+    release_memory(device)
+    memory = check_memory(estimate.peak_bytes, device)
+    if not memory.fits:
+        return [{**base, "table": "cell", **memory.oom_columns(predicted=True)}]
+    try:
+        samples, tables = _timed_then_profiled(cfg, config, device)
+    except Exception as error:
+        if not is_out_of_memory(error):
+            raise
+        samples = tables = None
+    release_memory(device)
+    if samples is None:
+        return [{**base, "table": "cell", **memory.oom_columns(predicted=False)}]
+    cell = {**base, "table": "cell", "status": "ok", "warmup": cfg.warmup, "timed_steps": cfg.timed_steps,
+            **memory.columns()}
+    steps = [sum(phase) for phase in zip(*(samples[p] for p in TRAIN_PHASES))]
+    for name, series in [*((p, samples[p]) for p in TRAIN_PHASES), ("step", steps)]:
+        cell[f"timer_{name}_ms"] = statistics.fmean(series)
+        cell[f"timer_{name}_std_ms"] = statistics.stdev(series) if len(series) > 1 else 0.0
+    rows = [cell]
+    for table in tables.values():
+        rows += _range_rows(base, table)
+    return rows
+
+
+def _timed_then_profiled(cfg: ProfileConfig, config: ModelConfig, device: torch.device):
+    model = build_model(config, device, cfg.attention)
+    optimizer = adamw(model, LEARNING_RATE)
+    inputs, targets = random_batch(config, cfg.batch_size, cfg.context_length, device)
+
+    def step(samples: dict[str, list[float]] | None = None) -> None:
+        training_step(model, optimizer, inputs, targets, precision=cfg.precision, phase=timed_phases(device, samples))
+
+    for _ in range(cfg.warmup):
+        with annotate("warmup"):
+            step()
+    samples: dict[str, list[float]] = defaultdict(list)
+    for i in range(cfg.timed_steps):
+        with annotate(f"step_{i}"):
+            step(samples)
+    with torch.profiler.profile(activities=profiler_activities(device)) as profiler:
+        with annotate(STEP_RANGE):
+            step()
+    tables = kernel_tables(profiler.events(), device.type, PROFILED_RANGES)
+    tables[FORWARD_BACKWARD] = merge_tables(FORWARD_BACKWARD, [tables["forward"], tables["backward"]])
+    return samples, tables
+
+
+def _range_rows(base: Row, table) -> list[Row]:
+    rows = [{**base, "table": "range", "range": table.range, "instances": table.instances,
+             "wall_ms": table.wall_us / 1e3, "work_ms": table.work_us / 1e3, "self_work_ms": table.self_work_us / 1e3,
+             "matmul_ms": table.matmul_us / 1e3,
+             "matmul_share": table.matmul_share, "kernel_calls": table.calls, "distinct_kernels": len(table.kernels)}]
+    keep = [rank < KERNELS_PER_RANGE or (not k.matmul and k.share > MAIN_KERNEL_SHARE)
+            for rank, k in enumerate(table.kernels)]
+    kept = [k for k, keep_it in zip(table.kernels, keep) if keep_it]
+    rest = [k for k, keep_it in zip(table.kernels, keep) if not keep_it]
+    for rank, k in enumerate(kept, 1):
+        rows.append({**base, "table": "kernel", "range": table.range, "rank": rank, "kernel": k.name,
+                     "matmul": k.matmul, "calls": k.calls, "calls_per_instance": k.calls / table.instances,
+                     "total_ms": k.total_us / 1e3, "share": k.share})
+    if rest:
+        rows.append({**base, "table": "kernel", "range": table.range, "rank": len(kept) + 1,
+                     "kernel": f"({len(rest)} other kernels)", "calls": sum(k.calls for k in rest),
+                     "calls_per_instance": sum(k.calls for k in rest) / table.instances,
+                     "total_ms": sum(k.total_us for k in rest) / 1e3, "share": sum(k.share for k in rest)})
+    return rows
+
+
+def nsys_command(size: str, context_length: int, attention: str = "naive") -> str:
+    """An Nsight Systems command for the same model step, NVTX ranges included (they come from
+    `annotate`), through the end-to-end benchmark's command line."""
+    return (f"nsys profile --trace=cuda,nvtx --output=nsys_{size}_ctx{context_length} --force-overwrite=true "
+            f"python -m cs336_systems e2e --size {size} --context {context_length} --attention {attention} "
+            f"--warmup 1 --steps 1 --device cuda")
+
+
+def nsys_row(size: str, context_length: int) -> Row:
+    """Whether nsys is on PATH here, and the command that profiles one cell with it."""
+    return {"table": "nsys", "size": size, "context_length": context_length,
+            "nsys_found": shutil.which("nsys") is not None, "command": nsys_command(size, context_length)}
+
+
+# ------------------------------------------------------------------------------ nsys_profile report
+
+def _nsys_cells(rows: list[Row]) -> dict[tuple, dict]:
+    """(size, context) -> {"cell": row, "range": {name: row}, "kernel": {range: [rows by rank]}}."""
+    cells: dict[tuple, dict] = {}
+    for r in rows:
+        if r.get("table") not in ("cell", "range", "kernel"):
+            continue
+        cell = cells.setdefault((r["size"], r["context_length"]), {"cell": None, "range": {}, "kernel": defaultdict(list)})
+        if r["table"] == "cell":
+            cell["cell"] = r
+        elif r["table"] == "range":
+            cell["range"][r["range"]] = r
+        else:
+            cell["kernel"][r["range"]].append(r)
+    for cell in cells.values():
+        for kernels in cell["kernel"].values():
+            kernels.sort(key=lambda r: r["rank"])
+    return dict(sorted(cells.items(), key=lambda item: (size_order(item[0][0]), item[0][1])))
+
+
+def _measured(cells: dict) -> dict:
+    return {key: c for key, c in cells.items() if c["cell"] and c["cell"]["status"] == "ok" and "forward" in c["range"]}
+
+
+def _forward_time_section(cells: dict, device: str) -> str:
+    table, busy, wall = [], [], []
+    for (size, context), c in cells.items():
+        cell, forward = c["cell"], c["range"]["forward"]
+        busy.append(forward["work_ms"] / cell["timer_forward_ms"])
+        wall.append(forward["wall_ms"] / cell["timer_forward_ms"])
+        table.append({"size": size, "context": context,
+                      "timer forward (ms)": mean_std(cell["timer_forward_ms"], cell["timer_forward_std_ms"], ".2f"),
+                      "profiled forward range (ms)": forward["wall_ms"], "forward work (ms)": forward["work_ms"],
+                      "work / timer": f"{busy[-1]:.0%}"})
+    work = "GPU kernel time" if device == "cuda" else "operator CPU time"
+    lowest = min(cells.items(), key=lambda item: item[1]["range"]["forward"]["work_ms"] / item[1]["cell"]["timer_forward_ms"])
+    gap = ("the GPU sat idle between kernels, waiting for the CPU to launch the next one" if device == "cuda"
+           else "Python and the dispatcher ran between operators")
+    sample = next(iter(cells.values()))["cell"]
+    return ("## (a) Forward time: profiler against the end-to-end timer\n\n"
+            f"The timer is the synchronising host clock of the end-to-end benchmark, mean ± std over "
+            f"{sample['timed_steps']} steps after {sample['warmup']} warm-up; the profiled step is the next one. "
+            f"\"Forward work\" sums the {work} the profiler attributes to the forward range.\n\n" + markdown_table(table) +
+            f"\nThe profiled forward range lasted {_span(wall)} of the timer's forward mean (the profiler's own "
+            f"overhead is in the range, not in the work), and forward work covered {_span(busy)} of it; the rest "
+            f"is time when {gap}. The share is lowest for {lowest[0][0]} at context {lowest[0][1]}.\n")
+
+
+def _top_kernel_section(cells: dict) -> str:
+    table, same = [], 0
+    for (size, context), c in cells.items():
+        forward, both = c["kernel"]["forward"][0], c["kernel"][FORWARD_BACKWARD][0]
+        same += forward["kernel"] == both["kernel"]
+        table.append({"size": size, "context": context, "top forward kernel": short_name(forward["kernel"], 70),
+                      "share of forward": f"{forward['share']:.0%}",
+                      "calls per forward pass": f"{forward['calls_per_instance']:g}",
+                      "top over forward+backward": "same" if forward["kernel"] == both["kernel"]
+                      else short_name(both["kernel"], 70),
+                      "its share": f"{both['share']:.0%}"})
+    (size, context), first = next(iter(cells.items()))
+    top = first["kernel"]["forward"][0]
+    layers = first["cell"]["num_layers"]
+    return ("## (b) The top forward kernel\n\n" + markdown_table(table) +
+            f"\nIn {same} of {len(cells)} cells the kernel that takes the most forward time is also the top one over "
+            f"forward and backward together. Calls count launches: a forward pass of {size} runs 7 Linears per block "
+            f"and the LM head, {7 * layers + 1} matmuls, plus 2 batched attention matmuls per block; at context "
+            f"{context} the top kernel (`{short_name(top['kernel'], 60)}`) was launched {top['calls_per_instance']:g} "
+            f"times per forward pass{', a matmul' if top.get('matmul') else ''}.\n")
+
+
+def _main_kernels_section(cells: dict) -> str:
+    largest: dict[str, tuple] = {}
+    for key in cells:  # per size, the longest context measured
+        largest[key[0]] = key
+    table, seen = [], defaultdict(int)
+    for key in largest.values():
+        for k in cells[key]["kernel"]["forward"]:
+            if k.get("matmul") is False and k["share"] > MAIN_KERNEL_SHARE:
+                seen[short_name(k["kernel"], 70)] += 1
+                table.append({"size": key[0], "context": key[1], "kernel": short_name(k["kernel"], 70),
+                              "share of forward": f"{k['share']:.1%}", "calls": k["calls"]})
+    text = (f"## (c) Non-matmul kernels above {MAIN_KERNEL_SHARE:.0%} of forward time\n\nFor each size at the longest "
+            "context it ran.\n\n")
+    if not table:
+        return text + f"No non-matmul kernel reached {MAIN_KERNEL_SHARE:.0%} of forward time in these cells.\n"
+    common = sorted(seen.items(), key=lambda item: -item[1])
+    return (text + markdown_table(table) + "\nPresent in the most sizes: " +
+            ", ".join(f"`{name}` ({count} of {len(largest)})" for name, count in common[:4]) + ".\n")
+
+
+def _matmul_share_section(cells: dict) -> str:
+    rows, forward_shares, step_shares, optimizer_shares = [], [], [], []
+    for (size, context), c in cells.items():
+        forward, step = c["range"]["forward"]["matmul_share"], c["range"][STEP_RANGE]["matmul_share"]
+        forward_shares.append(forward)
+        step_shares.append(step)
+        optimizer_shares.append(c["range"]["optimizer"]["matmul_share"])
+        rows.append({"size": size, "context_length": context, "value": f"{forward:.0%} / {step:.0%}"})
+    table = pivot(rows, index=["size"], column="context_length", value="value", label="context")
+    lower = sum(s < f for f, s in zip(forward_shares, step_shares))
+    trends = []
+    for size in dict.fromkeys(size for size, _ in cells):
+        contexts = sorted(n for s, n in cells if s == size)
+        if len(contexts) > 1:
+            first, last = (cells[(size, n)]["range"]["forward"]["matmul_share"] for n in (contexts[0], contexts[-1]))
+            trends.append(f"{size} {first:.0%} at context {contexts[0]} to {last:.0%} at {contexts[-1]}")
+    text = ("## (d) Matmul share: forward against the full training step\n\nShare of kernel time in matmul kernels, "
+            "forward / full step (forward, backward, AdamW).\n\n" + markdown_table(table) +
+            f"\nMatmuls take {_span(forward_shares)} of forward time and {_span(step_shares)} of a full step; the full "
+            f"step's share is the lower one in {lower} of {len(cells)} cells. The optimizer range's matmul share is "
+            f"{_span(optimizer_shares)}: AdamW is elementwise work over every parameter and both moments.")
+    if trends:
+        text += " With context, the forward share goes from " + "; ".join(trends) + "."
+    return text + "\n"
+
+
+def _attention_section(cells: dict) -> str:
+    table, time_ratios, excess = [], [], []
+    for (size, context), c in cells.items():
+        ranges = c["range"]
+        if not all(name in ranges for name in ATTENTION_RANGES):
+            continue
+        matmul = ranges["attention/scores"]["matmul_ms"] + ranges["attention/final_matmul"]["matmul_ms"]
+        softmax = ranges["attention/softmax"]["work_ms"]
+        d_head = c["cell"]["d_head"]
+        flop_ratio = SOFTMAX_FLOPS_PER_SCORE / (4 * d_head)
+        time_ratio = softmax / matmul if matmul else float("nan")
+        time_ratios.append(time_ratio)
+        excess.append(time_ratio / flop_ratio)
+        table.append({"size": size, "context": context, "d_head": d_head, "matmul (ms)": matmul,
+                      "softmax (ms)": softmax,
+                      "scale + mask (ms)": ranges["attention/scores"]["work_ms"] - ranges["attention/scores"]["matmul_ms"],
+                      "softmax / matmul time": f"{time_ratio:.2f}", "FLOP ratio": f"{flop_ratio:.4f}",
+                      "time ratio / FLOP ratio": f"{time_ratio / flop_ratio:.0f}x"})
+    if not table:
+        return "## (e) Softmax against matmul inside attention\n\nNo cell ran the annotated naive attention.\n"
+    d_heads = sorted({r["d_head"] for r in table})
+    return ("## (e) Softmax against matmul inside attention\n\n"
+            f"FLOPs per score element (one query-key pair, one head): q k^T takes 2 d_head multiply-adds' worth "
+            f"(2 d_head FLOPs) and P v another 2 d_head, 4 d_head in all; softmax takes about "
+            f"{SOFTMAX_FLOPS_PER_SCORE} (max, subtract, exp, sum, divide). The FLOP ratio softmax : matmul is "
+            f"{SOFTMAX_FLOPS_PER_SCORE} / (4 d_head), {', '.join(f'{SOFTMAX_FLOPS_PER_SCORE / (4 * d):.2%} for d_head {d}' for d in d_heads)}. "
+            "Times come from the attention ranges of the forward pass (matmul kernels of the scores and final "
+            "ranges; all kernels of the softmax range).\n\n" + markdown_table(table) +
+            f"\nSoftmax takes {_span(time_ratios, '{:.2f}')} of the matmuls' time, {_span(excess, '{:.0f}x')} its FLOP "
+            "share." + (" Per score element softmax reads and writes 4-byte values for about 5 FLOPs (under 1 FLOP per "
+            "byte), while q k^T does 2 d_head FLOPs per score from q and k tiles it reuses across the row (about "
+            f"d_head / 2 FLOPs per byte, {d_heads[0] / 2:.0f} for d_head {d_heads[0]}): softmax is paced by memory "
+            "traffic, the matmuls by arithmetic.\n" if min(excess) > 1 else
+            " In some cells softmax took no more than its FLOP share of the time.\n"))
+
+
+def _kernel_tables_section(cells: dict) -> str:
+    preferred = [key for key in cells if key[1] == 512] or list(cells)
+    key = max(preferred, key=lambda k: (size_order(k[0]), k[1]))
+    c = cells[key]
+    parts = [f"## Kernel tables: {key[0]} at context {key[1]}\n\nOne profiled training step; the other cells' "
+             "tables are in the CSV. Share is of the range's total kernel time; calls per instance divide by the "
+             "times the range was entered (the attention ranges once per block).\n"]
+    for name in (*TRAIN_PHASES, *ATTENTION_RANGES):
+        if name not in c["range"]:
+            continue
+        r = c["range"][name]
+        parts.append(f"### {name}\n\n{plural(r['instances'], 'instance')}, {r['work_ms']:.2f} ms of kernel time, "
+                     f"{r['matmul_share']:.0%} in matmuls, {r['kernel_calls']} launches of {r['distinct_kernels']} kernels.\n")
+        parts.append(markdown_table([{"kernel": short_name(k["kernel"], 80),
+                                      "matmul": {True: "yes", False: "no"}.get(k.get("matmul"), ""),
+                                      "calls": k["calls"], "calls per instance": f"{k['calls_per_instance']:g}",
+                                      "total (ms)": k["total_ms"], "share": f"{k['share']:.1%}"}
+                                     for k in c["kernel"][name]]))
+    return "\n".join(parts)
+
+
+def _nsys_section(rows: list[Row]) -> str:
+    found = [r for r in rows if r.get("table") == "nsys"]
+    if not found:
+        return ""
+    r = found[-1]
+    state = ("`nsys` was on PATH on the measuring machine. To see the same ranges in Nsight Systems:"
+             if r["nsys_found"] else "`nsys` was not on PATH on the measuring machine, so the tables above come "
+             "from torch.profiler alone. Where Nsight Systems is installed, the same ranges show up with:")
+    return (f"## Nsight Systems\n\n{state}\n\n```\n{r['command']}\n```\n\nThen `nsys stats --report cuda_gpu_kern_sum "
+            f"nsys_{r['size']}_ctx{r['context_length']}.nsys-rep` prints the kernel summary; the NVTX ranges "
+            "(warmup, step_0, forward, backward, optimizer, attention/...) come from the same annotations.\n")
+
+
+def _attribution_note(cells: dict) -> str:
+    """How kernels were attributed, and the check that none was counted twice, from the rows."""
+    if not any("self_work_ms" in r for c in cells.values() for r in c["range"].values()):
+        return ("These rows were measured before kernels were attributed once each: a kernel could be counted "
+                "under two launching events, so a range's work may exceed its time; a new run replaces them.")
+    excess = []
+    for (size, context), c in cells.items():
+        ranges = {name: r for name, r in c["range"].items() if name != FORWARD_BACKWARD}
+        own = sum(r["self_work_ms"] for r in ranges.values())
+        if own > ranges[STEP_RANGE]["work_ms"] * (1 + 1e-9):
+            excess.append(f"{size} at context {context}")
+    return ("Each kernel is attributed once, to the innermost range (record_function/NVTX) open when its launch "
+            "call ran, kernel and launch linked by CUPTI correlation id; a range's table also holds the kernels of "
+            "the ranges nested in it (forward includes attention/*), each once. "
+            + ("In every cell the ranges' own kernel time adds up to no more than the step's."
+               if not excess else f"The ranges' own kernel time exceeds the step's in {', '.join(excess)}."))
+
+
+@renderer("nsys_profile", key=("table", "size", "context_length", "precision", "attention"))
+def render_nsys_profile(rows: list[Row]) -> Rendered:
+    cells = _nsys_cells(rows)
+    measured = _measured(cells)
+    parts = []
+    if cells:
+        sample = next(iter(cells.values()))["cell"] or {}
+        device = sample.get("device", "cuda")
+        ooms = [f"{s} at context {n}" + (f" (estimate {format_bytes(c['cell']['predicted_peak_bytes'])}"
+                                        + ("; not run" if c["cell"].get("oom_predicted") else "") + ")"
+                                        if c["cell"].get("predicted_peak_bytes") else "")
+                for (s, n), c in cells.items() if c["cell"] and c["cell"]["status"] == OOM]
+        parts.append(f"Kernel tables from torch.profiler for one training step (AdamW) per cell: "
+                     f"{sample.get('attention', 'naive')} attention, {sample.get('precision', 'fp32')}, batch "
+                     f"{sample.get('batch_size')}." + (" " + _attribution_note(measured) if measured else "")
+                     + (f" Out of memory: {', '.join(ooms)}." if ooms else "") + "\n")
+        if measured:
+            parts += [_forward_time_section(measured, device), _top_kernel_section(measured),
+                      _main_kernels_section(measured), _matmul_share_section(measured),
+                      _attention_section(measured), _kernel_tables_section(measured)]
+        else:
+            parts.append("No cell ran to completion.\n")
+    parts.append(_nsys_section(rows))
+    return Rendered("\n".join(parts))
+
+
+def _span(values: list[float], fmt: str = "{:.0%}") -> str:
+    return span(values, fmt.format)
