@@ -148,8 +148,8 @@ class Trace:
             cupti = next(self._cupti_ids)
             launch = start + (end - start) * (i + 1) / (len(kernels) + 1)
             self.add("cudaLaunchKernel", launch, launch + 0.5, "cuda_runtime", thread, cupti, linked=id)
-            kernel_event = self.add(kernel, device_start, device_start + duration, "kernel", id=cupti, linked=id,
-                                    device=DeviceType.CUDA)
+            self.add(kernel, device_start, device_start + duration, "kernel", id=cupti, linked=id,
+                     device=DeviceType.CUDA)
             # What torch.profiler does: the kernel is listed on every host event with its linked id.
             for host in self.events:
                 if host.device_type == DeviceType.CPU and host.id == id and activity(host) == "cpu_op":

@@ -28,7 +28,6 @@ FLASH_ATTENTION and CUDNN_ATTENTION and are "unsupported" where that backend ref
 
 from __future__ import annotations
 
-import math
 import statistics
 import warnings
 from collections import defaultdict
