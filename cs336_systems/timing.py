@@ -1,12 +1,21 @@
-"""The one way this package times device work: synchronise, read the host clock, synchronise.
+"""How this package times device work.
 
-A host clock around asynchronous CUDA work measures only the launch; synchronising the device on
-both sides makes the interval cover the work itself (and the launch overhead, which is real cost).
+`timed`: synchronise, read the host clock, synchronise. A host clock around asynchronous CUDA work
+measures only the launch; synchronising the device on both sides makes the interval cover the work
+itself (and the launch overhead, which is real cost).
+
+`StepTimer`: a step of several phases (forward, backward, optimizer) timed with one synchronisation,
+at its end. A marker is recorded at each phase boundary, a CUDA event on the current stream (the
+host clock on CPU, where work is synchronous), so phases come from the device's own timeline and the
+queue is not drained between them, as it is not in training. Garbage collection is off inside the
+step, so that a collection does not land in one sample.
+
 Kernel-level micro-benchmarks use `triton.testing.do_bench` instead (CUDA events, median).
 """
 
 from __future__ import annotations
 
+import gc
 import statistics
 import time
 from collections.abc import Callable, Iterator
@@ -30,6 +39,63 @@ def timed(device: torch.device | str, samples_ms: list[float]) -> Iterator[None]
     yield
     synchronize(device)
     samples_ms.append((time.perf_counter() - start) * 1e3)
+
+
+# The `timer` of rows that StepTimer measured; rows without one had every phase between synchronisations.
+STEP_TIMER = "one synchronisation per step, phases from markers inside it"
+
+
+class StepTimer:
+    """Times one step and its phases with one synchronisation (see module docstring):
+
+        timer = StepTimer(device)
+        with timer.step():
+            with timer.phase("forward"): ...
+            with timer.phase("backward"): ...
+        timer.step_ms, timer.phase_ms   # the whole step; each phase (summed if entered twice)
+    """
+
+    def __init__(self, device: torch.device | str):
+        self.device = torch.device(device)
+        self._phases: list[tuple[str, object, object]] = []
+        self.step_ms = float("nan")
+        self.phase_ms: dict[str, float] = {}
+
+    def _mark(self) -> object:
+        if self.device.type == "cuda":
+            event = torch.cuda.Event(enable_timing=True)
+            event.record()
+            return event
+        return time.perf_counter()
+
+    def _elapsed_ms(self, start: object, end: object) -> float:
+        if self.device.type == "cuda":
+            return start.elapsed_time(end)
+        return (end - start) * 1e3
+
+    @contextmanager
+    def phase(self, name: str) -> Iterator[None]:
+        start = self._mark()
+        yield
+        self._phases.append((name, start, self._mark()))
+
+    @contextmanager
+    def step(self) -> Iterator[StepTimer]:
+        self._phases = []
+        collecting = gc.isenabled()
+        gc.disable()
+        try:
+            start = self._mark()
+            yield self
+            end = self._mark()
+            synchronize(self.device)
+        finally:
+            if collecting:
+                gc.enable()
+        self.step_ms = self._elapsed_ms(start, end)
+        self.phase_ms = {}
+        for name, phase_start, phase_end in self._phases:
+            self.phase_ms[name] = self.phase_ms.get(name, 0.0) + self._elapsed_ms(phase_start, phase_end)
 
 
 @dataclass(frozen=True)

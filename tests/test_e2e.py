@@ -1,8 +1,10 @@
 """The end-to-end benchmark library and command, on a tiny CPU model."""
 
+import gc
 import statistics
 import subprocess
 import sys
+import time
 from types import SimpleNamespace
 
 import pytest
@@ -11,6 +13,7 @@ import torch
 from cs336_systems.__main__ import main
 from cs336_systems.benchmarks import e2e
 from cs336_systems.benchmarks.e2e import E2EConfig, benchmark_model
+from cs336_systems.benchmarks.harness import timed_step
 from cs336_systems.reports import OOM, unmeasured
 
 
@@ -23,19 +26,36 @@ def test_train_mode_reports_every_phase():
     assert "mfu" in by_phase["forward"] and "mfu" not in by_phase["optimizer"]
 
 
-def test_composite_phases_are_per_step_sums_of_the_timed_phases(monkeypatch):
-    # Forward, backward and the optimizer are timed on their own; forward+backward and the training step
-    # are not timed as wholes but summed step by step, so their statistics are those of the per-step sums
-    # (here medians 11 and 12, not the sums of the phases' medians, 12 and 13; maxima 22 and 23, not 29 and 30).
-    samples = {"forward": [1.0, 9.0, 2.0], "backward": [10.0, 1.0, 20.0], "optimizer": [1.0, 1.0, 1.0]}
+def test_train_step_is_the_whole_step_and_forward_backward_the_per_step_sum(monkeypatch):
+    # Each phase and the whole step are timed from markers inside one step (cs336_systems.timing.StepTimer):
+    # the train step is the whole step's time, gaps between phases included, not a sum of phase
+    # statistics; forward+backward is their per-step sum (here median 11, not 12 from the phases'
+    # medians; maximum 22, not 29).
+    samples = {"forward": [1.0, 9.0, 2.0], "backward": [10.0, 1.0, 20.0], "optimizer": [1.0, 1.0, 1.0],
+               "step": [12.5, 11.5, 23.5]}
     monkeypatch.setattr(e2e, "_measure", lambda cfg, device: ({k: list(v) for k, v in samples.items()}, 50.0))
     by_phase = {r["phase"]: r for r in benchmark_model(E2EConfig("tiny", 16, steps=3), "cpu")}
-    for phase, per_step in (("forward_backward", [11.0, 10.0, 22.0]), ("train_step", [12.0, 11.0, 23.0])):
+    for phase, per_step in (("forward_backward", [11.0, 10.0, 22.0]), ("train_step", samples["step"])):
         row = by_phase[phase]
         assert (row["first_ms"], row["median_ms"], row["max_ms"]) == (per_step[0], sorted(per_step)[1], max(per_step))
         assert row["mean_ms"] == pytest.approx(statistics.fmean(per_step))
         assert row["std_ms"] == pytest.approx(statistics.stdev(per_step))
+    assert by_phase["train_step"]["iqr_ms"] == pytest.approx(6.0)  # quartiles 12.0 and 18.0
     assert {r["first_step_ms"] for r in by_phase.values()} == {50.0}
+
+
+def test_a_timed_step_holds_its_phases_and_collects_no_garbage_inside():
+    samples: dict[str, list[float]] = {}
+    with timed_step("cpu", samples) as phase:
+        assert not gc.isenabled()
+        with phase("forward"):
+            time.sleep(0.01)
+        time.sleep(0.01)  # between phases: in the step, in no phase
+        with phase("backward"):
+            time.sleep(0.01)
+    assert gc.isenabled()
+    assert set(samples) == {"forward", "backward", "step"}
+    assert samples["step"][0] >= samples["forward"][0] + samples["backward"][0] + 10 > 30
 
 
 def test_without_warmup_the_first_step_time_is_the_first_timed_step():

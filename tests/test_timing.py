@@ -1,6 +1,9 @@
+import gc
+import time
+
 import pytest
 
-from cs336_systems.timing import Timings, time_fn
+from cs336_systems.timing import StepTimer, Timings, time_fn
 
 
 def test_time_fn_runs_warmup_then_times_each_step():
@@ -21,3 +24,15 @@ def test_timings_statistics():
 def test_time_fn_rejects_bad_counts(warmup, steps):
     with pytest.raises(ValueError, match="warmup"):
         time_fn(lambda: None, warmup=warmup, steps=steps, device="cpu")
+
+
+def test_step_timer_sums_a_phase_entered_twice_and_restores_collection_after_an_error():
+    timer = StepTimer("cpu")
+    with timer.step():
+        for _ in range(2):
+            with timer.phase("forward"):
+                time.sleep(0.005)
+    assert set(timer.phase_ms) == {"forward"} and 10 <= timer.phase_ms["forward"] <= timer.step_ms
+    with pytest.raises(RuntimeError, match="inside the step"), timer.step():
+        raise RuntimeError("inside the step")
+    assert gc.isenabled()

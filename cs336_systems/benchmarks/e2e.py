@@ -2,10 +2,10 @@
 whole-model part of torch_compile).
 
 `benchmark_model` builds the LM, draws random tokens, runs `warmup` untimed steps and `steps`
-timed ones. In "train" mode every step is forward, backward and an AdamW step, each phase timed on
-its own with the device synchronised at every boundary, so one loop yields the forward,
-forward+backward and full-step times (forward is measured with autograd recording, as in
-training). "forward" mode times inference (no autograd) alone; "forward_backward" leaves the
+timed ones, each with one synchronisation, at its end (cs336_systems.timing.StepTimer). In "train"
+mode every step is forward, backward and an AdamW step, each phase timed from markers inside the
+step, so one loop yields the forward, forward+backward and full-step times (forward is measured with
+autograd recording, as in training). "forward" mode times inference (no autograd) alone; "forward_backward" leaves the
 optimizer out.
 """
 
@@ -31,7 +31,7 @@ from cs336_systems.benchmarks.harness import (
     build_model,
     random_batch,
     release_memory,
-    timed_phases,
+    timed_step,
     training_step,
 )
 from cs336_systems.memory_guard import MemoryCheck, check_memory, is_out_of_memory
@@ -39,7 +39,7 @@ from cs336_systems.model import ModelConfig, size_order
 from cs336_systems.profiling.ranges import annotate
 from cs336_systems import reports
 from cs336_systems.reports import NOISY, OOM, Rendered, Row, is_noisy, plural, renderer, span
-from cs336_systems.timing import synchronize
+from cs336_systems.timing import STEP_TIMER, synchronize
 
 MODES = ("forward", "forward_backward", "train")
 # The phases each mode reports, in order; the composite ones are sums of the measured phases.
@@ -101,16 +101,17 @@ def _measure(cfg: E2EConfig, device: torch.device) -> tuple[dict[str, list[float
     model = build_model(config, device, cfg.attention, compile=cfg.compile)
     optimizer = adamw(model, LEARNING_RATE) if cfg.mode == "train" else None
     inputs, targets = random_batch(config, cfg.batch_size, cfg.context_length, device)
-    samples: dict[str, list[float]] = {phase: [] for phase in ("forward", "backward", "optimizer")}
+    samples: dict[str, list[float]] = {phase: [] for phase in ("forward", "backward", "optimizer", "step")}
     first_step_ms = float("nan")
 
     def step(record: bool) -> None:
-        phase = timed_phases(device, samples if record else None)
-        if cfg.mode == "forward":
-            with phase("forward"), torch.no_grad(), autocast(cfg.precision, device):
-                model(inputs)
-            return
-        training_step(model, optimizer, inputs, targets, precision=cfg.precision, phase=phase, keep_logits=True)
+        with timed_step(device, samples if record else None) as phase:
+            if cfg.mode == "forward":
+                with phase("forward"), torch.no_grad(), autocast(cfg.precision, device):
+                    model(inputs)
+                return
+            training_step(model, optimizer, inputs, targets, precision=cfg.precision, phase=phase,
+                          keep_logits=True)
 
     for i in range(cfg.warmup):
         with annotate("warmup"):
@@ -192,15 +193,19 @@ def benchmark_model(cfg: E2EConfig, device: torch.device | str, peak_flops: floa
         return [{**base, "phase": phase, **memory.oom_columns(predicted=False)} for phase in PHASES[cfg.mode]]
     base.update(memory.columns())
 
+    # Forward and backward are adjacent on the device's timeline: their sum is the interval they span.
+    # A train step is the whole step, from the first event to the last.
     samples["forward_backward"] = [f + b for f, b in zip(samples["forward"], samples["backward"])]
-    samples["train_step"] = [fb + o for fb, o in zip(samples["forward_backward"], samples["optimizer"])]
+    samples["train_step"] = samples["step"]
     rows = []
     for phase in PHASES[cfg.mode]:
         series = torch.tensor(samples[phase], dtype=torch.float64)
         row = {**base, "phase": phase, "status": "ok",
                "mean_ms": series.mean().item(),
                "std_ms": series.std().item() if len(series) > 1 else 0.0,
+               "timer": STEP_TIMER,
                "median_ms": series.median().item(),
+               "iqr_ms": (series.quantile(0.75) - series.quantile(0.25)).item(),
                "first_ms": series[0].item(),
                "max_ms": series.max().item(),
                "first_step_ms": first_step_ms,
@@ -238,8 +243,10 @@ def _cell_order(row: Row) -> tuple:
 
 def _sweep_setup(rows: list[Row]) -> str:
     sample = rows[0]
+    timer = ("each step timed with one synchronisation, its phases from markers inside it"
+             if sample.get("timer") == STEP_TIMER else "each phase timed between device synchronisations")
     return (f"batch {sample['batch_size']}, {sample['attention']} attention, AdamW (fused on CUDA), random tokens, "
-            f"{sample['warmup']} warm-up + {sample['steps']} timed steps per cell; times in ms, mean ± std")
+            f"{sample['warmup']} warm-up + {sample['steps']} timed steps per cell, {timer}; times in ms, mean ± std")
 
 
 def _sweep_table(rows: list[Row]) -> str:

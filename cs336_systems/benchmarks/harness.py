@@ -5,17 +5,17 @@ AdamW, one training step, and releasing device memory between cells.
     optimizer = adamw(model, lr=LEARNING_RATE)
     inputs, targets = random_batch(model.config, 4, 512, "cuda")
     samples = defaultdict(list)
-    training_step(model, optimizer, inputs, targets, precision="bf16", phase=timed_phases("cuda", samples))
+    with timed_step("cuda", samples) as phase:
+        training_step(model, optimizer, inputs, targets, precision="bf16", phase=phase)
 
-A step runs its phases (forward, backward, the optimizer) inside `phase(name)`; what that context
-does decides where the device is synchronised: `timed_phases` synchronises at every boundary and
-times each phase, `annotate` (the default) only names the ranges for profilers.
+A step runs its phases (forward, backward, the optimizer) inside `phase(name)`, which names the range
+for profilers (`annotate`, the default); `timed_step` also times each phase and the whole step from
+events on the device's timeline, synchronising once, when the step ends (cs336_systems.timing).
 """
 
 from __future__ import annotations
 
 import gc
-from collections import defaultdict
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 
@@ -24,7 +24,7 @@ import torch.nn.functional as F
 
 from cs336_systems.model import ModelConfig, TransformerLM
 from cs336_systems.profiling.ranges import annotate
-from cs336_systems.timing import timed
+from cs336_systems.timing import StepTimer
 
 # Autocast dtype of each precision; fp32 runs without autocast.
 PRECISIONS = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -118,17 +118,24 @@ def training_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer | Non
     return loss
 
 
-def timed_phases(device: torch.device | str, samples: dict[str, list[float]] | None = None) -> Phase:
-    """Phases in named ranges, each ending with the device synchronised, so its interval spans the
-    device's work; given a dict of lists, each phase's time in ms is appended under its name."""
-    sink = samples if samples is not None else defaultdict(list)
+@contextmanager
+def timed_step(device: torch.device | str, samples: dict[str, list[float]] | None = None) -> Iterator[Phase]:
+    """One step, its phases in named ranges and timed with one synchronisation at the step's end
+    (cs336_systems.timing.StepTimer); given a dict of lists, each phase's time in ms is appended
+    under its name and the whole step's under "step"."""
+    timer = StepTimer(device)
 
     @contextmanager
     def phase(name: str) -> Iterator[None]:
-        with annotate(name), timed(device, sink[name]):
+        with annotate(name), timer.phase(name):
             yield
 
-    return phase
+    with timer.step():
+        yield phase
+    if samples is not None:
+        for name, ms in timer.phase_ms.items():
+            samples.setdefault(name, []).append(ms)
+        samples.setdefault("step", []).append(timer.step_ms)
 
 
 def release_memory(device: torch.device | str) -> None:

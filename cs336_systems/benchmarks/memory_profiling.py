@@ -31,7 +31,6 @@ from cs336_systems.benchmarks.harness import (
     lm_loss,
     random_batch,
     release_memory,
-    timed_phases,
     training_step,
 )
 from cs336_systems.gpus import GIB, MIB
@@ -164,7 +163,7 @@ def _memory_cell(cfg, mode, precision, context, model, optimizer, device, snapsh
             return lm_loss(model(inputs), targets)
 
     def train():
-        training_step(model, optimizer, inputs, targets, precision=precision, phase=timed_phases(device))
+        training_step(model, optimizer, inputs, targets, precision=precision)
 
     run = inference if mode == "inference" else train
     shown = context == cfg.shown_context
