@@ -90,6 +90,8 @@ def _cmd_e2e(args) -> None:
                   warmup=args.warmup, steps=args.steps, model_context_length=args.model_context)
         for size, context, precision in itertools.product(args.size, args.context, args.precision)
     ]  # built first, so bad input fails before anything runs
+    if args.reference and args.attention != "sdpa":
+        raise ValueError(f"--reference: the torch reference uses SDPA attention; got --attention {args.attention}")
     rows = []
     for i, cell in enumerate(cells, 1):
         if len(cells) > 1:
@@ -97,9 +99,11 @@ def _cmd_e2e(args) -> None:
                      cell.precision, ", compiled" if cell.compile else "")
         peak = spec.peak_flops(cell.precision) if spec else None
         rows += benchmark_model(cell, device, peak)
+        if args.reference:
+            rows = [{"model": "project", **row} for row in rows] + benchmark_model(cell, device, peak, reference=True)
     columns = None if args.json else [
-        "size", "context_length", "precision", "compile", "phase", "status", "mean_ms", "std_ms",
-        "median_ms", "tflops", "mfu", "estimated_peak_bytes", "available_bytes"]
+        *(["model"] if args.reference else []), "size", "context_length", "precision", "compile", "phase", "status",
+        "mean_ms", "std_ms", "median_ms", "iqr_ms", "tflops", "mfu", "estimated_peak_bytes", "available_bytes"]
     _print_rows(rows, args.json, columns)
 
 
@@ -172,6 +176,9 @@ def build_parser() -> argparse.ArgumentParser:
                      help=f"comma-separated, any of {', '.join(PRECISIONS)}; bf16 and fp16 run under autocast "
                           "(default: fp32)")
     e2e.add_argument("--compile", action="store_true", help="torch.compile each Transformer block")
+    e2e.add_argument("--reference", action="store_true",
+                     help="also time a torch-native LM of the same architecture (nn modules, SDPA; compiled whole "
+                          "with --compile) after each cell: what the project's model and harness cost")
     e2e.add_argument("--attention", choices=ATTENTION_VARIANTS, default="sdpa", help="(default: sdpa)")
     e2e.add_argument("--warmup", type=_non_negative_int, default=DEFAULT_WARMUP,
                      help=f"untimed steps first (default: {DEFAULT_WARMUP})")

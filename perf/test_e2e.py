@@ -5,7 +5,13 @@ import math
 
 import pytest
 
-from cs336_systems.benchmarks.e2e import PHASES, E2EConfig, benchmark_in_fresh_process, benchmark_model
+from cs336_systems.benchmarks.e2e import (
+    PHASES,
+    REFERENCE_MODEL,
+    E2EConfig,
+    benchmark_in_fresh_process,
+    benchmark_model,
+)
 from cs336_systems.benchmarks.mixed_precision import (
     ACCUMULATION_VARIANTS,
     accumulation_experiment,
@@ -19,6 +25,7 @@ GPU_CONTEXTS = (128, 256, 512, 1024)
 CPU_CONTEXTS = (32, 64)
 WARMUP_STEPS_STUDIED = (0, 1, 2, 5)
 GPU_WARMUP_STUDY_CONTEXT = 512
+REFERENCE_GPU_CONTEXT = 512
 CPU_WARMUP_STUDY_CONTEXT = 64
 # Every timed column of an ok row: summaries of the timed steps, and the first step's wall time.
 TIMED_COLUMNS = ("mean_ms", "median_ms", "first_ms", "max_ms", "first_step_ms")
@@ -49,6 +56,20 @@ def test_model_step(model_size, context_length, precision, compiled, device, gpu
             report("benchmarking_mixed_precision").add(row)
         report("torch_compile").add(row)
     assert [r["phase"] for r in rows] == list(PHASES[cfg.mode])
+    assert {r["status"] for r in rows} <= {"ok", OOM}
+    assert not unmeasured(rows, *TIMED_COLUMNS)
+
+
+def test_reference_step(model_size, precision, device, gpu_spec, run_settings, report):
+    # The torch-native LM of the same architecture, compiled whole, at one context per size and
+    # precision: the torch_compile report sets the project's compiled step beside it.
+    context = REFERENCE_GPU_CONTEXT if run_settings.on_gpu else CPU_CONTEXTS[-1]
+    cfg = E2EConfig(size=model_size, context_length=context, precision=precision, compile=True)
+    rows = benchmark_model(cfg, device, gpu_spec.peak_flops(precision) if gpu_spec else None, reference=True)
+    for row in rows:
+        report("torch_compile").add(row, table="reference")
+    assert [r["phase"] for r in rows] == list(PHASES[cfg.mode])
+    assert {r["model"] for r in rows} == {REFERENCE_MODEL}
     assert {r["status"] for r in rows} <= {"ok", OOM}
     assert not unmeasured(rows, *TIMED_COLUMNS)
 

@@ -33,7 +33,8 @@ def test_train_step_is_the_whole_step_and_forward_backward_the_per_step_sum(monk
     # medians; maximum 22, not 29).
     samples = {"forward": [1.0, 9.0, 2.0], "backward": [10.0, 1.0, 20.0], "optimizer": [1.0, 1.0, 1.0],
                "step": [12.5, 11.5, 23.5]}
-    monkeypatch.setattr(e2e, "_measure", lambda cfg, device: ({k: list(v) for k, v in samples.items()}, 50.0))
+    measured = ({k: list(v) for k, v in samples.items()}, 50.0)
+    monkeypatch.setattr(e2e, "_measure", lambda cfg, device, reference: measured)
     by_phase = {r["phase"]: r for r in benchmark_model(E2EConfig("tiny", 16, steps=3), "cpu")}
     for phase, per_step in (("forward_backward", [11.0, 10.0, 22.0]), ("train_step", samples["step"])):
         row = by_phase[phase]
@@ -73,7 +74,7 @@ def test_other_modes(mode, phases):
 
 
 def test_out_of_memory_is_recorded_not_raised(monkeypatch):
-    def run_out(cfg, device):
+    def run_out(cfg, device, reference):
         raise torch.OutOfMemoryError("CUDA out of memory")
 
     monkeypatch.setattr(e2e, "_measure", run_out)
@@ -170,7 +171,7 @@ def test_command_records_a_cell_too_large_for_this_machine_as_oom(capsys, monkey
 def test_a_cell_whose_state_exceeds_the_device_is_reported_oom_without_running(monkeypatch):
     # An 80 GB device: the 10B model's weights, gradients and AdamW state (205 GB) cannot fit.
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: SimpleNamespace(total_memory=80e9))
-    monkeypatch.setattr(e2e, "_measure", lambda cfg, device: pytest.fail("a cell that cannot fit was run"))
+    monkeypatch.setattr(e2e, "_measure", lambda cfg, device, reference: pytest.fail("a cell that cannot fit was run"))
     rows = benchmark_model(E2EConfig("10B", 128), "cuda")
     assert {(r["status"], r["oom_predicted"]) for r in rows} == {(OOM, True)}
     assert rows[0]["estimated_peak_bytes"] == 16 * 12_832_823_808

@@ -34,6 +34,7 @@ from cs336_systems.benchmarks.harness import (
     timed_step,
     training_step,
 )
+from cs336_systems.benchmarks.reference_lm import build_reference
 from cs336_systems.memory_guard import MemoryCheck, check_memory, is_out_of_memory
 from cs336_systems.model import ModelConfig, size_order
 from cs336_systems.profiling.ranges import annotate
@@ -89,16 +90,24 @@ class E2EConfig:
         return ModelConfig.for_size(self.size, self.model_context_length or self.context_length)
 
 
+# The `model` of rows that time benchmarks.reference_lm; the project's own rows carry no `model`.
+REFERENCE_MODEL = "torch reference"
+
+
 def memory_model_attention(attention: str) -> str:
     """The attention the memory model counts for an attention variant: only naive attention (compiled
     or not) keeps N x N scores; the others keep SDPA's O(N) tensors."""
     return "naive" if attention.startswith("naive") else "sdpa"
 
 
-def _measure(cfg: E2EConfig, device: torch.device) -> tuple[dict[str, list[float]], float]:
-    """Per-phase samples in ms over the timed steps, and the first step's wall time in ms."""
+def _measure(cfg: E2EConfig, device: torch.device, reference: bool = False) -> tuple[dict[str, list[float]], float]:
+    """Per-phase samples in ms over the timed steps, and the first step's wall time in ms; of the
+    torch-native reference LM (compiled whole if `cfg.compile`) when `reference`."""
     config = cfg.model_config()
-    model = build_model(config, device, cfg.attention, compile=cfg.compile)
+    if reference:
+        model = build_reference(config, device, compile=cfg.compile)
+    else:
+        model = build_model(config, device, cfg.attention, compile=cfg.compile)
     optimizer = adamw(model, LEARNING_RATE) if cfg.mode == "train" else None
     inputs, targets = random_batch(config, cfg.batch_size, cfg.context_length, device)
     samples: dict[str, list[float]] = {phase: [] for phase in ("forward", "backward", "optimizer", "step")}
@@ -160,15 +169,22 @@ def memory_estimate(cfg: E2EConfig):
                                memory_model_attention(cfg.attention), _MEMORY_MODES[cfg.mode], adamw="fused")
 
 
-def benchmark_model(cfg: E2EConfig, device: torch.device | str, peak_flops: float | None = None) -> list[Row]:
+def benchmark_model(cfg: E2EConfig, device: torch.device | str, peak_flops: float | None = None,
+                    reference: bool = False) -> list[Row]:
     """Rows, one per reported phase: mean / std / median ms and, given a peak, TFLOP/s and MFU.
+    `reference` times the torch-native LM of the same architecture instead (benchmarks.reference_lm;
+    SDPA attention, compiled whole if `cfg.compile`); its rows say model "torch reference".
 
     A configuration whose estimated peak does not fit the free memory is not run, and one that runs
     out of memory stops; both give rows with status "OOM" and the estimate (cs336_systems.memory_guard).
     """
     device = torch.device(device)
+    if reference and cfg.attention != "sdpa":
+        raise ValueError(f"the torch reference uses SDPA attention; got attention {cfg.attention!r}")
     base: Row = {k: v for k, v in asdict(cfg).items() if k != "model_context_length"}
     base["device"] = device.type
+    if reference:
+        base["model"] = REFERENCE_MODEL
     estimate = memory_estimate(cfg)
     if device.type == "cuda":
         total = torch.cuda.get_device_properties(device).total_memory
@@ -182,7 +198,7 @@ def benchmark_model(cfg: E2EConfig, device: torch.device | str, peak_flops: floa
     if not memory.fits:
         return [{**base, "phase": phase, **memory.oom_columns(predicted=True)} for phase in PHASES[cfg.mode]]
     try:
-        samples, first_step_ms = _measure(cfg, device)
+        samples, first_step_ms = _measure(cfg, device, reference)
     except Exception as error:
         if not is_out_of_memory(error):
             raise
@@ -465,4 +481,30 @@ def render_torch_compile(rows: list[Row]) -> Rendered:
         "grow with depth); embedding, final norm, LM head and AdamW run eagerly. Warm-up steps, the first of "
         "which compiles, are excluded from the timings.\n",
         markdown_table(table),
-        f"Compiled over eager by phase: {summary}.{compile_note}\n" if summary else ""]))
+        f"Compiled over eager by phase: {summary}.{compile_note}\n" if summary else "",
+        _reference_section(rows)]))
+
+
+def _reference_section(rows: list[Row]) -> str:
+    """The compiled training step against the torch-native reference of the same cell."""
+    from cs336_systems.reports import markdown_table
+
+    def steps(table: str) -> dict[tuple, Row]:
+        return {(r["size"], r["context_length"], r["precision"]): r for r in _ok(rows)
+                if r.get("table") == table and r["compile"] and r["phase"] == "train_step"}
+
+    project, reference = steps("sweep"), steps("reference")
+    cells = sorted(set(project) & set(reference), key=lambda cell: (size_order(cell[0]), cell[1], cell[2]))
+    if not cells:
+        return ""
+    table = []
+    for cell in cells:
+        ours, theirs = project[cell], reference[cell]
+        table.append({"size": cell[0], "context": cell[1], "precision": cell[2],
+                      "project (ms)": mean_std(ours), "torch reference (ms)": mean_std(theirs),
+                      "project / reference": f"{ours['median_ms'] / theirs['median_ms']:.2f}x"})
+    return ("## The compiled step against a torch-native reference\n\n"
+            "The reference is the same architecture written with torch's own modules (nn.Linear, nn.RMSNorm, one "
+            "fused q/k/v projection, SDPA; cs336_systems/benchmarks/reference_lm.py) and compiled as one graph, "
+            "with the same AdamW (fused on CUDA), timed the same way in the same run. The ratio is of medians: "
+            "above 1, the project's model and harness cost that much more.\n\n" + markdown_table(table))
