@@ -174,7 +174,7 @@ def _one_process_run(part: str, scratch: Path) -> tuple[str, dict[str, Any]]:
         return "tests", _pytest(TESTS, scratch / "tests.xml")[0]
     if part not in SANITIZER_TOOLS:
         k, n = shard(part)
-        return f"tests {k}/{n}", _pytest(shard_files(k, n), scratch / f"tests-{k}-of-{n}.xml")[0]
+        return part, _pytest(shard_files(k, n), scratch / f"tests-{k}-of-{n}.xml")[0]
     run, output = _pytest(SANITIZER_TOOLS[part], scratch / f"{part}.xml", ("compute-sanitizer", "--tool", part))
     return part, run | {"command": f"compute-sanitizer --tool {part} {run['command']}",
                         "sanitizer_errors": sanitizer_error_count(output)}
@@ -212,12 +212,12 @@ def _one_process_test_runs(runs: dict[str, Any]) -> list[str]:
     split (shards of several splits do not add up to the suite)."""
     splits: dict[int, set[int]] = {}
     for name in runs:
-        if (found := shard(name.replace(" ", ":"))) is not None:
+        if (found := shard(name)) is not None:
             splits.setdefault(found[1], set()).add(found[0])
     complete = [n for n, ks in sorted(splits.items()) if ks == set(range(1, n + 1))]
     if "tests" in runs or not complete:
         return [*TEST_RUNS]
-    return ["parallel tests", *(f"tests {k}/{complete[0]}" for k in range(1, complete[0] + 1))]
+    return ["parallel tests", *(f"tests:{k}/{complete[0]}" for k in range(1, complete[0] + 1))]
 
 
 def render(record: dict[str, Any]) -> str:

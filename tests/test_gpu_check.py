@@ -74,12 +74,12 @@ def test_shards_deal_every_test_file_into_exactly_one_run():
 
 
 def test_a_split_suite_counts_only_when_every_run_of_one_split_is_there():
-    whole = _record(tests=None, **{"tests 1/2": _run(), "tests 2/2": _run()})
+    whole = _record(tests=None, **{"tests:1/2": _run(), "tests:2/2": _run()})
     assert gpu_check.problems(whole, "abc") == []
-    half = _record(tests=None, **{"tests 1/2": _run(), "tests 1/3": _run(), "tests 2/3": _run()})
+    half = _record(tests=None, **{"tests:1/2": _run(), "tests:1/3": _run(), "tests:2/3": _run()})
     assert any("no tests run" in found for found in gpu_check.problems(half, "abc"))
-    failed = _record(tests=None, **{"tests 1/2": _run(), "tests 2/2": _run(failed=1, failures=["tests/x.py::t"])})
-    assert any("tests 2/2: 1 failed" in found for found in gpu_check.problems(failed, "abc"))
+    failed = _record(tests=None, **{"tests:1/2": _run(), "tests:2/2": _run(failed=1, failures=["tests/x.py::t"])})
+    assert any("tests:2/2: 1 failed" in found for found in gpu_check.problems(failed, "abc"))
 
 
 def test_parts_are_checked_before_anything_runs():
