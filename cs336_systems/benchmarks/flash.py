@@ -517,10 +517,10 @@ def _gate_section(rows: list[Row]) -> str:
 def _sources(rows: list[Row]) -> str:
     """The FlashAttention source each run's rows measured (rows written before hashes were recorded
     carry none)."""
-    by_run: dict[str, set[str]] = defaultdict(set)
+    by_run: dict[int, set[str]] = defaultdict(set)
     for r in rows:
-        by_run[str(r.get("run") or 1)].add(str(r.get("source_hash") or "not recorded"))
-    runs = sorted(by_run.items(), key=lambda item: int(item[0]) if item[0].isdigit() else 0)
+        by_run[int(r.get("run") or 1)].add(str(r.get("source_hash") or "not recorded"))
+    runs = sorted(by_run.items())
     if len(runs) == 1:
         return f"FlashAttention GPU source measured: {', '.join(sorted(runs[0][1]))}.\n"
     return ("FlashAttention GPU source measured: "
