@@ -40,7 +40,7 @@ from cs336_systems.model import ModelConfig, size_order
 from cs336_systems.profiling.ranges import annotate
 from cs336_systems import reports
 from cs336_systems.reports import NOISY, OOM, Rendered, Row, is_noisy, plural, renderer, span
-from cs336_systems.timing import STEP_TIMER, synchronize
+from cs336_systems.timing import STEP_TIMER
 
 MODES = ("forward", "forward_backward", "train")
 # The phases each mode reports, in order; the composite ones are sums of the measured phases.
@@ -134,7 +134,6 @@ def _measure(cfg: E2EConfig, device: torch.device, reference: bool = False) -> t
             step(record=True)
             if i == 0 and cfg.warmup == 0:
                 first_step_ms = (time.perf_counter() - start) * 1e3
-    synchronize(device)
     return samples, first_step_ms
 
 
