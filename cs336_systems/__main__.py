@@ -98,9 +98,11 @@ def _cmd_e2e(args) -> None:
             log.info("[%d/%d] %s, context %d, %s%s", i, len(cells), cell.size, cell.context_length,
                      cell.precision, ", compiled" if cell.compile else "")
         peak = spec.peak_flops(cell.precision) if spec else None
-        rows += benchmark_model(cell, device, peak)
+        cell_rows = benchmark_model(cell, device, peak)
         if args.reference:
-            rows = [{"model": "project", **row} for row in rows] + benchmark_model(cell, device, peak, reference=True)
+            cell_rows = ([{"model": "project", **row} for row in cell_rows]
+                         + benchmark_model(cell, device, peak, reference=True))
+        rows += cell_rows
     columns = None if args.json else [
         *(["model"] if args.reference else []), "size", "context_length", "precision", "compile", "phase", "status",
         "mean_ms", "std_ms", "median_ms", "iqr_ms", "tflops", "mfu", "estimated_peak_bytes", "available_bytes"]
