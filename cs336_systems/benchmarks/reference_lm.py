@@ -1,8 +1,9 @@
 """The reference the end-to-end benchmark times beside the project's LM: the same architecture
 (cs336_systems.model: pre-norm blocks, RMSNorm, RoPE on interleaved pairs, causal attention, SwiGLU,
 no biases) written with torch's own modules (nn.Embedding, nn.Linear, nn.RMSNorm, one fused q/k/v
-projection, F.scaled_dot_product_attention) and compiled as a whole. What the project's step takes
-beyond it is what its model code and harness cost.
+projection, F.scaled_dot_product_attention; RoPE, which torch has no module for, is the project's)
+and compiled as a whole. What the project's step takes beyond it is what its model code and harness
+cost.
 
     reference = build_reference(ModelConfig.for_size("xl", 512), "cuda", compile=True)
     reference.load_from(project_model)   # the same weights: the same logits
@@ -14,13 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from cs336_systems.model import RMSNORM_EPS, ModelConfig, TransformerLM
-
-
-def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """RoPE on each (even, odd) pair of features, as cs336_systems.model.RotaryEmbedding applies it."""
-    x_even, x_odd = x[..., 0::2], x[..., 1::2]
-    return torch.stack((x_even * cos - x_odd * sin, x_even * sin + x_odd * cos), dim=-1).flatten(-2)
+from cs336_systems.model import RMSNORM_EPS, ModelConfig, RotaryEmbedding, TransformerLM
 
 
 class _Block(nn.Module):
@@ -36,11 +31,10 @@ class _Block(nn.Module):
         self.up = nn.Linear(d_model, d_ff, bias=False)
         self.down = nn.Linear(d_ff, d_model, bias=False)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, rope: RotaryEmbedding, positions: torch.Tensor) -> torch.Tensor:
         batch, seq, d_model = x.shape
         q, k, v = self.qkv(self.attention_norm(x)).view(batch, seq, 3, self.num_heads, -1).permute(2, 0, 3, 1, 4)
-        cos, sin = cos.to(q.dtype), sin.to(q.dtype)
-        out = F.scaled_dot_product_attention(_rotate(q, cos, sin), _rotate(k, cos, sin), v, is_causal=True)
+        out = F.scaled_dot_product_attention(rope(q, positions), rope(k, positions), v, is_causal=True)
         x = x + self.attention_out(out.transpose(1, 2).reshape(batch, seq, d_model))
         h = self.ffn_norm(x)
         return x + self.down(F.silu(self.gate(h)) * self.up(h))
@@ -54,16 +48,14 @@ class ReferenceLM(nn.Module):
         self.blocks = nn.ModuleList(_Block(config) for _ in range(config.num_layers))
         self.final_norm = nn.RMSNorm(config.d_model, eps=RMSNORM_EPS)
         self.head = nn.Linear(config.d_model, config.vocab_size, bias=False)
-        inv_freq = config.rope_theta ** (-torch.arange(0, config.d_head, 2, dtype=torch.float64) / config.d_head)
-        angles = torch.outer(torch.arange(config.context_length, dtype=torch.float64), inv_freq)
-        self.register_buffer("cos", angles.cos().float(), persistent=False)
-        self.register_buffer("sin", angles.sin().float(), persistent=False)
+        # RoPE has no torch module: the project's, shared by every block.
+        self.rope = RotaryEmbedding(config.d_head, config.context_length, config.rope_theta)
 
     def forward(self, token_ids: torch.Tensor) -> torch.Tensor:
-        seq = token_ids.shape[1]
+        positions = torch.arange(token_ids.shape[1], device=token_ids.device)
         x = self.embedding(token_ids)
         for block in self.blocks:
-            x = block(x, self.cos[:seq], self.sin[:seq])
+            x = block(x, self.rope, positions)
         return self.head(self.final_norm(x))
 
     @torch.no_grad()
