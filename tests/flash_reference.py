@@ -4,6 +4,7 @@ layouts attention sees in practice, and the tolerance each dtype earns."""
 import math
 
 import torch
+from hypothesis import strategies as st
 
 from cs336_systems.attention.flash_pytorch import MASKED_SCORE_BIAS, FlashAttentionPytorch
 from cs336_systems.attention.flash_triton import FlashAttentionTriton
@@ -39,13 +40,17 @@ def reference_attention(q, k, v, do, is_causal: bool):
     except where cancellation can make a result tiny while its rounding error is not. L is a log
     (an absolute error of 1e-3 is a relative error of 1e-3 in the sum of exponentials), so at least
     1. dQ and dK are sums of P * (dP - D): with one key D equals dP and dQ is 0 up to rounding, so
-    their scale is at least that of the P * dP part alone.
+    their scale is at least that of the P * dP part alone. dP = dO . V can itself cancel (dO nearly
+    orthogonal to V), so the scale is also at least the typical size of the rounding in those sums:
+    each dP term's |dO| . |V| / sqrt(d) (the square-root growth of a d-term sum's rounding), carried
+    through P and K (or Q) as independent errors add, in root sum of squares.
     """
     q, k, v, do = (t.detach().double() for t in (q, k, v, do))
     scale = 1.0 / math.sqrt(q.shape[-1])
     o, L, dq = torch.empty_like(q), torch.empty(q.shape[:-1], dtype=q.dtype, device=q.device), torch.empty_like(q)
     dk, dv = torch.zeros_like(k), torch.zeros_like(v)
     dq_terms, dk_terms = torch.empty_like(q), torch.zeros_like(k)
+    dq_rounding, dk_rounding_squared = torch.empty_like(q), torch.zeros_like(k)
     for start in range(0, q.shape[-2], REFERENCE_ROWS_PER_BLOCK):
         rows = slice(start, start + REFERENCE_ROWS_PER_BLOCK)
         q_rows, do_rows = q[..., rows, :], do[..., rows, :]
@@ -64,11 +69,14 @@ def reference_attention(q, k, v, do, is_causal: bool):
         dv += p.transpose(-2, -1) @ do_rows
         dq_terms[..., rows, :] = (p * dp) @ k * scale
         dk_terms += (p * dp).transpose(-2, -1) @ q_rows * scale
+        dp_rounding_squared = (p * (do_rows.abs() @ v.abs().transpose(-2, -1))).square() / q.shape[-1]
+        dq_rounding[..., rows, :] = (dp_rounding_squared @ k.square()).sqrt() * scale
+        dk_rounding_squared += dp_rounding_squared.transpose(-2, -1) @ q_rows.square() * scale**2
     results = (o, L, dq, dk, dv)
     magnitudes = [r.abs().max() for r in results]
     magnitudes[1] = magnitudes[1].clamp_min(1.0)
-    magnitudes[2] = torch.maximum(magnitudes[2], dq_terms.abs().max())
-    magnitudes[3] = torch.maximum(magnitudes[3], dk_terms.abs().max())
+    magnitudes[2] = max(magnitudes[2], dq_terms.abs().max(), dq_rounding.max())
+    magnitudes[3] = max(magnitudes[3], dk_terms.abs().max(), dk_rounding_squared.sqrt().max())
     return results, tuple(m.item() for m in magnitudes)
 
 
@@ -119,6 +127,12 @@ def leaf_inputs(lead, n_queries, n_keys, d, dtype, device, seed=0):
     v = torch.randn(*lead, n_keys, d, dtype=dtype, device=device)
     do = torch.randn(*lead, n_queries, d, dtype=dtype, device=device)
     return q, k, v, do
+
+
+def seed_from(data) -> None:
+    """Seeds torch from a hypothesis draw, so that a failing example's tensors come back when
+    hypothesis replays or shrinks it (hypothesis seeds Python's and numpy's generators, not torch's)."""
+    torch.manual_seed(data.draw(st.integers(0, 2**32 - 1), label="torch seed"))
 
 
 def misaligned(t: torch.Tensor) -> torch.Tensor:

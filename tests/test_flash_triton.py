@@ -29,6 +29,7 @@ from tests.flash_reference import (
     make_tensor,
     misaligned,
     reference_attention,
+    seed_from,
 )
 
 # The Triton interpreter turns loop bounds into ints through a NumPy conversion that NumPy deprecates;
@@ -171,6 +172,7 @@ def test_drawn_inputs_on_every_launch_path_match_the_float64_reference(path, dty
         head_dim = data.draw(st.sampled_from(HEAD_DIMS), label="head dim")
         aligned = data.draw(st.booleans(), label="aligned")
         layouts = [data.draw(st.sampled_from(LAYOUTS), label=f"{name} layout") for name in "qkv"]
+        seed_from(data)
         q, k, v = (make_tensor(lead, n, head_dim, layout, GPU_DTYPES[dtype], device)
                    for n, layout in zip((n_queries, n_keys, n_keys), layouts))
         do = torch.randn(*lead, n_queries, head_dim, dtype=GPU_DTYPES[dtype], device=device)
