@@ -360,7 +360,8 @@ _BASELINES_STAGE = "baselines"
 # ------------------------------------------------------------------------------------ session end
 
 def pytest_sessionfinish(session: pytest.Session) -> None:
-    """Write the staged rows into reports and the staged ratios into the baseline file.
+    """Write the staged rows into reports, the reports' index, and the staged ratios into the
+    baseline file.
 
     Never raises: a report that cannot be written is named in the summary and fails the session,
     and the others are still written.
@@ -371,7 +372,7 @@ def pytest_sessionfinish(session: pytest.Session) -> None:
     run = settings(config)
     if not run.staging_dir.exists():
         return
-    from cs336_systems import baselines, reports
+    from cs336_systems import baselines, report_index, reports
 
     written, errors = [], []
     staged = sorted(run.staging_dir.glob("*.jsonl"))
@@ -387,6 +388,11 @@ def pytest_sessionfinish(session: pytest.Session) -> None:
     for asset in sorted((run.staging_dir / _ASSETS_DIR).glob("*")):
         run.report_dir.mkdir(parents=True, exist_ok=True)
         written.append(Path(shutil.move(asset, run.report_dir / asset.name)))
+    if written:  # the index answers from every report under the root, this run's included
+        try:
+            written.append(report_index.write_index(run.report_root))
+        except Exception as error:
+            errors.append(f"{run.report_root / report_index.INDEX_FILE}: {type(error).__name__}: {error}")
     ratios = {r["name"]: r["ratio"] for f in staged if f.name.startswith(f"{_BASELINES_STAGE}.")
               for r in map(json.loads, f.read_text().splitlines())}
     if ratios:

@@ -41,10 +41,12 @@ from cs336_systems.reports import (
     NOISY_RELATIVE_STD,
     OOM,
     UNRECORDED_SIZE_TABLE,
+    Metadata,
     Row,
     is_noisy,
     markdown_table,
     mean_std,
+    metadata_path,
     plural,
     read_rows,
     select,
@@ -992,28 +994,16 @@ def _device_directories(reports_root: Path) -> list[str]:
     return sorted(p.name for p in reports_root.iterdir() if p.is_dir() and any(p.glob("*.csv")))
 
 
-def _header_fields(markdown: Path) -> dict[str, list[str]]:
-    """A report header's device, software and run dates."""
-    fields: dict[str, list[str]] = {"device": [], "software": [], "dates": []}
-    blocks = markdown.read_text().split("\n\n", 2)  # title, header, body
-    for line in (blocks[1] if len(blocks) > 1 else "").splitlines():
-        if line.startswith("- device: "):
-            fields["device"].append(line.removeprefix("- device: "))
-        elif line.startswith("- software: "):
-            fields["software"].append(line.removeprefix("- software: "))
-        elif re.match(r"- run \d+: ", line):
-            fields["dates"].append(line.split(": ", 1)[1].split(", `", 1)[0])
-    return fields
-
-
 def _device_table(reports_root: Path, slugs: list[str]) -> str:
     table = []
     for slug in slugs:
-        # The problems' reports (each beside its rows), not records such as gpu_check.md.
-        fields = [_header_fields(md) for md in sorted((reports_root / slug).glob("*.md")) if md.with_suffix(".csv").exists()]
-        devices = dict.fromkeys(d for f in fields for d in f["device"])
-        software = dict.fromkeys(s for f in fields for s in f["software"])
-        dates = sorted(d for f in fields for d in f["dates"])
+        # The problems' reports (each a CSV with its metadata), not records such as gpu_check.json.
+        metadata = [Metadata.read(metadata_path(csv.parent, csv.stem))
+                    for csv in sorted((reports_root / slug).glob("*.csv"))]
+        devices = dict.fromkeys(m.device for m in metadata)
+        software = dict.fromkeys(", ".join(f"{k} {v}" for k, v in run.software.items())
+                                 for m in metadata for run in m.runs)
+        dates = sorted(run.date for m in metadata for run in m.runs)
         table.append({"directory": f"[{slug}/]({slug}/)", "device": "; ".join(devices),
                       "software": "; ".join(software),
                       "runs": f"{dates[0]} to {dates[-1]}" if len(set(dates)) > 1 else "".join(dates[:1])})

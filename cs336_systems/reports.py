@@ -3,7 +3,9 @@
 A measuring function returns rows (flat dicts of strings and numbers, one per measured cell). A
 problem's renderer, registered with `@renderer("<problem>")`, turns that problem's rows into a
 Markdown body (tables, derived answers) and figures; `write_report` adds the header and writes
-`<report_dir>/<problem>.md`, `<problem>.csv` (every row, every column) and the figures beside them.
+`<report_dir>/<problem>.md`, `<problem>.csv` (every row, every column), `<problem>.meta.json` (the
+metadata: device, and each run's date, command, software versions and package source hash) and the
+figures beside them. The Markdown header is rendered from that metadata, never parsed back.
 """
 
 from __future__ import annotations
@@ -12,16 +14,19 @@ import csv
 import datetime as dt
 import importlib
 import io
+import json
 import math
 import os
 import platform
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
 import torch
 from tabulate import tabulate
+
+from cs336_systems.provenance import package_source_hash
 
 Row = dict[str, Any]
 OOM = "OOM"
@@ -201,16 +206,53 @@ def software_versions() -> dict[str, str]:
 
 
 RUN_COLUMN = "run"
+METADATA_SUFFIX = ".meta.json"
 
 
 def _now() -> str:
     return dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
 
 
+@dataclass(frozen=True)
+class RunRecord:
+    """One run that contributed rows to a report."""
+    date: str
+    command: str
+    software: dict[str, str]
+    source_hash: str | None  # None for runs from before reports recorded it
+
+
+@dataclass(frozen=True)
+class Metadata:
+    """A report's sidecar: what measured its rows, written beside them as <problem>.meta.json."""
+    problem: str
+    device: str  # as device_description() words it
+    on_gpu: bool
+    runs: tuple[RunRecord, ...]
+
+    def write(self, path: Path) -> None:
+        record = {"problem": self.problem, "device": self.device, "on_gpu": self.on_gpu,
+                  "runs": [vars(run) for run in self.runs]}
+        _replace_text(path, json.dumps(record, indent=2) + "\n")
+
+    @classmethod
+    def read(cls, path: Path) -> Metadata:
+        record = json.loads(path.read_text())
+        return cls(record["problem"], record["device"], record["on_gpu"],
+                   tuple(RunRecord(**run) for run in record["runs"]))
+
+
+def this_run(command: str) -> RunRecord:
+    return RunRecord(_now(), command, software_versions(), package_source_hash())
+
+
+def metadata_path(report_dir: Path | str, problem: str) -> Path:
+    return Path(report_dir) / f"{problem}{METADATA_SUFFIX}"
+
+
 CPU_NOTE = ("- note: a CPU run. Triton kernels ran in the Triton interpreter, which emulates the GPU program "
             "on the host, and every time here is a CPU time: these numbers show that the code runs, not how fast "
             "a GPU runs it.")
-
 
 
 # Rows from before reports recorded their size table were measured with the 2025 table, then the only one.
@@ -235,31 +277,31 @@ def model_size_lines(rows: Iterable[Row]) -> list[str]:
     return lines
 
 
-def header(problem: str, runs: Sequence[str], device: torch.device | str | None = None,
-           rows: Iterable[Row] = ()) -> str:
-    """The report's title and provenance; `runs` are "<date>, `<command>`" lines, oldest first."""
-    versions = ", ".join(f"{k} {v}" for k, v in software_versions().items())
-    lines = [f"# {problem}", "", f"- device: {device_description(device)}", f"- software: {versions}"]
+def software_line(runs: Sequence[RunRecord]) -> str:
+    """The software the runs measured with: one list, or one per run where they differ."""
+    described = {i: ", ".join(f"{k} {v}" for k, v in run.software.items()) for i, run in enumerate(runs, 1)}
+    if len(set(described.values())) == 1:
+        return f"- software: {described[1]}"
+    return "- software: " + "; ".join(f"run {i}: {text}" for i, text in described.items())
+
+
+def run_line(number: int, run: RunRecord) -> str:
+    source = f" (source {run.source_hash})" if run.source_hash else ""
+    return f"- run {number}: {run.date}, `{run.command}`{source}"
+
+
+def header(metadata: Metadata, rows: Iterable[Row] = ()) -> str:
+    """The report's title and provenance, from its metadata; the model-size lines from its rows."""
+    lines = [f"# {metadata.problem}", "", f"- device: {metadata.device}", software_line(metadata.runs)]
     lines += model_size_lines(rows)
-    lines += [f"- run {i}: {run}" for i, run in enumerate(runs, 1)]
-    if not _on_cuda(device):
+    lines += [run_line(i, run) for i, run in enumerate(metadata.runs, 1)]
+    if not metadata.on_gpu:
         lines.append(CPU_NOTE)
     return "\n".join(lines) + "\n"
 
 
 def _on_cuda(device: torch.device | str | None) -> bool:
     return torch.device(device).type == "cuda" if device is not None else torch.cuda.is_available()
-
-
-def _parse_header(markdown: str) -> tuple[str, list[str]]:
-    """(device description, run lines) of a report written by `write_report`."""
-    device, runs = "", []
-    for line in markdown.split("\n\n", 2)[1].splitlines():
-        if line.startswith("- device: "):
-            device = line.removeprefix("- device: ")
-        elif line.startswith("- run "):
-            runs.append(line.split(": ", 1)[1])
-    return device, runs
 
 
 def write_csv(path: Path, rows: Sequence[Row]) -> None:
@@ -288,38 +330,40 @@ def _replace_text(path: Path, text: str) -> None:
 
 def write_report(problem: str, rows: list[Row], report_dir: Path | str, command: str,
                  device: torch.device | str | None = None) -> Path:
-    """Render `rows` with the problem's renderer and write the .md, .csv and figures.
+    """Render `rows` with the problem's renderer and write the .md, .csv, .meta.json and figures.
 
     For a problem registered with a key, rows of earlier runs on the same device that this run did
     not measure again are kept (see `renderer`).
     """
     report_dir = Path(report_dir)
     key = _registration(problem).key
-    runs = [f"{_now()}, `{command}`"]
-    csv_path, md_path = report_dir / f"{problem}.csv", report_dir / f"{problem}.md"
+    metadata = Metadata(problem, device_description(device), _on_cuda(device), (this_run(command),))
+    csv_path, sidecar = report_dir / f"{problem}.csv", metadata_path(report_dir, problem)
     if key:
-        earlier: list[Row] = []
-        if csv_path.exists() and md_path.exists():
-            old_device, old_runs = _parse_header(md_path.read_text())
-            if old_device == device_description(device):
-                measured = {tuple(r.get(k) for k in key) for r in rows}
-                earlier = [r for r in read_rows(csv_path) if tuple(r.get(k) for k in key) not in measured]
-        rows, runs = _merge_runs(earlier, old_runs if earlier else [], rows, runs[0])
-    # Everything that can fail (rendering, the header's device query) happens before a file is written,
-    # so a failure leaves no report directory, CSV without Markdown, or half a file behind.
-    head = header(problem, runs, device, rows)
+        kept: list[Row] = []
+        earlier = Metadata.read(sidecar) if csv_path.exists() and sidecar.exists() else None
+        if earlier is not None and earlier.device == metadata.device:
+            measured = {tuple(r.get(k) for k in key) for r in rows}
+            kept = [r for r in read_rows(csv_path) if tuple(r.get(k) for k in key) not in measured]
+        rows, runs = _merge_runs(kept, earlier.runs if kept else (), rows, metadata.runs[0])
+        metadata = replace(metadata, runs=runs)
+    # Everything that can fail (rendering, the device query) happens before a file is written, so a
+    # failure leaves no report directory, CSV without Markdown, or half a file behind.
+    head = header(metadata, rows)
     rendered = get_renderer(problem)(rows)
     report_dir.mkdir(parents=True, exist_ok=True)
     if rows:
         write_csv(csv_path, rows)
+    metadata.write(sidecar)
     return _write_rendered(problem, rendered, report_dir, head)
 
 
-def _merge_runs(earlier: list[Row], earlier_runs: list[str], rows: list[Row], run: str) -> tuple[list[Row], list[str]]:
+def _merge_runs(earlier: list[Row], earlier_runs: Sequence[RunRecord], rows: list[Row],
+                run: RunRecord) -> tuple[list[Row], tuple[RunRecord, ...]]:
     """Earlier rows then this run's, with run numbers renumbered over the runs that still have rows."""
     used = sorted({r.get(RUN_COLUMN) or 1 for r in earlier})
     renumber = {old: new for new, old in enumerate(used, 1)}
-    runs = [earlier_runs[old - 1] for old in used] + [run]
+    runs = tuple(earlier_runs[old - 1] for old in used) + (run,)
     merged = [{**r, RUN_COLUMN: renumber[r.get(RUN_COLUMN) or 1]} for r in earlier]
     merged += [{**r, RUN_COLUMN: len(runs)} for r in rows]
     return merged, runs
@@ -358,15 +402,9 @@ def read_rows(csv_path: Path | str) -> list[Row]:
 
 
 def rerender(report_dir: Path | str, problem: str) -> Path:
-    """Re-render a report's Markdown and figures from its CSV, keeping its header (device, versions,
-    date, command): the measurements stay those of the run that made them. The model-size lines are
-    derived from the rows again."""
+    """Re-render a report's Markdown and figures from its CSV and metadata: the measurements, device,
+    dates, commands and versions stay those of the runs that made them."""
     report_dir = Path(report_dir)
-    markdown = (report_dir / f"{problem}.md").read_text()
-    head = markdown[: markdown.index("\n\n", markdown.index("- device: ")) + 1]
     rows = read_rows(report_dir / f"{problem}.csv")
-    # The size-table lines are derived from the rows, so they are written afresh, after the software line.
-    lines = [line for line in head.splitlines() if not line.startswith("- model sizes: ")]
-    at = next(i for i, line in enumerate(lines) if line.startswith("- software: ")) + 1
-    head = "\n".join(lines[:at] + model_size_lines(rows) + lines[at:]) + "\n"
+    head = header(Metadata.read(metadata_path(report_dir, problem)), rows)
     return _write_rendered(problem, get_renderer(problem)(rows), report_dir, head)

@@ -152,7 +152,17 @@ def test_a_report_that_cannot_be_written_fails_the_run_leaves_nothing_and_keeps_
     result.stdout.fnmatch_lines(["*cs336-systems reports not written*",
                                  "_unrenderable: RuntimeError: renderer broke"])
     written = sorted(p.name for p in (pytester.path / "out" / "cpu").iterdir())
-    assert written == ["_plugin_problem.csv", "_plugin_problem.md"]
+    assert written == ["_plugin_problem.csv", "_plugin_problem.md", "_plugin_problem.meta.json"]
+
+
+def test_a_run_that_writes_reports_rebuilds_the_index_from_every_report_under_the_root(pytester):
+    from cs336_systems.report_index import render_index
+
+    pytester.makepyfile(ROW_WRITING_TEST)
+    run(pytester, "--report-dir", "out").assert_outcomes(passed=1)
+    index = pytester.path / "out" / "README.md"
+    assert index.read_text() == render_index(pytester.path / "out")
+    assert "[cpu/](cpu/)" in index.read_text()  # the device table lists this run's directory
 
 
 def test_report_assets_reach_the_report_directory_only_when_the_session_ends(pytester):

@@ -9,8 +9,8 @@ import pytest
 
 from cs336_systems.__main__ import main
 from cs336_systems.benchmarks.communication_accounting import communication_accounting_rows
-from cs336_systems.report_index import INDEX_COMMAND, PROBLEMS, render_index, write_index
-from cs336_systems.reports import Row, plural, span, write_csv
+from cs336_systems.report_index import CPU_SLUG, INDEX_COMMAND, PROBLEMS, render_index, write_index
+from cs336_systems.reports import Metadata, Row, RunRecord, header, metadata_path, plural, rerender, span, write_csv
 
 RUN_DATE = "2030-01-02 03:04 UTC"
 
@@ -19,10 +19,11 @@ def write_fake_report(directory: Path, problem: str, rows: list[Row], plots: tup
     """A report as write_report leaves it (header, CSV, image links), without its renderer."""
     directory.mkdir(parents=True, exist_ok=True)
     write_csv(directory / f"{problem}.csv", rows)
+    metadata = Metadata(problem, "Fake GPU 80GB", True,
+                        (RunRecord(RUN_DATE, "pytest perf/ -m e2e", {"python": "3.12", "torch": "9.9"}, None),))
+    metadata.write(metadata_path(directory, problem))
     images = "".join(f"\n![plot]({name})\n" for name in plots)
-    (directory / f"{problem}.md").write_text(
-        f"# {problem}\n\n- device: Fake GPU 80GB\n- software: python 3.12, torch 9.9\n"
-        f"- run 1: {RUN_DATE}, `pytest perf/ -m e2e`\n\nbody\n{images}")
+    (directory / f"{problem}.md").write_text(header(metadata, rows) + f"\nbody\n{images}")
 
 
 def e2e_row(size: str, context: int, phase: str, mean_ms: float) -> Row:
@@ -256,3 +257,18 @@ def test_the_committed_index_is_the_one_the_committed_rows_give(tmp_path):
     shutil.copytree(reports_root, tmp_path / "reports", ignore=lambda directory, names: {"cpu"} & set(names))
     assert (reports_root / "README.md").read_text() == render_index(tmp_path / "reports"), (
         f"reports/README.md is stale: run `{INDEX_COMMAND}` and commit it")
+
+
+COMMITTED = Path(__file__).resolve().parents[1] / "reports"
+
+
+@pytest.mark.parametrize("csv", sorted(p.relative_to(COMMITTED).as_posix() for p in COMMITTED.glob("*/*.csv")
+                                       if p.parent.name != CPU_SLUG))
+def test_each_committed_report_is_the_one_its_rows_and_metadata_give(csv, tmp_path):
+    report = COMMITTED / csv
+    copy = tmp_path / report.parent.name
+    copy.mkdir()
+    for suffix in (".csv", ".meta.json", ".md"):
+        shutil.copy(report.with_suffix(suffix), copy)
+    assert rerender(copy, report.stem).read_text() == report.with_suffix(".md").read_text(), (
+        f"reports/{csv[:-4]}.md is not what its rows give: rerender it from them and commit it")

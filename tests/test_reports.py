@@ -1,3 +1,5 @@
+from dataclasses import replace
+
 import pytest
 
 from cs336_systems import reports
@@ -47,6 +49,29 @@ def test_write_report_has_header_csv_and_rerenders_from_csv(tmp_path):
     (tmp_path / "_test_problem.md").write_text(text.replace("total 3.5", "stale"))
     rerender(tmp_path, "_test_problem")
     assert (tmp_path / "_test_problem.md").read_text() == text
+
+
+def test_metadata_sidecar_records_the_device_and_each_run_and_the_header_is_rendered_from_it(tmp_path):
+    write_report("_test_problem", [{"x": 1}], tmp_path, command="pytest perf/ -m e2e", device="cpu")
+    metadata = reports.Metadata.read(tmp_path / "_test_problem.meta.json")
+    assert metadata.problem == "_test_problem" and metadata.device.startswith("CPU") and not metadata.on_gpu
+    (run,) = metadata.runs
+    assert run.command == "pytest perf/ -m e2e" and run.software == reports.software_versions()
+    assert run.source_hash == reports.package_source_hash() and len(run.source_hash) == 16
+    assert run.date.endswith(" UTC")
+    # What the header says comes from the sidecar: an edit there shows on the next rendering.
+    edited = replace(metadata, device="Some GPU", on_gpu=True, runs=(replace(run, command="pytest again"),))
+    edited.write(tmp_path / "_test_problem.meta.json")
+    text = rerender(tmp_path, "_test_problem").read_text()
+    assert "- device: Some GPU" in text and "`pytest again` (source " in text and "- note: a CPU run" not in text
+
+
+def test_runs_with_different_software_are_each_named():
+    runs = [reports.RunRecord("d1", "c1", {"torch": "2.10"}, None), reports.RunRecord("d2", "c2", {"torch": "2.11"}, "ab")]
+    assert reports.software_line(runs) == "- software: run 1: torch 2.10; run 2: torch 2.11"
+    assert reports.software_line(runs[:1]) == "- software: torch 2.10"
+    assert reports.run_line(1, runs[0]) == "- run 1: d1, `c1`"
+    assert reports.run_line(2, runs[1]) == "- run 2: d2, `c2` (source ab)"
 
 
 def test_unknown_problem_renders_a_plain_table(tmp_path):
@@ -107,7 +132,8 @@ def test_a_report_that_fails_to_render_leaves_no_directory_and_no_file(tmp_path)
     write_report("_test_problem", [{"x": 1}], tmp_path / "a100", command="c", device="cpu")
     with pytest.raises(RuntimeError, match="renderer broke"):
         write_report("_test_broken", [{"x": 1}], tmp_path / "a100", command="c", device="cpu")
-    assert sorted(p.name for p in (tmp_path / "a100").iterdir()) == ["_test_problem.csv", "_test_problem.md"]
+    assert sorted(p.name for p in (tmp_path / "a100").iterdir()) == [
+        "_test_problem.csv", "_test_problem.md", "_test_problem.meta.json"]
 
 
 def test_cpu_reports_are_not_tracked():

@@ -5,7 +5,6 @@ The input contract (shapes, dtypes, causal alignment, L) is flash_pytorch's, che
 `check_inputs`.
 """
 
-import hashlib
 from pathlib import Path
 
 from cs336_systems.attention.flash_triton.launch import INTERPRETED, backward, forward, launch_plan, plan_for
@@ -15,6 +14,7 @@ from cs336_systems.attention.flash_triton.op import (
     flash_attention_forward,
     flash_attention_triton,
 )
+from cs336_systems.provenance import source_digest
 
 # The files whose code runs on the GPU: the kernels and everything that decides how they launch. Their
 # hash names the code a GPU test run or a benchmark measured.
@@ -23,10 +23,7 @@ GPU_SOURCES = ("kernels.py", "tiles.py", "launch.py", "op.py")
 
 def source_hash() -> str:
     """A short hash of GPU_SOURCES' bytes: any edit to them, comments included, calls for a new GPU run."""
-    digest = hashlib.sha256()
-    for name in GPU_SOURCES:
-        digest.update(name.encode() + b"\0" + (Path(__file__).parent / name).read_bytes() + b"\0")
-    return digest.hexdigest()[:16]
+    return source_digest(Path(__file__).parent, GPU_SOURCES)
 
 __all__ = ["INTERPRETED", "GPU_SOURCES", "FlashAttentionTriton", "backward", "flash_attention_backward",
            "flash_attention_forward", "flash_attention_triton", "forward", "launch_plan", "plan_for", "source_hash"]
