@@ -17,7 +17,7 @@ from __future__ import annotations
 import math
 import re
 import statistics
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -32,7 +32,7 @@ from cs336_systems.benchmarks.gradient_checkpointing import HANDOUT_CHECKPOINT_C
 from cs336_systems.benchmarks.memory_profiling import HANDOUT_MEMORY_CONTEXTS
 from cs336_systems.benchmarks.nsys_profile import ATTENTION_RANGES, SOFTMAX_FLOPS_PER_SCORE, STEP_RANGE
 from cs336_systems.distributed.ddp import BYTES_PER_MB
-from cs336_systems.gpus import GB, GIB, GPU_SPECS, KIB, MB, MIB
+from cs336_systems.gpus import GB, GPU_SPECS, MB
 from cs336_systems.model import DEFAULT_SIZE_TABLE as CURRENT_SIZE_TABLE
 from cs336_systems.model import model_sizes, size_order
 from cs336_systems.profiling.kernels import short_name
@@ -41,10 +41,19 @@ from cs336_systems.reports import (
     NOISY_RELATIVE_STD,
     OOM,
     UNRECORDED_SIZE_TABLE,
+    Reports,
     Row,
+    find,
+    format_bytes,
+    format_ms,
+    format_ratio,
+    format_share,
     is_noisy,
+    listing,
     markdown_table,
     mean_std,
+    not_in_report,
+    ok_rows,
     plural,
     read_rows,
     select,
@@ -66,7 +75,6 @@ ADDEND, ADDITIONS = 0.01, 1000
 # The v5p mesh the communication_accounting question names: X = 16 (FSDP) by Y = 4 (TP).
 ASKED_MESH = (16, 4)
 
-Reports = dict[str, list[Row]]  # report name -> its rows, for the reports of a problem that exist
 Answer = Callable[[Reports], list[str]]
 
 
@@ -84,10 +92,6 @@ class Problem:
 
 # ------------------------------------------------------------------------------------------ formatting
 
-def _ms(value: float) -> str:
-    return f"{value:,.1f} ms" if abs(value) >= 10 else f"{value:.3g} ms"
-
-
 def _mean_std(row: Row) -> str:
     return mean_std(row["mean_ms"], row["std_ms"], ",.1f", ".1f", unit="ms")
 
@@ -98,52 +102,18 @@ def _noisy(*rows: Row, prefix: str = "") -> bool:
 
 
 def _speedup(slow: Row, fast: Row) -> str:
-    return _ratio(slow["mean_ms"] / fast["mean_ms"]) + (f" ({NOISY})" if _noisy(slow, fast) else "")
-
-
-def _size(num_bytes: float) -> str:
-    """Bytes in the largest binary unit that keeps the number at 1 or more, as the reports' tables."""
-    for unit, scale in (("GiB", GIB), ("MiB", MIB), ("KiB", KIB)):
-        if abs(num_bytes) >= scale:
-            return f"{num_bytes / scale:.2f} {unit}"
-    return f"{num_bytes:.0f} bytes"
+    return format_ratio(slow["mean_ms"] / fast["mean_ms"]) + (f" ({NOISY})" if _noisy(slow, fast) else "")
 
 
 def _decimal_size(num_bytes: float) -> str:
     return f"{num_bytes / GB:g} GB" if num_bytes >= GB else f"{num_bytes / MB:g} MB"
 
 
-def _ratio(value: float) -> str:
-    return f"{value:.2f}x"
-
-
-def _share(value: float) -> str:
-    return f"{value:.0%}"
-
-
-def _listing(items: Sequence[str]) -> str:
-    items = list(items)
-    return items[0] if len(items) == 1 else ", ".join(items[:-1]) + " and " + items[-1]
-
-
-def _one(rows: list[Row], **equal) -> Row | None:
-    found = select(rows, **equal)
-    return found[0] if found else None
-
-
-def _ok(rows: list[Row]) -> list[Row]:
-    return [r for r in rows if r.get("status") == "ok"]
-
-
-def _not_in_report(what: str) -> str:
-    return f"{what} is not in the report."
-
-
 # ------------------------------------------------------------------------------- single-GPU problems
 
 def _e2e_step(rows: list[Row], size: str, context: int, phase: str, precision: str = "fp32",
               compiled: bool = False) -> Row | None:
-    row = _one(rows, table="sweep", size=size, context_length=context, phase=phase, precision=precision,
+    row = find(rows, table="sweep", size=size, context_length=context, phase=phase, precision=precision,
                compile=compiled)
     return row if row and row.get("status") == "ok" else None
 
@@ -166,18 +136,18 @@ def _benchmarking_script(reports: Reports) -> list[str]:
     sizes, context = _headline_cells(sweep)
     steps, batch_sizes = [], set()
     for size in sizes:
-        step = _one(sweep, size=size, context_length=context, phase="train_step", precision="fp32", compile=False)
+        step = find(sweep, size=size, context_length=context, phase="train_step", precision="fp32", compile=False)
         if step is None or step["status"] != "ok":
             steps.append(f"the {size} step is not in the report" if step is None else f"{size} ran out of memory")
             continue
         batch_sizes.add(step["batch_size"])
         phases = [(p, _e2e_step(sweep, size, context, p)) for p in ("forward", "backward", "optimizer")]
-        detail = ", ".join(f"{p} {_ms(r['mean_ms'])}" for p, r in phases if r)
+        detail = ", ".join(f"{p} {format_ms(r['mean_ms'])}" for p, r in phases if r)
         steps.append(f"{size} takes {_mean_std(step)}" + (f" ({detail})" if detail else ""))
-    batch = f"batch {_listing(sorted(map(str, batch_sizes)))}, " if batch_sizes else ""
+    batch = f"batch {listing(sorted(map(str, batch_sizes)))}, " if batch_sizes else ""
     sentences = [f"A training step (forward, backward, AdamW) at {batch}context {context}, fp32, eager: "
-                 + "; ".join(steps) + "." if steps else _not_in_report("An fp32 eager training step")]
-    measured = [r for r in _ok(sweep) if r["mean_ms"] > 0]
+                 + "; ".join(steps) + "." if steps else not_in_report("An fp32 eager training step")]
+    measured = [r for r in ok_rows(sweep) if r["mean_ms"] > 0]
     if measured:
         spreads = [r["std_ms"] / r["mean_ms"] for r in measured]
         worst = max(measured, key=lambda r: r["std_ms"] / r["mean_ms"])
@@ -187,22 +157,22 @@ def _benchmarking_script(reports: Reports) -> list[str]:
                          f"{worst['context_length']}, {PHASE_LABELS[worst['phase']]}, {max(spreads):.1%})"
                          + (f"; {noisy} of them vary by more than {NOISY_RELATIVE_STD:.0%} and are marked noisy."
                             if noisy else "."))
-    cold = [r for r in _ok(select(rows, table="warmup", phase="train_step", warmup=0)) if r.get("first_ms")]
-    warm = [r for r in _ok(select(rows, table="warmup", phase="train_step")) if r["warmup"] in (1, 2)]
+    cold = [r for r in ok_rows(select(rows, table="warmup", phase="train_step", warmup=0)) if r.get("first_ms")]
+    warm = [r for r in ok_rows(select(rows, table="warmup", phase="train_step")) if r["warmup"] in (1, 2)]
     if cold and warm:
         slowest = max(cold, key=lambda r: r["first_ms"] / r["median_ms"])
         mildest = min(cold, key=lambda r: r["first_ms"] / r["median_ms"])
         warmed = max(select(rows, table="warmup", phase="train_step", size=slowest["size"]), key=lambda r: r["warmup"])
-        first_step = (f"{_ratio(slowest['first_ms'] / slowest['median_ms'])}" if mildest is slowest else
-                      f"{_ratio(mildest['first_ms'] / mildest['median_ms'])} ({mildest['size']}) to "
-                      f"{_ratio(slowest['first_ms'] / slowest['median_ms'])} ({slowest['size']})")
+        first_step = (f"{format_ratio(slowest['first_ms'] / slowest['median_ms'])}" if mildest is slowest else
+                      f"{format_ratio(mildest['first_ms'] / mildest['median_ms'])} ({mildest['size']}) to "
+                      f"{format_ratio(slowest['first_ms'] / slowest['median_ms'])} ({slowest['size']})")
         sentences.append(
             f"Without warm-up the first timed step takes {first_step} the median step, so {slowest['size']}'s "
             f"{slowest['steps']}-step mean is {_mean_std(slowest)} against {_mean_std(warmed)} after "
             f"{plural(warmed['warmup'], 'warm-up step')}; after 1 or 2 warm-up steps the first timed step is at most "
-            f"{_ratio(max(r['first_ms'] / r['median_ms'] for r in warm))} the median.")
+            f"{format_ratio(max(r['first_ms'] / r['median_ms'] for r in warm))} the median.")
     else:
-        sentences.append(_not_in_report("The warm-up study"))
+        sentences.append(not_in_report("The warm-up study"))
     return sentences
 
 
@@ -228,7 +198,7 @@ def _nsys_profile(reports: Reports) -> list[str]:
     rows = reports["nsys_profile"]
     cells = _nsys_cells(rows)
     if not cells:
-        return [_not_in_report("A profiled cell that ran to completion")]
+        return [not_in_report("A profiled cell that ran to completion")]
     at_headline = [key for key in cells if key[1] == HEADLINE_CONTEXT] or list(cells)
     size, context = max(at_headline, key=lambda key: (size_order(key[0]), key[1]))
     shown = cells[(size, context)]
@@ -246,17 +216,17 @@ def _nsys_profile(reports: Reports) -> list[str]:
             f"{top['share']:.1%} of forward kernel time, {top['calls_per_instance']:g} launches per forward pass)"
             + (f" and the largest non-matmul one `{short_name(other['kernel'], KERNEL_NAME_CHARS)}` "
                f"({other['share']:.1%})" if other else "")
-            + (f"; out of memory: {_listing(ooms)}." if ooms else "."))
+            + (f"; out of memory: {listing(ooms)}." if ooms else "."))
     else:
-        sentences.append(_not_in_report(f"The forward kernel table of {size} at context {context}"))
+        sentences.append(not_in_report(f"The forward kernel table of {size} at context {context}"))
     forward_shares = [c["range"]["forward"]["matmul_share"] for c in cells.values()]
     step_shares = [c["range"][STEP_RANGE]["matmul_share"] for c in cells.values()]
     sentences.append(
-        f"Matmuls take {_share(shown['range']['forward']['matmul_share'])} of forward kernel time and "
-        f"{_share(shown['range'][STEP_RANGE]['matmul_share'])} of the full training step there "
-        f"({span(forward_shares, _share)} and {span(step_shares, _share)} over the "
+        f"Matmuls take {format_share(shown['range']['forward']['matmul_share'])} of forward kernel time and "
+        f"{format_share(shown['range'][STEP_RANGE]['matmul_share'])} of the full training step there "
+        f"({span(forward_shares, format_share)} and {span(step_shares, format_share)} over the "
         f"{plural(len(cells), 'profiled cell')})"
-        + (f"; the optimizer's share is {_share(shown['range']['optimizer']['matmul_share'])}."
+        + (f"; the optimizer's share is {format_share(shown['range']['optimizer']['matmul_share'])}."
            if "optimizer" in shown["range"] else "."))
     excess = {}
     for key, c in cells.items():
@@ -274,7 +244,7 @@ def _nsys_profile(reports: Reports) -> list[str]:
             f"FLOPs, {time_ratio / flop_ratio:.0f}x its FLOP share ({over_cells} over the cells): it is paced by "
             "memory traffic, not arithmetic.")
     else:
-        sentences.append(_not_in_report(f"The attention ranges (scores, softmax, final matmul) of {size} at context "
+        sentences.append(not_in_report(f"The attention ranges (scores, softmax, final matmul) of {size} at context "
                                         f"{context}"))
     return sentences
 
@@ -282,7 +252,7 @@ def _nsys_profile(reports: Reports) -> list[str]:
 def _mixed_precision_accumulation(reports: Reports) -> list[str]:
     variants = {r["variant"]: r for r in reports["mixed_precision_accumulation"]}
     if not variants:
-        return [_not_in_report("An accumulation variant")]
+        return [not_in_report("An accumulation variant")]
     sentences = [f"Adding {ADDEND:g} {ADDITIONS} times (exact sum {ADDEND * ADDITIONS:g}): "
                  + "; ".join(f"{name} gives {r['result']:.6g} (error {r['abs_error']:.3g})"
                              for name, r in variants.items()) + "."]
@@ -305,7 +275,7 @@ def _benchmarking_mixed_precision(reports: Reports) -> list[str]:
         for r in dtypes:
             by_dtype.setdefault(r["dtype"], []).append(r["tensor"])
         clauses.append(f"Under {dtypes[0]['autocast']} autocast on {dtypes[0]['device']} the toy model's "
-                       + "; ".join(f"{_listing(tensors)} {'is' if len(tensors) == 1 else 'are'} {dtype}"
+                       + "; ".join(f"{listing(tensors)} {'is' if len(tensors) == 1 else 'are'} {dtype}"
                                    for dtype, tensors in by_dtype.items()))
     else:
         clauses.append("The autocast dtype table is not in the report")
@@ -317,10 +287,10 @@ def _benchmarking_mixed_precision(reports: Reports) -> list[str]:
                           f"is off by {fp16['relative_error']:.2%}")
                        + f" in fp16 and is off by {bf16['relative_error']:.2%} in bf16")
     sentences = ["; ".join(clauses) + "."]
-    sweep = _ok(select(rows, table="sweep"))
+    sweep = ok_rows(select(rows, table="sweep"))
     sizes = sorted({r["size"] for r in sweep}, key=size_order)
     if not sizes:
-        sentences.append(_not_in_report("The fp32 against bf16 timing sweep"))
+        sentences.append(not_in_report("The fp32 against bf16 timing sweep"))
         return sentences
     largest, smallest = sizes[-1], sizes[0]
     speedups = []
@@ -328,9 +298,9 @@ def _benchmarking_mixed_precision(reports: Reports) -> list[str]:
         fp32, bf16 = (_e2e_step(sweep, largest, context, "train_step", p) for p in ("fp32", "bf16"))
         if fp32 and bf16:
             speedups.append(f"{_speedup(fp32, bf16)} at context {context} "
-                            f"({_ms(fp32['mean_ms'])} -> {_ms(bf16['mean_ms'])})")
+                            f"({format_ms(fp32['mean_ms'])} -> {format_ms(bf16['mean_ms'])})")
     if not speedups:
-        sentences.append(_not_in_report(f"A {largest} training step in both fp32 and bf16"))
+        sentences.append(not_in_report(f"A {largest} training step in both fp32 and bf16"))
         return sentences
     text = f"bf16 autocast over fp32 for a {largest} training step (eager): " + ", ".join(speedups)
     first_context = min(r["context_length"] for r in sweep if r["size"] == smallest)
@@ -349,7 +319,7 @@ def _memory_profiling(reports: Reports) -> list[str]:
     rows = reports["memory_profiling"]
     peaks = select(rows, table="peak")
     if not peaks:
-        return [_not_in_report("A peak-memory cell")]
+        return [not_in_report("A peak-memory cell")]
     on_gpu = any(r.get("peak_bytes") is not None for r in peaks)
     column = "peak_bytes" if on_gpu else "peak_increase_bytes"
     first = peaks[0]
@@ -359,12 +329,13 @@ def _memory_profiling(reports: Reports) -> list[str]:
             cells = sorted(select(peaks, mode=mode, precision=precision), key=lambda r: r["context_length"])
             if not cells:
                 continue
-            values = [_size(r[column]) if r["status"] == "ok" else OOM for r in cells]
+            values = [format_bytes(r[column], "bytes") if r["status"] == "ok" else OOM for r in cells]
             contexts = " / ".join(str(r["context_length"]) for r in cells)
             shown = (f"out of memory at every context ({contexts})" if set(values) == {OOM} else
                      f"{' / '.join(values)} at context {contexts}")
             groups.append(f"{label} in {precision}: {shown}")
-    training_phases = {r["predicted_phase"] for r in _ok(select(peaks, mode="train_step")) if r.get("predicted_phase")}
+    training_phases = {r["predicted_phase"] for r in ok_rows(select(peaks, mode="train_step"))
+                       if r.get("predicted_phase")}
     sentences = [f"Peak memory{'' if on_gpu else ' above the start'} of {first['size']}, batch {first['batch_size']}, "
                  f"{first['attention']} attention: " + "; ".join(groups)
                  + (f" (the memory model places the training step's peak at the {training_phases.pop()})."
@@ -375,31 +346,34 @@ def _memory_profiling(reports: Reports) -> list[str]:
         match = all(x["measured_bytes"] == x["computed_bytes"] for x in residual)
         sentences.append(
             f"One residual-stream tensor at context {r['context_length']} is {r['batch_size']} x {r['context_length']} "
-            f"x {r['d_model']} x 4 bytes = {_size(r['computed_bytes'])}; the first block's output measured "
-            + _listing([f"{_size(x['measured_bytes'])} ({x['dtype']}) under {x['precision']}" for x in residual])
+            f"x {r['d_model']} x 4 bytes = {format_bytes(r['computed_bytes'], 'bytes')}; the first block's output "
+            "measured " + listing([f"{format_bytes(x['measured_bytes'], 'bytes')} ({x['dtype']}) under "
+                                   f"{x['precision']}" for x in residual])
             + (", as computed." if match else ", which differs from the computed size."))
     else:
-        sentences.append(_not_in_report("The residual-stream size"))
+        sentences.append(not_in_report("The residual-stream size"))
     tops = select(rows, table="allocation", rank=1)
     if tops:
         top = select(tops, mode="train_step")[0] if select(tops, mode="train_step") else tops[0]
         sentences.append(f"The largest allocations of {MEMORY_MODE_LABELS[top['mode']]} in {top['precision']} at "
                          f"context {top['context_length']} are {top['count']} blocks of {top['size_mib']:.2f} MiB from "
                          f"`{top['source']}`.")
-    blocks = _ok(select(rows, table="block"))
+    blocks = ok_rows(select(rows, table="block"))
     if blocks:
         block = blocks[len(blocks) // 2]
         operations = sorted(select(rows, table="block_operation", precision=block["precision"]),
                             key=lambda r: r["rank"])
         text = (f"(f) In {block['precision']} at context {block['context_length']} a block saves "
-                f"{_size(block['saved_bytes'])} for backward (the model: {_size(block['predicted_saved_bytes'])})")
+                f"{format_bytes(block['saved_bytes'], 'bytes')} for backward (the model: "
+                f"{format_bytes(block['predicted_saved_bytes'], 'bytes')})")
         if operations:
-            text += (", " + _share(sum(r["share"] for r in operations)) + " of it allocated by "
-                     + _listing([f"`{r['operation']}` ({_share(r['share'])})" for r in operations]))
-        text += (f"; its weight gradients take {_size(block['weight_gradient_bytes'])}, 4 bytes for each of its "
-                 f"{block['parameters']:,} parameters")
+            text += (", " + format_share(sum(r["share"] for r in operations)) + " of it allocated by "
+                     + listing([f"`{r['operation']}` ({format_share(r['share'])})" for r in operations]))
+        text += (f"; its weight gradients take {format_bytes(block['weight_gradient_bytes'], 'bytes')}, 4 bytes for "
+                 f"each of its {block['parameters']:,} parameters")
         if block.get("gradient_bytes") is not None:
-            text += f", and the allocator saw its backward add {_size(block['gradient_bytes'])} of gradients"
+            text += (f", and the allocator saw its backward add {format_bytes(block['gradient_bytes'], 'bytes')} of "
+                     "gradients")
         sentences.append(text + ".")
     return sentences
 
@@ -414,8 +388,8 @@ def _memory_profiling_open(reports: Reports) -> list[str]:
     contexts = {r["context_length"] for r in select(rows, table="peak")}
     missing = [str(n) for n in HANDOUT_MEMORY_CONTEXTS if n not in contexts]
     if missing:
-        gaps.append(f"the 2026 handout's context {_listing(missing)}")
-    return [f"not in this run: {_listing(gaps)} (`make single-gpu-reports` measures them)"] if gaps else []
+        gaps.append(f"the 2026 handout's context {listing(missing)}")
+    return [f"not in this run: {listing(gaps)} (`make single-gpu-reports` measures them)"] if gaps else []
 
 
 def _gradient_checkpointing_open(reports: Reports) -> list[str]:
@@ -423,7 +397,7 @@ def _gradient_checkpointing_open(reports: Reports) -> list[str]:
     if any(r.get("context_length") == CHECKPOINT_CONTEXT for r in sweep):
         return []
     return [f"the 2026 handout's (b) is xl at batch 4, context {CHECKPOINT_CONTEXT:,}; this run measured context "
-            + _listing(sorted({str(r["context_length"]) for r in sweep})) + " (`make single-gpu-reports` runs it)"]
+            + listing(sorted({str(r["context_length"]) for r in sweep})) + " (`make single-gpu-reports` runs it)"]
 
 
 def _nsys_profile_open(reports: Reports) -> list[str]:
@@ -446,51 +420,51 @@ def _plan_label(r: Row) -> str:
 
 def _gradient_checkpointing(reports: Reports) -> list[str]:
     sweep = select(reports["gradient_checkpointing"], table="sweep")
-    single = [r for r in _ok(sweep) if r["plan_kind"] == "every_k" and r["k"] != "none"]
+    single = [r for r in ok_rows(sweep) if r["plan_kind"] == "every_k" and r["k"] != "none"]
     if not single:
-        return [_not_in_report("A single-level checkpoint plan that fit in memory")]
+        return [not_in_report("A single-level checkpoint plan that fit in memory")]
     r0 = single[0]
     layers, a, b = r0["num_layers"], r0["block_bytes"], r0["boundary_bytes"]
     best = min(single, key=lambda r: r["measured_peak_bytes"])
     rule = math.sqrt(layers)
     nearest = min(single, key=lambda r: abs(r["k"] - rule))
-    none = _one(sweep, plan_kind="every_k", k="none")
-    baseline = (f"{_size(none['measured_peak_bytes'])} without checkpointing, " if none and none["status"] == "ok"
-                else "")
+    none = find(sweep, plan_kind="every_k", k="none")
+    baseline = (f"{format_bytes(none['measured_peak_bytes'], 'bytes')} without checkpointing, "
+                if none and none["status"] == "ok" else "")
     sentences = [
         f"{r0['size']} ({layers} blocks), batch {r0['batch_size']}, context {r0['context_length']}, {r0['precision']}: "
-        f"peak activation memory is {baseline}{_size(best['measured_peak_bytes'])} at the best single level "
-        f"({_every(best['k'])}) and {_size(nearest['measured_peak_bytes'])} at {_every(nearest['k'])}, the measured k "
-        f"nearest the sqrt(L) estimate sqrt({layers}) = {rule:.1f}."]
+        f"peak activation memory is {baseline}{format_bytes(best['measured_peak_bytes'], 'bytes')} at the best single "
+        f"level ({_every(best['k'])}) and {format_bytes(nearest['measured_peak_bytes'], 'bytes')} at "
+        f"{_every(nearest['k'])}, the measured k nearest the sqrt(L) estimate sqrt({layers}) = {rule:.1f}."]
     ooms = [_plan_label(r) for r in sweep if r["status"] == OOM]
     sentences.append(
         f"That estimate assumes a block keeps what a checkpoint boundary keeps; here it keeps {a / b:.0f}x as much, "
         f"which moves the optimum to sqrt(L b / a) = {math.sqrt(layers * b / a):.2f}"
-        + (f" (out of memory at this context: {_listing(ooms)})." if ooms else "."))
-    nested = {r["levels"]: r for r in _ok(sweep) if r["plan_kind"] == "optimal"}
+        + (f" (out of memory at this context: {listing(ooms)})." if ooms else "."))
+    nested = {r["levels"]: r for r in ok_rows(sweep) if r["plan_kind"] == "optimal"}
     unlimited, two = nested.get("unlimited"), nested.get(2)
     if unlimited:
         text = (f"The memory-optimal strategy nests checkpointed groups inside each other: with unlimited "
-                f"recomputation it peaks at {_size(unlimited['measured_peak_bytes'])}, recomputing "
+                f"recomputation it peaks at {format_bytes(unlimited['measured_peak_bytes'], 'bytes')}, recomputing "
                 f"{plural(unlimited['recomputed_blocks'], 'block forward pass', 'block forward passes')} per step "
-                f"in the {layers}-block model ({_ratio(unlimited['step_ms'] / best['step_ms'])} the step time of {_every(best['k'])}), O(1) memory "
-                "for O(L^2) recomputation")
+                f"in the {layers}-block model ({format_ratio(unlimited['step_ms'] / best['step_ms'])} the step time of "
+                f"{_every(best['k'])}), O(1) memory for O(L^2) recomputation")
         if two:
-            text += (f"; two levels reach {_size(two['measured_peak_bytes'])} for "
+            text += (f"; two levels reach {format_bytes(two['measured_peak_bytes'], 'bytes')} for "
                      f"{plural(two['recomputed_blocks'], 'recomputed block')} "
-                     f"({_ratio(two['step_ms'] / best['step_ms'])})")
+                     f"({format_ratio(two['step_ms'] / best['step_ms'])})")
         sentences.append(text + ".")
     else:
-        sentences.append(_not_in_report("The optimal nested plan with unlimited recomputation"))
+        sentences.append(not_in_report("The optimal nested plan with unlimited recomputation"))
     return sentences
 
 
 def _pytorch_attention(reports: Reports) -> list[str]:
     rows = [r for r in reports["pytorch_attention"] if not r.get("compile")]
     if not rows:
-        return [_not_in_report("An eager attention cell")]
+        return [not_in_report("An eager attention cell")]
     r0 = rows[0]
-    timed = [r for r in _ok(rows) if r.get("backward_mean_ms") is not None]
+    timed = [r for r in ok_rows(rows) if r.get("backward_mean_ms") is not None]
     sentences = []
     if timed:
         largest = max(timed, key=lambda r: (r["seq_len"], r["head_dim"]))
@@ -498,8 +472,8 @@ def _pytorch_attention(reports: Reports) -> list[str]:
         sentences.append(
             f"Naive attention, batch {r0['batch_size']}, {r0['precision']}, {r0['passes']} passes each: the largest "
             f"cell that ran, d={largest['head_dim']}, N={largest['seq_len']}, takes "
-            f"{_ms(largest['forward_mean_ms'])} forward and {_ms(largest['backward_mean_ms'])} backward"
-            + (f" with {_size(memory)} in use before backward." if memory is not None else "."))
+            f"{format_ms(largest['forward_mean_ms'])} forward and {format_ms(largest['backward_mean_ms'])} backward"
+            + (f" with {format_bytes(memory, 'bytes')} in use before backward." if memory is not None else "."))
     ooms = select(rows, status=OOM)
     if ooms:
         ooms.sort(key=lambda r: (r["seq_len"], r["head_dim"]))
@@ -509,10 +483,10 @@ def _pytorch_attention(reports: Reports) -> list[str]:
             f"d={r['head_dim']} {oom_when(r)}" for r in at_first) + ")"
         if smallest.get("predicted_before_backward_bytes") is not None:
             text += (f"; the closed-form accounting puts d={smallest['head_dim']}, N={smallest['seq_len']} at "
-                     f"{_size(smallest['predicted_before_backward_bytes'])} in use before backward and "
-                     f"{_size(smallest['predicted_backward_peak_bytes'])} at the backward's peak")
+                     f"{format_bytes(smallest['predicted_before_backward_bytes'], 'bytes')} in use before backward and "
+                     f"{format_bytes(smallest['predicted_backward_peak_bytes'], 'bytes')} at the backward's peak")
             if smallest.get("device_memory_bytes"):
-                text += f", against {_size(smallest['device_memory_bytes'])} of device memory"
+                text += f", against {format_bytes(smallest['device_memory_bytes'], 'bytes')} of device memory"
         sentences.append(text + ".")
     else:
         sentences.append(f"No configuration ran out of memory, up to N={max(r['seq_len'] for r in rows)}.")
@@ -521,7 +495,7 @@ def _pytorch_attention(reports: Reports) -> list[str]:
 
 def _torch_compile(reports: Reports) -> list[str]:
     rows = reports["torch_compile"]
-    sweep = _ok(select(rows, table="sweep"))
+    sweep = ok_rows(select(rows, table="sweep"))
     cells = {(r["size"], r["context_length"], r["precision"]) for r in sweep if r["phase"] == "train_step"}
     speedups = {}
     for size, context, precision in cells:
@@ -535,20 +509,20 @@ def _torch_compile(reports: Reports) -> list[str]:
         left_out = f"; {plural(noisy, 'noisy cell')} left out" if noisy else ""
         if ratios:
             sentences.append(f"Compiling each Transformer block makes the whole-model training step "
-                             f"{span(ratios, _ratio)} as fast as eager over {len(ratios)} size, context and "
+                             f"{span(ratios, format_ratio)} as fast as eager over {len(ratios)} size, context and "
                              f"precision {'cell' if len(ratios) == 1 else 'cells'} (median "
-                             f"{_ratio(statistics.median(ratios))}{left_out}).")
+                             f"{format_ratio(statistics.median(ratios))}{left_out}).")
         else:
             sentences.append(f"Every eager and compiled training step here is noisy (std above "
                              f"{NOISY_RELATIVE_STD:.0%} of the mean), so no speed-up is read from them.")
         largest = max(speedups, key=lambda key: (size_order(key[0]), key[1] == HEADLINE_CONTEXT, key[1]))
         size, context = largest[:2]
-        shown = [f"{precision} {_ms(e['mean_ms'])} -> {_ms(c['mean_ms'])}, {_speedup(e, c)}"
+        shown = [f"{precision} {format_ms(e['mean_ms'])} -> {format_ms(c['mean_ms'])}, {_speedup(e, c)}"
                  for (s, n, precision), (e, c) in sorted(speedups.items(), key=lambda item: item[0][2], reverse=True)
                  if (s, n) == (size, context)]
         sentences.append(f"At {size}, context {context}: " + ", ".join(shown) + ".")
     else:
-        sentences.append(_not_in_report("A whole-model training step both eager and compiled"))
+        sentences.append(not_in_report("A whole-model training step both eager and compiled"))
     attention = [r for r in select(rows, table="attention") if r.get("status") == "ok"]
     pairs: dict[tuple, dict[bool, Row]] = {}
     for r in attention:
@@ -562,7 +536,7 @@ def _torch_compile(reports: Reports) -> list[str]:
     parts = []
     for phase, values in ratios.items():
         if values:
-            parts.append(f"{phase} {span(values, _ratio)}"
+            parts.append(f"{phase} {span(values, format_ratio)}"
                          + (f" ({plural(noisy[phase], 'noisy cell')} left out)" if noisy[phase] else ""))
         elif noisy[phase]:
             parts.append(f"{phase} noisy in every cell")
@@ -570,7 +544,7 @@ def _torch_compile(reports: Reports) -> list[str]:
         sentences.append(f"Naive attention alone, compiled over eager ({plural(len(pairs), 'cell')}): "
                          + ", ".join(parts) + ".")
     else:
-        sentences.append(_not_in_report("The attention sweep compiled against eager (rows of table `attention`, "
+        sentences.append(not_in_report("The attention sweep compiled against eager (rows of table `attention`, "
                                         "which the `-m attention` perf run writes)"))
     return sentences
 
@@ -586,7 +560,7 @@ def _flash_benchmarking(reports: Reports) -> list[str]:
     rows = reports["flash_benchmarking"]
     sweep = select(rows, table="sweep")
     sentences = []
-    index = {(r["precision"], r["mode"], r["head_dim"], r["seq_len"], r["provider"]): r for r in _ok(sweep)}
+    index = {(r["precision"], r["mode"], r["head_dim"], r["seq_len"], r["provider"]): r for r in ok_rows(sweep)}
     for precision in dict.fromkeys(r["precision"] for r in sweep):
         both = [(d, n) for (p, mode, d, n, provider) in index if (p, mode, provider) ==
                 (precision, "forward_backward", "naive") and (p, mode, d, n, "flash_triton") in index]
@@ -598,22 +572,22 @@ def _flash_benchmarking(reports: Reports) -> list[str]:
         ooms = [r["seq_len"] for r in select(sweep, precision=precision, provider="naive", status=OOM)]
         sentences.append(
             f"{precision}, causal, forward+backward at the largest N where naive attention ran (d={d}, N={n}): Triton "
-            f"{_ms(triton['median_ms'])} against naive {_ms(naive['median_ms'])} (naive takes "
+            f"{format_ms(triton['median_ms'])} against naive {format_ms(naive['median_ms'])} (naive takes "
             f"{naive['median_ms'] / triton['median_ms']:.3g}x Triton's time)"
-            + (f" and SDPA {_ms(sdpa['median_ms'])}" if sdpa else "")
+            + (f" and SDPA {format_ms(sdpa['median_ms'])}" if sdpa else "")
             + (f"; naive runs out of memory from N={min(ooms)}." if ooms else "."))
     if not sentences:
-        sentences.append(_not_in_report("A forward+backward cell where both Triton and naive attention ran"))
-    leaderboard = _ok(select(rows, table="leaderboard"))
+        sentences.append(not_in_report("A forward+backward cell where both Triton and naive attention ran"))
+    leaderboard = ok_rows(select(rows, table="leaderboard"))
     if leaderboard:
         r0 = leaderboard[0]
         sentences.append(
             f"Leaderboard configuration (batch {r0['batch_size']}, {r0['n_heads']} heads, d {r0['head_dim']}, "
             f"N {r0['seq_len']:,}, {r0['precision']}, causal, forward+backward): "
-            + ", ".join(f"{PROVIDER_LABELS.get(r['provider'], r['provider'])} {_ms(r['median_ms'])}"
+            + ", ".join(f"{PROVIDER_LABELS.get(r['provider'], r['provider'])} {format_ms(r['median_ms'])}"
                         for r in leaderboard) + ".")
     else:
-        sentences.append(_not_in_report("The leaderboard configuration"))
+        sentences.append(not_in_report("The leaderboard configuration"))
     return sentences
 
 
@@ -625,21 +599,21 @@ def _allreduce(reports: Reports) -> list[str]:
     for backend, device in (("gloo", "CPU"), ("nccl", "GPUs")):
         mine = [r for r in select(rows, backend=backend) if r.get("status") != OOM]
         if not mine:
-            sentences.append(_not_in_report(f"{backend} on {device}") if backend == "gloo" else
-                             _not_in_report("NCCL on GPUs (it needs 2 GPUs)"))
+            sentences.append(not_in_report(f"{backend} on {device}") if backend == "gloo" else
+                             not_in_report("NCCL on GPUs (it needs 2 GPUs)"))
             continue
         fewest = min(r["world_size"] for r in mine)
         line = sorted(select(mine, world_size=fewest), key=lambda r: r["size_bytes"])
         small, large = line[0], line[-1]
-        text = (f"{backend} on {device}, {fewest} ranks: {_ms(small['mean_rank_median_ms'])} for "
+        text = (f"{backend} on {device}, {fewest} ranks: {format_ms(small['mean_rank_median_ms'])} for "
                 f"{_decimal_size(small['size_bytes'])} ({small['busbw_gbps']:.3g} GB/s bus bandwidth) and "
-                f"{_ms(large['mean_rank_median_ms'])} for {_decimal_size(large['size_bytes'])} "
+                f"{format_ms(large['mean_rank_median_ms'])} for {_decimal_size(large['size_bytes'])} "
                 f"({large['busbw_gbps']:.3g} GB/s)")
         at_size = sorted(select(mine, size_bytes=large["size_bytes"]), key=lambda r: r["world_size"])
         if len(at_size) > 1:
             text += (f"; at {_decimal_size(large['size_bytes'])} from {at_size[0]['world_size']} to "
-                     f"{at_size[-1]['world_size']} ranks the time goes {_ms(at_size[0]['mean_rank_median_ms'])} -> "
-                     f"{_ms(at_size[-1]['mean_rank_median_ms'])}")
+                     f"{at_size[-1]['world_size']} ranks the time goes {format_ms(at_size[0]['mean_rank_median_ms'])} "
+                     f"-> {format_ms(at_size[-1]['mean_rank_median_ms'])}")
         sentences.append(text + ".")
     return sentences
 
@@ -648,13 +622,13 @@ def _allreduce_open(reports: Reports) -> list[str]:
     rows = reports["distributed_communication_single_node"]
     gloo = {r["world_size"] for r in select(rows, backend="gloo")}
     missing = sorted(gloo - {r["world_size"] for r in select(rows, backend="nccl")})
-    return [f"NCCL at {_listing([str(n) for n in missing])} ranks: needs as many GPUs in one machine"] if missing else []
+    return [f"NCCL at {listing([str(n) for n in missing])} ranks: needs as many GPUs in one machine"] if missing else []
 
 
 def _equivalence(rows: list[Row], methods: tuple[str, ...]) -> str:
     mine = [r for r in select(rows, table="equivalence") if r.get("method") in methods]
     if not mine:
-        return _not_in_report("The comparison with single-process training")
+        return not_in_report("The comparison with single-process training")
     r0 = mine[0]
     return (f"Against single-process training ({r0['world_size']} ranks, {r0['backend']}, {r0['steps']} steps): "
             + "; ".join(f"{r['variant']} differs by at most {r['max_abs_difference']:.3g} "
@@ -664,7 +638,7 @@ def _equivalence(rows: list[Row], methods: tuple[str, ...]) -> str:
 
 def _ddp_steps(rows: list[Row]) -> dict[str, Row]:
     """Measured steps by variant."""
-    return {r["variant"]: r for r in _ok(select(rows, table="step"))}
+    return {r["variant"]: r for r in ok_rows(select(rows, table="step"))}
 
 
 def _ddp_setup(step: Row) -> str:
@@ -681,12 +655,13 @@ def _naive_ddp(reports: Reports) -> list[str]:
         naive, local = steps.get("naive"), steps.get("local")
         if naive:
             sentences.append(
-                f"{_ddp_setup(naive)}: a naive DDP step takes {_ms(naive['step_ms'])}, of which "
-                f"{_ms(naive['gradient_sync_ms'])} ({_share(naive['gradient_sync_ms'] / naive['step_ms'])}) is its "
+                f"{_ddp_setup(naive)}: a naive DDP step takes {format_ms(naive['step_ms'])}, of which "
+                f"{format_ms(naive['gradient_sync_ms'])} "
+                f"({format_share(naive['gradient_sync_ms'] / naive['step_ms'])}) is its "
                 f"{naive['all_reduces_per_step']} per-parameter all-reduces after backward"
-                + (f"; without communication the step takes {_ms(local['step_ms'])}." if local else "."))
+                + (f"; without communication the step takes {format_ms(local['step_ms'])}." if local else "."))
         else:
-            sentences.append(_not_in_report("A measured naive DDP step"))
+            sentences.append(not_in_report("A measured naive DDP step"))
     return sentences
 
 
@@ -694,10 +669,11 @@ def _flat_ddp(reports: Reports) -> list[str]:
     steps = _ddp_steps(reports["minimal_ddp_flat_benchmarking"])
     naive, flat = steps.get("naive"), steps.get("flat")
     if not (naive and flat):
-        return [_not_in_report("A measured step of both naive and flat DDP")]
-    return [f"{_ddp_setup(flat)}: one all-reduce of the flattened gradients leaves {_ms(flat['gradient_sync_ms'])} "
-            f"after backward against {_ms(naive['gradient_sync_ms'])} for {naive['all_reduces_per_step']} separate "
-            f"ones; steps take {_ms(flat['step_ms'])} against {_ms(naive['step_ms'])}."]
+        return [not_in_report("A measured step of both naive and flat DDP")]
+    return [f"{_ddp_setup(flat)}: one all-reduce of the flattened gradients leaves "
+            f"{format_ms(flat['gradient_sync_ms'])} after backward against {format_ms(naive['gradient_sync_ms'])} for "
+            f"{naive['all_reduces_per_step']} separate ones; steps take {format_ms(flat['step_ms'])} against "
+            f"{format_ms(naive['step_ms'])}."]
 
 
 def _overlap_individual(reports: Reports) -> list[str]:
@@ -708,17 +684,17 @@ def _overlap_individual(reports: Reports) -> list[str]:
         steps = _ddp_steps(reports["ddp_overlap_individual_parameters_benchmarking"])
         overlap = steps.get("overlap_individual")
         if overlap:
-            others = [f"{name} {_ms(steps[name]['step_ms'])}" for name in ("naive", "flat") if name in steps]
+            others = [f"{name} {format_ms(steps[name]['step_ms'])}" for name in ("naive", "flat") if name in steps]
             text = (f"{_ddp_setup(overlap)}: overlapping per-parameter all-reduces with backward gives "
-                    f"{_ms(overlap['step_ms'])} per step" + (f" (against {', '.join(others)})" if others else "")
-                    + f", with {_ms(overlap['gradient_sync_ms'])} left after backward")
+                    f"{format_ms(overlap['step_ms'])} per step" + (f" (against {', '.join(others)})" if others else "")
+                    + f", with {format_ms(overlap['gradient_sync_ms'])} left after backward")
             communication = overlap.get("profiled_communication_ms")
             if communication:
-                text += (f"; {_share(overlap['profiled_overlapped_ms'] / communication)} of its "
-                         f"{_ms(communication)} of communication ran beside compute")
+                text += (f"; {format_share(overlap['profiled_overlapped_ms'] / communication)} of its "
+                         f"{format_ms(communication)} of communication ran beside compute")
             sentences.append(text + ".")
         else:
-            sentences.append(_not_in_report("A measured step of the overlapping DDP"))
+            sentences.append(not_in_report("A measured step of the overlapping DDP"))
     return sentences
 
 
@@ -732,23 +708,23 @@ def _bucketed(reports: Reports) -> list[str]:
     steps = _ddp_steps(rows)
     bucketed = [r for r in steps.values() if r["method"] == "bucketed"]
     if not bucketed:
-        return sentences + [_not_in_report("A measured step of bucketed DDP")]
+        return sentences + [not_in_report("A measured step of bucketed DDP")]
     best, worst = min(bucketed, key=lambda r: r["step_ms"]), max(bucketed, key=lambda r: r["step_ms"])
     torch_ddp = steps.get("torch_ddp")
     sentences.append(f"{_ddp_setup(best)}: the fastest bucket size is {best['bucket_size_mb']:g} MB "
-                     f"({_ms(best['step_ms'])} per step, {_ms(best['gradient_sync_ms'])} after backward), the slowest "
-                     f"{worst['bucket_size_mb']:g} MB ({_ms(worst['step_ms'])})"
-                     + (f"; torch DDP takes {_ms(torch_ddp['step_ms'])}." if torch_ddp else "."))
-    probe = _one(rows, table="allreduce_probe")
+                     f"({format_ms(best['step_ms'])} per step, {format_ms(best['gradient_sync_ms'])} after "
+                     f"backward), the slowest {worst['bucket_size_mb']:g} MB ({format_ms(worst['step_ms'])})"
+                     + (f"; torch DDP takes {format_ms(torch_ddp['step_ms'])}." if torch_ddp else "."))
+    probe = find(rows, table="allreduce_probe")
     if probe:
         model_bytes = best["trainable_bytes"]
         bucket_bytes = optimal_bucket_bytes(model_bytes, probe["algbw_gbps"] * GB, probe["per_call_overhead_ms"] * 1e-3)
-        sentences.append(f"With the measured per-call cost o = {_ms(probe['per_call_overhead_ms'])} and bandwidth "
-                         f"w = {probe['algbw_gbps']:.3g} GB/s, the overhead model s / (n_b w) + n_b o puts the optimal "
-                         f"bucket at sqrt(s w o) = {bucket_bytes / BYTES_PER_MB:.4g} MB for s = "
+        sentences.append(f"With the measured per-call cost o = {format_ms(probe['per_call_overhead_ms'])} and "
+                         f"bandwidth w = {probe['algbw_gbps']:.3g} GB/s, the overhead model s / (n_b w) + n_b o puts "
+                         f"the optimal bucket at sqrt(s w o) = {bucket_bytes / BYTES_PER_MB:.4g} MB for s = "
                          f"{model_bytes / GB:.3g} GB of gradients.")
     else:
-        sentences.append(_not_in_report("The all-reduce probe that gives the overhead model its o and w"))
+        sentences.append(not_in_report("The all-reduce probe that gives the overhead model its o and w"))
     return sentences
 
 
@@ -762,18 +738,18 @@ def _sharding(reports: Reports) -> list[str]:
         if equivalence:
             sentences.append("ShardedOptimizer(AdamW) against AdamW: " + "; ".join(
                 f"{r['sync']} re-synchronisation differs by at most {r['max_abs_difference']:.3g}, each rank holding "
-                f"{span([r['state_share_min'], r['state_share']], _share)} of the state"
+                f"{span([r['state_share_min'], r['state_share']], format_share)} of the state"
                 for r in equivalence) + ".")
         else:
-            sentences.append(_not_in_report("The comparison with unsharded AdamW"))
+            sentences.append(not_in_report("The comparison with unsharded AdamW"))
     if "optimizer_state_sharding_accounting" in reports:
         rows = reports["optimizer_state_sharding_accounting"]
         steps = _ddp_steps(rows)
         if not steps:
-            return sentences + [_not_in_report("A measured training step")]
+            return sentences + [not_in_report("A measured training step")]
         measured = "step time and peak memory" if any(r.get("peak_gib") for r in steps.values()) else "step time"
         sentences.append(f"{_ddp_setup(next(iter(steps.values())))}, {measured}: " + "; ".join(
-            f"{name} {_ms(r['step_ms'])}" + (f", {r['peak_gib']:.3g} GiB" if r.get("peak_gib") else "")
+            f"{name} {format_ms(r['step_ms'])}" + (f", {r['peak_gib']:.3g} GiB" if r.get("peak_gib") else "")
             for name, r in steps.items()) + ".")
         points = []
         for variant in steps:
@@ -782,7 +758,7 @@ def _sharding(reports: Reports) -> list[str]:
             if None not in allocated:
                 points.append(f"{variant} " + " / ".join(f"{gib:.3g}" for gib in allocated) + " GiB")
         sentences.append("Allocated after initialisation / before / after the optimizer step: " + "; ".join(points)
-                         + "." if points else _not_in_report("Memory at the phase points (a GPU run measures it)"))
+                         + "." if points else not_in_report("Memory at the phase points (a GPU run measures it)"))
     return sentences
 
 
@@ -798,21 +774,21 @@ def _fsdp(reports: Reports) -> list[str]:
             sentences.append(f"Against single-process training ({r0['world_size']} ranks, {r0['backend']}): "
                              + "; ".join(verdicts) + ".")
         else:
-            sentences.append(_not_in_report("The comparison with single-process training"))
+            sentences.append(not_in_report("The comparison with single-process training"))
     if "fsdp_accounting" in reports:
         rows = reports["fsdp_accounting"]
         steps = _ddp_steps(rows)
-        shown = [f"{name} {_ms(steps[name]['step_ms'])}"
+        shown = [f"{name} {format_ms(steps[name]['step_ms'])}"
                  + (f", peak {steps[name]['peak_gib']:.3g} GiB" if steps[name].get("peak_gib") else "")
                  for name in (OUR_FSDP, TORCH_FSDP, TORCH_DDP) if name in steps]
         sentences.append(f"{_ddp_setup(next(iter(steps.values())))}: " + "; ".join(shown) + "." if shown else
-                         _not_in_report("A measured FSDP training step"))
+                         not_in_report("A measured FSDP training step"))
         readiness = select(rows, table="readiness")
         if readiness:
             sentences.append(f"In a profiled step {sum(r['on_time'] for r in readiness)} of "
                              f"{plural(len(readiness), 'all-gather')} finished before the layer that needs them; "
                              "compute waited "
-                             f"{_ms(sum(r['waited_ms'] for r in readiness))} in all.")
+                             f"{format_ms(sum(r['waited_ms'] for r in readiness))} in all.")
     return sentences
 
 
@@ -821,7 +797,7 @@ def _fsdp(reports: Reports) -> list[str]:
 def _communication_accounting(reports: Reports) -> list[str]:
     rows = reports["communication_accounting"]
     scalars = {r["name"]: r["value"] for r in select(rows, table="scalar")}
-    model, total = _one(rows, table="model"), _one(rows, table="state", component="total")
+    model, total = find(rows, table="model"), find(rows, table="state", component="total")
     sentences = []
     if model and total and "state_h100s" in scalars and "activation_bytes_per_token" in scalars:
         sentences.append(
@@ -830,7 +806,7 @@ def _communication_accounting(reports: Reports) -> list[str]:
             f"({math.ceil(scalars['state_h100s'])} GPUs), and the activations saved for backward add "
             f"{scalars['activation_bytes_per_token'] / MB:.2f} MB per token in bf16.")
     else:
-        sentences.append(_not_in_report("The XXL model's memory"))
+        sentences.append(not_in_report("The XXL model's memory"))
     fsdp = [r for r in select(rows, table="fsdp") if r.get("min_fsdp_devices") is not None]
     if fsdp and "fsdp_max_tokens" in scalars and "tpu_memory_bytes" in scalars:
         state_only = min(fsdp, key=lambda r: r["tokens"])
@@ -845,7 +821,7 @@ def _communication_accounting(reports: Reports) -> list[str]:
     asked = next((r for r in crossovers if (r["data_devices"], r["tensor_devices"]) == ASKED_MESH), None)
     if asked:
         best = min(crossovers, key=lambda r: r["min_tokens_per_device"])
-        eight_bit = _one(rows, table="crossover", mesh=asked["mesh"], exact_ring=False, comm_bytes_per_element=1)
+        eight_bit = find(rows, table="crossover", mesh=asked["mesh"], exact_ring=False, comm_bytes_per_element=1)
         text = (f"(c, d) On the {asked['mesh']} v5p mesh a block's forward and backward passes are compute bound "
                 f"from {asked['min_tokens_per_device']:.1f} tokens per chip ({asked['min_global_tokens']:,.0f} in the "
                 f"batch); the {best['mesh']} split lowers that to {best['min_tokens_per_device']:.1f} "
@@ -855,16 +831,16 @@ def _communication_accounting(reports: Reports) -> list[str]:
                      f"({eight_bit['min_global_tokens']:,.0f})")
         bubbles = sorted(select(rows, table="pipeline"), key=lambda r: (r["stages"], r["microbatches"]))
         sentences.append(text + ", and pipeline parallelism removes the batch-dependent term at the price of an idle "
-                         "bubble" + (" (" + ", ".join(f"{_share(r['bubble_fraction'])} for {r['stages']} stages and "
-                                                      f"{r['microbatches']} microbatches" for r in bubbles) + ")."
+                         "bubble" + (" (" + ", ".join(f"{format_share(r['bubble_fraction'])} for {r['stages']} stages "
+                                                      f"and {r['microbatches']} microbatches" for r in bubbles) + ")."
                                      if bubbles else "."))
     else:
-        sentences.append(_not_in_report(f"The compute-bound batch of the {ASKED_MESH[0]} x {ASKED_MESH[1]} mesh"))
+        sentences.append(not_in_report(f"The compute-bound batch of the {ASKED_MESH[0]} x {ASKED_MESH[1]} mesh"))
     return sentences
 
 
 def _setting(rows: list[Row]) -> Row | None:
-    return _one(rows, table="setting")
+    return find(rows, table="setting")
 
 
 def _node(setting: Row) -> str:
@@ -877,20 +853,20 @@ def _alternate_ring(reports: Reports) -> list[str]:
     rows = reports["alternate_ring_all_reduce"]
     node = select(rows, table="node")
     if not node:
-        return [_not_in_report("The worked figure")]
+        return [not_in_report("The worked figure")]
     largest = max(node, key=lambda r: r["N"])
     return [f"T = (N - 1) S / W, N/2 times the ring all-reduce's 2 (N - 1) S / (N W): for the xl model's FP16 "
             f"gradients ({largest['S_bytes'] / GB:.2f} GB) on {largest['N']} NVLink GPUs, "
-            f"{_ms(largest['alternate_ms'])} against {_ms(largest['ring_ms'])}."]
+            f"{format_ms(largest['alternate_ms'])} against {format_ms(largest['ring_ms'])}."]
 
 
 def _bound_answer(reports: Reports, report: str, formulas: dict[str, str]) -> list[str]:
     rows = reports[report]
     setting = _setting(rows)
     if setting is None:
-        return [_not_in_report("The worked figure")]
-    bounds = "; ".join(f"{phase}: {formula} = {_one(rows, table='bound', phase=phase)['max_devices']:,.2f}"
-                       for phase, formula in formulas.items() if _one(rows, table="bound", phase=phase))
+        return [not_in_report("The worked figure")]
+    bounds = "; ".join(f"{phase}: {formula} = {find(rows, table='bound', phase=phase)['max_devices']:,.2f}"
+                       for phase, formula in formulas.items() if find(rows, table="bound", phase=phase))
     return [f"Answered part by part in the handout's symbols; {_node(setting)}: {bounds}."]
 
 
@@ -911,9 +887,9 @@ def _tp_calcs(reports: Reports) -> list[str]:
 def _fsdp_tp_calcs(reports: Reports) -> list[str]:
     rows = reports["fsdp_tp_calcs"]
     setting = _setting(rows)
-    overlapped, shared = _one(rows, table="bound", axes="overlapped"), _one(rows, table="bound", axes="shared")
+    overlapped, shared = find(rows, table="bound", axes="overlapped"), find(rows, table="bound", axes="shared")
     if setting is None or not (overlapped and shared):
-        return [_not_in_report("The worked figure")]
+        return [not_in_report("The worked figure")]
     return [f"Answered part by part in the handout's symbols; {_node(setting)}: with the axes overlapped N <= "
             f"(1 + B W / C)(1 + 3 D_FF W / (2 C)) = {overlapped['max_devices']:,.1f}, sharing the network N <= "
             f"(a b + a + b)^2 / (4 a b) = {shared['max_devices']:,.1f}."]
@@ -1027,7 +1003,7 @@ def _perf_command(problem: Problem, slug: str) -> str:
 
 
 def _not_measured(problem: Problem, reports: list[str], slug: str) -> str:
-    files = _listing([f"`{slug}/{report}.md`" for report in reports])
+    files = listing([f"`{slug}/{report}.md`" for report in reports])
     absent = f"{files} {'is' if len(reports) == 1 else 'are'} absent"
     them = "it" if len(reports) == 1 else "them"
     if problem.gpus > 1 and slug != CPU_SLUG:
@@ -1136,11 +1112,11 @@ def _size_gaps(sizes: dict[str, list[str]]) -> list[str]:
     shapes = {(table, name): model_sizes(table).get(name) for table, names in sizes.items() for name in names}
     foreign = [f"{table} table's {name}" for (table, name), shape in shapes.items()
                if name != "tiny" and shape not in current.values()]
-    items = [f"measured on the {_listing(foreign)}, which the {CURRENT_SIZE_TABLE} table does not have"] if foreign else []
+    items = [f"measured on the {listing(foreign)}, which the {CURRENT_SIZE_TABLE} table does not have"] if foreign else []
     if len([name for _, name in shapes if name != "tiny"]) > 1:  # a sweep over sizes
         missing = [name for name, shape in current.items() if shape not in shapes.values()]
         if missing:
-            items.append(f"the {CURRENT_SIZE_TABLE} table's {_listing(missing)} {'is' if len(missing) == 1 else 'are'} "
+            items.append(f"the {CURRENT_SIZE_TABLE} table's {listing(missing)} {'is' if len(missing) == 1 else 'are'} "
                          "not measured")
     return items
 

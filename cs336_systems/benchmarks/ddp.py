@@ -78,7 +78,7 @@ from cs336_systems.model import ModelConfig, TransformerLM
 from cs336_systems.profiling.kernels import profiler_activities
 from cs336_systems.profiling.ranges import annotate
 from cs336_systems.profiling.timeline import COMPUTE, CPU_COMPUTE_ROW, communication_summary, load_intervals
-from cs336_systems.reports import OOM, Rendered, Row, markdown_table, mean_std, renderer
+from cs336_systems.reports import OOM, Rendered, Row, format_share, markdown_table, mean_std, ok_rows, renderer
 from cs336_systems.timing import synchronize, timed
 
 log = logging.getLogger(__name__)
@@ -364,10 +364,6 @@ def _steps(rows: list[Row], *methods: str) -> list[Row]:
     return [r for r in rows if r.get("table") == "step" and r["method"] in methods]
 
 
-def _ok(rows: list[Row]) -> list[Row]:
-    return [r for r in rows if r.get("status") == "ok"]
-
-
 def _setup(rows: list[Row]) -> str:
     r = next(r for r in rows if r.get("table") == "step")
     return (f"{r['size']} model, context {r['context_length']}, batch {r['batch_size']} per rank on "
@@ -384,7 +380,7 @@ def _setup(rows: list[Row]) -> str:
 
 
 def _local_step_ms(rows: list[Row]) -> float | None:
-    local = _ok(_steps(rows, "local"))
+    local = ok_rows(_steps(rows, "local"))
     return local[0]["step_ms"] if local else None
 
 
@@ -447,19 +443,15 @@ def render_overlap_bucketed(rows: list[Row]) -> Rendered:
     return _equivalence_report(rows, ("bucketed",))
 
 
-def _share(part: float, whole: float) -> str:
-    return f"{part / whole:.0%}"
-
-
 @renderer("naive_ddp_benchmarking")
 def render_naive_ddp_benchmarking(rows: list[Row]) -> Rendered:
     parts = [_setup(rows), _step_table(rows, ("local", "naive"))]
-    naive = _ok(_steps(rows, "naive"))
+    naive = ok_rows(_steps(rows, "naive"))
     if naive:
         r = naive[0]
         text = (f"Naive DDP takes {r['step_ms']:.1f} ms per step, of which {r['gradient_sync_ms']:.1f} ms "
-                f"({_share(r['gradient_sync_ms'], r['step_ms'])}) is the {r['all_reduces_per_step']} all-reduces after "
-                "backward, one per parameter tensor.")
+                f"({format_share(r['gradient_sync_ms'] / r['step_ms'])}) is the {r['all_reduces_per_step']} "
+                "all-reduces after backward, one per parameter tensor.")
         local_ms = _local_step_ms(rows)
         if local_ms is not None:
             text += (f" The same step without any communication takes {local_ms:.1f} ms, so data parallelism costs "
@@ -472,7 +464,7 @@ def render_naive_ddp_benchmarking(rows: list[Row]) -> Rendered:
 @renderer("minimal_ddp_flat_benchmarking")
 def render_flat_benchmarking(rows: list[Row]) -> Rendered:
     parts = [_setup(rows), _step_table(rows, ("local", "naive", "flat"))]
-    naive, flat = _ok(_steps(rows, "naive")), _ok(_steps(rows, "flat"))
+    naive, flat = ok_rows(_steps(rows, "naive")), ok_rows(_steps(rows, "flat"))
     if naive and flat:
         n, f = naive[0], flat[0]
         faster = f["gradient_sync_ms"] < n["gradient_sync_ms"]
@@ -495,7 +487,7 @@ def _overlap_sentence(r: Row) -> str:
     if not communication:
         return ""
     return (f"{r['variant']}: {communication:.1f} ms of communication in the profiled step, "
-            f"{_share(r['profiled_overlapped_ms'], communication)} of it while compute kernels ran; "
+            f"{format_share(r['profiled_overlapped_ms'] / communication)} of it while compute kernels ran; "
             f"{r['gradient_sync_ms']:.1f} ms left after backward.")
 
 
@@ -503,7 +495,7 @@ def _overlap_sentence(r: Row) -> str:
 def render_overlap_individual_benchmarking(rows: list[Row]) -> Rendered:
     methods = ("local", "naive", "flat", "overlap_individual")
     parts = [_setup(rows), _step_table(rows, methods)]
-    measured = {r["method"]: r for r in _ok(_steps(rows, *methods))}
+    measured = {r["method"]: r for r in ok_rows(_steps(rows, *methods))}
     if "overlap_individual" in measured:
         ranked = sorted((r for m, r in measured.items() if m != "local"), key=lambda r: r["step_ms"])
         parts.append("From fastest to slowest step: "
@@ -553,8 +545,8 @@ def _bucket_bytes(row: Row) -> list[int]:
 
 def _model_section(rows: list[Row]) -> str:
     probe = next((r for r in rows if r.get("table") == "allreduce_probe"), None)
-    bucketed = _ok(_steps(rows, "bucketed"))
-    local = _ok(_steps(rows, "local"))
+    bucketed = ok_rows(_steps(rows, "bucketed"))
+    local = ok_rows(_steps(rows, "local"))
     if probe is None or not bucketed:
         return ""
     per_call_s, bandwidth = probe["per_call_overhead_ms"] * 1e-3, probe["algbw_gbps"] * 1e9
@@ -607,7 +599,7 @@ def _model_section(rows: list[Row]) -> str:
 
 def _targets(rows: list[Row]) -> str:
     """The targets, each against what was measured."""
-    measured = _ok(_steps(rows, "overlap_individual", "bucketed", *TORCH_DDP_METHODS))
+    measured = ok_rows(_steps(rows, "overlap_individual", "bucketed", *TORCH_DDP_METHODS))
     bucketed = [r for r in measured if r["method"] == "bucketed"]
     table = []
     if bucketed:
@@ -631,7 +623,7 @@ def _targets(rows: list[Row]) -> str:
 def render_bucketed_benchmarking(rows: list[Row]) -> Rendered:
     methods = ("local", "naive", "flat", "overlap_individual", "bucketed", *TORCH_DDP_METHODS)
     parts = [_setup(rows), "## (a) Time per step by bucket size\n", _step_table(rows, methods), _targets(rows)]
-    measured = _ok(_steps(rows, *methods))
+    measured = ok_rows(_steps(rows, *methods))
     bucketed = [r for r in measured if r["method"] == "bucketed"]
     others = {r["method"]: r for r in measured if r["method"] != "bucketed"}
     if bucketed:

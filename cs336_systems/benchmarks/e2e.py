@@ -39,7 +39,7 @@ from cs336_systems.memory_guard import MemoryCheck, check_memory, is_out_of_memo
 from cs336_systems.model import ModelConfig, size_order
 from cs336_systems.profiling.ranges import annotate
 from cs336_systems import reports
-from cs336_systems.reports import NOISY, OOM, Rendered, Row, is_noisy, plural, renderer, span
+from cs336_systems.reports import NOISY, OOM, Rendered, Row, is_noisy, ok_rows, plural, renderer, span
 from cs336_systems.timing import STEP_TIMER
 
 MODES = ("forward", "forward_backward", "train")
@@ -247,10 +247,6 @@ def mean_std(row: Row, unit: str = "") -> str:
     return OOM if row.get("status") == OOM else reports.mean_std(row["mean_ms"], row["std_ms"], unit=unit)
 
 
-def _ok(rows: list[Row]) -> list[Row]:
-    return [r for r in rows if r.get("status") == "ok"]
-
-
 def _cell_order(row: Row) -> tuple:
     return (size_order(row["size"]), row["context_length"], str(row.get("precision")),
             list(PHASE_LABELS).index(row["phase"]))
@@ -275,7 +271,7 @@ def _sweep_table(rows: list[Row]) -> str:
 
 
 def _variation_summary(rows: list[Row]) -> str:
-    measured = [r for r in _ok(rows) if r["mean_ms"] > 0]
+    measured = [r for r in ok_rows(rows) if r["mean_ms"] > 0]
     if not measured:
         return "No cell ran: every configuration ran out of memory."
     spreads = sorted(r["std_ms"] / r["mean_ms"] for r in measured)
@@ -334,7 +330,7 @@ def _warmup_section(rows: list[Row]) -> str:
             f"context {rows[0]['context_length']}, {rows[0]['steps']} timed training steps after "
             f"{', '.join(str(w) for w in sorted({r['warmup'] for r in rows}))} warm-up steps.\n",
             markdown_table(table)]
-    ok = _ok(rows)
+    ok = ok_rows(rows)
     findings = []
     for size in sorted({r["size"] for r in ok}, key=size_order):
         steps = {r["warmup"]: r for r in ok if r["size"] == size and r["phase"] == "train_step"}
@@ -468,7 +464,7 @@ def render_torch_compile(rows: list[Row]) -> Rendered:
         return Rendered("")
     table = _comparison_table(model_rows, "compile", False, True, "eager", "compiled")
     summary = "; ".join(filter(None, (_speedup_range(table, p) for p in ("forward", "backward", "train_step"))))
-    compiled_first = [r for r in _ok(model_rows) if r["compile"] and r["phase"] == "forward"]
+    compiled_first = [r for r in ok_rows(model_rows) if r["compile"] and r["phase"] == "forward"]
     compile_note = ""
     if compiled_first:
         slowest = max(compiled_first, key=lambda r: r["first_step_ms"])
@@ -489,7 +485,7 @@ def _reference_section(rows: list[Row]) -> str:
     from cs336_systems.reports import markdown_table
 
     def steps(table: str) -> dict[tuple, Row]:
-        return {(r["size"], r["context_length"], r["precision"]): r for r in _ok(rows)
+        return {(r["size"], r["context_length"], r["precision"]): r for r in ok_rows(rows)
                 if r.get("table") == table and r["compile"] and r["phase"] == "train_step"}
 
     project, reference = steps("sweep"), steps("reference")

@@ -38,7 +38,7 @@ from cs336_systems.distributed.sharded_optimizer import SYNC_METHODS, ShardedOpt
 from cs336_systems.memory_guard import check_memory_on_every_rank, is_out_of_memory
 from cs336_systems.model import ModelConfig
 from cs336_systems.profiling.ranges import annotate
-from cs336_systems.reports import OOM, Rendered, Row, markdown_table, mean_std, renderer, span
+from cs336_systems.reports import OOM, Rendered, Row, markdown_table, mean_std, ok_rows, renderer, span
 from cs336_systems.timing import synchronize, timed
 
 @dataclass(frozen=True)
@@ -349,10 +349,6 @@ def _steps(rows: list[Row]) -> list[Row]:
     return [r for r in rows if r.get("table") == "step"]
 
 
-def _ok(rows: list[Row]) -> list[Row]:
-    return [r for r in rows if r.get("status") == "ok"]
-
-
 def setup_sentence(rows: list[Row]) -> str:
     r = _steps(rows)[0]
     return (f"{r['size']} model, context {r['context_length']}, batch {r['batch_size']} per rank on {r['world_size']} "
@@ -363,7 +359,7 @@ def setup_sentence(rows: list[Row]) -> str:
 
 def step_table(rows: list[Row], baseline: str | None = None) -> str:
     table = []
-    base = next((r for r in _ok(_steps(rows)) if r["variant"] == baseline), None)
+    base = next((r for r in ok_rows(_steps(rows)) if r["variant"] == baseline), None)
     for r in _steps(rows):
         if r["status"] != "ok":
             table.append({"variant": r["variant"], "step (ms)": OOM})
@@ -415,7 +411,7 @@ def within(ratio: float, target: float) -> str:
 
 def _zero_comparison(rows: list[Row]) -> str:
     """Our sharded optimizer against torch's ZeroRedundancyOptimizer, and against the targets."""
-    ok = {r["variant"]: r for r in _ok(_steps(rows))}
+    ok = {r["variant"]: r for r in ok_rows(_steps(rows))}
     zero = ok.get("DDP + ZeroRedundancyOptimizer")
     ours = [r for name, r in ok.items() if name.startswith("DDP + ShardedOptimizer")]
     if zero is None or not ours:
@@ -445,7 +441,8 @@ def _zero_comparison(rows: list[Row]) -> str:
 
 def _memory_findings(rows: list[Row]) -> str:
     ddp, zero = "DDP + AdamW", "DDP + ZeroRedundancyOptimizer"
-    ours = next((r["variant"] for r in _ok(_steps(rows)) if r["variant"].startswith("DDP + ShardedOptimizer")), None)
+    ours = next((r["variant"] for r in ok_rows(_steps(rows)) if r["variant"].startswith("DDP + ShardedOptimizer")),
+                None)
     lines = []
     for variant in (ddp, zero, ours):
         before = _point(rows, variant, "before optimizer step") if variant else None
@@ -481,7 +478,7 @@ FP32_ADAMW_BYTES = {"parameters": 4, "gradients": 4, "sharded state": 8}
 
 def _zero_stage_1_section(rows: list[Row]) -> str:
     """(c): our approach (and torch's ZeroRedundancyOptimizer) against ZeRO-DP P_os, from the run's sizes."""
-    steps = {r["variant"]: r for r in _ok(_steps(rows))}
+    steps = {r["variant"]: r for r in ok_rows(_steps(rows))}
     ddp = next((r for r in rows if r.get("table") == "communication" and r["variant"] == "DDP + AdamW"), None)
     ours = next((name for name in steps if name.startswith("DDP + ShardedOptimizer")), None)
     if ddp is None or ours is None:
@@ -564,7 +561,7 @@ def render_sharding(rows: list[Row]) -> Rendered:
                                       f"largest difference {r['max_abs_difference']:.3g}")
                 + f"; each rank holds {span([r['state_share_min'], r['state_share']], '{:.0%}'.format)} of the state."
                 for r in equivalence) + "\n")
-    steps = [r for r in _ok(_steps(rows)) if r["variant"].startswith("DDP + ShardedOptimizer")]
+    steps = [r for r in ok_rows(_steps(rows)) if r["variant"].startswith("DDP + ShardedOptimizer")]
     if steps:
         fastest = min(steps, key=lambda r: r["optimizer_ms"])
         parts.append("## Re-synchronising the parameters\n\nOptimizer step time (the update and the "
