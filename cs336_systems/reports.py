@@ -4,6 +4,8 @@ A measuring function returns rows (flat dicts of strings and numbers, one per me
 problem's renderer, registered with `@renderer("<problem>")`, turns that problem's rows into a
 Markdown body (tables, derived answers) and figures; `write_report` adds the header and writes
 `<report_dir>/<problem>.md`, `<problem>.csv` (every row, every column) and the figures beside them.
+Beside its renderer, a problem's `answer_<problem>` turns the same rows into the few sentences the
+reports' index quotes (cs336_systems.report_index), with the formatting helpers below.
 """
 
 from __future__ import annotations

@@ -32,13 +32,28 @@ from torch import nn
 
 from cs336_systems.accounting.communication import bytes_sent_per_device
 from cs336_systems.accounting.memory import GIB, training_memory
+from cs336_systems.benchmarks.ddp import step_setup, steps_by_variant
 from cs336_systems.benchmarks.harness import LEARNING_RATE, adamw, build_model, lm_loss, random_batch, release_memory
 from cs336_systems.distributed.launch import rank_device
 from cs336_systems.distributed.sharded_optimizer import SYNC_METHODS, ShardedOptimizer
 from cs336_systems.memory_guard import check_memory_on_every_rank, is_out_of_memory
 from cs336_systems.model import ModelConfig
 from cs336_systems.profiling.ranges import annotate
-from cs336_systems.reports import OOM, Rendered, Row, markdown_table, mean_std, ok_rows, renderer, span
+from cs336_systems.reports import (
+    OOM,
+    Rendered,
+    Reports,
+    Row,
+    format_ms,
+    format_share,
+    markdown_table,
+    mean_std,
+    not_in_report,
+    ok_rows,
+    renderer,
+    select,
+    span,
+)
 from cs336_systems.timing import synchronize, timed
 
 @dataclass(frozen=True)
@@ -570,3 +585,39 @@ def render_sharding(rows: list[Row]) -> Rendered:
                                         "training step (ms)": r["step_ms"]} for r in steps])
                      + f"\nHere {fastest['variant']} is the faster.\n")
     return Rendered("\n".join(parts) or "_no rows_\n")
+
+
+# ---------------------------------------------------------------------------------------------- answers
+
+MEMORY_POINTS = ("init", "before optimizer step", "after optimizer step")  # the points the handout asks for
+
+
+def answer_optimizer_state_sharding(reports: Reports) -> list[str]:
+    sentences = []
+    if "optimizer_state_sharding" in reports:
+        equivalence = select(reports["optimizer_state_sharding"], table="equivalence")
+        if equivalence:
+            sentences.append("ShardedOptimizer(AdamW) against AdamW: " + "; ".join(
+                f"{r['sync']} re-synchronisation differs by at most {r['max_abs_difference']:.3g}, each rank holding "
+                f"{span([r['state_share_min'], r['state_share']], format_share)} of the state"
+                for r in equivalence) + ".")
+        else:
+            sentences.append(not_in_report("The comparison with unsharded AdamW"))
+    if "optimizer_state_sharding_accounting" in reports:
+        rows = reports["optimizer_state_sharding_accounting"]
+        steps = steps_by_variant(rows)
+        if not steps:
+            return sentences + [not_in_report("A measured training step")]
+        measured = "step time and peak memory" if any(r.get("peak_gib") for r in steps.values()) else "step time"
+        sentences.append(f"{step_setup(next(iter(steps.values())))}, {measured}: " + "; ".join(
+            f"{name} {format_ms(r['step_ms'])}" + (f", {r['peak_gib']:.3g} GiB" if r.get("peak_gib") else "")
+            for name, r in steps.items()) + ".")
+        points = []
+        for variant in steps:
+            at = {r["point"]: r.get("allocated_gib") for r in select(rows, table="memory", variant=variant)}
+            allocated = [at.get(point) for point in MEMORY_POINTS]
+            if None not in allocated:
+                points.append(f"{variant} " + " / ".join(f"{gib:.3g}" for gib in allocated) + " GiB")
+        sentences.append("Allocated after initialisation / before / after the optimizer step: " + "; ".join(points)
+                         + "." if points else not_in_report("Memory at the phase points (a GPU run measures it)"))
+    return sentences
