@@ -5,7 +5,9 @@ problem's renderer, registered with `@renderer("<problem>")`, turns that problem
 Markdown body (tables, derived answers) and figures; `write_report` adds the header and writes
 `<report_dir>/<problem>.md`, `<problem>.csv` (every row, every column), `<problem>.meta.json` (the
 metadata: device, and each run's date, command, software versions and package source hash) and the
-figures beside them. The Markdown header is rendered from that metadata, never parsed back.
+figures beside them. The Markdown header is rendered from that metadata, never parsed back. Beside
+its renderer, a problem's `answer_<problem>` turns the same rows into the few sentences the reports'
+index quotes (cs336_systems.report_index), with the formatting helpers below.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ from tabulate import tabulate
 from cs336_systems.provenance import package_source_hash
 
 Row = dict[str, Any]
+Reports = dict[str, list[Row]]  # report name -> its rows, for the reports of a problem that exist
 OOM = "OOM"
 # A cell whose std is above this share of its mean varied too much between repetitions to be read as
 # one number; its table cell says so.
@@ -116,19 +119,44 @@ def span(values: Sequence[float], fmt: Callable[[float], str]) -> str:
     return low if low == high else f"{low} to {high}"
 
 
-def format_bytes(num_bytes: float | None) -> str:
-    """Bytes in the largest binary unit that keeps the number at 1 or more ("" for None)."""
+def format_bytes(num_bytes: float | None, byte_unit: str = "B") -> str:
+    """Bytes in the largest binary unit that keeps the number at 1 or more ("" for None); under a KiB,
+    in `byte_unit` (the index's sentences spell out "bytes", the tables write "B")."""
     if num_bytes is None:
         return ""
     for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
         if abs(num_bytes) >= scale:
             return f"{num_bytes / scale:.2f} {unit}"
-    return f"{num_bytes:.0f} B"
+    return f"{num_bytes:.0f} {byte_unit}"
+
+
+def format_ms(value: float) -> str:
+    """A time as a sentence quotes it: one decimal from 10 ms, three significant digits below."""
+    return f"{value:,.1f} ms" if abs(value) >= 10 else f"{value:.3g} ms"
+
+
+def format_ratio(value: float) -> str:
+    return f"{value:.2f}x"
+
+
+def format_share(value: float) -> str:
+    return f"{value:.0%}"
 
 
 def plural(count: int, noun: str, nouns: str | None = None) -> str:
     """ "1 block", "3 blocks" (or `nouns` where the plural is not noun + s)."""
     return f"{format_value(count)} {noun if count == 1 else nouns or noun + 's'}"
+
+
+def listing(items: Sequence[str]) -> str:
+    """ "a", "a and b", "a, b and c"."""
+    items = list(items)
+    return items[0] if len(items) == 1 else ", ".join(items[:-1]) + " and " + items[-1]
+
+
+def not_in_report(what: str) -> str:
+    """What an answer says where a row it would quote is missing, instead of guessing."""
+    return f"{what} is not in the report."
 
 
 def markdown_table(rows: Sequence[Row], columns: Sequence[str] | None = None) -> str:
@@ -164,6 +192,17 @@ def pivot(rows: Iterable[Row], index: Sequence[str], column: str, value: str,
 
 def select(rows: Iterable[Row], **equal: Any) -> list[Row]:
     return [row for row in rows if all(row.get(k) == v for k, v in equal.items())]
+
+
+def find(rows: Iterable[Row], **equal: Any) -> Row | None:
+    """The first row that `select` would return, or None."""
+    found = select(rows, **equal)
+    return found[0] if found else None
+
+
+def ok_rows(rows: Iterable[Row]) -> list[Row]:
+    """The rows of cells that ran (status "ok"), not those that ran out of memory or were not run."""
+    return [row for row in rows if row.get("status") == "ok"]
 
 
 def unmeasured(rows: Iterable[Row], *columns: str) -> list[str]:

@@ -1,4 +1,5 @@
-"""Benchmarks, one module per problem family; each returns rows and registers its report renderers."""
+"""Benchmarks, one module per problem family; each returns rows, registers its report renderers and,
+beside them, answers its problems from those rows for the reports' index."""
 
 import importlib
 import logging

@@ -25,7 +25,19 @@ import torch.distributed as dist
 from cs336_systems.distributed.launch import rank_device
 from cs336_systems.gpus import MB, spec_for_device_name
 from cs336_systems.memory_guard import check_memory_on_every_rank
-from cs336_systems.reports import OOM, Rendered, Row, markdown_table, pivot, renderer
+from cs336_systems.reports import (
+    OOM,
+    Rendered,
+    Reports,
+    Row,
+    format_ms,
+    listing,
+    markdown_table,
+    not_in_report,
+    pivot,
+    renderer,
+    select,
+)
 from cs336_systems.timing import synchronize, timed
 
 GB = 10**9
@@ -274,3 +286,37 @@ def render_allreduce(rows: list[Row]) -> Rendered:
         "\n![bus bandwidth](allreduce_bus_bandwidth.png)\n",
     ]
     return Rendered("\n".join(body), figures={"allreduce_bus_bandwidth.png": _plot(rows)})
+
+
+# ---------------------------------------------------------------------------------------------- answers
+
+def answer_distributed_communication_single_node(reports: Reports) -> list[str]:
+    rows = reports["distributed_communication_single_node"]
+    sentences = []
+    for backend, device in (("gloo", "CPU"), ("nccl", "GPUs")):
+        mine = [r for r in select(rows, backend=backend) if r.get("status") != OOM]
+        if not mine:
+            sentences.append(not_in_report(f"{backend} on {device}") if backend == "gloo" else
+                             not_in_report("NCCL on GPUs (it needs 2 GPUs)"))
+            continue
+        fewest = min(r["world_size"] for r in mine)
+        line = sorted(select(mine, world_size=fewest), key=lambda r: r["size_bytes"])
+        small, large = line[0], line[-1]
+        text = (f"{backend} on {device}, {fewest} ranks: {format_ms(small['mean_rank_median_ms'])} for "
+                f"{_size_label(small['size_bytes'])} ({small['busbw_gbps']:.3g} GB/s bus bandwidth) and "
+                f"{format_ms(large['mean_rank_median_ms'])} for {_size_label(large['size_bytes'])} "
+                f"({large['busbw_gbps']:.3g} GB/s)")
+        at_size = sorted(select(mine, size_bytes=large["size_bytes"]), key=lambda r: r["world_size"])
+        if len(at_size) > 1:
+            text += (f"; at {_size_label(large['size_bytes'])} from {at_size[0]['world_size']} to "
+                     f"{at_size[-1]['world_size']} ranks the time goes {format_ms(at_size[0]['mean_rank_median_ms'])} "
+                     f"-> {format_ms(at_size[-1]['mean_rank_median_ms'])}")
+        sentences.append(text + ".")
+    return sentences
+
+
+def open_items_distributed_communication_single_node(reports: Reports) -> list[str]:
+    rows = reports["distributed_communication_single_node"]
+    gloo = {r["world_size"] for r in select(rows, backend="gloo")}
+    missing = sorted(gloo - {r["world_size"] for r in select(rows, backend="nccl")})
+    return [f"NCCL at {listing([str(n) for n in missing])} ranks: needs as many GPUs in one machine"] if missing else []

@@ -30,7 +30,20 @@ from cs336_systems.attention.reference import naive_attention
 from cs336_systems.benchmarks import e2e
 from cs336_systems.benchmarks.harness import release_memory
 from cs336_systems.memory_guard import check_memory, is_out_of_memory
-from cs336_systems.reports import OOM, Rendered, Row, markdown_table, mean_std, renderer
+from cs336_systems.reports import (
+    OOM,
+    Rendered,
+    Reports,
+    Row,
+    format_bytes,
+    format_ms,
+    markdown_table,
+    mean_std,
+    not_in_report,
+    ok_rows,
+    renderer,
+    select,
+)
 from cs336_systems.timing import Timings, synchronize, time_fn, timed
 
 BATCH_SIZE = 8
@@ -533,3 +546,39 @@ def render_torch_compile(rows: list[Row]) -> Rendered:
     model = e2e.render_torch_compile(rows)
     parts = [_compiled_attention_section(attention_rows) if attention_rows else "", model.body]
     return Rendered("\n".join(p for p in parts if p), figures=model.figures)
+
+
+# ---------------------------------------------------------------------------------------------- answers
+
+def answer_pytorch_attention(reports: Reports) -> list[str]:
+    rows = [r for r in reports["pytorch_attention"] if not r.get("compile")]
+    if not rows:
+        return [not_in_report("An eager attention cell")]
+    r0 = rows[0]
+    timed = [r for r in ok_rows(rows) if r.get("backward_mean_ms") is not None]
+    sentences = []
+    if timed:
+        largest = max(timed, key=lambda r: (r["seq_len"], r["head_dim"]))
+        memory = largest.get("memory_before_backward_bytes")
+        sentences.append(
+            f"Naive attention, batch {r0['batch_size']}, {r0['precision']}, {r0['passes']} passes each: the largest "
+            f"cell that ran, d={largest['head_dim']}, N={largest['seq_len']}, takes "
+            f"{format_ms(largest['forward_mean_ms'])} forward and {format_ms(largest['backward_mean_ms'])} backward"
+            + (f" with {format_bytes(memory, 'bytes')} in use before backward." if memory is not None else "."))
+    ooms = select(rows, status=OOM)
+    if ooms:
+        ooms.sort(key=lambda r: (r["seq_len"], r["head_dim"]))
+        smallest = ooms[0]
+        at_first = select(ooms, seq_len=smallest["seq_len"])
+        text = f"Out of memory from N={smallest['seq_len']} (" + ", ".join(
+            f"d={r['head_dim']} {oom_when(r)}" for r in at_first) + ")"
+        if smallest.get("predicted_before_backward_bytes") is not None:
+            text += (f"; the closed-form accounting puts d={smallest['head_dim']}, N={smallest['seq_len']} at "
+                     f"{format_bytes(smallest['predicted_before_backward_bytes'], 'bytes')} in use before backward and "
+                     f"{format_bytes(smallest['predicted_backward_peak_bytes'], 'bytes')} at the backward's peak")
+            if smallest.get("device_memory_bytes"):
+                text += f", against {format_bytes(smallest['device_memory_bytes'], 'bytes')} of device memory"
+        sentences.append(text + ".")
+    else:
+        sentences.append(f"No configuration ran out of memory, up to N={max(r['seq_len'] for r in rows)}.")
+    return sentences

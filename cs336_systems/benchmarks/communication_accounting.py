@@ -39,7 +39,18 @@ from cs336_systems.accounting.parallelism import (
 )
 from cs336_systems.benchmarks.parallelism_calcs import ANALYSIS_COMMAND, closed_form_header
 from cs336_systems.gpus import GB, GIB, GPU_SPECS, MB
-from cs336_systems.reports import Rendered, Row, markdown_table, renderer, select, write_csv
+from cs336_systems.reports import (
+    Rendered,
+    Reports,
+    Row,
+    find,
+    format_share,
+    markdown_table,
+    not_in_report,
+    renderer,
+    select,
+    write_csv,
+)
 
 PROBLEM = "communication_accounting"
 MS, US = 1e3, 1e6  # seconds -> milliseconds, microseconds
@@ -505,3 +516,52 @@ def write_communication_accounting(report_dir: Path | str, command: str = ANALYS
     sources = "`cs336_systems.accounting.communication` and `cs336_systems.accounting.parallelism`"
     path.write_text(closed_form_header(PROBLEM, command, sources) + "\n" + rendered.body.rstrip() + "\n")
     return path
+
+
+# ---------------------------------------------------------------------------------------------- answers
+
+def answer_communication_accounting(reports: Reports) -> list[str]:
+    rows = reports["communication_accounting"]
+    scalars = {r["name"]: r["value"] for r in select(rows, table="scalar")}
+    model, total = find(rows, table="model"), find(rows, table="state", component="total")
+    sentences = []
+    if model and total and "state_h100s" in scalars and "activation_bytes_per_token" in scalars:
+        sentences.append(
+            f"(a) The XXL model has {model['num_params']:,} parameters; fp32 master weights, gradients and Adam's "
+            f"moments take {total['gb']:,.2f} GB, {scalars['state_h100s']:.2f} H100 80GB GPUs' worth "
+            f"({math.ceil(scalars['state_h100s'])} GPUs), and the activations saved for backward add "
+            f"{scalars['activation_bytes_per_token'] / MB:.2f} MB per token in bf16.")
+    else:
+        sentences.append(not_in_report("The XXL model's memory"))
+    fsdp = [r for r in select(rows, table="fsdp") if r.get("min_fsdp_devices") is not None]
+    if fsdp and "fsdp_max_tokens" in scalars and "tpu_memory_bytes" in scalars:
+        state_only = min(fsdp, key=lambda r: r["tokens"])
+        most = max(fsdp, key=lambda r: r["tokens"])
+        sentences.append(
+            f"(b) On {scalars['tpu_memory_bytes'] / GB:g} GB devices the state alone needs N_FSDP >= "
+            f"{state_only['min_fsdp_devices']}, and "
+            f"{most['min_fsdp_devices']} with the activations of {most['tokens']:,} tokens; from "
+            f"{scalars['fsdp_max_tokens']:,.0f} tokens on no N_FSDP is enough.")
+    crossovers = [r for r in select(rows, table="crossover", strategy="fsdp_tp", exact_ring=False)
+                  if r["comm_bytes_per_element"] == 2 and math.isfinite(r["min_tokens_per_device"])]
+    asked_mesh = (QUESTION_DATA_DEVICES, QUESTION_TENSOR_DEVICES)
+    asked = next((r for r in crossovers if (r["data_devices"], r["tensor_devices"]) == asked_mesh), None)
+    if asked:
+        best = min(crossovers, key=lambda r: r["min_tokens_per_device"])
+        eight_bit = find(rows, table="crossover", mesh=asked["mesh"], exact_ring=False, comm_bytes_per_element=1)
+        text = (f"(c, d) On the {asked['mesh']} v5p mesh a block's forward and backward passes are compute bound "
+                f"from {asked['min_tokens_per_device']:.1f} tokens per chip ({asked['min_global_tokens']:,.0f} in the "
+                f"batch); the {best['mesh']} split lowers that to {best['min_tokens_per_device']:.1f} "
+                f"({best['min_global_tokens']:,.0f})")
+        if eight_bit:
+            text += (f", 8-bit collectives to {eight_bit['min_tokens_per_device']:.1f} "
+                     f"({eight_bit['min_global_tokens']:,.0f})")
+        bubbles = sorted(select(rows, table="pipeline"), key=lambda r: (r["stages"], r["microbatches"]))
+        sentences.append(text + ", and pipeline parallelism removes the batch-dependent term at the price of an idle "
+                         "bubble" + (" (" + ", ".join(f"{format_share(r['bubble_fraction'])} for {r['stages']} stages "
+                                                      f"and {r['microbatches']} microbatches" for r in bubbles) + ")."
+                                     if bubbles else "."))
+    else:
+        sentences.append(not_in_report(f"The compute-bound batch of the {QUESTION_DATA_DEVICES} x "
+                                       f"{QUESTION_TENSOR_DEVICES} mesh"))
+    return sentences

@@ -72,13 +72,27 @@ from cs336_systems.distributed.ddp import (
     assign_buckets,
 )
 from cs336_systems.distributed.launch import rank_device
-from cs336_systems.gpus import GIB
+from cs336_systems.gpus import GB, GIB
 from cs336_systems.memory_guard import check_memory_on_every_rank, is_out_of_memory
 from cs336_systems.model import ModelConfig, TransformerLM
 from cs336_systems.profiling.kernels import profiler_activities
 from cs336_systems.profiling.ranges import annotate
 from cs336_systems.profiling.timeline import COMPUTE, CPU_COMPUTE_ROW, communication_summary, load_intervals
-from cs336_systems.reports import OOM, Rendered, Row, markdown_table, mean_std, renderer
+from cs336_systems.reports import (
+    OOM,
+    Rendered,
+    Reports,
+    Row,
+    find,
+    format_ms,
+    format_share,
+    markdown_table,
+    mean_std,
+    not_in_report,
+    ok_rows,
+    renderer,
+    select,
+)
 from cs336_systems.timing import synchronize, timed
 
 log = logging.getLogger(__name__)
@@ -364,10 +378,6 @@ def _steps(rows: list[Row], *methods: str) -> list[Row]:
     return [r for r in rows if r.get("table") == "step" and r["method"] in methods]
 
 
-def _ok(rows: list[Row]) -> list[Row]:
-    return [r for r in rows if r.get("status") == "ok"]
-
-
 def _setup(rows: list[Row]) -> str:
     r = next(r for r in rows if r.get("table") == "step")
     return (f"{r['size']} model, context {r['context_length']}, batch {r['batch_size']} per rank on "
@@ -384,7 +394,7 @@ def _setup(rows: list[Row]) -> str:
 
 
 def _local_step_ms(rows: list[Row]) -> float | None:
-    local = _ok(_steps(rows, "local"))
+    local = ok_rows(_steps(rows, "local"))
     return local[0]["step_ms"] if local else None
 
 
@@ -447,19 +457,15 @@ def render_overlap_bucketed(rows: list[Row]) -> Rendered:
     return _equivalence_report(rows, ("bucketed",))
 
 
-def _share(part: float, whole: float) -> str:
-    return f"{part / whole:.0%}"
-
-
 @renderer("naive_ddp_benchmarking")
 def render_naive_ddp_benchmarking(rows: list[Row]) -> Rendered:
     parts = [_setup(rows), _step_table(rows, ("local", "naive"))]
-    naive = _ok(_steps(rows, "naive"))
+    naive = ok_rows(_steps(rows, "naive"))
     if naive:
         r = naive[0]
         text = (f"Naive DDP takes {r['step_ms']:.1f} ms per step, of which {r['gradient_sync_ms']:.1f} ms "
-                f"({_share(r['gradient_sync_ms'], r['step_ms'])}) is the {r['all_reduces_per_step']} all-reduces after "
-                "backward, one per parameter tensor.")
+                f"({format_share(r['gradient_sync_ms'] / r['step_ms'])}) is the {r['all_reduces_per_step']} "
+                "all-reduces after backward, one per parameter tensor.")
         local_ms = _local_step_ms(rows)
         if local_ms is not None:
             text += (f" The same step without any communication takes {local_ms:.1f} ms, so data parallelism costs "
@@ -472,7 +478,7 @@ def render_naive_ddp_benchmarking(rows: list[Row]) -> Rendered:
 @renderer("minimal_ddp_flat_benchmarking")
 def render_flat_benchmarking(rows: list[Row]) -> Rendered:
     parts = [_setup(rows), _step_table(rows, ("local", "naive", "flat"))]
-    naive, flat = _ok(_steps(rows, "naive")), _ok(_steps(rows, "flat"))
+    naive, flat = ok_rows(_steps(rows, "naive")), ok_rows(_steps(rows, "flat"))
     if naive and flat:
         n, f = naive[0], flat[0]
         faster = f["gradient_sync_ms"] < n["gradient_sync_ms"]
@@ -495,7 +501,7 @@ def _overlap_sentence(r: Row) -> str:
     if not communication:
         return ""
     return (f"{r['variant']}: {communication:.1f} ms of communication in the profiled step, "
-            f"{_share(r['profiled_overlapped_ms'], communication)} of it while compute kernels ran; "
+            f"{format_share(r['profiled_overlapped_ms'] / communication)} of it while compute kernels ran; "
             f"{r['gradient_sync_ms']:.1f} ms left after backward.")
 
 
@@ -503,7 +509,7 @@ def _overlap_sentence(r: Row) -> str:
 def render_overlap_individual_benchmarking(rows: list[Row]) -> Rendered:
     methods = ("local", "naive", "flat", "overlap_individual")
     parts = [_setup(rows), _step_table(rows, methods)]
-    measured = {r["method"]: r for r in _ok(_steps(rows, *methods))}
+    measured = {r["method"]: r for r in ok_rows(_steps(rows, *methods))}
     if "overlap_individual" in measured:
         ranked = sorted((r for m, r in measured.items() if m != "local"), key=lambda r: r["step_ms"])
         parts.append("From fastest to slowest step: "
@@ -553,8 +559,8 @@ def _bucket_bytes(row: Row) -> list[int]:
 
 def _model_section(rows: list[Row]) -> str:
     probe = next((r for r in rows if r.get("table") == "allreduce_probe"), None)
-    bucketed = _ok(_steps(rows, "bucketed"))
-    local = _ok(_steps(rows, "local"))
+    bucketed = ok_rows(_steps(rows, "bucketed"))
+    local = ok_rows(_steps(rows, "local"))
     if probe is None or not bucketed:
         return ""
     per_call_s, bandwidth = probe["per_call_overhead_ms"] * 1e-3, probe["algbw_gbps"] * 1e9
@@ -607,7 +613,7 @@ def _model_section(rows: list[Row]) -> str:
 
 def _targets(rows: list[Row]) -> str:
     """The targets, each against what was measured."""
-    measured = _ok(_steps(rows, "overlap_individual", "bucketed", *TORCH_DDP_METHODS))
+    measured = ok_rows(_steps(rows, "overlap_individual", "bucketed", *TORCH_DDP_METHODS))
     bucketed = [r for r in measured if r["method"] == "bucketed"]
     table = []
     if bucketed:
@@ -631,7 +637,7 @@ def _targets(rows: list[Row]) -> str:
 def render_bucketed_benchmarking(rows: list[Row]) -> Rendered:
     methods = ("local", "naive", "flat", "overlap_individual", "bucketed", *TORCH_DDP_METHODS)
     parts = [_setup(rows), "## (a) Time per step by bucket size\n", _step_table(rows, methods), _targets(rows)]
-    measured = _ok(_steps(rows, *methods))
+    measured = ok_rows(_steps(rows, *methods))
     bucketed = [r for r in measured if r["method"] == "bucketed"]
     others = {r["method"]: r for r in measured if r["method"] != "bucketed"}
     if bucketed:
@@ -665,3 +671,109 @@ def render_bucketed_benchmarking(rows: list[Row]) -> Rendered:
     parts.append("## Timelines (one profiled step on rank 0)\n"
                  + _timeline_links(rows, tuple(r["variant"] for r in _steps(rows, "bucketed", *TORCH_DDP_METHODS))))
     return Rendered("\n".join(parts))
+
+
+# ---------------------------------------------------------------------------------------------- answers
+
+def steps_by_variant(rows: list[Row]) -> dict[str, Row]:
+    """Measured steps by variant, in the step tables of DDP, optimizer state sharding and FSDP alike."""
+    return {r["variant"]: r for r in ok_rows(select(rows, table="step"))}
+
+
+def step_setup(step: Row) -> str:
+    """The model, batch and ranks a step was measured with, as a sentence opens."""
+    return (f"{step['size']}, context {step['context_length']}, batch {step['batch_size']} per rank on "
+            f"{step['world_size']} ranks ({step['backend']})")
+
+
+def _equivalence_answer(rows: list[Row], methods: tuple[str, ...]) -> str:
+    mine = [r for r in select(rows, table="equivalence") if r.get("method") in methods]
+    if not mine:
+        return not_in_report("The comparison with single-process training")
+    r0 = mine[0]
+    return (f"Against single-process training ({r0['world_size']} ranks, {r0['backend']}, {r0['steps']} steps): "
+            + "; ".join(f"{r['variant']} differs by at most {r['max_abs_difference']:.3g} "
+                        f"({'within' if r['matches'] else 'OUTSIDE'} the tolerance {r['tolerance']:g})" for r in mine)
+            + ".")
+
+
+def answer_naive_ddp(reports: Reports) -> list[str]:
+    sentences = []
+    if "naive_ddp" in reports:
+        sentences.append(_equivalence_answer(reports["naive_ddp"], ("naive", "flat")))
+    if "naive_ddp_benchmarking" in reports:
+        steps = steps_by_variant(reports["naive_ddp_benchmarking"])
+        naive, local = steps.get("naive"), steps.get("local")
+        if naive:
+            sentences.append(
+                f"{step_setup(naive)}: a naive DDP step takes {format_ms(naive['step_ms'])}, of which "
+                f"{format_ms(naive['gradient_sync_ms'])} "
+                f"({format_share(naive['gradient_sync_ms'] / naive['step_ms'])}) is its "
+                f"{naive['all_reduces_per_step']} per-parameter all-reduces after backward"
+                + (f"; without communication the step takes {format_ms(local['step_ms'])}." if local else "."))
+        else:
+            sentences.append(not_in_report("A measured naive DDP step"))
+    return sentences
+
+
+def answer_minimal_ddp_flat_benchmarking(reports: Reports) -> list[str]:
+    steps = steps_by_variant(reports["minimal_ddp_flat_benchmarking"])
+    naive, flat = steps.get("naive"), steps.get("flat")
+    if not (naive and flat):
+        return [not_in_report("A measured step of both naive and flat DDP")]
+    return [f"{step_setup(flat)}: one all-reduce of the flattened gradients leaves "
+            f"{format_ms(flat['gradient_sync_ms'])} after backward against {format_ms(naive['gradient_sync_ms'])} for "
+            f"{naive['all_reduces_per_step']} separate ones; steps take {format_ms(flat['step_ms'])} against "
+            f"{format_ms(naive['step_ms'])}."]
+
+
+def answer_ddp_overlap_individual_parameters(reports: Reports) -> list[str]:
+    sentences = []
+    if "ddp_overlap_individual_parameters" in reports:
+        sentences.append(_equivalence_answer(reports["ddp_overlap_individual_parameters"], ("overlap_individual",)))
+    if "ddp_overlap_individual_parameters_benchmarking" in reports:
+        steps = steps_by_variant(reports["ddp_overlap_individual_parameters_benchmarking"])
+        overlap = steps.get("overlap_individual")
+        if overlap:
+            others = [f"{name} {format_ms(steps[name]['step_ms'])}" for name in ("naive", "flat") if name in steps]
+            text = (f"{step_setup(overlap)}: overlapping per-parameter all-reduces with backward gives "
+                    f"{format_ms(overlap['step_ms'])} per step" + (f" (against {', '.join(others)})" if others else "")
+                    + f", with {format_ms(overlap['gradient_sync_ms'])} left after backward")
+            communication = overlap.get("profiled_communication_ms")
+            if communication:
+                text += (f"; {format_share(overlap['profiled_overlapped_ms'] / communication)} of its "
+                         f"{format_ms(communication)} of communication ran beside compute")
+            sentences.append(text + ".")
+        else:
+            sentences.append(not_in_report("A measured step of the overlapping DDP"))
+    return sentences
+
+
+def answer_ddp_overlap_bucketed(reports: Reports) -> list[str]:
+    sentences = []
+    if "ddp_overlap_bucketed" in reports:
+        sentences.append(_equivalence_answer(reports["ddp_overlap_bucketed"], ("bucketed",)))
+    if "ddp_bucketed_benchmarking" not in reports:
+        return sentences
+    rows = reports["ddp_bucketed_benchmarking"]
+    steps = steps_by_variant(rows)
+    bucketed = [r for r in steps.values() if r["method"] == "bucketed"]
+    if not bucketed:
+        return sentences + [not_in_report("A measured step of bucketed DDP")]
+    best, worst = min(bucketed, key=lambda r: r["step_ms"]), max(bucketed, key=lambda r: r["step_ms"])
+    torch_ddp = steps.get("torch_ddp")
+    sentences.append(f"{step_setup(best)}: the fastest bucket size is {best['bucket_size_mb']:g} MB "
+                     f"({format_ms(best['step_ms'])} per step, {format_ms(best['gradient_sync_ms'])} after "
+                     f"backward), the slowest {worst['bucket_size_mb']:g} MB ({format_ms(worst['step_ms'])})"
+                     + (f"; torch DDP takes {format_ms(torch_ddp['step_ms'])}." if torch_ddp else "."))
+    probe = find(rows, table="allreduce_probe")
+    if probe:
+        model_bytes = best["trainable_bytes"]
+        bucket_bytes = optimal_bucket_bytes(model_bytes, probe["algbw_gbps"] * GB, probe["per_call_overhead_ms"] * 1e-3)
+        sentences.append(f"With the measured per-call cost o = {format_ms(probe['per_call_overhead_ms'])} and "
+                         f"bandwidth w = {probe['algbw_gbps']:.3g} GB/s, the overhead model s / (n_b w) + n_b o puts "
+                         f"the optimal bucket at sqrt(s w o) = {bucket_bytes / BYTES_PER_MB:.4g} MB for s = "
+                         f"{model_bytes / GB:.3g} GB of gradients.")
+    else:
+        sentences.append(not_in_report("The all-reduce probe that gives the overhead model its o and w"))
+    return sentences

@@ -12,7 +12,9 @@ optimizer out.
 from __future__ import annotations
 
 import json
+import math
 import os
+import statistics
 import subprocess
 import sys
 import time
@@ -39,7 +41,25 @@ from cs336_systems.memory_guard import MemoryCheck, check_memory, is_out_of_memo
 from cs336_systems.model import ModelConfig, size_order
 from cs336_systems.profiling.ranges import annotate
 from cs336_systems import reports
-from cs336_systems.reports import NOISY, OOM, Rendered, Row, is_noisy, plural, renderer, span
+from cs336_systems.reports import (
+    NOISY,
+    NOISY_RELATIVE_STD,
+    OOM,
+    Rendered,
+    Reports,
+    Row,
+    find,
+    format_ms,
+    format_ratio,
+    is_noisy,
+    listing,
+    not_in_report,
+    ok_rows,
+    plural,
+    renderer,
+    select,
+    span,
+)
 from cs336_systems.timing import STEP_TIMER
 
 MODES = ("forward", "forward_backward", "train")
@@ -247,10 +267,6 @@ def mean_std(row: Row, unit: str = "") -> str:
     return OOM if row.get("status") == OOM else reports.mean_std(row["mean_ms"], row["std_ms"], unit=unit)
 
 
-def _ok(rows: list[Row]) -> list[Row]:
-    return [r for r in rows if r.get("status") == "ok"]
-
-
 def _cell_order(row: Row) -> tuple:
     return (size_order(row["size"]), row["context_length"], str(row.get("precision")),
             list(PHASE_LABELS).index(row["phase"]))
@@ -275,7 +291,7 @@ def _sweep_table(rows: list[Row]) -> str:
 
 
 def _variation_summary(rows: list[Row]) -> str:
-    measured = [r for r in _ok(rows) if r["mean_ms"] > 0]
+    measured = [r for r in ok_rows(rows) if r["mean_ms"] > 0]
     if not measured:
         return "No cell ran: every configuration ran out of memory."
     spreads = sorted(r["std_ms"] / r["mean_ms"] for r in measured)
@@ -334,7 +350,7 @@ def _warmup_section(rows: list[Row]) -> str:
             f"context {rows[0]['context_length']}, {rows[0]['steps']} timed training steps after "
             f"{', '.join(str(w) for w in sorted({r['warmup'] for r in rows}))} warm-up steps.\n",
             markdown_table(table)]
-    ok = _ok(rows)
+    ok = ok_rows(rows)
     findings = []
     for size in sorted({r["size"] for r in ok}, key=size_order):
         steps = {r["warmup"]: r for r in ok if r["size"] == size and r["phase"] == "train_step"}
@@ -468,7 +484,7 @@ def render_torch_compile(rows: list[Row]) -> Rendered:
         return Rendered("")
     table = _comparison_table(model_rows, "compile", False, True, "eager", "compiled")
     summary = "; ".join(filter(None, (_speedup_range(table, p) for p in ("forward", "backward", "train_step"))))
-    compiled_first = [r for r in _ok(model_rows) if r["compile"] and r["phase"] == "forward"]
+    compiled_first = [r for r in ok_rows(model_rows) if r["compile"] and r["phase"] == "forward"]
     compile_note = ""
     if compiled_first:
         slowest = max(compiled_first, key=lambda r: r["first_step_ms"])
@@ -489,7 +505,7 @@ def _reference_section(rows: list[Row]) -> str:
     from cs336_systems.reports import markdown_table
 
     def steps(table: str) -> dict[tuple, Row]:
-        return {(r["size"], r["context_length"], r["precision"]): r for r in _ok(rows)
+        return {(r["size"], r["context_length"], r["precision"]): r for r in ok_rows(rows)
                 if r.get("table") == table and r["compile"] and r["phase"] == "train_step"}
 
     project, reference = steps("sweep"), steps("reference")
@@ -507,3 +523,191 @@ def _reference_section(rows: list[Row]) -> str:
             "fused q/k/v projection, SDPA; cs336_systems/benchmarks/reference_lm.py) and compiled as one graph, "
             "with the same AdamW (fused on CUDA), timed the same way in the same run. The ratio is of medians: "
             "above 1, the project's model and harness cost that much more.\n\n" + markdown_table(table))
+
+
+# ---------------------------------------------------------------------------------------------- answers
+
+# The training steps the first answer quotes: the two largest sizes measured, at context 512.
+HEADLINE_SIZE_COUNT = 2
+HEADLINE_CONTEXT = 512
+
+
+def _mean_std_ms(row: Row) -> str:
+    """A time as the answers quote it: thousands separated, where the tables' `mean_std` is not."""
+    return reports.mean_std(row["mean_ms"], row["std_ms"], ",.1f", ".1f", unit="ms")
+
+
+def _noisy(*rows: Row, prefix: str = "") -> bool:
+    """Whether any of these timings varied too much between repetitions to be read as one number."""
+    return any(is_noisy(r[f"{prefix}mean_ms"], r[f"{prefix}std_ms"] or 0.0) for r in rows)
+
+
+def _speedup(slow: Row, fast: Row) -> str:
+    return format_ratio(slow["mean_ms"] / fast["mean_ms"]) + (f" ({NOISY})" if _noisy(slow, fast) else "")
+
+
+def _e2e_step(rows: list[Row], size: str, context: int, phase: str, precision: str = "fp32",
+              compiled: bool = False) -> Row | None:
+    row = find(rows, table="sweep", size=size, context_length=context, phase=phase, precision=precision,
+               compile=compiled)
+    return row if row and row.get("status") == "ok" else None
+
+
+def _headline_cells(sweep: list[Row]) -> tuple[list[str], int]:
+    """The sizes and context a training-step sentence quotes: the largest sizes the run measured, at the
+    headline context, or, for a run that never measured that context (a CPU run of the tiny model), its
+    largest size at its longest context."""
+    steps = select(sweep, phase="train_step", precision="fp32", compile=False)
+    if not steps or any(r["context_length"] == HEADLINE_CONTEXT for r in steps):
+        largest = sorted({r["size"] for r in steps}, key=size_order, reverse=True)
+        return largest[:HEADLINE_SIZE_COUNT], HEADLINE_CONTEXT
+    largest = max(steps, key=lambda r: (size_order(r["size"]), r["context_length"]))
+    return [largest["size"]], largest["context_length"]
+
+
+def answer_benchmarking_script(reports: Reports) -> list[str]:
+    rows = reports["benchmarking_script"]
+    sweep = select(rows, table="sweep")
+    sizes, context = _headline_cells(sweep)
+    steps, batch_sizes = [], set()
+    for size in sizes:
+        step = find(sweep, size=size, context_length=context, phase="train_step", precision="fp32", compile=False)
+        if step is None or step["status"] != "ok":
+            steps.append(f"the {size} step is not in the report" if step is None else f"{size} ran out of memory")
+            continue
+        batch_sizes.add(step["batch_size"])
+        phases = [(p, _e2e_step(sweep, size, context, p)) for p in ("forward", "backward", "optimizer")]
+        detail = ", ".join(f"{p} {format_ms(r['mean_ms'])}" for p, r in phases if r)
+        steps.append(f"{size} takes {_mean_std_ms(step)}" + (f" ({detail})" if detail else ""))
+    batch = f"batch {listing(sorted(map(str, batch_sizes)))}, " if batch_sizes else ""
+    sentences = [f"A training step (forward, backward, AdamW) at {batch}context {context}, fp32, eager: "
+                 + "; ".join(steps) + "." if steps else not_in_report("An fp32 eager training step")]
+    measured = [r for r in ok_rows(sweep) if r["mean_ms"] > 0]
+    if measured:
+        spreads = [r["std_ms"] / r["mean_ms"] for r in measured]
+        worst = max(measured, key=lambda r: r["std_ms"] / r["mean_ms"])
+        noisy = sum(_noisy(r) for r in measured)
+        sentences.append(f"Over the {plural(len(measured), 'measured cell')} the std is a median "
+                         f"{statistics.median(spreads):.1%} of the mean (largest: {worst['size']} at context "
+                         f"{worst['context_length']}, {PHASE_LABELS[worst['phase']]}, {max(spreads):.1%})"
+                         + (f"; {noisy} of them vary by more than {NOISY_RELATIVE_STD:.0%} and are marked noisy."
+                            if noisy else "."))
+    cold = [r for r in ok_rows(select(rows, table="warmup", phase="train_step", warmup=0)) if r.get("first_ms")]
+    warm = [r for r in ok_rows(select(rows, table="warmup", phase="train_step")) if r["warmup"] in (1, 2)]
+    if cold and warm:
+        slowest = max(cold, key=lambda r: r["first_ms"] / r["median_ms"])
+        mildest = min(cold, key=lambda r: r["first_ms"] / r["median_ms"])
+        warmed = max(select(rows, table="warmup", phase="train_step", size=slowest["size"]), key=lambda r: r["warmup"])
+        first_step = (f"{format_ratio(slowest['first_ms'] / slowest['median_ms'])}" if mildest is slowest else
+                      f"{format_ratio(mildest['first_ms'] / mildest['median_ms'])} ({mildest['size']}) to "
+                      f"{format_ratio(slowest['first_ms'] / slowest['median_ms'])} ({slowest['size']})")
+        sentences.append(
+            f"Without warm-up the first timed step takes {first_step} the median step, so {slowest['size']}'s "
+            f"{slowest['steps']}-step mean is {_mean_std_ms(slowest)} against {_mean_std_ms(warmed)} after "
+            f"{plural(warmed['warmup'], 'warm-up step')}; after 1 or 2 warm-up steps the first timed step is at most "
+            f"{format_ratio(max(r['first_ms'] / r['median_ms'] for r in warm))} the median.")
+    else:
+        sentences.append(not_in_report("The warm-up study"))
+    return sentences
+
+
+def answer_benchmarking_mixed_precision(reports: Reports) -> list[str]:
+    rows = reports["benchmarking_mixed_precision"]
+    clauses = []
+    dtypes = select(rows, table="autocast_dtypes")
+    if dtypes:
+        by_dtype: dict[str, list[str]] = {}
+        for r in dtypes:
+            by_dtype.setdefault(r["dtype"], []).append(r["tensor"])
+        clauses.append(f"Under {dtypes[0]['autocast']} autocast on {dtypes[0]['device']} the toy model's "
+                       + "; ".join(f"{listing(tensors)} {'is' if len(tensors) == 1 else 'are'} {dtype}"
+                                   for dtype, tensors in by_dtype.items()))
+    else:
+        clauses.append("The autocast dtype table is not in the report")
+    norms = {r["storage_dtype"]: r for r in select(rows, table="normalization")}
+    if "float16" in norms and "bfloat16" in norms:
+        fp16, bf16 = norms["float16"], norms["bfloat16"]
+        clauses.append("the mean of squares of the report's test row "
+                       + ("overflows to inf" if math.isinf(fp16["mean_square"]) else
+                          f"is off by {fp16['relative_error']:.2%}")
+                       + f" in fp16 and is off by {bf16['relative_error']:.2%} in bf16")
+    sentences = ["; ".join(clauses) + "."]
+    sweep = ok_rows(select(rows, table="sweep"))
+    sizes = sorted({r["size"] for r in sweep}, key=size_order)
+    if not sizes:
+        sentences.append(not_in_report("The fp32 against bf16 timing sweep"))
+        return sentences
+    largest, smallest = sizes[-1], sizes[0]
+    speedups = []
+    for context in sorted({r["context_length"] for r in sweep if r["size"] == largest}):
+        fp32, bf16 = (_e2e_step(sweep, largest, context, "train_step", p) for p in ("fp32", "bf16"))
+        if fp32 and bf16:
+            speedups.append(f"{_speedup(fp32, bf16)} at context {context} "
+                            f"({format_ms(fp32['mean_ms'])} -> {format_ms(bf16['mean_ms'])})")
+    if not speedups:
+        sentences.append(not_in_report(f"A {largest} training step in both fp32 and bf16"))
+        return sentences
+    text = f"bf16 autocast over fp32 for a {largest} training step (eager): " + ", ".join(speedups)
+    first_context = min(r["context_length"] for r in sweep if r["size"] == smallest)
+    fp32, bf16 = (_e2e_step(sweep, smallest, first_context, "train_step", p) for p in ("fp32", "bf16"))
+    if smallest != largest and fp32 and bf16:
+        text += (f"; at {smallest}, context {first_context}, it is {_speedup(fp32, bf16)}"
+                 + (" (bf16 slower)" if bf16["mean_ms"] > fp32["mean_ms"] else ""))
+    sentences.append(text + ".")
+    return sentences
+
+
+def answer_torch_compile(reports: Reports) -> list[str]:
+    rows = reports["torch_compile"]
+    sweep = ok_rows(select(rows, table="sweep"))
+    cells = {(r["size"], r["context_length"], r["precision"]) for r in sweep if r["phase"] == "train_step"}
+    speedups = {}
+    for size, context, precision in cells:
+        eager, compiled = (_e2e_step(sweep, size, context, "train_step", precision, c) for c in (False, True))
+        if eager and compiled:
+            speedups[(size, context, precision)] = (eager, compiled)
+    sentences = []
+    if speedups:
+        ratios = [e["mean_ms"] / c["mean_ms"] for e, c in speedups.values() if not _noisy(e, c)]
+        noisy = len(speedups) - len(ratios)
+        left_out = f"; {plural(noisy, 'noisy cell')} left out" if noisy else ""
+        if ratios:
+            sentences.append(f"Compiling each Transformer block makes the whole-model training step "
+                             f"{span(ratios, format_ratio)} as fast as eager over {len(ratios)} size, context and "
+                             f"precision {'cell' if len(ratios) == 1 else 'cells'} (median "
+                             f"{format_ratio(statistics.median(ratios))}{left_out}).")
+        else:
+            sentences.append(f"Every eager and compiled training step here is noisy (std above "
+                             f"{NOISY_RELATIVE_STD:.0%} of the mean), so no speed-up is read from them.")
+        largest = max(speedups, key=lambda key: (size_order(key[0]), key[1] == HEADLINE_CONTEXT, key[1]))
+        size, context = largest[:2]
+        shown = [f"{precision} {format_ms(e['mean_ms'])} -> {format_ms(c['mean_ms'])}, {_speedup(e, c)}"
+                 for (s, n, precision), (e, c) in sorted(speedups.items(), key=lambda item: item[0][2], reverse=True)
+                 if (s, n) == (size, context)]
+        sentences.append(f"At {size}, context {context}: " + ", ".join(shown) + ".")
+    else:
+        sentences.append(not_in_report("A whole-model training step both eager and compiled"))
+    attention = [r for r in select(rows, table="attention") if r.get("status") == "ok"]
+    pairs: dict[tuple, dict[bool, Row]] = {}
+    for r in attention:
+        pairs.setdefault((r["head_dim"], r["seq_len"]), {})[bool(r["compile"])] = r
+    ratios, noisy = {}, {}
+    for phase in ("forward", "backward"):
+        timed = [p for p in pairs.values() if len(p) == 2 and all(r.get(f"{phase}_mean_ms") for r in p.values())]
+        steady = [p for p in timed if not _noisy(*p.values(), prefix=f"{phase}_")]
+        ratios[phase] = [p[False][f"{phase}_mean_ms"] / p[True][f"{phase}_mean_ms"] for p in steady]
+        noisy[phase] = len(timed) - len(steady)
+    parts = []
+    for phase, values in ratios.items():
+        if values:
+            parts.append(f"{phase} {span(values, format_ratio)}"
+                         + (f" ({plural(noisy[phase], 'noisy cell')} left out)" if noisy[phase] else ""))
+        elif noisy[phase]:
+            parts.append(f"{phase} noisy in every cell")
+    if parts:
+        sentences.append(f"Naive attention alone, compiled over eager ({plural(len(pairs), 'cell')}): "
+                         + ", ".join(parts) + ".")
+    else:
+        sentences.append(not_in_report("The attention sweep compiled against eager (rows of table `attention`, "
+                                        "which the `-m attention` perf run writes)"))
+    return sentences

@@ -44,7 +44,20 @@ from cs336_systems.attention.reference import naive_attention
 from cs336_systems.benchmarks.attention import DTYPES
 from cs336_systems.benchmarks.harness import release_memory
 from cs336_systems.memory_guard import available_bytes, is_out_of_memory
-from cs336_systems.reports import NOISY, OOM, Rendered, Row, is_noisy, markdown_table, renderer
+from cs336_systems.reports import (
+    NOISY,
+    OOM,
+    Rendered,
+    Reports,
+    Row,
+    format_ms,
+    is_noisy,
+    markdown_table,
+    not_in_report,
+    ok_rows,
+    renderer,
+    select,
+)
 from cs336_systems.timing import time_fn
 
 SEQ_LENS = tuple(2**p for p in range(7, 17))  # 128 ... 65536
@@ -546,3 +559,57 @@ def render_flash_benchmarking(rows: list[Row]) -> Rendered:
     parts.append(_leaderboard_section([r for r in rows if r.get("table") == "leaderboard"]))
     parts.append(_gate_section([r for r in rows if r.get("table") == "gate"]))
     return Rendered("\n".join(p for p in parts if p), figures=figures)
+
+
+# ---------------------------------------------------------------------------------------------- answers
+
+def answer_flash_forward_backward(reports: Reports) -> list[str]:
+    return ["No report of their own: these are correctness problems, run on every machine by "
+            "`pytest tests/test_flash_attention.py` (output, logsumexp and gradients against a float64 reference, L "
+            "as the only tensor saved per query row, causal masking), for the tiled PyTorch and the Triton "
+            "Functions; their speed is measured under flash_benchmarking."]
+
+
+def answer_flash_benchmarking(reports: Reports) -> list[str]:
+    rows = reports["flash_benchmarking"]
+    sweep = select(rows, table="sweep")
+    sentences = []
+    index = {(r["precision"], r["mode"], r["head_dim"], r["seq_len"], r["provider"]): r for r in ok_rows(sweep)}
+    for precision in dict.fromkeys(r["precision"] for r in sweep):
+        both = [(d, n) for (p, mode, d, n, provider) in index if (p, mode, provider) ==
+                (precision, "forward_backward", "naive") and (p, mode, d, n, "flash_triton") in index]
+        if not both:
+            continue
+        d, n = max(both, key=lambda dn: (dn[1], dn[0]))
+        triton, naive, sdpa = (index.get((precision, "forward_backward", d, n, provider))
+                               for provider in ("flash_triton", "naive", "sdpa"))
+        ooms = [r["seq_len"] for r in select(sweep, precision=precision, provider="naive", status=OOM)]
+        sentences.append(
+            f"{precision}, causal, forward+backward at the largest N where naive attention ran (d={d}, N={n}): Triton "
+            f"{format_ms(triton['median_ms'])} against naive {format_ms(naive['median_ms'])} (naive takes "
+            f"{naive['median_ms'] / triton['median_ms']:.3g}x Triton's time)"
+            + (f" and SDPA {format_ms(sdpa['median_ms'])}" if sdpa else "")
+            + (f"; naive runs out of memory from N={min(ooms)}." if ooms else "."))
+    if not sentences:
+        sentences.append(not_in_report("A forward+backward cell where both Triton and naive attention ran"))
+    leaderboard = ok_rows(select(rows, table="leaderboard"))
+    if leaderboard:
+        r0 = leaderboard[0]
+        sentences.append(
+            f"Leaderboard configuration (batch {r0['batch_size']}, {r0['n_heads']} heads, d {r0['head_dim']}, "
+            f"N {r0['seq_len']:,}, {r0['precision']}, causal, forward+backward): "
+            + ", ".join(f"{PROVIDER_LABELS.get(r['provider'], r['provider'])} {format_ms(r['median_ms'])}"
+                        for r in leaderboard) + ".")
+    else:
+        sentences.append(not_in_report("The leaderboard configuration"))
+    return sentences
+
+
+def answer_leaderboard(reports: Reports) -> list[str]:
+    return ["No report: no benchmark of the leaderboard's full training step (the 8B-class model, d_model 4096, "
+            "34 layers, vocabulary 151,936, batch 2 x 32,768 tokens, bf16, AdamW) exists in the project yet; it "
+            "needs two GPUs. flash_benchmarking measures the attention part of the 2025 leaderboard."]
+
+
+def open_items_leaderboard(reports: Reports) -> list[str]:
+    return ["the full training step of the 8B-class model on two GPUs: not implemented"]

@@ -37,6 +37,7 @@ from torch import nn
 
 from cs336_systems.accounting.communication import bytes_sent_per_device
 from cs336_systems.accounting.memory import training_memory
+from cs336_systems.benchmarks.ddp import step_setup, steps_by_variant
 from cs336_systems.benchmarks.harness import LEARNING_RATE, adamw, build_model, lm_loss, random_batch
 from cs336_systems.benchmarks.sharding import (
     BREAKDOWN_NOTE,
@@ -60,7 +61,17 @@ from cs336_systems.distributed.launch import rank_device
 from cs336_systems.model import ModelConfig
 from cs336_systems.profiling.kernels import profiler_activities
 from cs336_systems.profiling.timeline import COMPUTE, PHASE, Interval, intervals_from_events
-from cs336_systems.reports import Rendered, Row, markdown_table, renderer
+from cs336_systems.reports import (
+    Rendered,
+    Reports,
+    Row,
+    format_ms,
+    markdown_table,
+    not_in_report,
+    plural,
+    renderer,
+    select,
+)
 from cs336_systems.timing import synchronize
 
 STEP_PHASES = ("forward", "backward", "optimizer")
@@ -286,10 +297,6 @@ def fsdp_equivalence(rank: int, world_size: int) -> list[Row]:
 MEMORY_MODEL_FIELDS = ("parameters", "gradients", "optimizer_state", "activations", "buffers", "peak")
 
 
-def _ok_steps(rows: list[Row]) -> dict[str, Row]:
-    return {r["variant"]: r for r in rows if r.get("table") == "step" and r.get("status") == "ok"}
-
-
 def _against_torch(steps: dict[str, Row]) -> str:
     ours, theirs = steps.get(OURS), steps.get(TORCH_FSDP)
     if not (ours and theirs):
@@ -409,7 +416,7 @@ def _readiness_section(rows: list[Row]) -> str:
 def render_fsdp_accounting(rows: list[Row]) -> Rendered:
     if not any(r.get("table") == "step" for r in rows):
         return Rendered("_no rows_\n")
-    steps = _ok_steps(rows)
+    steps = steps_by_variant(rows)
     body = [f"{setup_sentence(rows)} {OURS} shards every Linear and Embedding weight (prefetching two layers "
             f"ahead); '{OURS_NO_PREFETCH}' gathers each weight only when it is needed. torch FSDP applies "
             "fully_shard to every Transformer block and to the root. 'model peak' is the closed-form estimate "
@@ -437,3 +444,35 @@ def render_fsdp(rows: list[Row]) -> Rendered:
         + markdown_table(equivalence, ["compute", "world_size", "backend", "steps", "logits_dtype", "master_dtype",
                                        "max_abs_difference", "tolerance", "matches"])
         + "\n" + "\n".join(verdicts) + "\n")
+
+
+# ---------------------------------------------------------------------------------------------- answers
+
+def answer_fsdp(reports: Reports) -> list[str]:
+    sentences = []
+    if "fsdp" in reports:
+        equivalence = select(reports["fsdp"], table="equivalence")
+        if equivalence:
+            r0 = equivalence[0]
+            verdicts = [f"{r['compute']} compute differs by at most {r['max_abs_difference']:.3g} "
+                        f"({'within' if r['matches'] else 'OUTSIDE'} the tolerance {r['tolerance']:g}), master "
+                        f"weights in {r['master_dtype']}" for r in equivalence]
+            sentences.append(f"Against single-process training ({r0['world_size']} ranks, {r0['backend']}): "
+                             + "; ".join(verdicts) + ".")
+        else:
+            sentences.append(not_in_report("The comparison with single-process training"))
+    if "fsdp_accounting" in reports:
+        rows = reports["fsdp_accounting"]
+        steps = steps_by_variant(rows)
+        shown = [f"{name} {format_ms(steps[name]['step_ms'])}"
+                 + (f", peak {steps[name]['peak_gib']:.3g} GiB" if steps[name].get("peak_gib") else "")
+                 for name in (OURS, TORCH_FSDP, TORCH_DDP) if name in steps]
+        sentences.append(f"{step_setup(next(iter(steps.values())))}: " + "; ".join(shown) + "." if shown else
+                         not_in_report("A measured FSDP training step"))
+        readiness = select(rows, table="readiness")
+        if readiness:
+            sentences.append(f"In a profiled step {sum(r['on_time'] for r in readiness)} of "
+                             f"{plural(len(readiness), 'all-gather')} finished before the layer that needs them; "
+                             "compute waited "
+                             f"{format_ms(sum(r['waited_ms'] for r in readiness))} in all.")
+    return sentences

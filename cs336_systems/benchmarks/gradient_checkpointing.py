@@ -34,7 +34,23 @@ from cs336_systems.profiling.checkpointing import (
     remove_checkpointing,
 )
 from cs336_systems.profiling.memory import peak_memory_increase
-from cs336_systems.reports import OOM, Rendered, Row, format_bytes, markdown_table, plural, renderer, span
+from cs336_systems.reports import (
+    OOM,
+    Rendered,
+    Reports,
+    Row,
+    find,
+    format_bytes,
+    format_ratio,
+    listing,
+    markdown_table,
+    not_in_report,
+    ok_rows,
+    plural,
+    renderer,
+    select,
+    span,
+)
 from cs336_systems.timing import timed
 
 # The 2026 handout's gradient_checkpointing (b): xl at batch 4 and this sequence length.
@@ -222,9 +238,13 @@ def _levels(levels: int | str) -> str:
     return f"{levels} levels" if levels == "unlimited" else plural(levels, "level")
 
 
+def _every(k: int) -> str:
+    return f"every {k} block{'s' if k != 1 else ''}"
+
+
 def _plan_label(r: Row) -> str:
     if r["plan_kind"] == "every_k":
-        return "no checkpointing" if r["k"] == "none" else f"every {r['k']} block{'s' if r['k'] != 1 else ''}"
+        return "no checkpointing" if r["k"] == "none" else _every(r["k"])
     return f"optimal nested, {r['levels']} recomputation level{'s' if r['levels'] != 1 else ''}"
 
 
@@ -420,3 +440,62 @@ def render_gradient_checkpointing(rows: list[Row]) -> Rendered:
     figure = _sweep_figure(sweep, sweep[0]["num_layers"])
     parts.insert(1, "![peak activation memory by plan](gradient_checkpointing.png)\n")
     return Rendered("\n".join(p for p in parts if p), {"gradient_checkpointing.png": figure})
+
+
+# ---------------------------------------------------------------------------------------------- answers
+
+def _plan_phrase(r: Row) -> str:
+    """A plan as a sentence names it (`_plan_label` is the table's shorter name)."""
+    if r["plan_kind"] == "every_k":
+        return "no checkpointing" if r["k"] == "none" else _every(r["k"])
+    return f"the optimal nested plan with {r['levels']} recomputation level{'s' if r['levels'] != 1 else ''}"
+
+
+def answer_gradient_checkpointing(reports: Reports) -> list[str]:
+    sweep = select(reports["gradient_checkpointing"], table="sweep")
+    single = [r for r in ok_rows(sweep) if r["plan_kind"] == "every_k" and r["k"] != "none"]
+    if not single:
+        return [not_in_report("A single-level checkpoint plan that fit in memory")]
+    r0 = single[0]
+    layers, a, b = r0["num_layers"], r0["block_bytes"], r0["boundary_bytes"]
+    best = min(single, key=lambda r: r["measured_peak_bytes"])
+    rule = math.sqrt(layers)
+    nearest = min(single, key=lambda r: abs(r["k"] - rule))
+    none = find(sweep, plan_kind="every_k", k="none")
+    baseline = (f"{format_bytes(none['measured_peak_bytes'], 'bytes')} without checkpointing, "
+                if none and none["status"] == "ok" else "")
+    sentences = [
+        f"{r0['size']} ({layers} blocks), batch {r0['batch_size']}, context {r0['context_length']}, {r0['precision']}: "
+        f"peak activation memory is {baseline}{format_bytes(best['measured_peak_bytes'], 'bytes')} at the best single "
+        f"level ({_every(best['k'])}) and {format_bytes(nearest['measured_peak_bytes'], 'bytes')} at "
+        f"{_every(nearest['k'])}, the measured k nearest the sqrt(L) estimate sqrt({layers}) = {rule:.1f}."]
+    ooms = [_plan_phrase(r) for r in sweep if r["status"] == OOM]
+    sentences.append(
+        f"That estimate assumes a block keeps what a checkpoint boundary keeps; here it keeps {a / b:.0f}x as much, "
+        f"which moves the optimum to sqrt(L b / a) = {math.sqrt(layers * b / a):.2f}"
+        + (f" (out of memory at this context: {listing(ooms)})." if ooms else "."))
+    nested = {r["levels"]: r for r in ok_rows(sweep) if r["plan_kind"] == "optimal"}
+    unlimited, two = nested.get("unlimited"), nested.get(2)
+    if unlimited:
+        text = (f"The memory-optimal strategy nests checkpointed groups inside each other: with unlimited "
+                f"recomputation it peaks at {format_bytes(unlimited['measured_peak_bytes'], 'bytes')}, recomputing "
+                f"{plural(unlimited['recomputed_blocks'], 'block forward pass', 'block forward passes')} per step "
+                f"in the {layers}-block model ({format_ratio(unlimited['step_ms'] / best['step_ms'])} the step time of "
+                f"{_every(best['k'])}), O(1) memory for O(L^2) recomputation")
+        if two:
+            text += (f"; two levels reach {format_bytes(two['measured_peak_bytes'], 'bytes')} for "
+                     f"{plural(two['recomputed_blocks'], 'recomputed block')} "
+                     f"({format_ratio(two['step_ms'] / best['step_ms'])})")
+        sentences.append(text + ".")
+    else:
+        sentences.append(not_in_report("The optimal nested plan with unlimited recomputation"))
+    return sentences
+
+
+def open_items_gradient_checkpointing(reports: Reports) -> list[str]:
+    sweep = select(reports["gradient_checkpointing"], table="sweep")
+    if any(r.get("context_length") == HANDOUT_CHECKPOINT_CONTEXT for r in sweep):
+        return []
+    return [f"the 2026 handout's (b) is xl at batch 4, context {HANDOUT_CHECKPOINT_CONTEXT:,}; this run measured "
+            "context " + listing(sorted({str(r["context_length"]) for r in sweep}))
+            + " (`make single-gpu-reports` runs it)"]

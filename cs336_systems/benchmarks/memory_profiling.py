@@ -46,7 +46,20 @@ from cs336_systems.profiling.memory import (
     take_snapshot,
 )
 from cs336_systems.profiling.residuals import block_memory
-from cs336_systems.reports import OOM, Rendered, Row, format_bytes, markdown_table, renderer
+from cs336_systems.reports import (
+    OOM,
+    Rendered,
+    Reports,
+    Row,
+    format_bytes,
+    format_share,
+    listing,
+    markdown_table,
+    not_in_report,
+    ok_rows,
+    renderer,
+    select,
+)
 
 MEMORY_MODES = ("inference", "train_step")
 # The 2026 handout's memory_profiling contexts (for its xl).
@@ -560,3 +573,86 @@ def _signed_size(value: float) -> str:
 
 def _gib(value) -> float | None:
     return None if value is None else value / GIB
+
+
+# ---------------------------------------------------------------------------------------------- answers
+
+# The modes as the answers' sentences name them (MODE_LABELS heads the tables).
+ANSWER_MODE_LABELS = {"inference": "forward only (no_grad)", "train_step": "a training step"}
+
+
+def answer_memory_profiling(reports: Reports) -> list[str]:
+    rows = reports["memory_profiling"]
+    peaks = select(rows, table="peak")
+    if not peaks:
+        return [not_in_report("A peak-memory cell")]
+    on_gpu = any(r.get("peak_bytes") is not None for r in peaks)
+    column = "peak_bytes" if on_gpu else "peak_increase_bytes"
+    first = peaks[0]
+    groups = []
+    for mode, label in ANSWER_MODE_LABELS.items():
+        for precision in dict.fromkeys(r["precision"] for r in peaks):
+            cells = sorted(select(peaks, mode=mode, precision=precision), key=lambda r: r["context_length"])
+            if not cells:
+                continue
+            values = [format_bytes(r[column], "bytes") if r["status"] == "ok" else OOM for r in cells]
+            contexts = " / ".join(str(r["context_length"]) for r in cells)
+            shown = (f"out of memory at every context ({contexts})" if set(values) == {OOM} else
+                     f"{' / '.join(values)} at context {contexts}")
+            groups.append(f"{label} in {precision}: {shown}")
+    training_phases = {r["predicted_phase"] for r in ok_rows(select(peaks, mode="train_step"))
+                       if r.get("predicted_phase")}
+    sentences = [f"Peak memory{'' if on_gpu else ' above the start'} of {first['size']}, batch {first['batch_size']}, "
+                 f"{first['attention']} attention: " + "; ".join(groups)
+                 + (f" (the memory model places the training step's peak at the {training_phases.pop()})."
+                    if len(training_phases) == 1 else ".")]
+    residual = select(rows, table="residual")
+    if residual:
+        r = residual[0]
+        match = all(x["measured_bytes"] == x["computed_bytes"] for x in residual)
+        sentences.append(
+            f"One residual-stream tensor at context {r['context_length']} is {r['batch_size']} x {r['context_length']} "
+            f"x {r['d_model']} x 4 bytes = {format_bytes(r['computed_bytes'], 'bytes')}; the first block's output "
+            "measured " + listing([f"{format_bytes(x['measured_bytes'], 'bytes')} ({x['dtype']}) under "
+                                   f"{x['precision']}" for x in residual])
+            + (", as computed." if match else ", which differs from the computed size."))
+    else:
+        sentences.append(not_in_report("The residual-stream size"))
+    tops = select(rows, table="allocation", rank=1)
+    if tops:
+        top = select(tops, mode="train_step")[0] if select(tops, mode="train_step") else tops[0]
+        sentences.append(f"The largest allocations of {ANSWER_MODE_LABELS[top['mode']]} in {top['precision']} at "
+                         f"context {top['context_length']} are {top['count']} blocks of {top['size_mib']:.2f} MiB from "
+                         f"`{top['source']}`.")
+    blocks = ok_rows(select(rows, table="block"))
+    if blocks:
+        block = blocks[len(blocks) // 2]
+        operations = sorted(select(rows, table="block_operation", precision=block["precision"]),
+                            key=lambda r: r["rank"])
+        text = (f"(f) In {block['precision']} at context {block['context_length']} a block saves "
+                f"{format_bytes(block['saved_bytes'], 'bytes')} for backward (the model: "
+                f"{format_bytes(block['predicted_saved_bytes'], 'bytes')})")
+        if operations:
+            text += (", " + format_share(sum(r["share"] for r in operations)) + " of it allocated by "
+                     + listing([f"`{r['operation']}` ({format_share(r['share'])})" for r in operations]))
+        text += (f"; its weight gradients take {format_bytes(block['weight_gradient_bytes'], 'bytes')}, 4 bytes for "
+                 f"each of its {block['parameters']:,} parameters")
+        if block.get("gradient_bytes") is not None:
+            text += (f", and the allocator saw its backward add {format_bytes(block['gradient_bytes'], 'bytes')} of "
+                     "gradients")
+        sentences.append(text + ".")
+    return sentences
+
+
+def open_items_memory_profiling(reports: Reports) -> list[str]:
+    rows = reports["memory_profiling"]
+    gaps = []
+    if not select(rows, table="block"):
+        gaps.append("part (f), residuals and gradients per block")
+    if not select(rows, table="snapshot"):
+        gaps.append("the memory_viz snapshots beside the report")
+    contexts = {r["context_length"] for r in select(rows, table="peak")}
+    missing = [str(n) for n in HANDOUT_MEMORY_CONTEXTS if n not in contexts]
+    if missing:
+        gaps.append(f"the 2026 handout's context {listing(missing)}")
+    return [f"not in this run: {listing(gaps)} (`make single-gpu-reports` measures them)"] if gaps else []

@@ -3,10 +3,12 @@ return what they measured."""
 
 from __future__ import annotations
 
+import math
+
 import torch
 from torch import nn
 
-from cs336_systems.reports import Rendered, Row, renderer
+from cs336_systems.reports import Rendered, Reports, Row, not_in_report, renderer
 
 ACCUMULATION_STEPS = 1000
 ADDEND = 0.01
@@ -156,3 +158,22 @@ def render_accumulation(rows: list[Row]) -> Rendered:
             "Hence mixed precision keeps accumulations (matmul accumulators, reductions, optimizer state) in fp32 "
             "while inputs may be low precision.\n")
     return Rendered("\n".join(body))
+
+
+# ---------------------------------------------------------------------------------------------- answers
+
+def answer_mixed_precision_accumulation(reports: Reports) -> list[str]:
+    variants = {r["variant"]: r for r in reports["mixed_precision_accumulation"]}
+    if not variants:
+        return [not_in_report("An accumulation variant")]
+    sentences = [f"Adding {ADDEND:g} {ACCUMULATION_STEPS} times (exact sum {ADDEND * ACCUMULATION_STEPS:g}): "
+                 + "; ".join(f"{name} gives {r['result']:.6g} (error {r['abs_error']:.3g})"
+                             for name, r in variants.items()) + "."]
+    pure, mixed = variants.get("fp16 += fp16"), variants.get("fp32 += fp16")
+    if pure and mixed and math.isclose(mixed["result"], mixed["exact_sum_of_stored_addend"], rel_tol=1e-9):
+        sentences.append(
+            f"With an fp32 accumulator the fp16 addend costs only its own rounding ({ACCUMULATION_STEPS} x "
+            f"fp16({ADDEND:g}) = {mixed['exact_sum_of_stored_addend']:.6g}), while the fp16 accumulator's error is "
+            f"{pure['abs_error'] / mixed['abs_error']:.0f}x larger as its spacing grows with the sum: accumulate in "
+            "fp32.")
+    return sentences

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import torch
 
 from cs336_systems.accounting.activations import predict_peak_memory, state_bytes
-from cs336_systems.benchmarks.e2e import DEFAULT_BATCH_SIZE, memory_model_attention
+from cs336_systems.benchmarks.e2e import DEFAULT_BATCH_SIZE, HEADLINE_CONTEXT, memory_model_attention
 from cs336_systems.benchmarks.harness import (
     LEARNING_RATE,
     PRECISIONS,
@@ -35,13 +35,18 @@ from cs336_systems.profiling.ranges import annotate
 from cs336_systems.reports import (
     OOM,
     Rendered,
+    Reports,
     Row,
     format_bytes,
+    format_share,
+    listing,
     markdown_table,
     mean_std,
+    not_in_report,
     pivot,
     plural,
     renderer,
+    select,
     span,
 )
 from cs336_systems.timing import STEP_TIMER
@@ -416,3 +421,89 @@ def render_nsys_profile(rows: list[Row]) -> Rendered:
 
 def _span(values: list[float], fmt: str = "{:.0%}") -> str:
     return span(values, fmt.format)
+
+
+# ---------------------------------------------------------------------------------------------- answers
+
+KERNEL_NAME_CHARS = 60
+
+
+def _cells_that_ran(rows: list[Row]) -> dict[tuple[str, int], dict]:
+    """(size, context) -> {"cell": row, "range": {name: row}, "kernels": {range: rows by rank}}."""
+    cells: dict[tuple[str, int], dict] = {}
+    for r in select(rows, table="cell"):
+        if r["status"] == "ok":
+            cells[(r["size"], r["context_length"])] = {"cell": r, "range": {}, "kernels": {}}
+    for r in rows:
+        cell = cells.get((r.get("size"), r.get("context_length")))
+        if cell is not None and r.get("table") == "range":
+            cell["range"][r["range"]] = r
+        elif cell is not None and r.get("table") == "kernel":
+            cell["kernels"].setdefault(r["range"], []).append(r)
+    for cell in cells.values():
+        for kernels in cell["kernels"].values():
+            kernels.sort(key=lambda r: r["rank"])
+    return {key: c for key, c in cells.items() if "forward" in c["range"] and STEP_RANGE in c["range"]}
+
+
+def answer_nsys_profile(reports: Reports) -> list[str]:
+    rows = reports["nsys_profile"]
+    cells = _cells_that_ran(rows)
+    if not cells:
+        return [not_in_report("A profiled cell that ran to completion")]
+    at_headline = [key for key in cells if key[1] == HEADLINE_CONTEXT] or list(cells)
+    size, context = max(at_headline, key=lambda key: (size_order(key[0]), key[1]))
+    shown = cells[(size, context)]
+    sample = shown["cell"]
+    ooms = [f"{r['size']} at context {r['context_length']}" for r in select(rows, table="cell", status=OOM)]
+    forward_kernels = shown["kernels"].get("forward", [])
+    sentences = []
+    if forward_kernels:
+        top = forward_kernels[0]
+        other = next((k for k in forward_kernels if k.get("matmul") is False), None)
+        sentences.append(
+            f"Kernel tables from torch.profiler ({sample['attention']} attention, {sample['precision']}, batch "
+            f"{sample['batch_size']}); at {size}, context {context}, the top forward kernel is "
+            f"`{short_name(top['kernel'], KERNEL_NAME_CHARS)}` ({'a matmul, ' if top.get('matmul') else ''}"
+            f"{top['share']:.1%} of forward kernel time, {top['calls_per_instance']:g} launches per forward pass)"
+            + (f" and the largest non-matmul one `{short_name(other['kernel'], KERNEL_NAME_CHARS)}` "
+               f"({other['share']:.1%})" if other else "")
+            + (f"; out of memory: {listing(ooms)}." if ooms else "."))
+    else:
+        sentences.append(not_in_report(f"The forward kernel table of {size} at context {context}"))
+    forward_shares = [c["range"]["forward"]["matmul_share"] for c in cells.values()]
+    step_shares = [c["range"][STEP_RANGE]["matmul_share"] for c in cells.values()]
+    sentences.append(
+        f"Matmuls take {format_share(shown['range']['forward']['matmul_share'])} of forward kernel time and "
+        f"{format_share(shown['range'][STEP_RANGE]['matmul_share'])} of the full training step there "
+        f"({span(forward_shares, format_share)} and {span(step_shares, format_share)} over the "
+        f"{plural(len(cells), 'profiled cell')})"
+        + (f"; the optimizer's share is {format_share(shown['range']['optimizer']['matmul_share'])}."
+           if "optimizer" in shown["range"] else "."))
+    excess = {}
+    for key, c in cells.items():
+        if all(name in c["range"] for name in ATTENTION_RANGES):
+            scores, softmax, final = (c["range"][name] for name in ATTENTION_RANGES)
+            matmul_ms = scores["matmul_ms"] + final["matmul_ms"]
+            if matmul_ms:
+                flop_ratio = SOFTMAX_FLOPS_PER_SCORE / (4 * c["cell"]["d_head"])
+                excess[key] = (softmax["work_ms"] / matmul_ms, flop_ratio)
+    if (size, context) in excess:
+        time_ratio, flop_ratio = excess[(size, context)]
+        over_cells = span([t / f for t, f in excess.values()], "{:.0f}x".format)
+        sentences.append(
+            f"Inside attention softmax takes {time_ratio:.2f}x the matmuls' time against {flop_ratio:.2%} of their "
+            f"FLOPs, {time_ratio / flop_ratio:.0f}x its FLOP share ({over_cells} over the cells): it is paced by "
+            "memory traffic, not arithmetic.")
+    else:
+        sentences.append(not_in_report(f"The attention ranges (scores, softmax, final matmul) of {size} at context "
+                                        f"{context}"))
+    return sentences
+
+
+def open_items_nsys_profile(reports: Reports) -> list[str]:
+    ranges = select(reports["nsys_profile"], table="range")
+    if ranges and not any("self_work_ms" in r for r in ranges):
+        return ["its kernel tables predate kernels being attributed once each (a kernel could count twice); "
+                "`make single-gpu-reports` measures them again"]
+    return []

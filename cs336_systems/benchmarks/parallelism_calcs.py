@@ -33,7 +33,18 @@ from cs336_systems.accounting.ffn_parallelism import (
 from cs336_systems.benchmarks.allreduce import NVLINK_BYTES_PER_S_PER_DIRECTION
 from cs336_systems.gpus import GB, GPU_SPECS, TERA
 from cs336_systems.model import ModelConfig
-from cs336_systems.reports import Rendered, Row, markdown_table, renderer, select, write_csv
+from cs336_systems.reports import (
+    Rendered,
+    Reports,
+    Row,
+    find,
+    format_ms,
+    markdown_table,
+    not_in_report,
+    renderer,
+    select,
+    write_csv,
+)
 
 PROBLEMS = ("alternate_ring_all_reduce", "data_parallel_calcs", "fsdp_calcs", "tp_calcs", "fsdp_tp_calcs")
 ANALYSIS_COMMAND = "python -m cs336_systems analysis"
@@ -366,3 +377,57 @@ def write_parallelism_calcs(report_dir: Path | str, command: str = ANALYSIS_COMM
         path.write_text(header + "\n" + RENDERERS[problem](rows).body.rstrip() + "\n")
         paths.append(path)
     return paths
+
+
+# ---------------------------------------------------------------------------------------------- answers
+
+def _node_clause(setting: Row) -> str:
+    return (f"on {NODE_SIZE} NVLink GPUs (C = {setting['C_flops_per_s'] / 1e12:.1f} TFLOP/s, W = "
+            f"{setting['W_bytes_per_s'] / GB:.0f} GB/s) with the {setting['size_table']} {setting['size']} FFN and "
+            f"B = {setting['B']:,} tokens")
+
+
+def answer_alternate_ring_all_reduce(reports: Reports) -> list[str]:
+    rows = reports["alternate_ring_all_reduce"]
+    node = select(rows, table="node")
+    if not node:
+        return [not_in_report("The worked figure")]
+    largest = max(node, key=lambda r: r["N"])
+    return [f"T = (N - 1) S / W, N/2 times the ring all-reduce's 2 (N - 1) S / (N W): for the xl model's FP16 "
+            f"gradients ({largest['S_bytes'] / GB:.2f} GB) on {largest['N']} NVLink GPUs, "
+            f"{format_ms(largest['alternate_ms'])} against {format_ms(largest['ring_ms'])}."]
+
+
+def _bound_answer(reports: Reports, report: str, formulas: dict[str, str]) -> list[str]:
+    rows = reports[report]
+    setting = find(rows, table="setting")
+    if setting is None:
+        return [not_in_report("The worked figure")]
+    bounds = "; ".join(f"{phase}: {formula} = {find(rows, table='bound', phase=phase)['max_devices']:,.2f}"
+                       for phase, formula in formulas.items() if find(rows, table="bound", phase=phase))
+    return [f"Answered part by part in the handout's symbols; {_node_clause(setting)}: {bounds}."]
+
+
+def answer_data_parallel_calcs(reports: Reports) -> list[str]:
+    return _bound_answer(reports, "data_parallel_calcs", {"backward": "N_DP <= 1 + B W / C"})
+
+
+def answer_fsdp_calcs(reports: Reports) -> list[str]:
+    return _bound_answer(reports, "fsdp_calcs", {"forward": "N_FSDP <= 1 + B W / C",
+                                                "backward": "N_FSDP <= 1 + B W / C"})
+
+
+def answer_tp_calcs(reports: Reports) -> list[str]:
+    return _bound_answer(reports, "tp_calcs", {"forward": "N_TP <= 1 + 3 D_FF W / (2 C)",
+                                              "backward": "N_TP <= 1 + 3 D_FF W / C"})
+
+
+def answer_fsdp_tp_calcs(reports: Reports) -> list[str]:
+    rows = reports["fsdp_tp_calcs"]
+    setting = find(rows, table="setting")
+    overlapped, shared = find(rows, table="bound", axes="overlapped"), find(rows, table="bound", axes="shared")
+    if setting is None or not (overlapped and shared):
+        return [not_in_report("The worked figure")]
+    return [f"Answered part by part in the handout's symbols; {_node_clause(setting)}: with the axes overlapped N <= "
+            f"(1 + B W / C)(1 + 3 D_FF W / (2 C)) = {overlapped['max_devices']:,.1f}, sharing the network N <= "
+            f"(a b + a + b)^2 / (4 a b) = {shared['max_devices']:,.1f}."]

@@ -32,13 +32,28 @@ from torch import nn
 
 from cs336_systems.accounting.communication import bytes_sent_per_device
 from cs336_systems.accounting.memory import GIB, training_memory
+from cs336_systems.benchmarks.ddp import step_setup, steps_by_variant
 from cs336_systems.benchmarks.harness import LEARNING_RATE, adamw, build_model, lm_loss, random_batch, release_memory
 from cs336_systems.distributed.launch import rank_device
 from cs336_systems.distributed.sharded_optimizer import SYNC_METHODS, ShardedOptimizer
 from cs336_systems.memory_guard import check_memory_on_every_rank, is_out_of_memory
 from cs336_systems.model import ModelConfig
 from cs336_systems.profiling.ranges import annotate
-from cs336_systems.reports import OOM, Rendered, Row, markdown_table, mean_std, renderer, span
+from cs336_systems.reports import (
+    OOM,
+    Rendered,
+    Reports,
+    Row,
+    format_ms,
+    format_share,
+    markdown_table,
+    mean_std,
+    not_in_report,
+    ok_rows,
+    renderer,
+    select,
+    span,
+)
 from cs336_systems.timing import synchronize, timed
 
 @dataclass(frozen=True)
@@ -349,10 +364,6 @@ def _steps(rows: list[Row]) -> list[Row]:
     return [r for r in rows if r.get("table") == "step"]
 
 
-def _ok(rows: list[Row]) -> list[Row]:
-    return [r for r in rows if r.get("status") == "ok"]
-
-
 def setup_sentence(rows: list[Row]) -> str:
     r = _steps(rows)[0]
     return (f"{r['size']} model, context {r['context_length']}, batch {r['batch_size']} per rank on {r['world_size']} "
@@ -363,7 +374,7 @@ def setup_sentence(rows: list[Row]) -> str:
 
 def step_table(rows: list[Row], baseline: str | None = None) -> str:
     table = []
-    base = next((r for r in _ok(_steps(rows)) if r["variant"] == baseline), None)
+    base = next((r for r in ok_rows(_steps(rows)) if r["variant"] == baseline), None)
     for r in _steps(rows):
         if r["status"] != "ok":
             table.append({"variant": r["variant"], "step (ms)": OOM})
@@ -415,7 +426,7 @@ def within(ratio: float, target: float) -> str:
 
 def _zero_comparison(rows: list[Row]) -> str:
     """Our sharded optimizer against torch's ZeroRedundancyOptimizer, and against the targets."""
-    ok = {r["variant"]: r for r in _ok(_steps(rows))}
+    ok = {r["variant"]: r for r in ok_rows(_steps(rows))}
     zero = ok.get("DDP + ZeroRedundancyOptimizer")
     ours = [r for name, r in ok.items() if name.startswith("DDP + ShardedOptimizer")]
     if zero is None or not ours:
@@ -445,7 +456,8 @@ def _zero_comparison(rows: list[Row]) -> str:
 
 def _memory_findings(rows: list[Row]) -> str:
     ddp, zero = "DDP + AdamW", "DDP + ZeroRedundancyOptimizer"
-    ours = next((r["variant"] for r in _ok(_steps(rows)) if r["variant"].startswith("DDP + ShardedOptimizer")), None)
+    ours = next((r["variant"] for r in ok_rows(_steps(rows)) if r["variant"].startswith("DDP + ShardedOptimizer")),
+                None)
     lines = []
     for variant in (ddp, zero, ours):
         before = _point(rows, variant, "before optimizer step") if variant else None
@@ -481,7 +493,7 @@ FP32_ADAMW_BYTES = {"parameters": 4, "gradients": 4, "sharded state": 8}
 
 def _zero_stage_1_section(rows: list[Row]) -> str:
     """(c): our approach (and torch's ZeroRedundancyOptimizer) against ZeRO-DP P_os, from the run's sizes."""
-    steps = {r["variant"]: r for r in _ok(_steps(rows))}
+    steps = {r["variant"]: r for r in ok_rows(_steps(rows))}
     ddp = next((r for r in rows if r.get("table") == "communication" and r["variant"] == "DDP + AdamW"), None)
     ours = next((name for name in steps if name.startswith("DDP + ShardedOptimizer")), None)
     if ddp is None or ours is None:
@@ -564,7 +576,7 @@ def render_sharding(rows: list[Row]) -> Rendered:
                                       f"largest difference {r['max_abs_difference']:.3g}")
                 + f"; each rank holds {span([r['state_share_min'], r['state_share']], '{:.0%}'.format)} of the state."
                 for r in equivalence) + "\n")
-    steps = [r for r in _ok(_steps(rows)) if r["variant"].startswith("DDP + ShardedOptimizer")]
+    steps = [r for r in ok_rows(_steps(rows)) if r["variant"].startswith("DDP + ShardedOptimizer")]
     if steps:
         fastest = min(steps, key=lambda r: r["optimizer_ms"])
         parts.append("## Re-synchronising the parameters\n\nOptimizer step time (the update and the "
@@ -573,3 +585,39 @@ def render_sharding(rows: list[Row]) -> Rendered:
                                         "training step (ms)": r["step_ms"]} for r in steps])
                      + f"\nHere {fastest['variant']} is the faster.\n")
     return Rendered("\n".join(parts) or "_no rows_\n")
+
+
+# ---------------------------------------------------------------------------------------------- answers
+
+MEMORY_POINTS = ("init", "before optimizer step", "after optimizer step")  # the points the handout asks for
+
+
+def answer_optimizer_state_sharding(reports: Reports) -> list[str]:
+    sentences = []
+    if "optimizer_state_sharding" in reports:
+        equivalence = select(reports["optimizer_state_sharding"], table="equivalence")
+        if equivalence:
+            sentences.append("ShardedOptimizer(AdamW) against AdamW: " + "; ".join(
+                f"{r['sync']} re-synchronisation differs by at most {r['max_abs_difference']:.3g}, each rank holding "
+                f"{span([r['state_share_min'], r['state_share']], format_share)} of the state"
+                for r in equivalence) + ".")
+        else:
+            sentences.append(not_in_report("The comparison with unsharded AdamW"))
+    if "optimizer_state_sharding_accounting" in reports:
+        rows = reports["optimizer_state_sharding_accounting"]
+        steps = steps_by_variant(rows)
+        if not steps:
+            return sentences + [not_in_report("A measured training step")]
+        measured = "step time and peak memory" if any(r.get("peak_gib") for r in steps.values()) else "step time"
+        sentences.append(f"{step_setup(next(iter(steps.values())))}, {measured}: " + "; ".join(
+            f"{name} {format_ms(r['step_ms'])}" + (f", {r['peak_gib']:.3g} GiB" if r.get("peak_gib") else "")
+            for name, r in steps.items()) + ".")
+        points = []
+        for variant in steps:
+            at = {r["point"]: r.get("allocated_gib") for r in select(rows, table="memory", variant=variant)}
+            allocated = [at.get(point) for point in MEMORY_POINTS]
+            if None not in allocated:
+                points.append(f"{variant} " + " / ".join(f"{gib:.3g}" for gib in allocated) + " GiB")
+        sentences.append("Allocated after initialisation / before / after the optimizer step: " + "; ".join(points)
+                         + "." if points else not_in_report("Memory at the phase points (a GPU run measures it)"))
+    return sentences
