@@ -1,14 +1,14 @@
-"""How this package times device work.
-
-`timed`: synchronise, read the host clock, synchronise. A host clock around asynchronous CUDA work
-measures only the launch; synchronising the device on both sides makes the interval cover the work
-itself (and the launch overhead, which is real cost).
+"""How this package times device work: one way, used by every benchmark.
 
 `StepTimer`: a step of several phases (forward, backward, optimizer) timed with one synchronisation,
-at its end. A marker is recorded at each phase boundary, a CUDA event on the current stream (the
-host clock on CPU, where work is synchronous), so phases come from the device's own timeline and the
-queue is not drained between them, as it is not in training. Garbage collection is off inside the
-step, so that a collection does not land in one sample.
+at its end. A marker is recorded where the step and each phase start and end, a CUDA event on the
+current stream (the host clock on CPU, where work is synchronous), so times come from the device's own
+timeline and the queue is not drained inside a step, as it is not in training. Garbage collection is
+off inside the step, so that a collection does not land in one sample.
+
+`timed` is a StepTimer step without phases; `time_fn` times a callable's calls with it, after warm-up.
+`Timings` gives the statistics every row reports: mean +- std, and median and interquartile range,
+which a few slow outliers do not move.
 
 Kernel-level micro-benchmarks use `triton.testing.do_bench` instead (CUDA events, median).
 """
@@ -29,16 +29,6 @@ def synchronize(device: torch.device | str) -> None:
     device = torch.device(device)
     if device.type == "cuda":
         torch.cuda.synchronize(device)
-
-
-@contextmanager
-def timed(device: torch.device | str, samples_ms: list[float]) -> Iterator[None]:
-    """Append the wall time of the enclosed device work, in milliseconds, to `samples_ms`."""
-    synchronize(device)
-    start = time.perf_counter()
-    yield
-    synchronize(device)
-    samples_ms.append((time.perf_counter() - start) * 1e3)
 
 
 # The `timer` of rows that StepTimer measured; rows without one had every phase between synchronisations.
@@ -98,6 +88,15 @@ class StepTimer:
             self.phase_ms[name] = self.phase_ms.get(name, 0.0) + self._elapsed_ms(phase_start, phase_end)
 
 
+@contextmanager
+def timed(device: torch.device | str, samples_ms: list[float]) -> Iterator[None]:
+    """Append the time of the enclosed device work, in milliseconds, to `samples_ms` (a StepTimer step)."""
+    timer = StepTimer(device)
+    with timer.step():
+        yield
+    samples_ms.append(timer.step_ms)
+
+
 @dataclass(frozen=True)
 class Timings:
     samples_ms: tuple[float, ...]
@@ -114,8 +113,16 @@ class Timings:
     def median_ms(self) -> float:
         return statistics.median(self.samples_ms)
 
+    @property
+    def iqr_ms(self) -> float:
+        """The spread of the middle half of the samples (quartiles by linear interpolation)."""
+        if len(self.samples_ms) < 2:
+            return 0.0
+        first, _, third = statistics.quantiles(self.samples_ms, n=4, method="inclusive")
+        return third - first
+
     def summary(self) -> dict[str, float]:
-        return {"mean_ms": self.mean_ms, "std_ms": self.std_ms, "median_ms": self.median_ms}
+        return {"mean_ms": self.mean_ms, "std_ms": self.std_ms, "median_ms": self.median_ms, "iqr_ms": self.iqr_ms}
 
 
 def time_fn(fn: Callable[[], object], *, warmup: int, steps: int, device: torch.device | str) -> Timings:

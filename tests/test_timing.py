@@ -20,6 +20,14 @@ def test_timings_statistics():
     assert Timings((5.0,)).std_ms == 0.0
 
 
+def test_interquartile_range_is_the_spread_of_the_middle_half_and_ignores_an_outlier():
+    assert Timings((1.0, 2.0, 3.0, 4.0, 5.0)).iqr_ms == 2.0
+    assert Timings((1.0, 2.0, 3.0, 4.0, 500.0)).iqr_ms == 2.0
+    assert Timings((5.0,)).iqr_ms == 0.0
+    assert Timings((1.0, 2.0, 6.0, 7.0)).summary() == {"mean_ms": 4.0, "std_ms": pytest.approx(2.9439203),
+                                                       "median_ms": 4.0, "iqr_ms": 4.5}
+
+
 @pytest.mark.parametrize("warmup, steps", [(-1, 1), (0, 0)])
 def test_time_fn_rejects_bad_counts(warmup, steps):
     with pytest.raises(ValueError, match="warmup"):

@@ -14,11 +14,11 @@ between them, so that all are measured on the same machine state:
   torch_ddp_bucket_view the same with gradient_as_bucket_view=True: gradients live in its
                         buckets, so nothing is copied back (the stronger baseline)
 
-Within a step, marks on the device's timeline (CUDA events on the compute stream; the host clock
-on CPU) split it into forward, backward, gradient_sync (finish_gradient_synchronization: for naive
-and flat all of the communication; for the overlapped wrappers the part left after backward, the
-exposed communication) and optimizer. Synchronising inside the step would stall the very overlap
-being measured, so only the whole step is timed with the package's synchronise + host clock.
+Each step is timed by cs336_systems.timing with one synchronisation, at its end (synchronising inside
+the step would stall the very overlap being measured): markers on the device's timeline (CUDA events
+on the compute stream; the host clock on CPU) split it into forward, backward, gradient_sync
+(finish_gradient_synchronization: for naive and flat all of the communication; for the overlapped
+wrappers the part left after backward, the exposed communication) and optimizer.
 torch DDP waits for its all-reduces inside backward, so its gradient_sync is empty; its cost shows
 in the step time. One more step per variant runs under torch.profiler on rank 0: the trace gives
 the total communication time (NCCL kernels, or gloo's work on CPU), how much of it ran beside
@@ -35,9 +35,6 @@ import functools
 import logging
 import statistics
 import tempfile
-import time
-from collections.abc import Iterator
-from contextlib import contextmanager
 from copy import deepcopy
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -56,11 +53,13 @@ from cs336_systems.accounting.memory import training_memory
 from cs336_systems.benchmarks.allreduce import time_allreduce
 from cs336_systems.benchmarks.harness import (
     LEARNING_RATE,
+    Phase,
     adamw,
     build_model,
     lm_loss,
     random_batch,
     release_memory,
+    timed_step,
     training_step,
 )
 from cs336_systems.distributed.ddp import (
@@ -76,7 +75,6 @@ from cs336_systems.gpus import GB, GIB
 from cs336_systems.memory_guard import check_memory_on_every_rank, is_out_of_memory
 from cs336_systems.model import ModelConfig, TransformerLM
 from cs336_systems.profiling.kernels import profiler_activities
-from cs336_systems.profiling.ranges import annotate
 from cs336_systems.profiling.timeline import COMPUTE, CPU_COMPUTE_ROW, communication_summary, load_intervals
 from cs336_systems.reports import (
     OOM,
@@ -93,7 +91,6 @@ from cs336_systems.reports import (
     renderer,
     select,
 )
-from cs336_systems.timing import synchronize, timed
 
 log = logging.getLogger(__name__)
 
@@ -138,35 +135,6 @@ def variant_label(method: str, bucket_size_mb: float | None = None) -> str:
     return f"bucketed {bucket_size_mb:g} MB" if method == "bucketed" else method
 
 
-class _PhaseClock:
-    """Marks on the device's own timeline, read after the step has been synchronised."""
-
-    def __init__(self, device: torch.device):
-        self.on_cuda = device.type == "cuda"
-        self.marks: list = []
-
-    def mark(self) -> None:
-        if self.on_cuda:
-            event = torch.cuda.Event(enable_timing=True)
-            event.record()
-            self.marks.append(event)
-        else:
-            self.marks.append(time.perf_counter())
-
-    @contextmanager
-    def phase(self, name: str) -> Iterator[None]:
-        """A step phase (harness.training_step's `phase`): a mark where it starts, and a named range."""
-        self.mark()
-        with annotate(name):
-            yield
-
-    def durations_ms(self) -> list[float]:
-        pairs = zip(self.marks, self.marks[1:])
-        if self.on_cuda:
-            return [start.elapsed_time(end) for start, end in pairs]
-        return [(end - start) * 1e3 for start, end in pairs]
-
-
 def _wrap(method: str, bucket_size_mb: float | None, model: torch.nn.Module, device: torch.device):
     """(module to train, gradient sync after backward, hook before each batch)."""
     if method == "local":
@@ -204,23 +172,20 @@ def _measure_variant(method: str, bucket_size_mb: float | None, cfg: DDPBenchmar
     # Every rank trains on its own data.
     inputs, targets = random_batch(config, cfg.batch_size, cfg.context_length, device, seed=rank)
 
-    def step(clock: _PhaseClock) -> None:
+    def step(phase: Phase) -> None:
         if before_batch is not None:
             before_batch()
         # Every variant has a gradient_sync phase, empty where backward left nothing to synchronise.
-        training_step(module, optimizer, inputs, targets, phase=clock.phase, after_backward=sync or _no_sync)
-        clock.mark()
+        training_step(module, optimizer, inputs, targets, phase=phase, after_backward=sync or _no_sync)
 
     for _ in range(cfg.warmup):
-        step(_PhaseClock(device))
-    step_ms: list[float] = []
-    phase_ms: dict[str, list[float]] = {phase: [] for phase in PHASES}
+        with timed_step(device) as phase:
+            step(phase)
+    samples: dict[str, list[float]] = {}
     for _ in range(cfg.steps):
-        clock = _PhaseClock(device)
-        with timed(device, step_ms):
-            step(clock)
-        for phase, duration in zip(PHASES, clock.durations_ms()):
-            phase_ms[phase].append(duration)
+        with timed_step(device, samples) as phase:
+            step(phase)
+    step_ms, phase_ms = samples.pop("step"), samples
     stats = {"status": "ok", "step_ms": step_ms, **phase_ms, "trainable_bytes": trainable_bytes,
              "all_reduces_per_step": _all_reduces_per_step(method, module, model),
              "peak_memory_gib": torch.cuda.max_memory_allocated(device) / GIB if device.type == "cuda" else None}
@@ -229,8 +194,8 @@ def _measure_variant(method: str, bucket_size_mb: float | None, cfg: DDPBenchmar
 
 
 def _plain_step(step, device: torch.device) -> None:
-    step(_PhaseClock(device))
-    synchronize(device)
+    with timed_step(device) as phase:
+        step(phase)
 
 
 def _profiled_step(step, device: torch.device) -> list | None:

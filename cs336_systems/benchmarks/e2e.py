@@ -60,7 +60,7 @@ from cs336_systems.reports import (
     select,
     span,
 )
-from cs336_systems.timing import STEP_TIMER
+from cs336_systems.timing import STEP_TIMER, Timings
 
 MODES = ("forward", "forward_backward", "train")
 # The phases each mode reports, in order; the composite ones are sums of the measured phases.
@@ -234,15 +234,10 @@ def benchmark_model(cfg: E2EConfig, device: torch.device | str, peak_flops: floa
     samples["train_step"] = samples["step"]
     rows = []
     for phase in PHASES[cfg.mode]:
-        series = torch.tensor(samples[phase], dtype=torch.float64)
-        row = {**base, "phase": phase, "status": "ok",
-               "mean_ms": series.mean().item(),
-               "std_ms": series.std().item() if len(series) > 1 else 0.0,
-               "timer": STEP_TIMER,
-               "median_ms": series.median().item(),
-               "iqr_ms": (series.quantile(0.75) - series.quantile(0.25)).item(),
-               "first_ms": series[0].item(),
-               "max_ms": series.max().item(),
+        timings = Timings(tuple(samples[phase]))
+        row = {**base, "phase": phase, "status": "ok", **timings.summary(), "timer": STEP_TIMER,
+               "first_ms": timings.samples_ms[0],
+               "max_ms": max(timings.samples_ms),
                "first_step_ms": first_step_ms,
                "peak_memory_gib": None if peak_memory is None else peak_memory / 2**30}
         flops = step_flops(cfg.model_config(), cfg.batch_size, cfg.context_length,

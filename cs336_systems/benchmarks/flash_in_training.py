@@ -7,16 +7,14 @@ steps' shapes, where the step's attention time comes from.
 
 A training step is the whole model under torch.compile(fullgraph=True) (a graph break fails the cell)
 with bf16 autocast, cross-entropy, backward, a fused AdamW step and zero_grad. Both attentions run in
-one process, one after the other, from the same initial weights and batch; whole steps are timed with
-CUDA events, one synchronisation per step, garbage collection off; the median with the 25th and 75th
-percentiles, and the mean and std. The first step's loss is recorded so that the two attentions can be
+one process, one after the other, from the same initial weights and batch; whole steps are timed by
+cs336_systems.timing (CUDA events, one synchronisation per step, garbage collection off): the median
+and interquartile range, and the mean and std. The first step's loss is recorded so that the two attentions can be
 seen to compute the same function.
 """
 
 from __future__ import annotations
 
-import gc
-import statistics
 from contextlib import nullcontext
 from dataclasses import dataclass
 
@@ -34,6 +32,7 @@ from cs336_systems.benchmarks.harness import (
 )
 from cs336_systems.model import ModelConfig
 from cs336_systems.reports import OOM, Rendered, Row, markdown_table, renderer
+from cs336_systems.timing import STEP_TIMER, time_fn
 
 ATTENTIONS = ("sdpa", "flash_triton")
 KERNEL_PROVIDERS = ("flash_triton", "sdpa_cudnn", "sdpa_flash")
@@ -59,32 +58,6 @@ def kernel_cell_of(cell: TrainingCell) -> FlashCell:
     config = cell.model_config()
     return FlashCell(cell.context_length, config.d_model // config.num_heads, "bf16", batch_size=cell.batch_size,
                      n_heads=config.num_heads)
-
-
-def _time_steps(step, warmup: int, steps: int) -> list[float]:
-    """Milliseconds of `steps` whole steps after `warmup` untimed ones: CUDA events, one sync per step."""
-    for _ in range(warmup):
-        step()
-    torch.cuda.synchronize()
-    samples = []
-    gc.disable()
-    try:
-        for _ in range(steps):
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            step()
-            end.record()
-            end.synchronize()
-            samples.append(start.elapsed_time(end))
-    finally:
-        gc.enable()
-    return samples
-
-
-def _summary(samples: list[float]) -> Row:
-    q1, _, q3 = statistics.quantiles(samples, n=4)
-    return {"median_ms": statistics.median(samples), "p25_ms": q1, "p75_ms": q3, "mean_ms": statistics.fmean(samples),
-            "std_ms": statistics.stdev(samples), "steps": len(samples)}
 
 
 def _no_range(name: str) -> nullcontext:
@@ -117,15 +90,15 @@ def _training_step_row(cell: TrainingCell, attention: str, device: torch.device,
 
     torch.cuda.reset_peak_memory_stats(device)
     try:
-        samples = _time_steps(step, warmup, steps)
+        timings = time_fn(step, warmup=warmup, steps=steps, device=device)
     except torch.OutOfMemoryError:
-        samples = None
+        timings = None
     peak = torch.cuda.max_memory_allocated(device)
     del model, optimizer, compiled
     release_memory(device)
-    if samples is None:
+    if timings is None:
         return {**row, "status": OOM}
-    stats = _summary(samples)
+    stats = {**timings.summary(), "steps": steps, "timer": STEP_TIMER}
     flops = step_flops(config, cell.batch_size, cell.context_length, "train_step")
     return {**row, "status": "ok", **stats, "tflops": flops / (stats["median_ms"] * 1e-3) / 1e12,
             "peak_memory_gib": peak / 2**30, "first_loss": losses[0]}
@@ -157,7 +130,7 @@ KEY = ("table", "size_table", "size", "context_length", "attention", "provider",
 def _time(row: Row) -> str:
     if row["status"] != "ok":
         return row["status"]
-    return f"{row['median_ms']:.4g} ({row['p25_ms']:.4g}-{row['p75_ms']:.4g})"
+    return f"{row['median_ms']:.4g} (IQR {row['iqr_ms']:.2g})"
 
 
 def _steps_section(rows: list[Row]) -> str:

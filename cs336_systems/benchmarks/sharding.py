@@ -33,7 +33,16 @@ from torch import nn
 from cs336_systems.accounting.communication import bytes_sent_per_device
 from cs336_systems.accounting.memory import GIB, training_memory
 from cs336_systems.benchmarks.ddp import step_setup, steps_by_variant
-from cs336_systems.benchmarks.harness import LEARNING_RATE, adamw, build_model, lm_loss, random_batch, release_memory
+from cs336_systems.benchmarks.harness import (
+    LEARNING_RATE,
+    Phase,
+    adamw,
+    build_model,
+    lm_loss,
+    random_batch,
+    release_memory,
+    timed_step,
+)
 from cs336_systems.distributed.launch import rank_device
 from cs336_systems.distributed.sharded_optimizer import SYNC_METHODS, ShardedOptimizer
 from cs336_systems.memory_guard import check_memory_on_every_rank, is_out_of_memory
@@ -54,7 +63,7 @@ from cs336_systems.reports import (
     select,
     span,
 )
-from cs336_systems.timing import synchronize, timed
+from cs336_systems.timing import synchronize
 
 @dataclass(frozen=True)
 class ShardingBenchmarkConfig:
@@ -143,27 +152,25 @@ def measure_training(make_setup: Callable[[nn.Module, torch.device], TrainingSet
     probe.record("init", setup)
     # Every rank trains on its own data.
     inputs, targets = random_batch(cfg.model_config(), cfg.batch_size, cfg.context_length, device, seed=rank)
-    optimizer_ms: list[float] = []
-
-    # Its own step, not harness.training_step: memory is probed between the phases, zero_grad after
-    # the probe that follows the optimizer step, and only the optimizer step is timed.
-    def step(points: bool = False, sink: list[float] | None = None) -> None:
+    # Its own step, not harness.training_step: memory is probed between the phases, and zero_grad
+    # comes after the probe that follows the optimizer step.
+    def step(phase: Phase = annotate, points: bool = False) -> None:
         if points and probe.on_cuda:
             torch.cuda.reset_peak_memory_stats(device)
         start = probe.record("step start", setup) if points else None
-        with annotate("forward"):
+        with phase("forward"):
             loss = lm_loss(setup.module(inputs), targets)
         if points:
             after = torch.cuda.memory_allocated(device) if probe.on_cuda else None
             probe.record("after forward", setup, None if after is None else after - start)
-        with annotate("backward"):
+        with phase("backward"):
             loss.backward()
             del loss
             if setup.after_backward is not None:
                 setup.after_backward()
         if points:
             probe.record("before optimizer step", setup)
-        with annotate("optimizer"), timed(device, sink if sink is not None else []):
+        with phase("optimizer"):
             setup.optimizer.step()
         if points:
             probe.record("after optimizer step", setup)
@@ -171,10 +178,11 @@ def measure_training(make_setup: Callable[[nn.Module, torch.device], TrainingSet
 
     for _ in range(cfg.warmup):
         step()
-    step_ms: list[float] = []
+    samples: dict[str, list[float]] = {}
     for _ in range(cfg.steps):
-        with timed(device, step_ms):
-            step(sink=optimizer_ms)
+        with timed_step(device, samples) as phase:
+            step(phase)
+    step_ms, optimizer_ms = samples["step"], samples["optimizer"]
     step(points=True)
     trace = profile(step) if profile is not None else None
     return {"status": "ok", "step_ms": step_ms, "optimizer_ms": optimizer_ms, "memory": probe.points,
