@@ -372,16 +372,16 @@ def pytest_sessionfinish(session: pytest.Session) -> None:
     run = settings(config)
     if not run.staging_dir.exists():
         return
-    from cs336_systems import baselines, report_index, reports
+    from cs336_systems import baselines, problems, report_index, reports
 
     written, errors = [], []
     staged = sorted(run.staging_dir.glob("*.jsonl"))
-    problems = sorted({f.name.split(".")[0] for f in staged} - {_BASELINES_STAGE})
-    for problem in problems:
+    names = sorted({f.name.split(".")[0] for f in staged} - {_BASELINES_STAGE})
+    for problem in names:
         try:
             rows = [json.loads(line) for f in staged if f.name.split(".")[0] == problem
                     for line in f.read_text().splitlines()]
-            written.append(reports.write_report(problem, rows, run.report_dir, run.command,
+            written.append(reports.write_report(problems.report(problem), rows, run.report_dir, run.command,
                                                 "cuda" if run.on_gpu else "cpu"))
         except Exception as error:  # one report's failure must not lose the others
             errors.append(f"{problem}: {type(error).__name__}: {error}")

@@ -10,8 +10,9 @@ communication_accounting report lives in `<reports>/` itself. A problem's answer
 `answer_<problem>` beside the renderer of its reports in cs336_systems.benchmarks, turns the rows of
 its reports (`cs336_systems.reports.read_rows`) into sentences; where a row it quotes is not in the
 report, the sentence says so instead of guessing (`open_items_<problem>`, where there is one, names
-what the rows leave unanswered). This module only assembles them: `PROBLEMS` names each problem's
-reports and functions, and the index adds the links, devices and status around them. The index carries
+what the rows leave unanswered). This module only assembles them: the table of problems
+(cs336_systems.problems) names each problem's reports and functions, and the index adds the links,
+devices and status around them. The index carries
 no date of its own (only those quoted from report headers), so writing it again from the same reports
 gives the same bytes.
 """
@@ -19,53 +20,14 @@ gives the same bytes.
 from __future__ import annotations
 
 import re
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from cs336_systems.benchmarks.allreduce import (
-    answer_distributed_communication_single_node,
-    open_items_distributed_communication_single_node,
-)
-from cs336_systems.benchmarks.attention import answer_pytorch_attention
-from cs336_systems.benchmarks.communication_accounting import answer_communication_accounting
-from cs336_systems.benchmarks.ddp import (
-    answer_ddp_overlap_bucketed,
-    answer_ddp_overlap_individual_parameters,
-    answer_minimal_ddp_flat_benchmarking,
-    answer_naive_ddp,
-)
-from cs336_systems.benchmarks.e2e import (
-    answer_benchmarking_mixed_precision,
-    answer_benchmarking_script,
-    answer_torch_compile,
-)
-from cs336_systems.benchmarks.flash import (
-    answer_flash_benchmarking,
-    answer_flash_forward_backward,
-    answer_leaderboard,
-    open_items_leaderboard,
-)
-from cs336_systems.benchmarks.fsdp import answer_fsdp
-from cs336_systems.benchmarks.gradient_checkpointing import (
-    answer_gradient_checkpointing,
-    open_items_gradient_checkpointing,
-)
-from cs336_systems.benchmarks.memory_profiling import answer_memory_profiling, open_items_memory_profiling
-from cs336_systems.benchmarks.mixed_precision import answer_mixed_precision_accumulation
-from cs336_systems.benchmarks.nsys_profile import answer_nsys_profile, open_items_nsys_profile
-from cs336_systems.benchmarks.parallelism_calcs import (
-    ANALYSIS_COMMAND,
-    answer_alternate_ring_all_reduce,
-    answer_data_parallel_calcs,
-    answer_fsdp_calcs,
-    answer_fsdp_tp_calcs,
-    answer_tp_calcs,
-)
-from cs336_systems.benchmarks.sharding import answer_optimizer_state_sharding
+from cs336_systems.benchmarks.parallelism_calcs import ANALYSIS_COMMAND
 from cs336_systems.gpus import GPU_SPECS
 from cs336_systems.model import DEFAULT_SIZE_TABLE as CURRENT_SIZE_TABLE
 from cs336_systems.model import model_sizes, size_order
+from cs336_systems.problems import PROBLEMS, Problem
 from cs336_systems.reports import (
     UNRECORDED_SIZE_TABLE,
     Metadata,
@@ -84,61 +46,6 @@ CPU_SLUG = "cpu"
 CPU_NOTE = (f"The `{CPU_SLUG}/` reports come from a CPU run: Triton kernels ran in the Triton interpreter and every "
             "time there is a CPU time, which shows that the code runs, not how fast a GPU runs it.\n")
 
-Answer = Callable[[Reports], list[str]]
-
-
-@dataclass(frozen=True)
-class Problem:
-    title: str  # as the assignment names it
-    reports: tuple[str, ...]  # its report files, without extension; none for a correctness-only problem
-    answer: Answer
-    marker: str = ""  # the perf marker whose run writes its reports
-    gpus: int = 1  # GPUs that run needs on a GPU machine
-    device_independent: bool = False  # computed in closed form, reported once in the reports' root
-    # What the reports' rows leave unanswered (a part not measured, an old run), beyond absent reports.
-    open_items: Callable[[Reports], list[str]] | None = None
-
-
-PROBLEMS: tuple[Problem, ...] = (
-    Problem("benchmarking_script", ("benchmarking_script",), answer_benchmarking_script, "e2e"),
-    Problem("nsys_profile", ("nsys_profile",), answer_nsys_profile, "profile", open_items=open_items_nsys_profile),
-    Problem("mixed_precision_accumulation", ("mixed_precision_accumulation",), answer_mixed_precision_accumulation,
-            "e2e"),
-    Problem("benchmarking_mixed_precision", ("benchmarking_mixed_precision",), answer_benchmarking_mixed_precision,
-            "e2e"),
-    Problem("memory_profiling", ("memory_profiling",), answer_memory_profiling, "memory",
-            open_items=open_items_memory_profiling),
-    Problem("gradient_checkpointing", ("gradient_checkpointing",), answer_gradient_checkpointing, "memory",
-            open_items=open_items_gradient_checkpointing),
-    Problem("pytorch_attention", ("pytorch_attention",), answer_pytorch_attention, "attention"),
-    Problem("torch_compile", ("torch_compile",), answer_torch_compile, "e2e"),
-    Problem("flash_forward / flash_backward", (), answer_flash_forward_backward),
-    Problem("flash_benchmarking", ("flash_benchmarking",), answer_flash_benchmarking, "flash"),
-    Problem("distributed_communication_single_node", ("distributed_communication_single_node",),
-            answer_distributed_communication_single_node, "ddp",
-            open_items=open_items_distributed_communication_single_node),
-    Problem("naive_ddp / naive_ddp_benchmarking", ("naive_ddp", "naive_ddp_benchmarking"), answer_naive_ddp, "ddp",
-            2),
-    Problem("minimal_ddp_flat_benchmarking", ("minimal_ddp_flat_benchmarking",), answer_minimal_ddp_flat_benchmarking,
-            "ddp", 2),
-    Problem("ddp_overlap_individual_parameters",
-            ("ddp_overlap_individual_parameters", "ddp_overlap_individual_parameters_benchmarking"),
-            answer_ddp_overlap_individual_parameters, "ddp", 2),
-    Problem("ddp_overlap_bucketed", ("ddp_overlap_bucketed", "ddp_bucketed_benchmarking"),
-            answer_ddp_overlap_bucketed, "ddp", 2),
-    Problem("optimizer_state_sharding", ("optimizer_state_sharding", "optimizer_state_sharding_accounting"),
-            answer_optimizer_state_sharding, "sharding", 2),
-    Problem("fsdp", ("fsdp", "fsdp_accounting"), answer_fsdp, "fsdp", 2),
-    Problem("communication_accounting", ("communication_accounting",), answer_communication_accounting,
-            device_independent=True),
-    Problem("alternate_ring_all_reduce", ("alternate_ring_all_reduce",), answer_alternate_ring_all_reduce,
-            device_independent=True),
-    Problem("data_parallel_calcs", ("data_parallel_calcs",), answer_data_parallel_calcs, device_independent=True),
-    Problem("fsdp_calcs", ("fsdp_calcs",), answer_fsdp_calcs, device_independent=True),
-    Problem("tp_calcs", ("tp_calcs",), answer_tp_calcs, device_independent=True),
-    Problem("fsdp_tp_calcs", ("fsdp_tp_calcs",), answer_fsdp_tp_calcs, device_independent=True),
-    Problem("leaderboard", (), answer_leaderboard, gpus=2, open_items=open_items_leaderboard),
-)
 
 
 # ---------------------------------------------------------------------------------------- the index
@@ -208,8 +115,8 @@ def _device(reports_root: Path, slug: str) -> _Directory:
 
 def _device_paragraph(problem: Problem, reports_root: Path, slug: str) -> str:
     directory = _device(reports_root, slug)
-    present = [r for r in problem.reports if directory.has(r)]
-    absent = [r for r in problem.reports if r not in present]
+    present = [r for r in problem.report_names if directory.has(r)]
+    absent = [r for r in problem.report_names if r not in present]
     lines = []
     if present:
         links = [link for report in present for link in directory.links(report)]
@@ -221,24 +128,24 @@ def _device_paragraph(problem: Problem, reports_root: Path, slug: str) -> str:
 
 
 def _status(problem: Problem, reports_root: Path, slug: str) -> str:
-    if not problem.reports:
+    if not problem.report_names:
         return "open" if problem.open_items else "no report (correctness tests)"
     if problem.device_independent:
-        return "device-independent" if _Directory(reports_root, "").has(problem.reports[0]) else "not computed"
-    present = [r for r in problem.reports if _device(reports_root, slug).has(r)]
+        return "device-independent" if _Directory(reports_root, "").has(problem.report_names[0]) else "not computed"
+    present = [r for r in problem.report_names if _device(reports_root, slug).has(r)]
     if not present:
         return "not measured"
-    if len(present) < len(problem.reports):
-        return f"{len(present)} of {len(problem.reports)} reports"
+    if len(present) < len(problem.report_names):
+        return f"{len(present)} of {len(problem.report_names)} reports"
     return "measured"
 
 
 def _section(number: int, problem: Problem, reports_root: Path, slugs: list[str]) -> str:
     head = f"## {number}. {problem.title}\n\n"
-    if not problem.reports:
+    if not problem.report_names:
         return head + " ".join(problem.answer({})) + "\n"
     if problem.device_independent:
-        root, report = _Directory(reports_root, ""), problem.reports[0]
+        root, report = _Directory(reports_root, ""), problem.report_names[0]
         if not root.has(report):
             return head + f"- not computed: `{report}.md` is absent; `{ANALYSIS_COMMAND}` writes it.\n"
         links = root.links(report)
@@ -253,11 +160,11 @@ def _measured(problem: Problem, reports_root: Path, slugs: list[str]) -> dict[st
     """slug -> the problem's reports present there ("" for the reports' root, closed forms)."""
     if problem.device_independent:
         root = _Directory(reports_root, "")
-        return {"": {r: root.rows(r) for r in problem.reports if root.has(r)}} if root.has(problem.reports[0]) else {}
+        return {"": {r: root.rows(r) for r in problem.report_names if root.has(r)}} if root.has(problem.report_names[0]) else {}
     found = {}
     for slug in slugs:
         directory = _device(reports_root, slug)
-        present = {r: directory.rows(r) for r in problem.reports if directory.has(r)}
+        present = {r: directory.rows(r) for r in problem.report_names if directory.has(r)}
         if present:
             found[slug] = present
     return found
@@ -277,9 +184,9 @@ def _model_sizes(measured: dict[str, Reports]) -> dict[str, list[str]]:
 def _open(problem: Problem, measured: dict[str, Reports], sizes: dict[str, list[str]]) -> list[str]:
     """What is left to answer: runs no machine here has made, old runs, parts the rows lack."""
     items = []
-    if not problem.reports:
+    if not problem.report_names:
         return problem.open_items({}) if problem.open_items else []
-    complete = [slug for slug, reports in measured.items() if len(reports) == len(problem.reports)]
+    complete = [slug for slug, reports in measured.items() if len(reports) == len(problem.report_names)]
     if not complete:
         if problem.device_independent:
             items.append(f"not computed: `{ANALYSIS_COMMAND}`")
@@ -291,7 +198,7 @@ def _open(problem: Problem, measured: dict[str, Reports], sizes: dict[str, list[
     items += _size_gaps(sizes)
     if problem.open_items:
         items += [f"{slug}: {item}" if slug else item for slug, reports in measured.items()
-                  if len(reports) == len(problem.reports) for item in problem.open_items(reports)]
+                  if len(reports) == len(problem.report_names) for item in problem.open_items(reports)]
     return items
 
 

@@ -1,7 +1,7 @@
 """Report rows -> Markdown, CSV and PNG, with a header naming the device, versions, date and command.
 
 A measuring function returns rows (flat dicts of strings and numbers, one per measured cell). A
-problem's renderer, registered with `@renderer("<problem>")`, turns that problem's rows into a
+report's renderer (cs336_systems.problems lists each report with its renderer) turns its rows into a
 Markdown body (tables, derived answers) and figures; `write_report` adds the header and writes
 `<report_dir>/<problem>.md`, `<problem>.csv` (every row, every column), `<problem>.meta.json` (the
 metadata: device, and each run's date, command, software versions and package source hash) and the
@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import csv
 import datetime as dt
-import importlib
 import io
 import json
 import math
@@ -48,41 +47,24 @@ class Rendered:
 Renderer = Callable[[list[Row]], Rendered]
 
 
+def plain_table(rows: list[Row]) -> Rendered:
+    """Every row, every column: the rendering of a report the problems table does not name."""
+    return Rendered(markdown_table(rows))
+
+
 @dataclass(frozen=True)
-class _Registration:
-    render: Renderer
-    key: tuple[str, ...] | None
+class Report:
+    """One report: its name (the stem of its files), the function that renders its rows, and `key`, the
+    columns that identify a measured cell.
 
-
-_RENDERERS: dict[str, _Registration] = {}
-
-# Modules that register renderers; imported before rendering so every problem finds its own.
-RENDERER_MODULES = ("cs336_systems.benchmarks",)
-
-
-def renderer(problem: str, key: Sequence[str] | None = None) -> Callable[[Renderer], Renderer]:
-    """Register the renderer of `problem`.
-
-    `key` names the columns that identify a measured cell. With a key, a report accumulates runs: a
-    later run's rows replace earlier rows with the same key and the others stay, so a long sweep can
-    be measured in parts; the header lists every run that still contributes rows. Without a key, each
-    run replaces the whole report.
+    With a key, a report accumulates runs: a later run's rows replace earlier rows with the same key
+    and the others stay, so a long sweep can be measured in parts; the header lists every run that
+    still contributes rows. Without a key, each run replaces the whole report. The reports of the
+    course's problems are listed in cs336_systems.problems.
     """
-    def register(fn: Renderer) -> Renderer:
-        _RENDERERS[problem] = _Registration(fn, tuple(key) if key else None)
-        return fn
-
-    return register
-
-
-def _registration(problem: str) -> _Registration:
-    for module in RENDERER_MODULES:
-        importlib.import_module(module)
-    return _RENDERERS.get(problem, _Registration(lambda rows: Rendered(markdown_table(rows)), None))
-
-
-def get_renderer(problem: str) -> Renderer:
-    return _registration(problem).render
+    name: str
+    render: Renderer = plain_table
+    key: tuple[str, ...] | None = None
 
 
 def format_value(value: Any) -> str:
@@ -367,15 +349,15 @@ def _replace_text(path: Path, text: str) -> None:
     os.replace(partial, path)
 
 
-def write_report(problem: str, rows: list[Row], report_dir: Path | str, command: str,
+def write_report(report: Report, rows: list[Row], report_dir: Path | str, command: str,
                  device: torch.device | str | None = None) -> Path:
-    """Render `rows` with the problem's renderer and write the .md, .csv, .meta.json and figures.
+    """Render `rows` with the report's renderer and write its .md, .csv, .meta.json and figures.
 
-    For a problem registered with a key, rows of earlier runs on the same device that this run did
-    not measure again are kept (see `renderer`).
+    For a report with a key, rows of earlier runs on the same device that this run did not measure
+    again are kept (see `Report`).
     """
     report_dir = Path(report_dir)
-    key = _registration(problem).key
+    problem, key = report.name, report.key
     metadata = Metadata(problem, device_description(device), _on_cuda(device), (this_run(command),))
     csv_path, sidecar = report_dir / f"{problem}.csv", metadata_path(report_dir, problem)
     if key:
@@ -389,7 +371,7 @@ def write_report(problem: str, rows: list[Row], report_dir: Path | str, command:
     # Everything that can fail (rendering, the device query) happens before a file is written, so a
     # failure leaves no report directory, CSV without Markdown, or half a file behind.
     head = header(metadata, rows)
-    rendered = get_renderer(problem)(rows)
+    rendered = report.render(rows)
     report_dir.mkdir(parents=True, exist_ok=True)
     if rows:
         write_csv(csv_path, rows)
@@ -440,10 +422,10 @@ def read_rows(csv_path: Path | str) -> list[Row]:
         return [{k: _parse_cell(v) for k, v in row.items()} for row in csv.DictReader(f)]
 
 
-def rerender(report_dir: Path | str, problem: str) -> Path:
+def rerender(report_dir: Path | str, report: Report) -> Path:
     """Re-render a report's Markdown and figures from its CSV and metadata: the measurements, device,
     dates, commands and versions stay those of the runs that made them."""
     report_dir = Path(report_dir)
-    rows = read_rows(report_dir / f"{problem}.csv")
-    head = header(Metadata.read(metadata_path(report_dir, problem)), rows)
-    return _write_rendered(problem, get_renderer(problem)(rows), report_dir, head)
+    rows = read_rows(report_dir / f"{report.name}.csv")
+    head = header(Metadata.read(metadata_path(report_dir, report.name)), rows)
+    return _write_rendered(report.name, report.render(rows), report_dir, head)

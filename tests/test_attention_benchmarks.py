@@ -21,7 +21,8 @@ from cs336_systems.benchmarks import flash as flash_bench
 from cs336_systems.benchmarks.attention import AttentionCell, attention_sweep, benchmark_attention
 from cs336_systems.benchmarks.flash import UNSUPPORTED, BenchSettings, FlashCell, benchmark_flash_cell
 from cs336_systems.profiling.memory import peak_memory_increase
-from cs336_systems.reports import OOM, get_renderer, read_rows, rerender, write_report
+from cs336_systems import problems
+from cs336_systems.reports import OOM, read_rows, rerender, write_report
 
 # The Triton interpreter turns loop bounds into ints through a NumPy conversion that NumPy deprecates;
 # the warning is the interpreter's and says nothing about the code under test.
@@ -271,7 +272,7 @@ def _attention_row(d: int, n: int, compiled: bool = False, status: str = "ok", o
 def test_pytorch_attention_report_names_the_smallest_oom_and_validates_the_accounting():
     rows = [_attention_row(d, n) for d in (16, 64) for n in (1024, 4096, 8192)]
     rows += [_attention_row(d, 16384, status=OOM, oom_during="backward", backward_ms=None) for d in (16, 64)]
-    rendered = get_renderer("pytorch_attention")(rows)
+    rendered = problems.report("pytorch_attention").render(rows)
     body = _flat(rendered.body)
     assert "The smallest configuration that ran out of memory is d=16, N=16384 (during backward)" in body
     assert "N to the power 2.00" in body  # memory left for backward grows quadratically
@@ -286,7 +287,7 @@ def test_where_attention_first_runs_out_of_memory_is_read_from_the_rows():
     rows = [_attention_row(d, n) for d in (16, 64) for n in (4096, 8192)]
     rows += [_attention_row(16, 16384, status=OOM, oom_during="backward", backward_ms=None),
              _attention_row(64, 16384), _attention_row(64, 32768, status=OOM, oom_during="forward", forward_ms=None)]
-    body = _flat(get_renderer("pytorch_attention")(rows).body)
+    body = _flat(problems.report("pytorch_attention").render(rows).body)
     assert "The smallest sequence length that ran out is N=16384: d=16 from N=16384; d=64 from N=32768." in body
     # 80 GiB: d=16 at N=16384 needs 32 GiB at its backward peak, so the accounting says it fits.
     assert ("The accounting's peak disagrees with the run for d=16 N=16384 (out of memory, predicted 32 GiB of "
@@ -295,7 +296,7 @@ def test_where_attention_first_runs_out_of_memory_is_read_from_the_rows():
 
 def test_pytorch_attention_report_without_oom_predicts_the_first_configuration_that_would_not_fit():
     rows = [_attention_row(d, n) for d in (16, 32) for n in (256, 1024, 16384)]
-    body = get_renderer("pytorch_attention")(rows).body
+    body = problems.report("pytorch_attention").render(rows).body
     # At N = 32768 the backward peak is 4 x 32 GiB of scores alone: more than 80 GiB; at 16384, 32 GiB fits.
     assert "No configuration ran out of memory on this device (80 GiB)" in body
     assert "would not fit is d=16, N=32768 (not run)" in body
@@ -303,7 +304,7 @@ def test_pytorch_attention_report_without_oom_predicts_the_first_configuration_t
 
 def test_pytorch_attention_report_on_cpu_rows_uses_predictions():
     rows = [_attention_row(16, n, measured_memory=False, capacity=None) for n in (64, 128)]
-    body = get_renderer("pytorch_attention")(rows).body
+    body = problems.report("pytorch_attention").render(rows).body
     assert "predicted, not measured on this device" in body and "before backward (GiB)" not in body
     assert "the accounting of the largest, d=16, N=128" in body
 
@@ -317,7 +318,7 @@ def test_torch_compile_report_puts_attention_beside_the_whole_model_part():
     model = {"table": "sweep", "size": "small", "context_length": 128, "batch_size": 4, "warmup": 5, "steps": 10,
              "attention": "sdpa", "precision": "fp32", "status": "ok", "mean_ms": 10.0, "std_ms": 1.0,
              "first_step_ms": 5000.0, "phase": "forward"}
-    body = _flat(get_renderer("torch_compile")(rows + [{**model, "compile": False},
+    body = _flat(problems.report("torch_compile").render(rows + [{**model, "compile": False},
                                                        {**model, "compile": True, "mean_ms": 5.0}]).body)
     assert body.index("## Attention: eager against torch.compile") < body.index("## Whole model")
     assert "| 64 | 4096 | 10 ± 0.1 | 5 ± 0.1 | 2.00x | 30 ± 0.2 | 20 ± 0.2 | 1.50x |" in body
@@ -347,7 +348,7 @@ def test_flash_report_tables_ratios_oom_and_leaderboard(tmp_path):
     leaderboard = [_flash_row("flash_triton_compiled", "forward_backward", 16384, 8.0, table="leaderboard"),
                    _flash_row("sdpa_flash", "forward_backward", 16384, 6.0, table="leaderboard"),
                    _flash_row("sdpa_cudnn", "forward_backward", 16384, 4.0, table="leaderboard")]
-    rendered = get_renderer("flash_benchmarking")(rows + leaderboard)
+    rendered = problems.report("flash_benchmarking").render(rows + leaderboard)
     body = _flat(rendered.body)
     assert "### bf16, forward+backward" in body and "OOM (predicted)" in body
     assert "| 64 | 4096 | 1 | 10 | 0.5 | 10x | 0.5x |" in body
@@ -358,27 +359,27 @@ def test_flash_report_tables_ratios_oom_and_leaderboard(tmp_path):
     assert ("triton (compiled) takes 1.33x the time of sdpa flash; triton (compiled) takes 2x the time of "
             "sdpa cuDNN") in body
     assert set(rendered.figures) == {"flash_benchmarking_bf16.png"}
-    write_report("flash_benchmarking", rows + leaderboard, tmp_path, command="pytest perf/test_flash.py", device="cpu")
+    write_report(problems.report("flash_benchmarking"), rows + leaderboard, tmp_path, command="pytest perf/test_flash.py", device="cpu")
     assert len(read_rows(tmp_path / "flash_benchmarking.csv")) == len(rows) + 3
     text = (tmp_path / "flash_benchmarking.md").read_text()
-    assert rerender(tmp_path, "flash_benchmarking").read_text() == text  # the CSV alone reproduces the report
+    assert rerender(tmp_path, problems.report("flash_benchmarking")).read_text() == text  # the CSV alone reproduces the report
 
 
 def test_flash_report_calls_short_lengths_host_bound_only_when_time_stays_flat_while_work_grows():
     flat = [_flash_row("flash_triton", "forward_backward", n, ms) for n, ms in ((128, 0.5), (1024, 0.7), (4096, 0.9))]
-    body = _flat(get_renderer("flash_benchmarking")(flat).body)
+    body = _flat(problems.report("flash_benchmarking").render(flat).body)
     assert ("bf16: from N=128 to N=4096, Triton's forward+backward takes 0.5 to 0.9 ms at every d while the work "
             "grows 1024x") in body
     growing = [_flash_row("flash_triton", "forward_backward", n, ms) for n, ms in ((128, 0.01), (1024, 0.1),
                                                                                      (4096, 1.0))]
-    assert "the time is the host's" not in _flat(get_renderer("flash_benchmarking")(growing).body)
+    assert "the time is the host's" not in _flat(problems.report("flash_benchmarking").render(growing).body)
 
 
 def test_flash_report_names_the_source_each_run_measured():
     rows = [_flash_row("flash_triton", "forward_backward", 4096, 1.0, run=1),
             _flash_row("flash_triton", "forward_backward", 16384, 8.0, table="leaderboard", run=2,
                        source_hash="0123abcd")]
-    body = _flat(get_renderer("flash_benchmarking")(rows).body)
+    body = _flat(problems.report("flash_benchmarking").render(rows).body)
     assert "FlashAttention GPU source measured: run 1: not recorded; run 2: 0123abcd." in body
     one_run = [{**row, "run": 1, "source_hash": "0123abcd"} for row in rows]
-    assert "FlashAttention GPU source measured: 0123abcd." in _flat(get_renderer("flash_benchmarking")(one_run).body)
+    assert "FlashAttention GPU source measured: 0123abcd." in _flat(problems.report("flash_benchmarking").render(one_run).body)

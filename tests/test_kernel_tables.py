@@ -22,7 +22,8 @@ from cs336_systems.profiling.kernels import (
     short_name,
 )
 from cs336_systems.profiling.ranges import annotate
-from cs336_systems.reports import OOM, get_renderer
+from cs336_systems import problems
+from cs336_systems.reports import OOM
 
 # The tiny model: 2 blocks of 7 Linears each, plus the LM head.
 LINEARS_PER_FORWARD = 2 * 7 + 1
@@ -211,13 +212,13 @@ def test_profile_cell_rows_and_report():
     for name in ranges:
         shares = [r["share"] for r in rows if r["table"] == "kernel" and r["range"] == name]
         assert sum(shares) == pytest.approx(1.0)
-    body = get_renderer("nsys_profile")(rows).body
+    body = problems.report("nsys_profile").render(rows).body
     for heading in ("(a) Forward time", "(b) The top forward kernel", "(d) Matmul share", "(e) Softmax"):
         assert heading in body
     assert "Each kernel is attributed once" in body and "adds up to no more than the step's" in body
     # Rows of a run from before the attribution was fixed have no self work: the report says so.
     old = [{k: v for k, v in r.items() if k != "self_work_ms"} for r in rows]
-    assert "measured before kernels were attributed once" in get_renderer("nsys_profile")(old).body
+    assert "measured before kernels were attributed once" in problems.report("nsys_profile").render(old).body
 
 
 def test_out_of_memory_cell_is_recorded(monkeypatch):
@@ -229,7 +230,7 @@ def test_out_of_memory_cell_is_recorded(monkeypatch):
     monkeypatch.setattr(nsys_profile, "_timed_then_profiled", run_out)
     rows = profile_training_step(ProfileConfig("tiny", 16), "cpu")
     assert len(rows) == 1 and rows[0]["table"] == "cell" and rows[0]["status"] == OOM
-    assert "No cell ran to completion" in get_renderer("nsys_profile")(rows).body
+    assert "No cell ran to completion" in problems.report("nsys_profile").render(rows).body
 
 
 @pytest.mark.parametrize("kwargs, message", [
@@ -251,7 +252,7 @@ def test_a_cell_whose_state_exceeds_the_device_is_reported_oom_without_running(m
     monkeypatch.setattr(nsys_profile, "_timed_then_profiled", lambda *args: pytest.fail("a cell that cannot fit was run"))
     rows = profile_training_step(ProfileConfig("10B", 128), "cuda")
     assert len(rows) == 1 and rows[0]["status"] == OOM and rows[0]["oom_predicted"]
-    body = get_renderer("nsys_profile")(rows).body
+    body = problems.report("nsys_profile").render(rows).body
     assert "Out of memory: 10B at context 128 (estimate 191.22 GiB; not run)." in body
 
 

@@ -17,7 +17,8 @@ from cs336_systems.profiling.memory import (
     saved_tensor_bytes,
     source_frame,
 )
-from cs336_systems.reports import OOM, get_renderer
+from cs336_systems import problems
+from cs336_systems.reports import OOM
 
 # ---------------------------------------------------------------------------------------- snapshots
 
@@ -134,7 +135,7 @@ def test_memory_profile_on_cpu_gives_peaks_saved_bytes_and_the_residual_check():
     blocks = [r for r in rows if r["table"] == "block"]
     assert [r["block"] for r in blocks] == [0, 1] and all(r["context_length"] == 8 for r in blocks)
     assert all(r["saved_bytes"] == r["predicted_saved_bytes"] for r in blocks)
-    body = get_renderer("memory_profiling")(rows).body
+    body = problems.report("memory_profiling").render(rows).body
     assert "Residual-stream activation size" in body and "2 of 2 cells match to the byte" in body
     assert "## (f) Residuals and gradients per TransformerBlock" in body
 
@@ -162,7 +163,7 @@ def _gpu_memory_rows() -> list[dict]:
 
 
 def test_memory_report_from_gpu_rows():
-    rendered = get_renderer("memory_profiling")(_gpu_memory_rows())
+    rendered = problems.report("memory_profiling").render(_gpu_memory_rows())
     assert set(rendered.figures) == {"memory_timeline.png"}
     body = rendered.body
     assert "1 of 2 measured peaks within 15%" in body
@@ -181,7 +182,7 @@ def test_checkpoint_sweep_on_cpu_and_its_report():
     assert [(r["plan_kind"], r["k"]) for r in sweep] == [("every_k", 1), ("every_k", 2), ("every_k", "none"),
                                                           ("optimal", None)]
     assert all(r["status"] == "ok" and r["measured_peak_bytes"] > 0 for r in sweep)
-    rendered = get_renderer("gradient_checkpointing")(rows)
+    rendered = problems.report("gradient_checkpointing").render(rows)
     assert "Best single level" in rendered.body and "gradient_checkpointing.png" in rendered.figures
 
 
@@ -209,7 +210,7 @@ def _gpu_checkpoint_rows() -> list[dict]:
 
 
 def test_checkpoint_report_from_gpu_rows():
-    body = get_renderer("gradient_checkpointing")(_gpu_checkpoint_rows()).body
+    body = problems.report("gradient_checkpointing").render(_gpu_checkpoint_rows()).body
     assert "Best single level: every 1 block," in body and "closer to sqrt(L b / a)" in body
     assert "Run at context 16384 (every 1 block): it fits" in body
     assert "1128 recomputed blocks" in body
@@ -219,7 +220,7 @@ def test_checkpoint_report_from_gpu_rows():
 def test_checkpoint_plot_y_labels_do_not_overlap_and_reach_the_lowest_line():
     from matplotlib.backends.backend_agg import FigureCanvasAgg
 
-    figure = get_renderer("gradient_checkpointing")(_gpu_checkpoint_rows()).figures["gradient_checkpointing.png"]
+    figure = problems.report("gradient_checkpointing").render(_gpu_checkpoint_rows()).figures["gradient_checkpointing.png"]
     FigureCanvasAgg(figure).draw()
     axes = figure.axes[0]
     low, high = axes.get_ylim()
@@ -233,6 +234,6 @@ def test_checkpoint_plot_y_labels_do_not_overlap_and_reach_the_lowest_line():
 
 def test_memory_report_names_the_adamw_its_rows_used():
     rows = _gpu_memory_rows()
-    assert "(forward, backward, foreach AdamW step, zero_grad)" in get_renderer("memory_profiling")(rows).body
+    assert "(forward, backward, foreach AdamW step, zero_grad)" in problems.report("memory_profiling").render(rows).body
     fused = [{**r, "adamw": "fused"} if r.get("mode") == "train_step" else r for r in rows]
-    assert "(forward, backward, fused AdamW step, zero_grad)" in get_renderer("memory_profiling")(fused).body
+    assert "(forward, backward, fused AdamW step, zero_grad)" in problems.report("memory_profiling").render(fused).body

@@ -9,7 +9,9 @@ import pytest
 
 from cs336_systems.__main__ import main
 from cs336_systems.benchmarks.communication_accounting import communication_accounting_rows
-from cs336_systems.report_index import CPU_SLUG, INDEX_COMMAND, PROBLEMS, render_index, write_index
+from cs336_systems import problems
+from cs336_systems.problems import PROBLEMS
+from cs336_systems.report_index import CPU_SLUG, INDEX_COMMAND, render_index, write_index
 from cs336_systems.reports import Metadata, Row, RunRecord, header, metadata_path, plural, rerender, span, write_csv
 
 RUN_DATE = "2030-01-02 03:04 UTC"
@@ -141,7 +143,7 @@ def test_span_names_one_value_once():
 
 @pytest.mark.parametrize("problem", [p for p in PROBLEMS if p.reports], ids=lambda p: p.title)
 def test_every_answer_names_what_an_empty_report_lacks(problem):
-    sentences = problem.answer({report: [] for report in problem.reports})
+    sentences = problem.answer({report: [] for report in problem.report_names})
     assert sentences and any("not in the report" in s for s in sentences)
 
 
@@ -270,5 +272,5 @@ def test_each_committed_report_is_the_one_its_rows_and_metadata_give(csv, tmp_pa
     copy.mkdir()
     for suffix in (".csv", ".meta.json", ".md"):
         shutil.copy(report.with_suffix(suffix), copy)
-    assert rerender(copy, report.stem).read_text() == report.with_suffix(".md").read_text(), (
+    assert rerender(copy, problems.report(report.stem)).read_text() == report.with_suffix(".md").read_text(), (
         f"reports/{csv[:-4]}.md is not what its rows give: rerender it from them and commit it")

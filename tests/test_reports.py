@@ -2,8 +2,8 @@ from dataclasses import replace
 
 import pytest
 
-from cs336_systems import reports
-from cs336_systems.reports import OOM, Rendered, markdown_table, pivot, read_rows, renderer, rerender, write_report
+from cs336_systems import problems, reports
+from cs336_systems.reports import OOM, Rendered, Report, markdown_table, pivot, read_rows, rerender, write_report
 
 
 def test_markdown_table_formats_numbers_and_keeps_strings():
@@ -32,14 +32,12 @@ def test_only_ok_rows_need_measurements():
     assert reports.unmeasured([{"status": "ok"}], "ms") == ["ms = None in {'status': 'ok'}"]
 
 
-@renderer("_test_problem")
-def _render(rows):
-    return Rendered(f"{len(rows)} rows; total {sum(r['x'] for r in rows)}")
+TEST_REPORT = Report("_test_problem", lambda rows: Rendered(f"{len(rows)} rows; total {sum(r['x'] for r in rows)}"))
 
 
 def test_write_report_has_header_csv_and_rerenders_from_csv(tmp_path):
     rows = [{"x": 1, "flag": True, "note": "a"}, {"x": 2.5, "flag": False, "note": None}]
-    path = write_report("_test_problem", rows, tmp_path, command="pytest perf/ -m e2e", device="cpu")
+    path = write_report(TEST_REPORT, rows, tmp_path, command="pytest perf/ -m e2e", device="cpu")
     text = path.read_text()
     assert text.startswith("# _test_problem\n")
     for field in ("- device: CPU", "- software: python", "torch ", "- run 1: 20", " UTC, `pytest perf/ -m e2e`"):
@@ -47,12 +45,12 @@ def test_write_report_has_header_csv_and_rerenders_from_csv(tmp_path):
     assert text.rstrip().endswith("2 rows; total 3.5")
     assert read_rows(tmp_path / "_test_problem.csv") == rows
     (tmp_path / "_test_problem.md").write_text(text.replace("total 3.5", "stale"))
-    rerender(tmp_path, "_test_problem")
+    rerender(tmp_path, TEST_REPORT)
     assert (tmp_path / "_test_problem.md").read_text() == text
 
 
 def test_metadata_sidecar_records_the_device_and_each_run_and_the_header_is_rendered_from_it(tmp_path):
-    write_report("_test_problem", [{"x": 1}], tmp_path, command="pytest perf/ -m e2e", device="cpu")
+    write_report(TEST_REPORT, [{"x": 1}], tmp_path, command="pytest perf/ -m e2e", device="cpu")
     metadata = reports.Metadata.read(tmp_path / "_test_problem.meta.json")
     assert metadata.problem == "_test_problem" and metadata.device.startswith("CPU") and not metadata.on_gpu
     (run,) = metadata.runs
@@ -62,7 +60,7 @@ def test_metadata_sidecar_records_the_device_and_each_run_and_the_header_is_rend
     # What the header says comes from the sidecar: an edit there shows on the next rendering.
     edited = replace(metadata, device="Some GPU", on_gpu=True, runs=(replace(run, command="pytest again"),))
     edited.write(tmp_path / "_test_problem.meta.json")
-    text = rerender(tmp_path, "_test_problem").read_text()
+    text = rerender(tmp_path, TEST_REPORT).read_text()
     assert "- device: Some GPU" in text and "`pytest again` (source " in text and "- note: a CPU run" not in text
 
 
@@ -74,8 +72,9 @@ def test_runs_with_different_software_are_each_named():
     assert reports.run_line(2, runs[1]) == "- run 2: d2, `c2` (source ab)"
 
 
-def test_unknown_problem_renders_a_plain_table(tmp_path):
-    path = write_report("_unregistered", [{"k": 1}], tmp_path, command="c", device="cpu")
+def test_a_report_no_problem_names_renders_as_a_plain_table(tmp_path):
+    assert problems.report("_unregistered") == Report("_unregistered")
+    path = write_report(problems.report("_unregistered"), [{"k": 1}], tmp_path, command="c", device="cpu")
     assert "| k" in path.read_text()
 
 
@@ -89,17 +88,19 @@ def test_format_value(value, text):
     assert reports.format_value(value) == text
 
 
-@renderer("_test_keyed", key=("cell",))
 def _render_keyed(rows):
     return Rendered(" ".join(f"{r['cell']}={r['ms']}@{r['run']}" for r in sorted(rows, key=lambda r: r["cell"])))
 
 
+KEYED_REPORT = Report("_test_keyed", _render_keyed, key=("cell",))
+
+
 def test_keyed_report_accumulates_runs_and_drops_runs_left_without_rows(tmp_path):
-    write_report("_test_keyed", [{"cell": "a", "ms": 1}, {"cell": "b", "ms": 2}], tmp_path, "first", "cpu")
-    write_report("_test_keyed", [{"cell": "b", "ms": 3}, {"cell": "c", "ms": 4}], tmp_path, "second", "cpu")
+    write_report(KEYED_REPORT, [{"cell": "a", "ms": 1}, {"cell": "b", "ms": 2}], tmp_path, "first", "cpu")
+    write_report(KEYED_REPORT, [{"cell": "b", "ms": 3}, {"cell": "c", "ms": 4}], tmp_path, "second", "cpu")
     text = (tmp_path / "_test_keyed.md").read_text()
     assert "`first`" in text and "`second`" in text and text.rstrip().endswith("a=1@1 b=3@2 c=4@2")
-    write_report("_test_keyed", [{"cell": "a", "ms": 5}], tmp_path, "third", "cpu")
+    write_report(KEYED_REPORT, [{"cell": "a", "ms": 5}], tmp_path, "third", "cpu")
     text = (tmp_path / "_test_keyed.md").read_text()
     assert "`first`" not in text  # its only remaining row was measured again
     assert "- run 1: " in text and "`second`" in text and "- run 2: " in text and "`third`" in text
@@ -108,7 +109,7 @@ def test_keyed_report_accumulates_runs_and_drops_runs_left_without_rows(tmp_path
 
 
 def test_a_cpu_report_says_its_times_are_cpu_times_and_triton_ran_in_the_interpreter(tmp_path):
-    text = write_report("_test_problem", [{"x": 1}], tmp_path, command="c", device="cpu").read_text()
+    text = write_report(TEST_REPORT, [{"x": 1}], tmp_path, command="c", device="cpu").read_text()
     header = text.split("\n\n")[1]
     assert "- note: a CPU run." in header and "Triton interpreter" in header and "CPU time" in header
 
@@ -119,19 +120,21 @@ def test_a_spread_above_a_fifth_of_the_mean_is_flagged_noisy(mean, std, text):
     assert reports.mean_std(mean, std) == text
 
 
-@renderer("_test_broken")
 def _render_broken(rows):
     raise RuntimeError("renderer broke")
 
 
+BROKEN_REPORT = Report("_test_broken", _render_broken)
+
+
 def test_a_report_that_fails_to_render_leaves_no_directory_and_no_file(tmp_path):
     with pytest.raises(RuntimeError, match="renderer broke"):
-        write_report("_test_broken", [{"x": 1}], tmp_path / "a100", command="c", device="cpu")
+        write_report(BROKEN_REPORT, [{"x": 1}], tmp_path / "a100", command="c", device="cpu")
     assert not (tmp_path / "a100").exists()
     (tmp_path / "a100").mkdir()
-    write_report("_test_problem", [{"x": 1}], tmp_path / "a100", command="c", device="cpu")
+    write_report(TEST_REPORT, [{"x": 1}], tmp_path / "a100", command="c", device="cpu")
     with pytest.raises(RuntimeError, match="renderer broke"):
-        write_report("_test_broken", [{"x": 1}], tmp_path / "a100", command="c", device="cpu")
+        write_report(BROKEN_REPORT, [{"x": 1}], tmp_path / "a100", command="c", device="cpu")
     assert sorted(p.name for p in (tmp_path / "a100").iterdir()) == [
         "_test_problem.csv", "_test_problem.md", "_test_problem.meta.json"]
 
@@ -146,12 +149,12 @@ def test_cpu_reports_are_not_tracked():
 def test_header_names_the_size_table_of_each_measured_size_and_rerender_derives_it(tmp_path):
     rows = [{"size": "xl", "size_table": 2026, "ms": 1.0}, {"size": "10B", "size_table": 2026, "ms": None},
             {"size": "2.7B", "ms": 3.0}]  # a row from before rows named their table: the 2025 table's
-    text = write_report("_test_problem_sizes", rows, tmp_path, command="c", device="cpu").read_text()
+    text = write_report(Report("_test_problem_sizes"), rows, tmp_path, command="c", device="cpu").read_text()
     assert ("- model sizes: the 2026 size table, xl 2560/10240/32/32, 10B 4608/12288/50/36 "
             "(d_model/d_ff/layers/heads)") in text
     assert "- model sizes: the 2025 size table, 2.7B 2560/10240/32/32" in text
     # A report written before the line existed gets it when re-rendered; its run lines stay.
     (tmp_path / "_test_problem_sizes.md").write_text(
         "\n".join(line for line in text.splitlines() if not line.startswith("- model sizes")) + "\n")
-    assert rerender(tmp_path, "_test_problem_sizes").read_text() == text
-    assert "- model sizes" not in write_report("_test_no_sizes", [{"k": 1}], tmp_path, "c", "cpu").read_text()
+    assert rerender(tmp_path, Report("_test_problem_sizes")).read_text() == text
+    assert "- model sizes" not in write_report(Report("_test_no_sizes"), [{"k": 1}], tmp_path, "c", "cpu").read_text()

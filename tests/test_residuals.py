@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from cs336_systems.accounting.activations import block_saved_bytes, residual_stream_bytes
 from cs336_systems.model import ModelConfig, TransformerLM
 from cs336_systems.profiling.residuals import block_memory
-from cs336_systems.reports import get_renderer
+from cs336_systems import problems
 
 CONFIG = ModelConfig.for_size("tiny", 16)
 BATCH = 2
@@ -80,7 +80,7 @@ def _gpu_block_rows(extra: int) -> list[dict]:
 
 
 def test_report_answers_f_from_gpu_rows():
-    body = get_renderer("memory_profiling")(_gpu_block_rows(extra=5 * 2**20)).body
+    body = problems.report("memory_profiling").render(_gpu_block_rows(extra=5 * 2**20)).body
     section = body[body.index("## (f)"):]
     assert "Each of the 32 blocks saves 166.00 MiB for backward (all alike)" in section and "to the byte" in section
     assert "The 3 operations that allocated the most of block 16's residuals, which together hold 36.1% of them" in section
@@ -89,5 +89,5 @@ def test_report_answers_f_from_gpu_rows():
     assert ("the new gradients took 405.02 MiB (405.02 MiB over the blocks): the weight gradients and +5.00 MiB "
             "more, one residual-stream tensor") in section
     assert "Over each block's forward allocated memory grew by 166.00 MiB: what it allocated" in section
-    other = get_renderer("memory_profiling")(_gpu_block_rows(extra=0)).body
+    other = problems.report("memory_profiling").render(_gpu_block_rows(extra=0)).body
     assert "the weight gradients and +0 B more." in other

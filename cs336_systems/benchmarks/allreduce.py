@@ -35,7 +35,6 @@ from cs336_systems.reports import (
     markdown_table,
     not_in_report,
     pivot,
-    renderer,
     select,
 )
 from cs336_systems.timing import synchronize, timed
@@ -263,7 +262,9 @@ def _out_of_memory(row: Row) -> bool:
     return row.get("status") == OOM  # rows measured before the status column read as measured
 
 
-@renderer("distributed_communication_single_node", key=("backend", "world_size", "size_bytes"))
+ALLREDUCE_KEY = ("backend", "world_size", "size_bytes")
+
+
 def render_allreduce(rows: list[Row]) -> Rendered:
     rows = sorted(rows, key=lambda r: (r["backend"], r["world_size"], r["size_bytes"]))
     labelled = [{**r, "size": _size_label(r["size_bytes"])} for r in rows]

@@ -41,7 +41,6 @@ from cs336_systems.reports import (
     mean_std,
     not_in_report,
     ok_rows,
-    renderer,
     select,
 )
 from cs336_systems.timing import Timings, synchronize, time_fn, timed
@@ -465,7 +464,6 @@ def _oom_text(rows: list[Row]) -> str:
         f"{_memory_of(r).peak_bytes / GIB:.3g} GiB of {capacity / GIB:.3g})" for r in wrong) + "."
 
 
-@renderer("pytorch_attention", key=ATTENTION_KEY)
 def render_pytorch_attention(rows: list[Row]) -> Rendered:
     rows = [r for r in rows if not r.get("compile")]
     if not rows:
@@ -539,11 +537,13 @@ def _compiled_attention_section(rows: list[Row]) -> str:
     ])
 
 
-@renderer("torch_compile", key=e2e.CELL_KEY + ("seq_len", "head_dim", "is_causal", "passes"))
+TORCH_COMPILE_KEY = e2e.CELL_KEY + ("seq_len", "head_dim", "is_causal", "passes")
+
+
 def render_torch_compile(rows: list[Row]) -> Rendered:
     """The attention sweep (rows with table "attention"), then the whole-model part rendered by e2e."""
     attention_rows = [r for r in rows if r.get("table") == "attention"]
-    model = e2e.render_torch_compile(rows)
+    model = e2e.render_compiled_models(rows)
     parts = [_compiled_attention_section(attention_rows) if attention_rows else "", model.body]
     return Rendered("\n".join(p for p in parts if p), figures=model.figures)
 

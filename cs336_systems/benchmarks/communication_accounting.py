@@ -47,7 +47,6 @@ from cs336_systems.reports import (
     format_share,
     markdown_table,
     not_in_report,
-    renderer,
     select,
     write_csv,
 )
@@ -491,7 +490,6 @@ def _plot(rows: list[Row]):
     return figure
 
 
-@renderer(PROBLEM)
 def render_communication_accounting(rows: list[Row]) -> Rendered:
     s = _scalars(rows)
     body = "\n".join([_section_a(rows, s), _section_b(rows, s), _section_c(rows, s), _section_d(rows, s),

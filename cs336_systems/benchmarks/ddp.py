@@ -88,7 +88,6 @@ from cs336_systems.reports import (
     mean_std,
     not_in_report,
     ok_rows,
-    renderer,
     select,
 )
 
@@ -407,22 +406,18 @@ def _equivalence_report(rows: list[Row], methods: tuple[str, ...]) -> Rendered:
         + "\n" + "\n".join(verdicts) + "\n")
 
 
-@renderer("naive_ddp")
 def render_naive_ddp(rows: list[Row]) -> Rendered:
     return _equivalence_report(rows, ("naive", "flat"))
 
 
-@renderer("ddp_overlap_individual_parameters")
 def render_overlap_individual(rows: list[Row]) -> Rendered:
     return _equivalence_report(rows, ("overlap_individual",))
 
 
-@renderer("ddp_overlap_bucketed")
 def render_overlap_bucketed(rows: list[Row]) -> Rendered:
     return _equivalence_report(rows, ("bucketed",))
 
 
-@renderer("naive_ddp_benchmarking")
 def render_naive_ddp_benchmarking(rows: list[Row]) -> Rendered:
     parts = [_setup(rows), _step_table(rows, ("local", "naive"))]
     naive = ok_rows(_steps(rows, "naive"))
@@ -440,7 +435,6 @@ def render_naive_ddp_benchmarking(rows: list[Row]) -> Rendered:
     return Rendered("\n".join(parts))
 
 
-@renderer("minimal_ddp_flat_benchmarking")
 def render_flat_benchmarking(rows: list[Row]) -> Rendered:
     parts = [_setup(rows), _step_table(rows, ("local", "naive", "flat"))]
     naive, flat = ok_rows(_steps(rows, "naive")), ok_rows(_steps(rows, "flat"))
@@ -470,7 +464,6 @@ def _overlap_sentence(r: Row) -> str:
             f"{r['gradient_sync_ms']:.1f} ms left after backward.")
 
 
-@renderer("ddp_overlap_individual_parameters_benchmarking")
 def render_overlap_individual_benchmarking(rows: list[Row]) -> Rendered:
     methods = ("local", "naive", "flat", "overlap_individual")
     parts = [_setup(rows), _step_table(rows, methods)]
@@ -598,7 +591,6 @@ def _targets(rows: list[Row]) -> str:
     return "## Targets\n\n" + markdown_table(table) if table else ""
 
 
-@renderer("ddp_bucketed_benchmarking")
 def render_bucketed_benchmarking(rows: list[Row]) -> Rendered:
     methods = ("local", "naive", "flat", "overlap_individual", "bucketed", *TORCH_DDP_METHODS)
     parts = [_setup(rows), "## (a) Time per step by bucket size\n", _step_table(rows, methods), _targets(rows)]

@@ -56,7 +56,6 @@ from cs336_systems.reports import (
     not_in_report,
     ok_rows,
     plural,
-    renderer,
     select,
     span,
 )
@@ -370,9 +369,10 @@ def _warmup_section(rows: list[Row]) -> str:
 # The columns that identify an e2e cell: a later run replaces the rows of cells it measures again.
 CELL_KEY = ("table", "size", "context_length", "batch_size", "mode", "precision", "compile", "attention",
             "warmup", "steps", "phase")
+# benchmarking_mixed_precision also holds the autocast dtype rows, one per tensor of the toy model.
+MIXED_PRECISION_KEY = CELL_KEY + ("tensor", "autocast", "storage_dtype")
 
 
-@renderer("benchmarking_script", key=CELL_KEY)
 def render_benchmarking_script(rows: list[Row]) -> Rendered:
     sweep = [r for r in rows if r.get("table") == "sweep"]
     parts = []
@@ -438,7 +438,6 @@ def _autocast_section(dtypes: list[Row]) -> str:
             "across devices.\n")
 
 
-@renderer("benchmarking_mixed_precision", key=CELL_KEY + ("tensor", "autocast", "storage_dtype"))
 def render_benchmarking_mixed_precision(rows: list[Row]) -> Rendered:
     from cs336_systems.reports import markdown_table
 
@@ -470,8 +469,8 @@ def render_benchmarking_mixed_precision(rows: list[Row]) -> Rendered:
     return Rendered("\n".join(parts))
 
 
-@renderer("torch_compile", key=CELL_KEY)
-def render_torch_compile(rows: list[Row]) -> Rendered:
+def render_compiled_models(rows: list[Row]) -> Rendered:
+    """The whole-model part of the torch_compile report (attention.render_torch_compile renders it all)."""
     from cs336_systems.reports import markdown_table
 
     model_rows = [r for r in rows if r.get("table") == "sweep"]

@@ -55,7 +55,6 @@ from cs336_systems.reports import (
     markdown_table,
     not_in_report,
     ok_rows,
-    renderer,
     select,
 )
 from cs336_systems.timing import time_fn
@@ -540,7 +539,6 @@ def _sources(rows: list[Row]) -> str:
             + "; ".join(f"run {run}: {', '.join(sorted(hashes))}" for run, hashes in runs) + ".\n")
 
 
-@renderer("flash_benchmarking", key=FLASH_KEY)
 def render_flash_benchmarking(rows: list[Row]) -> Rendered:
     sweep = [r for r in rows if r.get("table") == "sweep"]
     parts, figures = [_sources(rows)], {}

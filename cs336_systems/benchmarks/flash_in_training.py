@@ -31,7 +31,7 @@ from cs336_systems.benchmarks.harness import (
     training_step,
 )
 from cs336_systems.model import ModelConfig
-from cs336_systems.reports import OOM, Rendered, Row, markdown_table, renderer
+from cs336_systems.reports import OOM, Rendered, Row, markdown_table
 from cs336_systems.timing import STEP_TIMER, time_fn
 
 ATTENTIONS = ("sdpa", "flash_triton")
@@ -180,7 +180,6 @@ def _kernels_section(rows: list[Row]) -> str:
             "means the Triton kernels are slower.\n\n" + markdown_table(table))
 
 
-@renderer("flash_in_training", key=KEY)
 def render_flash_in_training(rows: list[Row]) -> Rendered:
     steps = [r for r in rows if r.get("table") == "step"]
     kernels = [r for r in rows if r.get("table") == "kernels"]

@@ -69,7 +69,6 @@ from cs336_systems.reports import (
     markdown_table,
     not_in_report,
     plural,
-    renderer,
     select,
 )
 from cs336_systems.timing import synchronize
@@ -412,7 +411,6 @@ def _readiness_section(rows: list[Row]) -> str:
     return "\n".join(text)
 
 
-@renderer("fsdp_accounting")
 def render_fsdp_accounting(rows: list[Row]) -> Rendered:
     if not any(r.get("table") == "step" for r in rows):
         return Rendered("_no rows_\n")
@@ -428,7 +426,6 @@ def render_fsdp_accounting(rows: list[Row]) -> Rendered:
     return Rendered("\n".join(part for part in body if part))
 
 
-@renderer("fsdp")
 def render_fsdp(rows: list[Row]) -> Rendered:
     equivalence = [r for r in rows if r.get("table") == "equivalence"]
     if not equivalence:

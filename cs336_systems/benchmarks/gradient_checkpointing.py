@@ -47,7 +47,6 @@ from cs336_systems.reports import (
     not_in_report,
     ok_rows,
     plural,
-    renderer,
     select,
     span,
 )
@@ -431,7 +430,6 @@ def _longest_section(rows: list[Row]) -> str:
     return text
 
 
-@renderer("gradient_checkpointing")
 def render_gradient_checkpointing(rows: list[Row]) -> Rendered:
     sweep = [r for r in rows if r.get("table") == "sweep"]
     if not sweep:

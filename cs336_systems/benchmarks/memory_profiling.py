@@ -57,7 +57,6 @@ from cs336_systems.reports import (
     markdown_table,
     not_in_report,
     ok_rows,
-    renderer,
     select,
 )
 
@@ -472,7 +471,6 @@ def _allocation_section(rows: list[Row]) -> str:
     return "\n".join(parts)
 
 
-@renderer("memory_profiling")
 def render_memory_profiling(rows: list[Row]) -> Rendered:
     peaks = [r for r in rows if r.get("table") == "peak"]
     if not peaks:

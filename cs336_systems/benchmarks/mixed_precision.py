@@ -8,7 +8,7 @@ import math
 import torch
 from torch import nn
 
-from cs336_systems.reports import Rendered, Reports, Row, not_in_report, renderer
+from cs336_systems.reports import Rendered, Reports, Row, not_in_report
 
 ACCUMULATION_STEPS = 1000
 ADDEND = 0.01
@@ -140,7 +140,6 @@ def accumulation_table(rows: list[Row]) -> str:
                           ["variant", "accumulator", "addend", "result", "abs_error", "exact_sum_of_stored_addend"])
 
 
-@renderer("mixed_precision_accumulation")
 def render_accumulation(rows: list[Row]) -> Rendered:
     by_variant = {r["variant"]: r for r in rows}
     body = [f"Adding {ADDEND} {ACCUMULATION_STEPS} times; the exact sum is {ACCUMULATION_STEPS * ADDEND:g}.\n",

@@ -45,7 +45,6 @@ from cs336_systems.reports import (
     not_in_report,
     pivot,
     plural,
-    renderer,
     select,
     span,
 )
@@ -393,7 +392,9 @@ def _attribution_note(cells: dict) -> str:
                if not excess else f"The ranges' own kernel time exceeds the step's in {', '.join(excess)}."))
 
 
-@renderer("nsys_profile", key=("table", "size", "context_length", "precision", "attention"))
+NSYS_KEY = ("table", "size", "context_length", "precision", "attention")
+
+
 def render_nsys_profile(rows: list[Row]) -> Rendered:
     cells = _nsys_cells(rows)
     measured = _measured(cells)

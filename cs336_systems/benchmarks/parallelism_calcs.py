@@ -41,7 +41,6 @@ from cs336_systems.reports import (
     format_ms,
     markdown_table,
     not_in_report,
-    renderer,
     select,
     write_csv,
 )
@@ -342,15 +341,15 @@ _RENDER = {"alternate_ring_all_reduce": render_alternate, "data_parallel_calcs":
            "fsdp_calcs": render_fsdp, "tp_calcs": render_tp, "fsdp_tp_calcs": render_fsdp_tp}
 
 
-def _register(problem: str):
-    @renderer(problem)
+def _with_assumptions(problem: str):
+    """The renderer of `problem`: the handout's assumptions, then its answers."""
     def render(rows: list[Row]) -> Rendered:
         return Rendered(_assumptions() + "\n" + _RENDER[problem](rows))
 
     return render
 
 
-RENDERERS = {problem: _register(problem) for problem in PROBLEMS}
+RENDERERS = {problem: _with_assumptions(problem) for problem in PROBLEMS}
 
 
 def closed_form_header(problem: str, command: str, sources: str) -> str:

@@ -59,7 +59,6 @@ from cs336_systems.reports import (
     mean_std,
     not_in_report,
     ok_rows,
-    renderer,
     select,
     span,
 )
@@ -550,7 +549,6 @@ def _zero_stage_1_section(rows: list[Row]) -> str:
     ])
 
 
-@renderer("optimizer_state_sharding_accounting")
 def render_sharding_accounting(rows: list[Row]) -> Rendered:
     if not _steps(rows):
         return Rendered("_no rows_\n")
@@ -567,7 +565,6 @@ def render_sharding_accounting(rows: list[Row]) -> Rendered:
     return Rendered("\n".join(part for part in body if part))
 
 
-@renderer("optimizer_state_sharding")
 def render_sharding(rows: list[Row]) -> Rendered:
     equivalence = [r for r in rows if r.get("table") == "equivalence"]
     parts = []
