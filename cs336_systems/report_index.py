@@ -187,7 +187,10 @@ def _open(problem: Problem, measured: dict[str, Reports], sizes: dict[str, list[
     if not problem.report_names:
         return problem.open_items({}) if problem.open_items else []
     complete = [slug for slug, reports in measured.items() if len(reports) == len(problem.report_names)]
-    if not complete:
+    if not complete and measured and not problem.device_independent:  # some of its reports, on some devices
+        items += [f"{slug}: {listing([r for r in problem.report_names if r not in reports])} not measured: "
+                  + _perf_command(problem, slug) for slug, reports in measured.items()]
+    elif not complete:
         if problem.device_independent:
             items.append(f"not computed: `{ANALYSIS_COMMAND}`")
         elif problem.gpus > 1:

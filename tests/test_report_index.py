@@ -223,6 +223,14 @@ def test_open_items_name_runs_that_need_more_gpus_and_parts_the_rows_lack(report
     assert "not implemented" in _status_row(index, "leaderboard")[-1]
 
 
+def test_a_problem_with_some_of_its_reports_names_the_missing_ones_and_the_run_that_writes_them(reports_root):
+    write_fake_report(reports_root / "h100", "optimizer_state_sharding", [{"table": "step", "status": "ok"}])
+    row = _status_row(render_index(reports_root), "optimizer_state_sharding")
+    assert row[1] == "1 of 2 reports"
+    assert row[-1] == ("h100: optimizer_state_sharding_accounting not measured: "
+                       "`pytest perf/ -m sharding --gpu h100 --world-size 2`")
+
+
 def test_the_2026_parallelism_problems_are_answered_from_their_reports(tmp_path):
     from cs336_systems.benchmarks.parallelism_calcs import write_parallelism_calcs
 
