@@ -390,12 +390,34 @@ def _merge_runs(earlier: list[Row], earlier_runs: Sequence[RunRecord], rows: lis
     return merged, runs
 
 
+def _closed_form_header(problem: str, command: str, sources: str) -> str:
+    """The header of a report computed in closed form: no device, versions or date, so writing it
+    again from the same code gives the same bytes."""
+    return "\n".join([
+        f"# {problem}", "",
+        f"- device: none; computed in closed form by {sources}, nothing is measured",
+        f"- command: `{command}`",
+        "- units: bytes; GB = 10^9 bytes, GiB = 2^30 bytes, MB = 10^6 bytes; FLOP/s; batches in tokens", "",
+    ])
+
+
+def write_closed_form(report: Report, rows: list[Row], report_dir: Path | str, command: str, sources: str) -> Path:
+    """Write a closed-form report's .md, .csv and figures (no metadata: nothing was measured, and the
+    files depend only on the code, `sources` naming the modules that compute it); returns the .md path."""
+    report_dir = Path(report_dir)
+    rendered = report.render(rows)
+    report_dir.mkdir(parents=True, exist_ok=True)
+    write_csv(report_dir / f"{report.name}.csv", rows)
+    return _write_rendered(report.name, rendered, report_dir, _closed_form_header(report.name, command, sources))
+
+
 def _write_rendered(problem: str, rendered: Rendered, report_dir: Path, head: str) -> Path:
     import matplotlib.pyplot as plt
 
     for file_name, figure in rendered.figures.items():
         partial = _staging_path(report_dir / file_name)
-        figure.savefig(partial, dpi=120, bbox_inches="tight")
+        # No software metadata: a figure's bytes depend only on what it draws.
+        figure.savefig(partial, dpi=120, bbox_inches="tight", metadata={"Software": None})
         os.replace(partial, report_dir / file_name)
         plt.close(figure)
     path = report_dir / f"{problem}.md"

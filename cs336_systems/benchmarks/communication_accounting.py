@@ -37,10 +37,11 @@ from cs336_systems.accounting.parallelism import (
     saved_activation_bytes_per_token,
     training_state_bytes,
 )
-from cs336_systems.benchmarks.parallelism_calcs import ANALYSIS_COMMAND, closed_form_header
+from cs336_systems.benchmarks.parallelism_calcs import ANALYSIS_COMMAND
 from cs336_systems.gpus import GB, GIB, GPU_SPECS, MB
 from cs336_systems.reports import (
     Rendered,
+    Report,
     Reports,
     Row,
     find,
@@ -48,7 +49,7 @@ from cs336_systems.reports import (
     markdown_table,
     not_in_report,
     select,
-    write_csv,
+    write_closed_form,
 )
 
 PROBLEM = "communication_accounting"
@@ -502,18 +503,9 @@ def write_communication_accounting(report_dir: Path | str, command: str = ANALYS
 
     The report has no date or device in it, so writing it again gives identical files.
     """
-    report_dir = Path(report_dir)
-    report_dir.mkdir(parents=True, exist_ok=True)
-    rows = communication_accounting_rows()
-    write_csv(report_dir / f"{PROBLEM}.csv", rows)
-    rendered = render_communication_accounting(rows)
-    for file_name, figure in rendered.figures.items():
-        # No metadata: the PNG's bytes depend only on the figure.
-        figure.savefig(report_dir / file_name, dpi=120, bbox_inches="tight", metadata={"Software": None})
-    path = report_dir / f"{PROBLEM}.md"
     sources = "`cs336_systems.accounting.communication` and `cs336_systems.accounting.parallelism`"
-    path.write_text(closed_form_header(PROBLEM, command, sources) + "\n" + rendered.body.rstrip() + "\n")
-    return path
+    return write_closed_form(Report(PROBLEM, render_communication_accounting), communication_accounting_rows(),
+                             report_dir, command, sources)
 
 
 # ---------------------------------------------------------------------------------------------- answers

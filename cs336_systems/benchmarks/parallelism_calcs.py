@@ -35,6 +35,7 @@ from cs336_systems.gpus import GB, GPU_SPECS, TERA
 from cs336_systems.model import ModelConfig
 from cs336_systems.reports import (
     Rendered,
+    Report,
     Reports,
     Row,
     find,
@@ -42,7 +43,7 @@ from cs336_systems.reports import (
     markdown_table,
     not_in_report,
     select,
-    write_csv,
+    write_closed_form,
 )
 
 PROBLEMS = ("alternate_ring_all_reduce", "data_parallel_calcs", "fsdp_calcs", "tp_calcs", "fsdp_tp_calcs")
@@ -352,30 +353,10 @@ def _with_assumptions(problem: str):
 RENDERERS = {problem: _with_assumptions(problem) for problem in PROBLEMS}
 
 
-def closed_form_header(problem: str, command: str, sources: str) -> str:
-    """The header of a report computed in closed form: no device, versions or date, so writing it
-    again from the same code gives the same bytes."""
-    return "\n".join([
-        f"# {problem}", "",
-        f"- device: none; computed in closed form by {sources}, nothing is measured",
-        f"- command: `{command}`",
-        "- units: bytes; GB = 10^9 bytes, GiB = 2^30 bytes, MB = 10^6 bytes; FLOP/s; batches in tokens", "",
-    ])
-
-
 def write_parallelism_calcs(report_dir: Path | str, command: str = ANALYSIS_COMMAND) -> list[Path]:
     """Write <report_dir>/<problem>.md and .csv for each of PROBLEMS; returns the .md paths."""
-    report_dir = Path(report_dir)
-    report_dir.mkdir(parents=True, exist_ok=True)
-    paths = []
-    for problem in PROBLEMS:
-        rows = ROWS[problem]()
-        write_csv(report_dir / f"{problem}.csv", rows)
-        path = report_dir / f"{problem}.md"
-        header = closed_form_header(problem, command, "`cs336_systems.accounting.ffn_parallelism`")
-        path.write_text(header + "\n" + RENDERERS[problem](rows).body.rstrip() + "\n")
-        paths.append(path)
-    return paths
+    return [write_closed_form(Report(problem, RENDERERS[problem]), ROWS[problem](), report_dir, command,
+                              "`cs336_systems.accounting.ffn_parallelism`") for problem in PROBLEMS]
 
 
 # ---------------------------------------------------------------------------------------------- answers
