@@ -298,6 +298,18 @@ def model_size_lines(rows: Iterable[Row]) -> list[str]:
     return lines
 
 
+def timing_lines(rows: Iterable[Row]) -> list[str]:
+    """"- timing: ...": how the rows' times were taken (their `timer`), and how many measured rows
+    predate rows recording it."""
+    rows = list(rows)
+    timers = dict.fromkeys(str(r["timer"]) for r in rows if r.get("timer"))
+    if not timers:
+        return []
+    unrecorded = sum(1 for r in rows if r.get("status") == "ok" and not r.get("timer"))
+    note = f" (not recorded for {plural(unrecorded, 'measured row')} of earlier runs)" if unrecorded else ""
+    return ["- timing: " + "; ".join(timers) + note]
+
+
 def software_line(runs: Sequence[RunRecord]) -> str:
     """The software the runs measured with: one list, or one per run where they differ."""
     described = {i: ", ".join(f"{k} {v}" for k, v in run.software.items()) for i, run in enumerate(runs, 1)}
@@ -314,7 +326,7 @@ def run_line(number: int, run: RunRecord) -> str:
 def header(metadata: Metadata, rows: Iterable[Row] = ()) -> str:
     """The report's title and provenance, from its metadata; the model-size lines from its rows."""
     lines = [f"# {metadata.problem}", "", f"- device: {metadata.device}", software_line(metadata.runs)]
-    lines += model_size_lines(rows)
+    lines += model_size_lines(rows) + timing_lines(rows)
     lines += [run_line(i, run) for i, run in enumerate(metadata.runs, 1)]
     if not metadata.on_gpu:
         lines.append(CPU_NOTE)

@@ -72,6 +72,14 @@ def test_runs_with_different_software_are_each_named():
     assert reports.run_line(2, runs[1]) == "- run 2: d2, `c2` (source ab)"
 
 
+def test_the_header_says_how_the_rows_were_timed_and_which_measured_rows_did_not_record_it():
+    rows = [{"status": "ok", "timer": "events"}, {"status": "ok", "timer": "events"}, {"status": "OOM"},
+            {"status": "ok"}, {"status": "ok", "timer": "do_bench"}]
+    assert reports.timing_lines(rows) == ["- timing: events; do_bench (not recorded for 1 measured row of earlier runs)"]
+    assert reports.timing_lines(rows[:3]) == ["- timing: events"]
+    assert reports.timing_lines([{"status": "ok"}]) == []
+
+
 def test_a_report_no_problem_names_renders_as_a_plain_table(tmp_path):
     assert problems.report("_unregistered") == Report("_unregistered")
     path = write_report(problems.report("_unregistered"), [{"k": 1}], tmp_path, command="c", device="cpu")

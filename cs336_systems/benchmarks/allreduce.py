@@ -37,7 +37,7 @@ from cs336_systems.reports import (
     pivot,
     select,
 )
-from cs336_systems.timing import synchronize, timed
+from cs336_systems.timing import STEP_TIMER, synchronize, timed
 
 GB = 10**9
 SIZES_BYTES = (1 * MB, 10 * MB, 100 * MB, 1 * GB)
@@ -84,7 +84,7 @@ def summarize(backend: str, device_name: str, world_size: int, size_bytes: int, 
     mean_s = statistics.fmean(rank_medians_s)
     algbw = size_bytes / mean_s
     row = {"backend": backend, "device": device_name, "world_size": world_size, "size_bytes": size_bytes,
-           "size_mb": size_bytes / MB, "status": "ok", "iterations": iterations,
+           "size_mb": size_bytes / MB, "status": "ok", "iterations": iterations, "timer": STEP_TIMER,
            "mean_rank_median_ms": mean_s * 1e3, "max_rank_median_ms": max(rank_medians_s) * 1e3,
            "algbw_gbps": algbw / GB, "busbw_gbps": bus_bandwidth(algbw, world_size) / GB}
     spec = spec_for_device_name(device_name) if backend == "nccl" else None

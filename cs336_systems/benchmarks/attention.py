@@ -43,7 +43,7 @@ from cs336_systems.reports import (
     ok_rows,
     select,
 )
-from cs336_systems.timing import Timings, synchronize, time_fn, timed
+from cs336_systems.timing import STEP_TIMER, Timings, synchronize, time_fn, timed
 
 BATCH_SIZE = 8
 HEAD_DIMS = (16, 32, 64, 128)
@@ -109,7 +109,7 @@ def _empty_row(cell: AttentionCell, device: torch.device) -> Row:
 
 def _record(row: Row, phase: str, timings: Timings) -> None:
     row |= {f"{phase}_mean_ms": timings.mean_ms, f"{phase}_std_ms": timings.std_ms,
-            f"{phase}_median_ms": timings.median_ms}
+            f"{phase}_median_ms": timings.median_ms, "timer": STEP_TIMER}
 
 
 def _measure(cell: AttentionCell, device: torch.device, row: Row) -> None:

@@ -90,6 +90,7 @@ from cs336_systems.reports import (
     ok_rows,
     select,
 )
+from cs336_systems.timing import STEP_TIMER
 
 log = logging.getLogger(__name__)
 
@@ -238,7 +239,7 @@ def _row(method: str, bucket_size_mb: float | None, per_rank: list[dict], summar
     if oom is not None:
         return {**row, **oom}
     pooled = {key: [x for stats in per_rank for x in stats[key]] for key in ("step_ms", *PHASES)}
-    row.update(status="ok", trainable_bytes=per_rank[0]["trainable_bytes"],
+    row.update(status="ok", timer=STEP_TIMER, trainable_bytes=per_rank[0]["trainable_bytes"],
                all_reduces_per_step=per_rank[0]["all_reduces_per_step"],
                step_ms=statistics.fmean(pooled["step_ms"]),
                step_std_ms=statistics.stdev(pooled["step_ms"]) if len(pooled["step_ms"]) > 1 else 0.0,

@@ -50,7 +50,7 @@ from cs336_systems.reports import (
     select,
     span,
 )
-from cs336_systems.timing import timed
+from cs336_systems.timing import STEP_TIMER, timed
 
 # The 2026 handout's gradient_checkpointing (b): xl at batch 4 and this sequence length.
 HANDOUT_CHECKPOINT_CONTEXT = 2048
@@ -187,7 +187,7 @@ def _measure_plan(model, plan, cfg: CheckpointSweepConfig, context: int, device:
         release_memory(device)
         return memory.oom_columns(predicted=False)
     return {"status": "ok", "start_bytes": start, "measured_peak_bytes": increase,
-            "measured_kept_bytes": kept["after_forward"] - start if kept else None, "step_ms": samples[0],
+            "measured_kept_bytes": kept["after_forward"] - start if kept else None, "step_ms": samples[0], "timer": STEP_TIMER,
             **memory.columns()}
 
 

@@ -62,7 +62,7 @@ from cs336_systems.reports import (
     select,
     span,
 )
-from cs336_systems.timing import synchronize
+from cs336_systems.timing import STEP_TIMER, synchronize
 
 @dataclass(frozen=True)
 class ShardingBenchmarkConfig:
@@ -273,7 +273,7 @@ def step_row(label: str, per_rank: list[dict], cfg: ShardingBenchmarkConfig, wor
         return {**row, **oom}
     steps = [x for stats in per_rank for x in stats["step_ms"]]
     optimizer = [x for stats in per_rank for x in stats["optimizer_ms"]]
-    row.update(status="ok", step_ms=statistics.fmean(steps),
+    row.update(status="ok", timer=STEP_TIMER, step_ms=statistics.fmean(steps),
                step_std_ms=statistics.stdev(steps) if len(steps) > 1 else 0.0,
                optimizer_ms=statistics.fmean(optimizer))
     # The training peak: step points only (building a model can peak higher, e.g. before sharding).
