@@ -1,5 +1,6 @@
 """Hashes that name the code a run tested or measured, recorded beside its results."""
 
+import functools
 import hashlib
 from collections.abc import Iterable
 from pathlib import Path
@@ -15,6 +16,7 @@ def source_digest(root: Path, relative_paths: Iterable[str]) -> str:
     return digest.hexdigest()[:16]
 
 
+@functools.cache  # one run measures with one source; its reports need not read it again each
 def package_source_hash() -> str:
     """The hash of every Python file of the package: the code a report's run measured with."""
     return source_digest(PACKAGE_ROOT, sorted(p.relative_to(PACKAGE_ROOT).as_posix()

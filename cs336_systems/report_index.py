@@ -12,9 +12,8 @@ its reports (`cs336_systems.reports.read_rows`) into sentences; where a row it q
 report, the sentence says so instead of guessing (`open_items_<problem>`, where there is one, names
 what the rows leave unanswered). This module only assembles them: the table of problems
 (cs336_systems.problems) names each problem's reports and functions, and the index adds the links,
-devices and status around them. The index carries
-no date of its own (only those quoted from report headers), so writing it again from the same reports
-gives the same bytes.
+devices and status around them. The index carries no date of its own (only those quoted from report
+headers), so writing it again from the same reports gives the same bytes.
 """
 
 from __future__ import annotations
@@ -84,8 +83,7 @@ def _device_table(reports_root: Path, slugs: list[str]) -> str:
         metadata = [Metadata.read(metadata_path(csv.parent, csv.stem))
                     for csv in sorted((reports_root / slug).glob("*.csv"))]
         devices = dict.fromkeys(m.device for m in metadata)
-        software = dict.fromkeys(", ".join(f"{k} {v}" for k, v in run.software.items())
-                                 for m in metadata for run in m.runs)
+        software = dict.fromkeys(run.software_text for m in metadata for run in m.runs)
         dates = sorted(run.date for m in metadata for run in m.runs)
         table.append({"directory": f"[{slug}/]({slug}/)", "device": "; ".join(devices),
                       "software": "; ".join(software),
@@ -160,7 +158,9 @@ def _measured(problem: Problem, reports_root: Path, slugs: list[str]) -> dict[st
     """slug -> the problem's reports present there ("" for the reports' root, closed forms)."""
     if problem.device_independent:
         root = _Directory(reports_root, "")
-        return {"": {r: root.rows(r) for r in problem.report_names if root.has(r)}} if root.has(problem.report_names[0]) else {}
+        if not root.has(problem.report_names[0]):
+            return {}
+        return {"": {r: root.rows(r) for r in problem.report_names if root.has(r)}}
     found = {}
     for slug in slugs:
         directory = _device(reports_root, slug)

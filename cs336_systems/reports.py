@@ -242,6 +242,11 @@ class RunRecord:
     software: dict[str, str]
     source_hash: str | None  # None for runs from before reports recorded it
 
+    @property
+    def software_text(self) -> str:
+        """ "python 3.12.3, torch 2.11.0, ...": the versions as a header or the index quotes them."""
+        return ", ".join(f"{name} {version}" for name, version in self.software.items())
+
 
 @dataclass(frozen=True)
 class Metadata:
@@ -312,7 +317,7 @@ def timing_lines(rows: Iterable[Row]) -> list[str]:
 
 def software_line(runs: Sequence[RunRecord]) -> str:
     """The software the runs measured with: one list, or one per run where they differ."""
-    described = {i: ", ".join(f"{k} {v}" for k, v in run.software.items()) for i, run in enumerate(runs, 1)}
+    described = {i: run.software_text for i, run in enumerate(runs, 1)}
     if len(set(described.values())) == 1:
         return f"- software: {described[1]}"
     return "- software: " + "; ".join(f"run {i}: {text}" for i, text in described.items())

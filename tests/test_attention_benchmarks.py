@@ -13,6 +13,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from cs336_systems import problems
 from cs336_systems.accounting.attention import attention_flops, naive_attention_memory
 from cs336_systems.attention.flash_triton import INTERPRETED
 from cs336_systems.attention.reference import naive_attention
@@ -21,8 +22,9 @@ from cs336_systems.benchmarks import flash as flash_bench
 from cs336_systems.benchmarks.attention import AttentionCell, attention_sweep, benchmark_attention
 from cs336_systems.benchmarks.flash import UNSUPPORTED, BenchSettings, FlashCell, benchmark_flash_cell
 from cs336_systems.profiling.memory import peak_memory_increase
-from cs336_systems import problems
 from cs336_systems.reports import OOM, read_rows, rerender, write_report
+
+FLASH_REPORT = problems.report("flash_benchmarking")
 
 # The Triton interpreter turns loop bounds into ints through a NumPy conversion that NumPy deprecates;
 # the warning is the interpreter's and says nothing about the code under test.
@@ -348,7 +350,7 @@ def test_flash_report_tables_ratios_oom_and_leaderboard(tmp_path):
     leaderboard = [_flash_row("flash_triton_compiled", "forward_backward", 16384, 8.0, table="leaderboard"),
                    _flash_row("sdpa_flash", "forward_backward", 16384, 6.0, table="leaderboard"),
                    _flash_row("sdpa_cudnn", "forward_backward", 16384, 4.0, table="leaderboard")]
-    rendered = problems.report("flash_benchmarking").render(rows + leaderboard)
+    rendered = FLASH_REPORT.render(rows + leaderboard)
     body = _flat(rendered.body)
     assert "### bf16, forward+backward" in body and "OOM (predicted)" in body
     assert "| 64 | 4096 | 1 | 10 | 0.5 | 10x | 0.5x |" in body
@@ -359,27 +361,27 @@ def test_flash_report_tables_ratios_oom_and_leaderboard(tmp_path):
     assert ("triton (compiled) takes 1.33x the time of sdpa flash; triton (compiled) takes 2x the time of "
             "sdpa cuDNN") in body
     assert set(rendered.figures) == {"flash_benchmarking_bf16.png"}
-    write_report(problems.report("flash_benchmarking"), rows + leaderboard, tmp_path, command="pytest perf/test_flash.py", device="cpu")
+    write_report(FLASH_REPORT, rows + leaderboard, tmp_path, command="pytest perf/test_flash.py", device="cpu")
     assert len(read_rows(tmp_path / "flash_benchmarking.csv")) == len(rows) + 3
     text = (tmp_path / "flash_benchmarking.md").read_text()
-    assert rerender(tmp_path, problems.report("flash_benchmarking")).read_text() == text  # the CSV alone reproduces the report
+    assert rerender(tmp_path, FLASH_REPORT).read_text() == text  # the CSV alone reproduces the report
 
 
 def test_flash_report_calls_short_lengths_host_bound_only_when_time_stays_flat_while_work_grows():
     flat = [_flash_row("flash_triton", "forward_backward", n, ms) for n, ms in ((128, 0.5), (1024, 0.7), (4096, 0.9))]
-    body = _flat(problems.report("flash_benchmarking").render(flat).body)
+    body = _flat(FLASH_REPORT.render(flat).body)
     assert ("bf16: from N=128 to N=4096, Triton's forward+backward takes 0.5 to 0.9 ms at every d while the work "
             "grows 1024x") in body
     growing = [_flash_row("flash_triton", "forward_backward", n, ms) for n, ms in ((128, 0.01), (1024, 0.1),
                                                                                      (4096, 1.0))]
-    assert "the time is the host's" not in _flat(problems.report("flash_benchmarking").render(growing).body)
+    assert "the time is the host's" not in _flat(FLASH_REPORT.render(growing).body)
 
 
 def test_flash_report_names_the_source_each_run_measured():
     rows = [_flash_row("flash_triton", "forward_backward", 4096, 1.0, run=1),
             _flash_row("flash_triton", "forward_backward", 16384, 8.0, table="leaderboard", run=2,
                        source_hash="0123abcd")]
-    body = _flat(problems.report("flash_benchmarking").render(rows).body)
+    body = _flat(FLASH_REPORT.render(rows).body)
     assert "FlashAttention GPU source measured: run 1: not recorded; run 2: 0123abcd." in body
     one_run = [{**row, "run": 1, "source_hash": "0123abcd"} for row in rows]
-    assert "FlashAttention GPU source measured: 0123abcd." in _flat(problems.report("flash_benchmarking").render(one_run).body)
+    assert "FlashAttention GPU source measured: 0123abcd." in _flat(FLASH_REPORT.render(one_run).body)

@@ -6,6 +6,7 @@ import weakref
 import pytest
 import torch
 
+from cs336_systems import problems
 from cs336_systems.benchmarks.gradient_checkpointing import CheckpointSweepConfig, checkpoint_sweep
 from cs336_systems.benchmarks.memory_profiling import MemoryProfileConfig, memory_profile
 from cs336_systems.profiling.memory import (
@@ -17,7 +18,6 @@ from cs336_systems.profiling.memory import (
     saved_tensor_bytes,
     source_frame,
 )
-from cs336_systems import problems
 from cs336_systems.reports import OOM
 
 # ---------------------------------------------------------------------------------------- snapshots

@@ -7,9 +7,9 @@ from pathlib import Path
 
 import pytest
 
+from cs336_systems import problems
 from cs336_systems.__main__ import main
 from cs336_systems.benchmarks.communication_accounting import communication_accounting_rows
-from cs336_systems import problems
 from cs336_systems.problems import PROBLEMS
 from cs336_systems.report_index import CPU_SLUG, INDEX_COMMAND, render_index, write_index
 from cs336_systems.reports import Metadata, Row, RunRecord, header, metadata_path, plural, rerender, span, write_csv

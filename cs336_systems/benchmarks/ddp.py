@@ -179,8 +179,7 @@ def _measure_variant(method: str, bucket_size_mb: float | None, cfg: DDPBenchmar
         training_step(module, optimizer, inputs, targets, phase=phase, after_backward=sync or _no_sync)
 
     for _ in range(cfg.warmup):
-        with timed_step(device) as phase:
-            step(phase)
+        _plain_step(step, device)
     samples: dict[str, list[float]] = {}
     for _ in range(cfg.steps):
         with timed_step(device, samples) as phase:

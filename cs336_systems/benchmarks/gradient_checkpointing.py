@@ -187,8 +187,8 @@ def _measure_plan(model, plan, cfg: CheckpointSweepConfig, context: int, device:
         release_memory(device)
         return memory.oom_columns(predicted=False)
     return {"status": "ok", "start_bytes": start, "measured_peak_bytes": increase,
-            "measured_kept_bytes": kept["after_forward"] - start if kept else None, "step_ms": samples[0], "timer": STEP_TIMER,
-            **memory.columns()}
+            "measured_kept_bytes": kept["after_forward"] - start if kept else None, "step_ms": samples[0],
+            "timer": STEP_TIMER, **memory.columns()}
 
 
 def _predicted_peak(cfg: CheckpointSweepConfig, context: int, plan_for) -> float:
