@@ -76,7 +76,7 @@ def _print_rows(rows, as_json: bool, columns=None) -> None:
 
 
 def _cmd_e2e(args) -> None:
-    from cs336_systems.benchmarks.e2e import E2EConfig, benchmark_model
+    from cs336_systems.benchmarks.e2e import BREAKDOWN_TABLE, E2EConfig, benchmark_model
     from cs336_systems.gpus import resolve_gpu
     from cs336_systems.model import use_size_table
 
@@ -98,15 +98,23 @@ def _cmd_e2e(args) -> None:
             log.info("[%d/%d] %s, context %d, %s%s", i, len(cells), cell.size, cell.context_length,
                      cell.precision, ", compiled" if cell.compile else "")
         peak = spec.peak_flops(cell.precision) if spec else None
-        cell_rows = benchmark_model(cell, device, peak)
+        cell_rows = benchmark_model(cell, device, peak, profiled_steps=args.breakdown)
         if args.reference:
             cell_rows = ([{"model": "project", **row} for row in cell_rows]
-                         + benchmark_model(cell, device, peak, reference=True))
+                         + benchmark_model(cell, device, peak, reference=True, profiled_steps=args.breakdown))
         rows += cell_rows
-    columns = None if args.json else [
-        *(["model"] if args.reference else []), "size", "context_length", "precision", "compile", "phase", "status",
-        "mean_ms", "std_ms", "median_ms", "iqr_ms", "tflops", "mfu", "estimated_peak_bytes", "available_bytes"]
-    _print_rows(rows, args.json, columns)
+    if args.json:
+        _print_rows(rows, True)
+        return
+    model = ["model"] if args.reference else []
+    cell = [*model, "size", "context_length", "precision", "compile", "phase", "status"]
+    _print_rows([r for r in rows if r.get("table") != BREAKDOWN_TABLE], False, [
+        *cell, "mean_ms", "std_ms", "median_ms", "iqr_ms", "tflops", "mfu", "estimated_peak_bytes", "available_bytes"])
+    breakdown = [r for r in rows if r.get("table") == BREAKDOWN_TABLE]
+    if breakdown:
+        print()
+        _print_rows(breakdown, False, [*cell, "work_ms", "matmul_ms", "attention_ms", "other_ms", "step_ms",
+                                       "busy_ms", "idle_ms", "span_ms"])
 
 
 def _cmd_accumulation(args) -> None:
@@ -186,6 +194,9 @@ def build_parser() -> argparse.ArgumentParser:
                      help=f"untimed steps first (default: {DEFAULT_WARMUP})")
     e2e.add_argument("--steps", type=_positive_int, default=DEFAULT_STEPS,
                      help=f"timed steps (default: {DEFAULT_STEPS})")
+    e2e.add_argument("--breakdown", type=_non_negative_int, default=0, metavar="STEPS",
+                     help="after the timed steps, profile this many more with torch.profiler and print where a "
+                          "step's time goes: each phase's kernel time by kind, GPU busy and idle time (default: 0)")
     common(e2e)
     e2e.set_defaults(run=_cmd_e2e)
 

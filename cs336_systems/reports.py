@@ -286,8 +286,10 @@ UNRECORDED_SIZE_TABLE = "2025"
 
 
 def model_size_lines(rows: Iterable[Row]) -> list[str]:
-    """"- model sizes: ..." lines naming the size table of each model size the rows measured."""
-    from cs336_systems.model import model_sizes, size_order
+    """"- model sizes: ..." lines naming the size table, shape and parameter count of each model size
+    the rows measured."""
+    from cs336_systems.accounting.activations import parameter_count
+    from cs336_systems.model import ModelConfig, model_sizes, size_order
 
     used: dict[str, set[str]] = {}
     for row in rows:
@@ -296,10 +298,16 @@ def model_size_lines(rows: Iterable[Row]) -> list[str]:
     lines = []
     for table, sizes in sorted(used.items(), reverse=True):
         shapes = model_sizes(table)
-        described = [f"{size} {'/'.join(str(v) for v in shapes[size].values())}" if size in shapes else size
-                     for size in sorted(sizes, key=size_order)]
+        described = []
+        for size in sorted(sizes, key=size_order):
+            if size not in shapes:
+                described.append(size)
+                continue
+            # The parameter count does not depend on the context length.
+            count = parameter_count(ModelConfig.for_size(size, context_length=1, table=table))
+            described.append(f"{size} {'/'.join(str(v) for v in shapes[size].values())} ({count / 1e6:,.0f}M)")
         lines.append(f"- model sizes: the {table} size table, {', '.join(described)} "
-                     "(d_model/d_ff/layers/heads)")
+                     "(d_model/d_ff/layers/heads, parameters)")
     return lines
 
 

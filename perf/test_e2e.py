@@ -6,6 +6,8 @@ import math
 import pytest
 
 from cs336_systems.benchmarks.e2e import (
+    BREAKDOWN_PHASES,
+    BREAKDOWN_TABLE,
     PHASES,
     REFERENCE_MODEL,
     E2EConfig,
@@ -27,6 +29,8 @@ WARMUP_STEPS_STUDIED = (0, 1, 2, 5)
 GPU_WARMUP_STUDY_CONTEXT = 512
 REFERENCE_GPU_CONTEXT = 512
 CPU_WARMUP_STUDY_CONTEXT = 64
+# Steps profiled (torch.profiler) after the timed ones, in the compiled cells the reference is timed at.
+PROFILED_STEPS = 5
 # Every timed column of an ok row: summaries of the timed steps, and the first step's wall time.
 TIMED_COLUMNS = ("mean_ms", "median_ms", "first_ms", "max_ms", "first_step_ms")
 # What torch's autocast documents for the toy model's layers (the Autocast Op Reference): linear is
@@ -45,33 +49,71 @@ def pytest_generate_tests(metafunc):
 
 
 @pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
-def test_model_step(model_size, context_length, precision, compiled, device, gpu_spec, report):
+def test_model_step(model_size, context_length, precision, compiled, device, gpu_spec, run_settings, report):
     cfg = E2EConfig(size=model_size, context_length=context_length, precision=precision, compile=compiled)
-    rows = benchmark_model(cfg, device, gpu_spec.peak_flops(precision) if gpu_spec else None)
-    for row in rows:
+    profiled = compiled and context_length == _reference_context(run_settings)
+    rows = benchmark_model(cfg, device, gpu_spec.peak_flops(precision) if gpu_spec else None,
+                           profiled_steps=PROFILED_STEPS if profiled else 0)
+    steps, breakdown = _split_breakdown(rows)
+    for row in steps:
         row["table"] = "sweep"
         if precision == "fp32" and not compiled:
             report("benchmarking_script").add(row)
         if not compiled:
             report("benchmarking_mixed_precision").add(row)
+    for row in rows:
         report("torch_compile").add(row)
-    assert [r["phase"] for r in rows] == list(PHASES[cfg.mode])
-    assert {r["status"] for r in rows} <= {"ok", OOM}
-    assert not unmeasured(rows, *TIMED_COLUMNS)
+    assert [r["phase"] for r in steps] == list(PHASES[cfg.mode])
+    assert {r["status"] for r in steps} <= {"ok", OOM}
+    assert not unmeasured(steps, *TIMED_COLUMNS)
+    _check_breakdown(breakdown, steps, expected=profiled, device=device)
 
 
 def test_reference_step(model_size, precision, device, gpu_spec, run_settings, report):
     # The torch-native LM of the same architecture, compiled whole, at one context per size and
     # precision: the torch_compile report sets the project's compiled step beside it.
-    context = REFERENCE_GPU_CONTEXT if run_settings.on_gpu else CPU_CONTEXTS[-1]
-    cfg = E2EConfig(size=model_size, context_length=context, precision=precision, compile=True)
-    rows = benchmark_model(cfg, device, gpu_spec.peak_flops(precision) if gpu_spec else None, reference=True)
-    for row in rows:
+    cfg = E2EConfig(size=model_size, context_length=_reference_context(run_settings), precision=precision,
+                    compile=True)
+    rows = benchmark_model(cfg, device, gpu_spec.peak_flops(precision) if gpu_spec else None, reference=True,
+                           profiled_steps=PROFILED_STEPS)
+    steps, breakdown = _split_breakdown(rows)
+    for row in steps:
         report("torch_compile").add(row, table="reference")
-    assert [r["phase"] for r in rows] == list(PHASES[cfg.mode])
+    for row in breakdown:
+        report("torch_compile").add(row)
+    assert [r["phase"] for r in steps] == list(PHASES[cfg.mode])
     assert {r["model"] for r in rows} == {REFERENCE_MODEL}
-    assert {r["status"] for r in rows} <= {"ok", OOM}
-    assert not unmeasured(rows, *TIMED_COLUMNS)
+    assert {r["status"] for r in steps} <= {"ok", OOM}
+    assert not unmeasured(steps, *TIMED_COLUMNS)
+    _check_breakdown(breakdown, steps, expected=True, device=device)
+
+
+def _reference_context(run_settings) -> int:
+    return REFERENCE_GPU_CONTEXT if run_settings.on_gpu else CPU_CONTEXTS[-1]
+
+
+def _split_breakdown(rows):
+    breakdown = [r for r in rows if r.get("table") == BREAKDOWN_TABLE]
+    return [r for r in rows if r.get("table") != BREAKDOWN_TABLE], breakdown
+
+
+def _check_breakdown(breakdown, steps, expected, device):
+    """A cell that ran and was profiled has a row per phase, whose parts add up to its work, and a step
+    row; on a GPU the device was busy for part of the profiled step, never more than all of it."""
+    if not expected or any(r["status"] == OOM for r in steps):
+        assert breakdown == []
+        return
+    phases = [r for r in breakdown if r["phase"] != "step"]
+    assert [r["phase"] for r in phases] == list(BREAKDOWN_PHASES)
+    assert not unmeasured(phases, "work_ms")
+    for r in phases:
+        assert min(r["matmul_ms"], r["attention_ms"], r["other_ms"]) >= 0
+        assert math.isclose(r["matmul_ms"] + r["attention_ms"] + r["other_ms"], r["work_ms"], rel_tol=1e-9)
+    (step,) = [r for r in breakdown if r["phase"] == "step"]
+    assert not unmeasured([step], "step_ms")
+    if device.type == "cuda":
+        assert 0 < step["busy_ms"] <= step["span_ms"]
+        assert step["busy_ms"] <= step["step_ms"] * 1.01  # the step's events bracket its kernels
 
 
 @pytest.mark.parametrize("warmup", WARMUP_STEPS_STUDIED)

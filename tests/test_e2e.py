@@ -33,8 +33,8 @@ def test_train_step_is_the_whole_step_and_forward_backward_the_per_step_sum(monk
     # medians; maximum 22, not 29).
     samples = {"forward": [1.0, 9.0, 2.0], "backward": [10.0, 1.0, 20.0], "optimizer": [1.0, 1.0, 1.0],
                "step": [12.5, 11.5, 23.5]}
-    measured = ({k: list(v) for k, v in samples.items()}, 50.0)
-    monkeypatch.setattr(e2e, "_measure", lambda cfg, device, reference: measured)
+    measured = ({k: list(v) for k, v in samples.items()}, 50.0, None)
+    monkeypatch.setattr(e2e, "_measure", lambda cfg, device, reference, profiled_steps: measured)
     by_phase = {r["phase"]: r for r in benchmark_model(E2EConfig("tiny", 16, steps=3), "cpu")}
     for phase, per_step in (("forward_backward", [11.0, 10.0, 22.0]), ("train_step", samples["step"])):
         row = by_phase[phase]
@@ -43,6 +43,23 @@ def test_train_step_is_the_whole_step_and_forward_backward_the_per_step_sum(monk
         assert row["std_ms"] == pytest.approx(statistics.stdev(per_step))
     assert by_phase["train_step"]["iqr_ms"] == pytest.approx(6.0)  # quartiles 12.0 and 18.0
     assert {r["first_step_ms"] for r in by_phase.values()} == {50.0}
+
+
+def test_profiled_steps_break_each_phase_down_after_the_timed_ones():
+    rows = benchmark_model(E2EConfig("tiny", 16, batch_size=1, warmup=1, steps=2), "cpu", profiled_steps=2)
+    timed = [r for r in rows if r.get("table") != e2e.BREAKDOWN_TABLE]
+    breakdown = {r["phase"]: r for r in rows if r.get("table") == e2e.BREAKDOWN_TABLE}
+    assert [r["phase"] for r in timed] == list(e2e.PHASES["train"])
+    assert list(breakdown) == [*e2e.BREAKDOWN_PHASES, "step"]
+    for phase in e2e.BREAKDOWN_PHASES:
+        row = breakdown[phase]
+        assert row["profiled_steps"] == 2 and row["work_ms"] > 0
+        assert row["matmul_ms"] + row["attention_ms"] + row["other_ms"] == pytest.approx(row["work_ms"])
+    # On a CPU the matmuls are aten::mm and kin, SDPA is fused attention, and AdamW does neither.
+    assert breakdown["forward"]["matmul_ms"] > 0 and breakdown["forward"]["attention_ms"] > 0
+    assert breakdown["optimizer"]["matmul_ms"] == breakdown["optimizer"]["attention_ms"] == 0
+    # Busy and idle time are read from a GPU's timeline; a CPU step has only its time.
+    assert breakdown["step"]["step_ms"] > 0 and "busy_ms" not in breakdown["step"]
 
 
 def test_a_timed_step_holds_its_phases_and_collects_no_garbage_inside():
@@ -74,7 +91,7 @@ def test_other_modes(mode, phases):
 
 
 def test_out_of_memory_is_recorded_not_raised(monkeypatch):
-    def run_out(cfg, device, reference):
+    def run_out(cfg, device, reference, profiled_steps):
         raise torch.OutOfMemoryError("CUDA out of memory")
 
     monkeypatch.setattr(e2e, "_measure", run_out)
@@ -171,7 +188,8 @@ def test_command_records_a_cell_too_large_for_this_machine_as_oom(capsys, monkey
 def test_a_cell_whose_state_exceeds_the_device_is_reported_oom_without_running(monkeypatch):
     # An 80 GB device: the 10B model's weights, gradients and AdamW state (205 GB) cannot fit.
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: SimpleNamespace(total_memory=80e9))
-    monkeypatch.setattr(e2e, "_measure", lambda cfg, device, reference: pytest.fail("a cell that cannot fit was run"))
+    monkeypatch.setattr(e2e, "_measure",
+                        lambda cfg, device, reference, profiled_steps: pytest.fail("a cell that cannot fit was run"))
     rows = benchmark_model(E2EConfig("10B", 128), "cuda")
     assert {(r["status"], r["oom_predicted"]) for r in rows} == {(OOM, True)}
     assert rows[0]["estimated_peak_bytes"] == 16 * 12_832_823_808

@@ -15,6 +15,7 @@ from cs336_systems.model import ModelConfig, TransformerLM
 from cs336_systems.profiling.kernels import (
     Work,
     activity,
+    device_timeline,
     device_work,
     is_matmul,
     kernel_tables,
@@ -192,6 +193,18 @@ def test_each_cuda_kernel_counts_once_in_the_innermost_range_open_at_its_launch(
     assert tables["step"].work_us == 40 + 10 + 7 + 80 + 3 == sum(t.self_work_us for t in tables.values())
     assert tables["forward"].wall_us == 100 and tables["attention/softmax"].instances == 1
     assert kernel_tables(trace.events, "cuda", ranges=["forward"]).keys() == {"forward"}
+
+
+@pytest.mark.parametrize("records_activity", [True, False], ids=["activity recorded", "torch 2.11 events"])
+def test_device_timeline_is_busy_where_some_kernel_runs_and_idle_in_the_gaps(records_activity):
+    trace = Trace(records_activity)
+    # Two kernels overlap (110-150 and 140-160: busy 50), then a gap of 40, then one of 20.
+    trace.operator("aten::mm", 0, 10, [("sm90_xmma_gemm_a", 110, 40.0)], id=1)
+    trace.operator("aten::add", 20, 30, [("elementwise_add", 140, 20.0)], id=2)
+    trace.operator("aten::mul", 40, 50, [("elementwise_mul", 200, 20.0)], id=3)
+    # A GPU-side range spans kernels without being work of its own.
+    trace.add("forward", 100, 300, "gpu_user_annotation", device=DeviceType.CUDA, linked=1)
+    assert device_timeline(trace.events) == (110.0, 70.0)
 
 
 def test_a_cuda_profile_without_kernels_is_an_error_not_an_empty_table():

@@ -154,13 +154,14 @@ def test_cpu_reports_are_not_tracked():
     assert "reports/cpu/" in ignored
 
 
-def test_header_names_the_size_table_of_each_measured_size_and_rerender_derives_it(tmp_path):
+def test_header_names_the_size_table_and_parameters_of_each_measured_size_and_rerender_derives_it(tmp_path):
     rows = [{"size": "xl", "size_table": 2026, "ms": 1.0}, {"size": "10B", "size_table": 2026, "ms": None},
             {"size": "2.7B", "ms": 3.0}]  # a row from before rows named their table: the 2025 table's
     text = write_report(Report("_test_problem_sizes"), rows, tmp_path, command="c", device="cpu").read_text()
-    assert ("- model sizes: the 2026 size table, xl 2560/10240/32/32, 10B 4608/12288/50/36 "
-            "(d_model/d_ff/layers/heads)") in text
-    assert "- model sizes: the 2025 size table, 2.7B 2560/10240/32/32" in text
+    # 10B: 12,832,823,808 parameters (the memory model's count, test_e2e).
+    assert ("- model sizes: the 2026 size table, xl 2560/10240/32/32 (3,407M), 10B 4608/12288/50/36 (12,833M) "
+            "(d_model/d_ff/layers/heads, parameters)") in text
+    assert "- model sizes: the 2025 size table, 2.7B 2560/10240/32/32 (3,407M)" in text
     # A report written before the line existed gets it when re-rendered; its run lines stay.
     (tmp_path / "_test_problem_sizes.md").write_text(
         "\n".join(line for line in text.splitlines() if not line.startswith("- model sizes")) + "\n")

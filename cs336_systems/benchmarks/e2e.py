@@ -18,6 +18,7 @@ import statistics
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -39,6 +40,7 @@ from cs336_systems.benchmarks.harness import (
 from cs336_systems.benchmarks.reference_lm import build_reference
 from cs336_systems.memory_guard import MemoryCheck, check_memory, is_out_of_memory
 from cs336_systems.model import ModelConfig, size_order
+from cs336_systems.profiling.kernels import device_timeline, is_fused_attention, kernel_tables, profiler_activities
 from cs336_systems.profiling.ranges import annotate
 from cs336_systems import reports
 from cs336_systems.reports import (
@@ -51,6 +53,7 @@ from cs336_systems.reports import (
     find,
     format_ms,
     format_ratio,
+    format_share,
     is_noisy,
     listing,
     not_in_report,
@@ -119,9 +122,13 @@ def memory_model_attention(attention: str) -> str:
     return "naive" if attention.startswith("naive") else "sdpa"
 
 
-def _measure(cfg: E2EConfig, device: torch.device, reference: bool = False) -> tuple[dict[str, list[float]], float]:
-    """Per-phase samples in ms over the timed steps, and the first step's wall time in ms; of the
-    torch-native reference LM (compiled whole if `cfg.compile`) when `reference`."""
+Step = Callable[[dict[str, list[float]] | None], None]
+
+
+def _workload(cfg: E2EConfig, device: torch.device, reference: bool) -> Step:
+    """One step of the cell, as a function: given a dict of lists, it appends each phase's time and
+    the whole step's (harness.timed_step). The model is the torch-native reference LM (compiled whole
+    if `cfg.compile`) when `reference`."""
     config = cfg.model_config()
     if reference:
         model = build_reference(config, device, compile=cfg.compile)
@@ -129,11 +136,9 @@ def _measure(cfg: E2EConfig, device: torch.device, reference: bool = False) -> t
         model = build_model(config, device, cfg.attention, compile=cfg.compile)
     optimizer = adamw(model, LEARNING_RATE) if cfg.mode == "train" else None
     inputs, targets = random_batch(config, cfg.batch_size, cfg.context_length, device)
-    samples: dict[str, list[float]] = {phase: [] for phase in ("forward", "backward", "optimizer", "step")}
-    first_step_ms = float("nan")
 
-    def step(record: bool) -> None:
-        with timed_step(device, samples if record else None) as phase:
+    def step(samples: dict[str, list[float]] | None) -> None:
+        with timed_step(device, samples) as phase:
             if cfg.mode == "forward":
                 with phase("forward"), torch.no_grad(), autocast(cfg.precision, device):
                     model(inputs)
@@ -141,19 +146,75 @@ def _measure(cfg: E2EConfig, device: torch.device, reference: bool = False) -> t
             training_step(model, optimizer, inputs, targets, precision=cfg.precision, phase=phase,
                           keep_logits=True)
 
+    return step
+
+
+def _measure(cfg: E2EConfig, device: torch.device, reference: bool = False,
+             profiled_steps: int = 0) -> tuple[dict[str, list[float]], float, Profile | None]:
+    """Per-phase samples in ms over the timed steps and the first step's wall time in ms; then, given
+    `profiled_steps`, that many more steps under torch.profiler, and what it recorded."""
+    step = _workload(cfg, device, reference)
+    samples: dict[str, list[float]] = {phase: [] for phase in ("forward", "backward", "optimizer", "step")}
+    first_step_ms = float("nan")
     for i in range(cfg.warmup):
         with annotate("warmup"):
             start = time.perf_counter()
-            step(record=False)
+            step(None)
             if i == 0:
                 first_step_ms = (time.perf_counter() - start) * 1e3
     for i in range(cfg.steps):
         with annotate(f"step_{i}"):
             start = time.perf_counter()
-            step(record=True)
+            step(samples)
             if i == 0 and cfg.warmup == 0:
                 first_step_ms = (time.perf_counter() - start) * 1e3
-    return samples, first_step_ms
+    if not profiled_steps:
+        return samples, first_step_ms, None
+    profiled: dict[str, list[float]] = {}
+    with torch.profiler.profile(activities=profiler_activities(device)) as profiler:
+        for i in range(profiled_steps):
+            with annotate(f"profiled_step_{i}"):
+                step(profiled)
+    return samples, first_step_ms, Profile(list(profiler.events()), tuple(profiled["step"]))
+
+
+@dataclass(frozen=True)
+class Profile:
+    events: list  # torch.profiler's events of the profiled steps
+    step_ms: tuple[float, ...]  # each profiled step's time, as the step timer measured it
+
+
+# Where a step's time goes: its phases' device work by kind, and how much of the step the device was busy.
+BREAKDOWN_TABLE = "breakdown"
+BREAKDOWN_PHASES = ("forward", "backward", "optimizer")
+
+
+def breakdown_rows(base: Row, profile: Profile, device_type: str) -> list[Row]:
+    """Per phase, its device work per step (kernel time on a GPU, operators' own time on a CPU) split
+    into matmuls, fused attention and the rest; then the step: its profiled time, and on a GPU how
+    much of it some kernel ran (busy) and how long the device waited for the host (idle)."""
+    steps = len(profile.step_ms)
+    tables = kernel_tables(profile.events, device_type, ranges=BREAKDOWN_PHASES)
+    rows = []
+    for phase in BREAKDOWN_PHASES:
+        if phase not in tables:
+            continue
+        table = tables[phase]
+        attention_us = sum(k.total_us for k in table.kernels if is_fused_attention(k.name))
+        rows.append({**base, "table": BREAKDOWN_TABLE, "phase": phase, "status": "ok", "profiled_steps": steps,
+                     "work_ms": table.work_us / steps / 1e3, "matmul_ms": table.matmul_us / steps / 1e3,
+                     "attention_ms": attention_us / steps / 1e3,
+                     "other_ms": (table.work_us - table.matmul_us - attention_us) / steps / 1e3})
+    step_ms = statistics.fmean(profile.step_ms)
+    step: Row = {**base, "table": BREAKDOWN_TABLE, "phase": "step", "status": "ok", "profiled_steps": steps, "step_ms": step_ms}
+    if device_type == "cuda":
+        # The profile spans the profiled steps and the host's gaps between them.
+        span_us, busy_us = device_timeline(profile.events)
+        step["busy_ms"] = busy_us / steps / 1e3
+        step["idle_ms"] = step_ms - step["busy_ms"]
+        step["span_ms"] = span_us / steps / 1e3
+    rows.append(step)
+    return rows
 
 
 def benchmark_in_fresh_process(cfg: E2EConfig, device: torch.device | str) -> list[Row]:
@@ -188,10 +249,11 @@ def memory_estimate(cfg: E2EConfig):
 
 
 def benchmark_model(cfg: E2EConfig, device: torch.device | str, peak_flops: float | None = None,
-                    reference: bool = False) -> list[Row]:
+                    reference: bool = False, profiled_steps: int = 0) -> list[Row]:
     """Rows, one per reported phase: mean / std / median ms and, given a peak, TFLOP/s and MFU.
     `reference` times the torch-native LM of the same architecture instead (benchmarks.reference_lm;
     SDPA attention, compiled whole if `cfg.compile`); its rows say model "torch reference".
+    `profiled_steps` more steps under torch.profiler add the rows of table "breakdown" (`breakdown_rows`).
 
     A configuration whose estimated peak does not fit the free memory is not run, and one that runs
     out of memory stops; both give rows with status "OOM" and the estimate (cs336_systems.memory_guard).
@@ -216,7 +278,7 @@ def benchmark_model(cfg: E2EConfig, device: torch.device | str, peak_flops: floa
     if not memory.fits:
         return [{**base, "phase": phase, **memory.oom_columns(predicted=True)} for phase in PHASES[cfg.mode]]
     try:
-        samples, first_step_ms = _measure(cfg, device, reference)
+        samples, first_step_ms, profile = _measure(cfg, device, reference, profiled_steps)
     except Exception as error:
         if not is_out_of_memory(error):
             raise
@@ -246,6 +308,8 @@ def benchmark_model(cfg: E2EConfig, device: torch.device | str, peak_flops: floa
             if peak_flops:
                 row["mfu"] = flops / (row["median_ms"] * 1e-3) / peak_flops
         rows.append(row)
+    if profile is not None:
+        rows += breakdown_rows(base, profile, device.type)
     return rows
 
 
@@ -367,7 +431,7 @@ def _warmup_section(rows: list[Row]) -> str:
 
 
 # The columns that identify an e2e cell: a later run replaces the rows of cells it measures again.
-CELL_KEY = ("table", "size", "context_length", "batch_size", "mode", "precision", "compile", "attention",
+CELL_KEY = ("table", "model", "size", "context_length", "batch_size", "mode", "precision", "compile", "attention",
             "warmup", "steps", "phase")
 # benchmarking_mixed_precision also holds the autocast dtype rows, one per tensor of the toy model.
 MIXED_PRECISION_KEY = CELL_KEY + ("tensor", "autocast", "storage_dtype")
@@ -495,28 +559,69 @@ def render_compiled_models(rows: list[Row]) -> Rendered:
 
 
 def _reference_section(rows: list[Row]) -> str:
-    """The compiled training step against the torch-native reference of the same cell."""
+    """The compiled training step against the torch-native reference of the same cell, and where the
+    profiled steps of both spent their time."""
     from cs336_systems.reports import markdown_table
 
+    cells = _reference_cells(rows)
+    if not cells:
+        return ""
+    table = []
+    for cell, (ours, theirs) in cells.items():
+        table.append({"size": cell[0], "context": cell[1], "precision": cell[2],
+                      "project (ms)": mean_std(ours), "torch reference (ms)": mean_std(theirs),
+                      "project / reference": format_ratio(ours["median_ms"] / theirs["median_ms"])})
+    return ("## The compiled step against a torch-native reference\n\n"
+            "The reference is the same architecture written with torch's own modules (nn.Linear, nn.RMSNorm, one "
+            "fused q/k/v projection, SDPA; cs336_systems/benchmarks/reference_lm.py) and compiled as one graph, "
+            "with the same AdamW (fused on CUDA), timed the same way in the same run. The ratio is of medians: "
+            "above 1, the project's model and harness cost that much more.\n\n" + markdown_table(table)
+            + _breakdown_section(rows))
+
+
+def _reference_cells(rows: list[Row]) -> dict[tuple, tuple[Row, Row]]:
+    """(size, context, precision) -> the project's compiled train step and the reference's, where both ran."""
     def steps(table: str) -> dict[tuple, Row]:
         return {(r["size"], r["context_length"], r["precision"]): r for r in ok_rows(rows)
                 if r.get("table") == table and r["compile"] and r["phase"] == "train_step"}
 
     project, reference = steps("sweep"), steps("reference")
     cells = sorted(set(project) & set(reference), key=lambda cell: (size_order(cell[0]), cell[1], cell[2]))
-    if not cells:
+    return {cell: (project[cell], reference[cell]) for cell in cells}
+
+
+def _breakdown_section(rows: list[Row]) -> str:
+    from cs336_systems.reports import markdown_table
+
+    profiled = select(rows, table=BREAKDOWN_TABLE)
+    if not profiled:
         return ""
     table = []
-    for cell in cells:
-        ours, theirs = project[cell], reference[cell]
-        table.append({"size": cell[0], "context": cell[1], "precision": cell[2],
-                      "project (ms)": mean_std(ours), "torch reference (ms)": mean_std(theirs),
-                      "project / reference": f"{ours['median_ms'] / theirs['median_ms']:.2f}x"})
-    return ("## The compiled step against a torch-native reference\n\n"
-            "The reference is the same architecture written with torch's own modules (nn.Linear, nn.RMSNorm, one "
-            "fused q/k/v projection, SDPA; cs336_systems/benchmarks/reference_lm.py) and compiled as one graph, "
-            "with the same AdamW (fused on CUDA), timed the same way in the same run. The ratio is of medians: "
-            "above 1, the project's model and harness cost that much more.\n\n" + markdown_table(table))
+    for r in sorted(profiled, key=lambda r: (size_order(r["size"]), r["context_length"], r["precision"],
+                                             r.get("model") or "", (*BREAKDOWN_PHASES, "step").index(r["phase"]))):
+        entry = {"model": r.get("model") or "project", "size": r["size"], "context": r["context_length"],
+                 "precision": r["precision"], "phase": r["phase"]}
+        if r["phase"] == "step":
+            busy = r.get("busy_ms")
+            entry.update({"step (ms)": f"{r['step_ms']:.1f}",
+                          "GPU busy (ms)": "" if busy is None else f"{busy:.1f} ({busy / r['step_ms']:.0%})",
+                          "GPU idle (ms)": "" if busy is None else f"{r['idle_ms']:.1f}"})
+        else:
+            entry.update({"kernels (ms)": f"{r['work_ms']:.1f}", "matmul": format_share(_part(r, "matmul_ms")),
+                          "attention": format_share(_part(r, "attention_ms")),
+                          "other": format_share(_part(r, "other_ms"))})
+        table.append(entry)
+    steps = profiled[0].get("profiled_steps")
+    return (f"\n### Where the time goes\n\n{plural(steps, 'more step')} of each model, after its timed ones, "
+            "under torch.profiler: per phase, the kernel time per step and its split into matmuls, fused attention and "
+            "the rest (elementwise, norms, the loss, AdamW); per step, its time under the profiler (which adds host "
+            "work), how much of it some kernel ran (GPU busy), and how long the GPU waited for the host (idle). "
+            "A step's kernels can run at the same time, so the phases' kernel times may add up to more than the "
+            "busy time.\n\n" + markdown_table(table, columns=list(dict.fromkeys(k for e in table for k in e))))
+
+
+def _part(row: Row, column: str) -> float:
+    return row[column] / row["work_ms"] if row["work_ms"] else 0.0
 
 
 # ---------------------------------------------------------------------------------------------- answers
@@ -651,6 +756,22 @@ def answer_benchmarking_mixed_precision(reports: Reports) -> list[str]:
     return sentences
 
 
+def _reference_answer(rows: list[Row]) -> list[str]:
+    """The largest cell's compiled step against the torch-native reference, and how busy its GPU was."""
+    cells = _reference_cells(rows)
+    if not cells:
+        return []
+    (size, context, precision), (ours, theirs) = list(cells.items())[-1]
+    sentence = (f"Against a torch-native LM of the same architecture compiled whole, the compiled {size} {precision} "
+                f"training step at context {context} takes {format_ratio(ours['median_ms'] / theirs['median_ms'])} "
+                f"its time (medians {format_ms(ours['median_ms'])} and {format_ms(theirs['median_ms'])})")
+    profiled = find(rows, table=BREAKDOWN_TABLE, phase="step", size=size, context_length=context,
+                    precision=precision, model=None)
+    if profiled and profiled.get("busy_ms") is not None:
+        sentence += f"; under the profiler the GPU was busy for {format_share(profiled['busy_ms'] / profiled['step_ms'])} of its step"
+    return [sentence + "."]
+
+
 def answer_torch_compile(reports: Reports) -> list[str]:
     rows = reports["torch_compile"]
     sweep = ok_rows(select(rows, table="sweep"))
@@ -681,6 +802,7 @@ def answer_torch_compile(reports: Reports) -> list[str]:
         sentences.append(f"At {size}, context {context}: " + ", ".join(shown) + ".")
     else:
         sentences.append(not_in_report("A whole-model training step both eager and compiled"))
+    sentences += _reference_answer(rows)
     attention = [r for r in select(rows, table="attention") if r.get("status") == "ok"]
     pairs: dict[tuple, dict[bool, Row]] = {}
     for r in attention:

@@ -34,6 +34,8 @@ from dataclasses import dataclass
 import torch
 from torch.autograd import DeviceType
 
+from cs336_systems.profiling.timeline import length, union
+
 # Kernel and operator names of matrix multiplies: cuBLAS / cuBLASLt (gemm, gemv, xmma, nvjet and
 # their split-K reduction), CUTLASS, and the aten matmul operators whose self time is the matmul on CPU.
 _MATMUL = re.compile(
@@ -53,7 +55,12 @@ OPERATOR = "cpu_op"
 
 def is_matmul(name: str) -> bool:
     """True for a matrix-multiply kernel or operator name."""
-    return bool(_MATMUL.search(name)) and not _FUSED_ATTENTION.search(name)
+    return bool(_MATMUL.search(name)) and not is_fused_attention(name)
+
+
+def is_fused_attention(name: str) -> bool:
+    """True for a fused attention kernel (SDPA's flash or memory-efficient kernels, ours)."""
+    return bool(_FUSED_ATTENTION.search(name))
 
 
 def profiler_activities(device: torch.device | str) -> list[torch.profiler.ProfilerActivity]:
@@ -115,6 +122,18 @@ def device_work(events: Iterable, device_type: str) -> list[Work]:
         return [Work(e.name, e.time_range.start, e.self_cpu_time_total) for kind, e in events
                 if kind == OPERATOR and not e.is_async and e.self_cpu_time_total > 0]
     raise ValueError(f"kernel tables support cuda and cpu profiles, not {device_type!r}")
+
+
+def device_timeline(events: Iterable) -> tuple[float, float]:
+    """(span_us, busy_us) of a CUDA profile: from the start of its first kernel, copy or memset to the
+    end of its last, and how much of that span some of them were running (the union of their
+    intervals on the device's clock). The rest of the span the device sat idle, waiting for the host."""
+    spans = [(e.time_range.start, e.time_range.end) for e in events
+             if e.device_type == DeviceType.CUDA and activity(e) in DEVICE_WORK]
+    if not spans:
+        raise RuntimeError("the profile holds no CUDA kernels: was it recorded with ProfilerActivity.CUDA?")
+    busy = union(spans)
+    return busy[-1][1] - busy[0][0], length(busy)
 
 
 def range_intervals(events: Iterable, names: Sequence[str] | None = None) -> dict[str, list[tuple[float, float]]]:

@@ -125,7 +125,7 @@ def _cpu_intervals(spans, phase_names):
     return found
 
 
-def _union(spans: Iterable[tuple[float, float]]) -> list[tuple[float, float]]:
+def union(spans: Iterable[tuple[float, float]]) -> list[tuple[float, float]]:
     merged: list[list[float]] = []
     for start, end in sorted(spans):
         if merged and start <= merged[-1][1]:
@@ -135,7 +135,7 @@ def _union(spans: Iterable[tuple[float, float]]) -> list[tuple[float, float]]:
     return [(start, end) for start, end in merged]
 
 
-def _length(spans: Iterable[tuple[float, float]]) -> float:
+def length(spans: Iterable[tuple[float, float]]) -> float:
     return sum(end - start for start, end in spans)
 
 
@@ -155,11 +155,11 @@ def communication_summary(intervals: Iterable[Interval]) -> dict[str, float]:
     """Busy time of communication and of compute, and how much of the communication overlapped
     compute (both running at once) or was exposed (communication with no compute beside it)."""
     intervals = list(intervals)
-    communication = _union((i.start_ms, i.end_ms) for i in intervals if i.kind == COMMUNICATION)
-    compute = _union((i.start_ms, i.end_ms) for i in intervals if i.kind == COMPUTE)
+    communication = union((i.start_ms, i.end_ms) for i in intervals if i.kind == COMMUNICATION)
+    compute = union((i.start_ms, i.end_ms) for i in intervals if i.kind == COMPUTE)
     overlapped = _intersection(communication, compute)
-    return {"communication_ms": _length(communication), "compute_ms": _length(compute),
-            "overlapped_ms": overlapped, "exposed_ms": _length(communication) - overlapped}
+    return {"communication_ms": length(communication), "compute_ms": length(compute),
+            "overlapped_ms": overlapped, "exposed_ms": length(communication) - overlapped}
 
 
 def plot_timeline(intervals: Iterable[Interval], title: str):
@@ -178,7 +178,7 @@ def plot_timeline(intervals: Iterable[Interval], title: str):
         # Kernels are drawn as merged busy spans: the same picture as thousands of bars, much faster.
         spans = [(i.start_ms, i.end_ms) for i in in_row]
         if kind != PHASE:
-            spans = _union((start, max(end, start + min_width)) for start, end in spans)
+            spans = union((start, max(end, start + min_width)) for start, end in spans)
         axes.broken_barh([(start, end - start) for start, end in spans], (y - 0.35, 0.7),
                          facecolors=_COLORS[kind], edgecolor="white" if kind == PHASE else "none")
         if kind == PHASE:
