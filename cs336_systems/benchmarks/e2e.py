@@ -187,6 +187,8 @@ class Profile:
 # Where a step's time goes: its phases' device work by kind, and how much of the step the device was busy.
 BREAKDOWN_TABLE = "breakdown"
 BREAKDOWN_PHASES = ("forward", "backward", "optimizer")
+# The `timer` of breakdown rows.
+PROFILER_TIMER = "torch.profiler over steps after the timed ones, kernel times on the device's clock"
 
 
 def breakdown_rows(base: Row, profile: Profile, device_type: str) -> list[Row]:
@@ -201,12 +203,14 @@ def breakdown_rows(base: Row, profile: Profile, device_type: str) -> list[Row]:
             continue
         table = tables[phase]
         attention_us = sum(k.total_us for k in table.kernels if is_fused_attention(k.name))
-        rows.append({**base, "table": BREAKDOWN_TABLE, "phase": phase, "status": "ok", "profiled_steps": steps,
+        rows.append({**base, "table": BREAKDOWN_TABLE, "phase": phase, "status": "ok", "timer": PROFILER_TIMER,
+                     "profiled_steps": steps,
                      "work_ms": table.work_us / steps / 1e3, "matmul_ms": table.matmul_us / steps / 1e3,
                      "attention_ms": attention_us / steps / 1e3,
                      "other_ms": (table.work_us - table.matmul_us - attention_us) / steps / 1e3})
     step_ms = statistics.fmean(profile.step_ms)
-    step: Row = {**base, "table": BREAKDOWN_TABLE, "phase": "step", "status": "ok", "profiled_steps": steps, "step_ms": step_ms}
+    step: Row = {**base, "table": BREAKDOWN_TABLE, "phase": "step", "status": "ok", "timer": PROFILER_TIMER,
+                 "profiled_steps": steps, "step_ms": step_ms}
     if device_type == "cuda":
         # The profile spans the profiled steps and the host's gaps between them.
         span_us, busy_us = device_timeline(profile.events)
@@ -757,19 +761,33 @@ def answer_benchmarking_mixed_precision(reports: Reports) -> list[str]:
 
 
 def _reference_answer(rows: list[Row]) -> list[str]:
-    """The largest cell's compiled step against the torch-native reference, and how busy its GPU was."""
+    """The compiled step against the torch-native reference: the largest cell, where the ratio
+    ranges, and how busy the project's GPU was where the ratio is worst."""
     cells = _reference_cells(rows)
     if not cells:
         return []
+    ratios = {cell: ours["median_ms"] / theirs["median_ms"] for cell, (ours, theirs) in cells.items()}
     (size, context, precision), (ours, theirs) = list(cells.items())[-1]
-    sentence = (f"Against a torch-native LM of the same architecture compiled whole, the compiled {size} {precision} "
-                f"training step at context {context} takes {format_ratio(ours['median_ms'] / theirs['median_ms'])} "
-                f"its time (medians {format_ms(ours['median_ms'])} and {format_ms(theirs['median_ms'])})")
-    profiled = find(rows, table=BREAKDOWN_TABLE, phase="step", size=size, context_length=context,
-                    precision=precision, model=None)
-    if profiled and profiled.get("busy_ms") is not None:
-        sentence += f"; under the profiler the GPU was busy for {format_share(profiled['busy_ms'] / profiled['step_ms'])} of its step"
-    return [sentence + "."]
+    sentences = [f"Against a torch-native LM of the same architecture compiled whole, the compiled {size} {precision} "
+                 f"training step at context {context} takes {format_ratio(ratios[size, context, precision])} its "
+                 f"time (medians {format_ms(ours['median_ms'])} and {format_ms(theirs['median_ms'])})"
+                 + (f"; over {plural(len(cells), 'cell')} the ratio is {span(ratios.values(), format_ratio)}."
+                    if len(cells) > 1 else ".")]
+    worst = max(ratios, key=ratios.get)
+    busy = {model: find(rows, table=BREAKDOWN_TABLE, phase="step", size=worst[0], context_length=worst[1],
+                        precision=worst[2], model=model) for model in (None, REFERENCE_MODEL)}
+    if all(row and row.get("busy_ms") is not None for row in busy.values()):
+        project, reference = busy.values()
+        extra_step = project["step_ms"] - reference["step_ms"]
+        extra_busy = project["busy_ms"] - reference["busy_ms"]
+        sentence = (f"Where the ratio is highest ({worst[0]}, context {worst[1]}, {worst[2]}), the GPU was busy for "
+                    f"{format_share(project['busy_ms'] / project['step_ms'])} of the project's profiled step and "
+                    f"{format_share(reference['busy_ms'] / reference['step_ms'])} of the reference's")
+        if extra_step > 0:
+            sentence += (f"; of the project's extra {format_ms(extra_step)} per profiled step, "
+                         f"{format_ms(max(extra_busy, 0.0))} is kernel time and the rest the GPU waiting for the host")
+        sentences.append(sentence + ".")
+    return sentences
 
 
 def answer_torch_compile(reports: Reports) -> list[str]:
