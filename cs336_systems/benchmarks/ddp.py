@@ -74,7 +74,7 @@ from cs336_systems.distributed.launch import rank_device
 from cs336_systems.gpus import GB, GIB
 from cs336_systems.memory_guard import check_memory_on_every_rank, is_out_of_memory
 from cs336_systems.model import ModelConfig, TransformerLM
-from cs336_systems.profiling.kernels import profiler_activities
+from cs336_systems.profiling.kernels import device_profile
 from cs336_systems.profiling.timeline import COMPUTE, CPU_COMPUTE_ROW, communication_summary, load_intervals
 from cs336_systems.reports import (
     OOM,
@@ -199,7 +199,7 @@ def _plain_step(step, device: torch.device) -> None:
 
 def _profiled_step(step, device: torch.device) -> list | None:
     """One step under torch.profiler; its timeline, or None when the trace holds no device work."""
-    with torch.profiler.profile(activities=profiler_activities(device)) as profiler:
+    with device_profile(device) as profiler:
         _plain_step(step, device)
     with tempfile.TemporaryDirectory() as scratch:
         trace = Path(scratch) / "trace.json"

@@ -40,7 +40,7 @@ from cs336_systems.benchmarks.harness import (
 from cs336_systems.benchmarks.reference_lm import build_reference
 from cs336_systems.memory_guard import MemoryCheck, check_memory, is_out_of_memory
 from cs336_systems.model import ModelConfig, size_order
-from cs336_systems.profiling.kernels import device_timeline, is_fused_attention, kernel_tables, profiler_activities
+from cs336_systems.profiling.kernels import device_profile, device_timeline, is_fused_attention, kernel_tables
 from cs336_systems.profiling.ranges import annotate
 from cs336_systems import reports
 from cs336_systems.reports import (
@@ -171,7 +171,7 @@ def _measure(cfg: E2EConfig, device: torch.device, reference: bool = False,
     if not profiled_steps:
         return samples, first_step_ms, None
     profiled: dict[str, list[float]] = {}
-    with torch.profiler.profile(activities=profiler_activities(device)) as profiler:
+    with device_profile(device) as profiler:
         for i in range(profiled_steps):
             with annotate(f"profiled_step_{i}"):
                 step(profiled)

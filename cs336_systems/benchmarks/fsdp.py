@@ -59,7 +59,7 @@ from cs336_systems.benchmarks.sharding import (
 from cs336_systems.distributed.fsdp import FSDP, MAX_PREFETCH_LAYERS, REDUCE_SCATTERS_IN_FLIGHT
 from cs336_systems.distributed.launch import rank_device
 from cs336_systems.model import ModelConfig
-from cs336_systems.profiling.kernels import profiler_activities
+from cs336_systems.profiling.kernels import device_profile
 from cs336_systems.profiling.timeline import COMPUTE, PHASE, Interval, intervals_from_events
 from cs336_systems.reports import (
     Rendered,
@@ -147,7 +147,7 @@ def _profiled(rank: int, device: torch.device) -> Callable:
             step()
             synchronize(device)
             return None
-        with torch.profiler.profile(activities=profiler_activities(device)) as profiler:
+        with device_profile(device) as profiler:
             step()
             synchronize(device)
         with tempfile.TemporaryDirectory() as scratch:

@@ -30,7 +30,7 @@ from cs336_systems.benchmarks.harness import (
 )
 from cs336_systems.memory_guard import MemoryCheck, check_memory, is_out_of_memory
 from cs336_systems.model import ModelConfig, size_order
-from cs336_systems.profiling.kernels import kernel_tables, merge_tables, profiler_activities, short_name
+from cs336_systems.profiling.kernels import device_profile, kernel_tables, merge_tables, short_name
 from cs336_systems.profiling.ranges import annotate
 from cs336_systems.reports import (
     OOM,
@@ -138,7 +138,7 @@ def _timed_then_profiled(cfg: ProfileConfig, config: ModelConfig, device: torch.
     for i in range(cfg.timed_steps):
         with annotate(f"step_{i}"):
             step(samples)
-    with torch.profiler.profile(activities=profiler_activities(device)) as profiler:
+    with device_profile(device) as profiler:
         with annotate(STEP_RANGE):
             step()
     tables = kernel_tables(profiler.events(), device.type, PROFILED_RANGES)
