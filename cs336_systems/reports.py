@@ -7,9 +7,9 @@ Markdown body (tables, derived answers) and figures; `write_report` adds the hea
 line per measured number, columns cell, run, device, dtype, shape, variant, status, statistic, value,
 unit; `read_rows` gives the rows back), `<problem>.meta.json` (the metadata: device, and each run's
 date, command, software versions and package source hash) and the figures beside them. The Markdown
-header is rendered from that metadata, never parsed back. Beside
-its renderer, a problem's `answer_<problem>` turns the same rows into the few sentences the reports'
-index quotes (cs336_systems.report_index), with the formatting helpers below.
+header is rendered from that metadata, never parsed back. Beside its renderer, a problem's
+`answer_<problem>` turns the same rows into the few sentences the reports' index quotes
+(cs336_systems.report_index), with the formatting helpers below.
 """
 
 from __future__ import annotations

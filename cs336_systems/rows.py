@@ -93,8 +93,8 @@ def _cell_rows(cell: int, record: Record, valued: set[str]) -> list[LongRow]:
     status = record.pop("status") if _is_text(record.get("status")) else ""
     dtype_column = _dtype_column(record, valued)
     dtype = record.pop(dtype_column) if dtype_column else ""
-    # The reader gives the dtype to the first dtype column that the variant does not name, so the
-    # variant names those before it, as null where the record has no value.
+    # The reader gives the dtype to the first dtype column that the record's other columns do not
+    # name, so the variant names those before it that the record lacks, as null.
     skipped = DTYPE_COLUMNS[:DTYPE_COLUMNS.index(dtype_column)] if dtype_column else ()
     shape = {c: v for c, v in record.items() if c in SHAPE_COLUMNS}
     # A statistic's name goes in a plain CSV cell.
@@ -111,7 +111,7 @@ def _cell_rows(cell: int, record: Record, valued: set[str]) -> list[LongRow]:
 
 def _dtype_column(record: Record, valued: set[str]) -> str | None:
     """The first dtype column that holds text; none where a dtype column before it is one that the
-    record lacks and no record has a value in (naming it in the variant would add a column)."""
+    record lacks and no record has a value in (naming it as null would add a column)."""
     for column in DTYPE_COLUMNS:
         if _is_text(record.get(column)):
             return column
@@ -134,15 +134,15 @@ def from_long(rows: Iterable[LongRow]) -> list[Record]:
 def _record(rows: list[LongRow]) -> Record:
     first = rows[0]
     shape, variant = _unjson(first["shape"]), _unjson(first["variant"])
-    record: Record = {}
-    if first["device"]:
-        record["device"] = first["device"]
+    statistics = {statistic_column(r["statistic"], r["unit"]): _parse_number(r["value"]) for r in rows if r["value"]}
+    record: Record = {"device": first["device"]} if first["device"] else {}
     if first["dtype"]:
-        record[next(c for c in DTYPE_COLUMNS if c not in variant)] = first["dtype"]
+        named = shape | variant | statistics
+        record[next(c for c in DTYPE_COLUMNS if c not in named)] = first["dtype"]
     record |= shape | variant
     if first["status"]:
         record["status"] = first["status"]
-    record |= {statistic_column(r["statistic"], r["unit"]): _parse_number(r["value"]) for r in rows if r["value"]}
+    record |= statistics
     if first["run"]:
         record["run"] = int(first["run"])
     return record

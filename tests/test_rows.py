@@ -4,7 +4,7 @@ import math
 from pathlib import Path
 
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from cs336_systems import problems
@@ -41,6 +41,9 @@ def _every_column(records):
 
 @settings(max_examples=300, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(records=RECORDS)
+@example(records=[{"dtype": "float32"}, {"precision": "fp32"}])  # the dtype from its second column
+@example(records=[{"precision": 0, "dtype": "0"}])  # an earlier dtype column holding a statistic
+@example(records=[{"\r": 0.0, "device": "a\rb"}])  # a line break the csv module does not quote
 def test_records_come_back_from_the_csv_with_every_column_value_and_type(records, tmp_path):
     write_csv(tmp_path / "rows.csv", records)
     assert _typed(read_rows(tmp_path / "rows.csv")) == _typed(_every_column(records))
