@@ -3,11 +3,13 @@
 A measuring function returns rows (flat dicts of strings and numbers, one per measured cell). A
 report's renderer (cs336_systems.problems lists each report with its renderer) turns its rows into a
 Markdown body (tables, derived answers) and figures; `write_report` adds the header and writes
-`<report_dir>/<problem>.md`, `<problem>.csv` (every row, every column), `<problem>.meta.json` (the
-metadata: device, and each run's date, command, software versions and package source hash) and the
-figures beside them. The Markdown header is rendered from that metadata, never parsed back. Beside
-its renderer, a problem's `answer_<problem>` turns the same rows into the few sentences the reports'
-index quotes (cs336_systems.report_index), with the formatting helpers below.
+`<report_dir>/<problem>.md`, `<problem>.csv` (every row, in the long format of cs336_systems.rows: one
+line per measured number, columns cell, run, device, dtype, shape, variant, status, statistic, value,
+unit; `read_rows` gives the rows back), `<problem>.meta.json` (the metadata: device, and each run's
+date, command, software versions and package source hash) and the figures beside them. The Markdown
+header is rendered from that metadata, never parsed back. Beside its renderer, a problem's
+`answer_<problem>` turns the same rows into the few sentences the reports' index quotes
+(cs336_systems.report_index), with the formatting helpers below.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ import torch
 from tabulate import tabulate
 
 from cs336_systems.provenance import package_source_hash
+from cs336_systems.rows import LONG_COLUMNS, from_long, to_long
 
 Row = dict[str, Any]
 Reports = dict[str, list[Row]]  # report name -> its rows, for the reports of a problem that exist
@@ -356,9 +359,9 @@ def write_csv(path: Path, rows: Sequence[Row]) -> None:
 
 def _csv_text(rows: Sequence[Row]) -> str:
     buffer = io.StringIO()
-    writer = csv.DictWriter(buffer, fieldnames=all_columns(rows), lineterminator="\n")
+    writer = csv.DictWriter(buffer, fieldnames=LONG_COLUMNS, lineterminator="\n")
     writer.writeheader()
-    writer.writerows(rows)
+    writer.writerows(to_long(rows))
     return buffer.getvalue()
 
 
@@ -450,23 +453,11 @@ def _write_rendered(problem: str, rendered: Rendered, report_dir: Path, head: st
     return path
 
 
-def _parse_cell(text: str) -> Any:
-    if text == "":
-        return None
-    if text in ("True", "False"):
-        return text == "True"
-    for parse in (int, float):
-        try:
-            return parse(text)
-        except ValueError:
-            pass
-    return text
-
-
 def read_rows(csv_path: Path | str) -> list[Row]:
-    """The rows of a report's CSV, with numbers, booleans and empty cells (None) restored."""
+    """The rows of a report's CSV (see cs336_systems.rows), each with every column of them all, None
+    where a row has none."""
     with open(csv_path, newline="") as f:
-        return [{k: _parse_cell(v) for k, v in row.items()} for row in csv.DictReader(f)]
+        return from_long(csv.DictReader(f))
 
 
 def rerender(report_dir: Path | str, report: Report) -> Path:

@@ -1,0 +1,181 @@
+"""The long-format row contract of every report's CSV: one row per measured number.
+
+A measuring function returns records, flat dicts of strings, numbers, booleans and None, one per
+measured cell. On disk each record becomes long rows with the columns LONG_COLUMNS:
+
+    cell, run, device, dtype, shape, variant, status, statistic, value, unit
+
+`cell` numbers the record within its report, so a record comes back whole even where two cells have
+the same dimensions; `run` is the record's run number. `device`, `dtype` and `status` hold the
+record's text of those roles (DTYPE_COLUMNS names the columns that count as the dtype, the first
+holding text wins). `shape` holds the workload-size columns (SHAPE_COLUMNS) and `variant` every
+other column that is not a statistic, each as a compact JSON object, keys in the record's order. A
+statistic is a number (not a boolean) in a column that is neither a size nor a setting
+(SETTING_COLUMNS): each gets a row of its own, its column name split into `statistic` and `unit`
+(`mean_ms` -> mean, ms; UNIT_SUFFIXES), its value written so that it reads back as the same int or
+float. A record with no statistic still gets one row, with `statistic`, `value` and `unit` empty.
+
+`from_long(to_long(records))` gives the records back, value for value and type for type, whatever
+their columns: a column the tables above do not name is a statistic (a number, no unit) or a
+variant, and a value that does not fit its plain column (a run that is not an int, text with a line
+break) goes in the variant's JSON.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+Record = dict[str, Any]
+LongRow = dict[str, str]  # LONG_COLUMNS -> the text of a CSV cell
+
+LONG_COLUMNS = ("cell", "run", "device", "dtype", "shape", "variant", "status", "statistic", "value", "unit")
+
+DTYPE_COLUMNS = ("precision", "dtype")
+# The workload's size: model and attention dimensions, tokens, ranks and devices, message sizes.
+SHAPE_COLUMNS = frozenset({
+    "size", "d_model", "d_ff", "d_head", "num_layers", "num_blocks", "num_params", "n_heads", "head_dim",
+    "context_length", "seq_len", "batch_size", "sequences", "tokens", "tokens_per_device", "shape",
+    "B", "D", "D_FF", "N", "N_DP", "N_FSDP", "N_TP", "S_bytes",
+    "world_size", "devices", "data_devices", "tensor_devices", "data_axes", "tensor_axes", "stages", "microbatches",
+    "size_bytes", "size_mb", "array_bytes", "payload_bytes",
+})
+# Numbers that say how a cell was run rather than what it measured.
+SETTING_COLUMNS = frozenset({
+    "warmup", "steps", "timed_steps", "passes", "iterations", "seed", "rank", "k", "levels", "size_table",
+    "bytes_per_param", "comm_bytes_per_element", "tolerance", "usable_share", "state_share_min",
+    "nvlink_generation",
+})
+# A statistic's column name ends in its unit's suffix: one suffix per unit and one unit per suffix, so
+# that (statistic, unit) gives the column name back.
+UNIT_SUFFIXES = {
+    "_flops_per_s": "FLOP/s", "_bytes_per_s": "B/s", "_bytes": "B", "_gbps": "GB/s",
+    "_gib": "GiB", "_mib": "MiB", "_gb": "GB", "_mb": "MB", "_ms": "ms", "_us": "us",
+}
+# A statistic named after its unit alone.
+UNIT_NAMES = {"tflops": "TFLOP/s"}
+_SUFFIX_OF_UNIT = {unit: suffix for suffix, unit in UNIT_SUFFIXES.items()}
+_NOT_STATISTICS = SHAPE_COLUMNS | SETTING_COLUMNS
+
+
+def split_statistic(column: str) -> tuple[str, str]:
+    """A statistic column's (statistic, unit): `mean_ms` -> (mean, ms), `tflops` -> (tflops, TFLOP/s),
+    `mfu` -> (mfu, "")."""
+    if column in UNIT_NAMES:
+        return column, UNIT_NAMES[column]
+    for suffix, unit in UNIT_SUFFIXES.items():
+        if column.endswith(suffix) and len(column) > len(suffix):
+            return column.removesuffix(suffix), unit
+    return column, ""
+
+
+def statistic_column(statistic: str, unit: str) -> str:
+    """The column that `split_statistic` split into (statistic, unit)."""
+    if not unit or UNIT_NAMES.get(statistic) == unit:
+        return statistic
+    return statistic + _SUFFIX_OF_UNIT[unit]
+
+
+def to_long(records: Sequence[Record]) -> list[LongRow]:
+    """The long rows of `records`: one per statistic of each record, or one for a record without any.
+
+    An empty (None) value is left out, except in a column that no record has a value for: there it
+    stays, as null in the shape or variant, so that the column comes back."""
+    valued = {column for record in records for column, value in record.items() if value is not None}
+    return [row for cell, record in enumerate(records) for row in _cell_rows(cell, record, valued)]
+
+
+def _cell_rows(cell: int, record: Record, valued: set[str]) -> list[LongRow]:
+    record = {column: value for column, value in record.items() if value is not None or column not in valued}
+    run = record.pop("run") if _is_int(record.get("run")) else ""
+    device = record.pop("device") if _is_text(record.get("device")) else ""
+    status = record.pop("status") if _is_text(record.get("status")) else ""
+    dtype_column = _dtype_column(record, valued)
+    dtype = record.pop(dtype_column) if dtype_column else ""
+    # The reader gives the dtype to the first dtype column that the record's other columns do not
+    # name, so the variant names those before it that the record lacks, as null.
+    skipped = DTYPE_COLUMNS[:DTYPE_COLUMNS.index(dtype_column)] if dtype_column else ()
+    shape = {c: v for c, v in record.items() if c in SHAPE_COLUMNS}
+    # A statistic's name goes in a plain CSV cell.
+    statistics = {c: v for c, v in record.items() if _is_number(v) and c not in _NOT_STATISTICS and c.isprintable()}
+    variant = {c: None for c in skipped if c not in record}
+    variant |= {c: v for c, v in record.items() if c not in shape and c not in statistics}
+    common = {"cell": str(cell), "run": str(run), "device": device, "dtype": dtype,
+              "shape": _json(shape), "variant": _json(variant), "status": status}
+    if not statistics:
+        return [{**common, "statistic": "", "value": "", "unit": ""}]
+    return [{**common, **dict(zip(("statistic", "unit"), split_statistic(column))), "value": _number_text(value)}
+            for column, value in statistics.items()]
+
+
+def _dtype_column(record: Record, valued: set[str]) -> str | None:
+    """The first dtype column that holds text; none where a dtype column before it is one that the
+    record lacks and no record has a value in (naming it as null would add a column)."""
+    for column in DTYPE_COLUMNS:
+        if _is_text(record.get(column)):
+            return column
+        if column not in record and column not in valued:
+            return None
+    return None
+
+
+def from_long(rows: Iterable[LongRow]) -> list[Record]:
+    """The records that `to_long` made `rows` from, each with every column of them all (None where a
+    record has none), in the order: device, dtype, shape, variant, status, statistics, run."""
+    cells: dict[str, list[LongRow]] = {}
+    for row in rows:
+        cells.setdefault(row["cell"], []).append(row)
+    records = [_record(cell_rows) for cell_rows in cells.values()]
+    columns = dict.fromkeys(column for record in records for column in record)
+    return [{column: record.get(column) for column in columns} for record in records]
+
+
+def _record(rows: list[LongRow]) -> Record:
+    first = rows[0]
+    shape, variant = _unjson(first["shape"]), _unjson(first["variant"])
+    statistics = {statistic_column(r["statistic"], r["unit"]): _parse_number(r["value"]) for r in rows if r["value"]}
+    record: Record = {"device": first["device"]} if first["device"] else {}
+    if first["dtype"]:
+        named = shape | variant | statistics
+        record[next(c for c in DTYPE_COLUMNS if c not in named)] = first["dtype"]
+    record |= shape | variant
+    if first["status"]:
+        record["status"] = first["status"]
+    record |= statistics
+    if first["run"]:
+        record["run"] = int(first["run"])
+    return record
+
+
+def _is_text(value: Any) -> bool:
+    """Text that a plain CSV cell holds as it is (other strings go in the variant's JSON)."""
+    return isinstance(value, str) and value != "" and value.isprintable()
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _json(columns: Record) -> str:
+    return json.dumps(columns, separators=(",", ":"), ensure_ascii=False) if columns else ""
+
+
+def _unjson(text: str) -> Record:
+    return json.loads(text) if text else {}
+
+
+def _number_text(value: int | float) -> str:
+    """An int as its digits, a float as its repr: 2.0 reads back as a float, every digit kept."""
+    return repr(value) if isinstance(value, float) else str(value)
+
+
+def _parse_number(text: str) -> int | float:
+    try:
+        return int(text)
+    except ValueError:
+        return float(text)
