@@ -80,7 +80,7 @@ def test_e2e_estimate_grows_with_what_a_mode_keeps(mode):
 
 
 def test_e2e_cell_that_runs_out_on_the_cpu_is_oom_with_its_estimate(monkeypatch):
-    def run_out(cfg, device, reference):
+    def run_out(cfg, device, reference, profiled_steps):
         torch.empty(2**62, dtype=torch.uint8)
 
     monkeypatch.setattr(e2e, "_measure", run_out)
@@ -89,7 +89,7 @@ def test_e2e_cell_that_runs_out_on_the_cpu_is_oom_with_its_estimate(monkeypatch)
 
 
 def test_an_error_that_is_not_out_of_memory_still_raises(monkeypatch):
-    def fail(cfg, device, reference):
+    def fail(cfg, device, reference, profiled_steps):
         raise RuntimeError("a bug")
 
     monkeypatch.setattr(e2e, "_measure", fail)
