@@ -80,14 +80,16 @@ def statistic_column(statistic: str, unit: str) -> str:
 def to_long(records: Sequence[Record]) -> list[LongRow]:
     """The long rows of `records`: one per statistic of each record, or one for a record without any.
 
-    An empty (None) value is left out, except in a column that no record has a value for: there it
-    stays, as null in the shape or variant, so that the column comes back."""
+    An empty (None) value is left out, except in a column that no record has a value for: there every
+    record holds it, as null in the shape or variant, so that the column comes back and writing what
+    `from_long` reads gives the same rows."""
     valued = {column for record in records for column, value in record.items() if value is not None}
-    return [row for cell, record in enumerate(records) for row in _cell_rows(cell, record, valued)]
+    empty = dict.fromkeys(column for record in records for column in record if column not in valued)
+    return [row for cell, record in enumerate(records) for row in _cell_rows(cell, record, valued, empty)]
 
 
-def _cell_rows(cell: int, record: Record, valued: set[str]) -> list[LongRow]:
-    record = {column: value for column, value in record.items() if value is not None or column not in valued}
+def _cell_rows(cell: int, record: Record, valued: set[str], empty: dict[str, None]) -> list[LongRow]:
+    record = {column: value for column, value in record.items() if value is not None} | empty
     run = record.pop("run") if _is_int(record.get("run")) else ""
     device = record.pop("device") if _is_text(record.get("device")) else ""
     status = record.pop("status") if _is_text(record.get("status")) else ""
