@@ -76,7 +76,7 @@ def _print_rows(rows, as_json: bool, columns=None) -> None:
 
 
 def _cmd_e2e(args) -> None:
-    from cs336_systems.benchmarks.e2e import BREAKDOWN_TABLE, E2EConfig, benchmark_model
+    from cs336_systems.benchmarks.e2e import E2EConfig, benchmark_model, split_breakdown
     from cs336_systems.gpus import resolve_gpu
     from cs336_systems.model import use_size_table
 
@@ -108,9 +108,9 @@ def _cmd_e2e(args) -> None:
         return
     model = ["model"] if args.reference else []
     cell = [*model, "size", "context_length", "precision", "compile", "phase", "status"]
-    _print_rows([r for r in rows if r.get("table") != BREAKDOWN_TABLE], False, [
+    timed, breakdown = split_breakdown(rows)
+    _print_rows(timed, False, [
         *cell, "mean_ms", "std_ms", "median_ms", "iqr_ms", "tflops", "mfu", "estimated_peak_bytes", "available_bytes"])
-    breakdown = [r for r in rows if r.get("table") == BREAKDOWN_TABLE]
     if breakdown:
         print()
         _print_rows(breakdown, False, [*cell, "work_ms", "matmul_ms", "attention_ms", "other_ms", "step_ms",

@@ -7,12 +7,12 @@ import pytest
 
 from cs336_systems.benchmarks.e2e import (
     BREAKDOWN_PHASES,
-    BREAKDOWN_TABLE,
     PHASES,
     REFERENCE_MODEL,
     E2EConfig,
     benchmark_in_fresh_process,
     benchmark_model,
+    split_breakdown,
 )
 from cs336_systems.benchmarks.mixed_precision import (
     ACCUMULATION_VARIANTS,
@@ -54,7 +54,7 @@ def test_model_step(model_size, context_length, precision, compiled, device, gpu
     profiled = compiled and context_length == _reference_context(run_settings)
     rows = benchmark_model(cfg, device, gpu_spec.peak_flops(precision) if gpu_spec else None,
                            profiled_steps=PROFILED_STEPS if profiled else 0)
-    steps, breakdown = _split_breakdown(rows)
+    steps, breakdown = split_breakdown(rows)
     for row in steps:
         row["table"] = "sweep"
         if precision == "fp32" and not compiled:
@@ -76,7 +76,7 @@ def test_reference_step(model_size, precision, device, gpu_spec, run_settings, r
                     compile=True)
     rows = benchmark_model(cfg, device, gpu_spec.peak_flops(precision) if gpu_spec else None, reference=True,
                            profiled_steps=PROFILED_STEPS)
-    steps, breakdown = _split_breakdown(rows)
+    steps, breakdown = split_breakdown(rows)
     for row in steps:
         report("torch_compile").add(row, table="reference")
     for row in breakdown:
@@ -90,11 +90,6 @@ def test_reference_step(model_size, precision, device, gpu_spec, run_settings, r
 
 def _reference_context(run_settings) -> int:
     return REFERENCE_GPU_CONTEXT if run_settings.on_gpu else CPU_CONTEXTS[-1]
-
-
-def _split_breakdown(rows):
-    breakdown = [r for r in rows if r.get("table") == BREAKDOWN_TABLE]
-    return [r for r in rows if r.get("table") != BREAKDOWN_TABLE], breakdown
 
 
 def _check_breakdown(breakdown, steps, expected, device):

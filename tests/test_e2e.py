@@ -47,8 +47,8 @@ def test_train_step_is_the_whole_step_and_forward_backward_the_per_step_sum(monk
 
 def test_profiled_steps_break_each_phase_down_after_the_timed_ones():
     rows = benchmark_model(E2EConfig("tiny", 16, batch_size=1, warmup=1, steps=2), "cpu", profiled_steps=2)
-    timed = [r for r in rows if r.get("table") != e2e.BREAKDOWN_TABLE]
-    breakdown = {r["phase"]: r for r in rows if r.get("table") == e2e.BREAKDOWN_TABLE}
+    timed, profiled = e2e.split_breakdown(rows)
+    breakdown = {r["phase"]: r for r in profiled}
     assert [r["phase"] for r in timed] == list(e2e.PHASES["train"])
     assert list(breakdown) == [*e2e.BREAKDOWN_PHASES, "step"]
     for phase in e2e.BREAKDOWN_PHASES:

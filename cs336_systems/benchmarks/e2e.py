@@ -191,6 +191,12 @@ BREAKDOWN_PHASES = ("forward", "backward", "optimizer")
 PROFILER_TIMER = "torch.profiler over steps after the timed ones, kernel times on the device's clock"
 
 
+def split_breakdown(rows: list[Row]) -> tuple[list[Row], list[Row]]:
+    """`benchmark_model`'s rows as (the timed phases' rows, the breakdown's rows)."""
+    breakdown = [r for r in rows if r.get("table") == BREAKDOWN_TABLE]
+    return [r for r in rows if r.get("table") != BREAKDOWN_TABLE], breakdown
+
+
 def breakdown_rows(base: Row, profile: Profile, device_type: str) -> list[Row]:
     """Per phase, its device work per step (kernel time on a GPU, operators' own time on a CPU) split
     into matmuls, fused attention and the rest; then the step: its profiled time, and on a GPU how
@@ -608,7 +614,7 @@ def _breakdown_section(rows: list[Row]) -> str:
         if r["phase"] == "step":
             busy = r.get("busy_ms")
             entry.update({"step (ms)": f"{r['step_ms']:.1f}",
-                          "GPU busy (ms)": "" if busy is None else f"{busy:.1f} ({busy / r['step_ms']:.0%})",
+                          "GPU busy (ms)": "" if busy is None else f"{busy:.1f} ({format_share(busy / r['step_ms'])})",
                           "GPU idle (ms)": "" if busy is None else f"{r['idle_ms']:.1f}"})
         else:
             entry.update({"kernels (ms)": f"{r['work_ms']:.1f}", "matmul": format_share(_part(r, "matmul_ms")),
@@ -621,7 +627,7 @@ def _breakdown_section(rows: list[Row]) -> str:
             "the rest (elementwise, norms, the loss, AdamW); per step, its time under the profiler (which adds host "
             "work), how much of it some kernel ran (GPU busy), and how long the GPU waited for the host (idle). "
             "A step's kernels can run at the same time, so the phases' kernel times may add up to more than the "
-            "busy time.\n\n" + markdown_table(table, columns=list(dict.fromkeys(k for e in table for k in e))))
+            "busy time.\n\n" + markdown_table(table))
 
 
 def _part(row: Row, column: str) -> float:
