@@ -77,6 +77,7 @@ def _print_rows(rows, as_json: bool, columns=None) -> None:
 
 def _cmd_e2e(args) -> None:
     from cs336_systems.benchmarks.e2e import E2EConfig, benchmark_model, split_breakdown
+    from cs336_systems.clocks import CLOCK_COLUMNS
     from cs336_systems.gpus import resolve_gpu
     from cs336_systems.model import use_size_table
 
@@ -109,8 +110,9 @@ def _cmd_e2e(args) -> None:
     model = ["model"] if args.reference else []
     cell = [*model, "size", "context_length", "precision", "compile", "phase", "status"]
     timed, breakdown = split_breakdown(rows)
-    _print_rows(timed, False, [
-        *cell, "mean_ms", "std_ms", "median_ms", "iqr_ms", "tflops", "mfu", "estimated_peak_bytes", "available_bytes"])
+    clocks = [*CLOCK_COLUMNS] if any(CLOCK_COLUMNS[0] in row for row in timed) else []
+    _print_rows(timed, False, [*cell, "mean_ms", "std_ms", "median_ms", "iqr_ms", "tflops", "mfu", *clocks,
+                               "estimated_peak_bytes", "available_bytes"])
     if breakdown:
         print()
         _print_rows(breakdown, False, [*cell, "work_ms", "matmul_ms", "attention_ms", "other_ms", "step_ms",

@@ -52,6 +52,7 @@ SETTING_COLUMNS = frozenset({
 UNIT_SUFFIXES = {
     "_flops_per_s": "FLOP/s", "_bytes_per_s": "B/s", "_bytes": "B", "_gbps": "GB/s",
     "_gib": "GiB", "_mib": "MiB", "_gb": "GB", "_mb": "MB", "_ms": "ms", "_us": "us",
+    "_mhz": "MHz", "_celsius": "degC",
 }
 # A statistic named after its unit alone.
 UNIT_NAMES = {"tflops": "TFLOP/s"}

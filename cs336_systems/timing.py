@@ -4,7 +4,9 @@
 at its end. A marker is recorded where the step and each phase start and end, a CUDA event on the
 current stream (the host clock on CPU, where work is synchronous), so times come from the device's own
 timeline and the queue is not drained inside a step, as it is not in training. Garbage collection is
-off inside the step, so that a collection does not land in one sample.
+off inside the step, so that a collection does not land in one sample. On a GPU whose NVML can be read,
+each step also records what the clock did during it (cs336_systems.clocks): a step slowed by the power
+limit or by heat says so.
 
 `timed` is a StepTimer step without phases; `time_fn` times a callable's calls with it, after warm-up.
 `Timings` gives the statistics every row reports: mean +- std, and median and interquartile range,
@@ -24,6 +26,7 @@ from dataclasses import dataclass
 
 import torch
 
+from cs336_systems.clocks import ClockSample, GpuClocks
 
 def synchronize(device: torch.device | str) -> None:
     device = torch.device(device)
@@ -43,13 +46,16 @@ class StepTimer:
             with timer.phase("forward"): ...
             with timer.phase("backward"): ...
         timer.step_ms, timer.phase_ms   # the whole step; each phase (summed if entered twice)
+        timer.clock                     # NVML's account of the step (None where NVML cannot be read)
     """
 
     def __init__(self, device: torch.device | str):
         self.device = torch.device(device)
+        self._clocks = GpuClocks.of(self.device)
         self._phases: list[tuple[str, object, object]] = []
         self.step_ms = float("nan")
         self.phase_ms: dict[str, float] = {}
+        self.clock: ClockSample | None = None
 
     def _mark(self) -> object:
         if self.device.type == "cuda":
@@ -75,10 +81,14 @@ class StepTimer:
         collecting = gc.isenabled()
         gc.disable()
         try:
+            # Read before the first marker and after the synchronisation: the reads take host time
+            # (about a millisecond) but no device time, and the step's device work lies between them.
+            clock_before = self._clocks.read() if self._clocks else None
             start = self._mark()
             yield self
             end = self._mark()
             synchronize(self.device)
+            self.clock = self._clocks.sample(clock_before, self._clocks.read()) if self._clocks else None
         finally:
             if collecting:
                 gc.enable()

@@ -33,7 +33,7 @@ def test_train_step_is_the_whole_step_and_forward_backward_the_per_step_sum(monk
     # medians; maximum 22, not 29).
     samples = {"forward": [1.0, 9.0, 2.0], "backward": [10.0, 1.0, 20.0], "optimizer": [1.0, 1.0, 1.0],
                "step": [12.5, 11.5, 23.5]}
-    measured = ({k: list(v) for k, v in samples.items()}, 50.0, None)
+    measured = e2e.Measured({k: list(v) for k, v in samples.items()}, 50.0)
     monkeypatch.setattr(e2e, "_measure", lambda cfg, device, reference, profiled_steps: measured)
     by_phase = {r["phase"]: r for r in benchmark_model(E2EConfig("tiny", 16, steps=3), "cpu")}
     for phase, per_step in (("forward_backward", [11.0, 10.0, 22.0]), ("train_step", samples["step"])):

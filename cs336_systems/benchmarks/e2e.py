@@ -6,7 +6,9 @@ timed ones, each with one synchronisation, at its end (cs336_systems.timing.Step
 mode every step is forward, backward and an AdamW step, each phase timed from markers inside the
 step, so one loop yields the forward, forward+backward and full-step times (forward is measured with
 autograd recording, as in training). "forward" mode times inference (no autograd) alone; "forward_backward" leaves the
-optimizer out.
+optimizer out. On a GPU the whole step's row also says what its clock did (cs336_systems.clocks): the
+share of the timed steps' time the clock was held down by the power limit or by heat, the median SM
+clock and the highest temperature.
 """
 
 from __future__ import annotations
@@ -38,6 +40,7 @@ from cs336_systems.benchmarks.harness import (
     training_step,
 )
 from cs336_systems.benchmarks.reference_lm import build_reference
+from cs336_systems.clocks import ClockSample, clock_columns
 from cs336_systems.memory_guard import MemoryCheck, check_memory, is_out_of_memory
 from cs336_systems.model import ModelConfig, size_order
 from cs336_systems.profiling.kernels import device_profile, device_timeline, is_fused_attention, kernel_tables
@@ -122,13 +125,13 @@ def memory_model_attention(attention: str) -> str:
     return "naive" if attention.startswith("naive") else "sdpa"
 
 
-Step = Callable[[dict[str, list[float]] | None], None]
+Step = Callable[[dict[str, list[float]] | None, list[ClockSample] | None], None]
 
 
 def _workload(cfg: E2EConfig, device: torch.device, reference: bool) -> Step:
     """One step of the cell, as a function: given a dict of lists, it appends each phase's time and
-    the whole step's (harness.timed_step). The model is the torch-native reference LM (compiled whole
-    if `cfg.compile`) when `reference`."""
+    the whole step's, and given a list, NVML's account of the step's clock (harness.timed_step). The
+    model is the torch-native reference LM (compiled whole if `cfg.compile`) when `reference`."""
     config = cfg.model_config()
     if reference:
         model = build_reference(config, device, compile=cfg.compile)
@@ -137,8 +140,8 @@ def _workload(cfg: E2EConfig, device: torch.device, reference: bool) -> Step:
     optimizer = adamw(model, LEARNING_RATE) if cfg.mode == "train" else None
     inputs, targets = random_batch(config, cfg.batch_size, cfg.context_length, device)
 
-    def step(samples: dict[str, list[float]] | None) -> None:
-        with timed_step(device, samples) as phase:
+    def step(samples: dict[str, list[float]] | None, clocks: list[ClockSample] | None = None) -> None:
+        with timed_step(device, samples, clocks) as phase:
             if cfg.mode == "forward":
                 with phase("forward"), torch.no_grad(), autocast(cfg.precision, device):
                     model(inputs)
@@ -149,12 +152,26 @@ def _workload(cfg: E2EConfig, device: torch.device, reference: bool) -> Step:
     return step
 
 
-def _measure(cfg: E2EConfig, device: torch.device, reference: bool = False,
-             profiled_steps: int = 0) -> tuple[dict[str, list[float]], float, Profile | None]:
-    """Per-phase samples in ms over the timed steps and the first step's wall time in ms; then, given
-    `profiled_steps`, that many more steps under torch.profiler, and what it recorded."""
+@dataclass(frozen=True)
+class Profile:
+    events: list  # torch.profiler's events of the profiled steps
+    step_ms: tuple[float, ...]  # each profiled step's time, as the step timer measured it
+
+
+@dataclass(frozen=True)
+class Measured:
+    samples: dict[str, list[float]]  # per phase and "step", each timed step's time in ms
+    first_step_ms: float  # the first step's wall time
+    clocks: tuple[ClockSample, ...] = ()  # NVML's account of each timed step, where it can be read
+    profile: Profile | None = None  # the profiled steps after the timed ones, if any
+
+
+def _measure(cfg: E2EConfig, device: torch.device, reference: bool = False, profiled_steps: int = 0) -> Measured:
+    """The timed steps after the warm-up ones; then, given `profiled_steps`, that many more steps under
+    torch.profiler."""
     step = _workload(cfg, device, reference)
     samples: dict[str, list[float]] = {phase: [] for phase in ("forward", "backward", "optimizer", "step")}
+    clocks: list[ClockSample] = []
     first_step_ms = float("nan")
     for i in range(cfg.warmup):
         with annotate("warmup"):
@@ -165,23 +182,17 @@ def _measure(cfg: E2EConfig, device: torch.device, reference: bool = False,
     for i in range(cfg.steps):
         with annotate(f"step_{i}"):
             start = time.perf_counter()
-            step(samples)
+            step(samples, clocks)
             if i == 0 and cfg.warmup == 0:
                 first_step_ms = (time.perf_counter() - start) * 1e3
     if not profiled_steps:
-        return samples, first_step_ms, None
+        return Measured(samples, first_step_ms, tuple(clocks))
     profiled: dict[str, list[float]] = {}
     with device_profile(device) as profiler:
         for i in range(profiled_steps):
             with annotate(f"profiled_step_{i}"):
                 step(profiled)
-    return samples, first_step_ms, Profile(list(profiler.events()), tuple(profiled["step"]))
-
-
-@dataclass(frozen=True)
-class Profile:
-    events: list  # torch.profiler's events of the profiled steps
-    step_ms: tuple[float, ...]  # each profiled step's time, as the step timer measured it
+    return Measured(samples, first_step_ms, tuple(clocks), Profile(list(profiler.events()), tuple(profiled["step"])))
 
 
 # Where a step's time goes: its phases' device work by kind, and how much of the step the device was busy.
@@ -288,17 +299,18 @@ def benchmark_model(cfg: E2EConfig, device: torch.device | str, peak_flops: floa
     if not memory.fits:
         return [{**base, "phase": phase, **memory.oom_columns(predicted=True)} for phase in PHASES[cfg.mode]]
     try:
-        samples, first_step_ms, profile = _measure(cfg, device, reference, profiled_steps)
+        measured = _measure(cfg, device, reference, profiled_steps)
     except Exception as error:
         if not is_out_of_memory(error):
             raise
-        samples = None
+        measured = None
     peak_memory = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None
     release_memory(device)
-    if samples is None:
+    if measured is None:
         return [{**base, "phase": phase, **memory.oom_columns(predicted=False)} for phase in PHASES[cfg.mode]]
     base.update(memory.columns())
 
+    samples = measured.samples
     # Forward and backward are adjacent on the device's timeline: their sum is the interval they span.
     # A train step is the whole step, from the first event to the last.
     samples["forward_backward"] = [f + b for f, b in zip(samples["forward"], samples["backward"])]
@@ -309,8 +321,11 @@ def benchmark_model(cfg: E2EConfig, device: torch.device | str, peak_flops: floa
         row = {**base, "phase": phase, "status": "ok", **timings.summary(), "timer": STEP_TIMER,
                "first_ms": timings.samples_ms[0],
                "max_ms": max(timings.samples_ms),
-               "first_step_ms": first_step_ms,
+               "first_step_ms": measured.first_step_ms,
                "peak_memory_gib": None if peak_memory is None else peak_memory / 2**30}
+        if phase == PHASES[cfg.mode][-1]:
+            # The whole step's row: what the GPU's clock did during the timed steps.
+            row.update(clock_columns(measured.clocks))
         flops = step_flops(cfg.model_config(), cfg.batch_size, cfg.context_length,
                            "forward" if cfg.mode == "forward" else phase)
         if flops is not None:
@@ -318,8 +333,8 @@ def benchmark_model(cfg: E2EConfig, device: torch.device | str, peak_flops: floa
             if peak_flops:
                 row["mfu"] = flops / (row["median_ms"] * 1e-3) / peak_flops
         rows.append(row)
-    if profile is not None:
-        rows += breakdown_rows(base, profile, device.type)
+    if measured.profile is not None:
+        rows += breakdown_rows(base, measured.profile, device.type)
     return rows
 
 
@@ -368,11 +383,14 @@ def _variation_summary(rows: list[Row]) -> str:
     steady = sum(s < STEADY_RELATIVE_STD for s in spreads)
     ooms = sorted({(r["size"], r["context_length"]) for r in rows if r.get("status") == OOM},
                   key=lambda k: (size_order(k[0]), k[1]))
+    step = find(rows, **{k: worst.get(k) for k in ("size", "context_length", "precision", "compile")},
+                phase="train_step")
+    clock = f"; GPU clock {clock_note(step)}" if step and "sm_clock_mhz" in step else ""
     text = (f"Variation between steps: the median cell's std is {median_spread:.1%} of its mean, and {steady} of "
             f"{plural(len(spreads), 'cell')} stay under {STEADY_RELATIVE_STD:.0%}; the most variable is "
             f"{worst['size']} at "
             f"context {worst['context_length']} ({PHASE_LABELS[worst['phase']]}: "
-            f"{worst['std_ms'] / worst['mean_ms']:.1%} of {worst['mean_ms']:.1f} ms).")
+            f"{worst['std_ms'] / worst['mean_ms']:.1%} of {worst['mean_ms']:.1f} ms{clock}).")
     if ooms:
         text += " Out of memory: " + _oom_listing([r for r in rows if r.get("status") == OOM]) + "."
     return text + "\n"
@@ -578,15 +596,26 @@ def _reference_section(rows: list[Row]) -> str:
         return ""
     table = []
     for cell, (ours, theirs) in cells.items():
-        table.append({"size": cell[0], "context": cell[1], "precision": cell[2],
-                      "project (ms)": mean_std(ours), "torch reference (ms)": mean_std(theirs),
-                      "project / reference": format_ratio(ours["median_ms"] / theirs["median_ms"])})
+        entry = {"size": cell[0], "context": cell[1], "precision": cell[2],
+                 "project (ms)": mean_std(ours), "torch reference (ms)": mean_std(theirs),
+                 "project / reference": format_ratio(ours["median_ms"] / theirs["median_ms"])}
+        if "sm_clock_mhz" in ours and "sm_clock_mhz" in theirs:
+            entry["GPU clock: project; reference"] = f"{clock_note(ours)}; {clock_note(theirs)}"
+        table.append(entry)
     return ("## The compiled step against a torch-native reference\n\n"
             "The reference is the same architecture written with torch's own modules (nn.Linear, nn.RMSNorm, one "
             "fused q/k/v projection, SDPA; cs336_systems/benchmarks/reference_lm.py) and compiled as one graph, "
             "with the same AdamW (fused on CUDA), timed the same way in the same run. The ratio is of medians: "
             "above 1, the project's model and harness cost that much more.\n\n" + markdown_table(table)
             + _breakdown_section(rows))
+
+
+def clock_note(row: Row) -> str:
+    """A whole-step row's clock columns in words: `1,755 MHz, power-capped 40%, hot 12%`."""
+    note = f"{row['sm_clock_mhz']:,.0f} MHz"
+    limits = [f"{name} {format_share(row[column])}" for name, column in
+              (("power-capped", "power_capped_share"), ("hot", "thermal_limited_share")) if row[column] >= 0.005]
+    return ", ".join([note, *limits])
 
 
 def _reference_cells(rows: list[Row]) -> dict[tuple, tuple[Row, Row]]:
