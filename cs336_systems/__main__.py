@@ -111,7 +111,7 @@ def _cmd_e2e(args) -> None:
     cell = [*model, "size", "context_length", "precision", "compile", "phase", "status"]
     timed, breakdown = split_breakdown(rows)
     clocks = [*CLOCK_COLUMNS] if any(CLOCK_COLUMNS[0] in row for row in timed) else []
-    _print_rows(timed, False, [*cell, "mean_ms", "std_ms", "median_ms", "iqr_ms", "tflops", "mfu", *clocks,
+    _print_rows(timed, False, [*cell, "mean_ms", "std_ms", "median_ms", "iqr_ms", "host_ms", "tflops", "mfu", *clocks,
                                "estimated_peak_bytes", "available_bytes"])
     if breakdown:
         print()

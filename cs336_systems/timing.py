@@ -46,7 +46,11 @@ class StepTimer:
             with timer.phase("forward"): ...
             with timer.phase("backward"): ...
         timer.step_ms, timer.phase_ms   # the whole step; each phase (summed if entered twice)
+        timer.host_ms                   # how long the host took to issue the step
         timer.clock                     # NVML's account of the step (None where NVML cannot be read)
+
+    A step whose `host_ms` reaches its `step_ms` was issued no faster than the device ran it: the
+    device waited for the host, and the step's time is the host's.
     """
 
     def __init__(self, device: torch.device | str):
@@ -54,6 +58,7 @@ class StepTimer:
         self._clocks = GpuClocks.of(self.device)
         self._phases: list[tuple[str, object, object]] = []
         self.step_ms = float("nan")
+        self.host_ms = float("nan")
         self.phase_ms: dict[str, float] = {}
         self.clock: ClockSample | None = None
 
@@ -85,8 +90,10 @@ class StepTimer:
             # (about a millisecond) but no device time, and the step's device work lies between them.
             clock_before = self._clocks.read() if self._clocks else None
             start = self._mark()
+            host_start = time.perf_counter()
             yield self
             end = self._mark()
+            self.host_ms = (time.perf_counter() - host_start) * 1e3
             synchronize(self.device)
             self.clock = self._clocks.sample(clock_before, self._clocks.read()) if self._clocks else None
         finally:

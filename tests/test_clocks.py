@@ -1,5 +1,6 @@
 """NVML's account of a timed step's clock (cs336_systems.clocks), against a stand-in NVML."""
 
+import re
 from types import SimpleNamespace
 
 import pytest
@@ -64,19 +65,20 @@ def test_a_share_never_exceeds_the_whole_step():
 def test_each_timed_step_records_its_clock_where_nvml_can_be_read(monkeypatch):
     fake = GpuClocks(FakeNvml(capped_ns=2_000_000, thermal_ns=0), handle=None)
     monkeypatch.setattr(GpuClocks, "of", staticmethod(lambda device: fake))
-    samples, clocks = {}, []
+    samples, timers = {}, []
     for _ in range(3):
-        with timed_step("cpu", samples, clocks) as phase, phase("forward"):
+        with timed_step("cpu", samples, timers) as phase, phase("forward"):
             pass
+    clocks = [timer.clock for timer in timers]
     assert len(clocks) == 3 and {c.power_capped_ms for c in clocks} == {2.0}
     assert all(c.window_ms >= step_ms for c, step_ms in zip(clocks, samples["step"]))
 
 
 def test_without_nvml_a_step_records_no_clock():
-    clocks = []
-    with timed_step("cpu", {}, clocks):
+    timers = []
+    with timed_step("cpu", {}, timers):
         pass
-    assert clocks == []
+    assert timers[0].clock is None
 
 
 def test_the_whole_step_row_alone_carries_the_clock_columns(monkeypatch):
@@ -107,7 +109,7 @@ def test_the_reference_table_sets_both_models_clocks_side_by_side():
             "max_temperature_celsius": 88}
     theirs = {**step, "table": "reference", "model": e2e.REFERENCE_MODEL, "median_ms": 125.0, "sm_clock_mhz": 1980,
               "power_capped_share": 0.0, "thermal_limited_share": 0.0, "max_temperature_celsius": 70}
-    assert "| 1,755 MHz, power-capped 40%, hot 12%; 1,980 MHz |" in e2e._reference_section([ours, theirs])
+    assert re.search(r"\| 1,755 MHz, power-capped 40%, hot 12%; 1,980 MHz +\|", e2e._reference_section([ours, theirs]))
 
 
 @pytest.mark.gpu
@@ -115,14 +117,23 @@ def test_a_gpu_step_reads_its_clock_from_nvml():
     pytest.importorskip("pynvml")
     assert GpuClocks.of("cuda") is not None, "NVML could not be read on this GPU"
     a = torch.randn(4096, 4096, device="cuda")
-    samples, clocks = {}, []
+    samples, timers = {}, []
     for _ in range(3):
-        with timed_step("cuda", samples, clocks):
+        with timed_step("cuda", samples, timers):
             for _ in range(10):
                 a @ a
-    assert len(clocks) == 3
+    clocks = [timer.clock for timer in timers]
+    assert None not in clocks
     for sample, step_ms in zip(clocks, samples["step"]):
         # The readings bracket the step: the host window holds the step's device time.
         assert sample.window_ms >= step_ms > 0
         assert sample.sm_clock_mhz > 0 and sample.temperature_celsius > 0
         assert 0 <= sample.power_capped_ms and 0 <= sample.thermal_ms
+
+
+def test_the_reference_table_says_how_much_of_each_step_the_host_took_to_issue():
+    step = {"size": "small", "context_length": 512, "precision": "bf16", "compile": True, "phase": "train_step",
+            "status": "ok", "mean_ms": 20.0, "std_ms": 1.0}
+    ours = {**step, "table": "sweep", "median_ms": 20.0, "host_ms": 19.0}
+    theirs = {**step, "table": "reference", "model": e2e.REFERENCE_MODEL, "median_ms": 16.0, "host_ms": 8.0}
+    assert re.search(r"\| 95%; 50% +\|", e2e._reference_section([ours, theirs]))

@@ -45,6 +45,22 @@ def test_train_step_is_the_whole_step_and_forward_backward_the_per_step_sum(monk
     assert {r["first_step_ms"] for r in by_phase.values()} == {50.0}
 
 
+def test_the_whole_step_row_gives_the_median_time_the_host_took_to_issue_a_step(monkeypatch):
+    samples = {"forward": [1.0, 1.0, 1.0], "backward": [2.0, 2.0, 2.0], "optimizer": [1.0, 1.0, 1.0],
+               "step": [5.0, 5.0, 5.0]}
+    measured = e2e.Measured(samples, 50.0, host_ms=(4.0, 9.0, 4.5))
+    monkeypatch.setattr(e2e, "_measure", lambda cfg, device, reference, profiled_steps: measured)
+    by_phase = {r["phase"]: r for r in benchmark_model(E2EConfig("tiny", 16, steps=3), "cpu")}
+    assert by_phase["train_step"]["host_ms"] == 4.5
+    assert not any("host_ms" in by_phase[p] for p in ("forward", "backward", "optimizer", "forward_backward"))
+
+
+def test_a_real_cpu_step_is_issued_by_the_host_in_about_its_own_time():
+    # On a CPU every operation runs as it is issued: the host's time to issue a step is the step.
+    [row] = [r for r in benchmark_model(E2EConfig("tiny", 16, warmup=1, steps=3), "cpu") if r["phase"] == "train_step"]
+    assert row["host_ms"] == pytest.approx(row["median_ms"], rel=0.2)
+
+
 def test_profiled_steps_break_each_phase_down_after_the_timed_ones():
     rows = benchmark_model(E2EConfig("tiny", 16, batch_size=1, warmup=1, steps=2), "cpu", profiled_steps=2)
     timed, profiled = e2e.split_breakdown(rows)

@@ -44,3 +44,10 @@ def test_step_timer_sums_a_phase_entered_twice_and_restores_collection_after_an_
     with pytest.raises(RuntimeError, match="inside the step"), timer.step():
         raise RuntimeError("inside the step")
     assert gc.isenabled()
+
+
+def test_a_steps_host_time_is_what_the_host_spent_issuing_it():
+    timer = StepTimer("cpu")
+    with timer.step():
+        time.sleep(0.02)
+    assert 20 <= timer.host_ms <= timer.step_ms + 1

@@ -6,9 +6,10 @@ timed ones, each with one synchronisation, at its end (cs336_systems.timing.Step
 mode every step is forward, backward and an AdamW step, each phase timed from markers inside the
 step, so one loop yields the forward, forward+backward and full-step times (forward is measured with
 autograd recording, as in training). "forward" mode times inference (no autograd) alone; "forward_backward" leaves the
-optimizer out. On a GPU the whole step's row also says what its clock did (cs336_systems.clocks): the
-share of the timed steps' time the clock was held down by the power limit or by heat, the median SM
-clock and the highest temperature.
+optimizer out. The whole step's row also gives the median time the host took to issue a step
+(`host_ms`: where it reaches the step's time, the device waited for the host), and on a GPU what its
+clock did (cs336_systems.clocks): the share of the timed steps' time the clock was held down by the
+power limit or by heat, the median SM clock and the highest temperature.
 """
 
 from __future__ import annotations
@@ -65,7 +66,7 @@ from cs336_systems.reports import (
     select,
     span,
 )
-from cs336_systems.timing import STEP_TIMER, Timings
+from cs336_systems.timing import STEP_TIMER, StepTimer, Timings
 
 MODES = ("forward", "forward_backward", "train")
 # The phases each mode reports, in order; the composite ones are sums of the measured phases.
@@ -125,13 +126,13 @@ def memory_model_attention(attention: str) -> str:
     return "naive" if attention.startswith("naive") else "sdpa"
 
 
-Step = Callable[[dict[str, list[float]] | None, list[ClockSample] | None], None]
+Step = Callable[[dict[str, list[float]] | None, list[StepTimer] | None], None]
 
 
 def _workload(cfg: E2EConfig, device: torch.device, reference: bool) -> Step:
     """One step of the cell, as a function: given a dict of lists, it appends each phase's time and
-    the whole step's, and given a list, NVML's account of the step's clock (harness.timed_step). The
-    model is the torch-native reference LM (compiled whole if `cfg.compile`) when `reference`."""
+    the whole step's, and given a list, the step's timer (harness.timed_step). The model is the
+    torch-native reference LM (compiled whole if `cfg.compile`) when `reference`."""
     config = cfg.model_config()
     if reference:
         model = build_reference(config, device, compile=cfg.compile)
@@ -140,8 +141,8 @@ def _workload(cfg: E2EConfig, device: torch.device, reference: bool) -> Step:
     optimizer = adamw(model, LEARNING_RATE) if cfg.mode == "train" else None
     inputs, targets = random_batch(config, cfg.batch_size, cfg.context_length, device)
 
-    def step(samples: dict[str, list[float]] | None, clocks: list[ClockSample] | None = None) -> None:
-        with timed_step(device, samples, clocks) as phase:
+    def step(samples: dict[str, list[float]] | None, timers: list[StepTimer] | None = None) -> None:
+        with timed_step(device, samples, timers) as phase:
             if cfg.mode == "forward":
                 with phase("forward"), torch.no_grad(), autocast(cfg.precision, device):
                     model(inputs)
@@ -162,6 +163,7 @@ class Profile:
 class Measured:
     samples: dict[str, list[float]]  # per phase and "step", each timed step's time in ms
     first_step_ms: float  # the first step's wall time
+    host_ms: tuple[float, ...] = ()  # how long the host took to issue each timed step
     clocks: tuple[ClockSample, ...] = ()  # NVML's account of each timed step, where it can be read
     profile: Profile | None = None  # the profiled steps after the timed ones, if any
 
@@ -171,7 +173,7 @@ def _measure(cfg: E2EConfig, device: torch.device, reference: bool = False, prof
     torch.profiler."""
     step = _workload(cfg, device, reference)
     samples: dict[str, list[float]] = {phase: [] for phase in ("forward", "backward", "optimizer", "step")}
-    clocks: list[ClockSample] = []
+    timers: list[StepTimer] = []
     first_step_ms = float("nan")
     for i in range(cfg.warmup):
         with annotate("warmup"):
@@ -182,17 +184,19 @@ def _measure(cfg: E2EConfig, device: torch.device, reference: bool = False, prof
     for i in range(cfg.steps):
         with annotate(f"step_{i}"):
             start = time.perf_counter()
-            step(samples, clocks)
+            step(samples, timers)
             if i == 0 and cfg.warmup == 0:
                 first_step_ms = (time.perf_counter() - start) * 1e3
+    host_ms = tuple(timer.host_ms for timer in timers)
+    clocks = tuple(timer.clock for timer in timers if timer.clock is not None)
     if not profiled_steps:
-        return Measured(samples, first_step_ms, tuple(clocks))
+        return Measured(samples, first_step_ms, host_ms, clocks)
     profiled: dict[str, list[float]] = {}
     with device_profile(device) as profiler:
         for i in range(profiled_steps):
             with annotate(f"profiled_step_{i}"):
                 step(profiled)
-    return Measured(samples, first_step_ms, tuple(clocks), Profile(list(profiler.events()), tuple(profiled["step"])))
+    return Measured(samples, first_step_ms, host_ms, clocks, Profile(list(profiler.events()), tuple(profiled["step"])))
 
 
 # Where a step's time goes: its phases' device work by kind, and how much of the step the device was busy.
@@ -324,7 +328,10 @@ def benchmark_model(cfg: E2EConfig, device: torch.device | str, peak_flops: floa
                "first_step_ms": measured.first_step_ms,
                "peak_memory_gib": None if peak_memory is None else peak_memory / 2**30}
         if phase == PHASES[cfg.mode][-1]:
-            # The whole step's row: what the GPU's clock did during the timed steps.
+            # The whole step's row: how long the host took to issue a step (the median), and what the
+            # GPU's clock did during the timed steps.
+            if measured.host_ms:
+                row["host_ms"] = statistics.median(measured.host_ms)
             row.update(clock_columns(measured.clocks))
         flops = step_flops(cfg.model_config(), cfg.batch_size, cfg.context_length,
                            "forward" if cfg.mode == "forward" else phase)
@@ -599,6 +606,9 @@ def _reference_section(rows: list[Row]) -> str:
         entry = {"size": cell[0], "context": cell[1], "precision": cell[2],
                  "project (ms)": mean_std(ours), "torch reference (ms)": mean_std(theirs),
                  "project / reference": format_ratio(ours["median_ms"] / theirs["median_ms"])}
+        if ours.get("host_ms") and theirs.get("host_ms"):
+            entry["host issue / step: project; reference"] = (f"{format_share(ours['host_ms'] / ours['median_ms'])}; "
+                                                              f"{format_share(theirs['host_ms'] / theirs['median_ms'])}")
         if "sm_clock_mhz" in ours and "sm_clock_mhz" in theirs:
             entry["GPU clock: project; reference"] = f"{clock_note(ours)}; {clock_note(theirs)}"
         table.append(entry)

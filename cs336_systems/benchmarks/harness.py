@@ -22,7 +22,6 @@ from contextlib import AbstractContextManager, contextmanager, nullcontext
 import torch
 import torch.nn.functional as F
 
-from cs336_systems.clocks import ClockSample
 from cs336_systems.model import ModelConfig, TransformerLM
 from cs336_systems.profiling.ranges import annotate
 from cs336_systems.timing import StepTimer
@@ -121,11 +120,11 @@ def training_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer | Non
 
 @contextmanager
 def timed_step(device: torch.device | str, samples: dict[str, list[float]] | None = None,
-               clocks: list[ClockSample] | None = None) -> Iterator[Phase]:
+               timers: list[StepTimer] | None = None) -> Iterator[Phase]:
     """One step, its phases in named ranges and timed with one synchronisation at the step's end
     (cs336_systems.timing.StepTimer); given a dict of lists, each phase's time in ms is appended
-    under its name and the whole step's under "step"; given a list, NVML's account of the step's clock
-    is appended to it where there is one."""
+    under its name and the whole step's under "step"; given a list, the step's finished timer is
+    appended to it (its host time and NVML's account of its clock)."""
     timer = StepTimer(device)
 
     @contextmanager
@@ -139,8 +138,8 @@ def timed_step(device: torch.device | str, samples: dict[str, list[float]] | Non
         for name, ms in timer.phase_ms.items():
             samples.setdefault(name, []).append(ms)
         samples.setdefault("step", []).append(timer.step_ms)
-    if clocks is not None and timer.clock is not None:
-        clocks.append(timer.clock)
+    if timers is not None:
+        timers.append(timer)
 
 
 def release_memory(device: torch.device | str) -> None:
