@@ -570,9 +570,8 @@ def render_compiled_models(rows: list[Row]) -> Rendered:
                         f"({slowest['size']}, context {slowest['context_length']}, {slowest['precision']}).")
     return Rendered("\n".join([
         f"## Whole model: eager against torch.compile\n\n{_sweep_setup(model_rows)}. Compiled cells compile each "
-        "Transformer block (regional compilation: one compiled graph serves every block, so compile time does not "
-        "grow with depth); embedding, final norm, LM head and AdamW run eagerly. Warm-up steps, the first of "
-        "which compiles, are excluded from the timings.\n",
+        "Transformer block (regional compilation); embedding, final norm, LM head and AdamW run eagerly. The "
+        "compiling first warm-up step is not timed.\n",
         markdown_table(table),
         f"Compiled over eager by phase: {summary}.{compile_note}\n" if summary else "",
         _reference_section(rows)]))
@@ -595,10 +594,10 @@ def _reference_section(rows: list[Row]) -> str:
             entry["GPU clock: project; reference"] = f"{clock_note(ours)}; {clock_note(theirs)}"
         table.append(entry)
     return ("## The compiled step against a torch-native reference\n\n"
-            "The reference is the same architecture written with torch's own modules (nn.Linear, nn.RMSNorm, one "
-            "fused q/k/v projection, SDPA; cs336_systems/benchmarks/reference_lm.py) and compiled as one graph, "
-            "with the same AdamW (fused on CUDA), timed the same way in the same run. The ratio is of medians: "
-            "above 1, the project's model and harness cost that much more.\n\n" + markdown_table(table)
+            "The reference is the same architecture in torch's own modules "
+            "(cs336_systems/benchmarks/reference_lm.py), compiled as one graph, with the same AdamW, timed the same "
+            "way in the same run. Ratio of medians: above 1, the project's model and harness cost that much more."
+            "\n\n" + markdown_table(table)
             + _breakdown_section(rows))
 
 
@@ -643,12 +642,10 @@ def _breakdown_section(rows: list[Row]) -> str:
                           "other": format_share(_part(r, "other_ms"))})
         table.append(entry)
     steps = profiled[0].get("profiled_steps")
-    return (f"\n### Where the time goes\n\n{plural(steps, 'more step')} of each model, after its timed ones, "
-            "under torch.profiler: per phase, the kernel time per step and its split into matmuls, fused attention and "
-            "the rest (elementwise, norms, the loss, AdamW); per step, its time under the profiler (which adds host "
-            "work), how much of it some kernel ran (GPU busy), and how long the GPU waited for the host (idle). "
-            "A step's kernels can run at the same time, so the phases' kernel times may add up to more than the "
-            "busy time.\n\n" + markdown_table(table))
+    return (f"\n### Where the time goes\n\n{plural(steps, 'more step')} of each model under torch.profiler: per "
+            "phase, kernel time per step split into matmuls, fused attention and the rest; per step, its time under "
+            "the profiler (which adds host work), GPU busy, and GPU idle (waiting for the host). Kernels can "
+            "overlap, so the phases' kernel times may exceed the busy time.\n\n" + markdown_table(table))
 
 
 def _part(row: Row, column: str) -> float:
