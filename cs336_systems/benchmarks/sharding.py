@@ -373,10 +373,9 @@ def _steps(rows: list[Row]) -> list[Row]:
 
 def setup_sentence(rows: list[Row]) -> str:
     r = _steps(rows)[0]
-    return (f"{r['size']} model, context {r['context_length']}, batch {r['batch_size']} per rank on {r['world_size']} "
-            f"ranks ({r['backend']}), fp32, AdamW, {r['attention']} attention; {r['warmup']} warm-up and "
-            f"{r['steps']} timed steps per variant, in one run; step times are means over ranks and steps, peak "
-            "memory the largest rank's.")
+    return (f"{r['size']} model, context {r['context_length']}, batch {r['batch_size']} per rank, {r['world_size']} "
+            f"ranks ({r['backend']}), fp32, AdamW, {r['attention']}; {r['warmup']} warm-up + {r['steps']} timed steps "
+            "per variant, one run; step: mean over ranks and steps; peak: the largest rank's.")
 
 
 def step_table(rows: list[Row], baseline: str | None = None) -> str:
@@ -399,10 +398,9 @@ def step_table(rows: list[Row], baseline: str | None = None) -> str:
 
 
 BREAKDOWN_NOTE = (
-    "Memory (GiB) at points of one step after the timed ones (device synchronised): allocated, and the peak since "
-    "the step started (at init: while building). Parameters, gradients and optimizer state sum this rank's tensors "
-    "(local shards when sharded); activations: what forward left allocated; other: the rest (DDP's buckets, "
-    "communication buffers, allocator rounding).\n")
+    "Memory (GiB) at points of one step after the timed ones: allocated, and the peak since the step started (at "
+    "init: while building); parameters, gradients and optimizer state are this rank's tensors (local shards when "
+    "sharded), activations what forward left allocated, other the rest (buckets, buffers, allocator rounding).\n")
 MEMORY_COLUMNS = ["variant", "point", "allocated_gib", "peak_gib", "parameters_gib", "gradients_gib",
                   "optimizer_state_gib", "activations_gib", "other_gib"]
 
