@@ -233,10 +233,6 @@ def _longest_context_rows(model, cfg, num_layers, sweep, base, device) -> list[R
 
 # -------------------------------------------------------------------- gradient_checkpointing report
 
-def _levels(levels: int | str) -> str:
-    return f"{levels} levels" if levels == "unlimited" else plural(levels, "level")
-
-
 def _every(k: int) -> str:
     return f"every {k} block{'s' if k != 1 else ''}"
 

@@ -412,11 +412,6 @@ def memory_table(rows: list[Row]) -> str:
     return markdown_table(memory, [c for c in MEMORY_COLUMNS if any(r.get(c) is not None for r in memory)])
 
 
-def _point(rows: list[Row], variant: str, point: str) -> Row | None:
-    return next((r for r in rows if r.get("table") == "memory" and r["variant"] == variant and r["point"] == point),
-                None)
-
-
 # What our sharded optimizer should stay within, over torch's ZeroRedundancyOptimizer.
 TARGET_STEP_OVER_ZERO = 0.10
 TARGET_PEAK_OVER_ZERO = 0.05
