@@ -211,7 +211,7 @@ def _gpu_checkpoint_rows() -> list[dict]:
 
 def test_checkpoint_report_from_gpu_rows():
     body = problems.report("gradient_checkpointing").render(_gpu_checkpoint_rows()).body
-    assert "Best single level: every 1 block," in body and "closer to sqrt(L b / a)" in body
+    assert "Best single level: every 1 block (the model's best: every 1)" in body and "closer to sqrt(L b / a)" in body
     assert "Run at context 16384 (every 1 block): it fits" in body
     assert "1128 recomputed blocks" in body
 

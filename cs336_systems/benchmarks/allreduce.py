@@ -166,16 +166,12 @@ def _size_findings(backend: str, n: int, line: list[Row]) -> str:
     small, large = line[0], line[-1]
     best = max(line, key=lambda r: r["busbw_gbps"])
     share = small["busbw_gbps"] / best["busbw_gbps"]
-    text = (f"- {backend}, {n} ranks: {small['mean_rank_median_ms']:.3g} ms for {_size_label(small['size_bytes'])} "
-            f"({small['busbw_gbps']:.3g} GB/s bus bandwidth) against {large['mean_rank_median_ms']:.3g} ms for "
-            f"{_size_label(large['size_bytes'])} ({large['busbw_gbps']:.3g} GB/s); the best is "
-            f"{best['busbw_gbps']:.3g} GB/s at {_size_label(best['size_bytes'])}. ")
+    text = (f"- {backend}, {n} ranks: at {_size_label(small['size_bytes'])}, {share:.0%} of the best bus bandwidth "
+            f"({best['busbw_gbps']:.3g} GB/s at {_size_label(best['size_bytes'])}): ")
     if share < FIXED_COST_BOUND_SHARE:
-        text += (f"At {_size_label(small['size_bytes'])} it reaches {share:.0%} of that: a fixed per-call cost "
-                 "takes more than half the time there")
+        text += "a fixed per-call cost takes more than half the time there"
     else:
-        text += (f"Already at {_size_label(small['size_bytes'])} it reaches {share:.0%} of that: the per-call cost "
-                 "is small beside the transfer at every size measured")
+        text += "the per-call cost is small beside the transfer at every size measured"
     if best is not large and large["busbw_gbps"] < DECLINE_SHARE * best["busbw_gbps"]:
         text += (f", and past {_size_label(best['size_bytes'])} bandwidth falls "
                  f"({large['busbw_gbps'] / best['busbw_gbps']:.0%} of the best at {_size_label(large['size_bytes'])})")
@@ -188,16 +184,12 @@ def _rank_findings(backend: str, at_size: list[Row]) -> str:
     ring = [2 * (r["world_size"] - 1) / r["world_size"] for r in (first, last)]
     spread = max(abs(r["busbw_gbps"] / first["busbw_gbps"] - 1) for r in at_size)
     text = (f"- {backend} at {_size_label(first['size_bytes'])}: from {first['world_size']} to {last['world_size']} "
-            f"ranks the time goes {first['mean_rank_median_ms']:.3g} -> {last['mean_rank_median_ms']:.3g} ms "
-            f"({last['mean_rank_median_ms'] / first['mean_rank_median_ms']:.2f}x); a ring's 2(n-1)/n of the data "
-            f"per link goes {ring[0]:.2f} -> {ring[1]:.2f} ({ring[1] / ring[0]:.2f}x). Bus bandwidth, which divides "
-            "that factor out, ")
-    values = ", ".join(f"{r['busbw_gbps']:.3g}" for r in at_size)
+            f"ranks the time grows {last['mean_rank_median_ms'] / first['mean_rank_median_ms']:.2f}x, a ring's "
+            f"2(n-1)/n of the data per link {ring[1] / ring[0]:.2f}x. Bus bandwidth, which divides that factor out, ")
     if spread <= FLAT_BUS_BANDWIDTH:
-        return text + (f"stays within {spread:.0%} ({values} GB/s): the extra time is the extra bytes each rank's "
-                       "link carries.")
+        return text + f"stays within {spread:.0%}: the extra time is the extra bytes each rank's link carries."
     direction = "falls" if last["busbw_gbps"] < first["busbw_gbps"] else "rises"
-    return text + f"{direction} ({values} GB/s): more ranks change more than the bytes per link."
+    return text + f"{direction}: more ranks change more than the bytes per link."
 
 
 def _findings(rows: list[Row]) -> list[str]:
@@ -217,7 +209,6 @@ def _findings(rows: list[Row]) -> list[str]:
         gloo, nccl = max(common, key=lambda pair: (pair[0]["size_bytes"], pair[0]["world_size"]))
         findings.append(
             f"- NCCL on GPUs against gloo on CPUs, {gloo['world_size']} ranks, {_size_label(gloo['size_bytes'])}: "
-            f"{nccl['mean_rank_median_ms']:.3g} ms against {gloo['mean_rank_median_ms']:.3g} ms, "
             f"{gloo['mean_rank_median_ms'] / nccl['mean_rank_median_ms']:.3g}x faster.")
     return findings
 
@@ -227,10 +218,9 @@ def _nominal_comparison(rows: list[Row]) -> str:
     if not linked:
         return ""
     best = max(linked, key=lambda r: r["busbw_gbps"])
-    return (f"\nThe GPUs' NVLink {best['nvlink_generation']} is nominally {2 * best['nominal_link_gbps']:.0f} GB/s "
-            f"bidirectional per GPU, {best['nominal_link_gbps']:.0f} GB/s in each direction. Bus bandwidth counts "
-            "the bytes each rank's link carries per direction, so it is compared against the per-direction figure: "
-            f"the best measured, {best['busbw_gbps']:.0f} GB/s ({best['world_size']} ranks, "
+    return (f"\nNVLink {best['nvlink_generation']} is nominally {2 * best['nominal_link_gbps']:.0f} GB/s "
+            f"bidirectional per GPU, {best['nominal_link_gbps']:.0f} GB/s per direction; bus bandwidth counts "
+            f"per-direction bytes, so the best measured, {best['busbw_gbps']:.0f} GB/s ({best['world_size']} ranks, "
             f"{_size_label(best['size_bytes'])}), is {best['busbw_gbps'] / best['nominal_link_gbps']:.0%} of "
             f"{best['nominal_link_gbps']:.0f} GB/s.\n")
 
@@ -277,8 +267,8 @@ def render_allreduce(rows: list[Row]) -> Rendered:
     rows = [r for r in rows if not _out_of_memory(r)]
     body = [
         f"float32 all-reduce (sum), {devices}; {WARMUP} warm-up all-reduces, then {MIN_ITERATIONS}-{MAX_ITERATIONS} "
-        "timed ones per cell (each after a barrier, device synchronised). Every rank takes the median of its own "
-        "times; the table shows the mean of the ranks' medians and, in brackets, the slowest rank's. "
+        "timed ones per cell (each after a barrier, device synchronised). Each rank takes its median; the table "
+        "shows the mean of the ranks' medians and, in brackets, the slowest rank's. "
         "1 MB = 10^6 bytes, 1 GB/s = 10^9 bytes/s.\n",
         "## Time (ms)\n", markdown_table(times),
         "## Bus bandwidth, GB/s (algorithm bandwidth in brackets)\n", markdown_table(bandwidths),

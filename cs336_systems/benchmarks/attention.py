@@ -221,17 +221,16 @@ def _by_cell(rows: list[Row]) -> list[Row]:
 def _setup(rows: list[Row]) -> str:
     r = rows[0]
     mask = "causal" if r["is_causal"] else "no mask"
-    return (f"Naive attention on q, k, v of shape ({r['batch_size']}, N, d), no heads, {r['precision']}, {mask}, "
-            f"random normal inputs, on {r['device']}. Per cell: {r['warmup']} untimed and {r['passes']} timed forward "
-            f"passes, then {r['warmup']} untimed and {r['passes']} timed backward passes, each after an untimed "
-            "forward of its own; the device is synchronised around every timed pass. Times are mean ± std in ms.")
+    return (f"Naive attention on q, k, v of shape ({r['batch_size']}, N, d), {r['precision']}, {mask}, "
+            f"random normal; per cell {r['warmup']} untimed and {r['passes']} timed "
+            "passes of forward, then of backward (each after its own untimed forward), synchronised around each; "
+            "mean ± std in ms.")
 
 
 def _memory_note(rows: list[Row]) -> str:
     if _memory_measured(rows):
-        return ("Memory before backward is torch.cuda.memory_allocated after the forward whose output the first "
-                "backward uses: q, k, v, dO, the output and what autograd saved for backward. "
-                "Predicted is the closed form of the accounting section.")
+        return ("Memory before backward: torch.cuda.memory_allocated after the forward (q, k, v, dO, output, "
+                "saved tensors).")
     return "Memory is not measured on this device (no CUDA allocator statistics); predicted is the closed form."
 
 
@@ -266,20 +265,22 @@ def _retained(row: Row) -> float | None:
 
 def _scaling_findings(rows: list[Row]) -> list[str]:
     measured = any(_retained(r) for r in rows)
-    label = "the memory the forward leaves for backward (its output and saved tensors" + \
-        (")" if measured else "; predicted, not measured on this device)")
+    label = "the memory the forward leaves for backward" + \
+        ("" if measured else " (predicted, not measured on this device)")
 
     def saved(row: Row) -> float | None:
         return _retained(row) if measured else _memory_of(row).retained_bytes
 
-    findings = []
+    # The exponent between each head dim's two largest N, one line per such pair of N.
+    exponents: dict[tuple[int, int], list[str]] = {}
     for d in sorted({r["head_dim"] for r in rows}):
         line = sorted((r for r in rows if r["head_dim"] == d and saved(r)), key=lambda r: r["seq_len"])
         if len(line) >= 2:
             small, large = line[-2], line[-1]
-            findings.append(f"- d={d}: from N={small['seq_len']} to N={large['seq_len']}, {label} goes "
-                            f"{saved(small) / GIB:.3g} -> {saved(large) / GIB:.3g} GiB: N to the power "
-                            f"{_exponent(small['seq_len'], saved(small), large['seq_len'], saved(large)):.2f}.")
+            exponent = _exponent(small["seq_len"], saved(small), large["seq_len"], saved(large))
+            exponents.setdefault((small["seq_len"], large["seq_len"]), []).append(f"{exponent:.2f} (d={d})")
+    findings = [f"- From N={small} to {large}, {label} grows as N to the power {', '.join(per_d)}."
+                for (small, large), per_d in exponents.items()]
     by_n: dict[int, dict[int, float]] = {}
     for r in rows:
         if saved(r):
@@ -288,20 +289,20 @@ def _scaling_findings(rows: list[Row]) -> list[str]:
     if common:
         n = max(common)
         low, high = min(by_n[n]), max(by_n[n])
-        findings.append(f"- At N={n}, d={high} leaves {by_n[n][high] / by_n[n][low]:.3g}x the memory of d={low}: "
+        findings.append(f"- At N={n}, d={high} leaves {by_n[n][high] / by_n[n][low]:.3g}x d={low}'s memory: "
                         "the N x N matrix does not depend on d.")
     timed_rows = [r for r in rows if r.get("forward_mean_ms") and r.get("backward_mean_ms")]
     if timed_rows:
         ratios = sorted(r["backward_mean_ms"] / r["forward_mean_ms"] for r in timed_rows)
         findings.append(f"- Backward takes {ratios[0]:.2g}x to {ratios[-1]:.2g}x the forward's time "
-                        f"(median {ratios[len(ratios) // 2]:.2g}x over {len(ratios)} cells).")
+                        f"(median {ratios[len(ratios) // 2]:.2g}x, {len(ratios)} cells).")
         largest_d = max(r["head_dim"] for r in timed_rows)
         line = sorted((r for r in timed_rows if r["head_dim"] == largest_d), key=lambda r: r["seq_len"])
         if len(line) >= 2:
             small, large = line[-2], line[-1]
             exponent = _exponent(small["seq_len"], small["forward_mean_ms"], large["seq_len"], large["forward_mean_ms"])
-            findings.append(f"- Forward time at d={largest_d} grows as N to the power {exponent:.2f} between "
-                            f"N={small['seq_len']} and N={large['seq_len']}.")
+            findings.append(f"- Forward time at d={largest_d} grows as N to the power {exponent:.2f} "
+                            f"(N={small['seq_len']} to {large['seq_len']}).")
     return findings
 
 
@@ -358,20 +359,15 @@ def _accounting_section(rows: list[Row]) -> str:
                   for name, predicted, measured in totals]
     lse_bytes = target["batch_size"] * target["seq_len"] * LOGSUMEXP_BYTES
     return "\n".join([
-        f"## Memory accounting\n\n{intro} B={target['batch_size']}, N={target['seq_len']}, d={target['head_dim']}, "
-        f"{target['precision']} ({memory.element_bytes} bytes per element).\n",
+        f"## Memory accounting\n\n{intro}\n",
         markdown_table(breakdown),
         markdown_table(total_rows),
-        f"What backward saves: the softmax output P, {memory.scores_bytes / GIB:.3g} GiB here (B·N²·"
-        f"{memory.element_bytes} bytes). The gradient of softmax is computed from its output, and the final matmul "
-        "needs P for dv; q, k and v are saved too, but as references to the inputs, and the scores S are not saved. "
-        f"P grows as N² (x4 per doubling of N) while q, k, v and O grow as N: here P is "
-        f"{memory.scores_bytes / memory.query_sized_bytes:,.0f}x the size of O.\n",
-        "To remove this cost, do not store P: FlashAttention-2 computes the softmax tile by tile with a running "
-        "maximum and sum, saves only the logsumexp L of each query row "
-        f"({lse_bytes / 2**20:.3g} MiB here, in fp32) and recomputes P tile by tile in the backward from q, k and "
-        "L. No N x N matrix is ever materialised, so the memory is linear in N (measured in the "
-        "flash_benchmarking report).\n",
+        f"Backward saves the softmax output P, {memory.scores_bytes / GIB:.3g} GiB here (B·N²·"
+        f"{memory.element_bytes} bytes): softmax's gradient uses its output, and P @ v needs P for dv. P grows as "
+        f"N², q, k, v and O as N: P is {memory.scores_bytes / memory.query_sized_bytes:,.0f}x O.\n",
+        f"To remove this cost, store only each query row's logsumexp L ({lse_bytes / 2**20:.3g} MiB here, fp32) "
+        "and recompute P tile by tile in the backward, as FlashAttention-2 does: memory linear in N "
+        "(flash_benchmarking report).\n",
     ])
 
 
@@ -398,16 +394,14 @@ def _validation_section(rows: list[Row]) -> str:
     largest = max(n for n, _ in added_ratios)
     at_largest = [ratio for n, ratio in added_ratios if n == largest]
     return "\n".join([
-        "## Accounting against measurement\n\nEvery measured cell, counted above what was allocated before the "
-        "forward (q, k, v, dO and cuBLAS workspaces, which the closed form leaves out): what the forward added "
-        "(its output and the tensors saved for backward), and the forward and backward peaks as measured over "
-        "predicted.\n",
+        "## Accounting against measurement\n\nEach measured cell, above what was allocated before the forward "
+        "(q, k, v, dO, cuBLAS workspaces; not in the closed form).\n",
         markdown_table(table),
-        f"At the largest measured N ({largest}) the memory added by the forward is {min(at_largest):.3f}x to "
-        f"{max(at_largest):.3f}x the prediction, and the backward's peak "
+        f"At N={largest} the forward's added memory is {min(at_largest):.3f}x to "
+        f"{max(at_largest):.3f}x the prediction, the backward peak "
         f"{min(ratio for n, ratio in backward_ratios if n == largest):.3f}x to "
-        f"{max(ratio for n, ratio in backward_ratios if n == largest):.3f}x (at the smallest N, what the closed form "
-        "leaves out, cuBLAS workspaces and allocator rounding, weighs more than the score matrices).\n",
+        f"{max(ratio for n, ratio in backward_ratios if n == largest):.3f}x; at small N, cuBLAS workspaces and "
+        "allocator rounding weigh more than the score matrices.\n",
     ])
 
 
@@ -443,25 +437,25 @@ def _oom_text(rows: list[Row]) -> str:
     """Where naive attention first ran out of memory, per head dimension, read from the table's rows, and
     whether the accounting predicted each cell's outcome."""
     ooms = _by_cell([r for r in rows if r["status"] == OOM])
+    sentences = []  # with no OOM, the table's out-of-memory column and the accounting section say so
     if ooms:
-        text = ("Out of memory: " + ", ".join(f"d={r['head_dim']} N={r['seq_len']} (during {r['oom_during']})"
-                                              for r in ooms) +
-                f". The smallest sequence length that ran out is N={min(r['seq_len'] for r in ooms)}: " + "; ".join(
-                    f"d={d} from N={min(r['seq_len'] for r in ooms if r['head_dim'] == d)}"
-                    for d in sorted({r["head_dim"] for r in ooms})) + ".")
-    else:
-        text = f"No configuration ran out of memory, up to N={max(r['seq_len'] for r in rows)}."
+        sentences.append(
+            "Out of memory: " + ", ".join(f"d={r['head_dim']} N={r['seq_len']} (during {r['oom_during']})"
+                                          for r in ooms) +
+            f". The smallest sequence length that ran out is N={min(r['seq_len'] for r in ooms)}: " + "; ".join(
+                f"d={d} from N={min(r['seq_len'] for r in ooms if r['head_dim'] == d)}"
+                for d in sorted({r["head_dim"] for r in ooms})) + ".")
     capacity = next((r["device_memory_bytes"] for r in rows if r.get("device_memory_bytes")), None)
-    if capacity is None:
-        return text
-    # A cell that ran must be predicted to fit and a cell that ran out predicted not to.
-    wrong = [r for r in _by_cell(rows) if (r["status"] == OOM) != (_memory_of(r).peak_bytes > capacity)]
-    if not wrong:
-        return text + (f" The accounting's peak puts every cell on the same side of the device's "
-                       f"{capacity / GIB:.3g} GiB as the run did.")
-    return text + " The accounting's peak disagrees with the run for " + ", ".join(
-        f"d={r['head_dim']} N={r['seq_len']} ({'ran' if r['status'] != OOM else 'out of memory'}, predicted "
-        f"{_memory_of(r).peak_bytes / GIB:.3g} GiB of {capacity / GIB:.3g})" for r in wrong) + "."
+    if capacity is not None:
+        # A cell that ran must be predicted to fit and a cell that ran out predicted not to.
+        wrong = [r for r in _by_cell(rows) if (r["status"] == OOM) != (_memory_of(r).peak_bytes > capacity)]
+        if not wrong:
+            sentences.append(f"The accounting agrees with the run on which cells fit in {capacity / GIB:.3g} GiB.")
+        else:
+            sentences.append("The accounting's peak disagrees with the run for " + ", ".join(
+                f"d={r['head_dim']} N={r['seq_len']} ({'ran' if r['status'] != OOM else 'out of memory'}, predicted "
+                f"{_memory_of(r).peak_bytes / GIB:.3g} GiB of {capacity / GIB:.3g})" for r in wrong) + ".")
+    return " ".join(sentences)
 
 
 def render_pytorch_attention(rows: list[Row]) -> Rendered:
@@ -473,7 +467,7 @@ def render_pytorch_attention(rows: list[Row]) -> Rendered:
     return Rendered("\n".join([
         f"## Timings and memory\n\n{_setup(rows)} {_memory_note(rows)}\n",
         _timing_table(rows),
-        f"{oom_text}\n\n{findings}\n",
+        "\n\n".join(filter(None, (oom_text, findings))) + "\n",
         _accounting_section(rows),
         _validation_section(rows),
         "![memory before backward against N](pytorch_attention_memory.png)\n",
@@ -517,21 +511,13 @@ def _compiled_attention_section(rows: list[Row]) -> str:
             (low, low_d, low_n), (high, high_d, high_n) = min(ratios), max(ratios)
             findings.append(f"- {phase}: compiled runs {low:.2f}x (d={low_d}, N={low_n}) to {high:.2f}x "
                             f"(d={high_d}, N={high_n}) as fast as eager.")
-    both = [(p[False], p[True]) for p in pairs.values() if len(p) == 2
-            and p[False].get("memory_before_backward_bytes") and p[True].get("memory_before_backward_bytes")]
-    if both:
-        eager, compiled = max(both, key=lambda pair: pair[0]["memory_before_backward_bytes"])
-        findings.append(f"- Memory before backward at d={eager['head_dim']}, N={eager['seq_len']}: eager "
-                        f"{eager['memory_before_backward_bytes'] / GIB:.3g} GiB, compiled "
-                        f"{compiled['memory_before_backward_bytes'] / GIB:.3g} GiB.")
     for (d, n), pair in pairs.items():
         if len(pair) == 2 and {pair[False]["status"], pair[True]["status"]} == {"ok", OOM}:
             ran = "compiled" if pair[True]["status"] == "ok" else "eager"
             findings.append(f"- d={d}, N={n}: only {ran} attention fits in memory.")
     return "\n".join([
         f"## Attention: eager against torch.compile\n\n{_setup(rows)} Compiled cells compile naive attention afresh "
-        "with static shapes; their first forward and backward compile and are not timed. Speed-up is eager's mean "
-        "time over compiled's.\n",
+        "with static shapes; the compiling first passes are not timed. Speed-up: eager's mean over compiled's.\n",
         markdown_table(table),
         "\n".join(findings) + "\n" if findings else "",
     ])

@@ -228,7 +228,6 @@ def _section_a(rows: list[Row], s: dict[str, float]) -> str:
     state = {r["component"]: r for r in select(rows, table="state")}
     total = state["total"]
     acts = select(rows, table="activations")
-    default = _one(rows, table="activations", sequences=DEFAULT_SEQUENCES)
     per_block = s["activation_bytes_per_token_per_block"]
     state_table = [{"component": c, "bytes/param": r["bytes_per_param"], "bytes": f"{r['bytes']:,}",
                     "GB": r["gb"], "GiB": r["gib"]} for c, r in state.items()]
@@ -239,31 +238,23 @@ def _section_a(rows: list[Row], s: dict[str, float]) -> str:
     gpus = s["state_h100s"]
     return "\n".join([
         "## The XXL model\n",
-        f"{model['num_blocks']} blocks of Linear(d_model -> d_ff) and Linear(d_ff -> d_model), no biases, no "
-        f"nonlinearity, no attention or embeddings: 2 x {model['d_model']:,} x {model['d_ff']:,} x "
+        f"{model['num_blocks']} blocks of Linear(d_model -> d_ff) and Linear(d_ff -> d_model), no biases, "
+        f"nonlinearity, attention or embeddings: 2 x {model['d_model']:,} x {model['d_ff']:,} x "
         f"{model['num_blocks']} = **{model['num_params']:,} parameters**.\n",
         "## (a) Memory on one device\n",
-        "Master weights and accumulated gradients in fp32 (4 bytes each) and Adam's two fp32 moments: 16 bytes "
-        "per parameter.\n",
         markdown_table(state_table),
-        "Saved for backward (bf16, 2 bytes per value). Assumption: no activation checkpointing, and each linear "
-        "keeps exactly its input, the one tensor its weight gradient needs: dW_in = In^T dTmp needs In "
-        f"(d_model = {model['d_model']:,} values per token) and dW_out = Tmp^T dOut needs Tmp (d_ff = "
-        f"{model['d_ff']:,}). A block's output is the next block's In and is counted once. Per token that is "
-        f"2 x ({model['d_model']:,} + {model['d_ff']:,}) = {per_block:,.0f} bytes per block, "
+        "Saved for backward in bf16, with no checkpointing and each linear keeping only its input (In for "
+        "dW_in = In^T dTmp, Tmp for dW_out = Tmp^T dOut; a block's output is the next block's In): "
+        f"2 x ({model['d_model']:,} + {model['d_ff']:,}) = {per_block:,.0f} bytes per token per block, "
         f"{s['activation_bytes_per_token']:,.0f} bytes ({s['activation_bytes_per_token'] / MB:.2f} MB) over "
-        f"{model['num_blocks']} blocks; the batch below is counted in sequences of {EXAMPLE_SEQ_LEN:,} tokens.\n",
+        f"{model['num_blocks']} blocks:\n",
         markdown_table(act_table),
-        f"An H100 80GB holds {s['h100_memory_bytes'] / GB:.0f} GB (10^9 bytes, the datasheet's unit).\n",
         f"**Answer.** The fp32 master weights, gradients and Adam moments take {total['gb']:,.2f} GB "
-        f"({total['gib']:,.1f} GiB), {gpus:.2f} H100 80GB GPUs' worth of memory (so {math.ceil(gpus)} GPUs) before any "
-        f"activation; the activations saved for backward add {s['activation_bytes_per_token'] / MB:.2f} MB per token "
-        f"in bf16 ({default['activation_gb']:,.1f} GB for {default['sequences']} x {EXAMPLE_SEQ_LEN:,} tokens, "
-        f"{default['h100s']:.2f} H100s' worth in all).\n",
-        f"Reading \"80GB\" as 80 GiB instead gives {total['gib']:,.1f} / 80 = {s['state_h100s_if_80_gib']:.2f}, so "
-        f"{math.ceil(s['state_h100s_if_80_gib'])} GPUs: answers of {math.ceil(s['state_h100s_if_80_gib'])} and "
-        f"{math.ceil(gpus)} differ in the unit, not the arithmetic. Dividing the GiB figure by a GB capacity mixes the "
-        "two.\n",
+        f"({total['gib']:,.1f} GiB), {gpus:.2f} H100 80GB GPUs' worth (so {math.ceil(gpus)} GPUs) before any "
+        f"activation; activations add {s['activation_bytes_per_token'] / MB:.2f} MB per token.\n",
+        f"An H100 80GB holds {s['h100_memory_bytes'] / GB:.0f} x 10^9 bytes; as 80 GiB, {total['gib']:,.1f} / 80 = "
+        f"{s['state_h100s_if_80_gib']:.2f} gives {math.ceil(s['state_h100s_if_80_gib'])} GPUs: the unit differs, "
+        "not the arithmetic.\n",
     ])
 
 
@@ -282,18 +273,16 @@ def _section_b(rows: list[Row], s: dict[str, float]) -> str:
                     if example and example["min_fsdp_devices"] is not None else "")
     return "\n".join([
         "## (b) FSDP across N_FSDP devices\n",
-        "The weights, gradients and optimizer state (S) and half of the saved activations (A, every second layer) "
-        "are split N_FSDP ways; the other half of A stays whole on every device:\n",
+        "S (weights, gradients, optimizer state) and half of A (saved activations, every second layer) are split "
+        "N_FSDP ways; the other half of A stays whole on every device:\n",
         "    memory per device = (S + A/2) / N_FSDP + A/2",
         f"    S = {state['gb']:,.2f} GB,  A = {s['activation_bytes_per_token']:,.0f} bytes x tokens\n",
-        f"Below {memory_gb:.0f} GB per device (a v5p chip, 95 GB = 95 x 10^9 bytes): N_FSDP > (S + A/2) / "
+        f"Below {memory_gb:.0f} GB per device (a v5p chip): N_FSDP > (S + A/2) / "
         f"({memory_gb:.0f} GB - A/2), which has a solution only while A/2 < {memory_gb:.0f} GB, that is below "
         f"{s['fsdp_max_tokens']:,.0f} tokens.\n",
         markdown_table(table),
-        f"**Answer.** Per device, (S + A/2) / N_FSDP + A/2 bytes; for the state alone N_FSDP must be at least "
-        f"{state_only} ({state['gb']:,.2f} / {memory_gb:.0f} = {state['gb'] / memory_gb:.2f}){example_text}; from "
-        f"{s['fsdp_max_tokens']:,.0f} tokens on, the unsharded half of the activations alone fills a chip and no "
-        "N_FSDP is enough.\n",
+        f"**Answer.** For the state alone N_FSDP must be at least {state_only} ({state['gb']:,.2f} / {memory_gb:.0f} "
+        f"= {state['gb'] / memory_gb:.2f}){example_text}; past the token limit above, none is enough.\n",
     ])
 
 
@@ -313,41 +302,33 @@ def _section_c(rows: list[Row], s: dict[str, float]) -> str:
     return "\n".join([
         f"## (c) Compute-bound batch on TPU v5p, X = {x} (FSDP, M_X = {mx}), Y = {y} (TP, M_Y = {my})\n",
         f"C = {s['flops_per_s']:.2g} FLOP/s, W_ici = {s['ici_bytes_per_s']:.2g} bytes/s per mesh axis (both "
-        f"directions), alpha = C / W_ici = {s['alpha']:,.1f} FLOP/byte. Forward pass of one block on one chip, B "
-        f"tokens in the batch, N = X Y = {x * y}, D = d_model, F = d_ff, bf16 collectives (the scaling book's "
-        "model, an all-gather or reduce-scatter of V bytes over M axes taking V / (M W)):\n",
+        f"ways), alpha = C / W_ici = {s['alpha']:,.1f} FLOP/byte; one block's forward pass on one chip, batch "
+        f"B tokens, N = X Y = {x * y}, D = d_model, F = d_ff; a bf16 collective of V bytes over M axes takes "
+        "V / (M W) (the scaling book's model):\n",
         "    T_math = 2 x 2 B D F / (N C)                 two matmuls, split over all N chips",
         "    T_FSDP = 2 x (2 D F / Y) / (M_X W)           all-gather W_in[D, F_Y] and W_out[F_Y, D] over X",
         "    T_TP   = 2 x (2 B D / X) / (M_Y W)           all-gather In[B_X, D], reduce-scatter Out over Y\n",
-        "The collectives overlap with the matmuls but not with each other, so the block is compute bound when "
-        "T_math >= T_FSDP + T_TP. Dividing by 4 D / W and writing b = B / N (so B / X = b Y):\n",
+        "Collectives overlap the matmuls but not each other: compute bound when T_math >= T_FSDP + T_TP; dividing "
+        "by 4 D / W, with b = B / N (B / X = b Y):\n",
         "    F / (Y M_X) + b Y / M_Y <= b F / alpha",
         f"    b >= F / (Y M_X) / (F / alpha - Y / M_Y) = {model['d_ff'] / (y * mx):,.0f} / ({f_over_alpha:.2f} - "
         f"{y / my:g}) = {q['forward_min_tokens_per_device']:.1f} tokens per chip\n",
         markdown_table(times),
-        f"**Answer.** The forward pass is compute bound from {q['forward_min_tokens_per_device']:.1f} tokens per chip "
-        f"({math.ceil(q['forward_min_tokens_per_device'])} as a whole number), an overall batch of {x * y} x "
-        f"{q['forward_min_tokens_per_device']:.1f} = {q['forward_min_tokens_per_device'] * x * y:,.0f} tokens "
-        f"(about {q['forward_min_tokens_per_device'] * x * y / EXAMPLE_SEQ_LEN:.1f} sequences of "
-        f"{EXAMPLE_SEQ_LEN:,}); each chip's matmuls then run on its data shard of B / X = "
-        f"{q['forward_min_tokens_per_device'] * y:,.0f} tokens, which the {y} TP chips of a group share.\n",
-        f"Checks on the same model: keeping the ring's (N - 1) / N factors ({x - 1}/{x} over X, {y - 1}/{y} over Y) "
-        f"lowers the threshold to {exact['forward_min_tokens_per_device']:.1f} tokens per chip "
-        f"({exact['forward_min_tokens_per_device'] * x * y:,.0f} overall). The backward pass needs "
-        f"{q['backward_min_tokens_per_device']:.1f} (twice the FLOPs and twice the FSDP traffic, the same TP "
-        f"traffic), so the {binding} pass sets the batch. At this batch each chip holds "
-        f"{s['question_state_bytes_per_device'] / GB:.1f} GB of fp32 state (S / {x * y}) and "
+        f"**Answer.** The forward pass is compute bound from {q['forward_min_tokens_per_device']:.1f} tokens per chip, "
+        f"an overall batch of {x * y} x "
+        f"{q['forward_min_tokens_per_device']:.1f} = {q['forward_min_tokens_per_device'] * x * y:,.0f} tokens.\n",
+        f"Checks: exact ring factors ((N - 1) / N) lower it to "
+        f"{exact['forward_min_tokens_per_device']:.1f} ({exact['forward_min_tokens_per_device'] * x * y:,.0f} "
+        f"overall); the backward pass needs {q['backward_min_tokens_per_device']:.1f}, so the {binding} pass sets "
+        f"the batch; each chip then holds {s['question_state_bytes_per_device'] / GB:.1f} GB of fp32 state and "
         f"{s['question_activation_bytes_per_device'] / GB:.1f} GB of saved activations, "
-        f"{'within' if chip_bytes < s['tpu_memory_bytes'] else 'beyond'} a v5p's "
-        f"{s['tpu_memory_bytes'] / GB:.0f} GB.\n",
+        f"{'within' if chip_bytes < s['tpu_memory_bytes'] else 'beyond'} {s['tpu_memory_bytes'] / GB:.0f} GB.\n",
     ])
 
 
 def _section_d(rows: list[Row], s: dict[str, float]) -> str:
     q = _question(rows)
     fp8 = _one(rows, table="crossover", mesh=QUESTION_MESH, comm_bytes_per_element=FP8_BYTES)
-    splits = select(rows, table="crossover", strategy="fsdp_tp", exact_ring=False, comm_bytes_per_element=BF16_BYTES)
-    best = min(splits, key=lambda r: r["min_tokens_per_device"])
     stage = _one(rows, table="crossover", mesh=STAGE_MESH)
     pipeline = select(rows, table="pipeline")
     model = _one(rows, table="model")
@@ -355,38 +336,26 @@ def _section_d(rows: list[Row], s: dict[str, float]) -> str:
     bubbles = ", ".join(f"{r['bubble_fraction']:.0%} with m = {r['microbatches']}" for r in pipeline)
     stage_bound = stage["min_tokens_per_device"] == 0
     if q["forward_min_tokens_per_device"] >= q["backward_min_tokens_per_device"]:
-        recompute_text = ("Activation recomputation does not lower the threshold: it adds a forward's FLOPs to the "
-                          "backward pass, and the forward pass is the one that binds; its use is memory, letting the "
-                          "same chips hold a layout with less FSDP and more TP.")
+        recompute_text = ("Activation recomputation does not lower the threshold (it adds forward FLOPs to the "
+                          "backward pass; the forward binds) but frees memory for less FSDP and more TP.")
     else:
-        recompute_text = ("Activation recomputation adds a forward's FLOPs to the backward pass, which binds here, "
+        recompute_text = ("Activation recomputation adds forward FLOPs to the backward pass, which binds here, "
                           "so it lowers the backward threshold as well as freeing memory.")
     stage_text = (f"TP at Y = {stage['tensor_devices']} is "
                   f"{'compute bound at any batch' if stage_bound else 'communication bound at every batch'} "
                   f"(F / alpha = {model['d_ff'] / s['alpha']:.1f} {'>=' if stage_bound else '<'} Y)")
     return "\n".join([
         "## (d) Smaller batches at full throughput\n",
-        f"The forward threshold b >= F / (Y M_X) / (F / alpha - Y / M_Y) depends on the split of the chips. It is "
-        f"smallest at Y* = F M_Y / (2 alpha) = {s['best_tensor_devices']:.1f}, where it equals the scaling book's "
-        f"floor 4 alpha^2 / (F M_X M_Y) = {s['fsdp_tp_floor_tokens_per_device']:.1f} tokens per chip "
-        f"({s['fsdp_tp_floor_tokens_per_device'] * n:,.0f} on {n} chips). Of the FSDP+TP splits of {n} chips below, "
-        f"{best['data_devices']} x {best['tensor_devices']} needs the least, {best['min_tokens_per_device']:.1f} "
-        f"({best['min_global_tokens']:,.0f}), against {q['min_tokens_per_device']:.1f} "
-        f"({q['min_global_tokens']:,.0f}) for {q['data_devices']} x {q['tensor_devices']}: more TP shrinks the "
-        f"weight gathers while activation traffic stays below compute as long as Y < F M_Y / alpha "
-        f"= {model['d_ff'] / s['alpha']:.1f} (Austin et al., How to Scale Your Model, part 5). Moving fewer bytes "
-        f"works the same way: gathering weights and activations in 8 bits instead of bf16 (as ZeRO++ quantises "
-        f"FSDP's weight all-gathers, Wang et al. 2023) brings the {q['data_devices']} x {q['tensor_devices']} "
-        f"threshold to {fp8['min_tokens_per_device']:.1f} tokens per chip ({fp8['min_global_tokens']:,.0f}). Pipeline "
-        f"parallelism (GPipe, Huang et al. 2019; 1F1B, Narayanan et al. 2021) removes the batch-dependent term "
-        f"altogether: a stage keeps its 1/P of the layers resident, so no weights move, {stage_text}, and "
-        f"between stages each microbatch sends one "
-        f"[b, D] activation, which takes {s['pipeline_send_to_compute']:.2%} of the stage's matmul time at any "
-        f"microbatch (e alpha P / (4 F L) for P = {pipeline[0]['stages']}); the price is the idle bubble (P - 1) / "
-        f"(m + P - 1), which for P = {pipeline[0]['stages']} stages is {bubbles} microbatches, so small batches "
-        "need many small microbatches or a zero-bubble schedule (Qi et al. 2023; DeepSeek-V3's DualPipe). "
-        f"{recompute_text} Counting tokens, longer sequences with fewer of them change nothing: every threshold above "
-        "is in tokens.\n",
+        f"The forward threshold is smallest at Y* = F M_Y / (2 alpha) = {s['best_tensor_devices']:.1f}, the scaling "
+        f"book's floor 4 alpha^2 / (F M_X M_Y) = {s['fsdp_tp_floor_tokens_per_device']:.1f} tokens per chip "
+        f"({s['fsdp_tp_floor_tokens_per_device'] * n:,.0f} on {n} chips; Austin et al., How to Scale Your Model): "
+        "more TP shrinks the weight gathers while Y < F M_Y / alpha keeps activation traffic below compute. 8-bit "
+        f"gathers (ZeRO++, Wang et al. 2023) bring {q['data_devices']} x {q['tensor_devices']} to {fp8['min_tokens_per_device']:.1f} "
+        f"({fp8['min_global_tokens']:,.0f}). Pipeline parallelism (GPipe, 1F1B) moves no weights: {stage_text}, a "
+        f"microbatch's [b, D] send costs {s['pipeline_send_to_compute']:.2%} of a stage's matmul time "
+        f"(e alpha P / (4 F L), P = {pipeline[0]['stages']}); the price is the bubble (P - 1) / (m + P - 1), "
+        f"{bubbles}, so small batches need many microbatches or a zero-bubble schedule (Qi et al. 2023). "
+        f"{recompute_text}\n",
     ])
 
 
@@ -395,29 +364,13 @@ def _section_collectives(rows: list[Row], s: dict[str, float]) -> str:
     table = [{"array": _size(size), "N": devices, **{f"{name} (us)": cell[name]["total_us"] for name in COLLECTIVES},
               "all_gather latency share": cell["all_gather"]["latency_term_us"] / cell["all_gather"]["total_us"]}
              for (size, devices), cell in _cells(collectives).items()]
-    ratios = [cell["alternate_all_reduce"]["total_us"] / cell["all_reduce"]["total_us"]
-              for cell in _cells(collectives).values()]
     crossovers = ", ".join(f"{_size(s[f'latency_bound_below_bytes_{n}'])} at N = {n}" for n in COLLECTIVE_DEVICE_COUNTS)
     return "\n".join([
         "## Beyond the question: ring collectives and parallel layouts on the v5p mesh\n",
-        "The 2026 handout's parallelism problems (alternate_ring_all_reduce, data_parallel_calcs, fsdp_calcs, "
-        "tp_calcs, fsdp_tp_calcs) are answered part by part, in its symbols, in reports of their own beside this "
-        "one; this section models the XXL block's collectives on the v5p mesh of the question above.\n",
         "### Ring collectives\n",
-        "N devices in a ring; a step sends one message to the next device, latency + bytes / w. V is the whole "
-        "array's size; w a device's bandwidth into the ring (a bidirectional ring counts both directions, like "
-        "W_ici).\n",
-        "    all-gather      (N - 1) latency +     (N - 1) / N  V / w     N - 1 steps of V / N",
-        "    reduce-scatter  (N - 1) latency +     (N - 1) / N  V / w     the same messages, summed on the way",
-        "    all-reduce     2(N - 1) latency + 2 (N - 1) / N  V / w     reduce-scatter phase, then all-gather phase",
-        "    alternate       (N - 1) latency +      (N - 1)    V / w     N - 1 steps, each passing a whole array\n",
-        f"Doubling w halves the bandwidth term; as N grows it tends to V / w (2 V / w for the all-reduce) while "
-        f"the latency term grows as N. On one v5p ICI axis (w = {s['ici_bytes_per_s']:.2g} bytes/s, "
-        f"{s['ici_hop_latency_s'] * US:g} us per hop) collectives are latency bound below N w latency: {crossovers}.\n",
+        f"Ring times on one v5p ICI axis (cs336_systems.accounting.communication; {s['ici_hop_latency_s'] * US:g} us "
+        f"per hop) are latency bound below N w latency: {crossovers}.\n",
         markdown_table(table),
-        "The alternate all-reduce (the 2026 handout's, answered in alternate_ring_all_reduce.md) takes "
-        f"{min(ratios):.2f}x to {max(ratios):.2f}x the ring all-reduce's time in these rows: N / 2 of its "
-        "bandwidth term, and half its latency term, since it takes N - 1 steps instead of 2 (N - 1).\n",
     ])
 
 
@@ -438,7 +391,6 @@ def _size(nbytes: float) -> str:
 
 def _section_strategies(rows: list[Row], s: dict[str, float]) -> str:
     crossovers = select(rows, table="crossover", exact_ring=False, comm_bytes_per_element=BF16_BYTES)
-    fsdp = _one(rows, table="crossover", strategy="fsdp")
     table = [{"mesh (64 v5p chips)": r["mesh"], "X": r["data_devices"], "Y": r["tensor_devices"],
               "M_X": r["data_axes"], "M_Y": r["tensor_axes"],
               "forward b_min": _tokens(r["forward_min_tokens_per_device"]),
@@ -446,24 +398,12 @@ def _section_strategies(rows: list[Row], s: dict[str, float]) -> str:
               "min batch (tokens)": _tokens(r["min_global_tokens"])} for r in crossovers]
     return "\n".join([
         "### Compute vs communication per block: DP, FSDP, TP, FSDP+TP\n",
-        "Per block and device, B tokens, X data-parallel and Y tensor-parallel devices (N = X Y), e bytes per "
-        "communicated value, scaling-book collective times (V / (M W) per gather or scatter, 2 V / (M W) per "
-        "all-reduce):\n",
-        "    compute               forward 4 B D F / (N C)            backward 8 B D F / (N C)",
-        "    DP   weights          forward 0                          backward 2 all-reduces of e D F",
-        "    FSDP weights          forward 2 gathers of e D F / Y     backward 2 gathers + 2 scatters of e D F / Y",
-        "    TP   activations      forward gather + scatter of e B D / X, backward the same (dOut, dIn)\n",
-        f"A block is compute bound when compute >= communication. Solved for b = B / N with bf16 (e = 2) and "
-        f"alpha = {s['alpha']:,.1f}: DP and FSDP need b >= alpha / M_X ({fsdp['min_tokens_per_device']:,.1f} "
-        f"over {fsdp['data_axes']} axes); TP needs no batch at all but Y <= F M_Y / alpha "
-        f"= {_one(rows, table='model')['d_ff'] / s['alpha']:.1f}; FSDP+TP needs b >= F / (Y M_X) / (F / alpha - "
-        "Y / M_Y). \"any\" means compute bound at every batch, \"never\" at none; min batch = N x the larger "
+        "Per block and phase in (c)'s model (cs336_systems.accounting.parallelism.layer_times): DP and FSDP need "
+        "b >= alpha / M_X. \"any\"/\"never\": compute bound at every/no batch; min batch = N x the larger "
         "threshold.\n",
         markdown_table(table),
         "![forward compute / communication](communication_accounting_forward.png)\n",
         "### Activation memory of an XXL block (bf16)\n",
-        f"    saved per token per block      2 (D + F) = {s['activation_bytes_per_token_per_block']:,.0f} bytes",
-        f"    whole model, B tokens          2 (D + F) L B = {s['activation_bytes_per_token']:,.0f} B bytes",
         "    per device, X x Y mesh          2 (D + F / Y) L B / X   (In gathered over Y is kept; Tmp is sharded)\n",
     ])
 

@@ -364,10 +364,10 @@ def _cell_order(row: Row) -> tuple:
 
 def _sweep_setup(rows: list[Row]) -> str:
     sample = rows[0]
-    timer = ("each step timed with one synchronisation, its phases from markers inside it"
-             if sample.get("timer") == STEP_TIMER else "each phase timed between device synchronisations")
+    # Rows that record their timer are described by the header's timing line; older ones timed each phase.
+    timer = "" if sample.get("timer") else ", each phase timed between device synchronisations"
     return (f"batch {sample['batch_size']}, {sample['attention']} attention, AdamW (fused on CUDA), random tokens, "
-            f"{sample['warmup']} warm-up + {sample['steps']} timed steps per cell, {timer}; times in ms, mean ± std")
+            f"{sample['warmup']} warm-up + {sample['steps']} timed steps per cell{timer}; times in ms, mean ± std")
 
 
 def _sweep_table(rows: list[Row]) -> str:
@@ -393,9 +393,8 @@ def _variation_summary(rows: list[Row]) -> str:
     step = find(rows, **{k: worst.get(k) for k in ("size", "context_length", "precision", "compile")},
                 phase="train_step")
     clock = f"; GPU clock {clock_note(step)}" if step and "sm_clock_mhz" in step else ""
-    text = (f"Variation between steps: the median cell's std is {median_spread:.1%} of its mean, and {steady} of "
-            f"{plural(len(spreads), 'cell')} stay under {STEADY_RELATIVE_STD:.0%}; the most variable is "
-            f"{worst['size']} at "
+    text = (f"Variation between steps: median std {median_spread:.1%} of the mean; {steady} of "
+            f"{plural(len(spreads), 'cell')} under {STEADY_RELATIVE_STD:.0%}; most variable: {worst['size']} at "
             f"context {worst['context_length']} ({PHASE_LABELS[worst['phase']]}: "
             f"{worst['std_ms'] / worst['mean_ms']:.1%} of {worst['mean_ms']:.1f} ms{clock}).")
     if ooms:
@@ -404,7 +403,8 @@ def _variation_summary(rows: list[Row]) -> str:
 
 
 def _oom_listing(ooms: list[Row]) -> str:
-    """Each cell that did not fit, with the memory model's estimate and whether it was run."""
+    """Each cell that did not fit, with the memory model's estimate and whether it was run (a cell whose
+    estimate exceeds the free memory is not)."""
     cells: dict[tuple, Row] = {}
     for r in sorted(ooms, key=_cell_order):
         cells.setdefault((r["size"], r["context_length"], r.get("precision")), r)
@@ -412,7 +412,7 @@ def _oom_listing(ooms: list[Row]) -> str:
     for (size, context, precision), r in cells.items():
         notes = [f"estimate {r['estimated_peak_bytes'] / 2**30:,.1f} GiB"] if r.get("estimated_peak_bytes") else []
         if r.get("oom_predicted"):
-            notes.append("not run: the estimate does not fit the free memory")
+            notes.append("not run")
         listed.append(f"{size} at context {context}" + (f" in {precision}" if precision else "")
                       + (f" ({'; '.join(notes)})" if notes else ""))
     return ", ".join(listed)
@@ -420,13 +420,12 @@ def _oom_listing(ooms: list[Row]) -> str:
 
 def _one_time_costs(device_type: str) -> str:
     if device_type == "cuda":
-        costs = ("creating the cuBLAS/cuDNN handles and workspaces, loading each kernel's module the first time "
-                 "it runs (CUDA lazy loading), the caching allocator requesting memory from the driver, and "
-                 "AdamW creating its state on its first step")
+        costs = ("cuBLAS/cuDNN handles and workspaces, loading each kernel's module on first use (CUDA lazy "
+                 "loading), the caching allocator requesting driver memory, and AdamW creating its state")
     else:
         costs = ("the allocator obtaining memory from the OS, oneDNN/BLAS setting up kernels and thread pools, "
-                 "and AdamW creating its state on its first step")
-    return f"A first step pays for one-time work: {costs}."
+                 "and AdamW creating its state")
+    return f"A first step pays one-time costs: {costs}."
 
 
 def _warmup_section(rows: list[Row]) -> str:
@@ -439,7 +438,7 @@ def _warmup_section(rows: list[Row]) -> str:
     table = [{"size": r["size"], "warm-up steps": r["warmup"], "phase": r["phase"],
               "mean ± std (ms)": mean_std(r), "median (ms)": r.get("median_ms"),
               "first timed step (ms)": r.get("first_ms"), "slowest step (ms)": r.get("max_ms")} for r in shown]
-    text = [f"## Warm-up study\n\nEach cell runs in a fresh process, so nothing is warm from an earlier cell: "
+    text = [f"## Warm-up study\n\nOne fresh process per cell: "
             f"context {rows[0]['context_length']}, {rows[0]['steps']} timed training steps after "
             f"{', '.join(str(w) for w in sorted({r['warmup'] for r in rows}))} warm-up steps.\n",
             markdown_table(table)]
@@ -450,18 +449,11 @@ def _warmup_section(rows: list[Row]) -> str:
         if 0 not in steps or len(steps) < 2:
             continue
         cold, most = steps[0], steps[max(steps)]
-        line = (f"- {size}: with no warm-up the first training step takes {cold['first_ms']:.1f} ms, "
-                f"{cold['first_ms'] / cold['median_ms']:.1f}x the median step, so the mean over "
-                f"{cold['steps']} steps is {mean_std(cold, 'ms')} against {mean_std(most, 'ms')} after "
-                f"{plural(max(steps), 'warm-up step')}.")
-        for w in sorted(steps)[1:-1]:
-            line += (f" After {w}: {mean_std(steps[w], 'ms')} (first timed step "
-                     f"{steps[w]['first_ms'] / steps[w]['median_ms']:.2f}x the median).")
-        findings.append(line)
+        findings.append(f"- {size}: without warm-up the first training step takes {cold['first_ms']:.1f} ms "
+                        f"({cold['first_ms'] / cold['median_ms']:.1f}x the median); mean {mean_std(cold, 'ms')} "
+                        f"against {mean_std(most, 'ms')} after {plural(max(steps), 'warm-up step')}.")
     if findings:
-        text.append("\n".join(findings) + "\n\n" + _one_time_costs(rows[0].get("device", "cpu")) +
-                    " Steps after the first can still differ: the allocator keeps growing its pool while the "
-                    "backward pass and the optimizer allocate new block sizes, and clocks ramp up under load.\n")
+        text.append("\n".join(findings) + "\n\n" + _one_time_costs(rows[0].get("device", "cpu")) + "\n")
     return "\n".join(text)
 
 
@@ -585,9 +577,8 @@ def render_compiled_models(rows: list[Row]) -> Rendered:
                         f"({slowest['size']}, context {slowest['context_length']}, {slowest['precision']}).")
     return Rendered("\n".join([
         f"## Whole model: eager against torch.compile\n\n{_sweep_setup(model_rows)}. Compiled cells compile each "
-        "Transformer block (regional compilation: one compiled graph serves every block, so compile time does not "
-        "grow with depth); embedding, final norm, LM head and AdamW run eagerly. Warm-up steps, the first of "
-        "which compiles, are excluded from the timings.\n",
+        "Transformer block (regional compilation); embedding, final norm, LM head and AdamW run eagerly. The "
+        "compiling first warm-up step is not timed.\n",
         markdown_table(table),
         f"Compiled over eager by phase: {summary}.{compile_note}\n" if summary else "",
         _reference_section(rows)]))
@@ -613,10 +604,10 @@ def _reference_section(rows: list[Row]) -> str:
             entry["GPU clock: project; reference"] = f"{clock_note(ours)}; {clock_note(theirs)}"
         table.append(entry)
     return ("## The compiled step against a torch-native reference\n\n"
-            "The reference is the same architecture written with torch's own modules (nn.Linear, nn.RMSNorm, one "
-            "fused q/k/v projection, SDPA; cs336_systems/benchmarks/reference_lm.py) and compiled as one graph, "
-            "with the same AdamW (fused on CUDA), timed the same way in the same run. The ratio is of medians: "
-            "above 1, the project's model and harness cost that much more.\n\n" + markdown_table(table)
+            "The reference is the same architecture in torch's own modules "
+            "(cs336_systems/benchmarks/reference_lm.py), compiled as one graph, with the same AdamW, timed the same "
+            "way in the same run. Ratio of medians: above 1, the project's model and harness cost that much more."
+            "\n\n" + markdown_table(table)
             + _breakdown_section(rows))
 
 
@@ -661,12 +652,10 @@ def _breakdown_section(rows: list[Row]) -> str:
                           "other": format_share(_part(r, "other_ms"))})
         table.append(entry)
     steps = profiled[0].get("profiled_steps")
-    return (f"\n### Where the time goes\n\n{plural(steps, 'more step')} of each model, after its timed ones, "
-            "under torch.profiler: per phase, the kernel time per step and its split into matmuls, fused attention and "
-            "the rest (elementwise, norms, the loss, AdamW); per step, its time under the profiler (which adds host "
-            "work), how much of it some kernel ran (GPU busy), and how long the GPU waited for the host (idle). "
-            "A step's kernels can run at the same time, so the phases' kernel times may add up to more than the "
-            "busy time.\n\n" + markdown_table(table))
+    return (f"\n### Where the time goes\n\n{plural(steps, 'more step')} of each model under torch.profiler: per "
+            "phase, kernel time per step split into matmuls, fused attention and the rest; per step, its time under "
+            "the profiler (which adds host work), GPU busy, and GPU idle (waiting for the host). Kernels can "
+            "overlap, so the phases' kernel times may exceed the busy time.\n\n" + markdown_table(table))
 
 
 def _part(row: Row, column: str) -> float:

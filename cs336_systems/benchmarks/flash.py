@@ -357,33 +357,20 @@ def _timer(rows: list[Row]) -> str:
 
 def _setup(rows: list[Row]) -> str:
     r = rows[0]
-    reset_note = " (outside do_bench's timed region)" if _timer(rows).startswith("do_bench") else ""
+    reset_note = " outside do_bench's timed region" if _timer(rows).startswith("do_bench") else ""
     backends = sorted({(x["precision"], x["backend"]) for x in rows if x["provider"] == "sdpa" and x.get("backend")})
     backend_text = "; ".join(f"{p}: {b}" for p, b in backends) or "not measured"
     fp32_note = ""
     if any(x["precision"] == "fp32" for x in rows):
         matmul = sorted({x["fp32_matmul_precision"] for x in rows if x["precision"] == "fp32"})
-        fp32_note = (" In fp32, the Triton kernels' tl.dot takes Triton's default input precision (TF32 tensor "
-                     "cores on NVIDIA GPUs), while PyTorch's fp32 matmuls ran with float32_matmul_precision "
-                     f"{', '.join(matmul)} ('highest' is full fp32).")
-    return (f"Causal attention on q, k, v of shape ({r['batch_size']}, {r['n_heads']}, N, d) (batch, heads, "
-            "sequence, head dim), random normal. "
-            f"Timer: {_timer(rows)}; the median, in ms. Backward is timed alone: the timer calls a closure running "
-            "o.backward(dO, retain_graph=True) on a forward run beforehand, gradients reset to None between calls"
-            f"{reset_note}. Ratios are one provider's time over Triton's: above 1, Triton is "
-            "faster. Naive attention is the annotated reference, eager; cells whose predicted "
-            "peak does not fit in free memory are OOM (predicted) and not run. SDPA backend by precision: "
-            f"{backend_text}.{fp32_note}\n\nTFLOP/s counts causal attention's useful FLOPs: forward 2·N²·d per head "
-            "(half of 4·N²·d, since the mask removes half the scores), backward 2.5x the forward, forward+backward "
-            "3.5x.\n")
-
-
-def _at_largest_seq_len(index: dict[tuple, Row], precision: str, head_dim: int, provider: str):
-    """(N, provider's time over Triton's) at the largest N where both ran forward+backward, or None."""
-    ratios = [(n, _ratio(row, index.get((precision, mode, d, n, "flash_triton"))))
-              for (p, mode, d, n, name), row in index.items()
-              if (p, mode, d, name) == (precision, "forward_backward", head_dim, provider)]
-    return max(((n, ratio) for n, ratio in ratios if ratio is not None), default=None)
+        fp32_note = (" In fp32, Triton's tl.dot defaults to TF32 tensor cores on NVIDIA GPUs; PyTorch's matmuls "
+                     f"used float32_matmul_precision {', '.join(matmul)} ('highest' is full fp32).")
+    return (f"Causal attention on q, k, v of shape ({r['batch_size']}, {r['n_heads']}, N, d), random normal; the "
+            "median, in ms. Backward is timed alone, on a forward run beforehand, gradients reset"
+            f"{reset_note}. Ratios are a provider's time over Triton's: above 1, Triton is faster. Naive is the "
+            "annotated reference, eager; OOM (predicted) cells were not run. SDPA backend: "
+            f"{backend_text}.{fp32_note}\n\nTFLOP/s counts useful FLOPs: forward 2·N²·d per head (causal: half of "
+            "4·N²·d), backward 2.5x that, forward+backward 3.5x.\n")
 
 
 # Up to this length, a time that barely grows while the work grows by orders of magnitude is the
@@ -406,14 +393,12 @@ def _host_bound_finding(rows: list[Row], precision: str) -> str | None:
     if high / low > HOST_BOUND_MAX_SPREAD or growth < HOST_BOUND_MIN_WORK_GROWTH:
         return None
     return (f"- {precision}: from N={shortest} to N={longest}, Triton's forward+backward takes {low:.3g} to "
-            f"{high:.3g} ms at every d while the work grows {growth:.0f}x: at these lengths the time is the "
-            "host's (Python and kernel-launch overhead per call; docs/flash_tuning.md measures it), "
-            "not the kernels'.")
+            f"{high:.3g} ms at every d while the work grows {growth:.0f}x: the time is the host's (launch "
+            "overhead; docs/flash_tuning.md), not the kernels'.")
 
 
 def _findings(rows: list[Row]) -> list[str]:
     findings = []
-    index = _index(rows)
     for precision in [p for p in PRECISIONS if any(r["precision"] == p for r in rows)]:
         mine = [r for r in rows if r["precision"] == precision]
         host_bound = _host_bound_finding(mine, precision)
@@ -435,23 +420,6 @@ def _findings(rows: list[Row]) -> list[str]:
         elif naive:
             ran = max(r["seq_len"] for r in naive)
             findings.append(f"- {precision}: naive attention ran at every N measured, up to {ran}.")
-        for d in sorted({r["head_dim"] for r in mine}):
-            parts = []
-            naive_at = _at_largest_seq_len(index, precision, d, "naive")
-            if naive_at:
-                parts.append(f"at N={naive_at[0]} (the largest where naive ran) Triton is {naive_at[1]:.3g}x as "
-                             "fast as naive")
-            sdpa_at = _at_largest_seq_len(index, precision, d, "sdpa")
-            if sdpa_at:
-                parts.append(f"at N={sdpa_at[0]} SDPA takes {sdpa_at[1]:.3g}x Triton's time")
-            if parts:
-                findings.append(f"- {precision}, d={d}, forward+backward: " + "; ".join(parts) + ".")
-        triton = [r for r in mine if r["provider"] == "flash_triton" and _ok(r)]
-        for mode in MODES:
-            best = max((r for r in triton if r["mode"] == mode), key=lambda r: r["tflops"], default=None)
-            if best:
-                findings.append(f"- {precision}, Triton {MODE_LABELS[mode]}: best {best['tflops']:.3g} TFLOP/s "
-                                f"(d={best['head_dim']}, N={best['seq_len']}).")
     return findings
 
 
@@ -465,21 +433,11 @@ def _leaderboard_section(rows: list[Row]) -> str:
              | {f"time / {PROVIDER_LABELS[y['provider']]}": f"{x['median_ms'] / y['median_ms']:.3g}x"
                 if _ok(x) else "" for y in measured}
              for x in rows]
-    text = []
-    ours = next((x for x in measured if x["provider"] == "flash_triton_compiled"), None)
-    if ours:
-        for other in measured:
-            if other is not ours:
-                ratio = ours["median_ms"] / other["median_ms"]
-                text.append(f"triton (compiled) takes {ratio:.3g}x the time of {PROVIDER_LABELS[other['provider']]}")
-    compared = ", ".join(PROVIDER_LABELS[x["provider"]] + (f" ({x['backend']})" if x.get("backend") else "")
-                         for x in rows)
     return "\n".join([
         f"## Leaderboard configuration\n\nBatch {r['batch_size']}, {r['n_heads']} heads, d_head {r['head_dim']}, "
-        f"N {r['seq_len']}, {r['precision']}, causal, forward+backward, measured in one run: {compared}. "
-        f"triton (compiled) is the Triton Function wrapped in torch.compile. Timer: {_timer(rows)}; the median.\n",
+        f"N {r['seq_len']}, {r['precision']}, causal, forward+backward, one run; triton (compiled) is the Triton "
+        "Function wrapped in torch.compile.\n",
         markdown_table(table),
-        ("Here " + "; ".join(text) + ".\n") if text else "",
     ])
 
 
@@ -522,8 +480,8 @@ def _gate_section(rows: list[Row]) -> str:
     ratios = "; ".join(f"{provider} / triton " + ("did not run" if ratio is None else f"{ratio:.3g}x")
                        for provider, ratio in zip(GATED_PROVIDERS, gate_ratios(rows).values()))
     return (f"## Speed-up gates\n\nBatch 1, 1 head, N {cell.seq_len}, d {cell.head_dim}, {cell.precision}, causal, "
-            "forward+backward. The ratios are checked against perf/baselines/<gpu>.json by the perf suite on a "
-            f"GPU and, for these committed rows, by the CPU tests: {ratios}.\n\n" + markdown_table(table))
+            "forward+backward. The perf suite and the CPU tests check these ratios against perf/baselines/<gpu>.json: "
+            f"{ratios}.\n\n" + markdown_table(table))
 
 
 def _sources(rows: list[Row]) -> str:

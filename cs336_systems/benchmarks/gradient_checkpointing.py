@@ -233,10 +233,6 @@ def _longest_context_rows(model, cfg, num_layers, sweep, base, device) -> list[R
 
 # -------------------------------------------------------------------- gradient_checkpointing report
 
-def _levels(levels: int | str) -> str:
-    return f"{levels} levels" if levels == "unlimited" else plural(levels, "level")
-
-
 def _every(k: int) -> str:
     return f"every {k} block{'s' if k != 1 else ''}"
 
@@ -294,14 +290,12 @@ def _sweep_section(sweep: list[Row]) -> str:
               "predicted peak": format_bytes(r["predicted_peak_bytes"]),
               "step (ms)": r.get("step_ms") if r["status"] == "ok" else None} for r in sweep]
     parts = [f"## Peak activation memory by checkpoint plan\n\n{r0['size']} ({layers} blocks), batch "
-             f"{r0['batch_size']}, context {r0['context_length']}, {r0['precision']}, {r0['attention']} attention; one "
-             "forward + backward per plan (torch.utils.checkpoint, non-reentrant). Gradients were allocated by a "
-             "warm-up step and kept, so the peak above the start is activations and temporaries. The model "
-             f"(accounting.activations): a block keeps a = {format_bytes(a)}, a checkpointed group keeps its input "
-             f"b = {format_bytes(b)} (one residual-stream tensor), the head and loss keep {format_bytes(r0['head_bytes'])}, and the "
-             f"largest temporary (accounting.activations.training_transient_bytes) is {format_bytes(r0['transient_bytes'])}; "
-             "predicted peak = the plan's peak under the model (profiling.checkpointing.plan_cost) + head + "
-             "temporary." +
+             f"{r0['batch_size']}, context {r0['context_length']}, {r0['precision']}, {r0['attention']}; one forward + "
+             "backward per plan (torch.utils.checkpoint, non-reentrant), gradients already allocated: the peak "
+             "above the start is activations and temporaries. Model (accounting.activations): a block keeps "
+             f"a = {format_bytes(a)}, a group its input b = {format_bytes(b)}, head and loss "
+             f"{format_bytes(r0['head_bytes'])}, largest temporary {format_bytes(r0['transient_bytes'])}; predicted "
+             "peak = plan peak (profiling.checkpointing.plan_cost) + head + temporary." +
              ("" if on_gpu else " On CPU, peaks come from torch.profiler's memory records and step times include "
               "the profiler's overhead.") + "\n", markdown_table(table)]
     single = [r for r in sweep if r["plan_kind"] == "every_k" and r["k"] != "none" and r["status"] == "ok"]
@@ -311,59 +305,19 @@ def _sweep_section(sweep: list[Row]) -> str:
                              key=lambda r: r["predicted_peak_bytes"])
         rule, refined = math.sqrt(layers), math.sqrt(layers * b / a)
         closer = "sqrt(L b / a)" if abs(best["k"] - refined) < abs(best["k"] - rule) else "sqrt(L)"
-        text = (f"Best single level: every {plural(best['k'], 'block')}, {format_bytes(best['measured_peak_bytes'])} "
-                f"(the model's "
-                f"best: every {predicted_best['k']}). The sqrt(L) rule gives k = sqrt({layers}) = {rule:.1f}; it "
-                "assumes a block keeps as much as a boundary. Minimising b L / k + a k instead gives "
-                f"k = sqrt(L b / a) = {refined:.2f}, since a block here keeps {a / b:.0f}x its input (projections, "
-                "attention inputs and the d_ff-wide SwiGLU activations). The measured best is closer to "
-                f"{closer}.")
-        text += _neighbours(sweep, best)
+        text = f"Best single level: every {plural(best['k'], 'block')} (the model's best: every {predicted_best['k']})"
         none = [r for r in sweep if r["k"] == "none"]
-        if none and none[0]["status"] == "ok":
-            text += (f" Against no checkpointing ({format_bytes(none[0]['measured_peak_bytes'])}) it keeps "
-                     f"{best['measured_peak_bytes'] / none[0]['measured_peak_bytes']:.1%} of the peak for "
-                     f"{plural(best['recomputed_blocks'], 'recomputed block')}.")
-        elif none:
-            text += " Without checkpointing this context does not fit."
+        if none and none[0]["status"] != "ok":
+            text += "; without checkpointing this context does not fit"
+        text += (f". The sqrt(L) rule (k = sqrt({layers}) = {rule:.1f}) assumes a block keeps as much as its input; "
+                 f"here it keeps {a / b:.0f}x, and minimising b L / k + a k gives k = sqrt(L b / a) = {refined:.2f}: "
+                 f"the measured best is closer to {closer}.")
         parts.append(text + "\n")
-        nested = [r for r in sweep if r["plan_kind"] == "optimal" and r["status"] == "ok"]
-        if nested:
-            parts.append("Optimal nested plans (profiling.checkpointing.optimal_plan): " + "; ".join(
-                f"{_levels(r['levels'])}: {format_bytes(r['measured_peak_bytes'])} measured, "
-                f"{format_bytes(r['predicted_peak_bytes'])} predicted, {plural(r['recomputed_blocks'], 'recomputed block')}, "
-                f"{r['step_ms'] / best['step_ms']:.2f}x the best single level's step time" for r in nested) + ".\n")
     offsets = [r["measured_peak_bytes"] - r["predicted_peak_bytes"] for r in sweep if r["status"] == "ok"]
     if offsets:
         parts.append(f"Measured minus predicted peak: {span(offsets, format_bytes)} "
                      f"({span([x / a for x in offsets], '{:+.2f}'.format)} blocks' worth).\n")
     return "\n".join(parts)
-
-
-def _neighbours(sweep: list[Row], best: Row) -> str:
-    """The measured peaks of the next smaller and next larger k of the sweep, beside the best one's."""
-    ks = sorted((r for r in sweep if r["plan_kind"] == "every_k" and r["k"] != "none"), key=lambda r: r["k"])
-    at = next(i for i, r in enumerate(ks) if r["k"] == best["k"])
-    around = [ks[i] for i in (at - 1, at + 1) if 0 <= i < len(ks)]
-    if not around:
-        return ""
-    return (" To be sure, the next " + " and ".join(
-        f"{'smaller' if r['k'] < best['k'] else 'larger'} group, every {r['k']}, peaks at "
-        + (format_bytes(r["measured_peak_bytes"]) if r["status"] == "ok" else "out of memory") for r in around)
-        + f", against {format_bytes(best['measured_peak_bytes'])}.")
-
-
-# The memory-optimal nesting as code, for the report: what optimal_plan builds with no limit on levels.
-NESTED_SKETCH = """    from torch.utils.checkpoint import checkpoint
-
-    def run(blocks, x):
-        # Keeps one block's activations and a few residual-stream tensors at any time; backward
-        # recomputes the prefix before each block from x, (L - 1) L / 2 blocks in all.
-        if len(blocks) == 1:
-            return blocks[0](x)
-        prefix_out = checkpoint(run, blocks[:-1], x, use_reentrant=False)  # keeps only x
-        return blocks[-1](prefix_out)
-"""
 
 
 def _strategy_section(sweep: list[Row]) -> str:
@@ -377,23 +331,16 @@ def _strategy_section(sweep: list[Row]) -> str:
                       "recomputed blocks": cost.recomputed_blocks, "plan": describe(plan)[:120]})
     unlimited = optimal_plan(layers, a, b)[1]
     two_levels = optimal_plan(layers, a, b, 2)[1]
-    return ("## The memory-optimal strategy\n\nUnder the model, a plan's peak is the most that backward holds at "
-            "once: what earlier items kept plus the peak inside the item being backpropagated (a for a plain block, "
-            "b plus its inner plan's peak for a recomputed group). Dynamic programming over the first item of each "
-            "sequence gives the least peak for each limit on how often a block may be recomputed (nesting depth):\n\n"
+    return ("## The memory-optimal strategy\n\nUnder the model, a plan's peak is what earlier items kept plus the "
+            "peak of the item being backpropagated (a block: a; a group: b plus its inner plan's peak), minimised "
+            "per nesting depth by profiling.checkpointing.optimal_plan:\n\n"
             + markdown_table(table) +
-            f"\nWith no limit the least peak is {'a + b = ' if math.isclose(unlimited.peak_bytes, a + b) else ''}"
-            f"{format_bytes(unlimited.peak_bytes)}: groups nested inside "
-            f"each other recompute every block from the model's input, {unlimited.recomputed_blocks} recomputed blocks "
-            f"for {layers}, O(1) memory for O(L^2) recomputation. Limiting the depth to r levels gives a peak of about "
-            "a + r L^(1/r) b for at most r L recomputed blocks: r = 1 is single-level checkpointing (O(sqrt L) memory), "
-            "and r = log2 L recursive halving, a + O(b log L) memory for O(L log L) recomputation. Here a block "
-            f"keeps {a / b:.0f}x its input, so the a term sets the floor: two levels come within "
-            f"{two_levels.peak_bytes / unlimited.peak_bytes - 1:.0%} of the unlimited optimum for "
-            f"{two_levels.recomputed_blocks} recomputed blocks instead of {unlimited.recomputed_blocks}.\n\n"
-            "The unlimited plan as code: each checkpoint keeps only the model's input, and in backward the "
-            "blocks before the current one are recomputed from it, nested once per block:\n\n"
-            + NESTED_SKETCH)
+            f"\nWith no limit the least peak is {'a + b' if math.isclose(unlimited.peak_bytes, a + b) else 'that row'}"
+            f" (each block recomputed from the model's input: {unlimited.recomputed_blocks} recomputed blocks, O(1) "
+            "memory for O(L^2) recomputation); r "
+            "levels give about a + r L^(1/r) b for at most r L recomputed blocks (r = 1: O(sqrt L) memory; "
+            "r = log2 L: a + O(b log L) memory, O(L log L) recomputation). Here a sets the floor: two levels come "
+            f"within {two_levels.peak_bytes / unlimited.peak_bytes - 1:.0%} of the unlimited optimum.\n")
 
 
 def _longest_section(rows: list[Row]) -> str:
@@ -401,19 +348,13 @@ def _longest_section(rows: list[Row]) -> str:
     if not longest:
         return ""
     r0 = longest[0]
-    sweep = [r for r in rows if r.get("table") == "sweep"]
-    fits = sum(r["status"] == "ok" for r in sweep)
     table = [{"plan": _plan_label(r), "longest context predicted to fit": r["predicted_longest_context"] or "none",
               "predicted peak there": format_bytes(r["predicted_peak_bytes"]),
               "next context": r["next_context"], "its predicted peak": format_bytes(r["next_predicted_peak_bytes"])}
              for r in longest]
-    text = (f"## Longest context that fits\n\nThe sweep above ran at context {sweep[0]['context_length']}, where "
-            f"{fits} of {len(sweep)} plans fit" + (", so the curve over k is measured whole" if fits == len(sweep) else "")
-            + "; the longest context is predicted from the model and checked with one run. Predicted: parameters, "
-            "gradients and buffers as measured "
-            f"({format_bytes(r0['start_bytes'])}) plus the plan's predicted activation peak, against "
-            f"{r0['usable_share']:.0%} of the device's {format_bytes(r0['capacity_bytes'])}; contexts double from the "
-            "sweep's.\n\n" + markdown_table(table))
+    text = ("## Longest context that fits\n\nPredicted: measured parameters, gradients and buffers "
+            f"({format_bytes(r0['start_bytes'])}) plus the plan's activation peak, against {r0['usable_share']:.0%} "
+            f"of {format_bytes(r0['capacity_bytes'])}; checked with one run.\n\n" + markdown_table(table))
     for r in longest:
         if r.get("run_context"):
             if r["run_status"] == OOM:

@@ -323,17 +323,16 @@ def _peak_section(peaks: list[Row]) -> str:
         else:
             entry["peak above start"] = format_bytes(r["peak_increase_bytes"])
         table.append(entry)
-    text = ["## Peak memory\n\n" + ("Start is what was allocated before the measured work (parameters, and for "
-            "training AdamW's state); peak is torch.cuda.max_memory_allocated; the timeline peak is the highest "
-            "point of the snapshot's trace, which should agree. Predicted is "
-            "cs336_systems.accounting.activations.predict_peak_memory.\n" if on_gpu else
+    text = ["## Peak memory\n\n" + ("Start: allocated before the measured work (parameters, and for training "
+            "AdamW's state); peak: torch.cuda.max_memory_allocated; timeline peak: the snapshot trace's highest point; "
+            "predicted: cs336_systems.accounting.activations.predict_peak_memory.\n" if on_gpu else
             "On CPU the peak is the most memory allocated at once above the start, from torch.profiler's memory "
             "records; snapshots and the predictor (which follows CUDA's rules) are for CUDA runs.\n"),
             markdown_table(table)]
     ok = [r for r in peaks if r["status"] == "ok"]
     if on_gpu and ok:
         text.append(_prediction_summary(ok))
-    text.append(_growth_summary(ok, "peak_bytes" if on_gpu else "peak_increase_bytes"))
+    text.append(_autocast_note(ok))
     return "\n".join(text)
 
 
@@ -359,34 +358,13 @@ def _prediction_summary(ok: list[Row]) -> str:
     return text + "\n"
 
 
-def _growth_summary(ok: list[Row], value: str) -> str:
-    lines = []
-    for mode in MEMORY_MODES:
-        for precision in dict.fromkeys(r["precision"] for r in ok):
-            series = sorted((r for r in ok if r["mode"] == mode and r["precision"] == precision),
-                            key=lambda r: r["context_length"])
-            if len(series) > 1:
-                first, last = series[0], series[-1]
-                growth = last[value] - first[value]
-                lines.append(f"{MODE_LABELS[mode]} in {precision}: {format_bytes(first[value])} at context "
-                             f"{first['context_length']} to {format_bytes(last[value])} at {last['context_length']} "
-                             f"({'+' if growth >= 0 else '-'}{format_bytes(abs(growth))})")
-    precision_pairs = []
-    for mode in MEMORY_MODES:
-        by_precision = {r["precision"]: r for r in ok if r["mode"] == mode and r["context_length"] == max(
-            p["context_length"] for p in ok)}
-        if "fp32" in by_precision and "bf16" in by_precision:
-            fp32, bf16 = by_precision["fp32"][value], by_precision["bf16"][value]
-            precision_pairs.append(f"{MODE_LABELS[mode]}: bf16 the same as fp32" if bf16 == fp32 else
-                                   f"{MODE_LABELS[mode]}: bf16 {'above' if bf16 > fp32 else 'below'} fp32 by "
-                                   f"{format_bytes(abs(bf16 - fp32))}")
-    text = "Growth with context: " + "; ".join(lines) + "." if lines else ""
-    if precision_pairs:
-        text += (" At the longest context, " + "; ".join(precision_pairs) + ". Autocast keeps fp32 parameters (and "
-                 "AdamW state and gradients), adds bf16 copies of the weights, and halves only the activations that "
-                 "come out of matmuls; the residual stream and norms stay fp32"
-                 + (", and so does softmax (CUDA autocast runs it in fp32)." if ok[0]["device"] == "cuda" else "."))
-    return text + "\n" if text else ""
+def _autocast_note(ok: list[Row]) -> str:
+    """Why bf16 autocast does not halve the peak, where both precisions ran (the table holds the peaks)."""
+    if not {"fp32", "bf16"} <= {r["precision"] for r in ok}:
+        return ""
+    return ("Autocast keeps fp32 parameters (and AdamW state and gradients), adds bf16 copies of the weights, and "
+            "halves only the activations that come out of matmuls; the residual stream and norms stay fp32"
+            + (", and so does softmax (CUDA autocast runs it in fp32).\n" if ok[0]["device"] == "cuda" else ".\n"))
 
 
 def _saved_section(peaks: list[Row]) -> str:
@@ -456,8 +434,8 @@ def _allocation_section(rows: list[Row]) -> str:
     if not allocations:
         return ""
     parts = ["## Largest allocations\n\nThe largest blocks allocated in each measured window, with the innermost "
-             "line of this package that asked for them and the innermost Python frame of all (the snapshots hold "
-             "every allocation's whole stack); allocations of one size from one line are counted together.\n"]
+             "line of this package that asked for them and the innermost Python frame; allocations of one size from "
+             "one line are counted together.\n"]
     for mode in MEMORY_MODES:
         for precision in dict.fromkeys(r["precision"] for r in allocations):
             cell = sorted((r for r in allocations if r["mode"] == mode and r["precision"] == precision),
@@ -466,8 +444,6 @@ def _allocation_section(rows: list[Row]) -> str:
                 parts.append(f"### {MODE_LABELS[mode]}, {precision}, context {cell[0]['context_length']}\n")
                 parts.append(markdown_table([{"size (MiB)": r["size_mib"], "count": r["count"], "source": r["source"],
                                               "innermost frame": r["innermost"]} for r in cell]))
-                top = cell[0]
-                parts.append(f"The largest, {top['size_mib']:.1f} MiB x {top['count']}, comes from `{top['source']}`.\n")
     return "\n".join(parts)
 
 

@@ -212,99 +212,75 @@ def _timer(cell: Row) -> str:
     return STEP_TIMER if cell.get("timer") == STEP_TIMER else "a host clock between device synchronisations at every phase"
 
 def _forward_time_section(cells: dict, device: str) -> str:
-    table, busy, wall = [], [], []
+    table, wall = [], []
     for (size, context), c in cells.items():
         cell, forward = c["cell"], c["range"]["forward"]
-        busy.append(forward["work_ms"] / cell["timer_forward_ms"])
         wall.append(forward["wall_ms"] / cell["timer_forward_ms"])
         table.append({"size": size, "context": context,
                       "timer forward (ms)": mean_std(cell["timer_forward_ms"], cell["timer_forward_std_ms"], ".2f"),
                       "profiled forward range (ms)": forward["wall_ms"], "forward work (ms)": forward["work_ms"],
-                      "work / timer": f"{busy[-1]:.0%}"})
+                      "work / timer": f"{forward['work_ms'] / cell['timer_forward_ms']:.0%}"})
     work = "GPU kernel time" if device == "cuda" else "operator CPU time"
-    lowest = min(cells.items(), key=lambda item: item[1]["range"]["forward"]["work_ms"] / item[1]["cell"]["timer_forward_ms"])
-    gap = ("the GPU sat idle between kernels, waiting for the CPU to launch the next one" if device == "cuda"
-           else "Python and the dispatcher ran between operators")
+    gap = "the GPU waited for the CPU to launch kernels" if device == "cuda" else "Python and the dispatcher ran"
     sample = next(iter(cells.values()))["cell"]
     return ("## (a) Forward time: profiler against the end-to-end timer\n\n"
-            f"The timer is the end-to-end benchmark's, {_timer(sample)}, mean ± std over "
-            f"{sample['timed_steps']} steps after {sample['warmup']} warm-up; the profiled step is the next one. "
-            f"\"Forward work\" sums the {work} the profiler attributes to the forward range.\n\n" + markdown_table(table) +
-            f"\nThe profiled forward range lasted {_span(wall)} of the timer's forward mean (the profiler's own "
-            f"overhead is in the range, not in the work), and forward work covered {_span(busy)} of it; the rest "
-            f"is time when {gap}. The share is lowest for {lowest[0][0]} at context {lowest[0][1]}.\n")
+            f"Timer: the end-to-end benchmark's ({_timer(sample)}), over {sample['timed_steps']} steps after "
+            f"{sample['warmup']} warm-up; the profiled step is the next one. Forward work: {work} in the forward "
+            "range.\n\n" + markdown_table(table) +
+            f"\nThe profiled range includes the profiler's overhead ({_span(wall)} of the timer's mean); beyond "
+            f"forward work, {gap}.\n")
 
 
 def _top_kernel_section(cells: dict) -> str:
-    table, same = [], 0
+    table = []
     for (size, context), c in cells.items():
         forward, both = c["kernel"]["forward"][0], c["kernel"][FORWARD_BACKWARD][0]
-        same += forward["kernel"] == both["kernel"]
         table.append({"size": size, "context": context, "top forward kernel": short_name(forward["kernel"], 70),
                       "share of forward": f"{forward['share']:.0%}",
                       "calls per forward pass": f"{forward['calls_per_instance']:g}",
                       "top over forward+backward": "same" if forward["kernel"] == both["kernel"]
                       else short_name(both["kernel"], 70),
                       "its share": f"{both['share']:.0%}"})
-    (size, context), first = next(iter(cells.items()))
-    top = first["kernel"]["forward"][0]
+    (size, _), first = next(iter(cells.items()))
     layers = first["cell"]["num_layers"]
     return ("## (b) The top forward kernel\n\n" + markdown_table(table) +
-            f"\nIn {same} of {len(cells)} cells the kernel that takes the most forward time is also the top one over "
-            f"forward and backward together. Calls count launches: a forward pass of {size} runs 7 Linears per block "
-            f"and the LM head, {7 * layers + 1} matmuls, plus 2 batched attention matmuls per block; at context "
-            f"{context} the top kernel (`{short_name(top['kernel'], 60)}`) was launched {top['calls_per_instance']:g} "
-            f"times per forward pass{', a matmul' if top.get('matmul') else ''}.\n")
+            f"\nCalls count launches: a {size} forward pass runs {7 * layers + 1} matmuls (7 Linears per block and "
+            "the LM head) plus 2 batched attention matmuls per block.\n")
 
 
 def _main_kernels_section(cells: dict) -> str:
     largest: dict[str, tuple] = {}
     for key in cells:  # per size, the longest context measured
         largest[key[0]] = key
-    table, seen = [], defaultdict(int)
+    table = []
     for key in largest.values():
         for k in cells[key]["kernel"]["forward"]:
             if k.get("matmul") is False and k["share"] > MAIN_KERNEL_SHARE:
-                seen[short_name(k["kernel"], 70)] += 1
                 table.append({"size": key[0], "context": key[1], "kernel": short_name(k["kernel"], 70),
                               "share of forward": f"{k['share']:.1%}", "calls": k["calls"]})
     text = (f"## (c) Non-matmul kernels above {MAIN_KERNEL_SHARE:.0%} of forward time\n\nFor each size at the longest "
             "context it ran.\n\n")
     if not table:
         return text + f"No non-matmul kernel reached {MAIN_KERNEL_SHARE:.0%} of forward time in these cells.\n"
-    common = sorted(seen.items(), key=lambda item: -item[1])
-    return (text + markdown_table(table) + "\nPresent in the most sizes: " +
-            ", ".join(f"`{name}` ({count} of {len(largest)})" for name, count in common[:4]) + ".\n")
+    return text + markdown_table(table)
 
 
 def _matmul_share_section(cells: dict) -> str:
-    rows, forward_shares, step_shares, optimizer_shares = [], [], [], []
+    rows, lower, optimizer_shares = [], 0, []
     for (size, context), c in cells.items():
         forward, step = c["range"]["forward"]["matmul_share"], c["range"][STEP_RANGE]["matmul_share"]
-        forward_shares.append(forward)
-        step_shares.append(step)
+        lower += step < forward
         optimizer_shares.append(c["range"]["optimizer"]["matmul_share"])
         rows.append({"size": size, "context_length": context, "value": f"{forward:.0%} / {step:.0%}"})
     table = pivot(rows, index=["size"], column="context_length", value="value", label="context")
-    lower = sum(s < f for f, s in zip(forward_shares, step_shares))
-    trends = []
-    for size in dict.fromkeys(size for size, _ in cells):
-        contexts = sorted(n for s, n in cells if s == size)
-        if len(contexts) > 1:
-            first, last = (cells[(size, n)]["range"]["forward"]["matmul_share"] for n in (contexts[0], contexts[-1]))
-            trends.append(f"{size} {first:.0%} at context {contexts[0]} to {last:.0%} at {contexts[-1]}")
-    text = ("## (d) Matmul share: forward against the full training step\n\nShare of kernel time in matmul kernels, "
-            "forward / full step (forward, backward, AdamW).\n\n" + markdown_table(table) +
-            f"\nMatmuls take {_span(forward_shares)} of forward time and {_span(step_shares)} of a full step; the full "
-            f"step's share is the lower one in {lower} of {len(cells)} cells. The optimizer range's matmul share is "
-            f"{_span(optimizer_shares)}: AdamW is elementwise work over every parameter and both moments.")
-    if trends:
-        text += " With context, the forward share goes from " + "; ".join(trends) + "."
-    return text + "\n"
+    return ("## (d) Matmul share: forward against the full training step\n\nMatmul share of kernel time, "
+            "forward / full step.\n\n" + markdown_table(table) +
+            f"\nThe full step's share is lower in {lower} of {len(cells)} cells; the optimizer's is "
+            f"{_span(optimizer_shares)}: AdamW is elementwise.\n")
 
 
 def _attention_section(cells: dict) -> str:
-    table, time_ratios, excess = [], [], []
+    table, excess = [], []
     for (size, context), c in cells.items():
         ranges = c["range"]
         if not all(name in ranges for name in ATTENTION_RANGES):
@@ -314,7 +290,6 @@ def _attention_section(cells: dict) -> str:
         d_head = c["cell"]["d_head"]
         flop_ratio = SOFTMAX_FLOPS_PER_SCORE / (4 * d_head)
         time_ratio = softmax / matmul if matmul else float("nan")
-        time_ratios.append(time_ratio)
         excess.append(time_ratio / flop_ratio)
         table.append({"size": size, "context": context, "d_head": d_head, "matmul (ms)": matmul,
                       "softmax (ms)": softmax,
@@ -323,36 +298,25 @@ def _attention_section(cells: dict) -> str:
                       "time ratio / FLOP ratio": f"{time_ratio / flop_ratio:.0f}x"})
     if not table:
         return "## (e) Softmax against matmul inside attention\n\nNo cell ran the annotated naive attention.\n"
-    d_heads = sorted({r["d_head"] for r in table})
     return ("## (e) Softmax against matmul inside attention\n\n"
-            f"FLOPs per score element (one query-key pair, one head): q k^T takes 2 d_head multiply-adds' worth "
-            f"(2 d_head FLOPs) and P v another 2 d_head, 4 d_head in all; softmax takes about "
-            f"{SOFTMAX_FLOPS_PER_SCORE} (max, subtract, exp, sum, divide). The FLOP ratio softmax : matmul is "
-            f"{SOFTMAX_FLOPS_PER_SCORE} / (4 d_head), {', '.join(f'{SOFTMAX_FLOPS_PER_SCORE / (4 * d):.2%} for d_head {d}' for d in d_heads)}. "
-            "Times come from the attention ranges of the forward pass (matmul kernels of the scores and final "
-            "ranges; all kernels of the softmax range).\n\n" + markdown_table(table) +
-            f"\nSoftmax takes {_span(time_ratios, '{:.2f}')} of the matmuls' time, {_span(excess, '{:.0f}x')} its FLOP "
-            "share." + (" Per score element softmax reads and writes 4-byte values for about 5 FLOPs (under 1 FLOP per "
-            "byte), while q k^T does 2 d_head FLOPs per score from q and k tiles it reuses across the row (about "
-            f"d_head / 2 FLOPs per byte, {d_heads[0] / 2:.0f} for d_head {d_heads[0]}): softmax is paced by memory "
-            "traffic, the matmuls by arithmetic.\n" if min(excess) > 1 else
-            " In some cells softmax took no more than its FLOP share of the time.\n"))
+            f"FLOPs per score element: 4 d_head for the two matmuls (q k^T, P v), about {SOFTMAX_FLOPS_PER_SCORE} for "
+            "softmax (max, subtract, exp, sum, divide). Times: the forward's attention ranges.\n\n"
+            + markdown_table(table) +
+            f"\nSoftmax's time is {_span(excess, '{:.0f}x')} its FLOP share" + (
+                ": at under 1 FLOP per byte it is paced by memory traffic, while the matmuls reuse "
+                "q and k tiles (about d_head / 2 FLOPs per byte) and are paced by arithmetic.\n"
+                if min(excess) > 1 else "; in some cells no more.\n"))
 
 
 def _kernel_tables_section(cells: dict) -> str:
     preferred = [key for key in cells if key[1] == 512] or list(cells)
     key = max(preferred, key=lambda k: (size_order(k[0]), k[1]))
     c = cells[key]
-    parts = [f"## Kernel tables: {key[0]} at context {key[1]}\n\nOne profiled training step; the other cells' "
-             "tables are in the CSV. Share is of the range's total kernel time; calls per instance divide by the "
-             "times the range was entered (the attention ranges once per block).\n"]
+    parts = [f"## Kernel tables: {key[0]} at context {key[1]}\n\nThe other cells' tables are in the CSV.\n"]
     for name in (*TRAIN_PHASES, *ATTENTION_RANGES):
         if name not in c["range"]:
             continue
-        r = c["range"][name]
-        parts.append(f"### {name}\n\n{plural(r['instances'], 'instance')}, {r['work_ms']:.2f} ms of kernel time, "
-                     f"{r['matmul_share']:.0%} in matmuls, {plural(r['kernel_calls'], 'launch', 'launches')} of "
-                     f"{plural(r['distinct_kernels'], 'kernel')}.\n")
+        parts.append(f"### {name}\n")
         parts.append(markdown_table([{"kernel": short_name(k["kernel"], 80),
                                       "matmul": {True: "yes", False: "no"}.get(k.get("matmul"), ""),
                                       "calls": k["calls"], "calls per instance": f"{k['calls_per_instance']:g}",
@@ -366,28 +330,25 @@ def _nsys_section(rows: list[Row]) -> str:
     if not found:
         return ""
     r = found[-1]
-    state = ("`nsys` was on PATH on the measuring machine. To see the same ranges in Nsight Systems:"
-             if r["nsys_found"] else "`nsys` was not on PATH on the measuring machine, so the tables above come "
-             "from torch.profiler alone. Where Nsight Systems is installed, the same ranges show up with:")
-    return (f"## Nsight Systems\n\n{state}\n\n```\n{r['command']}\n```\n\nThen `nsys stats --report cuda_gpu_kern_sum "
-            f"nsys_{r['size']}_ctx{r['context_length']}.nsys-rep` prints the kernel summary; the NVTX ranges "
-            "(warmup, step_0, forward, backward, optimizer, attention/...) come from the same annotations.\n")
+    state = ("`nsys` was on PATH on the measuring machine." if r["nsys_found"] else
+             "`nsys` was not on PATH on the measuring machine: these tables are torch.profiler's alone.")
+    return (f"## Nsight Systems\n\n{state} Nsight Systems shows the same NVTX ranges with:\n\n"
+            f"```\n{r['command']}\n```\n")
 
 
 def _attribution_note(cells: dict) -> str:
     """How kernels were attributed, and the check that none was counted twice, from the rows."""
     if not any("self_work_ms" in r for c in cells.values() for r in c["range"].values()):
-        return ("These rows were measured before kernels were attributed once each: a kernel could be counted "
-                "under two launching events, so a range's work may exceed its time; a new run replaces them.")
+        return ("These rows were measured before kernels were attributed once each: a kernel could count under two "
+                "launching events, so a range's work may exceed its time.")
     excess = []
     for (size, context), c in cells.items():
         ranges = {name: r for name, r in c["range"].items() if name != FORWARD_BACKWARD}
         own = sum(r["self_work_ms"] for r in ranges.values())
         if own > ranges[STEP_RANGE]["work_ms"] * (1 + 1e-9):
             excess.append(f"{size} at context {context}")
-    return ("Each kernel is attributed once, to the innermost range (record_function/NVTX) open when its launch "
-            "call ran, kernel and launch linked by CUPTI correlation id; a range's table also holds the kernels of "
-            "the ranges nested in it (forward includes attention/*), each once. "
+    return ("Each kernel is attributed once, to the innermost range open at its launch (CUPTI correlation id); a "
+            "range's table includes its nested ranges' kernels. "
             + ("In every cell the ranges' own kernel time adds up to no more than the step's."
                if not excess else f"The ranges' own kernel time exceeds the step's in {', '.join(excess)}."))
 
@@ -406,7 +367,7 @@ def render_nsys_profile(rows: list[Row]) -> Rendered:
                                         + ("; not run" if c["cell"].get("oom_predicted") else "") + ")"
                                         if c["cell"].get("predicted_peak_bytes") else "")
                 for (s, n), c in cells.items() if c["cell"] and c["cell"]["status"] == OOM]
-        parts.append(f"Kernel tables from torch.profiler for one training step (AdamW) per cell: "
+        parts.append(f"torch.profiler kernel tables of one training step (AdamW) per cell: "
                      f"{sample.get('attention', 'naive')} attention, {sample.get('precision', 'fp32')}, batch "
                      f"{sample.get('batch_size')}." + (" " + _attribution_note(measured) if measured else "")
                      + (f" Out of memory: {', '.join(ooms)}." if ooms else "") + "\n")

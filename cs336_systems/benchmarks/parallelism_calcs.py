@@ -169,10 +169,9 @@ def _setting(rows: list[Row]) -> Row:
 def _node_sentence(rows: list[Row]) -> str:
     s = _setting(rows)
     return (f"Worked figure: one node of {NODE_SIZE} GPUs ({s['gpus']}, NVLink 4). W = {s['W_bytes_per_s'] / GB:.0f} "
-            f"GB/s, one direction of a GPU's NVLink, which is its egress bandwidth; C = {s['C_flops_per_s'] / TERA:.1f} "
-            f"TFLOP/s, the dense FP16 tensor-core peak (both GPUs have the same C and W, so the figure holds for either); "
-            f"C / W = "
-            f"{s['C_flops_per_s'] / s['W_bytes_per_s']:,.0f} FLOP per byte. The layer is the {s['size_table']} "
+            f"GB/s, one direction of a GPU's NVLink (its egress bandwidth); C = {s['C_flops_per_s'] / TERA:.1f} "
+            "TFLOP/s, the dense FP16 tensor-core peak; both GPUs share C and W, so the figure holds for either; "
+            f"C / W = {s['C_flops_per_s'] / s['W_bytes_per_s']:,.0f} FLOP per byte. The layer is the {s['size_table']} "
             f"table's {s['size']} FFN, D = {s['D']:,}, D_FF = {s['D_FF']:,}, and B = {s['B']:,} tokens "
             f"({s['sequences']} sequences of {s['context_length']}, 4 per GPU).")
 
