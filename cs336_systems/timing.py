@@ -4,9 +4,9 @@
 at its end. A marker is recorded where the step and each phase start and end, a CUDA event on the
 current stream (the host clock on CPU, where work is synchronous), so times come from the device's own
 timeline and the queue is not drained inside a step, as it is not in training. Garbage collection is
-off inside the step, so that a collection does not land in one sample. On a GPU whose NVML can be read,
-each step also records what the clock did during it (cs336_systems.clocks): a step slowed by the power
-limit or by heat says so.
+off inside the step, so that a collection does not land in one sample. Asked to, on a GPU whose NVML
+can be read, each step also records what the clock did during it (cs336_systems.clocks): a step
+slowed by the power limit or by heat says so.
 
 `timed` is a StepTimer step without phases; `time_fn` times a callable's calls with it, after warm-up.
 `Timings` gives the statistics every row reports: mean +- std, and median and interquartile range,
@@ -28,6 +28,7 @@ import torch
 
 from cs336_systems.clocks import ClockSample, GpuClocks
 
+
 def synchronize(device: torch.device | str) -> None:
     device = torch.device(device)
     if device.type == "cuda":
@@ -41,21 +42,24 @@ STEP_TIMER = "one synchronisation per step, phases from markers inside it"
 class StepTimer:
     """Times one step and its phases with one synchronisation (see module docstring):
 
-        timer = StepTimer(device)
+        timer = StepTimer(device, read_clocks=True)
         with timer.step():
             with timer.phase("forward"): ...
             with timer.phase("backward"): ...
         timer.step_ms, timer.phase_ms   # the whole step; each phase (summed if entered twice)
         timer.host_ms                   # how long the host took to issue the step
-        timer.clock                     # NVML's account of the step (None where NVML cannot be read)
+        timer.clock                     # NVML's account of the step (None where NVML cannot be read
+                                        # or read_clocks is False)
 
     A step whose `host_ms` reaches its `step_ms` was issued no faster than the device ran it: the
     device waited for the host, and the step's time is the host's.
     """
 
-    def __init__(self, device: torch.device | str):
+    def __init__(self, device: torch.device | str, read_clocks: bool = False):
         self.device = torch.device(device)
-        self._clocks = GpuClocks.of(self.device)
+        # Off by default: the reads cost host time around every step (no device time), which a caller
+        # that keeps no clock account, or whose ranks must start a collective together, should not pay.
+        self._clocks = GpuClocks.of(self.device) if read_clocks else None
         self._phases: list[tuple[str, object, object]] = []
         self.step_ms = float("nan")
         self.host_ms = float("nan")

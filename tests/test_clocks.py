@@ -11,6 +11,7 @@ from cs336_systems.benchmarks import e2e
 from cs336_systems.benchmarks.e2e import E2EConfig, benchmark_model
 from cs336_systems.benchmarks.harness import timed_step
 from cs336_systems.clocks import ClockSample, GpuClocks, clock_columns
+from cs336_systems.timing import StepTimer
 
 
 class FakeNvml:
@@ -72,6 +73,18 @@ def test_each_timed_step_records_its_clock_where_nvml_can_be_read(monkeypatch):
     clocks = [timer.clock for timer in timers]
     assert len(clocks) == 3 and {c.power_capped_ms for c in clocks} == {2.0}
     assert all(c.window_ms >= step_ms for c, step_ms in zip(clocks, samples["step"]))
+
+
+def test_a_timer_reads_nvml_only_when_asked(monkeypatch):
+    # A timed collective or a kernel micro-benchmark keeps no clock account and must not pay the reads.
+    nvml = FakeNvml(capped_ns=1_000_000, thermal_ns=0)
+    monkeypatch.setattr(GpuClocks, "of", staticmethod(lambda device: GpuClocks(nvml, handle=None)))
+    timer = StepTimer("cpu")
+    with timer.step():
+        pass
+    with timed_step("cpu", {}):
+        pass
+    assert timer.clock is None and nvml.counters == {0: 0, 1: 0}
 
 
 def test_without_nvml_a_step_records_no_clock():

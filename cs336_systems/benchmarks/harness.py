@@ -124,8 +124,8 @@ def timed_step(device: torch.device | str, samples: dict[str, list[float]] | Non
     """One step, its phases in named ranges and timed with one synchronisation at the step's end
     (cs336_systems.timing.StepTimer); given a dict of lists, each phase's time in ms is appended
     under its name and the whole step's under "step"; given a list, the step's finished timer is
-    appended to it (its host time and NVML's account of its clock)."""
-    timer = StepTimer(device)
+    appended to it (its host time and NVML's account of its clock, read only then)."""
+    timer = StepTimer(device, read_clocks=timers is not None)
 
     @contextmanager
     def phase(name: str) -> Iterator[None]:
