@@ -1,8 +1,10 @@
 """Speed-up regression gating against a checked-in baseline per GPU.
 
 A perf test measures two times in one run and declares their ratio (A's time over B's, so a
-ratio above 1 means B is faster). `perf/baselines/<gpu>.json` holds the ratio measured when the
-baseline was last accepted; a new ratio below baseline x (1 - tolerance) is a regression.
+ratio above 1 means B is faster). Each gate states its promise: the least ratio its test guarantees
+(1.0 for "B is faster than A"; `within(0.05)` for "B takes at most 5% longer than A").
+`perf/baselines/<gpu>.json` holds the ratio measured when the baseline was last accepted. A gate
+fails below its floor, the higher of two bounds: the promise, and the baseline less its tolerance.
 """
 
 from __future__ import annotations
@@ -21,29 +23,57 @@ class Baseline:
     ratio: float
     tolerance: float = DEFAULT_TOLERANCE
 
+    @property
+    def floor(self) -> float:
+        """The lowest ratio within tolerance of the recorded one."""
+        return self.ratio * (1 - self.tolerance)
+
+
+def within(share: float) -> float:
+    """The promise that B takes at most `share` longer than A: A's time over B's is at least 1 / (1 + share)."""
+    if not share >= 0:
+        raise ValueError(f"a share of extra time must be at least 0, got {share}")
+    return 1 / (1 + share)
+
 
 @dataclass(frozen=True)
 class GateResult:
     name: str
     measured: float
+    promise: float
     baseline: Baseline | None
 
     @property
-    def floor(self) -> float | None:
-        return None if self.baseline is None else self.baseline.ratio * (1 - self.baseline.tolerance)
+    def broke_promise(self) -> bool:
+        return self.measured < self.promise
+
+    @property
+    def regressed(self) -> bool:
+        return self.baseline is not None and self.measured < self.baseline.floor
+
+    @property
+    def floor(self) -> float:
+        return max(self.promise, self.baseline.floor) if self.baseline else self.promise
 
     @property
     def passed(self) -> bool:
-        return self.baseline is None or self.measured >= self.floor
+        """Whether the ratio holds its floor; a gate with no baseline does not pass."""
+        return self.baseline is not None and self.measured >= self.floor
 
     def message(self, path: Path) -> str:
-        if self.baseline is None:
-            return f"no baseline for {self.name!r} in {path}; run with --update-baselines to record {self.measured:.3g}"
-        verdict = "ok" if self.passed else "REGRESSION"
-        return (
-            f"{verdict}: {self.name} ratio {self.measured:.3g} vs baseline {self.baseline.ratio:.3g} "
-            f"(fails below {self.floor:.3g}, tolerance {self.baseline.tolerance:.0%}; {path})"
-        )
+        """The verdict, the ratio, and each bound it fell below or holds."""
+        bounds = [(f"the promise {self.promise:.3g} its test states", self.broke_promise)]
+        if self.baseline is not None:
+            bounds.append((f"the baseline {self.baseline.ratio:.3g} less its {self.baseline.tolerance:.0%} tolerance, "
+                           f"{self.baseline.floor:.3g}", self.regressed))
+        verdict = ", ".join(v for v, fails in (("BROKEN PROMISE", self.broke_promise), ("REGRESSION", self.regressed),
+                                               ("NO BASELINE", self.baseline is None)) if fails) or "ok"
+        failed = [bound for bound, fails in bounds if fails]
+        held = [bound for bound, fails in bounds if not fails]
+        said = [f"{verb} {' and '.join(listed)}" for verb, listed in (("is below", failed), ("holds", held)) if listed]
+        where = (f"{path} has no entry for it (--update-baselines records one)" if self.baseline is None
+                 else str(path))
+        return f"{verdict}: {self.name} ratio {self.measured:.3g} {'; '.join(said)}; {where}"
 
 
 def no_baseline_file(path: Path) -> str:
@@ -65,8 +95,10 @@ def load_baselines(path: Path) -> dict[str, Baseline]:
     return {name: Baseline(**entry) for name, entry in data.get("ratios", {}).items()}
 
 
-def check(name: str, measured: float, baselines: dict[str, Baseline]) -> GateResult:
-    return GateResult(name, measured, baselines.get(name))
+def check(name: str, measured: float, baselines: dict[str, Baseline], promise: float) -> GateResult:
+    if not promise > 0:
+        raise ValueError(f"{name}: a promise is a least ratio of two times, above 0; got {promise}")
+    return GateResult(name, measured, promise, baselines.get(name))
 
 
 def update_baselines(path: Path, measured: dict[str, float], device: str) -> None:

@@ -314,32 +314,35 @@ def report(run_settings):
 
 @pytest.fixture(scope="session")
 def speedup_gate(run_settings):
-    """speedup_gate(name, slow_ms, fast_ms, note=""): the ratio slow/fast against the baseline.
+    """speedup_gate(name, slow_ms, fast_ms, *, promise, note=""): the ratio slow/fast against its floor.
 
-    Fails when the ratio fell past its tolerance below the baseline, when the baseline file has no
-    entry for it, and when either time is None (a variant that ran out of memory or errored gates
-    nothing, so it cannot pass). Skips, saying why, when this device has no baseline file. With
-    --update-baselines it records the ratio instead, refusing one past tolerance below the current
-    baseline unless --accept-regression is given. `note` (the variants' statuses, say) is added to
-    a failure's message.
+    `promise` is the least ratio the calling test guarantees (cs336_systems.baselines); the floor is the
+    higher of the promise and the baseline less its tolerance. Fails below the floor, naming the bound
+    that failed, when the baseline file has no entry for `name`, and when either time is None (a variant
+    that ran out of memory or errored gates nothing, so it cannot pass). Skips, saying why, when this
+    device has no baseline file. With --update-baselines it records the ratio instead: a broken promise
+    is never recorded, and one past tolerance below the baseline only with --accept-regression.
+    `note` (the variants' statuses, say) is added to a failure's message.
     """
     from cs336_systems import baselines
 
     path = run_settings.baseline_path
     recorded = baselines.load_baselines(path)
 
-    def gate(name: str, slow_ms: float | None, fast_ms: float | None, note: str = "") -> float:
+    def gate(name: str, slow_ms: float | None, fast_ms: float | None, *, promise: float, note: str = "") -> float:
+        noted = f" ({note})" if note else ""
         if slow_ms is None or fast_ms is None:
             unmeasured = [side for side, ms in (("slower", slow_ms), ("faster", fast_ms)) if ms is None]
             if run_settings.update_baselines or path.exists():
                 have = "variants have" if len(unmeasured) > 1 else "variant has"
-                pytest.fail(f"{name}: the {' and '.join(unmeasured)} {have} no time, so the gate cannot hold"
-                            + (f" ({note})" if note else ""))
+                pytest.fail(f"{name}: the {' and '.join(unmeasured)} {have} no time, so the gate cannot hold{noted}")
             pytest.skip(baselines.no_baseline_file(path))
         ratio = baselines.speedup_ratio(slow_ms, fast_ms)
-        result = baselines.check(name, ratio, recorded)
+        result = baselines.check(name, ratio, recorded, promise)
         if run_settings.update_baselines:
-            if not result.passed and not run_settings.accept_regression:
+            if result.broke_promise:
+                pytest.fail(f"refusing to record {result.message(path)}{noted}")
+            if result.regressed and not run_settings.accept_regression:
                 pytest.fail(f"refusing to record {result.message(path)}; pass --accept-regression to record it")
             worker = os.environ.get("PYTEST_XDIST_WORKER", "main")
             with (run_settings.staging_dir / f"{_BASELINES_STAGE}.{worker}.jsonl").open("a") as f:
@@ -347,8 +350,8 @@ def speedup_gate(run_settings):
             return ratio
         if not path.exists():
             pytest.skip(baselines.no_baseline_file(path))
-        if result.baseline is None or not result.passed:
-            pytest.fail(result.message(path) + (f" ({note})" if note else ""))
+        if not result.passed:
+            pytest.fail(result.message(path) + noted)
         return ratio
 
     return gate

@@ -8,6 +8,7 @@ uses 2). On CPU: the tiny model over gloo, a smoke run of the same code in secon
 
 import pytest
 
+from cs336_systems.baselines import within
 from cs336_systems.benchmarks.fsdp import OURS, TORCH_FSDP, VARIANTS, fsdp_problems, timeline_intervals
 from cs336_systems.benchmarks.sharding import ShardingBenchmarkConfig
 from cs336_systems.distributed.launch import launch
@@ -21,6 +22,9 @@ TIMELINE_FILE = "fsdp_timeline.png"
 # Building the XL model four times, ~9 steps of each and one profiled step: about two minutes on
 # two H200s.
 LAUNCH_TIMEOUT_S = 600
+# Ours takes at most 5% longer per step than torch's fully_shard per block: on two H100s (xl, NCCL) it
+# was 2.5% faster, and such ratios move by a few percent from run to run.
+TORCH_PARITY = within(0.05)
 
 pytestmark = pytest.mark.fsdp
 
@@ -55,8 +59,9 @@ def test_fsdp_accounting(rows):
 
 
 def test_fsdp_speedup_gate(rows, speedup_gate):
-    """Ours must keep pace with torch FSDP: its time over ours."""
+    """On a device with a baseline file: torch FSDP's step time over ours is at least 1 / 1.05 (ours takes at
+    most 5% longer) and within tolerance of the baseline."""
     steps = {r["variant"]: r for r in rows if r["table"] == "step"}
     ours, theirs = steps[OURS], steps[TORCH_FSDP]
-    speedup_gate("fsdp_vs_torch_fsdp", theirs.get("step_ms"), ours.get("step_ms"),
+    speedup_gate("fsdp_vs_torch_fsdp", theirs.get("step_ms"), ours.get("step_ms"), promise=TORCH_PARITY,
                  note=f"torch FSDP: {theirs['status']}, ours: {ours['status']}")

@@ -8,6 +8,7 @@ uses 2). On CPU: the tiny model over gloo, a smoke run of the same code in secon
 
 import pytest
 
+from cs336_systems.baselines import within
 from cs336_systems.benchmarks.sharding import VARIANTS, ShardingBenchmarkConfig, optimizer_sharding_problems
 from cs336_systems.distributed.launch import launch
 from cs336_systems.distributed.sharded_optimizer import SYNC_METHODS
@@ -21,6 +22,9 @@ PROBLEMS = ("optimizer_state_sharding", "optimizer_state_sharding_accounting")
 EQUIVALENCE_TOLERANCE = 1e-6
 # Building the XL model four times and ~9 steps of each: about a minute on two H200s.
 LAUNCH_TIMEOUT_S = 600
+# Ours takes at most 5% longer per step than torch's ZeRO stage 1 (DDP + ZeroRedundancyOptimizer): on two
+# H100s (xl, NCCL) it took 0.2% longer, and such ratios move by a few percent from run to run.
+TORCH_PARITY = within(0.05)
 
 pytestmark = pytest.mark.sharding
 
@@ -53,8 +57,10 @@ def test_optimizer_sharding_accounting(rows):
 
 
 def test_optimizer_sharding_speedup_gate(rows, speedup_gate):
-    """Ours must keep pace with torch's ZeRO stage 1: its time over ours."""
+    """On a device with a baseline file: DDP + ZeroRedundancyOptimizer's step time over DDP +
+    ShardedOptimizer's is at least 1 / 1.05 (ours takes at most 5% longer) and within tolerance of the
+    baseline."""
     steps = {r["variant"]: r for r in rows if r["table"] == "step"}
     zero, ours = steps["DDP + ZeroRedundancyOptimizer"], steps["DDP + ShardedOptimizer (bucketed)"]
     speedup_gate("sharded_optimizer_vs_zero_redundancy", zero.get("step_ms"), ours.get("step_ms"),
-                 note=f"ZeRO: {zero['status']}, ours: {ours['status']}")
+                 promise=TORCH_PARITY, note=f"ZeRO: {zero['status']}, ours: {ours['status']}")

@@ -8,7 +8,7 @@ import pytest
 
 from cs336_systems import baselines
 from cs336_systems.attention.flash_triton import source_hash
-from cs336_systems.benchmarks.flash import GATED_PROVIDERS, gate_ratios
+from cs336_systems.benchmarks.flash import GATE_PROMISES, GATED_PROVIDERS, gate_name, gate_ratios
 from cs336_systems.reports import read_rows
 
 REPO = Path(__file__).resolve().parents[1]
@@ -32,8 +32,10 @@ def test_committed_flash_gates_measured_the_current_source_and_hold(gpu):
     # Rows that name a source name the current one; rows from before sources were recorded name none.
     named = {r["source_hash"] for r in rows if r.get("source_hash")}
     assert named <= {current}, f"rows measured other sources: {sorted(named - {current})}"
-    recorded = baselines.load_baselines(REPO / "perf" / "baselines" / f"{gpu}.json")
-    for name, ratio in gate_ratios(rows).items():
-        assert ratio is not None, f"{name}: a gated variant has no time in the committed rows"
-        result = baselines.check(name, ratio, recorded)
-        assert result.baseline is not None and result.passed, result.message(REPO / "perf" / "baselines" / f"{gpu}.json")
+    path = REPO / "perf" / "baselines" / f"{gpu}.json"
+    recorded, ratios = baselines.load_baselines(path), gate_ratios(rows)
+    for provider in GATED_PROVIDERS:
+        name = gate_name(provider)
+        assert ratios[name] is not None, f"{name}: a gated variant has no time in the committed rows"
+        result = baselines.check(name, ratios[name], recorded, GATE_PROMISES[provider])
+        assert result.passed, result.message(path)

@@ -223,7 +223,7 @@ def test_size_missing_from_the_table_is_a_usage_error(pytester, monkeypatch):
 
 GATED_TEST = """
     def test_speedup(speedup_gate):
-        speedup_gate("flash vs naive", slow_ms=10.0, fast_ms=2.0)  # measured ratio 5.0
+        speedup_gate("flash vs naive", slow_ms=10.0, fast_ms=2.0, promise=1.0)  # measured ratio 5.0
 """
 
 
@@ -239,7 +239,17 @@ def test_gate_fails_when_the_ratio_regressed_past_tolerance(pytester):
     write_baseline(pytester, ratio=8.0)  # 5.0 < 8.0 * 0.8
     result = run(pytester)
     result.assert_outcomes(failed=1)
-    result.stdout.fnmatch_lines(["*REGRESSION: flash vs naive ratio 5 vs baseline 8*"])
+    result.stdout.fnmatch_lines(["*REGRESSION: flash vs naive ratio 5 is below the baseline 8 less its 20% tolerance, "
+                                 "6.4; holds the promise 1 its test states*"])
+
+
+def test_gate_fails_below_its_promise_whatever_the_baseline(pytester):
+    pytester.makepyfile(GATED_TEST.replace("promise=1.0", "promise=6.0"))
+    write_baseline(pytester, ratio=5.5)  # 5.0 >= 5.5 * 0.8, but below the promise 6
+    result = run(pytester)
+    result.assert_outcomes(failed=1)
+    result.stdout.fnmatch_lines(["*BROKEN PROMISE: flash vs naive ratio 5 is below the promise 6 its test states; "
+                                 "holds the baseline 5.5 less its 20% tolerance, 4.4*"])
 
 
 def test_gate_passes_within_tolerance(pytester):
@@ -265,15 +275,15 @@ def test_gate_fails_when_the_baseline_file_has_no_entry_for_it(pytester):
     write_baseline(pytester, ratio=5.0)
     result = run(pytester)
     result.assert_outcomes(failed=1)
-    result.stdout.fnmatch_lines(["*no baseline for 'a new comparison' in *cpu.json; run with --update-baselines "
-                                 "to record 5*"])
+    result.stdout.fnmatch_lines(["*NO BASELINE: a new comparison ratio 5 holds the promise 1 its test states; "
+                                 "*cpu.json has no entry for it (--update-baselines records one)*"])
 
 
 @pytest.mark.parametrize("update", [False, True])
 def test_gate_fails_when_a_variant_did_not_run(pytester, update):
     pytester.makepyfile("""
         def test_speedup(speedup_gate):
-            speedup_gate("flash vs naive", slow_ms=None, fast_ms=2.0, note="naive: OOM")
+            speedup_gate("flash vs naive", slow_ms=None, fast_ms=2.0, promise=1.0, note="naive: OOM")
     """)
     path = write_baseline(pytester, ratio=5.0)
     result = run(pytester, *(["--update-baselines"] if update else []))
@@ -288,11 +298,20 @@ def test_update_refuses_a_regression_unless_it_is_accepted(pytester):
     path = write_baseline(pytester, ratio=8.0)  # 5.0 < 8.0 * 0.8
     result = run(pytester, "--update-baselines")
     result.assert_outcomes(failed=1)
-    result.stdout.fnmatch_lines(["*refusing to record REGRESSION: flash vs naive ratio 5 vs baseline 8*"
+    result.stdout.fnmatch_lines(["*refusing to record REGRESSION: flash vs naive ratio 5 is below the baseline 8*"
                                  "pass --accept-regression to record it*"])
     assert json.loads(path.read_text())["ratios"]["flash vs naive"]["ratio"] == 8.0
     run(pytester, "--update-baselines", "--accept-regression").assert_outcomes(passed=1)
     assert json.loads(path.read_text())["ratios"]["flash vs naive"]["ratio"] == 5.0
+
+
+def test_update_never_records_a_broken_promise(pytester):
+    pytester.makepyfile(GATED_TEST.replace("promise=1.0", "promise=6.0"))
+    result = run(pytester, "--update-baselines", "--accept-regression")
+    result.assert_outcomes(failed=1)
+    result.stdout.fnmatch_lines(["*refusing to record BROKEN PROMISE, NO BASELINE: flash vs naive ratio 5 is below "
+                                 "the promise 6 its test states*"])
+    assert not (pytester.path / "perf" / "baselines" / "cpu.json").exists()
 
 
 def test_accept_regression_needs_update_baselines(pytester):

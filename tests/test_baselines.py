@@ -1,0 +1,72 @@
+"""The speed-up gate's policy (cs336_systems.baselines): a gate's floor is the higher of its test's
+promise and its baseline less tolerance, and its message names the bound that failed."""
+
+from pathlib import Path
+
+import pytest
+
+from cs336_systems import baselines
+from cs336_systems.baselines import Baseline
+
+PATH = Path("perf/baselines/h100.json")
+
+
+@pytest.mark.parametrize(("promise", "baseline", "floor"), [
+    (1.0, Baseline(1.02), 1.0),  # 1.02 less 20% is 0.816: the promise binds
+    (1.0, Baseline(19.4), 19.4 * 0.8),  # a lead far above the promise: the baseline binds
+    (1.0, Baseline(2.0, tolerance=0.5), 1.0),
+    (0.5, None, 0.5),
+])
+def test_the_floor_is_the_higher_of_the_promise_and_the_baseline_less_tolerance(promise, baseline, floor):
+    result = baselines.check("g", 1.5, {"g": baseline} if baseline else {}, promise)
+    assert result.floor == pytest.approx(floor)
+    assert result.passed == (baseline is not None and 1.5 >= floor)
+
+
+def test_a_ratio_below_the_promise_fails_even_within_tolerance_of_its_baseline():
+    result = baselines.check("ddp", 0.99, {"ddp": Baseline(1.02)}, promise=1.0)
+    assert (result.broke_promise, result.regressed, result.passed) == (True, False, False)
+    assert result.message(PATH) == ("BROKEN PROMISE: ddp ratio 0.99 is below the promise 1 its test states; holds "
+                                    "the baseline 1.02 less its 20% tolerance, 0.816; perf/baselines/h100.json")
+
+
+def test_a_ratio_past_tolerance_below_its_baseline_fails_even_above_the_promise():
+    result = baselines.check("flash", 12.0, {"flash": Baseline(19.4)}, promise=10.0)
+    assert (result.broke_promise, result.regressed, result.passed) == (False, True, False)
+    assert result.message(PATH).startswith("REGRESSION: flash ratio 12 is below the baseline 19.4 less its 20% "
+                                           "tolerance, 15.5; holds the promise 10 its test states")
+
+
+def test_a_ratio_below_both_bounds_names_both():
+    message = baselines.check("g", 0.5, {"g": Baseline(1.0)}, promise=1.0).message(PATH)
+    assert message.startswith("BROKEN PROMISE, REGRESSION: g ratio 0.5 is below the promise 1 its test states and "
+                              "the baseline 1 less its 20% tolerance, 0.8;")
+    assert "holds" not in message
+
+
+def test_a_ratio_that_holds_both_bounds_passes_and_says_so():
+    result = baselines.check("g", 1.1, {"g": Baseline(1.0)}, promise=1.0)
+    assert result.passed
+    assert result.message(PATH).startswith("ok: g ratio 1.1 holds the promise 1 its test states and the baseline 1")
+
+
+def test_without_a_baseline_a_gate_does_not_pass_and_says_where_to_record_one():
+    result = baselines.check("new", 2.0, {}, promise=1.0)
+    assert not result.passed and not result.broke_promise
+    assert result.message(PATH) == ("NO BASELINE: new ratio 2 holds the promise 1 its test states; "
+                                    "perf/baselines/h100.json has no entry for it (--update-baselines records one)")
+
+
+def test_within_is_the_least_ratio_of_a_time_at_most_that_share_longer():
+    assert baselines.within(0.05) == pytest.approx(1 / 1.05)
+    assert baselines.within(0) == 1.0
+    # Ours at 1.05x torch's time is just within; a hair slower is not.
+    assert baselines.speedup_ratio(100.0, 105.0) >= baselines.within(0.05) > baselines.speedup_ratio(100.0, 105.1)
+    with pytest.raises(ValueError, match="at least 0"):
+        baselines.within(-0.1)
+
+
+@pytest.mark.parametrize("promise", [0.0, -1.0, float("nan")])
+def test_a_promise_must_be_a_positive_ratio(promise):
+    with pytest.raises(ValueError, match="a promise is a least ratio"):
+        baselines.check("g", 1.0, {}, promise)
