@@ -5,6 +5,7 @@ ratio above 1 means B is faster). Each gate states its promise: the least ratio 
 (1.0 for "B is faster than A"; `within(0.05)` for "B takes at most 5% longer than A").
 `perf/baselines/<gpu>.json` holds the ratio measured when the baseline was last accepted. A gate
 fails below its floor, the higher of two bounds: the promise, and the baseline less its tolerance.
+Recording a baseline only raises it, unless a lower ratio is accepted as a regression.
 """
 
 from __future__ import annotations
@@ -99,6 +100,15 @@ def check(name: str, measured: float, baselines: dict[str, Baseline], promise: f
     if not promise > 0:
         raise ValueError(f"{name}: a promise is a least ratio of two times, above 0; got {promise}")
     return GateResult(name, measured, promise, baselines.get(name))
+
+
+def ratio_to_record(result: GateResult, accept_regression: bool) -> float:
+    """What --update-baselines records for `result`: the measured ratio where there is no baseline yet,
+    where it is at least the recorded one, or where --accept-regression accepts a lower one; otherwise
+    the recorded ratio stays, so that lower measurements within tolerance cannot wear it down run by run."""
+    if result.baseline is None or accept_regression or result.measured >= result.baseline.ratio:
+        return result.measured
+    return result.baseline.ratio
 
 
 def update_baselines(path: Path, measured: dict[str, float], device: str) -> None:

@@ -1,5 +1,6 @@
 """The speed-up gate's policy (cs336_systems.baselines): a gate's floor is the higher of its test's
-promise and its baseline less tolerance, and its message names the bound that failed."""
+promise and its baseline less tolerance, its message names the bound that failed, and recording
+baselines never lowers one unless a regression is accepted."""
 
 from pathlib import Path
 
@@ -70,3 +71,27 @@ def test_within_is_the_least_ratio_of_a_time_at_most_that_share_longer():
 def test_a_promise_must_be_a_positive_ratio(promise):
     with pytest.raises(ValueError, match="a promise is a least ratio"):
         baselines.check("g", 1.0, {}, promise)
+
+
+def test_lower_ratios_within_tolerance_never_wear_a_baseline_down():
+    # Three runs each within 20% of the one before took a recorded 1.016 to 0.541 when every run was
+    # recorded; kept at the higher ratio, the third is a regression.
+    recorded = {"ddp": Baseline(1.016)}
+    for measured in (0.85, 0.70):
+        result = baselines.check("ddp", measured, recorded, promise=0.5)
+        recorded["ddp"] = Baseline(baselines.ratio_to_record(result, accept_regression=False))
+        assert recorded["ddp"].ratio == 1.016
+    assert baselines.check("ddp", 0.70, recorded, promise=0.5).regressed
+
+
+@pytest.mark.parametrize(("baseline", "measured", "accept_regression", "recorded"), [
+    (None, 0.9, False, 0.9),  # the first record
+    (Baseline(1.0), 1.1, False, 1.1),  # a higher ratio raises the baseline
+    (Baseline(1.0), 0.9, False, 1.0),  # a lower one within tolerance leaves it
+    (Baseline(1.0), 0.9, True, 0.9),  # unless it is accepted
+    (Baseline(1.0), 0.5, True, 0.5),
+])
+def test_the_ratio_recorded_is_the_measured_one_only_where_it_lowers_nothing_unaccepted(
+        baseline, measured, accept_regression, recorded):
+    result = baselines.check("g", measured, {"g": baseline} if baseline else {}, promise=0.1)
+    assert baselines.ratio_to_record(result, accept_regression) == recorded

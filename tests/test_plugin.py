@@ -323,9 +323,18 @@ def test_accept_regression_needs_update_baselines(pytester):
 
 def test_update_keeps_a_stated_tolerance(pytester):
     pytester.makepyfile(GATED_TEST)
-    path = write_baseline(pytester, ratio=9.0, tolerance=0.5)
+    path = write_baseline(pytester, ratio=4.0, tolerance=0.5)
     run(pytester, "--update-baselines").assert_outcomes(passed=1)
     assert json.loads(path.read_text())["ratios"]["flash vs naive"] == {"ratio": 5.0, "tolerance": 0.5}
+
+
+def test_update_keeps_a_higher_recorded_ratio_unless_a_regression_is_accepted(pytester):
+    pytester.makepyfile(GATED_TEST)
+    path = write_baseline(pytester, ratio=6.0)  # 5.0 is lower, but within tolerance: the gate holds
+    run(pytester, "--update-baselines").assert_outcomes(passed=1)
+    assert json.loads(path.read_text())["ratios"]["flash vs naive"]["ratio"] == 6.0
+    run(pytester, "--update-baselines", "--accept-regression").assert_outcomes(passed=1)
+    assert json.loads(path.read_text())["ratios"]["flash vs naive"]["ratio"] == 5.0
 
 
 def test_spawn_fixture_runs_a_function_on_each_rank(pytester):
