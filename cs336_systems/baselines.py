@@ -37,6 +37,11 @@ def within(share: float) -> float:
     return 1 / (1 + share)
 
 
+def at_world_size(name: str, world_size: int) -> str:
+    """The baseline entry of a distributed gate: ranks change the ratio, so each world size keeps its own."""
+    return f"{name}/world_size={world_size}"
+
+
 @dataclass(frozen=True)
 class GateResult:
     name: str

@@ -12,6 +12,7 @@ import re
 
 import pytest
 
+from cs336_systems.baselines import at_world_size
 from cs336_systems.benchmarks.allreduce import MB
 from cs336_systems.benchmarks.ddp import (
     EQUIVALENCE_BUCKET_SIZES_MB,
@@ -95,14 +96,15 @@ def test_ddp_training_step(ddp_benchmark):
     assert counts == sorted(counts, reverse=True), "a larger bucket must not need more all-reduces"
 
 
-def test_ddp_speedup_gate(ddp_benchmark, speedup_gate):
+def test_ddp_speedup_gate(ddp_benchmark, world_size, speedup_gate):
     """On a device with a baseline file: naive DDP's step time over the fastest bucketed step (over bucket
     sizes), and over the per-parameter overlapping step, is at least 1.0 (overlap never loses to naive) and
-    within tolerance of the baseline."""
+    within tolerance of the baseline recorded at this world size."""
     by_variant = {r["variant"]: r for r in ddp_benchmark[0] if r["table"] == "step"}
     measured = {name: r["step_ms"] for name, r in by_variant.items() if r["status"] == "ok"}
     statuses = ", ".join(f"{name}: {r['status']}" for name, r in by_variant.items())
     bucketed = [ms for name, ms in measured.items() if name.startswith("bucketed")]
     for name, fast_ms in (("ddp_bucketed_vs_naive", min(bucketed, default=None)),
                           ("ddp_overlap_individual_vs_naive", measured.get("overlap_individual"))):
-        speedup_gate(name, measured.get("naive"), fast_ms, promise=OVERLAP_PROMISE, note=statuses)
+        speedup_gate(at_world_size(name, world_size), measured.get("naive"), fast_ms, promise=OVERLAP_PROMISE,
+                     note=statuses)

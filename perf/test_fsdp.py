@@ -8,7 +8,7 @@ uses 2). On CPU: the tiny model over gloo, a smoke run of the same code in secon
 
 import pytest
 
-from cs336_systems.baselines import within
+from cs336_systems.baselines import at_world_size, within
 from cs336_systems.benchmarks.fsdp import OURS, TORCH_FSDP, VARIANTS, fsdp_problems, timeline_intervals
 from cs336_systems.benchmarks.sharding import ShardingBenchmarkConfig
 from cs336_systems.distributed.launch import launch
@@ -58,10 +58,10 @@ def test_fsdp_accounting(rows):
     assert not unmeasured(steps, "step_ms", "optimizer_ms")
 
 
-def test_fsdp_speedup_gate(rows, speedup_gate):
+def test_fsdp_speedup_gate(rows, world_size, speedup_gate):
     """On a device with a baseline file: torch FSDP's step time over ours is at least 1 / 1.05 (ours takes at
-    most 5% longer) and within tolerance of the baseline."""
+    most 5% longer) and within tolerance of the baseline recorded at this world size."""
     steps = {r["variant"]: r for r in rows if r["table"] == "step"}
     ours, theirs = steps[OURS], steps[TORCH_FSDP]
-    speedup_gate("fsdp_vs_torch_fsdp", theirs.get("step_ms"), ours.get("step_ms"), promise=TORCH_PARITY,
-                 note=f"torch FSDP: {theirs['status']}, ours: {ours['status']}")
+    speedup_gate(at_world_size("fsdp_vs_torch_fsdp", world_size), theirs.get("step_ms"), ours.get("step_ms"),
+                 promise=TORCH_PARITY, note=f"torch FSDP: {theirs['status']}, ours: {ours['status']}")

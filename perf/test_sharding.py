@@ -8,7 +8,7 @@ uses 2). On CPU: the tiny model over gloo, a smoke run of the same code in secon
 
 import pytest
 
-from cs336_systems.baselines import within
+from cs336_systems.baselines import at_world_size, within
 from cs336_systems.benchmarks.sharding import VARIANTS, ShardingBenchmarkConfig, optimizer_sharding_problems
 from cs336_systems.distributed.launch import launch
 from cs336_systems.distributed.sharded_optimizer import SYNC_METHODS
@@ -56,11 +56,11 @@ def test_optimizer_sharding_accounting(rows):
     assert not unmeasured(steps, "step_ms", "optimizer_ms")
 
 
-def test_optimizer_sharding_speedup_gate(rows, speedup_gate):
+def test_optimizer_sharding_speedup_gate(rows, world_size, speedup_gate):
     """On a device with a baseline file: DDP + ZeroRedundancyOptimizer's step time over DDP +
     ShardedOptimizer's is at least 1 / 1.05 (ours takes at most 5% longer) and within tolerance of the
-    baseline."""
+    baseline recorded at this world size."""
     steps = {r["variant"]: r for r in rows if r["table"] == "step"}
     zero, ours = steps["DDP + ZeroRedundancyOptimizer"], steps["DDP + ShardedOptimizer (bucketed)"]
-    speedup_gate("sharded_optimizer_vs_zero_redundancy", zero.get("step_ms"), ours.get("step_ms"),
-                 promise=TORCH_PARITY, note=f"ZeRO: {zero['status']}, ours: {ours['status']}")
+    speedup_gate(at_world_size("sharded_optimizer_vs_zero_redundancy", world_size), zero.get("step_ms"),
+                 ours.get("step_ms"), promise=TORCH_PARITY, note=f"ZeRO: {zero['status']}, ours: {ours['status']}")

@@ -95,3 +95,9 @@ def test_the_ratio_recorded_is_the_measured_one_only_where_it_lowers_nothing_una
         baseline, measured, accept_regression, recorded):
     result = baselines.check("g", measured, {"g": baseline} if baseline else {}, promise=0.1)
     assert baselines.ratio_to_record(result, accept_regression) == recorded
+
+
+def test_a_distributed_gate_keeps_a_baseline_per_world_size():
+    two, four = baselines.at_world_size("fsdp_vs_torch_fsdp", 2), baselines.at_world_size("fsdp_vs_torch_fsdp", 4)
+    assert (two, four) == ("fsdp_vs_torch_fsdp/world_size=2", "fsdp_vs_torch_fsdp/world_size=4")
+    assert not baselines.check(four, 1.0, {two: Baseline(1.0)}, promise=0.9).passed  # no baseline at 4 ranks
