@@ -12,6 +12,7 @@ from cs336_systems.benchmarks.allreduce import (
     allreduce_sweep,
     gloo_sizes,
 )
+from cs336_systems.cells import require_some_ran
 from cs336_systems.distributed.launch import launch
 from cs336_systems.reports import OOM, unmeasured
 
@@ -23,11 +24,12 @@ pytestmark = pytest.mark.ddp
 
 
 def _check_sweep(rows, backend, sizes_bytes, world_sizes):
-    """One row per (world size, size) in sweep order, each measured or out of memory."""
+    """One row per (world size, size) in sweep order, each measured or out of memory, and some measured."""
     cells = [(world_size, size) for world_size in world_sizes for size in sizes_bytes]
     assert [(r["world_size"], r["size_bytes"]) for r in rows] == cells
     assert {r["backend"] for r in rows} == {backend}
     assert {r["status"] for r in rows} <= {"ok", OOM}
+    require_some_ran(rows, f"the {backend} all-reduce cells")
     assert not unmeasured(rows, "iterations", "mean_rank_median_ms", "max_rank_median_ms", "algbw_gbps", "busbw_gbps")
 
 

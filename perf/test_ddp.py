@@ -22,6 +22,7 @@ from cs336_systems.benchmarks.ddp import (
     ddp_equivalence,
     variant_label,
 )
+from cs336_systems.cells import require_some_ran
 from cs336_systems.distributed.launch import launch
 from cs336_systems.profiling.timeline import plot_timeline
 from cs336_systems.reports import OOM, unmeasured
@@ -83,6 +84,7 @@ def test_ddp_training_step(ddp_benchmark):
     rows = [r for r in measured if r["table"] == "step"]
     assert [r["variant"] for r in rows] == [variant_label(method, mb) for method, mb in cfg.variants()]
     assert {r["status"] for r in rows} <= {"ok", OOM}
+    require_some_ran(rows, "the DDP variants' training steps")
     assert not unmeasured(rows, "step_ms", "forward_ms", "backward_ms", "optimizer_ms")
     ok = [r for r in rows if r["status"] == "ok"]
     # Nothing is left to synchronise after backward in torch DDP or the local run: zero is a measurement.

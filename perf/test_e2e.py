@@ -20,6 +20,8 @@ from cs336_systems.benchmarks.mixed_precision import (
     autocast_dtypes_experiment,
     normalization_precision_experiment,
 )
+from cs336_systems.cells import require_some_ran
+from cs336_systems.model import size_order
 from cs336_systems.pytest_plugin import settings
 from cs336_systems.reports import OOM, unmeasured
 
@@ -42,10 +44,20 @@ LAYER_NORM_IN_FLOAT32 = {"cuda": True, "cpu": False}
 pytestmark = pytest.mark.e2e
 
 
+def _contexts(on_gpu: bool) -> tuple[int, ...]:
+    return GPU_CONTEXTS if on_gpu else CPU_CONTEXTS
+
+
 def pytest_generate_tests(metafunc):
     if "context_length" in metafunc.fixturenames:
-        on_gpu = settings(metafunc.config).on_gpu
-        metafunc.parametrize("context_length", GPU_CONTEXTS if on_gpu else CPU_CONTEXTS)
+        metafunc.parametrize("context_length", _contexts(settings(metafunc.config).on_gpu))
+
+
+def _smallest_size(run_settings) -> str:
+    """The smallest model size swept. Memory grows with the size and the context, so where the smallest size
+    at the shortest context cannot run, no cell of a sweep can: that cell must run, where others may run
+    out of memory."""
+    return min(run_settings.model_sizes, key=size_order)
 
 
 @pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
@@ -65,6 +77,8 @@ def test_model_step(model_size, context_length, precision, compiled, device, gpu
         report("torch_compile").add(row)
     assert [r["phase"] for r in steps] == list(PHASES[cfg.mode])
     assert {r["status"] for r in steps} <= {"ok", OOM}
+    if (model_size, context_length) == (_smallest_size(run_settings), min(_contexts(run_settings.on_gpu))):
+        require_some_ran(steps, f"the sweep's smallest cell, {model_size} at context {context_length}")
     assert not unmeasured(steps, *TIMED_COLUMNS)
     _check_breakdown(breakdown, steps, expected=profiled, device=device)
 
@@ -84,6 +98,8 @@ def test_reference_step(model_size, precision, device, gpu_spec, run_settings, r
     assert [r["phase"] for r in steps] == list(PHASES[cfg.mode])
     assert {r["model"] for r in rows} == {REFERENCE_MODEL}
     assert {r["status"] for r in steps} <= {"ok", OOM}
+    if model_size == _smallest_size(run_settings):
+        require_some_ran(steps, f"the reference model's smallest size, {model_size}")
     assert not unmeasured(steps, *TIMED_COLUMNS)
     _check_breakdown(breakdown, steps, expected=True, device=device)
 
@@ -121,6 +137,8 @@ def test_warmup_study(model_size, warmup, device, run_settings, report):
     assert [r["phase"] for r in rows] == list(PHASES["train"])
     assert {(r["warmup"], r["context_length"]) for r in rows} == {(warmup, context)}
     assert {r["status"] for r in rows} <= {"ok", OOM}
+    if model_size == _smallest_size(run_settings):
+        require_some_ran(rows, f"the warm-up study's smallest size, {model_size}")
     assert not unmeasured(rows, *TIMED_COLUMNS)
 
 

@@ -29,6 +29,7 @@ from cs336_systems.benchmarks.flash_in_training import (
     kernel_cell_of,
     training_steps,
 )
+from cs336_systems.cells import require_some_ran
 from cs336_systems.pytest_plugin import settings
 from cs336_systems.reports import OOM, unmeasured
 
@@ -123,4 +124,5 @@ def test_flash_in_training(cell, device, report):
     kernels = [r for r in rows if r["table"] == "kernels"]
     assert [(r["provider"], r["mode"]) for r in kernels] == [(p, mode) for p in KERNEL_PROVIDERS for mode in MODES]
     assert all(r["status"] in ("ok", UNSUPPORTED) for r in kernels), kernels
+    require_some_ran(rows, f"the {cell.size} cell at context {cell.context_length}")
     assert not unmeasured(rows, "median_ms")

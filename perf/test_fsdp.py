@@ -11,6 +11,7 @@ import pytest
 from cs336_systems.baselines import at_world_size, within
 from cs336_systems.benchmarks.fsdp import OURS, TORCH_FSDP, VARIANTS, fsdp_problems, timeline_intervals
 from cs336_systems.benchmarks.sharding import ShardingBenchmarkConfig
+from cs336_systems.cells import require_some_ran
 from cs336_systems.distributed.launch import launch
 from cs336_systems.profiling.timeline import plot_timeline
 from cs336_systems.reports import OOM, unmeasured
@@ -55,6 +56,7 @@ def test_fsdp_accounting(rows):
     steps = [r for r in rows if r["table"] == "step"]
     assert [r["variant"] for r in steps] == [label for label, _, _, _ in VARIANTS]
     assert {r["status"] for r in steps} <= {"ok", OOM}
+    require_some_ran(steps, "the FSDP variants' training steps")
     assert not unmeasured(steps, "step_ms", "optimizer_ms")
 
 

@@ -11,6 +11,8 @@ import pytest
 
 from cs336_systems.__main__ import build_parser
 from cs336_systems.benchmarks.nsys_profile import ATTENTION_RANGES, ProfileConfig, nsys_row, profile_training_step
+from cs336_systems.cells import require_some_ran
+from cs336_systems.model import size_order
 from cs336_systems.pytest_plugin import settings
 from cs336_systems.reports import OOM, unmeasured
 
@@ -23,13 +25,18 @@ CPU_NSYS_CELL = ("tiny", 32)
 pytestmark = pytest.mark.profile
 
 
+def _contexts(on_gpu: bool) -> tuple[int, ...]:
+    return GPU_CONTEXTS if on_gpu else CPU_CONTEXTS
+
+
 def pytest_generate_tests(metafunc):
     if "context_length" in metafunc.fixturenames:
-        on_gpu = settings(metafunc.config).on_gpu
-        metafunc.parametrize("context_length", GPU_CONTEXTS if on_gpu else CPU_CONTEXTS)
+        metafunc.parametrize("context_length", _contexts(settings(metafunc.config).on_gpu))
 
 
 def test_kernel_tables(model_size, context_length, device, run_settings, report):
+    """Each cell is profiled or runs out of memory, and the smallest size at the shortest context runs:
+    where it cannot, no cell of the sweep can."""
     cfg = ProfileConfig(model_size, context_length)
     if not run_settings.on_gpu:
         cfg = ProfileConfig(model_size, context_length, batch_size=2, timed_steps=2)
@@ -38,6 +45,9 @@ def test_kernel_tables(model_size, context_length, device, run_settings, report)
         report("nsys_profile").add(row)
     cell = next(r for r in rows if r["table"] == "cell")
     assert cell["status"] in ("ok", OOM)
+    smallest = (min(run_settings.model_sizes, key=size_order), min(_contexts(run_settings.on_gpu)))
+    if (model_size, context_length) == smallest:
+        require_some_ran([cell], f"the sweep's smallest cell, {model_size} at context {context_length}")
     if cell["status"] == "ok":
         assert not unmeasured([cell], *(f"timer_{phase}_ms" for phase in ("forward", "backward", "optimizer", "step")))
         ranges = {r["range"]: r for r in rows if r["table"] == "range"}

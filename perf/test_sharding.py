@@ -10,6 +10,7 @@ import pytest
 
 from cs336_systems.baselines import at_world_size, within
 from cs336_systems.benchmarks.sharding import VARIANTS, ShardingBenchmarkConfig, optimizer_sharding_problems
+from cs336_systems.cells import require_some_ran
 from cs336_systems.distributed.launch import launch
 from cs336_systems.distributed.sharded_optimizer import SYNC_METHODS
 from cs336_systems.reports import OOM, unmeasured
@@ -53,6 +54,7 @@ def test_optimizer_sharding_accounting(rows):
     steps = [r for r in rows if r["table"] == "step"]
     assert [r["variant"] for r in steps] == [label for label, _, _ in VARIANTS]
     assert {r["status"] for r in steps} <= {"ok", OOM}
+    require_some_ran(steps, "the sharding variants' training steps")
     assert not unmeasured(steps, "step_ms", "optimizer_ms")
 
 
