@@ -68,11 +68,24 @@ def parse_junit(path: Path) -> dict[str, Any]:
     return {**counts, "failures": failures, "skip_reasons": skip_reasons}
 
 
-def sanitizer_error_count(output: str) -> int | None:
-    """What compute-sanitizer reported, summed over its summary lines (memcheck's ERROR SUMMARY errors,
-    racecheck's RACECHECK SUMMARY hazards, warnings included), or None without one."""
-    found = re.findall(r"ERROR SUMMARY: (\d+) error|RACECHECK SUMMARY: (\d+) hazard", output)
-    counts = [int(errors or hazards) for errors, hazards in found]
+# The line compute-sanitizer prints, after its "========= " prefix, as each process it watched exits.
+# memcheck (like initcheck and synccheck): "ERROR SUMMARY: 0 errors", "ERROR SUMMARY: 1 error".
+# racecheck, whose hazards are errors or warnings: "RACECHECK SUMMARY: 0 hazards displayed (0 errors,
+# 0 warnings)", "RACECHECK SUMMARY: 2 hazards displayed (1 error, 1 warning)". A process that made no
+# CUDA call gets no summary, only "Error: Target application terminated before first instrumented API
+# call"; neither does a run stopped before its end.
+ERROR_SUMMARY = re.compile(r"^=+ ERROR SUMMARY: (\d+) errors?\b", re.MULTILINE)
+RACECHECK_SUMMARY = re.compile(
+    r"^=+ RACECHECK SUMMARY: (\d+) hazards? displayed \((\d+) errors?, (\d+) warnings?\)", re.MULTILINE)
+
+
+def sanitizer_error_count(output: str, tool: str) -> int | None:
+    """What compute-sanitizer's `tool` reported in `output`, summed over the processes it watched: errors,
+    or for racecheck hazards (its errors and warnings together); None where it printed no summary."""
+    if tool == "racecheck":
+        counts = [int(errors) + int(warnings) for _, errors, warnings in RACECHECK_SUMMARY.findall(output)]
+    else:
+        counts = [int(errors) for errors in ERROR_SUMMARY.findall(output)]
     return sum(counts) if counts else None
 
 
@@ -177,7 +190,7 @@ def _one_process_run(part: str, scratch: Path) -> tuple[str, dict[str, Any]]:
         return part, _pytest(shard_files(k, n), scratch / f"tests-{k}-of-{n}.xml")[0]
     run, output = _pytest(SANITIZER_TOOLS[part], scratch / f"{part}.xml", ("compute-sanitizer", "--tool", part))
     return part, run | {"command": f"compute-sanitizer --tool {part} {run['command']}",
-                        "sanitizer_errors": sanitizer_error_count(output)}
+                        "sanitizer_errors": sanitizer_error_count(output, part)}
 
 
 def _driver_version() -> str:
@@ -202,8 +215,11 @@ def problems(record: dict[str, Any], current_hash: str) -> list[str]:
             found.append(f"{name}: {run['failed']} failed, {run['errors']} errors ({', '.join(run['failures'][:5])})")
         if not run["passed"]:
             found.append(f"{name}: no test passed")
-        if name in SANITIZER_TOOLS and run.get("sanitizer_errors") != 0:
-            found.append(f"{name}: compute-sanitizer reported {run.get('sanitizer_errors')} errors")
+        if name in SANITIZER_TOOLS and run.get("sanitizer_errors") is None:
+            found.append(f"{name}: compute-sanitizer printed no summary (it did not finish, or saw no CUDA call)")
+        elif name in SANITIZER_TOOLS and run["sanitizer_errors"]:
+            found.append(f"{name}: compute-sanitizer reported {run['sanitizer_errors']} "
+                         + ("hazards" if name == "racecheck" else "errors"))
     return found
 
 

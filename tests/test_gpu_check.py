@@ -31,21 +31,68 @@ def test_a_clean_record_of_the_current_source_has_no_problems():
     (_record(tests=None), "no tests run in the record"),
     (_record(**{"parallel tests": _run(failed=1, failures=["tests/x.py::test_b"])}), "parallel tests: 1 failed"),
     (_record(memcheck=_run(sanitizer_errors=269)), "memcheck: compute-sanitizer reported 269 errors"),
-    (_record(memcheck=_run(sanitizer_errors=None)), "memcheck: compute-sanitizer reported None errors"),
+    (_record(racecheck=_run(sanitizer_errors=2)), "racecheck: compute-sanitizer reported 2 hazards"),
+    (_record(racecheck=_run(sanitizer_errors=None)), "racecheck: compute-sanitizer printed no summary"),
     (_record(racecheck=None), "no racecheck run in the record"),
 ], ids=["stale source", "failed tests", "errors", "nothing passed", "no tests", "failed in parallel",
-        "sanitizer errors", "no sanitizer summary", "missing racecheck"])
+        "sanitizer errors", "racecheck hazards", "no sanitizer summary", "missing racecheck"])
 def test_a_record_that_is_no_evidence_says_why(record, problem):
     assert any(problem in found for found in gpu_check.problems(record, "abc"))
 
 
-def test_sanitizer_summaries_are_summed_and_a_missing_one_is_none():
-    assert gpu_check.sanitizer_error_count("========= ERROR SUMMARY: 0 errors\n") == 0
-    assert gpu_check.sanitizer_error_count("ERROR SUMMARY: 3 errors\n...\nERROR SUMMARY: 1 error\n") == 4
-    racecheck = "========= RACECHECK SUMMARY: 2 hazards displayed (1 error, 1 warning)\n"
-    assert gpu_check.sanitizer_error_count(racecheck) == 2
-    assert gpu_check.sanitizer_error_count(racecheck.replace("2 hazards", "0 hazards")) == 0
-    assert gpu_check.sanitizer_error_count("Segmentation fault") is None
+# What compute-sanitizer prints around a pytest run: its banner, the tests' output, what it found, and a
+# summary line as the process exits (trimmed to the lines that matter).
+PYTEST_OUTPUT = """\
+============================= test session starts ==============================
+tests/test_flash_triton.py::test_every_launch_path_matches_the_reference[split-64-bf16] PASSED [ 50%]
+tests/test_flash_triton.py::test_every_launch_path_matches_the_reference[split-128-bf16] PASSED [100%]
+====================== 16 passed, 1114 deselected in 91.02s ======================
+"""
+CLEAN_MEMCHECK = f"========= COMPUTE-SANITIZER\n{PYTEST_OUTPUT}========= ERROR SUMMARY: 0 errors\n"
+MEMCHECK_ERRORS = f"""\
+========= COMPUTE-SANITIZER
+{PYTEST_OUTPUT}========= Invalid __global__ read of size 2 bytes
+=========     at _attn_fwd_inner+0x1a30 in kernels.py:212
+=========     by thread (64,0,0) in block (3,0,0)
+=========     Address 0x7f3a5c000800 is out of bounds
+=========
+========= ERROR SUMMARY: 269 errors
+"""
+CLEAN_RACECHECK = (f"========= COMPUTE-SANITIZER\n{PYTEST_OUTPUT}"
+                   "========= RACECHECK SUMMARY: 0 hazards displayed (0 errors, 0 warnings)\n")
+RACECHECK_HAZARDS = f"""\
+========= COMPUTE-SANITIZER
+{PYTEST_OUTPUT}========= Error: Race reported between Write access at _attn_fwd_split+0x2f40 in kernels.py:301
+=========     and Read access at _attn_fwd_split+0x3a10 in kernels.py:318 [128 hazards]
+=========
+========= Warning: Race reported between Read access at _attn_fwd_split+0x3a10 in kernels.py:318
+=========     and Write access at _attn_fwd_split+0x2f40 in kernels.py:301 [2 hazards]
+=========
+========= RACECHECK SUMMARY: 2 hazards displayed (1 error, 1 warning)
+"""
+NO_CUDA_CALL = ("========= COMPUTE-SANITIZER\n" + PYTEST_OUTPUT
+                + "========= Error: Target application terminated before first instrumented API call\n")
+
+
+@pytest.mark.parametrize(("tool", "output", "count"), [
+    ("memcheck", CLEAN_MEMCHECK, 0),
+    ("memcheck", MEMCHECK_ERRORS, 269),
+    ("memcheck", CLEAN_MEMCHECK.replace("0 errors", "1 error"), 1),
+    ("memcheck", MEMCHECK_ERRORS + CLEAN_MEMCHECK, 269),  # one summary per process watched, summed
+    ("racecheck", CLEAN_RACECHECK, 0),
+    ("racecheck", RACECHECK_HAZARDS, 2),
+    ("racecheck", CLEAN_RACECHECK.replace("0 hazards displayed (0 errors", "1 hazard displayed (1 error"), 1),
+    ("memcheck", NO_CUDA_CALL, None),
+    ("racecheck", NO_CUDA_CALL, None),
+    ("racecheck", CLEAN_MEMCHECK, None),  # memcheck's summary is not racecheck's
+    ("memcheck", RACECHECK_HAZARDS, None),
+    ("racecheck", RACECHECK_HAZARDS.rsplit("=========", 1)[0], None),  # stopped before its summary
+    ("memcheck", "Segmentation fault (core dumped)\n", None),
+], ids=["clean memcheck", "memcheck errors", "one error", "two processes", "clean racecheck", "racecheck hazards",
+        "one hazard", "no CUDA call (memcheck)", "no CUDA call (racecheck)", "another tool's summary",
+        "racecheck's summary to memcheck", "cut short", "crash"])
+def test_each_tools_summary_line_is_read_in_all_its_forms(tool, output, count):
+    assert gpu_check.sanitizer_error_count(output, tool) == count
 
 
 def test_junit_counts_outcomes_failures_and_skip_reasons(tmp_path):
