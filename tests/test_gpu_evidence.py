@@ -1,12 +1,13 @@
-"""GPU measurements that CPU CI checks: the committed flash_benchmarking rows of each GPU must have
-measured the current FlashAttention source, and their gated speed-ups must hold against that GPU's
-baselines. A kernel change therefore cannot land without measuring it again on the GPU."""
+"""GPU evidence that CPU CI checks: each committed `make gpu-check` record must be a clean run of the
+current FlashAttention source, and the committed flash_benchmarking rows of each GPU must have measured
+that source, their gated speed-ups holding against that GPU's baselines. A kernel change therefore
+cannot land without testing and measuring it again on the GPU."""
 
 from pathlib import Path
 
 import pytest
 
-from cs336_systems import baselines
+from cs336_systems import baselines, gpu_check
 from cs336_systems.attention.flash_triton import source_hash
 from cs336_systems.benchmarks.flash import GATE_PROMISES, GATED_PROVIDERS, gate_name, gate_ratios
 from cs336_systems.reports import read_rows
@@ -14,6 +15,20 @@ from cs336_systems.reports import read_rows
 REPO = Path(__file__).resolve().parents[1]
 GATED_GPUS = sorted(path.stem for path in (REPO / "perf" / "baselines").glob("*.json")
                     if (REPO / "reports" / path.stem / "flash_benchmarking.csv").exists())
+
+
+GPU_CHECKED = sorted(path.parent.name for path in (REPO / "reports").glob(f"*/{gpu_check.RECORD_NAME}.json"))
+
+
+def test_some_gpu_has_a_committed_gpu_check_record():
+    assert GPU_CHECKED, f"no reports/<gpu>/{gpu_check.RECORD_NAME}.json: run `make gpu-check` on a CUDA machine"
+
+
+@pytest.mark.parametrize("gpu", GPU_CHECKED)
+def test_committed_gpu_check_record_is_a_clean_run_of_the_current_source(gpu):
+    found = gpu_check.problems(gpu_check.load_record(REPO / "reports" / gpu), source_hash())
+    assert not found, (f"reports/{gpu}/{gpu_check.RECORD_NAME}.json is no evidence for the current source: "
+                       + "; ".join(found))
 
 
 def test_some_gpu_has_committed_flash_rows_and_baselines():
