@@ -3,17 +3,20 @@ current FlashAttention source, every committed row that measured the kernels mus
 source, and the gated speed-ups in those rows must hold their floors. A kernel change therefore cannot
 land without testing and measuring it again on the GPU."""
 
+import ast
 from collections import Counter
 from pathlib import Path
 
 import pytest
 
 from cs336_systems import baselines, gpu_check
-from cs336_systems.attention.flash_triton import source_hash
+from cs336_systems.attention.flash_triton import GPU_SOURCES, source_hash
 from cs336_systems.benchmarks.flash import GATE_PROMISES, GATED_PROVIDERS, gate_name, gate_ratios
+from cs336_systems.provenance import PACKAGE_ROOT
 from cs336_systems.reports import read_rows
 
 REPO = Path(__file__).resolve().parents[1]
+FLASH_TRITON = PACKAGE_ROOT / "attention" / "flash_triton"
 GPU_CHECKED = sorted(path.parent.name for path in (REPO / "reports").glob(f"*/{gpu_check.RECORD_NAME}.json"))
 
 
@@ -64,3 +67,56 @@ def test_committed_flash_gates_hold(gpu):
         assert ratios[name] is not None, f"{name}: a gated variant has no time in the committed rows"
         result = baselines.check(name, ratios[name], recorded, GATE_PROMISES[provider])
         assert result.passed, result.message(path)
+
+
+def package_imports(path: Path, package_root: Path) -> set[Path]:
+    """The modules of the package at `package_root` that the module at `path` imports, anywhere in its
+    code (an import inside a function runs at launch time all the same). `from package import name`
+    names the submodule `name` where there is one, else the package's __init__."""
+    package = path.relative_to(package_root.parent).with_suffix("").parts[:-1]
+
+    def module_file(parts: tuple[str, ...]) -> Path | None:
+        if not parts or parts[0] != package_root.name:
+            return None
+        base = package_root.parent.joinpath(*parts)
+        return next((file for file in (base.with_suffix(".py"), base / "__init__.py") if file.is_file()), None)
+
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            found |= {module_file(tuple(alias.name.split("."))) for alias in node.names}
+        elif isinstance(node, ast.ImportFrom):
+            base = tuple(node.module.split(".")) if node.module else ()
+            if node.level:
+                base = package[:len(package) - node.level + 1] + base
+            found |= {module_file(base + (alias.name,)) or module_file(base) for alias in node.names}
+    return found - {None}
+
+
+def test_the_import_walk_finds_every_form_of_import_within_the_package(tmp_path):
+    root = tmp_path / "pkg"
+    (root / "sub").mkdir(parents=True)
+    for name in ("__init__", "a", "b", "c", "d", "sub/__init__", "sub/e", "sub/f"):
+        (root / f"{name}.py").write_text("VALUE = 1\n")
+    (root / "sub" / "main.py").write_text(
+        "import torch\nimport pkg.a\nfrom pkg import b, VALUE\nfrom pkg.sub import e\nfrom . import f\n"
+        "from ..c import VALUE\n\ndef launch():\n    from pkg import d\n")
+    found = package_imports(root / "sub" / "main.py", root)
+    assert {p.relative_to(root).as_posix() for p in found} == {
+        "a.py", "b.py", "__init__.py", "sub/e.py", "sub/f.py", "c.py", "d.py"}
+
+
+def test_the_gpu_source_hash_covers_the_kernels_and_every_package_module_they_import():
+    """GPU_SOURCES is this package's modules (kernels, tiles, launch, op) and everything they import from
+    cs336_systems, transitively: an edit to any of them changes what runs on the GPU."""
+    hashed = {PACKAGE_ROOT / name for name in GPU_SOURCES}
+    assert all(path.is_file() for path in hashed), sorted(map(str, hashed))
+    needed, queue = set(), [path for path in FLASH_TRITON.glob("*.py") if path.name != "__init__.py"]
+    while queue:
+        path = queue.pop()
+        if path not in needed:
+            needed.add(path)
+            queue += package_imports(path, PACKAGE_ROOT)
+    named = {path.relative_to(PACKAGE_ROOT).as_posix() for path in needed}
+    assert named == set(GPU_SOURCES), (f"not hashed: {sorted(named - set(GPU_SOURCES))}; "
+                                       f"hashed but not imported: {sorted(set(GPU_SOURCES) - named)}")

@@ -5,8 +5,6 @@ The input contract (shapes, dtypes, causal alignment, L) is flash_pytorch's, che
 `check_inputs`.
 """
 
-from pathlib import Path
-
 from cs336_systems.attention.flash_triton.launch import INTERPRETED, backward, forward, launch_plan, plan_for
 from cs336_systems.attention.flash_triton.op import (
     FlashAttentionTriton,
@@ -14,16 +12,19 @@ from cs336_systems.attention.flash_triton.op import (
     flash_attention_forward,
     flash_attention_triton,
 )
-from cs336_systems.provenance import source_digest
+from cs336_systems.provenance import PACKAGE_ROOT, source_digest
 
-# The files whose code runs on the GPU: the kernels and everything that decides how they launch. Their
-# hash names the code a GPU test run or a benchmark measured.
-GPU_SOURCES = ("kernels.py", "tiles.py", "launch.py", "op.py")
+# The package's files whose code runs on the GPU or decides what runs there: this package's kernels, tiles,
+# launch code and op, and every package module they import (flash_pytorch: the masking bias the kernels
+# add, the input checks and head-dim limit their launch applies); tests/test_gpu_evidence.py derives that
+# set from the imports. Their hash names the code a GPU test run or a benchmark measured.
+GPU_SOURCES = ("attention/flash_pytorch.py", "attention/flash_triton/kernels.py", "attention/flash_triton/launch.py",
+               "attention/flash_triton/op.py", "attention/flash_triton/tiles.py")
 
 
 def source_hash() -> str:
     """A short hash of GPU_SOURCES' bytes: any edit to them, comments included, calls for a new GPU run."""
-    return source_digest(Path(__file__).parent, GPU_SOURCES)
+    return source_digest(PACKAGE_ROOT, GPU_SOURCES)
 
 __all__ = ["INTERPRETED", "GPU_SOURCES", "FlashAttentionTriton", "backward", "flash_attention_backward",
            "flash_attention_forward", "flash_attention_triton", "forward", "launch_plan", "plan_for", "source_hash"]
