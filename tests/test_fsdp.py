@@ -198,8 +198,8 @@ def _gradient_sync(rank: int, world_size: int, compute_dtype: torch.dtype | None
 
 
 def _lm_matches_single_process(rank: int, world_size: int) -> None:
-    """The LM with SGD, each rank on its slice of fresh data each step. fp32: the model's RMSNorm
-    computes in fp32 whatever its input, so a float64 run would not be more exact than this."""
+    """The LM with SGD, each rank on its slice of fresh data each step, fp32, at the course's
+    tolerances (see FP32_TOLERANCE)."""
     torch.manual_seed(0)
     reference = TransformerLM(SMALL_LM)
     model = FSDP(deepcopy(reference))
