@@ -19,6 +19,8 @@ import torch.distributed as dist
 from torch import nn
 
 from cs336_systems.benchmarks.ddp import (
+    ddp_equivalence,
+    equivalence_failures,
     render_bucketed_benchmarking,
     render_flat_benchmarking,
     render_naive_ddp,
@@ -91,6 +93,14 @@ def _matches_single_process(rank: int, world_size: int, wrapper: str, model_clas
         ddp_model.finish_gradient_synchronization()
         ddp_optimizer.step()
     _assert_same_parameters(reference, ddp_model, f"{wrapper} after {STEPS} steps")
+
+
+def _lm_matches_single_process(rank: int, world_size: int) -> None:
+    """The DDP benchmark's own comparison: every wrapper training the tiny LM in float64, each rank on
+    its shard, against one process on the whole batch. On 3 ranks the scale 1/3 of each rank's mean
+    loss does not commute with rounding, so any fp32 rounding inside the float64 model would show."""
+    failures = equivalence_failures(ddp_equivalence(rank, world_size))
+    assert not failures, "\n".join(failures)
 
 
 class BranchyModel(nn.Module):
@@ -194,6 +204,7 @@ CHECKS = {
        for wrapper in WRAPPERS for name, cls in TOY_MODELS.items()},
     **{f"{wrapper}_matches_single_process_zeroing_in_place": functools.partial(
         _matches_single_process, wrapper=wrapper, model_class=ToyModel, set_to_none=False) for wrapper in WRAPPERS},
+    "lm_in_float64_matches_single_process": _lm_matches_single_process,
     **{f"{wrapper}_unused_parameters_match_single_process": functools.partial(_unused_parameters, wrapper=wrapper)
        for wrapper in WRAPPERS},
     **{f"{wrapper}_second_backward_without_finish_raises": functools.partial(_second_backward_raises, wrapper=wrapper)
@@ -225,6 +236,12 @@ def test_building_before_init_process_group_raises(wrapper):
 def test_wrapping_something_that_is_not_a_module_raises():
     with pytest.raises(TypeError, match="torch.nn.Module"):
         NaiveDDP(lambda x: x)
+
+
+def test_equivalence_failures_give_each_failing_variant_s_difference_and_tolerance():
+    rows = [{"variant": "naive", "max_abs_difference": 3e-15, "tolerance": 1e-9, "matches": True},
+            {"variant": "flat", "max_abs_difference": 1.05e-6, "tolerance": 1e-9, "matches": False}]
+    assert equivalence_failures(rows) == ["flat: max abs difference 1.05e-06 > tolerance 1e-09"]
 
 
 # ------------------------------------------------------------------ profiler timelines and reports

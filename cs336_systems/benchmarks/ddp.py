@@ -336,6 +336,12 @@ def ddp_equivalence(rank: int, world_size: int) -> list[Row]:
     return rows if rank == 0 else []
 
 
+def equivalence_failures(rows: list[Row], label: str = "variant") -> list[str]:
+    """Each equivalence row outside its tolerance as "<label>: <difference> > <tolerance>"."""
+    return [f"{r[label]}: max abs difference {r['max_abs_difference']:.3g} > tolerance {r['tolerance']:g}"
+            for r in rows if not r["matches"]]
+
+
 # ------------------------------------------------------------------------------------------ reports
 
 def _steps(rows: list[Row], *methods: str) -> list[Row]:
