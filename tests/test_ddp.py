@@ -29,7 +29,7 @@ from cs336_systems.benchmarks.ddp import (
     render_overlap_individual_benchmarking,
     variant_label,
 )
-from cs336_systems.distributed.ddp import BucketedDDP, FlatDDP, NaiveDDP, OverlapIndividualDDP
+from cs336_systems.distributed.ddp import BucketedDDP, FlatDDP, NaiveDDP, OverlapIndividualDDP, batch_shard
 from cs336_systems.distributed.launch import launch
 from cs336_systems.profiling.timeline import (
     MIN_BAR_WIDTH_SHARE,
@@ -81,14 +81,13 @@ def _matches_single_process(rank: int, world_size: int, wrapper: str, model_clas
     reference = deepcopy(ddp_model.module)  # rank 0's weights, as broadcast
     ddp_optimizer = torch.optim.AdamW(ddp_model.parameters(), lr=1e-2, weight_decay=0.1)
     reference_optimizer = torch.optim.AdamW(reference.parameters(), lr=1e-2, weight_decay=0.1)
-    local_batch = EXAMPLES // world_size
+    shard = batch_shard(EXAMPLES, rank, world_size)
     for step in range(STEPS):
         x, y = _random_batch(EXAMPLES, 10, 5, seed=step)
         reference_optimizer.zero_grad(set_to_none=set_to_none)
         nn.functional.mse_loss(reference(x), y).backward()
         reference_optimizer.step()
         ddp_optimizer.zero_grad(set_to_none=set_to_none)
-        shard = slice(rank * local_batch, (rank + 1) * local_batch)
         nn.functional.mse_loss(ddp_model(x[shard]), y[shard]).backward()
         ddp_model.finish_gradient_synchronization()
         ddp_optimizer.step()
@@ -137,11 +136,10 @@ def _unused_parameters(rank: int, world_size: int, wrapper: str) -> None:
     reference = deepcopy(ddp_model.module)
     ddp_optimizer = torch.optim.AdamW(ddp_model.parameters(), lr=1e-2, weight_decay=0.1)
     reference_optimizer = torch.optim.AdamW(reference.parameters(), lr=1e-2, weight_decay=0.1)
-    local_batch = EXAMPLES // world_size
+    shards = [batch_shard(EXAMPLES, r, world_size) for r in range(world_size)]
     problems = []
     for step in range(STEPS):
         x, y = _random_batch(EXAMPLES, 8, 3, seed=step)
-        shards = [slice(r * local_batch, (r + 1) * local_batch) for r in range(world_size)]
         reference_optimizer.zero_grad()
         losses = [nn.functional.mse_loss(reference(x[s], _takes_branch(step, r)), y[s]) for r, s in enumerate(shards)]
         (sum(losses) / world_size).backward()
@@ -236,6 +234,21 @@ def test_building_before_init_process_group_raises(wrapper):
 def test_wrapping_something_that_is_not_a_module_raises():
     with pytest.raises(TypeError, match="torch.nn.Module"):
         NaiveDDP(lambda x: x)
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 3, 4])
+def test_batch_shards_are_equal_in_rank_order_and_cover_the_batch(world_size):
+    batch = torch.arange(12)
+    shards = [batch[batch_shard(len(batch), rank, world_size)] for rank in range(world_size)]
+    assert {len(shard) for shard in shards} == {12 // world_size}
+    assert torch.equal(torch.cat(shards), batch)
+
+
+def test_a_batch_that_does_not_split_evenly_over_the_ranks_is_refused():
+    with pytest.raises(ValueError, match="a batch of 4 does not split evenly over 3 ranks"):
+        batch_shard(4, 0, 3)
+    with pytest.raises(ValueError, match="rank 3 is not one of the 3 ranks"):
+        batch_shard(6, 3, 3)
 
 
 def test_equivalence_failures_give_each_failing_variant_s_difference_and_tolerance():

@@ -24,6 +24,7 @@ from torch import nn
 from torch.func import functional_call
 
 import cs336_systems.distributed.fsdp as fsdp_module
+from cs336_systems.distributed.ddp import batch_shard
 from cs336_systems.distributed.fsdp import FSDP
 from cs336_systems.distributed.launch import launch
 from cs336_systems.model import ModelConfig, TransformerLM
@@ -122,7 +123,7 @@ def _course_equivalence(rank: int, world_size: int, compute_dtype: torch.dtype |
         generator = torch.Generator().manual_seed(123)
         token_ids = torch.randint(0, 37, (BATCH, SEQ_LEN), generator=generator)
         labels = torch.randint(0, 37, (BATCH,), generator=generator)
-        rows = slice(rank * BATCH // world_size, (rank + 1) * BATCH // world_size)
+        rows = batch_shard(BATCH, rank, world_size)
         snapshots = []
         for step in range(3):
             reference_optimizer.zero_grad(set_to_none=True)
@@ -208,7 +209,7 @@ def _lm_matches_single_process(rank: int, world_size: int) -> None:
     for step in range(3):
         generator = torch.Generator().manual_seed(step)
         inputs, targets = (torch.randint(SMALL_LM.vocab_size, (BATCH, SEQ_LEN), generator=generator) for _ in range(2))
-        rows = slice(rank * BATCH // world_size, (rank + 1) * BATCH // world_size)
+        rows = batch_shard(BATCH, rank, world_size)
         reference_optimizer.zero_grad(set_to_none=True)
         F.cross_entropy(reference(inputs).flatten(0, 1), targets.flatten()).backward()
         reference_optimizer.step()
@@ -250,7 +251,7 @@ def _lm_bf16_compute_keeps_fp32_masters(rank: int, world_size: int) -> None:
     for step in range(3):
         generator = torch.Generator().manual_seed(step)
         inputs, targets = (torch.randint(SMALL_LM.vocab_size, (BATCH, SEQ_LEN), generator=generator) for _ in range(2))
-        rows = slice(rank * BATCH // world_size, (rank + 1) * BATCH // world_size)
+        rows = batch_shard(BATCH, rank, world_size)
         reference_optimizer.zero_grad(set_to_none=True)
         logits = _reference_forward(reference, inputs, torch.bfloat16)
         F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten()).backward()
@@ -273,7 +274,7 @@ def _gradient_accumulation(rank: int, world_size: int) -> None:
     model = FSDP(deepcopy(reference))
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     reference_optimizer = torch.optim.SGD(reference.parameters(), lr=0.1)
-    rows = slice(rank * BATCH // world_size, (rank + 1) * BATCH // world_size)
+    rows = batch_shard(BATCH, rank, world_size)
     for micro_batch in range(2):
         generator = torch.Generator().manual_seed(micro_batch)
         inputs, targets = (torch.randint(SMALL_LM.vocab_size, (BATCH, SEQ_LEN), generator=generator) for _ in range(2))

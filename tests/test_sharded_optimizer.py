@@ -15,6 +15,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from cs336_systems.distributed.ddp import batch_shard
 from cs336_systems.distributed.launch import launch
 from cs336_systems.distributed.sharded_optimizer import SYNC_METHODS, ShardedOptimizer, assign_owners
 from tests import adapters
@@ -240,7 +241,7 @@ def _with_torch_ddp(rank: int, world_size: int) -> None:
         reference_optimizer.zero_grad()
         nn.functional.mse_loss(reference(x), y).backward()
         reference_optimizer.step()
-        shard = slice(rank * rows_per_rank, (rank + 1) * rows_per_rank)
+        shard = batch_shard(len(x), rank, world_size)
         optimizer.zero_grad()
         nn.functional.mse_loss(ddp_model(x[shard]), y[shard]).backward()
         optimizer.step()

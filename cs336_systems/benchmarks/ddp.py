@@ -69,6 +69,7 @@ from cs336_systems.distributed.ddp import (
     NaiveDDP,
     OverlapIndividualDDP,
     assign_buckets,
+    batch_shard,
 )
 from cs336_systems.distributed.launch import rank_device
 from cs336_systems.gpus import GB, GIB
@@ -317,7 +318,7 @@ def ddp_equivalence(rank: int, world_size: int) -> list[Row]:
             # The same full batch on every rank.
             inputs, targets = random_batch(config, EQUIVALENCE_BATCH_PER_RANK * world_size, EQUIVALENCE_CONTEXT,
                                            device, seed=step)
-            shard = slice(rank * EQUIVALENCE_BATCH_PER_RANK, (rank + 1) * EQUIVALENCE_BATCH_PER_RANK)
+            shard = batch_shard(len(inputs), rank, world_size)
             for net, optimizer, x, y in ((reference, reference_optimizer, inputs, targets),
                                          (ddp_model, ddp_optimizer, inputs[shard], targets[shard])):
                 optimizer.zero_grad(set_to_none=True)
