@@ -2,8 +2,8 @@
 profiler timelines and the DDP reports, from synthetic traces and rows.
 
 Starting ranks costs seconds of imports, so one launch per world size runs every check and each
-check's outcome is then asserted by its own test. A check compares only after its last collective,
-so a failing check cannot leave the ranks out of step for the checks after it.
+check's outcome is then asserted by its own test. Once a check fails on any rank, the checks after
+it do not run (tests.common.run_checks), and their tests are skipped, naming it.
 """
 
 from __future__ import annotations
@@ -40,7 +40,14 @@ from cs336_systems.profiling.timeline import (
 )
 from cs336_systems.reports import OOM
 from tests import adapters
-from tests.common import ToyModel, ToyModelWithTiedWeights, assert_passed_on_every_rank, course_ddp_check, run_checks
+from tests.common import (
+    CheckOutcome,
+    ToyModel,
+    ToyModelWithTiedWeights,
+    assert_passed_on_every_rank,
+    course_ddp_check,
+    run_checks,
+)
 
 WORLD_SIZES = (2, 3)
 # Generous, since ranks import torch on a busy machine; a hang still ends here, not in CI's timeout.
@@ -215,7 +222,7 @@ CHECKS = {
 # ------------------------------------------------------------------------------------------- tests
 
 @pytest.fixture(scope="module", params=WORLD_SIZES, ids=lambda n: f"{n}ranks")
-def outcomes(request) -> list[dict[str, str | None]]:
+def outcomes(request) -> list[dict[str, CheckOutcome]]:
     return launch(run_checks, request.param, CHECKS, device="cpu", timeout_s=LAUNCH_TIMEOUT_S)
 
 

@@ -5,8 +5,8 @@ compared bit for bit where the arithmetic allows it and within the course's tole
 batch is split (see FP32_TOLERANCE).
 
 Starting ranks costs seconds of imports, so one launch per world size runs every check and each
-check's outcome is then asserted by its own test. A check compares only after its last collective,
-so that a failing check cannot leave the ranks out of step for the checks after it.
+check's outcome is then asserted by its own test. Once a check fails on any rank, the checks after
+it do not run (tests.common.run_checks), and their tests are skipped, naming it.
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ from cs336_systems.distributed.fsdp import FSDP
 from cs336_systems.distributed.launch import launch
 from cs336_systems.model import ModelConfig, TransformerLM
 from tests import adapters
-from tests.common import assert_passed_on_every_rank, run_checks
+from tests.common import CheckOutcome, assert_passed_on_every_rank, run_checks
 
 WORLD_SIZES = (2, 3)
 # Generous, since ranks import torch on a busy machine; a hang still ends here, not in CI's timeout.
@@ -398,7 +398,7 @@ CHECKS = {
 # ------------------------------------------------------------------------------------------- tests
 
 @pytest.fixture(scope="module", params=WORLD_SIZES, ids=lambda n: f"{n}ranks")
-def outcomes(request) -> list[dict[str, str | None]]:
+def outcomes(request) -> list[dict[str, CheckOutcome]]:
     return launch(run_checks, request.param, CHECKS, device="cpu", timeout_s=LAUNCH_TIMEOUT_S)
 
 

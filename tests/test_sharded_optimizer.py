@@ -19,7 +19,7 @@ from cs336_systems.distributed.ddp import batch_shard
 from cs336_systems.distributed.launch import launch
 from cs336_systems.distributed.sharded_optimizer import SYNC_METHODS, ShardedOptimizer, assign_owners
 from tests import adapters
-from tests.common import assert_passed_on_every_rank, run_checks
+from tests.common import CheckOutcome, assert_passed_on_every_rank, run_checks
 
 WORLD_SIZES = (2, 3)
 # Generous, since ranks import torch on a busy machine; a hang still ends here, not in CI's timeout.
@@ -311,7 +311,7 @@ CHECKS = {
 # ------------------------------------------------------------------------------------------- tests
 
 @pytest.fixture(scope="module", params=WORLD_SIZES, ids=lambda n: f"{n}ranks")
-def outcomes(request) -> list[dict[str, str | None]]:
+def outcomes(request) -> list[dict[str, CheckOutcome]]:
     return launch(run_checks, request.param, CHECKS, device="cpu", timeout_s=LAUNCH_TIMEOUT_S)
 
 
