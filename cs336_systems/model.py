@@ -137,10 +137,12 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(d_model, device=device, dtype=dtype))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # Normalise in fp32 whatever the input dtype: the mean of squares overflows fp16 and loses
-        # precision in bf16.
+        # Normalise in fp32 at least: the mean of squares overflows fp16 and loses precision in bf16.
+        # A float64 input stays float64; rounding it to fp32 here would put fp32 rounding into a
+        # float64 model, and results that should agree to float64 precision (a step split over three
+        # ranks against the whole batch's) would differ in fp32's last bits.
         in_dtype = x.dtype
-        x = x.float()
+        x = x.to(torch.promote_types(in_dtype, torch.float32))
         x = x * torch.rsqrt(x.pow(2).mean(dim=-1, keepdim=True) + self.eps)
         return (x * self.weight).to(in_dtype)
 

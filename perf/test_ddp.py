@@ -20,6 +20,7 @@ from cs336_systems.benchmarks.ddp import (
     DDPBenchmarkConfig,
     benchmark_ddp,
     ddp_equivalence,
+    equivalence_failures,
     variant_label,
 )
 from cs336_systems.cells import require_some_ran
@@ -52,7 +53,8 @@ def test_ddp_matches_single_process(distributed_device, world_size, report):
             report(problem).add(row)
     bucketed = [variant_label("bucketed", mb) for mb in EQUIVALENCE_BUCKET_SIZES_MB]
     assert [row["variant"] for row in rows] == ["naive", "flat", "overlap_individual", *bucketed]
-    assert all(row["matches"] for row in rows), [row for row in rows if not row["matches"]]
+    failures = equivalence_failures(rows)
+    assert not failures, "differs from single-process training:\n" + "\n".join(failures)
 
 
 def _file_name(variant: str) -> str:

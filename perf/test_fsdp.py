@@ -9,6 +9,7 @@ uses 2). On CPU: the tiny model over gloo, a smoke run of the same code in secon
 import pytest
 
 from cs336_systems.baselines import at_world_size, within
+from cs336_systems.benchmarks.ddp import equivalence_failures
 from cs336_systems.benchmarks.fsdp import OURS, TORCH_FSDP, VARIANTS, fsdp_problems, timeline_intervals
 from cs336_systems.benchmarks.sharding import ShardingBenchmarkConfig
 from cs336_systems.cells import require_some_ran
@@ -49,7 +50,8 @@ def rows(distributed_device, world_size, report):
 def test_fsdp_matches_single_process(rows):
     equivalence = [r for r in rows if r["table"] == "equivalence"]
     assert [r["compute"] for r in equivalence] == ["fp32", "bf16"]
-    assert all(r["matches"] for r in equivalence), [r for r in equivalence if not r["matches"]]
+    failures = equivalence_failures(equivalence, label="compute")
+    assert not failures, "differs from single-process training:\n" + "\n".join(failures)
 
 
 def test_fsdp_accounting(rows):

@@ -3,7 +3,8 @@
 The toy models have the shapes the course's tests rely on (10 features in, 5 out; a frozen bias;
 a frozen parameter named no_grad_fixed_param; two layers sharing one weight), so those tests and
 the fixtures in tests/fixtures run unchanged. `course_ddp_check` is the course's DDP test procedure,
-for running inside ranks this project starts with launch.
+for running inside ranks this project starts with launch. `run_checks` runs a file's checks in one
+launch, and `assert_passed_on_every_rank` reports each check as a test of its own.
 """
 
 from __future__ import annotations
@@ -12,10 +13,14 @@ import os
 import pathlib
 import traceback
 from copy import deepcopy
+from dataclasses import dataclass
 
+import pytest
 import torch
 import torch.distributed as dist
 from torch import nn, optim
+
+from cs336_systems.distributed.launch import launch_store
 
 FIXTURES_PATH = pathlib.Path(__file__).resolve().parent / "fixtures"
 
@@ -155,19 +160,57 @@ def course_ddp_check(rank: int, world_size: int, model_class, make_ddp, after_ba
     assert not problems, "\n".join(problems)
 
 
-def run_checks(rank: int, world_size: int, checks: dict) -> dict[str, str | None]:
-    """Every check on this rank, run inside ranks started by launch: None where it passed, else its
-    traceback, so one failing check does not hide the others."""
-    outcomes = {}
+@dataclass(frozen=True)
+class CheckOutcome:
+    """One check on one rank: passed (all None), failed here (this rank's traceback, and 1 if this
+    rank was the first to fail it, 2 if the second, ...), or not run (the earlier check that failed)."""
+
+    traceback: str | None = None
+    failure_number: int | None = None
+    not_run_because: str | None = None
+
+
+def run_checks(rank: int, world_size: int, checks: dict) -> dict[str, CheckOutcome]:
+    """The checks in order on this rank, inside ranks started by launch, up to the first that fails on
+    any rank; the checks after it are not run, on any rank.
+
+    A failed check leaves the ranks out of step: its peers may wait in a collective that the failing
+    rank never enters. So the rank whose check raised leaves the process group at once, which makes
+    such a collective fail on its gloo peers (the checks run on the CPU; an NCCL peer would wait for
+    the group's timeout), and after every check the ranks agree at the launch's store, not in a
+    collective, whether it failed anywhere. The failures are numbered in the order the ranks met
+    them: a peer whose collective failed because the first rank left comes after it.
+    """
+    store = launch_store()
+    outcomes: dict[str, CheckOutcome] = {}
+    failed_check = None
     for name, check in checks.items():
+        if failed_check is not None:
+            outcomes[name] = CheckOutcome(not_run_because=failed_check)
+            continue
+        failures_key = f"run_checks/{name}/failures"
         try:
             check(rank, world_size)
-            outcomes[name] = None
+            outcomes[name] = CheckOutcome()
         except Exception:
-            outcomes[name] = traceback.format_exc()
+            outcomes[name] = CheckOutcome(traceback=traceback.format_exc(), failure_number=store.add(failures_key, 1))
+            if dist.is_initialized():
+                dist.destroy_process_group()
+        store.set(f"run_checks/{name}/finished/{rank}", "")
+        store.wait([f"run_checks/{name}/finished/{other}" for other in range(world_size)])
+        if store.add(failures_key, 0):
+            failed_check = name
     return outcomes
 
 
-def assert_passed_on_every_rank(check: str, outcomes: list[dict[str, str | None]]) -> None:
-    failures = [f"rank {rank}:\n{by_check[check]}" for rank, by_check in enumerate(outcomes) if by_check[check]]
-    assert not failures, "\n".join(failures)
+def assert_passed_on_every_rank(check: str, outcomes: list[dict[str, CheckOutcome]]) -> None:
+    """Fail with the tracebacks of the ranks where `check` failed, the first to fail first; skip it
+    where it was not run because an earlier check failed."""
+    by_rank = [by_check[check] for by_check in outcomes]
+    failures = sorted((o.failure_number, rank, o.traceback) for rank, o in enumerate(by_rank) if o.traceback)
+    if failures:
+        pytest.fail("\n".join(f"rank {rank} (failure {number} of {len(failures)}):\n{text}"
+                               for number, rank, text in failures), pytrace=False)
+    not_run_because = sorted({o.not_run_because for o in by_rank if o.not_run_because})
+    if not_run_because:
+        pytest.skip(f"not run: check {' and '.join(map(repr, not_run_because))} failed before it")

@@ -2,8 +2,8 @@
 profiler timelines and the DDP reports, from synthetic traces and rows.
 
 Starting ranks costs seconds of imports, so one launch per world size runs every check and each
-check's outcome is then asserted by its own test. A check compares only after its last collective,
-so a failing check cannot leave the ranks out of step for the checks after it.
+check's outcome is then asserted by its own test. Once a check fails on any rank, the checks after
+it do not run (tests.common.run_checks), and their tests are skipped, naming it.
 """
 
 from __future__ import annotations
@@ -19,6 +19,8 @@ import torch.distributed as dist
 from torch import nn
 
 from cs336_systems.benchmarks.ddp import (
+    ddp_equivalence,
+    equivalence_failures,
     render_bucketed_benchmarking,
     render_flat_benchmarking,
     render_naive_ddp,
@@ -27,7 +29,7 @@ from cs336_systems.benchmarks.ddp import (
     render_overlap_individual_benchmarking,
     variant_label,
 )
-from cs336_systems.distributed.ddp import BucketedDDP, FlatDDP, NaiveDDP, OverlapIndividualDDP
+from cs336_systems.distributed.ddp import BucketedDDP, FlatDDP, NaiveDDP, OverlapIndividualDDP, batch_shard
 from cs336_systems.distributed.launch import launch
 from cs336_systems.profiling.timeline import (
     MIN_BAR_WIDTH_SHARE,
@@ -38,7 +40,14 @@ from cs336_systems.profiling.timeline import (
 )
 from cs336_systems.reports import OOM
 from tests import adapters
-from tests.common import ToyModel, ToyModelWithTiedWeights, assert_passed_on_every_rank, course_ddp_check, run_checks
+from tests.common import (
+    CheckOutcome,
+    ToyModel,
+    ToyModelWithTiedWeights,
+    assert_passed_on_every_rank,
+    course_ddp_check,
+    run_checks,
+)
 
 WORLD_SIZES = (2, 3)
 # Generous, since ranks import torch on a busy machine; a hang still ends here, not in CI's timeout.
@@ -79,18 +88,25 @@ def _matches_single_process(rank: int, world_size: int, wrapper: str, model_clas
     reference = deepcopy(ddp_model.module)  # rank 0's weights, as broadcast
     ddp_optimizer = torch.optim.AdamW(ddp_model.parameters(), lr=1e-2, weight_decay=0.1)
     reference_optimizer = torch.optim.AdamW(reference.parameters(), lr=1e-2, weight_decay=0.1)
-    local_batch = EXAMPLES // world_size
+    shard = batch_shard(EXAMPLES, rank, world_size)
     for step in range(STEPS):
         x, y = _random_batch(EXAMPLES, 10, 5, seed=step)
         reference_optimizer.zero_grad(set_to_none=set_to_none)
         nn.functional.mse_loss(reference(x), y).backward()
         reference_optimizer.step()
         ddp_optimizer.zero_grad(set_to_none=set_to_none)
-        shard = slice(rank * local_batch, (rank + 1) * local_batch)
         nn.functional.mse_loss(ddp_model(x[shard]), y[shard]).backward()
         ddp_model.finish_gradient_synchronization()
         ddp_optimizer.step()
     _assert_same_parameters(reference, ddp_model, f"{wrapper} after {STEPS} steps")
+
+
+def _lm_matches_single_process(rank: int, world_size: int) -> None:
+    """The DDP benchmark's own comparison: every wrapper training the tiny LM in float64, each rank on
+    its shard, against one process on the whole batch. On 3 ranks the scale 1/3 of each rank's mean
+    loss does not commute with rounding, so any fp32 rounding inside the float64 model would show."""
+    failures = equivalence_failures(ddp_equivalence(rank, world_size))
+    assert not failures, "\n".join(failures)
 
 
 class BranchyModel(nn.Module):
@@ -127,11 +143,10 @@ def _unused_parameters(rank: int, world_size: int, wrapper: str) -> None:
     reference = deepcopy(ddp_model.module)
     ddp_optimizer = torch.optim.AdamW(ddp_model.parameters(), lr=1e-2, weight_decay=0.1)
     reference_optimizer = torch.optim.AdamW(reference.parameters(), lr=1e-2, weight_decay=0.1)
-    local_batch = EXAMPLES // world_size
+    shards = [batch_shard(EXAMPLES, r, world_size) for r in range(world_size)]
     problems = []
     for step in range(STEPS):
         x, y = _random_batch(EXAMPLES, 8, 3, seed=step)
-        shards = [slice(r * local_batch, (r + 1) * local_batch) for r in range(world_size)]
         reference_optimizer.zero_grad()
         losses = [nn.functional.mse_loss(reference(x[s], _takes_branch(step, r)), y[s]) for r, s in enumerate(shards)]
         (sum(losses) / world_size).backward()
@@ -194,6 +209,7 @@ CHECKS = {
        for wrapper in WRAPPERS for name, cls in TOY_MODELS.items()},
     **{f"{wrapper}_matches_single_process_zeroing_in_place": functools.partial(
         _matches_single_process, wrapper=wrapper, model_class=ToyModel, set_to_none=False) for wrapper in WRAPPERS},
+    "lm_in_float64_matches_single_process": _lm_matches_single_process,
     **{f"{wrapper}_unused_parameters_match_single_process": functools.partial(_unused_parameters, wrapper=wrapper)
        for wrapper in WRAPPERS},
     **{f"{wrapper}_second_backward_without_finish_raises": functools.partial(_second_backward_raises, wrapper=wrapper)
@@ -206,7 +222,7 @@ CHECKS = {
 # ------------------------------------------------------------------------------------------- tests
 
 @pytest.fixture(scope="module", params=WORLD_SIZES, ids=lambda n: f"{n}ranks")
-def outcomes(request) -> list[dict[str, str | None]]:
+def outcomes(request) -> list[dict[str, CheckOutcome]]:
     return launch(run_checks, request.param, CHECKS, device="cpu", timeout_s=LAUNCH_TIMEOUT_S)
 
 
@@ -225,6 +241,27 @@ def test_building_before_init_process_group_raises(wrapper):
 def test_wrapping_something_that_is_not_a_module_raises():
     with pytest.raises(TypeError, match="torch.nn.Module"):
         NaiveDDP(lambda x: x)
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 3, 4])
+def test_batch_shards_are_equal_in_rank_order_and_cover_the_batch(world_size):
+    batch = torch.arange(12)
+    shards = [batch[batch_shard(len(batch), rank, world_size)] for rank in range(world_size)]
+    assert {len(shard) for shard in shards} == {12 // world_size}
+    assert torch.equal(torch.cat(shards), batch)
+
+
+def test_a_batch_that_does_not_split_evenly_over_the_ranks_is_refused():
+    with pytest.raises(ValueError, match="a batch of 4 does not split evenly over 3 ranks"):
+        batch_shard(4, 0, 3)
+    with pytest.raises(ValueError, match="rank 3 is not one of the 3 ranks"):
+        batch_shard(6, 3, 3)
+
+
+def test_equivalence_failures_give_each_failing_variant_s_difference_and_tolerance():
+    rows = [{"variant": "naive", "max_abs_difference": 3e-15, "tolerance": 1e-9, "matches": True},
+            {"variant": "flat", "max_abs_difference": 1.05e-6, "tolerance": 1e-9, "matches": False}]
+    assert equivalence_failures(rows) == ["flat: max abs difference 1.05e-06 > tolerance 1e-09"]
 
 
 # ------------------------------------------------------------------ profiler timelines and reports

@@ -20,7 +20,14 @@ from cs336_systems.accounting.ddp import (
 from cs336_systems.distributed.ddp import BYTES_PER_MB, BucketedDDP, assign_buckets
 from cs336_systems.distributed.launch import launch
 from tests import adapters
-from tests.common import ToyModel, ToyModelWithTiedWeights, assert_passed_on_every_rank, course_ddp_check, run_checks
+from tests.common import (
+    CheckOutcome,
+    ToyModel,
+    ToyModelWithTiedWeights,
+    assert_passed_on_every_rank,
+    course_ddp_check,
+    run_checks,
+)
 
 LAUNCH_TIMEOUT_S = 180
 # The course's bucket sizes for its toy models: several buckets, one parameter per bucket, one bucket.
@@ -113,7 +120,7 @@ CHECKS = {
 
 
 @pytest.fixture(scope="module")
-def outcomes() -> list[dict[str, str | None]]:
+def outcomes() -> list[dict[str, CheckOutcome]]:
     return launch(run_checks, 2, CHECKS, device="cpu", timeout_s=LAUNCH_TIMEOUT_S)
 
 

@@ -5,8 +5,8 @@ compared bit for bit where the arithmetic allows it and within the course's tole
 batch is split (see FP32_TOLERANCE).
 
 Starting ranks costs seconds of imports, so one launch per world size runs every check and each
-check's outcome is then asserted by its own test. A check compares only after its last collective,
-so that a failing check cannot leave the ranks out of step for the checks after it.
+check's outcome is then asserted by its own test. Once a check fails on any rank, the checks after
+it do not run (tests.common.run_checks), and their tests are skipped, naming it.
 """
 
 from __future__ import annotations
@@ -24,11 +24,12 @@ from torch import nn
 from torch.func import functional_call
 
 import cs336_systems.distributed.fsdp as fsdp_module
+from cs336_systems.distributed.ddp import batch_shard
 from cs336_systems.distributed.fsdp import FSDP
 from cs336_systems.distributed.launch import launch
 from cs336_systems.model import ModelConfig, TransformerLM
 from tests import adapters
-from tests.common import assert_passed_on_every_rank, run_checks
+from tests.common import CheckOutcome, assert_passed_on_every_rank, run_checks
 
 WORLD_SIZES = (2, 3)
 # Generous, since ranks import torch on a busy machine; a hang still ends here, not in CI's timeout.
@@ -122,7 +123,7 @@ def _course_equivalence(rank: int, world_size: int, compute_dtype: torch.dtype |
         generator = torch.Generator().manual_seed(123)
         token_ids = torch.randint(0, 37, (BATCH, SEQ_LEN), generator=generator)
         labels = torch.randint(0, 37, (BATCH,), generator=generator)
-        rows = slice(rank * BATCH // world_size, (rank + 1) * BATCH // world_size)
+        rows = batch_shard(BATCH, rank, world_size)
         snapshots = []
         for step in range(3):
             reference_optimizer.zero_grad(set_to_none=True)
@@ -198,8 +199,8 @@ def _gradient_sync(rank: int, world_size: int, compute_dtype: torch.dtype | None
 
 
 def _lm_matches_single_process(rank: int, world_size: int) -> None:
-    """The LM with SGD, each rank on its slice of fresh data each step. fp32: the model's RMSNorm
-    computes in fp32 whatever its input, so a float64 run would not be more exact than this."""
+    """The LM with SGD, each rank on its slice of fresh data each step, fp32, at the course's
+    tolerances (see FP32_TOLERANCE)."""
     torch.manual_seed(0)
     reference = TransformerLM(SMALL_LM)
     model = FSDP(deepcopy(reference))
@@ -208,7 +209,7 @@ def _lm_matches_single_process(rank: int, world_size: int) -> None:
     for step in range(3):
         generator = torch.Generator().manual_seed(step)
         inputs, targets = (torch.randint(SMALL_LM.vocab_size, (BATCH, SEQ_LEN), generator=generator) for _ in range(2))
-        rows = slice(rank * BATCH // world_size, (rank + 1) * BATCH // world_size)
+        rows = batch_shard(BATCH, rank, world_size)
         reference_optimizer.zero_grad(set_to_none=True)
         F.cross_entropy(reference(inputs).flatten(0, 1), targets.flatten()).backward()
         reference_optimizer.step()
@@ -250,7 +251,7 @@ def _lm_bf16_compute_keeps_fp32_masters(rank: int, world_size: int) -> None:
     for step in range(3):
         generator = torch.Generator().manual_seed(step)
         inputs, targets = (torch.randint(SMALL_LM.vocab_size, (BATCH, SEQ_LEN), generator=generator) for _ in range(2))
-        rows = slice(rank * BATCH // world_size, (rank + 1) * BATCH // world_size)
+        rows = batch_shard(BATCH, rank, world_size)
         reference_optimizer.zero_grad(set_to_none=True)
         logits = _reference_forward(reference, inputs, torch.bfloat16)
         F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten()).backward()
@@ -273,7 +274,7 @@ def _gradient_accumulation(rank: int, world_size: int) -> None:
     model = FSDP(deepcopy(reference))
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     reference_optimizer = torch.optim.SGD(reference.parameters(), lr=0.1)
-    rows = slice(rank * BATCH // world_size, (rank + 1) * BATCH // world_size)
+    rows = batch_shard(BATCH, rank, world_size)
     for micro_batch in range(2):
         generator = torch.Generator().manual_seed(micro_batch)
         inputs, targets = (torch.randint(SMALL_LM.vocab_size, (BATCH, SEQ_LEN), generator=generator) for _ in range(2))
@@ -397,7 +398,7 @@ CHECKS = {
 # ------------------------------------------------------------------------------------------- tests
 
 @pytest.fixture(scope="module", params=WORLD_SIZES, ids=lambda n: f"{n}ranks")
-def outcomes(request) -> list[dict[str, str | None]]:
+def outcomes(request) -> list[dict[str, CheckOutcome]]:
     return launch(run_checks, request.param, CHECKS, device="cpu", timeout_s=LAUNCH_TIMEOUT_S)
 
 

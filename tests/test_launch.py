@@ -8,13 +8,21 @@ import subprocess
 import sys
 import textwrap
 import time
+from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import wait as wait_for_futures
 from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
 
-from cs336_systems.distributed.launch import RankFailed, launch, rank_device
+from cs336_systems.distributed.launch import (
+    RankFailed,
+    _wait_until_every_rank_connected,
+    launch,
+    launch_store,
+    rank_device,
+)
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 # Long enough for ranks to import torch on a busy machine, short enough to fail fast.
@@ -25,6 +33,8 @@ HANG_TIMEOUT_S = 15
 HANG_REPORTED_WITHIN_S = HANG_TIMEOUT_S + 30
 SLEEP_PAST_DEADLINE_S = 10 * HANG_TIMEOUT_S
 TORCHRUN_TIMEOUT_S = 180
+# Long enough for a thread that was free to go to have gone; a correct wait is still waiting.
+STILL_WAITING_AFTER_S = 1.0
 
 
 def _describe(rank: int, world_size: int, tag: str) -> tuple:
@@ -37,6 +47,35 @@ def _describe(rank: int, world_size: int, tag: str) -> tuple:
 def test_results_come_back_by_rank():
     results = launch(_describe, 3, "x", device="cpu", timeout_s=FAIL_FAST_TIMEOUT_S)
     assert results == [(rank, 3, "x", rank, 3, 3.0, "cpu") for rank in range(3)]
+
+
+def test_no_rank_goes_on_before_every_rank_has_connected_also_on_a_store_used_again():
+    """The meeting after init_process_group, as threads on one store: a second launch on the same
+    store (several launches under one torchrun) waits for its own ranks and has keys of its own."""
+    store, world_size = dist.HashStore(), 3
+    with ThreadPoolExecutor(world_size) as pool:
+        for launch_number in range(2):
+            early = [pool.submit(_wait_until_every_rank_connected, store, world_size, FAIL_FAST_TIMEOUT_S)
+                     for _ in range(world_size - 1)]
+            _, waiting = wait_for_futures(early, timeout=STILL_WAITING_AFTER_S)
+            assert len(waiting) == world_size - 1, f"launch {launch_number}: a rank went on before the last arrived"
+            last = pool.submit(_wait_until_every_rank_connected, store, world_size, FAIL_FAST_TIMEOUT_S)
+            own_stores = [future.result(timeout=FAIL_FAST_TIMEOUT_S) for future in (*early, last)]
+            assert not own_stores[0].check(["written by the first launch"])
+            own_stores[0].set("written by the first launch", "1")
+
+
+def _exchange_through_the_store(rank: int, world_size: int) -> list[str]:
+    store = launch_store()
+    store.set(f"from rank {rank}", f"hello from {rank}")
+    return [store.get(f"from rank {other}").decode() for other in range(world_size)]
+
+
+def test_ranks_share_their_launch_s_store_and_only_ranks_have_one():
+    assert launch(_exchange_through_the_store, 2, device="cpu", timeout_s=FAIL_FAST_TIMEOUT_S) == [
+        ["hello from 0", "hello from 1"]] * 2
+    with pytest.raises(RuntimeError, match="only available inside a function run by"):
+        launch_store()
 
 
 def _rank_one_raises(rank: int, world_size: int) -> None:

@@ -37,6 +37,8 @@ EXPECTED_PARAMETERS = {
     ("2026", "xl"): 3_406_809_600,
     ("2026", "10B"): 12_832_823_808,
 }
+# float64 against float64, computed in a different order: a few units of 1e-16, well inside this.
+FLOAT64_RTOL = 1e-12
 
 
 @pytest.mark.parametrize(("table", "size"), EXPECTED_PARAMETERS)
@@ -127,6 +129,15 @@ def test_layers_match_float64_references():
 def test_rmsnorm_keeps_the_input_dtype():
     norm = RMSNorm(16)
     assert norm(torch.randn(2, 16, dtype=torch.bfloat16)).dtype == torch.bfloat16
+
+
+def test_rmsnorm_of_float64_is_computed_in_float64():
+    # Normalising in fp32 would be off by about 1e-7 relative (fp32's precision).
+    x = torch.randn(4, 6, 10, dtype=torch.float64)
+    norm = RMSNorm(10, dtype=torch.float64)
+    norm.weight.data.uniform_(0.5, 1.5)
+    expected = x / torch.sqrt(x.pow(2).mean(-1, keepdim=True) + norm.eps) * norm.weight
+    torch.testing.assert_close(norm(x), expected, rtol=FLOAT64_RTOL, atol=0)
 
 
 def test_linear_init_is_truncated_normal_with_the_course_std():

@@ -19,16 +19,16 @@ def test_with_the_project_s_weights_it_gives_the_project_s_logits_and_gradients(
     assert count_parameters(reference) == count_parameters(project)
     tokens, targets = torch.randint(0, config.vocab_size, (2, 2, 19))
     losses = [lm_loss(model(tokens), targets) for model in (project, reference)]
-    # In float64, but the project's RMSNorm computes in float32 whatever its input: agreement to about
-    # float32's precision; a wrong weight, rotation or mask would be off in the first digits.
-    torch.testing.assert_close(losses[0], losses[1], rtol=1e-6, atol=0)
+    # Both in float64 throughout: agreement to float64's precision, up to the order of additions; a
+    # wrong weight, rotation or mask would be off in the first digits.
+    torch.testing.assert_close(losses[0], losses[1], rtol=1e-12, atol=0)
     for loss in losses:
         loss.backward()
     qkv = reference.blocks[0].qkv.weight.grad
     attention = project.layers[0].attn
     expected = torch.cat([attention.q_proj.weight.grad, attention.k_proj.weight.grad, attention.v_proj.weight.grad])
-    torch.testing.assert_close(qkv, expected, rtol=1e-5, atol=1e-7)
-    torch.testing.assert_close(reference.head.weight.grad, project.lm_head.weight.grad, rtol=1e-5, atol=1e-7)
+    torch.testing.assert_close(qkv, expected, rtol=1e-10, atol=1e-14)
+    torch.testing.assert_close(reference.head.weight.grad, project.lm_head.weight.grad, rtol=1e-10, atol=1e-14)
 
 
 def test_benchmark_rows_of_the_reference_say_so_and_the_report_sets_them_beside_the_project():

@@ -15,10 +15,11 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from cs336_systems.distributed.ddp import batch_shard
 from cs336_systems.distributed.launch import launch
 from cs336_systems.distributed.sharded_optimizer import SYNC_METHODS, ShardedOptimizer, assign_owners
 from tests import adapters
-from tests.common import assert_passed_on_every_rank, run_checks
+from tests.common import CheckOutcome, assert_passed_on_every_rank, run_checks
 
 WORLD_SIZES = (2, 3)
 # Generous, since ranks import torch on a busy machine; a hang still ends here, not in CI's timeout.
@@ -240,7 +241,7 @@ def _with_torch_ddp(rank: int, world_size: int) -> None:
         reference_optimizer.zero_grad()
         nn.functional.mse_loss(reference(x), y).backward()
         reference_optimizer.step()
-        shard = slice(rank * rows_per_rank, (rank + 1) * rows_per_rank)
+        shard = batch_shard(len(x), rank, world_size)
         optimizer.zero_grad()
         nn.functional.mse_loss(ddp_model(x[shard]), y[shard]).backward()
         optimizer.step()
@@ -310,7 +311,7 @@ CHECKS = {
 # ------------------------------------------------------------------------------------------- tests
 
 @pytest.fixture(scope="module", params=WORLD_SIZES, ids=lambda n: f"{n}ranks")
-def outcomes(request) -> list[dict[str, str | None]]:
+def outcomes(request) -> list[dict[str, CheckOutcome]]:
     return launch(run_checks, request.param, CHECKS, device="cpu", timeout_s=LAUNCH_TIMEOUT_S)
 
 

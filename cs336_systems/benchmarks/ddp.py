@@ -69,6 +69,7 @@ from cs336_systems.distributed.ddp import (
     NaiveDDP,
     OverlapIndividualDDP,
     assign_buckets,
+    batch_shard,
 )
 from cs336_systems.distributed.launch import rank_device
 from cs336_systems.gpus import GB, GIB
@@ -317,7 +318,7 @@ def ddp_equivalence(rank: int, world_size: int) -> list[Row]:
             # The same full batch on every rank.
             inputs, targets = random_batch(config, EQUIVALENCE_BATCH_PER_RANK * world_size, EQUIVALENCE_CONTEXT,
                                            device, seed=step)
-            shard = slice(rank * EQUIVALENCE_BATCH_PER_RANK, (rank + 1) * EQUIVALENCE_BATCH_PER_RANK)
+            shard = batch_shard(len(inputs), rank, world_size)
             for net, optimizer, x, y in ((reference, reference_optimizer, inputs, targets),
                                          (ddp_model, ddp_optimizer, inputs[shard], targets[shard])):
                 optimizer.zero_grad(set_to_none=True)
@@ -334,6 +335,12 @@ def ddp_equivalence(rank: int, world_size: int) -> list[Row]:
                      "backend": dist.get_backend(), "steps": EQUIVALENCE_STEPS, "max_abs_difference": max(differences),
                      "tolerance": EQUIVALENCE_TOLERANCE, "matches": max(differences) <= EQUIVALENCE_TOLERANCE})
     return rows if rank == 0 else []
+
+
+def equivalence_failures(rows: list[Row], label: str = "variant") -> list[str]:
+    """Each equivalence row outside its tolerance as "<label>: <difference> > <tolerance>"."""
+    return [f"{r[label]}: max abs difference {r['max_abs_difference']:.3g} > tolerance {r['tolerance']:g}"
+            for r in rows if not r["matches"]]
 
 
 # ------------------------------------------------------------------------------------------ reports

@@ -56,6 +56,7 @@ from cs336_systems.benchmarks.sharding import (
     step_table,
     within,
 )
+from cs336_systems.distributed.ddp import batch_shard
 from cs336_systems.distributed.fsdp import FSDP, MAX_PREFETCH_LAYERS, REDUCE_SCATTERS_IN_FLIGHT
 from cs336_systems.distributed.launch import rank_device
 from cs336_systems.model import ModelConfig
@@ -264,7 +265,7 @@ def fsdp_equivalence(rank: int, world_size: int) -> list[Row]:
         for step in range(EQUIVALENCE_STEPS):
             inputs, targets = random_batch(config, EQUIVALENCE_BATCH_PER_RANK * world_size, EQUIVALENCE_CONTEXT, device,
                                            seed=step)
-            rows_here = slice(rank * EQUIVALENCE_BATCH_PER_RANK, (rank + 1) * EQUIVALENCE_BATCH_PER_RANK)
+            rows_here = batch_shard(len(inputs), rank, world_size)
             params = {n: p.to(compute_dtype) if compute_dtype and n in sharded else p
                       for n, p in reference.named_parameters()}
             reference_optimizer.zero_grad(set_to_none=True)

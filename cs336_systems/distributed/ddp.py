@@ -7,6 +7,9 @@
         model.finish_gradient_synchronization()   # gradients are now averaged over ranks
         optimizer.step(); optimizer.zero_grad()
 
+Each rank trains on its own rows of the step's batch, batch[batch_shard(len(batch), rank, world_size)]:
+averaging the ranks' gradients then gives the whole batch's.
+
 NaiveDDP            after backward, one blocking all-reduce per parameter.
 FlatDDP             after backward, one all-reduce of all gradients flattened into one tensor.
 OverlapIndividualDDP  during backward, an asynchronous all-reduce per parameter, started by a hook
@@ -55,6 +58,22 @@ def broadcast_from_rank0(module: nn.Module) -> None:
     with torch.no_grad():
         for tensor in itertools.chain(module.parameters(), module.buffers()):
             dist.broadcast(tensor, src=0)
+
+
+def batch_shard(batch_size: int, rank: int, world_size: int) -> slice:
+    """This rank's rows of a batch split evenly over `world_size` ranks.
+
+    Averaging the ranks' gradients of their mean losses gives the whole batch's gradient only when
+    every rank has as many rows as the others (uneven shards would weigh a row by one over its shard's
+    size), so a batch that does not split evenly is refused.
+    """
+    if not 0 <= rank < world_size:
+        raise ValueError(f"rank {rank} is not one of the {world_size} ranks")
+    if batch_size % world_size:
+        raise ValueError(f"a batch of {batch_size} does not split evenly over {world_size} ranks; use a multiple "
+                         f"of {world_size} (uneven shards do not average to the whole batch's gradient)")
+    rows = batch_size // world_size
+    return slice(rank * rows, (rank + 1) * rows)
 
 
 def assign_buckets(sizes_bytes: Sequence[int], bucket_size_bytes: float,

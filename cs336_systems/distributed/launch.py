@@ -10,6 +10,10 @@ TimeoutError; every rank destroys its process group on the way out.
 Under torchrun (RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT set), `launch` runs the function
 in the current process with env:// rendezvous, for one node or several, and all-gathers the
 results so that every rank gets the same list.
+
+Either way no rank starts the function before every rank's process group has finished connecting,
+and `launch_store()` gives the function this launch's store, for agreeing with other ranks
+outside the process group.
 """
 
 from __future__ import annotations
@@ -34,6 +38,12 @@ DEFAULT_TIMEOUT_S = 300.0
 EXIT_GRACE_S = 10.0
 _POLL_S = 0.1
 _TORCHRUN_VARIABLES = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+# Counts the ranks that have connected, over every launch that shares one store.
+_ARRIVALS_KEY = "launch/arrivals"
+_CONNECTED_KEY = "connected"
+
+# This rank's view of its launch's store while the launch's function runs (see launch_store()).
+_store: dist.Store | None = None
 
 
 class RankFailed(RuntimeError):
@@ -73,6 +83,18 @@ def require_process_group(what: str) -> None:
         )
 
 
+def launch_store() -> dist.Store:
+    """The key-value store of the launch this rank runs in, with keys of its own launch only.
+
+    For agreement that must not depend on the process group: after a rank has failed and left the
+    group, a collective on its peers fails or waits, while the store still answers them all.
+    """
+    if _store is None:
+        raise RuntimeError("launch_store() is only available inside a function run by "
+                           "cs336_systems.distributed.launch")
+    return _store
+
+
 def launch(fn: Callable[..., Any], world_size: int, *args: Any, device: str = "auto",
            timeout_s: float = DEFAULT_TIMEOUT_S, **kwargs: Any) -> list[Any]:
     """Run `fn(rank, world_size, *args, **kwargs)` on `world_size` ranks; return the results by rank."""
@@ -96,7 +118,9 @@ def launch(fn: Callable[..., Any], world_size: int, *args: Any, device: str = "a
     return _spawn(fn, world_size, args, kwargs, device_type, timeout_s)
 
 
-def _init_rank(rank: int, world_size: int, device_type: str, timeout_s: float, store=None) -> None:
+def _init_rank(rank: int, world_size: int, device_type: str, timeout_s: float, store: dist.Store) -> None:
+    """Join the process group, then wait for every rank to have joined; sets launch_store()."""
+    global _store
     device_id = None
     if device_type == "cuda":
         device_id = torch.device("cuda", int(os.environ.get("LOCAL_RANK", rank)))
@@ -106,7 +130,6 @@ def _init_rank(rank: int, world_size: int, device_type: str, timeout_s: float, s
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
     dist.init_process_group(
         backend_for(device_type),
-        init_method=None if store is not None else "env://",
         store=store,
         rank=rank,
         world_size=world_size,
@@ -115,6 +138,27 @@ def _init_rank(rank: int, world_size: int, device_type: str, timeout_s: float, s
         # barrier() and object collectives know which device to use.
         device_id=device_id,
     )
+    _store = _wait_until_every_rank_connected(store, world_size, timeout_s)
+
+
+def _wait_until_every_rank_connected(store: dist.Store, world_size: int, timeout_s: float) -> dist.Store:
+    """Return once every rank has come out of init_process_group; returns this launch's own store.
+
+    Gloo connects each pair of ranks inside init_process_group, and a rank comes out of it once its
+    own side is connected. A rank that then ran a function without collectives and left would close
+    its sockets while a slower peer was still connecting to it, failing that peer's init ("Gloo
+    connectFullMesh failed ... Connection closed by peer"). The ranks meet at the store, not in a
+    barrier of the group being set up, and wait no longer than the launch's deadline.
+    """
+    arrival = store.add(_ARRIVALS_KEY, 1)
+    # Launches in sequence on one store (several under one torchrun) count on: each is a new
+    # generation of world_size arrivals, with keys under its own prefix.
+    generation = (arrival - 1) // world_size
+    own = dist.PrefixStore(f"launch/{generation}", store)
+    if arrival % world_size == 0:
+        own.set(_CONNECTED_KEY, "1")
+    own.wait([_CONNECTED_KEY], dt.timedelta(seconds=timeout_s))
+    return own
 
 
 def _run_in_place(fn, world_size, args, kwargs, device_type, timeout_s) -> list[Any]:
@@ -122,13 +166,22 @@ def _run_in_place(fn, world_size, args, kwargs, device_type, timeout_s) -> list[
     if world_size not in (None, env_world_size):
         raise ValueError(f"asked for world size {world_size}, but torchrun started {env_world_size}")
     rank = int(os.environ["RANK"])
-    _init_rank(rank, env_world_size, device_type, timeout_s)
+    # torchrun's store (its agent's, or one that rank 0 hosts), as init_process_group("env://") finds it.
+    store, _, _ = next(dist.rendezvous("env://", rank, env_world_size, timeout=dt.timedelta(seconds=timeout_s)))
     try:
+        _init_rank(rank, env_world_size, device_type, timeout_s, store)
         result = fn(rank, env_world_size, *args, **kwargs)
         gathered: list[Any] = [None] * env_world_size
         dist.all_gather_object(gathered, result)
         return gathered
     finally:
+        _leave()
+
+
+def _leave() -> None:
+    global _store
+    _store = None
+    if dist.is_initialized():
         dist.destroy_process_group()
 
 
@@ -142,8 +195,7 @@ def _worker(rank, world_size, port, fn, args, kwargs, device_type, timeout_s, re
     except BaseException:
         results.put((rank, "error", traceback.format_exc()))
     finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
+        _leave()
 
 
 def _spawn(fn, world_size, args, kwargs, device_type, timeout_s) -> list[Any]:
