@@ -482,7 +482,9 @@ def render_overlap_individual_benchmarking(rows: list[Row]) -> Rendered:
         parts.append("\n".join(f"- {_overlap_sentence(measured[m])}" for m in ("naive", "overlap_individual")
                                if m in measured and _overlap_sentence(measured[m])) + "\n")
     parts.append("## Timelines (one profiled step on rank 0)\n\nRows: the step's phases as the device ran them, "
-                 "compute kernels, and communication (NCCL kernels on their own stream, or gloo's work on CPU).\n"
+                 "compute kernels, and communication (NCCL kernels on their own stream, or gloo's work on CPU). "
+                 "They stand in for the handout's Nsight Systems screenshots, since Nsight Systems cannot write "
+                 "reports on the machines measured here.\n"
                  + _timeline_links(rows, ("naive", "overlap_individual")))
     return Rendered("\n".join(parts))
 
