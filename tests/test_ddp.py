@@ -381,7 +381,7 @@ def test_benchmark_reports_answer_from_the_rows(gpu_like_rows):
     assert "(ddp_timeline_overlap_individual.png)" in overlap
     bucketed = render_bucketed_benchmarking(gpu_like_rows).body
     assert "| bucketed 1000 MB      |               | OOM" in bucketed
-    assert "falls and then rises, as expected" in bucketed  # 665, 648, 650 ms for 1, 10, 100 MB
+    assert "it falls, then rises, as expected" in bucketed  # 665, 648, 650 ms for 1, 10, 100 MB
     # b* = sqrt(s w o) = sqrt(7.99e9 B * 300e9 B/s * 50e-6 s) = 3.46e8 B = 330.2 MiB
     assert "b* = 330.2 MB" in bucketed
     # The best bucketed step, 648 ms, against each torch DDP; 6 of 665 ms is under 10%, 14 is not.

@@ -266,10 +266,9 @@ def render_allreduce(rows: list[Row]) -> Rendered:
                        fmt=lambda r: OOM if _out_of_memory(r) else f"{r['busbw_gbps']:.3g} ({r['algbw_gbps']:.3g})")
     rows = [r for r in rows if not _out_of_memory(r)]
     body = [
-        f"float32 all-reduce (sum), {devices}; {WARMUP} warm-up all-reduces, then {MIN_ITERATIONS}-{MAX_ITERATIONS} "
-        "timed ones per cell (each after a barrier, device synchronised). Each rank takes its median; the table "
-        "shows the mean of the ranks' medians and, in brackets, the slowest rank's. "
-        "1 MB = 10^6 bytes, 1 GB/s = 10^9 bytes/s.\n",
+        f"float32 all-reduce (sum), {devices}; {WARMUP} warm-up, then {MIN_ITERATIONS}-{MAX_ITERATIONS} timed "
+        "all-reduces per cell, each after a barrier, device synchronised. Each rank takes its median; tables show "
+        "the mean of the ranks' medians (the slowest rank's in brackets). 1 MB = 10^6 bytes.\n",
         "## Time (ms)\n", markdown_table(times),
         "## Bus bandwidth, GB/s (algorithm bandwidth in brackets)\n", markdown_table(bandwidths),
         _nominal_comparison(rows),

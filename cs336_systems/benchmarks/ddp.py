@@ -353,15 +353,9 @@ def _setup(rows: list[Row]) -> str:
     r = next(r for r in rows if r.get("table") == "step")
     return (f"{r['size']} model, context {r['context_length']}, batch {r['batch_size']} per rank on "
             f"{r['world_size']} ranks ({r['backend']}), fp32, AdamW, {r['attention']} attention; {r['warmup']} warm-up "
-            f"and {r['steps']} timed steps per variant, all variants in one run. Times in ms, means over ranks and "
-            "steps. gradient_sync is finish_gradient_synchronization() after backward: all of the communication "
-            "for naive and flat, only the exposed part for the overlapped wrappers. Profiled columns come from one "
-            "extra step under torch.profiler on rank 0: communication busy time, and the part of it that ran "
-            "while compute kernels ran too. torch DDP (25 MB buckets; torch_ddp_bucket_view also sets "
-            "gradient_as_bucket_view=True, so nothing is copied back from its buckets) waits for its all-reduces "
-            "inside backward, so its gradient_sync is empty and its backward holds the exposed communication. On "
-            "NCCL naive, flat and overlap_individual average inside the all-reduce (ReduceOp.AVG); bucketed sums "
-            "and divides while copying its buckets back into .grad.\n")
+            f"and {r['steps']} timed steps per variant; ms, means over ranks and steps. gradient_sync: communication "
+            "left after backward. Profiled: one extra step under torch.profiler, rank 0. torch DDP (25 MB buckets) "
+            "waits inside backward, so its backward holds its exposed communication.\n")
 
 
 def _local_step_ms(rows: list[Row]) -> float | None:
@@ -392,7 +386,7 @@ def _step_table(rows: list[Row], methods: tuple[str, ...]) -> str:
 
 def _timeline_links(rows: list[Row], variants: tuple[str, ...]) -> str:
     links = {r["variant"]: r["file"] for r in rows if r.get("table") == "timeline"}
-    return "".join(f"\n{variant}:\n\n![{variant} timeline]({links[variant]})\n"
+    return "".join(f"\n### {variant}\n\n![{variant} timeline]({links[variant]})\n"
                    for variant in variants if variant in links)
 
 
@@ -494,19 +488,15 @@ def _bucket_trend(bucketed: list[Row]) -> str:
     by_size = sorted(bucketed, key=lambda r: r["bucket_size_mb"])
     times = [r["step_ms"] for r in by_size]
     noise_ms = max(r["step_std_ms"] for r in by_size)
-    sizes = ", ".join(f"{r['bucket_size_mb']:g} MB {r['step_ms']:.1f} ms" for r in by_size)
     if max(times) - min(times) <= noise_ms:
-        return (f"Measured ({sizes}): the spread, {max(times) - min(times):.1f} ms, is within the step-to-step "
-                f"standard deviation ({noise_ms:.1f} ms), so bucket size makes no measurable difference here.")
+        return (f"Measured: the spread, {max(times) - min(times):.1f} ms, is within the step-to-step standard "
+                f"deviation ({noise_ms:.1f} ms), so bucket size makes no measurable difference here.")
     best = times.index(min(times))
     if 0 < best < len(times) - 1:
-        shape = "it falls and then rises, as expected"
-    elif best == len(times) - 1:
-        shape = ("it keeps falling as buckets grow: fewer, larger all-reduces win, and the last bucket costs less "
-                 "than the calls saved")
-    else:
-        shape = "it is lowest at the smallest buckets: starting communication early matters more than the per-call cost"
-    return f"Measured ({sizes}): {shape}."
+        return "Measured: it falls, then rises, as expected."
+    if best == len(times) - 1:
+        return "Measured: lowest at the largest buckets, where the calls saved outweigh a later start."
+    return "Measured: it is lowest at the smallest buckets; starting communication early matters more than the per-call cost."
 
 
 @functools.cache
@@ -546,35 +536,26 @@ def _model_section(rows: list[Row]) -> str:
         table.append(entry)
     text = [
         "## (b) The overhead model\n",
-        "s = bytes of gradients, w = all-reduce algorithm bandwidth, o = cost per all-reduce call, n_b buckets. If "
-        "computing a bucket's gradients takes as long as sending it, c = s / (n_b w), bucket i is ready at i c and "
-        "its all-reduce (c + o) ends at (i + 1) c + i o, so the time left after backward (which ends at n_b c) is\n",
-        "    overhead(n_b) = s / (n_b w) + n_b o\n",
-        "and setting its derivative -s / (n_b^2 w) + o to zero gives n_b* = sqrt(s / (w o)), so the optimal bucket "
-        "size is\n",
-        "    b* = s / n_b* = sqrt(s w o),   with overhead 2 sqrt(s o / w).\n",
-        f"Measured on these ranks: o = {probe['per_call_overhead_ms']:.3g} ms (median of a "
-        f"{probe['small_bytes']:,}-byte all-reduce), w = {probe['algbw_gbps']:.3g} GB/s (a "
-        f"{probe['large_bytes'] / 1e9:g} GB all-reduce, o taken off), s = {model_bytes / 1e9:.3g} GB. So n_b* = "
-        f"{optimal_num_buckets(model_bytes, bandwidth, per_call_s):.3g} and b* = {best_bytes / BYTES_PER_MB:.4g} MB, "
-        f"with a predicted overhead of {best_overhead_s * 1e3:.3g} ms.\n",
-        "Predicted and measured time after backward. The course model assumes equal buckets and backward per "
-        "bucket as fast as sending it; the next column takes the buckets BucketedDDP actually built and spreads "
-        "them over the measured backward time of the local run (gradients produced at a steady rate, all-reduces "
-        "one after another). Neither counts what backward itself loses to the all-reduces running beside it "
-        "(compare the backward columns above with local's).\n",
+        "s = gradient bytes, w = all-reduce bandwidth, o = cost per call, n_b buckets. If a bucket's gradients "
+        "take as long to compute as to send, c = s / (n_b w), bucket i's all-reduce ends at (i + 1) c + i o and "
+        "backward at n_b c, leaving\n",
+        "    overhead(n_b) = s / (n_b w) + n_b o,   minimal at n_b* = sqrt(s / (w o)):   b* = sqrt(s w o)\n",
+        f"Measured: o = {probe['per_call_overhead_ms']:.3g} ms ({probe['small_bytes']:,}-byte all-reduce), "
+        f"w = {probe['algbw_gbps']:.3g} GB/s ({probe['large_bytes'] / 1e9:g} GB, o taken off), "
+        f"s = {model_bytes / 1e9:.3g} GB: n_b* = {optimal_num_buckets(model_bytes, bandwidth, per_call_s):.3g}, "
+        f"b* = {best_bytes / BYTES_PER_MB:.4g} MB, overhead {best_overhead_s * 1e3:.3g} ms. The second column "
+        "spreads BucketedDDP's buckets over local's measured backward.\n",
         markdown_table(table),
     ]
     if local:
         transfer_ms = model_bytes / bandwidth * 1e3
         backward_ms = local[0]["backward_ms"]
         text.append(
-            f"Sending all gradients once takes about {transfer_ms:.3g} ms at w; backward takes {backward_ms:.3g} ms. "
-            + ("Backward is much slower than the transfer, so the course's assumption does not hold here: each "
-               "bucket's all-reduce finishes long before the next bucket is ready and what remains after backward "
-               "is roughly the last bucket's all-reduce, which is what the second column models."
-               if backward_ms > 2 * transfer_ms else
-               "The two are comparable, so the course's assumption is close to this setup.") + "\n")
+            f"Sending all gradients takes {transfer_ms:.3g} ms at w, backward {backward_ms:.3g} ms"
+            + (": unlike the course's model, each bucket is sent long before the next is ready, leaving the last "
+               "bucket." if backward_ms > 2 * transfer_ms else ": comparable, as the course's model assumes.")
+            + " Measured gradient_sync also holds the write-back: dividing the buckets into .grad "
+            f"reads and writes {2 * model_bytes / 1e9:.3g} GB.\n")
     return "\n".join(text)
 
 
@@ -609,29 +590,16 @@ def render_bucketed_benchmarking(rows: list[Row]) -> Rendered:
     if bucketed:
         best = min(bucketed, key=lambda r: r["step_ms"])
         worst = max(bucketed, key=lambda r: r["step_ms"])
-        text = [f"The fastest bucket size is {best['bucket_size_mb']:g} MB ({best['step_ms']:.1f} ms per step, "
-                f"{best['gradient_sync_ms']:.1f} ms left after backward); the slowest is "
-                f"{worst['bucket_size_mb']:g} MB "
-                f"({worst['step_ms']:.1f} ms, {worst['gradient_sync_ms']:.1f} ms after backward)."]
-        for method in ("naive", "flat", "overlap_individual", *TORCH_DDP_METHODS):
-            if method in others:
-                r = others[method]
-                text.append(f"{r['variant']}: {r['step_ms']:.1f} ms ({r['step_ms'] - best['step_ms']:+.1f} ms against "
-                            "the best bucket size).")
-        text.append("Expectation: small buckets pay the per-call cost many times, and very large ones start "
-                    "communicating late and leave a whole large bucket to send after backward, so step time should "
-                    "fall and then rise with bucket size. " + _bucket_trend(bucketed))
+        text = ["Expected: small buckets pay the per-call cost many times, large ones start late: time should "
+                "fall, then rise. " + _bucket_trend(bucketed)]
         naive = others.get("naive")
         if naive and naive.get("profiled_communication_ms") and "local" in others:
             share = naive["profiled_communication_ms"] / others["local"]["backward_ms"]
             text.append(
-                f"All of the communication (naive, profiled) is {naive['profiled_communication_ms']:.1f} ms, "
-                f"{share:.0%} of a backward pass, so "
-                + ("there is little to hide and the differences between bucket sizes are small; a slower "
-                   "interconnect (PCIe, or several nodes), more ranks, or less compute per byte of gradient (a "
-                   "smaller batch, bf16 compute) would make communication a larger share and the bucket size matter "
-                   "more." if share < 0.5 else
-                   "communication is a large share of backward and hiding it matters."))
+                f"Naive's communication (profiled) is {naive['profiled_communication_ms']:.1f} ms, {share:.0%} of "
+                "backward: " + ("little to hide, so bucket sizes differ little; a slower link, more ranks or less "
+                                "compute per gradient byte would make them matter." if share < 0.5 else
+                                "a large share, so hiding it matters."))
         parts.append(" ".join(text) + "\n")
     parts.append(_model_section(rows))
     parts.append("## Timelines (one profiled step on rank 0)\n"
