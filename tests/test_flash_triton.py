@@ -1,11 +1,14 @@
-"""What is particular to the Triton FlashAttention-2: its tile tables and launch plans, every launch
-path on every head dim and pointer alignment (the split forward included), the torch.library op under
-torch.compile and CUDA graphs, and long sequences on a GPU.
+"""What is particular to the Triton FlashAttention-2: its tile tables and launch plans, how launches
+keep every tensor on a 16-byte boundary, every launch path on every head dim, dtype, causality,
+alignment and layout (the split forward included), the torch.library op under torch.compile and CUDA
+graphs, and long sequences on a GPU.
 
 Without a GPU the kernels run in the Triton interpreter, which neither models shared memory nor
 alignment, and every grid takes the wide path: the launch-path tests that matter are the `gpu` ones,
 run on a GPU with compute-sanitizer too (`make gpu-check`).
 """
+
+import itertools
 
 import pytest
 import torch
@@ -117,6 +120,28 @@ def test_path_cases_take_their_path_on_an_h100_sized_gpu(path, is_causal, monkey
                 assert plan.paths["dq"] == plan.paths["dkdv"] == "wide"
 
 
+# ------------------------------------------------------------------------------------ alignment
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_inputs_off_a_16_byte_boundary_are_copied_and_aligned_views_are_read_in_place(layout):
+    # The kernels are only ever compiled for tensors on 16-byte boundaries (as_batch_heads says why).
+    for aligned in (True, False):
+        t = make_tensor((2, 3), 40, 32, layout, torch.float32, "cpu", aligned)
+        t4 = launch.as_batch_heads(t)
+        assert t4.data_ptr() % launch.ALIGNMENT_BYTES == 0 and t4.stride(-1) == 1
+        torch.testing.assert_close(t4, t, rtol=0, atol=0)
+        in_place = aligned and layout != "strided_features"
+        assert (t4.data_ptr() == t.data_ptr()) == in_place, (layout, aligned)
+
+
+def test_a_kernel_launched_with_a_tensor_off_a_16_byte_boundary_is_refused(device):
+    dtype = torch.float32 if device.type == "cpu" else torch.bfloat16
+    q, k, v, _ = leaf_inputs((2, 3), 40, 40, 32, dtype, device)
+    tile_set = tiles.tiles_for(32, dtype, INTERPRETED)
+    with pytest.raises(ValueError, match="off a 16-byte boundary"):
+        launch.launch_forward(misaligned(q), k, v, True, tile_set.forward)
+
+
 # ---------------------------------------------------------------------------------- every path
 
 @pytest.mark.skipif(not INTERPRETED, reason="the Triton interpreter is not in use")
@@ -126,21 +151,40 @@ def test_interpreter_refuses_bf16_whose_dots_it_computes_wrongly():
         FlashAttentionTriton.apply(q, k, v)
 
 
+def _launch_path_cases():
+    """Every (path, dtype, causality, alignment) on every head dim, each case with one input layout: the
+    layouts take turns along the head dims, starting one further in each (path, dtype, causality,
+    alignment), so that every layout meets each of those twice and each head dim in several of them.
+    fp16 shares bf16's tiles and code; the drawn test has it."""
+    cells = itertools.product(PATHS, ("bf16", "fp32"), (False, True), (True, False))
+    for turn, (path, dtype, is_causal, aligned) in enumerate(cells):
+        for i, head_dim in enumerate(HEAD_DIMS):
+            layout = LAYOUTS[(turn + i) % len(LAYOUTS)]
+            name = f"{path}-{dtype}-{'causal' if is_causal else 'full'}-{'aligned' if aligned else 'misaligned'}"
+            yield pytest.param(path, dtype, is_causal, aligned, head_dim, layout, id=f"{name}-d{head_dim}-{layout}")
+
+
 @pytest.mark.gpu
-@pytest.mark.parametrize("dtype", ["bf16", "fp32"])  # fp16 shares bf16's tiles and code; the drawn test has it
-@pytest.mark.parametrize("aligned", [True, False], ids=["aligned", "misaligned"])
-@pytest.mark.parametrize("head_dim", HEAD_DIMS)
-@pytest.mark.parametrize("path", PATHS)
-def test_every_launch_path_on_every_head_dim_and_alignment(path, head_dim, aligned, dtype, device):
+@pytest.mark.parametrize(("path", "dtype", "is_causal", "aligned", "head_dim", "layout"), list(_launch_path_cases()))
+def test_every_launch_path_on_every_head_dim_and_alignment(path, dtype, is_causal, aligned, head_dim, layout, device):
     # The subset compute-sanitizer runs: every kernel on each of its tile widths, the split forward
-    # with its merge, head dims padded on chip, and inputs whose rows start off 16-byte boundaries.
-    is_causal = aligned or path == "narrow"  # both causalities on each path and head dim
+    # with its merge, head dims padded on chip, inputs in memory that starts off a 16-byte boundary, and
+    # each layout, every one of these with and without the causal mask.
     lead, n_queries, n_keys = path_case(path, device, is_causal)
-    q, k, v, do = leaf_inputs(lead, n_queries, n_keys, head_dim, GPU_DTYPES[dtype], device)
-    if not aligned:
-        q, k, v, do = (misaligned(t) for t in (q, k, v, do))
+    q, k, v = (make_tensor(lead, n, head_dim, layout, GPU_DTYPES[dtype], device, aligned)
+               for n in (n_queries, n_keys, n_keys))
+    do = make_tensor(lead, n_queries, head_dim, "contiguous", GPU_DTYPES[dtype], device, aligned)
     assert plan_for(q, k, is_causal).paths["forward"] == path
     assert_matches_reference("triton", q, k, v, do, is_causal)
+
+
+def test_launch_path_cases_pair_every_path_dtype_causality_alignment_and_layout():
+    cases = [case.values for case in _launch_path_cases()]
+    cells = {case[:4] for case in cases}
+    assert len(cells) == len(PATHS) * 2 * 2 * 2
+    for cell in cells:
+        assert {case[4] for case in cases if case[:4] == cell} == set(HEAD_DIMS)
+        assert {case[5] for case in cases if case[:4] == cell} == set(LAYOUTS)
 
 
 # Examples of the GPU property test per (path, dtype): every head dim class, alignment and layout
@@ -173,11 +217,9 @@ def test_drawn_inputs_on_every_launch_path_match_the_float64_reference(path, dty
         aligned = data.draw(st.booleans(), label="aligned")
         layouts = [data.draw(st.sampled_from(LAYOUTS), label=f"{name} layout") for name in "qkv"]
         seed_from(data)
-        q, k, v = (make_tensor(lead, n, head_dim, layout, GPU_DTYPES[dtype], device)
+        q, k, v = (make_tensor(lead, n, head_dim, layout, GPU_DTYPES[dtype], device, aligned)
                    for n, layout in zip((n_queries, n_keys, n_keys), layouts))
-        do = torch.randn(*lead, n_queries, head_dim, dtype=GPU_DTYPES[dtype], device=device)
-        if not aligned:
-            q, k, v, do = (misaligned(t) for t in (q, k, v, do))
+        do = make_tensor(lead, n_queries, head_dim, "contiguous", GPU_DTYPES[dtype], device, aligned)
         paths = plan_for(q, k, is_causal).paths
         assert paths["forward"] == path
         reached.update({("dq", paths["dq"]), ("dkdv", paths["dkdv"]), ("aligned", aligned), ("causal", is_causal),
@@ -213,17 +255,14 @@ def test_calls_that_differ_in_rank_layout_or_alignment_each_match_the_reference(
         assert_matches_reference("triton", *(misaligned(t) for t in inputs), is_causal=True)
 
 
-@pytest.mark.parametrize("aligned", [True, False], ids=["aligned", "misaligned"])
 @pytest.mark.parametrize("head_dim", [24, 80])  # padded on chip: masked columns in the merge too
 @pytest.mark.parametrize("is_causal", [False, True])
 @pytest.mark.parametrize(("n_queries", "n_keys"), [(80, 80), (100, 70), (50, 130), (16, 16)])
-def test_split_forward_matches_the_whole_forward(n_queries, n_keys, is_causal, head_dim, aligned, device):
+def test_split_forward_matches_the_whole_forward(n_queries, n_keys, is_causal, head_dim, device):
     # Runs of one query tile up to more keys than any tile sees; the merge must give the whole forward's
     # o and L (to rounding: the runs sum in another order).
     dtype = torch.float32 if device.type == "cpu" else torch.bfloat16
     q, k, v, _ = leaf_inputs((2, 3), n_queries, n_keys, head_dim, dtype, device)
-    if not aligned:
-        q, k, v = (misaligned(t) for t in (q, k, v))
     tile_set = tiles.tiles_for(head_dim, dtype, INTERPRETED)
     forward_tiles = tile_set.narrow_forward or tile_set.forward
     o, lse = launch.launch_forward(q, k, v, is_causal, forward_tiles)

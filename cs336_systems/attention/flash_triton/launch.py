@@ -5,7 +5,9 @@ each kernel (wide or narrow tiles, whole or split forward), and Triton's own JIT
     dq, dk, dv = backward(q, k, v, o, lse, do, is_causal)
 
 Leading dims are viewed as (batch, heads) and addressed by stride, so transposed heads and views out
-of a fused QKV projection are read in place; a last dim with a stride other than 1 is copied first.
+of a fused QKV projection are read in place. A last dim with a stride other than 1, or data that does
+not start on a 16-byte boundary, is copied first (as_batch_heads says why), and every launch refuses a
+tensor off a 16-byte boundary: the kernels are only ever compiled for aligned ones.
 
 Under TRITON_INTERPRET=1 (no GPU) the kernels run on CPU tensors in the interpreter, with small tiles
 (INTERPRETER_TILES) so short test sequences cross tile boundaries. The interpreter computes bf16
@@ -42,6 +44,9 @@ from cs336_systems.attention.flash_triton.tiles import (
 INTERPRETED = not isinstance(forward_kernel, triton.runtime.JITFunction)
 # tl.dot needs every dimension to be at least 16; smaller head dims are zero-padded on chip.
 MIN_DOT_DIM = 16
+# Triton specialises a compilation on whether each pointer is a multiple of this many bytes, and
+# vectorises loads to that width only where it is: the widest load (16 bytes) and cp.async's.
+ALIGNMENT_BYTES = 16
 
 
 @dataclass(frozen=True)
@@ -91,15 +96,25 @@ def plan_for(q: torch.Tensor, k: torch.Tensor, is_causal: bool) -> LaunchPlan:
 
 # ------------------------------------------------------------------------------------------- inputs
 
+def _starts_aligned(t: torch.Tensor) -> bool:
+    """Whether t's first element sits on a 16-byte boundary."""
+    return t.data_ptr() % ALIGNMENT_BYTES == 0
+
+
 def as_batch_heads(t: torch.Tensor) -> torch.Tensor:
-    """(..., n, d) as a 4-D (batch, heads, n, d) view with unit stride along d.
+    """(..., n, d) as a 4-D (batch, heads, n, d) view with unit stride along d, starting on a 16-byte
+    boundary.
 
     3-D inputs get a batch of one; more than two leading dims are folded into the batch (a copy only
     when the strides do not allow a view). A strided last dim is copied: the kernels read rows of d
-    contiguous elements, which is what makes their loads wide.
+    contiguous elements, which is what makes their loads wide. So is a tensor that starts off a
+    16-byte boundary, one element past it say: Triton then compiles the kernels for an unaligned
+    pointer, whose loads are 2 or 4 bytes wide and, for 16-bit types, not pipelined at all; on an
+    H100 those compilations crashed (misaligned address) with fp32 causal inputs at d 32 and 64. The
+    copy is one pass over the input, against the kernels' N^2 work; allocations start aligned.
     """
-    if t.stride(-1) != 1:
-        t = t.contiguous()
+    if t.stride(-1) != 1 or not _starts_aligned(t):
+        t = t.clone(memory_format=torch.contiguous_format)
     if t.dim() == 4:
         return t
     if t.dim() == 2:
@@ -149,6 +164,15 @@ def _strides(*tensors: torch.Tensor) -> tuple[int, ...]:
     return tuple(s for t in tensors for s in t.stride()[:3])
 
 
+def check_aligned(*tensors: torch.Tensor) -> None:
+    """Refuse a tensor that starts off a 16-byte boundary: as_batch_heads copies inputs that do, and the
+    kernels' outputs and workspaces come from the allocator, so one that reaches a launch is a bug."""
+    for t in tensors:
+        if t.data_ptr() % ALIGNMENT_BYTES:
+            raise ValueError(f"a {tuple(t.shape)} kernel argument starts at {t.data_ptr():#x}, off a "
+                             f"{ALIGNMENT_BYTES}-byte boundary; as_batch_heads copies such inputs")
+
+
 def _merge_columns(block_d: int) -> int:
     """Columns the split forward's merge takes at a time: half of them from 64 columns up (measured fastest
     at d 64 and 128 on an H100, docs/flash_tuning.md v10), else all."""
@@ -163,6 +187,7 @@ def launch_forward(q4, k4, v4, is_causal: bool, tiles: Tiles) -> tuple[torch.Ten
     o4 = q4.new_empty(q4.shape)
     lse = q4.new_empty((batch, heads, n_queries), dtype=torch.float32)
     grid = (batch * heads * cdiv(n_queries, tiles.block_m),)
+    check_aligned(q4, k4, v4, o4, lse)
     forward_kernel[grid](q4, k4, v4, o4, lse, *_strides(q4, k4, v4, o4), heads, n_queries, k4.shape[2],
                          _scales(head_dim)[0], **_options(head_dim, is_causal, tiles))
     return o4, lse
@@ -185,6 +210,7 @@ def launch_split_forward(q4, k4, v4, is_causal: bool, tiles: Tiles,
     slots = tiles_runs[0] * tiles_runs[1]
     partial = q4.new_empty(slots * tiles.block_m * (block_d + 1), dtype=torch.float32)
     arrivals = torch.zeros(tiles_runs[0], dtype=torch.int32, device=q4.device)
+    check_aligned(q4, k4, v4, o4, lse, partial, arrivals)
     split_forward_kernel[tiles_runs](q4, k4, v4, o4, lse, partial, arrivals, *_strides(q4, k4, v4, o4),
                                      heads, n_queries, n_keys, split_keys, _scales(head_dim)[0],
                                      RUNS=tiles_runs[1], MERGE_COLUMNS=_merge_columns(block_d),
@@ -198,6 +224,7 @@ def launch_dq(q4, k4, v4, o4, do4, lse, is_causal: bool, tiles: Tiles) -> tuple[
     dq4 = q4.new_empty(q4.shape)
     delta = q4.new_empty((batch, heads, n_queries), dtype=torch.float32)
     grid = (batch * heads * cdiv(n_queries, tiles.block_m),)
+    check_aligned(q4, k4, v4, o4, do4, lse, delta, dq4)
     dq_kernel[grid](q4, k4, v4, o4, do4, lse, delta, dq4, *_strides(q4, k4, v4, o4, do4, dq4), heads, n_queries,
                     k4.shape[2], *_scales(head_dim), **_options(head_dim, is_causal, tiles))
     return dq4, delta
@@ -209,6 +236,7 @@ def launch_dkdv(q4, k4, v4, do4, lse, delta, is_causal: bool, tiles: Tiles) -> t
     n_keys = k4.shape[2]
     dk4, dv4 = k4.new_empty(k4.shape), v4.new_empty(v4.shape)
     grid = (batch * heads * cdiv(n_keys, tiles.block_n),)
+    check_aligned(q4, k4, v4, do4, lse, delta, dk4, dv4)
     dkdv_kernel[grid](q4, k4, v4, do4, lse, delta, dk4, dv4, *_strides(q4, k4, v4, do4, dk4, dv4), heads, n_queries,
                       n_keys, *_scales(head_dim), **_options(head_dim, is_causal, tiles))
     return dk4, dv4
@@ -235,7 +263,9 @@ def backward(q, k, v, o, lse, do, is_causal: bool) -> tuple[torch.Tensor, torch.
     """dq, dk, dv (shapes and dtypes of q, k, v, contiguous): dQ over query tiles (writing D on the way),
     then dK/dV over key tiles."""
     q4, k4, v4, o4, do4 = (as_batch_heads(t) for t in (q, k, v, o, do))
-    lse4 = lse.reshape(q4.shape[:3]).contiguous()  # the kernels index L by row; a no-op for L as saved
+    lse4 = lse.reshape(q4.shape[:3])
+    if not (lse4.is_contiguous() and _starts_aligned(lse4)):  # the kernels index L by row; L as saved is so
+        lse4 = lse4.clone(memory_format=torch.contiguous_format)
     plan = plan_for(q, k, is_causal)
     with _on_device(q):
         dq4, delta = launch_dq(q4, k4, v4, o4, do4, lse4, is_causal, plan.dq)
