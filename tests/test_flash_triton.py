@@ -1,7 +1,7 @@
 """What is particular to the Triton FlashAttention-2: its tile tables and launch plans, how launches
-keep every tensor on a 16-byte boundary, every launch path on every head dim, dtype, causality,
-alignment and layout (the split forward included), the torch.library op under torch.compile and CUDA
-graphs, and long sequences on a GPU.
+keep every tensor on a 16-byte boundary and reuse compiled kernels, every launch path on every head
+dim, dtype, causality, alignment and layout (the split forward included), the torch.library op under
+torch.compile and CUDA graphs, and long sequences on a GPU.
 
 Without a GPU the kernels run in the Triton interpreter, which neither models shared memory nor
 alignment, and every grid takes the wide path: the launch-path tests that matter are the `gpu` ones,
@@ -22,7 +22,7 @@ from cs336_systems.attention.flash_triton import (
     flash_attention_triton,
     plan_for,
 )
-from cs336_systems.attention.flash_triton import launch, tiles
+from cs336_systems.attention.flash_triton import launch, op, tiles
 from cs336_systems.model import ModelConfig, TransformerLM
 from tests.flash_reference import (
     LAYOUTS,
@@ -120,7 +120,7 @@ def test_path_cases_take_their_path_on_an_h100_sized_gpu(path, is_causal, monkey
                 assert plan.paths["dq"] == plan.paths["dkdv"] == "wide"
 
 
-# ------------------------------------------------------------------------------------ alignment
+# -------------------------------------------------------------------- alignment and kept kernels
 
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_inputs_off_a_16_byte_boundary_are_copied_and_aligned_views_are_read_in_place(layout):
@@ -140,6 +140,40 @@ def test_a_kernel_launched_with_a_tensor_off_a_16_byte_boundary_is_refused(devic
     tile_set = tiles.tiles_for(32, dtype, INTERPRETED)
     with pytest.raises(ValueError, match="off a 16-byte boundary"):
         launch.launch_forward(misaligned(q), k, v, True, tile_set.forward)
+
+
+def test_every_launch_reuses_a_kept_kernel_only_where_triton_would_compile_the_same_one(monkeypatch):
+    # Stand-ins for a JIT kernel and the compiled kernel its launch returns record how each launch ran:
+    # through Triton's JIT (which compiles and specialises) or straight to the kept compiled kernel.
+    launches = []
+
+    class Compiled:
+        def __getitem__(self, grid):
+            return lambda *args: launches.append(("kept", grid, args))
+
+    class Jit:
+        arg_names = ["X", "stride", "n", "IS_CAUSAL", "BLOCK"]
+
+        def __getitem__(self, grid):
+            def run(*args, **options):
+                launches.append(("jit", grid, args, options))
+                return Compiled()
+            return run
+
+    monkeypatch.setattr(launch, "INTERPRETED", False)
+    monkeypatch.setattr(launch, "_kept_kernels", {})
+    call = launch.KernelCall(Jit(), (("IS_CAUSAL", True), ("BLOCK", 32)), num_warps=4, num_stages=3)
+    grid = (3, 1, 1)
+    x, y = torch.zeros(64), torch.zeros(64)
+    launch._launch(call, grid, (x,), (16, 100))
+    launch._launch(call, grid, (y,), (16, 100))  # other tensor, same ints: the kept kernel
+    launch._launch(call, grid, (x,), (16, 101))  # a size Triton would specialise otherwise: JIT again
+    launch._launch(call, grid, (x,), (1, 100))  # a stride of 1 is compiled in as a constant: JIT again
+    assert [entry[0] for entry in launches] == ["jit", "kept", "jit", "jit"]
+    assert launches[0][3] == {"IS_CAUSAL": True, "BLOCK": 32, "num_warps": 4, "num_stages": 3}
+    assert launches[1][2] == (y, 16, 100, True, 32)  # a compiled kernel takes the constants last, in order
+    with pytest.raises(ValueError, match="off a 16-byte boundary"):
+        launch._launch(call, grid, (torch.zeros(65)[1:],), (16, 100))
 
 
 # ---------------------------------------------------------------------------------- every path
@@ -323,7 +357,7 @@ def test_the_op_gives_the_function_s_output_and_gradients(device):
     dtype = torch.float32 if device.type == "cpu" else torch.bfloat16
     q, k, v, do = leaf_inputs((2, 3), 45, 70, 40, dtype, device)
     results = []
-    for attend in (flash_attention_triton, FlashAttentionTriton.apply):
+    for attend in (lambda *inputs: flash_attention_forward(*inputs)[0], FlashAttentionTriton.apply):
         inputs = [t.clone().requires_grad_() for t in (q, k, v)]
         out = attend(*inputs, True)
         results.append((out, *torch.autograd.grad(out, inputs, do)))
@@ -335,6 +369,32 @@ def test_the_op_s_log_sum_exp_is_not_differentiable(device):
     q, k, v, _ = leaf_inputs((2,), 20, 20, 16, torch.float32, device)
     o, lse = flash_attention_forward(*(t.requires_grad_() for t in (q, k, v)), True)
     assert o.requires_grad and not lse.requires_grad
+
+
+@pytest.mark.gpu
+def test_a_compiled_graph_launches_the_kernels_itself(device):
+    # The op is a triton_op: inductor traces into it and launches its kernels from its own code, with
+    # no call back into the op's Python. Its kernels are registered, so that editing them invalidates
+    # torch.compile's on-disk cache.
+    if INTERPRETED:
+        pytest.skip("interpreted kernels stay inside an opaque op")
+    from torch._inductor.utils import run_and_get_code
+
+    assert torch._library.triton.get_triton_kernels_for_op(op.FORWARD_OP) == list(launch.KERNELS.values())
+    q, k, v, do = leaf_inputs((2, 4), 256, 256, 64, torch.bfloat16, device)
+    inputs = [t.requires_grad_() for t in (q, k, v)]
+
+    torch._dynamo.reset()
+    compiled = torch.compile(lambda q, k, v: flash_attention_triton(q, k, v, True), fullgraph=True)
+    # The backward compiles at its first call: both graphs' code is collected.
+    gradients, code = run_and_get_code(lambda: torch.autograd.grad(compiled(*inputs), inputs, do))
+    source = "\n".join(code)
+    for kernel in ("forward_kernel", "dq_kernel", "dkdv_kernel"):
+        assert kernel in source, f"{kernel} is not launched by the compiled code"
+    assert "cs336_systems.flash_attention" not in source, "the compiled code calls back into the op"
+    expected = torch.autograd.grad(FlashAttentionTriton.apply(*inputs, True), inputs, do)
+    for got, want in zip(gradients, expected):
+        torch.testing.assert_close(got, want)
 
 
 def _model_step(run, model, tokens):
