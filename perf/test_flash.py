@@ -1,12 +1,14 @@
 """Problem flash_benchmarking: Triton FlashAttention-2 against naive attention and PyTorch SDPA, one
 test per (precision, head dim, sequence length); the leaderboard configuration; the speed-up gates that
-fail CI on a GPU when the Triton kernels regress. Problem flash_in_training: the kernels inside a
-compiled training step, against SDPA."""
+fail CI on a GPU when the Triton kernels regress; the host's time to issue a forward+backward. Problem
+flash_in_training: the kernels inside a compiled training step, against SDPA."""
 
 import pytest
 
 from cs336_systems.benchmarks.flash import (
     HEAD_DIMS,
+    HOST_ISSUE_CELLS,
+    HOST_ISSUE_PROVIDERS,
     LEADERBOARD_PROVIDERS,
     MODES,
     PROVIDERS,
@@ -18,6 +20,7 @@ from cs336_systems.benchmarks.flash import (
     GATED_PROVIDERS,
     gate,
     gate_name,
+    host_issue,
     leaderboard,
 )
 from cs336_systems.benchmarks.flash_in_training import (
@@ -90,6 +93,17 @@ def test_flash_speedup_gate(device, report, speedup_gate):
     statuses = ", ".join(f"{r['provider']}: {r['status']}" for r in rows)
     for provider in GATED_PROVIDERS:
         speedup_gate(gate_name(provider), ms.get(provider), ms.get("flash_triton"), note=statuses)
+
+
+@pytest.mark.gpu
+def test_flash_host_issue(device, report):
+    rows = host_issue(device)
+    for row in rows:
+        report(PROBLEM).add(row)
+    assert [(r["seq_len"], r["provider"]) for r in rows] == [
+        (cell.seq_len, provider) for cell in HOST_ISSUE_CELLS for provider in HOST_ISSUE_PROVIDERS]
+    assert all(r["status"] == "ok" for r in rows if r["provider"].startswith("flash_triton"))
+    assert not unmeasured(rows, "median_ms", "p20_ms", "p80_ms")
 
 
 # ---------------------------------------------------------------------------------- flash_in_training
