@@ -12,6 +12,9 @@ slowed by the power limit or by heat says so.
 `Timings` gives the statistics every row reports: mean +- std, and median and interquartile range,
 which a few slow outliers do not move.
 
+`issue_times` times the host alone: how long a call takes to issue its device work, with the device
+kept busy beforehand so that the call never waits for it.
+
 Kernel-level micro-benchmarks use `triton.testing.do_bench` instead (CUDA events, median).
 """
 
@@ -157,3 +160,64 @@ def time_fn(fn: Callable[[], object], *, warmup: int, steps: int, device: torch.
         with timed(device, samples):
             fn()
     return Timings(tuple(samples))
+
+
+# The device's queue is filled with a spin kernel this long before each issue is timed, doubled for a
+# sample whose issue outlasted it (up to the most), so that the host never waits for the device while
+# it issues: what is timed is the host's own work.
+ISSUE_BUSY_MS = 5.0
+ISSUE_MAX_BUSY_MS = 2000.0
+# Cycles torch.cuda._sleep spins for the calibration: a few milliseconds on any GPU.
+_CALIBRATION_CYCLES = 10_000_000
+
+
+def _spin_cycles_per_ms(device: torch.device) -> float:
+    """GPU clock cycles per millisecond of torch.cuda._sleep's spin on `device`, measured with events."""
+    with torch.cuda.device(device):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        torch.cuda._sleep(_CALIBRATION_CYCLES)
+        end.record()
+        end.synchronize()
+        return _CALIBRATION_CYCLES / start.elapsed_time(end)
+
+
+def issue_times(fn: Callable[[], object], *, warmup: int, samples: int, device: torch.device | str) -> Timings:
+    """How long the host takes to issue `fn`'s device work, in ms per call: host time only, the device kept
+    busy (ISSUE_BUSY_MS) so that no call waits for it. perf_counter times each call alone, garbage
+    collection off; a sample counts only if the spin kernel queued before it was still running when the
+    call returned, else it is taken again with a longer spin."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        raise ValueError(f"issue time is measured against a busy GPU; {device} has no queue to keep busy")
+    if warmup < 0 or samples < 1:
+        raise ValueError(f"need warmup >= 0 and samples >= 1, got warmup={warmup}, samples={samples}")
+    for _ in range(warmup):
+        fn()
+    cycles_per_ms = _spin_cycles_per_ms(device)
+    busy_ms = ISSUE_BUSY_MS
+    issued_ms: list[float] = []
+    collecting = gc.isenabled()
+    gc.disable()
+    try:
+        while len(issued_ms) < samples:
+            with torch.cuda.device(device):
+                torch.cuda._sleep(int(busy_ms * cycles_per_ms))
+                spun = torch.cuda.Event()
+                spun.record()
+                start = time.perf_counter()
+                fn()
+                elapsed_ms = (time.perf_counter() - start) * 1e3
+                still_busy = not spun.query()
+            synchronize(device)
+            if still_busy:
+                issued_ms.append(elapsed_ms)
+            elif busy_ms < ISSUE_MAX_BUSY_MS:
+                busy_ms *= 2
+            else:
+                raise RuntimeError(f"issuing one call outlasted a {busy_ms:.0f} ms spin kernel: the call waits for "
+                                   "the device (a synchronisation inside it), so its host time is not measurable")
+    finally:
+        if collecting:
+            gc.enable()
+    return Timings(tuple(issued_ms))

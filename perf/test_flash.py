@@ -1,7 +1,7 @@
 """Problem flash_benchmarking: Triton FlashAttention-2 against naive attention and PyTorch SDPA, one
 test per (precision, head dim, sequence length); the leaderboard configuration; the speed-up gates that
-fail CI on a GPU when the Triton kernels regress. Problem flash_in_training: the kernels inside a
-compiled training step, against SDPA."""
+fail CI on a GPU when the Triton kernels regress; the host's time to issue a forward+backward. Problem
+flash_in_training: the kernels inside a compiled training step, against SDPA."""
 
 import pytest
 
@@ -9,6 +9,8 @@ from cs336_systems.benchmarks.flash import (
     GATE_PROMISES,
     GATED_PROVIDERS,
     HEAD_DIMS,
+    HOST_ISSUE_CELLS,
+    HOST_ISSUE_PROVIDERS,
     LEADERBOARD_PROVIDERS,
     MODES,
     PROVIDERS,
@@ -19,6 +21,7 @@ from cs336_systems.benchmarks.flash import (
     benchmark_flash_cell,
     gate,
     gate_name,
+    host_issue,
     leaderboard,
 )
 from cs336_systems.benchmarks.flash_in_training import (
@@ -103,6 +106,17 @@ def test_flash_speedup_gate(provider, gate_rows, speedup_gate):
     statuses = ", ".join(f"{r['provider']}: {r['status']}" for r in gate_rows)
     speedup_gate(gate_name(provider), ms.get(provider), ms.get("flash_triton"), promise=GATE_PROMISES[provider],
                  note=statuses)
+
+
+@pytest.mark.gpu
+def test_flash_host_issue(device, report):
+    rows = host_issue(device)
+    for row in rows:
+        report(PROBLEM).add(row)
+    assert [(r["seq_len"], r["provider"]) for r in rows] == [
+        (cell.seq_len, provider) for cell in HOST_ISSUE_CELLS for provider in HOST_ISSUE_PROVIDERS]
+    assert all(r["status"] == "ok" for r in rows if r["provider"].startswith("flash_triton"))
+    assert not unmeasured(rows, "median_ms", "p20_ms", "p80_ms")
 
 
 # ---------------------------------------------------------------------------------- flash_in_training

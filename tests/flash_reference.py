@@ -84,16 +84,22 @@ def max_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
     return (actual.double() - expected).abs().max().item()
 
 
-def make_tensor(lead: tuple[int, ...], n: int, d: int, layout: str, dtype, device) -> torch.Tensor:
-    """A (*lead, n, d) tensor of standard normals laid out as attention inputs come in practice."""
+def make_tensor(lead: tuple[int, ...], n: int, d: int, layout: str, dtype, device,
+                aligned: bool = True) -> torch.Tensor:
+    """A (*lead, n, d) tensor of standard normals laid out as attention inputs come in practice, in memory
+    that starts on a 16-byte boundary or (aligned=False) one element past one."""
+
+    def randn(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, dtype=dtype, device=device) if aligned else misaligned_randn(shape, dtype, device)
+
     if layout == "contiguous":
-        return torch.randn(*lead, n, d, dtype=dtype, device=device)
+        return randn(*lead, n, d)
     if layout == "heads_transposed" and lead:  # (batch, seq, heads, d) viewed as (batch, heads, seq, d)
-        return torch.randn(*lead[:-1], n, lead[-1], d, dtype=dtype, device=device).transpose(-3, -2)
+        return randn(*lead[:-1], n, lead[-1], d).transpose(-3, -2)
     if layout == "fused_projection":  # a column slice of a (..., seq, 3 d) fused QKV output
-        return torch.randn(*lead, n, 3 * d, dtype=dtype, device=device)[..., d:2 * d]
+        return randn(*lead, n, 3 * d)[..., d:2 * d]
     # strided_features (and heads_transposed without a head dim): every other feature
-    return torch.randn(*lead, n, 2 * d, dtype=dtype, device=device)[..., ::2]
+    return randn(*lead, n, 2 * d)[..., ::2]
 
 
 def run(impl: str, q, k, v, do, is_causal: bool):
@@ -136,9 +142,19 @@ def seed_from(data) -> None:
 
 
 def misaligned(t: torch.Tensor) -> torch.Tensor:
-    """The same values one element past a 16-byte boundary, so that no load of them is 16 bytes wide."""
-    buffer = torch.empty(t.numel() + 1, dtype=t.dtype, device=t.device)
-    view = buffer[1:].view(t.shape)
+    """The same values, contiguous, one element past a 16-byte boundary."""
+    view = _off_boundary(t.shape, t.dtype, t.device)
     view.copy_(t)
+    return view
+
+
+def misaligned_randn(shape, dtype, device) -> torch.Tensor:
+    """Standard normals of `shape`, contiguous, one element past a 16-byte boundary."""
+    return _off_boundary(shape, dtype, device).normal_()
+
+
+def _off_boundary(shape, dtype, device) -> torch.Tensor:
+    buffer = torch.empty(math.prod(shape) + 1, dtype=dtype, device=device)
+    view = buffer[1:].view(shape)
     assert view.data_ptr() % 16 != 0
     return view

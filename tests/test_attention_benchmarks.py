@@ -200,6 +200,19 @@ def test_flash_cell_on_cpu_measures_every_provider_and_mode():
         naive_attention_memory(1, 16, 16, 16, "fp32", is_causal=True).peak_bytes}
 
 
+@pytest.mark.skipif(not INTERPRETED, reason="Triton kernels compiled for a GPU refuse CPU tensors; the interpreter "
+                                             "(no GPU) runs them")
+def test_flash_cell_times_the_torch_library_op_with_its_registered_backward():
+    rows = benchmark_flash_cell(FlashCell(16, 16, "fp32"), ("flash_triton_op",), "cpu", ("forward_backward",),
+                                TINY_BENCH)
+    assert [(r["provider"], r["status"]) for r in rows] == [("flash_triton_op", "ok")]
+
+
+def test_host_issue_time_needs_a_gpu_to_keep_busy():
+    with pytest.raises(ValueError, match="needs a CUDA device, got cpu"):
+        flash_bench.host_issue("cpu")
+
+
 def test_backward_timing_leaves_no_gradient_behind():
     inputs, grad_out = flash_bench._inputs(FlashCell(16, 16, "fp32"), torch.device("cpu"))
     stats = flash_bench._bench_mode("backward", lambda: naive_attention(*inputs, True), inputs, grad_out,
@@ -363,6 +376,18 @@ def test_flash_report_tables_ratios_oom_and_leaderboard(tmp_path):
     assert len(read_rows(tmp_path / "flash_benchmarking.csv")) == len(rows) + 3
     text = (tmp_path / "flash_benchmarking.md").read_text()
     assert rerender(tmp_path, FLASH_REPORT).read_text() == text  # the CSV alone reproduces the report
+
+
+def test_flash_report_tables_host_issue_times_in_microseconds_with_ratios_to_sdpa():
+    timer = {"timer": "host issue (20 warm-up, GPU kept busy)"}
+    rows = [_flash_row(provider, "forward_backward", 512, ms, table="host_issue", **timer)
+            for provider, ms in (("flash_triton", 0.2), ("flash_triton_op", 0.5), ("sdpa_flash", 0.25),
+                                 ("sdpa_cudnn", 0.16))]
+    body = _flat(FLASH_REPORT.render(rows).body)
+    assert "## Host time to issue forward+backward" in body and "(host issue (20 warm-up, GPU kept busy))" in body
+    assert "| 1 x 1 x 512 x 64 | 200 [200-200] | 500 [500-500] | 250 [250-250] | 160 [160-160] | 1.25x | 0.80x |" \
+        " 3.12x | 2.00x |" in body
+    assert "### bf16" not in body  # host rows are no sweep cells
 
 
 def test_flash_report_calls_short_lengths_host_bound_only_when_time_stays_flat_while_work_grows():

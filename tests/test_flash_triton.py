@@ -1,11 +1,14 @@
-"""What is particular to the Triton FlashAttention-2: its tile tables and launch plans, every launch
-path on every head dim and pointer alignment (the split forward included), the torch.library op under
+"""What is particular to the Triton FlashAttention-2: its tile tables and launch plans, how launches
+keep every tensor on a 16-byte boundary and reuse compiled kernels, every launch path on every head
+dim, dtype, causality, alignment and layout (the split forward included), the torch.library op under
 torch.compile and CUDA graphs, and long sequences on a GPU.
 
 Without a GPU the kernels run in the Triton interpreter, which neither models shared memory nor
 alignment, and every grid takes the wide path: the launch-path tests that matter are the `gpu` ones,
 run on a GPU with compute-sanitizer too (`make gpu-check`).
 """
+
+import itertools
 
 import pytest
 import torch
@@ -19,7 +22,7 @@ from cs336_systems.attention.flash_triton import (
     flash_attention_triton,
     plan_for,
 )
-from cs336_systems.attention.flash_triton import launch, tiles
+from cs336_systems.attention.flash_triton import launch, op, tiles
 from cs336_systems.model import ModelConfig, TransformerLM
 from tests.flash_reference import (
     LAYOUTS,
@@ -117,6 +120,62 @@ def test_path_cases_take_their_path_on_an_h100_sized_gpu(path, is_causal, monkey
                 assert plan.paths["dq"] == plan.paths["dkdv"] == "wide"
 
 
+# -------------------------------------------------------------------- alignment and kept kernels
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_inputs_off_a_16_byte_boundary_are_copied_and_aligned_views_are_read_in_place(layout):
+    # The kernels are only ever compiled for tensors on 16-byte boundaries (as_batch_heads says why).
+    for aligned in (True, False):
+        t = make_tensor((2, 3), 40, 32, layout, torch.float32, "cpu", aligned)
+        t4 = launch.as_batch_heads(t)
+        assert t4.data_ptr() % launch.ALIGNMENT_BYTES == 0 and t4.stride(-1) == 1
+        torch.testing.assert_close(t4, t, rtol=0, atol=0)
+        in_place = aligned and layout != "strided_features"
+        assert (t4.data_ptr() == t.data_ptr()) == in_place, (layout, aligned)
+
+
+def test_a_kernel_launched_with_a_tensor_off_a_16_byte_boundary_is_refused(device):
+    dtype = torch.float32 if device.type == "cpu" else torch.bfloat16
+    q, k, v, _ = leaf_inputs((2, 3), 40, 40, 32, dtype, device)
+    tile_set = tiles.tiles_for(32, dtype, INTERPRETED)
+    with pytest.raises(ValueError, match="off a 16-byte boundary"):
+        launch.launch_forward(misaligned(q), k, v, True, tile_set.forward)
+
+
+def test_every_launch_reuses_a_kept_kernel_only_where_triton_would_compile_the_same_one(monkeypatch):
+    # Stand-ins for a JIT kernel and the compiled kernel its launch returns record how each launch ran:
+    # through Triton's JIT (which compiles and specialises) or straight to the kept compiled kernel.
+    launches = []
+
+    class Compiled:
+        def __getitem__(self, grid):
+            return lambda *args: launches.append(("kept", grid, args))
+
+    class Jit:
+        arg_names = ["X", "stride", "n", "IS_CAUSAL", "BLOCK"]
+
+        def __getitem__(self, grid):
+            def run(*args, **options):
+                launches.append(("jit", grid, args, options))
+                return Compiled()
+            return run
+
+    monkeypatch.setattr(launch, "INTERPRETED", False)
+    monkeypatch.setattr(launch, "_kept_kernels", {})
+    call = launch.KernelCall(Jit(), (("IS_CAUSAL", True), ("BLOCK", 32)), num_warps=4, num_stages=3)
+    grid = (3, 1, 1)
+    x, y = torch.zeros(64), torch.zeros(64)
+    launch._launch(call, grid, (x,), (16, 100))
+    launch._launch(call, grid, (y,), (16, 100))  # other tensor, same ints: the kept kernel
+    launch._launch(call, grid, (x,), (16, 101))  # a size Triton would specialise otherwise: JIT again
+    launch._launch(call, grid, (x,), (1, 100))  # a stride of 1 is compiled in as a constant: JIT again
+    assert [entry[0] for entry in launches] == ["jit", "kept", "jit", "jit"]
+    assert launches[0][3] == {"IS_CAUSAL": True, "BLOCK": 32, "num_warps": 4, "num_stages": 3}
+    assert launches[1][2] == (y, 16, 100, True, 32)  # a compiled kernel takes the constants last, in order
+    with pytest.raises(ValueError, match="off a 16-byte boundary"):
+        launch._launch(call, grid, (torch.zeros(65)[1:],), (16, 100))
+
+
 # ---------------------------------------------------------------------------------- every path
 
 @pytest.mark.skipif(not INTERPRETED, reason="the Triton interpreter is not in use")
@@ -126,21 +185,40 @@ def test_interpreter_refuses_bf16_whose_dots_it_computes_wrongly():
         FlashAttentionTriton.apply(q, k, v)
 
 
+def _launch_path_cases():
+    """Every (path, dtype, causality, alignment) on every head dim, each case with one input layout: the
+    layouts take turns along the head dims, starting one further in each (path, dtype, causality,
+    alignment), so that every layout meets each of those twice and each head dim in several of them.
+    fp16 shares bf16's tiles and code; the drawn test has it."""
+    cells = itertools.product(PATHS, ("bf16", "fp32"), (False, True), (True, False))
+    for turn, (path, dtype, is_causal, aligned) in enumerate(cells):
+        for i, head_dim in enumerate(HEAD_DIMS):
+            layout = LAYOUTS[(turn + i) % len(LAYOUTS)]
+            name = f"{path}-{dtype}-{'causal' if is_causal else 'full'}-{'aligned' if aligned else 'misaligned'}"
+            yield pytest.param(path, dtype, is_causal, aligned, head_dim, layout, id=f"{name}-d{head_dim}-{layout}")
+
+
 @pytest.mark.gpu
-@pytest.mark.parametrize("dtype", ["bf16", "fp32"])  # fp16 shares bf16's tiles and code; the drawn test has it
-@pytest.mark.parametrize("aligned", [True, False], ids=["aligned", "misaligned"])
-@pytest.mark.parametrize("head_dim", HEAD_DIMS)
-@pytest.mark.parametrize("path", PATHS)
-def test_every_launch_path_on_every_head_dim_and_alignment(path, head_dim, aligned, dtype, device):
+@pytest.mark.parametrize(("path", "dtype", "is_causal", "aligned", "head_dim", "layout"), list(_launch_path_cases()))
+def test_every_launch_path_on_every_head_dim_and_alignment(path, dtype, is_causal, aligned, head_dim, layout, device):
     # The subset compute-sanitizer runs: every kernel on each of its tile widths, the split forward
-    # with its merge, head dims padded on chip, and inputs whose rows start off 16-byte boundaries.
-    is_causal = aligned or path == "narrow"  # both causalities on each path and head dim
+    # with its merge, head dims padded on chip, inputs in memory that starts off a 16-byte boundary, and
+    # each layout, every one of these with and without the causal mask.
     lead, n_queries, n_keys = path_case(path, device, is_causal)
-    q, k, v, do = leaf_inputs(lead, n_queries, n_keys, head_dim, GPU_DTYPES[dtype], device)
-    if not aligned:
-        q, k, v, do = (misaligned(t) for t in (q, k, v, do))
+    q, k, v = (make_tensor(lead, n, head_dim, layout, GPU_DTYPES[dtype], device, aligned)
+               for n in (n_queries, n_keys, n_keys))
+    do = make_tensor(lead, n_queries, head_dim, "contiguous", GPU_DTYPES[dtype], device, aligned)
     assert plan_for(q, k, is_causal).paths["forward"] == path
     assert_matches_reference("triton", q, k, v, do, is_causal)
+
+
+def test_launch_path_cases_pair_every_path_dtype_causality_alignment_and_layout():
+    cases = [case.values for case in _launch_path_cases()]
+    cells = {case[:4] for case in cases}
+    assert len(cells) == len(PATHS) * 2 * 2 * 2
+    for cell in cells:
+        assert {case[4] for case in cases if case[:4] == cell} == set(HEAD_DIMS)
+        assert {case[5] for case in cases if case[:4] == cell} == set(LAYOUTS)
 
 
 # Examples of the GPU property test per (path, dtype): every head dim class, alignment and layout
@@ -173,11 +251,9 @@ def test_drawn_inputs_on_every_launch_path_match_the_float64_reference(path, dty
         aligned = data.draw(st.booleans(), label="aligned")
         layouts = [data.draw(st.sampled_from(LAYOUTS), label=f"{name} layout") for name in "qkv"]
         seed_from(data)
-        q, k, v = (make_tensor(lead, n, head_dim, layout, GPU_DTYPES[dtype], device)
+        q, k, v = (make_tensor(lead, n, head_dim, layout, GPU_DTYPES[dtype], device, aligned)
                    for n, layout in zip((n_queries, n_keys, n_keys), layouts))
-        do = torch.randn(*lead, n_queries, head_dim, dtype=GPU_DTYPES[dtype], device=device)
-        if not aligned:
-            q, k, v, do = (misaligned(t) for t in (q, k, v, do))
+        do = make_tensor(lead, n_queries, head_dim, "contiguous", GPU_DTYPES[dtype], device, aligned)
         paths = plan_for(q, k, is_causal).paths
         assert paths["forward"] == path
         reached.update({("dq", paths["dq"]), ("dkdv", paths["dkdv"]), ("aligned", aligned), ("causal", is_causal),
@@ -213,17 +289,14 @@ def test_calls_that_differ_in_rank_layout_or_alignment_each_match_the_reference(
         assert_matches_reference("triton", *(misaligned(t) for t in inputs), is_causal=True)
 
 
-@pytest.mark.parametrize("aligned", [True, False], ids=["aligned", "misaligned"])
 @pytest.mark.parametrize("head_dim", [24, 80])  # padded on chip: masked columns in the merge too
 @pytest.mark.parametrize("is_causal", [False, True])
 @pytest.mark.parametrize(("n_queries", "n_keys"), [(80, 80), (100, 70), (50, 130), (16, 16)])
-def test_split_forward_matches_the_whole_forward(n_queries, n_keys, is_causal, head_dim, aligned, device):
+def test_split_forward_matches_the_whole_forward(n_queries, n_keys, is_causal, head_dim, device):
     # Runs of one query tile up to more keys than any tile sees; the merge must give the whole forward's
     # o and L (to rounding: the runs sum in another order).
     dtype = torch.float32 if device.type == "cpu" else torch.bfloat16
     q, k, v, _ = leaf_inputs((2, 3), n_queries, n_keys, head_dim, dtype, device)
-    if not aligned:
-        q, k, v = (misaligned(t) for t in (q, k, v))
     tile_set = tiles.tiles_for(head_dim, dtype, INTERPRETED)
     forward_tiles = tile_set.narrow_forward or tile_set.forward
     o, lse = launch.launch_forward(q, k, v, is_causal, forward_tiles)
@@ -284,7 +357,7 @@ def test_the_op_gives_the_function_s_output_and_gradients(device):
     dtype = torch.float32 if device.type == "cpu" else torch.bfloat16
     q, k, v, do = leaf_inputs((2, 3), 45, 70, 40, dtype, device)
     results = []
-    for attend in (flash_attention_triton, FlashAttentionTriton.apply):
+    for attend in (lambda *inputs: flash_attention_forward(*inputs)[0], FlashAttentionTriton.apply):
         inputs = [t.clone().requires_grad_() for t in (q, k, v)]
         out = attend(*inputs, True)
         results.append((out, *torch.autograd.grad(out, inputs, do)))
@@ -296,6 +369,32 @@ def test_the_op_s_log_sum_exp_is_not_differentiable(device):
     q, k, v, _ = leaf_inputs((2,), 20, 20, 16, torch.float32, device)
     o, lse = flash_attention_forward(*(t.requires_grad_() for t in (q, k, v)), True)
     assert o.requires_grad and not lse.requires_grad
+
+
+@pytest.mark.gpu
+def test_a_compiled_graph_launches_the_kernels_itself(device):
+    # The op is a triton_op: inductor traces into it and launches its kernels from its own code, with
+    # no call back into the op's Python. Its kernels are registered, so that editing them invalidates
+    # torch.compile's on-disk cache.
+    if INTERPRETED:
+        pytest.skip("interpreted kernels stay inside an opaque op")
+    from torch._inductor.utils import run_and_get_code
+
+    assert torch._library.triton.get_triton_kernels_for_op(op.FORWARD_OP) == list(launch.KERNELS.values())
+    q, k, v, do = leaf_inputs((2, 4), 256, 256, 64, torch.bfloat16, device)
+    inputs = [t.requires_grad_() for t in (q, k, v)]
+
+    torch._dynamo.reset()
+    compiled = torch.compile(lambda q, k, v: flash_attention_triton(q, k, v, True), fullgraph=True)
+    # The backward compiles at its first call: both graphs' code is collected.
+    gradients, code = run_and_get_code(lambda: torch.autograd.grad(compiled(*inputs), inputs, do))
+    source = "\n".join(code)
+    for kernel in ("forward_kernel", "dq_kernel", "dkdv_kernel"):
+        assert kernel in source, f"{kernel} is not launched by the compiled code"
+    assert "cs336_systems.flash_attention" not in source, "the compiled code calls back into the op"
+    expected = torch.autograd.grad(FlashAttentionTriton.apply(*inputs, True), inputs, do)
+    for got, want in zip(gradients, expected):
+        torch.testing.assert_close(got, want)
 
 
 def _model_step(run, model, tokens):

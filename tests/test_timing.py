@@ -3,7 +3,7 @@ import time
 
 import pytest
 
-from cs336_systems.timing import StepTimer, Timings, time_fn
+from cs336_systems.timing import StepTimer, Timings, issue_times, time_fn
 
 
 def test_time_fn_runs_warmup_then_times_each_step():
@@ -32,6 +32,11 @@ def test_interquartile_range_is_the_spread_of_the_middle_half_and_ignores_an_out
 def test_time_fn_rejects_bad_counts(warmup, steps):
     with pytest.raises(ValueError, match="warmup"):
         time_fn(lambda: None, warmup=warmup, steps=steps, device="cpu")
+
+
+def test_issue_times_need_a_gpu_queue_to_keep_busy():
+    with pytest.raises(ValueError, match="cpu has no queue to keep busy"):
+        issue_times(lambda: None, warmup=0, samples=1, device="cpu")
 
 
 def test_step_timer_sums_a_phase_entered_twice_and_restores_collection_after_an_error():

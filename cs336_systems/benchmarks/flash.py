@@ -3,6 +3,7 @@ SDPA, forward, backward and forward+backward; and the leaderboard configuration.
 
     rows = benchmark_flash_cell(FlashCell(seq_len=4096, head_dim=64, precision="bf16"), PROVIDERS, "cuda")
     rows = leaderboard("cuda")
+    rows = host_issue("cuda")
 
 Inputs are (batch, heads, N, d) random normal tensors, causal. Timing is triton.testing.do_bench on a
 GPU: after a first call and a five-call estimate, `warmup_ms` of untimed calls then `rep_ms` of
@@ -19,6 +20,11 @@ Naive attention materialises N x N matrices: before running it, its predicted pe
 (cs336_systems.accounting.attention) is compared with the free device memory, and a cell that
 would not fit is recorded as OOM (oom_predicted) without running. Any cell that runs out of memory
 anyway is recorded as OOM too, and the sweep goes on.
+
+Host issue time (`host_issue`): the host's time to issue one forward+backward (torch.autograd.grad of
+the output), the GPU kept busy beforehand so that nothing waits for it (cs336_systems.timing.issue_times),
+for the Triton Function, the torch.library op and SDPA's flash and cuDNN backends, by the same method in
+one run.
 
 SDPA runs under torch.nn.attention.sdpa_kernel with one backend pinned, named in the rows:
 "sdpa" takes the first of FLASH_ATTENTION, EFFICIENT_ATTENTION, MATH that accepts the inputs (flash
@@ -57,7 +63,7 @@ from cs336_systems.reports import (
     ok_rows,
     select,
 )
-from cs336_systems.timing import time_fn
+from cs336_systems.timing import issue_times, time_fn
 
 SEQ_LENS = tuple(2**p for p in range(7, 17))  # 128 ... 65536
 HEAD_DIMS = (16, 32, 64, 128)
@@ -110,8 +116,9 @@ class FlashCell:
 LEADERBOARD_CELL = FlashCell(seq_len=16384, head_dim=64, precision="bf16", n_heads=16)
 LEADERBOARD_PROVIDERS = ("flash_triton_compiled", "flash_triton", "sdpa_flash", "sdpa_cudnn")
 COMPILED_PROVIDERS = ("flash_triton_compiled",)
-PROVIDER_LABELS = {"flash_triton": "triton", "flash_triton_compiled": "triton (compiled)", "naive": "naive",
-                   "sdpa": "sdpa", "sdpa_flash": "sdpa flash", "sdpa_cudnn": "sdpa cuDNN"}
+PROVIDER_LABELS = {"flash_triton": "triton", "flash_triton_compiled": "triton (compiled)",
+                   "flash_triton_op": "triton (torch.library op)", "naive": "naive", "sdpa": "sdpa",
+                   "sdpa_flash": "sdpa flash", "sdpa_cudnn": "sdpa cuDNN"}
 
 
 # ---------------------------------------------------------------------------------------- providers
@@ -133,6 +140,10 @@ def _provider(name: str, q, k, v, is_causal: bool) -> tuple[Callable[[], torch.T
         from cs336_systems.attention.flash_triton import FlashAttentionTriton
 
         return (lambda: FlashAttentionTriton.apply(q, k, v, is_causal)), None
+    if name == "flash_triton_op":
+        from cs336_systems.attention.flash_triton import flash_attention_forward
+
+        return (lambda: flash_attention_forward(q, k, v, is_causal)[0]), None
     if name == "flash_triton_compiled":
         from cs336_systems.attention.flash_triton import flash_attention_triton
 
@@ -168,10 +179,14 @@ def _bench(fn: Callable[[], object], grads: tuple[torch.Tensor, ...], device: to
 
         samples = time_fn(call, warmup=settings.cpu_warmup, steps=settings.cpu_steps, device=device).samples_ms
         timer = f"host clock ({settings.cpu_warmup} warm-up, {settings.cpu_steps} timed calls)"
+    return {**_spread(samples), "timer": timer}
+
+
+def _spread(samples) -> Row:
+    """The median and 20th/80th percentiles of samples in ms, and their count."""
     series = torch.tensor(samples, dtype=torch.float64)
     p20, p80 = series.quantile(torch.tensor([0.2, 0.8], dtype=torch.float64)).tolist()
-    return {"median_ms": statistics.median(samples), "p20_ms": p20, "p80_ms": p80, "samples": len(samples),
-            "timer": timer}
+    return {"median_ms": statistics.median(samples), "p20_ms": p20, "p80_ms": p80, "samples": len(samples)}
 
 
 def _bench_mode(mode: str, forward: Callable[[], torch.Tensor], inputs: tuple[torch.Tensor, ...],
@@ -292,6 +307,44 @@ def gate(device: torch.device | str = "cuda", settings: BenchSettings = BenchSet
     """The gated cell's rows: Triton and the providers whose time over Triton's is gated."""
     rows = benchmark_flash_cell(GATE_CELL, ("flash_triton", *GATED_PROVIDERS), device, ("forward_backward",), settings)
     return [{**row, "table": "gate"} for row in rows]
+
+
+# Host issue time per forward+backward at: a training shape (the 2025 xl's attention at batch 4: wide
+# tiles), 16 heads at N 1024 (on an H100, narrow tiles and the split forward, which allocates and
+# launches once more), and the leaderboard's grid.
+HOST_ISSUE_CELLS = (FlashCell(512, 64, "bf16", batch_size=4, n_heads=25), FlashCell(1024, 64, "bf16", n_heads=16),
+                    LEADERBOARD_CELL)
+HOST_ISSUE_PROVIDERS = ("flash_triton", "flash_triton_op", "sdpa_flash", "sdpa_cudnn")
+# Untimed calls first: kernels compiled and kept, the allocator's blocks cached.
+HOST_ISSUE_WARMUP = 20
+# Each sample waits out a spin of timing.ISSUE_BUSY_MS on the GPU: about a second per provider and cell.
+HOST_ISSUE_SAMPLES = 200
+
+
+def host_issue(device: torch.device | str = "cuda", cells=HOST_ISSUE_CELLS, providers=HOST_ISSUE_PROVIDERS,
+               warmup: int = HOST_ISSUE_WARMUP, samples: int = HOST_ISSUE_SAMPLES) -> list[Row]:
+    """One row per (cell, provider): the host's time to issue a forward+backward (median, p20, p80 in ms)."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        raise ValueError(f"host issue time is measured against a busy GPU and needs a CUDA device, got {device}")
+    rows = []
+    for cell in cells:
+        inputs, grad_out = _inputs(cell, device)
+        for provider in providers:
+            row = {**_cell_row(cell, provider, "forward_backward", device), "table": "host_issue"}
+            forward, backend = _provider(provider, *inputs, cell.is_causal)
+            row["backend"] = None if backend is None else backend.name
+            if forward is None:
+                rows.append({**row, "status": UNSUPPORTED})
+                continue
+            with sdpa_kernel(backend) if backend is not None else nullcontext():
+                timings = issue_times(lambda: torch.autograd.grad(forward(), inputs, grad_out), warmup=warmup,
+                                      samples=samples, device=device)
+            rows.append({**row, **_spread(timings.samples_ms), "status": "ok",
+                         "timer": f"host issue ({warmup} warm-up, GPU kept busy)"})
+        del inputs, grad_out
+        release_memory(device)
+    return rows
 
 
 def gate_name(provider: str) -> str:
@@ -476,6 +529,31 @@ def _plot(rows: list[Row], precision: str):
     return figure
 
 
+def _host_issue_section(rows: list[Row]) -> str:
+    if not rows:
+        return ""
+    providers = [p for p in PROVIDER_LABELS if any(r["provider"] == p for r in rows)]
+    table = []
+    for shape in dict.fromkeys((r["batch_size"], r["n_heads"], r["seq_len"], r["head_dim"]) for r in rows):
+        cell = {r["provider"]: r for r in rows if (r["batch_size"], r["n_heads"], r["seq_len"], r["head_dim"]) == shape}
+        entry = {"batch x heads x N x d": " x ".join(map(str, shape))}
+        for p in providers:
+            row = cell.get(p)
+            entry[f"{PROVIDER_LABELS[p]} (us)"] = (f"{row['median_ms'] * 1e3:.0f} [{row['p20_ms'] * 1e3:.0f}-"
+                                                   f"{row['p80_ms'] * 1e3:.0f}]" if _ok(row)
+                                                   else (row or {}).get("status", ""))
+        for ours in ("flash_triton", "flash_triton_op"):
+            for sdpa in ("sdpa_cudnn", "sdpa_flash"):
+                ratio = _ratio(cell.get(ours), cell.get(sdpa))
+                if ratio is not None:
+                    entry[f"{PROVIDER_LABELS[ours]} / {PROVIDER_LABELS[sdpa]}"] = f"{ratio:.2f}x"
+        table.append(entry)
+    r = rows[0]
+    return (f"## Host time to issue forward+backward\n\n{r['precision']}, causal; the host's time per call, median "
+            f"[p20-p80] in us, the GPU kept busy so that no call waits for it ({r['timer']}).\n\n"
+            + markdown_table(table))
+
+
 def _gate_section(rows: list[Row]) -> str:
     if not rows:
         return ""
@@ -519,6 +597,7 @@ def render_flash_benchmarking(rows: list[Row]) -> Rendered:
             parts.append("## Findings\n\n" + "\n".join(findings) + "\n")
     parts.append(_leaderboard_section([r for r in rows if r.get("table") == "leaderboard"]))
     parts.append(_gate_section([r for r in rows if r.get("table") == "gate"]))
+    parts.append(_host_issue_section([r for r in rows if r.get("table") == "host_issue"]))
     return Rendered("\n".join(p for p in parts if p), figures=figures)
 
 

@@ -1,9 +1,19 @@
-"""FlashAttention-2 in Triton as PyTorch sees it: a `torch.library` op pair with fake implementations
-and registered autograd, which torch.compile keeps inside one graph (and CUDA graphs capture), and the
-course's autograd.Function over the same kernels.
+"""FlashAttention-2 in Triton as PyTorch sees it: a `torch.library` op pair with registered autograd,
+which torch.compile keeps inside one graph (and CUDA graphs capture), and the course's autograd.Function
+over the same kernels.
 
-    o = flash_attention_triton(q, k, v, is_causal=True)   # the op; what the model uses
+    o = flash_attention_triton(q, k, v, is_causal=True)   # what the model uses
     o = FlashAttentionTriton.apply(q, k, v, True)          # the course's Function
+
+Where the kernels are compiled the ops are `torch.library.triton_op`s: torch.compile traces into them
+and launches the kernels from its own graph (their body is their fake implementation too). Under
+TRITON_INTERPRET=1 they are opaque custom ops: interpreted kernels run in Python on real CPU tensors,
+which a traced graph cannot hand them.
+
+Eager calls skip the op: torch.library's Python dispatch and autograd nearly double a forward+backward's
+host time against the Function's (both launching the same kernels), and at training shapes that host
+time is already longer than the kernels take. So eager calls of either entry point launch through the
+Function, and only traced calls go through the op.
 """
 
 from __future__ import annotations
@@ -13,30 +23,41 @@ import torch
 from cs336_systems.attention.flash_pytorch import check_inputs
 from cs336_systems.attention.flash_triton import launch
 
+_define_op = torch.library.custom_op if launch.INTERPRETED else torch.library.triton_op
+FORWARD_OP = "cs336_systems::flash_attention_forward"
+BACKWARD_OP = "cs336_systems::flash_attention_backward"
 
-@torch.library.custom_op("cs336_systems::flash_attention_forward", mutates_args=())
+
+@_define_op(FORWARD_OP, mutates_args=())
 def flash_attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                             is_causal: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """(o, L): o shaped like q (contiguous), L (..., n_queries) fp32, the row log-sum-exp."""
     return launch.forward(q, k, v, is_causal)
 
 
-@flash_attention_forward.register_fake
-def _forward_fake(q, k, v, is_causal):
-    check_inputs(q, k, v, is_causal)  # a traced call with bad inputs fails where it is traced
-    return q.new_empty(q.shape), q.new_empty(q.shape[:-1], dtype=torch.float32)
-
-
-@torch.library.custom_op("cs336_systems::flash_attention_backward", mutates_args=())
+@_define_op(BACKWARD_OP, mutates_args=())
 def flash_attention_backward(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor,
                              lse: torch.Tensor, is_causal: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(dq, dk, dv) of the forward's output gradient `do`, contiguous, shaped like q, k, v."""
     return launch.backward(q, k, v, o, lse, do, is_causal)
 
 
-@flash_attention_backward.register_fake
-def _backward_fake(do, q, k, v, o, lse, is_causal):
-    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
+if not launch.INTERPRETED:
+    # torch.compile's cache of compiled graphs keys a graph that holds a triton_op on the sources of the
+    # kernels it finds by reading the op's body. Ours reach their kernels through launch.py, past where
+    # that reading goes, so they are named here: else an edit to kernels.py would leave graphs compiled
+    # from the old kernels in the on-disk cache, and a later process would run them.
+    for _name in (FORWARD_OP, BACKWARD_OP):
+        torch._library.triton.triton_ops_to_kernels[_name] = list(launch.KERNELS.values())
+else:
+    @flash_attention_forward.register_fake
+    def _forward_fake(q, k, v, is_causal):
+        check_inputs(q, k, v, is_causal)  # a traced call with bad inputs fails where it is traced
+        return q.new_empty(q.shape), q.new_empty(q.shape[:-1], dtype=torch.float32)
+
+    @flash_attention_backward.register_fake
+    def _backward_fake(do, q, k, v, o, lse, is_causal):
+        return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
 
 
 def _setup_context(ctx, inputs, output) -> None:
@@ -57,8 +78,11 @@ flash_attention_forward.register_autograd(_backward, setup_context=_setup_contex
 
 
 def flash_attention_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool = False) -> torch.Tensor:
-    """FlashAttention-2 in Triton as an attention function (q, k, v, is_causal) -> o."""
-    return flash_attention_forward(q, k, v, is_causal)[0]
+    """FlashAttention-2 in Triton as an attention function (q, k, v, is_causal) -> o: the op where
+    torch.compile traces, the Function's direct launches in eager."""
+    if torch.compiler.is_compiling():
+        return flash_attention_forward(q, k, v, is_causal)[0]
+    return FlashAttentionTriton.apply(q, k, v, is_causal)
 
 
 class FlashAttentionTriton(torch.autograd.Function):
