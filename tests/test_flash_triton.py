@@ -169,7 +169,8 @@ def test_every_launch_reuses_a_kept_kernel_only_where_triton_would_compile_the_s
     launch._launch(call, grid, (y,), (16, 100))  # other tensor, same ints: the kept kernel
     launch._launch(call, grid, (x,), (16, 101))  # a size Triton would specialise otherwise: JIT again
     launch._launch(call, grid, (x,), (1, 100))  # a stride of 1 is compiled in as a constant: JIT again
-    assert [entry[0] for entry in launches] == ["jit", "kept", "jit", "jit"]
+    launch._launch(call, grid, (x.half(),), (16, 100))  # another element type: another compilation
+    assert [entry[0] for entry in launches] == ["jit", "kept", "jit", "jit", "jit"]
     assert launches[0][3] == {"IS_CAUSAL": True, "BLOCK": 32, "num_warps": 4, "num_stages": 3}
     assert launches[1][2] == (y, 16, 100, True, 32)  # a compiled kernel takes the constants last, in order
     with pytest.raises(ValueError, match="off a 16-byte boundary"):

@@ -246,11 +246,12 @@ LAUNCHES_KEPT = 4096
 _kept_kernels: dict[tuple, Any] = {}
 
 
-def launch_key(call: KernelCall, device_index: int, scalars: tuple) -> tuple:
+def launch_key(call: KernelCall, tensors: tuple[torch.Tensor, ...], scalars: tuple) -> tuple:
     """What a compiled kernel is specific to, for tensors that start on 16-byte boundaries (_launch
-    requires it): the call, the device, and each int argument's value, of which Triton specialises on
-    divisibility by 16, equality to 1 and width. Floats are not specialised on."""
-    return call, device_index, scalars
+    requires it): the call, the device, each tensor's dtype (the element type of its pointer), and each
+    int argument's value, of which Triton specialises on divisibility by 16, equality to 1 and width.
+    Floats are not specialised on."""
+    return call, tensors[0].device.index, tuple(t.dtype for t in tensors), scalars
 
 
 def check_aligned(tensors: tuple[torch.Tensor, ...]) -> None:
@@ -273,7 +274,7 @@ def _launch(call: KernelCall, grid: tuple[int, int, int], tensors: tuple[torch.T
     if INTERPRETED:
         call.kernel[grid](*tensors, *scalars, **call.options)
         return
-    key = launch_key(call, tensors[0].device.index, scalars)
+    key = launch_key(call, tensors, scalars)
     compiled = _kept_kernels.get(key)
     if compiled is None:
         # Triton's JIT launch, which compiles if need be and returns the compiled kernel.
