@@ -5,8 +5,8 @@
     python -m cs336_systems e2e --size-table 2025 --size 2.7B --context 512
     python -m cs336_systems accumulation
     python -m cs336_systems autocast-dtypes
-    python -m cs336_systems analysis --reports reports
-    python -m cs336_systems index --reports reports
+    python -m cs336_systems analysis
+    python -m cs336_systems index --reports elsewhere/reports
 """
 
 from __future__ import annotations
@@ -138,19 +138,29 @@ def _cmd_autocast_dtypes(args) -> None:
 def _cmd_analysis(args) -> None:
     from cs336_systems.benchmarks.communication_accounting import write_communication_accounting
     from cs336_systems.benchmarks.parallelism_calcs import ANALYSIS_COMMAND, write_parallelism_calcs
-    from cs336_systems.report_index import DEFAULT_REPORTS_ROOT
 
-    command = ANALYSIS_COMMAND if args.reports == DEFAULT_REPORTS_ROOT else f"{ANALYSIS_COMMAND} --reports {args.reports}"
-    for path in [write_communication_accounting(args.reports, command), *write_parallelism_calcs(args.reports, command)]:
+    reports_root, command = _reports_root(args, ANALYSIS_COMMAND)
+    for path in [write_communication_accounting(reports_root, command), *write_parallelism_calcs(reports_root, command)]:
         print(path)
 
 
 def _cmd_index(args) -> None:
-    from cs336_systems.report_index import DEFAULT_REPORTS_ROOT, INDEX_COMMAND, write_index
+    from cs336_systems.report_index import INDEX_COMMAND, write_index
 
-    # The index names the command that made it, so it records --reports only when it was not the default.
-    command = INDEX_COMMAND if args.reports == DEFAULT_REPORTS_ROOT else f"{INDEX_COMMAND} --reports {args.reports}"
-    print(write_index(args.reports, command))
+    print(write_index(*_reports_root(args, INDEX_COMMAND)))
+
+
+def _reports_root(args, command: str):
+    """The reports' root a command writes to, and the command as its files record it: `--reports` only where it
+    was given (the default is the repository's `reports/`, from any folder)."""
+    from cs336_systems.reports import default_reports_root
+
+    if args.reports is None:
+        return default_reports_root(), command
+    return args.reports, f"{command} --reports {args.reports}"
+
+
+REPORTS_ROOT_HELP = "reports/ in the repository's root, from any folder"
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -158,7 +168,6 @@ def build_parser() -> argparse.ArgumentParser:
     from cs336_systems.benchmarks.e2e import DEFAULT_BATCH_SIZE, DEFAULT_STEPS, DEFAULT_WARMUP, MODES
     from cs336_systems.benchmarks.harness import PRECISIONS
     from cs336_systems.model import DEFAULT_SIZE_TABLE, SIZE_TABLES
-    from cs336_systems.report_index import DEFAULT_REPORTS_ROOT
 
     parser = _Parser(prog="python -m cs336_systems", description=__doc__,
                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -212,12 +221,11 @@ def build_parser() -> argparse.ArgumentParser:
 
     analysis = commands.add_parser("analysis", help="write the closed-form reports (communication_accounting and "
                                    "the parallelism calculations) into <reports>/")
-    analysis.add_argument("--reports", default=DEFAULT_REPORTS_ROOT, help="the reports' root directory")
+    analysis.add_argument("--reports", default=None, help=f"the reports' root directory (default: {REPORTS_ROOT_HELP})")
     analysis.set_defaults(run=_cmd_analysis)
 
     index = commands.add_parser("index", help="write <reports>/README.md, the reports' index, from their CSVs")
-    index.add_argument("--reports", default=DEFAULT_REPORTS_ROOT,
-                       help=f"the reports' root directory (default: {DEFAULT_REPORTS_ROOT})")
+    index.add_argument("--reports", default=None, help=f"the reports' root directory (default: {REPORTS_ROOT_HELP})")
     index.set_defaults(run=_cmd_index)
     return parser
 

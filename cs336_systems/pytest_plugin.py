@@ -87,8 +87,9 @@ def pytest_addoption(parser: pytest.Parser) -> None:
                     help=f"ranks for distributed benchmarks (default {DEFAULT_WORLD_SIZE})")
     group.addoption("--precision", default=DEFAULT_PRECISIONS,
                     help=f"comma-separated subset of {', '.join(PRECISIONS)}, or all (default {DEFAULT_PRECISIONS})")
-    group.addoption("--report-dir", default="reports",
-                    help="where reports go; each GPU gets a subdirectory (default reports)")
+    group.addoption("--report-dir", default=None,
+                    help="where reports go; each GPU gets a subdirectory (default: reports/ in pytest's rootdir, "
+                         "the repository's root, from any folder)")
     group.addoption("--update-baselines", action="store_true",
                     help="write measured speed-up ratios to perf/baselines/<gpu>.json instead of gating")
     group.addoption("--accept-regression", action="store_true",
@@ -164,7 +165,7 @@ def pytest_configure(config: pytest.Config) -> None:
         gpu_spec=gpu_spec,
         precisions=precisions,
         world_size=world_size,
-        report_root=Path(config.getoption("--report-dir")).resolve(),
+        report_root=_report_root(config),
         update_baselines=config.getoption("--update-baselines"),
         accept_regression=config.getoption("--accept-regression"),
         model_sizes=model_sizes,
@@ -175,6 +176,17 @@ def pytest_configure(config: pytest.Config) -> None:
         time_budget_s=time_budget_s,
         started=time.monotonic(),
     )
+
+
+def _report_root(config: pytest.Config) -> Path:
+    """--report-dir, relative to the folder pytest was started in; by default `reports/` in the rootdir, so a run
+    from a subfolder (`cd perf && pytest test_e2e.py`) writes where a run from the root does."""
+    from cs336_systems.reports import REPORTS_DIR_NAME
+
+    chosen = config.getoption("--report-dir")
+    if chosen is None:
+        return config.rootpath / REPORTS_DIR_NAME
+    return (config.invocation_params.dir / chosen).resolve()
 
 
 @pytest.hookimpl(optionalhook=True)

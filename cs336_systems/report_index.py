@@ -39,7 +39,6 @@ from cs336_systems.reports import (
 )
 
 INDEX_FILE = "README.md"
-DEFAULT_REPORTS_ROOT = "reports"
 INDEX_COMMAND = "python -m cs336_systems index"
 CPU_SLUG = "cpu"
 CPU_NOTE = (f"The `{CPU_SLUG}/` reports come from a CPU run: Triton kernels ran in the Triton interpreter and every "

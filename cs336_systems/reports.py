@@ -29,7 +29,7 @@ from typing import Any
 import torch
 from tabulate import tabulate
 
-from cs336_systems.provenance import package_source_hash
+from cs336_systems.provenance import PACKAGE_ROOT, package_source_hash
 from cs336_systems.rows import LONG_COLUMNS, from_long, to_long
 
 Row = dict[str, Any]
@@ -227,6 +227,17 @@ def software_versions() -> dict[str, str]:
     if torch.cuda.is_available() and torch.distributed.is_nccl_available():
         versions["nccl"] = ".".join(map(str, torch.cuda.nccl.version()))
     return versions
+
+
+REPORTS_DIR_NAME = "reports"
+
+
+def default_reports_root() -> Path:
+    """Where reports go unless a command names a directory: `reports/` in the repository's root (the folder
+    that holds this package and pyproject.toml), from whatever folder the command runs in. A copy of the
+    package installed without its repository has no such root; it writes `reports/` in the current folder."""
+    repository = PACKAGE_ROOT.parent
+    return (repository if (repository / "pyproject.toml").is_file() else Path.cwd()) / REPORTS_DIR_NAME
 
 
 RUN_COLUMN = "run"

@@ -5,6 +5,7 @@ import os
 import shlex
 import subprocess
 import sys
+import textwrap
 from pathlib import Path
 
 import pytest
@@ -157,6 +158,19 @@ def test_a_run_that_writes_reports_rebuilds_the_index_from_every_report_under_th
     index = pytester.path / "out" / "README.md"
     assert index.read_text() == render_index(pytester.path / "out")
     assert "[cpu/](cpu/)" in index.read_text()  # the device table lists this run's directory
+
+
+def test_a_run_from_a_subfolder_writes_reports_under_the_rootdir(pytester, monkeypatch):
+    pytester.makeini("[pytest]\n")  # the rootdir, as pyproject.toml makes the repository's root
+    (pytester.path / "perf").mkdir()
+    (pytester.path / "perf" / "test_rows.py").write_text(textwrap.dedent(ROW_WRITING_TEST))
+    monkeypatch.chdir(pytester.path / "perf")
+    run(pytester, "test_rows.py").assert_outcomes(passed=1)
+    assert (pytester.path / "reports" / "cpu" / "_plugin_problem.md").is_file()
+    assert not (pytester.path / "perf" / "reports").exists()
+    # A --report-dir is read from the folder pytest started in, as any path on its command line is.
+    run(pytester, "test_rows.py", "--report-dir", "out").assert_outcomes(passed=1)
+    assert (pytester.path / "perf" / "out" / "cpu" / "_plugin_problem.md").is_file()
 
 
 def test_report_assets_reach_the_report_directory_only_when_the_session_ends(pytester):
