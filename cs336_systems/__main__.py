@@ -145,9 +145,10 @@ def _cmd_analysis(args) -> None:
 
 
 def _cmd_index(args) -> None:
-    from cs336_systems.report_index import INDEX_COMMAND, write_index
+    from cs336_systems.report_index import INDEX_COMMAND, write_indexes
 
-    print(write_index(*_reports_root(args, INDEX_COMMAND)))
+    for path in write_indexes(*_reports_root(args, INDEX_COMMAND)):
+        print(path)
 
 
 def _reports_root(args, command: str):
@@ -224,7 +225,8 @@ def build_parser() -> argparse.ArgumentParser:
     analysis.add_argument("--reports", default=None, help=f"the reports' root directory (default: {REPORTS_ROOT_HELP})")
     analysis.set_defaults(run=_cmd_analysis)
 
-    index = commands.add_parser("index", help="write <reports>/README.md, the reports' index, from their CSVs")
+    index = commands.add_parser("index", help="write <reports>/README.md, the GPU reports' index, from their CSVs "
+                                "(and <reports>/cpu/README.md where a CPU run left reports)")
     index.add_argument("--reports", default=None, help=f"the reports' root directory (default: {REPORTS_ROOT_HELP})")
     index.set_defaults(run=_cmd_index)
     return parser

@@ -400,11 +400,12 @@ def pytest_sessionfinish(session: pytest.Session) -> None:
     for asset in sorted((run.staging_dir / _ASSETS_DIR).glob("*")):
         run.report_dir.mkdir(parents=True, exist_ok=True)
         written.append(Path(shutil.move(asset, run.report_dir / asset.name)))
-    if written:  # the index answers from every report under the root, this run's included
+    if written:  # the index of this run's kind of device answers from its reports, this run's included
         try:
-            written.append(report_index.write_index(run.report_root))
+            written.append(report_index.write_index(run.report_root, cpu=not run.on_gpu))
         except Exception as error:
-            errors.append(f"{run.report_root / report_index.INDEX_FILE}: {type(error).__name__}: {error}")
+            errors.append(f"{report_index.index_path(run.report_root, cpu=not run.on_gpu)}: "
+                          f"{type(error).__name__}: {error}")
     ratios = {r["name"]: r["ratio"] for f in staged if f.name.startswith(f"{_BASELINES_STAGE}.")
               for r in map(json.loads, f.read_text().splitlines())}
     if ratios:

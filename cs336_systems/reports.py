@@ -21,6 +21,7 @@ import json
 import math
 import os
 import platform
+import re
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -63,11 +64,13 @@ class Report:
     With a key, a report accumulates runs: a later run's rows replace earlier rows with the same key
     and the others stay, so a long sweep can be measured in parts; the header lists every run that
     still contributes rows. Without a key, each run replaces the whole report. The reports of the
-    course's problems are listed in cs336_systems.problems.
+    course's problems are listed in cs336_systems.problems. `needs_gpu`: every perf test that writes it
+    is marked gpu, so a CPU run never does.
     """
     name: str
     render: Renderer = plain_table
     key: tuple[str, ...] | None = None
+    needs_gpu: bool = False
 
 
 def format_value(value: Any) -> str:
@@ -448,6 +451,11 @@ def write_closed_form(report: Report, rows: list[Row], report_dir: Path | str, c
     report_dir.mkdir(parents=True, exist_ok=True)
     write_csv(report_dir / f"{report.name}.csv", rows)
     return _write_rendered(report.name, rendered, report_dir, _closed_form_header(report.name, command, sources))
+
+
+def linked_figures(markdown: str) -> list[str]:
+    """The PNG files a report's Markdown shows (`![...](name.png)`), in order, each once."""
+    return list(dict.fromkeys(re.findall(r"!\[[^\]]*\]\(([^)\s]+\.png)\)", markdown)))
 
 
 def _write_rendered(problem: str, rendered: Rendered, report_dir: Path, head: str) -> Path:

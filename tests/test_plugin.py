@@ -147,17 +147,18 @@ def test_a_report_that_cannot_be_written_fails_the_run_leaves_nothing_and_keeps_
     result.stdout.fnmatch_lines(["*cs336-systems reports not written*",
                                  "mixed_precision_accumulation: KeyError: 'variant'"])
     written = sorted(p.name for p in (pytester.path / "out" / "cpu").iterdir())
-    assert written == ["_plugin_problem.csv", "_plugin_problem.md", "_plugin_problem.meta.json"]
+    assert written == ["README.md", "_plugin_problem.csv", "_plugin_problem.md", "_plugin_problem.meta.json"]
 
 
-def test_a_run_that_writes_reports_rebuilds_the_index_from_every_report_under_the_root(pytester):
+def test_a_cpu_run_that_writes_reports_rebuilds_its_own_index_and_leaves_the_gpu_index_alone(pytester):
     from cs336_systems.report_index import render_index
 
     pytester.makepyfile(ROW_WRITING_TEST)
     run(pytester, "--report-dir", "out").assert_outcomes(passed=1)
-    index = pytester.path / "out" / "README.md"
-    assert index.read_text() == render_index(pytester.path / "out")
-    assert "[cpu/](cpu/)" in index.read_text()  # the device table lists this run's directory
+    index = pytester.path / "out" / "cpu" / "README.md"
+    assert index.read_text() == render_index(pytester.path / "out", cpu=True)
+    assert "[cpu/](./)" in index.read_text()  # the device table lists this run's directory
+    assert not (pytester.path / "out" / "README.md").exists()
 
 
 def test_a_run_from_a_subfolder_writes_reports_under_the_rootdir(pytester, monkeypatch):
