@@ -393,13 +393,15 @@ def pytest_sessionfinish(session: pytest.Session) -> None:
         try:
             rows = [json.loads(line) for f in staged if f.name.split(".")[0] == problem
                     for line in f.read_text().splitlines()]
-            written.append(reports.write_report(problems.report(problem), rows, run.report_dir, run.command,
-                                                "cuda" if run.on_gpu else "cpu"))
+            markdown = reports.write_report(problems.report(problem), rows, run.report_dir, run.command,
+                                            "cuda" if run.on_gpu else "cpu")
+            written += [markdown, *reports.shown_figures(markdown)]
         except Exception as error:  # one report's failure must not lose the others
             errors.append(f"{problem}: {type(error).__name__}: {error}")
     for asset in sorted((run.staging_dir / _ASSETS_DIR).glob("*")):
         run.report_dir.mkdir(parents=True, exist_ok=True)
         written.append(Path(shutil.move(asset, run.report_dir / asset.name)))
+    written = list(dict.fromkeys(written))  # a staged plot that a kept report already showed is listed once
     if written:  # the index of this run's kind of device answers from its reports, this run's included
         try:
             written.append(report_index.write_index(run.report_root, cpu=not run.on_gpu))

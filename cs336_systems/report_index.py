@@ -38,11 +38,11 @@ from cs336_systems.reports import (
     Report,
     Reports,
     Row,
-    linked_figures,
     listing,
     markdown_table,
     metadata_path,
     read_rows,
+    shown_figures,
 )
 
 INDEX_FILE = "README.md"
@@ -71,9 +71,7 @@ class _Directory:
         markdown = self.path / f"{report}.md"
         if not markdown.is_file():
             return []
-        plots = linked_figures(markdown.read_text())
-        return [f"[{name}]({self.prefix}{name})" for name in (f"{report}.md", *plots)
-                if (self.path / name).is_file()]
+        return [f"[{path.name}]({self.prefix}{path.name})" for path in (markdown, *shown_figures(markdown))]
 
 
 @dataclass(frozen=True)

@@ -453,9 +453,11 @@ def write_closed_form(report: Report, rows: list[Row], report_dir: Path | str, c
     return _write_rendered(report.name, rendered, report_dir, _closed_form_header(report.name, command, sources))
 
 
-def linked_figures(markdown: str) -> list[str]:
-    """The PNG files a report's Markdown shows (`![...](name.png)`), in order, each once."""
-    return list(dict.fromkeys(re.findall(r"!\[[^\]]*\]\(([^)\s]+\.png)\)", markdown)))
+def shown_figures(markdown_path: Path) -> list[Path]:
+    """The PNG files beside a report's Markdown that it shows (`![...](name.png)`), in order, each once, the
+    ones present."""
+    names = dict.fromkeys(re.findall(r"!\[[^\]]*\]\(([^)\s]+\.png)\)", markdown_path.read_text()))
+    return [markdown_path.parent / name for name in names if (markdown_path.parent / name).is_file()]
 
 
 def _write_rendered(problem: str, rendered: Rendered, report_dir: Path, head: str) -> Path:

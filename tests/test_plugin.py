@@ -186,6 +186,23 @@ def test_report_assets_reach_the_report_directory_only_when_the_session_ends(pyt
     assert (pytester.path / "out" / "cpu" / "plot.png").read_bytes() == b"png"
 
 
+def test_the_list_of_written_files_names_every_plot_a_report_shows(pytester):
+    # The committed gradient_checkpointing rows: its renderer draws a plot; the staged asset is a second file.
+    pytester.makepyfile(f"""
+        from cs336_systems.reports import read_rows
+        def test_rows(report):
+            for row in read_rows({str(REPO_ROOT / "reports" / "h100" / "gradient_checkpointing.csv")!r}):
+                report("gradient_checkpointing").add(row)
+            report("gradient_checkpointing").asset_path("trace.png").write_bytes(b"png")
+    """)
+    result = run(pytester, "--report-dir", "out")
+    result.assert_outcomes(passed=1)
+    listed = result.stdout.str().split("cs336-systems reports", 1)[1].split()
+    out = pytester.path / "out" / "cpu"
+    assert [Path(line) for line in listed if line.startswith(str(out))] == [
+        out / "gradient_checkpointing.md", out / "gradient_checkpointing.png", out / "trace.png", out / "README.md"]
+
+
 def test_report_rows_from_xdist_workers_are_merged_into_one_report(pytester):
     pytester.makepyfile("""
         import pytest
