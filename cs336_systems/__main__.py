@@ -80,6 +80,7 @@ def _cmd_e2e(args) -> None:
     from cs336_systems.clocks import CLOCK_COLUMNS
     from cs336_systems.gpus import resolve_gpu
     from cs336_systems.model import use_size_table
+    from cs336_systems.reports import OOM, oom_note, oom_text
 
     if args.size_table:
         use_size_table(args.size_table)
@@ -103,13 +104,18 @@ def _cmd_e2e(args) -> None:
         if args.reference:
             cell_rows = ([{"model": "project", **row} for row in cell_rows]
                          + benchmark_model(cell, device, peak, reference=True, profiled_steps=args.breakdown))
+        # One line per model of the cell that did not fit: its phases' rows share one estimate.
+        for row in {row.get("model"): row for row in cell_rows if row.get("status") == OOM}.values():
+            log.warning("%s%s at context %s, %s: %s", f"{row['model']}: " if args.reference else "", cell.size,
+                        f"{cell.context_length:,}", cell.precision, oom_note(row))
         rows += cell_rows
     if args.json:
         _print_rows(rows, True)
         return
     model = ["model"] if args.reference else []
     cell = [*model, "size", "context_length", "precision", "compile", "phase", "status"]
-    timed, breakdown = split_breakdown(rows)
+    timed, breakdown = split_breakdown([{**row, "status": oom_text(row)} if row.get("status") == OOM else row
+                                        for row in rows])
     clocks = [*CLOCK_COLUMNS] if any(CLOCK_COLUMNS[0] in row for row in timed) else []
     _print_rows(timed, False, [*cell, "mean_ms", "std_ms", "median_ms", "iqr_ms", "host_ms", "tflops", "mfu", *clocks,
                                "estimated_peak_bytes", "available_bytes"])

@@ -36,6 +36,8 @@ from cs336_systems.rows import LONG_COLUMNS, from_long, to_long
 Row = dict[str, Any]
 Reports = dict[str, list[Row]]  # report name -> its rows, for the reports of a problem that exist
 OOM = "OOM"
+# A cell the memory model said would not fit was never started: tables say so, not just OOM.
+PREDICTED_OOM = "OOM (predicted, not run)"
 # A cell whose std is above this share of its mean varied too much between repetitions to be read as
 # one number; its table cell says so.
 NOISY_RELATIVE_STD = 0.20
@@ -95,6 +97,21 @@ def mean_std(mean: float, std: float, spec: str = ".1f", std_spec: str | None = 
     """ "mean ± std [unit]", flagged noisy when the std is above NOISY_RELATIVE_STD of the mean."""
     text = f"{mean:{spec}} ± {std:{std_spec or spec}}" + (f" {unit}" if unit else "")
     return f"{text} ({NOISY})" if is_noisy(mean, std) else text
+
+
+def oom_text(row: Row) -> str:
+    """An OOM cell as a table shows it: predicted by the memory model and not run, or run out of memory."""
+    return PREDICTED_OOM if row.get("oom_predicted") else OOM
+
+
+def oom_note(row: Row) -> str:
+    """An OOM cell in words, as a command prints it: predicted and never run, or run out of memory, with the
+    memory model's estimate (cs336_systems.memory_guard)."""
+    estimate = (f"the memory model estimates a peak of {format_bytes(row['estimated_peak_bytes'])} against "
+                f"{format_bytes(row['available_bytes'])} available")
+    if row.get("oom_predicted"):
+        return f"{PREDICTED_OOM}: {estimate}, so nothing ran"
+    return f"{OOM}: it ran out of memory ({estimate})"
 
 
 def is_noisy(mean: float, std: float) -> bool:

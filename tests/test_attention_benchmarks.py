@@ -352,11 +352,11 @@ def test_flash_report_tables_ratios_oom_and_leaderboard(tmp_path):
                    _flash_row("sdpa_cudnn", "forward_backward", 16384, 4.0, table="leaderboard")]
     rendered = FLASH_REPORT.render(rows + leaderboard)
     body = _flat(rendered.body)
-    assert "### bf16, forward+backward" in body and "OOM (predicted)" in body
+    assert "### bf16, forward+backward" in body and "OOM (predicted, not run)" in body
     assert "| 64 | 4096 | 1 | 10 | 0.5 | 10x | 0.5x |" in body
     assert ("bf16: naive attention runs out of memory from N=65536 (d=64; predicted and not run; the accounting puts "
             "its peak at 52 GiB against 40 GiB free at d=64)") in body
-    assert "| 64 | 65,536 | 100 | OOM (predicted) | 80 | | 0.8x |" in body  # SDPA's time over Triton's
+    assert "| 64 | 65,536 | 100 | OOM (predicted, not run) | 80 | | 0.8x |" in body  # SDPA's time over Triton's
     assert "| triton (compiled) | | 8 | 241 | 1x | 1.33x | 2x |" in body  # its time over each other provider's
     assert set(rendered.figures) == {"flash_benchmarking_bf16.png"}
     write_report(FLASH_REPORT, rows + leaderboard, tmp_path, command="pytest perf/test_flash.py", device="cpu")

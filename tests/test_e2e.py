@@ -14,7 +14,7 @@ from cs336_systems.__main__ import main
 from cs336_systems.benchmarks import e2e
 from cs336_systems.benchmarks.e2e import E2EConfig, benchmark_model
 from cs336_systems.benchmarks.harness import timed_step
-from cs336_systems.reports import OOM, unmeasured
+from cs336_systems.reports import OOM, format_bytes, unmeasured
 
 
 def test_train_mode_reports_every_phase():
@@ -192,13 +192,19 @@ def test_command_help_shows_the_defaults(capsys):
         assert default in text
 
 
-def test_command_records_a_cell_too_large_for_this_machine_as_oom(capsys, monkeypatch):
+def test_command_says_a_cell_too_large_for_this_machine_was_predicted_out_of_memory_and_not_run(
+        capsys, caplog, monkeypatch):
     from cs336_systems import memory_guard
 
     monkeypatch.setattr(memory_guard, "_available_ram_bytes", lambda: 2**30)
+    monkeypatch.setattr(e2e, "_measure",
+                        lambda cfg, device, reference, profiled_steps: pytest.fail("a cell that cannot fit was run"))
     assert main(["e2e", "--size", "tiny", "--context", "100000", "--device", "cpu"]) == 0
     rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| tiny")]
-    assert len(rows) == 5 and all("| OOM " in row and "1,073,741,824" in row for row in rows)
+    assert len(rows) == 5 and all("| OOM (predicted, not run) " in row and "1,073,741,824" in row for row in rows)
+    estimate = format_bytes(e2e.memory_estimate(E2EConfig("tiny", 100000)).peak_bytes)
+    assert caplog.messages == [f"tiny at context 100,000, fp32: OOM (predicted, not run): the memory model estimates "
+                               f"a peak of {estimate} against 1.00 GiB available, so nothing ran"]
 
 
 def test_a_cell_whose_state_exceeds_the_device_is_reported_oom_without_running(monkeypatch):

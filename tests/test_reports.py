@@ -193,3 +193,13 @@ def test_an_installed_package_without_its_repository_writes_reports_in_the_curre
 
 def test_this_checkout_writes_its_reports_beside_the_package():
     assert reports.default_reports_root() == Path(problems.__file__).resolve().parents[1] / "reports"
+
+
+def test_an_oom_cell_says_whether_it_was_predicted_and_never_run_or_ran_out():
+    predicted = {"status": OOM, "oom_predicted": True, "estimated_peak_bytes": 3 * 2**30, "available_bytes": 2**30}
+    ran_out = {**predicted, "oom_predicted": False}
+    assert reports.oom_text(predicted) == "OOM (predicted, not run)" and reports.oom_text(ran_out) == OOM
+    assert reports.oom_note(predicted) == ("OOM (predicted, not run): the memory model estimates a peak of 3.00 GiB "
+                                           "against 1.00 GiB available, so nothing ran")
+    assert reports.oom_note(ran_out) == ("OOM: it ran out of memory (the memory model estimates a peak of 3.00 GiB "
+                                         "against 1.00 GiB available)")

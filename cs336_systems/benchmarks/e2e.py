@@ -354,7 +354,9 @@ STEADY_RELATIVE_STD = 0.05
 
 
 def mean_std(row: Row, unit: str = "") -> str:
-    return OOM if row.get("status") == OOM else reports.mean_std(row["mean_ms"], row["std_ms"], unit=unit)
+    if row.get("status") == OOM:
+        return reports.oom_text(row)
+    return reports.mean_std(row["mean_ms"], row["std_ms"], unit=unit)
 
 
 def _cell_order(row: Row) -> tuple:

@@ -55,6 +55,7 @@ from cs336_systems.reports import (
     markdown_table,
     not_in_report,
     ok_rows,
+    oom_text,
     select,
 )
 from cs336_systems.timing import time_fn
@@ -316,7 +317,7 @@ def _time_cell(row: Row | None) -> str:
     if not row:
         return ""
     if row["status"] == OOM:
-        return "OOM (predicted)" if row.get("oom_predicted") else OOM
+        return oom_text(row)
     if row["status"] != "ok":
         return row["status"]
     # The middle 60% of the samples against the median: the spread do_bench's percentiles give.
@@ -368,7 +369,7 @@ def _setup(rows: list[Row]) -> str:
     return (f"Causal attention on q, k, v of shape ({r['batch_size']}, {r['n_heads']}, N, d), random normal; the "
             "median, in ms. Backward is timed alone, on a forward run beforehand, gradients reset"
             f"{reset_note}. Ratios are a provider's time over Triton's: above 1, Triton is faster. Naive is the "
-            "annotated reference, eager; OOM (predicted) cells were not run. SDPA backend: "
+            "annotated reference, eager. SDPA backend: "
             f"{backend_text}.{fp32_note}\n\nTFLOP/s counts useful FLOPs: forward 2·N²·d per head (causal: half of "
             "4·N²·d), backward 2.5x that, forward+backward 3.5x.\n")
 
