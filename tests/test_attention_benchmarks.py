@@ -327,6 +327,16 @@ def test_torch_compile_report_puts_attention_beside_the_whole_model_part():
     assert "d=64, N=16384: only compiled attention fits in memory." in body
 
 
+def test_a_cpu_flash_report_says_fp32_is_full_fp32_and_no_word_of_tf32():
+    cpu = [{**_flash_row(provider, "forward", 128, 1.0, precision="fp32"), "device": "cpu"}
+           for provider in ("flash_triton", "naive")]
+    assert "TF32" not in FLASH_REPORT.render(cpu).body
+    assert "On a CPU fp32 is full fp32: the Triton interpreter computes tl.dot as a NumPy fp32 matmul." in _flat(
+        FLASH_REPORT.render(cpu).body)
+    gpu = [{**row, "device": "cuda"} for row in cpu]
+    assert "Triton's tl.dot defaults to TF32 tensor cores on NVIDIA GPUs" in FLASH_REPORT.render(gpu).body
+
+
 def _flash_row(provider: str, mode: str, n: int, ms: float | None, d: int = 64, precision: str = "bf16",
                status: str = "ok", table: str = "sweep", **extra) -> dict:
     cell = FlashCell(n, d, precision, n_heads=16 if table == "leaderboard" else 1)

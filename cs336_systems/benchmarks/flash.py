@@ -362,8 +362,12 @@ def _setup(rows: list[Row]) -> str:
     backends = sorted({(x["precision"], x["backend"]) for x in rows if x["provider"] == "sdpa" and x.get("backend")})
     backend_text = "; ".join(f"{p}: {b}" for p, b in backends) or "not measured"
     fp32_note = ""
-    if any(x["precision"] == "fp32" for x in rows):
-        matmul = sorted({x["fp32_matmul_precision"] for x in rows if x["precision"] == "fp32"})
+    fp32 = [x for x in rows if x["precision"] == "fp32"]
+    if any(x.get("device") == "cpu" for x in fp32):
+        # The interpreter runs tl.dot as a NumPy matmul in the output's dtype, whatever input_precision says.
+        fp32_note = " On a CPU fp32 is full fp32: the Triton interpreter computes tl.dot as a NumPy fp32 matmul."
+    elif fp32:
+        matmul = sorted({x["fp32_matmul_precision"] for x in fp32})
         fp32_note = (" In fp32, Triton's tl.dot defaults to TF32 tensor cores on NVIDIA GPUs; PyTorch's matmuls "
                      f"used float32_matmul_precision {', '.join(matmul)} ('highest' is full fp32).")
     return (f"Causal attention on q, k, v of shape ({r['batch_size']}, {r['n_heads']}, N, d), random normal; the "
