@@ -80,7 +80,7 @@ PROBLEMS: tuple[Problem, ...] = (
             (Report("pytorch_attention", attention.render_pytorch_attention, attention.ATTENTION_KEY),),
             attention.answer_pytorch_attention, "attention", ("perf/test_attention.py",)),
     Problem("torch_compile", (Report("torch_compile", attention.render_torch_compile, attention.TORCH_COMPILE_KEY),),
-            e2e.answer_torch_compile, "e2e", ("perf/test_e2e.py", "perf/test_attention.py")),
+            attention.answer_torch_compile, "e2e", ("perf/test_e2e.py", "perf/test_attention.py")),
     Problem("flash_forward / flash_backward", (), flash.answer_flash_forward_backward),
     Problem("flash_benchmarking",
             (Report("flash_benchmarking", flash.render_flash_benchmarking, flash.FLASH_KEY),

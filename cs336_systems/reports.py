@@ -22,6 +22,7 @@ import math
 import os
 import platform
 import re
+import statistics
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -162,6 +163,59 @@ def listing(items: Sequence[str]) -> str:
 def not_in_report(what: str) -> str:
     """What an answer says where a row it would quote is missing, instead of guessing."""
     return f"{what} is not in the report."
+
+
+def _times_noisy(*rows: Row, prefix: str = "") -> bool:
+    """Whether any of these rows' times (`<prefix>mean_ms`, `<prefix>std_ms`) varied too much to be one number."""
+    return any(is_noisy(r[f"{prefix}mean_ms"], r[f"{prefix}std_ms"] or 0.0) for r in rows)
+
+
+def speedup_text(slow: Row, fast: Row, prefix: str = "") -> str:
+    """The ratio of two rows' mean times, "2.00x", marked noisy where either time is."""
+    ratio = format_ratio(slow[f"{prefix}mean_ms"] / fast[f"{prefix}mean_ms"])
+    return ratio + (f" ({NOISY})" if _times_noisy(slow, fast, prefix=prefix) else "")
+
+
+@dataclass(frozen=True)
+class SpeedUps:
+    """How much faster one variant ran than another over many cells, read only from the cells where both times
+    are steady: a ratio of two noisy means is no finding. A report's findings and the index's answer quote the
+    same SpeedUps, so they quote the same figures."""
+    ratios: tuple[float, ...]  # the steady cells' slow mean over fast mean
+    cells: tuple[str, ...]  # the cell of each ratio, as a finding names it
+    noisy: int  # cells left out
+
+    @classmethod
+    def of(cls, pairs: Iterable[tuple[Row, Row, str]], prefix: str = "") -> SpeedUps:
+        """From (slow row, fast row, cell name) triples whose rows hold `<prefix>mean_ms` and `<prefix>std_ms`."""
+        pairs = list(pairs)
+        steady = [(slow[f"{prefix}mean_ms"] / fast[f"{prefix}mean_ms"], cell) for slow, fast, cell in pairs
+                  if not _times_noisy(slow, fast, prefix=prefix)]
+        return cls(tuple(r for r, _ in steady), tuple(c for _, c in steady), len(pairs) - len(steady))
+
+    @property
+    def median(self) -> float:
+        return statistics.median(self.ratios)
+
+    def range_text(self, with_cells: bool = False) -> str:
+        """ "0.54x to 1.64x", with each end's cell where asked: "0.54x (d=32, N=1024) to 1.64x (d=16, N=8192)"."""
+        if not with_cells or len(set(self.ratios)) == 1:
+            return span(self.ratios, format_ratio)
+        (low, low_cell), (high, high_cell) = min(zip(self.ratios, self.cells)), max(zip(self.ratios, self.cells))
+        return f"{format_ratio(low)} ({low_cell}) to {format_ratio(high)} ({high_cell})"
+
+    def details(self) -> str:
+        """ "median 1.33x; 4 noisy cells left out", the parts that apply ("" for one steady cell and none left out)."""
+        median = f"median {format_ratio(self.median)}" if len(self.ratios) > 1 else ""
+        left_out = f"{plural(self.noisy, 'noisy cell')} left out" if self.noisy else ""
+        return "; ".join(filter(None, (median, left_out)))
+
+    def summary(self, with_cells: bool = False) -> str:
+        """ "1.04x to 2.30x (median 1.33x; 4 noisy cells left out)", "noisy in every cell", or "" for no cell."""
+        if not self.ratios:
+            return "noisy in every cell" if self.noisy else ""
+        details = self.details()
+        return self.range_text(with_cells) + (f" ({details})" if details else "")
 
 
 def markdown_table(rows: Sequence[Row], columns: Sequence[str] | None = None) -> str:
