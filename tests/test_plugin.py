@@ -3,6 +3,7 @@
 import json
 import os
 import shlex
+import shutil
 import subprocess
 import sys
 import textwrap
@@ -201,6 +202,49 @@ def test_the_list_of_written_files_names_every_plot_a_report_shows(pytester):
     out = pytester.path / "out" / "cpu"
     assert [Path(line) for line in listed if line.startswith(str(out))] == [
         out / "gradient_checkpointing.md", out / "gradient_checkpointing.png", out / "trace.png", out / "README.md"]
+
+
+# The tests that read the committed reports, run again in a copy of the repository after a CPU perf run.
+COMMITTED_REPORT_TESTS = ("test_report_prose.py", "test_report_index.py", "test_rows.py")
+
+
+def test_a_cpu_perf_run_leaves_the_committed_reports_and_the_tests_that_read_them_as_they_were(pytester, monkeypatch):
+    """`make perf` then `make test` on a CPU, in small: a perf session, started in a subfolder of a copy of the
+    repository, writes real reports (the committed h100 rows of torch_compile, whose CPU header takes it past
+    the prose limit, and of gradient_checkpointing, with its plot); then every committed file is as it was
+    and the tests that read the committed reports pass against the copy."""
+    from cs336_systems.report_index import CPU_SLUG
+
+    project = pytester.path
+    shutil.copytree(REPO_ROOT / "reports", project / "reports", ignore=shutil.ignore_patterns(CPU_SLUG))
+    (project / "pyproject.toml").write_text("[tool.pytest.ini_options]\n")  # the rootdir, as in the repository
+    committed = {path: path.read_bytes() for path in (project / "reports").rglob("*") if path.is_file()}
+    (project / "perf").mkdir()
+    (project / "perf" / "test_replay.py").write_text(textwrap.dedent(f"""
+        import pytest
+        from cs336_systems.reports import read_rows
+
+        @pytest.mark.parametrize("problem", ["torch_compile", "gradient_checkpointing"])
+        def test_rows(report, problem):
+            for row in read_rows({str(REPO_ROOT / "reports" / "h100")!r} + f"/{{problem}}.csv"):
+                report(problem).add(row)
+    """))
+    monkeypatch.chdir(project / "perf")
+    run(pytester, "test_replay.py", subprocess=True).assert_outcomes(passed=2)
+
+    written = {path for path in (project / "reports").rglob("*") if path.is_file()} - set(committed)
+    assert {path.parent.name for path in written} == {CPU_SLUG}
+    assert {"README.md", "torch_compile.md", "gradient_checkpointing.png"} <= {path.name for path in written}
+    assert all(path.read_bytes() == data for path, data in committed.items()), "a committed report changed"
+    assert sorted(path.name for path in (project / "perf").iterdir() if path.name != "__pycache__") == ["test_replay.py"]
+
+    (project / "tests").mkdir()
+    for name in COMMITTED_REPORT_TESTS:
+        shutil.copy(REPO_ROOT / "tests" / name, project / "tests" / name)
+    monkeypatch.chdir(project)
+    result = pytester.runpytest_subprocess("tests", "-p", "no:cacheprovider", "-k", "committed or prose")
+    outcomes = result.parseoutcomes()
+    assert result.ret == pytest.ExitCode.OK and outcomes["passed"] > len(COMMITTED_REPORT_TESTS), result.stdout.str()
 
 
 def test_report_rows_from_xdist_workers_are_merged_into_one_report(pytester):
