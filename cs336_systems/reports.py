@@ -210,12 +210,12 @@ class SpeedUps:
         left_out = f"{plural(self.noisy, 'noisy cell')} left out" if self.noisy else ""
         return "; ".join(filter(None, (median, left_out)))
 
-    def summary(self, with_cells: bool = False) -> str:
+    def summary(self) -> str:
         """ "1.04x to 2.30x (median 1.33x; 4 noisy cells left out)", "noisy in every cell", or "" for no cell."""
         if not self.ratios:
             return "noisy in every cell" if self.noisy else ""
         details = self.details()
-        return self.range_text(with_cells) + (f" ({details})" if details else "")
+        return self.range_text() + (f" ({details})" if details else "")
 
 
 def markdown_table(rows: Sequence[Row], columns: Sequence[str] | None = None) -> str:

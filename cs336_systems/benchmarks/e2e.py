@@ -505,9 +505,14 @@ def render_benchmarking_script(rows: list[Row]) -> Rendered:
     return Rendered("\n".join(parts))
 
 
+def _index_keys(key: str) -> list[str]:
+    """The columns that name a cell of a comparison over `key`."""
+    return [k for k in ("size", "context_length", "precision", "phase") if k != key]
+
+
 def _paired_cells(rows: list[Row], key: str, base_value, other_value) -> dict[tuple, tuple[Row | None, Row | None]]:
     """(size, context, precision, phase), less `key` -> the rows of that cell with `key` at each of two values."""
-    index_keys = [k for k in ("size", "context_length", "precision", "phase") if k != key]
+    index_keys = _index_keys(key)
     cells: dict[tuple, dict] = {}
     for r in sorted(rows, key=_cell_order):
         cells.setdefault(tuple(r[k] for k in index_keys), {})[r[key]] = r
@@ -534,10 +539,9 @@ def _speedup_summary(rows: list[Row], key: str, base_value, other_value) -> str:
 
 def _comparison_table(rows: list[Row], key: str, base_value, other_value, base_label: str, other_label: str) -> list[Row]:
     """One row per cell (size, context, precision, phase minus `key`): both variants' times and their ratio."""
-    index_keys = [k for k in ("size", "context_length", "precision", "phase") if k != key]
     table = []
     for index, (base, other) in _paired_cells(rows, key, base_value, other_value).items():
-        entry = dict(zip(index_keys, index))
+        entry = dict(zip(_index_keys(key), index))
         entry["phase"] = PHASE_LABELS[entry["phase"]]
         entry[f"{base_label} (ms)"] = mean_std(base) if base else ""
         entry[f"{other_label} (ms)"] = mean_std(other) if other else ""
@@ -711,10 +715,10 @@ def _mean_std_ms(row: Row) -> str:
     return reports.mean_std(row["mean_ms"], row["std_ms"], ",.1f", ".1f", unit="ms")
 
 
-def _e2e_step(rows: list[Row], size: str, context: int, phase: str, precision: str = "fp32",
-              compiled: bool = False) -> Row | None:
+def _e2e_step(rows: list[Row], size: str, context: int, phase: str, precision: str = "fp32") -> Row | None:
+    """An eager sweep cell's row, where it ran."""
     row = find(rows, table="sweep", size=size, context_length=context, phase=phase, precision=precision,
-               compile=compiled)
+               compile=False)
     return row if row and row.get("status") == "ok" else None
 
 
@@ -853,13 +857,10 @@ def _reference_answer(rows: list[Row]) -> list[str]:
 def answer_compiled_models(rows: list[Row]) -> list[str]:
     """The whole-model part of the torch_compile answer (attention.answer_torch_compile gives it all): compiled
     against eager, then against the torch-native reference."""
-    sweep = ok_rows(select(rows, table="sweep"))
-    cells = {(r["size"], r["context_length"], r["precision"]) for r in sweep if r["phase"] == "train_step"}
-    pairs = {}
-    for size, context, precision in cells:
-        eager, compiled = (_e2e_step(sweep, size, context, "train_step", precision, c) for c in (False, True))
-        if eager and compiled:
-            pairs[(size, context, precision)] = (eager, compiled)
+    sweep = select(rows, table="sweep")
+    # (size, context, precision, phase) -> the eager and the compiled training step, where both ran.
+    pairs = {index: (eager, compiled) for index, (eager, compiled) in _paired_cells(sweep, "compile", False, True).items()
+             if _both_ran(eager, compiled) and eager["phase"] == "train_step"}
     if not pairs:
         return [not_in_report("A whole-model training step both eager and compiled"), *_reference_answer(rows)]
     speedups = phase_speedups(sweep, "compile", False, True, "train_step")
@@ -874,7 +875,7 @@ def answer_compiled_models(rows: list[Row]) -> list[str]:
     largest = max(pairs, key=lambda key: (size_order(key[0]), key[1] == HEADLINE_CONTEXT, key[1]))
     size, context = largest[:2]
     shown = [f"{precision} {format_ms(e['mean_ms'])} -> {format_ms(c['mean_ms'])}, {speedup_text(e, c)}"
-             for (s, n, precision), (e, c) in sorted(pairs.items(), key=lambda item: item[0][2], reverse=True)
+             for (s, n, precision, _), (e, c) in sorted(pairs.items(), key=lambda item: item[0][2], reverse=True)
              if (s, n) == (size, context)]
     sentences.append(f"At {size}, context {context}: " + ", ".join(shown) + ".")
     return sentences + _reference_answer(rows)
