@@ -132,10 +132,10 @@ def _not_measured(problem: Problem, reports: list[Report], slug: str) -> list[st
             continue
         files = listing([f"`{slug}/{name}.md`" for name in names])
         absent = f"{files} {'is' if len(names) == 1 else 'are'} absent"
-        them = "it" if len(names) == 1 else "them"
+        them, its = ("it", "its") if len(names) == 1 else ("them", "their")
         if gpu_only:
-            lines.append(f"- {slug}: not measured: {absent}: its perf tests need a CUDA GPU, so a CPU run skips them; "
-                         f"`pytest perf/ -m {problem.marker} --gpu auto` on a GPU writes {them}.")
+            lines.append(f"- {slug}: not measured: {absent}: {its} perf tests need a CUDA GPU, so a CPU run skips "
+                         f"them; `pytest perf/ -m {problem.marker} --gpu auto` on a GPU writes {them}.")
         elif problem.gpus > 1 and slug != CPU_SLUG:
             lines.append(f"- {slug}: not measured: needs {problem.gpus} GPUs. {absent}: no "
                          f"{_perf_command(problem, slug)} run on a {problem.gpus}-GPU machine has written {them} yet.")
