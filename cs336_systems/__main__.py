@@ -5,8 +5,8 @@
     python -m cs336_systems e2e --size-table 2025 --size 2.7B --context 512
     python -m cs336_systems accumulation
     python -m cs336_systems autocast-dtypes
-    python -m cs336_systems analysis --reports reports
-    python -m cs336_systems index --reports reports
+    python -m cs336_systems analysis
+    python -m cs336_systems index --reports elsewhere/reports
 """
 
 from __future__ import annotations
@@ -80,6 +80,7 @@ def _cmd_e2e(args) -> None:
     from cs336_systems.clocks import CLOCK_COLUMNS
     from cs336_systems.gpus import resolve_gpu
     from cs336_systems.model import use_size_table
+    from cs336_systems.reports import OOM, oom_note, oom_text
 
     if args.size_table:
         use_size_table(args.size_table)
@@ -103,13 +104,18 @@ def _cmd_e2e(args) -> None:
         if args.reference:
             cell_rows = ([{"model": "project", **row} for row in cell_rows]
                          + benchmark_model(cell, device, peak, reference=True, profiled_steps=args.breakdown))
+        # One line per model of the cell that did not fit: its phases' rows share one estimate.
+        for row in {row.get("model"): row for row in cell_rows if row.get("status") == OOM}.values():
+            log.warning("%s%s at context %s, %s: %s", f"{row['model']}: " if args.reference else "", cell.size,
+                        f"{cell.context_length:,}", cell.precision, oom_note(row))
         rows += cell_rows
     if args.json:
         _print_rows(rows, True)
         return
     model = ["model"] if args.reference else []
     cell = [*model, "size", "context_length", "precision", "compile", "phase", "status"]
-    timed, breakdown = split_breakdown(rows)
+    timed, breakdown = split_breakdown([{**row, "status": oom_text(row)} if row.get("status") == OOM else row
+                                        for row in rows])
     clocks = [*CLOCK_COLUMNS] if any(CLOCK_COLUMNS[0] in row for row in timed) else []
     _print_rows(timed, False, [*cell, "mean_ms", "std_ms", "median_ms", "iqr_ms", "host_ms", "tflops", "mfu", *clocks,
                                "estimated_peak_bytes", "available_bytes"])
@@ -138,19 +144,30 @@ def _cmd_autocast_dtypes(args) -> None:
 def _cmd_analysis(args) -> None:
     from cs336_systems.benchmarks.communication_accounting import write_communication_accounting
     from cs336_systems.benchmarks.parallelism_calcs import ANALYSIS_COMMAND, write_parallelism_calcs
-    from cs336_systems.report_index import DEFAULT_REPORTS_ROOT
 
-    command = ANALYSIS_COMMAND if args.reports == DEFAULT_REPORTS_ROOT else f"{ANALYSIS_COMMAND} --reports {args.reports}"
-    for path in [write_communication_accounting(args.reports, command), *write_parallelism_calcs(args.reports, command)]:
+    reports_root, command = _reports_root(args, ANALYSIS_COMMAND)
+    for path in [write_communication_accounting(reports_root, command), *write_parallelism_calcs(reports_root, command)]:
         print(path)
 
 
 def _cmd_index(args) -> None:
-    from cs336_systems.report_index import DEFAULT_REPORTS_ROOT, INDEX_COMMAND, write_index
+    from cs336_systems.report_index import INDEX_COMMAND, write_indexes
 
-    # The index names the command that made it, so it records --reports only when it was not the default.
-    command = INDEX_COMMAND if args.reports == DEFAULT_REPORTS_ROOT else f"{INDEX_COMMAND} --reports {args.reports}"
-    print(write_index(args.reports, command))
+    for path in write_indexes(*_reports_root(args, INDEX_COMMAND)):
+        print(path)
+
+
+def _reports_root(args, command: str):
+    """The reports' root a command writes to, and the command as its files record it: `--reports` only where it
+    was given (the default is the repository's `reports/`, from any folder)."""
+    from cs336_systems.reports import default_reports_root
+
+    if args.reports is None:
+        return default_reports_root(), command
+    return args.reports, f"{command} --reports {args.reports}"
+
+
+REPORTS_ROOT_HELP = "reports/ in the repository's root, from any folder"
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -158,7 +175,6 @@ def build_parser() -> argparse.ArgumentParser:
     from cs336_systems.benchmarks.e2e import DEFAULT_BATCH_SIZE, DEFAULT_STEPS, DEFAULT_WARMUP, MODES
     from cs336_systems.benchmarks.harness import PRECISIONS
     from cs336_systems.model import DEFAULT_SIZE_TABLE, SIZE_TABLES
-    from cs336_systems.report_index import DEFAULT_REPORTS_ROOT
 
     parser = _Parser(prog="python -m cs336_systems", description=__doc__,
                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -212,12 +228,12 @@ def build_parser() -> argparse.ArgumentParser:
 
     analysis = commands.add_parser("analysis", help="write the closed-form reports (communication_accounting and "
                                    "the parallelism calculations) into <reports>/")
-    analysis.add_argument("--reports", default=DEFAULT_REPORTS_ROOT, help="the reports' root directory")
+    analysis.add_argument("--reports", default=None, help=f"the reports' root directory (default: {REPORTS_ROOT_HELP})")
     analysis.set_defaults(run=_cmd_analysis)
 
-    index = commands.add_parser("index", help="write <reports>/README.md, the reports' index, from their CSVs")
-    index.add_argument("--reports", default=DEFAULT_REPORTS_ROOT,
-                       help=f"the reports' root directory (default: {DEFAULT_REPORTS_ROOT})")
+    index = commands.add_parser("index", help="write <reports>/README.md, the GPU reports' index, from their CSVs "
+                                "(and <reports>/cpu/README.md where a CPU run left reports)")
+    index.add_argument("--reports", default=None, help=f"the reports' root directory (default: {REPORTS_ROOT_HELP})")
     index.set_defaults(run=_cmd_index)
     return parser
 

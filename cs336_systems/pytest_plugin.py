@@ -87,8 +87,9 @@ def pytest_addoption(parser: pytest.Parser) -> None:
                     help=f"ranks for distributed benchmarks (default {DEFAULT_WORLD_SIZE})")
     group.addoption("--precision", default=DEFAULT_PRECISIONS,
                     help=f"comma-separated subset of {', '.join(PRECISIONS)}, or all (default {DEFAULT_PRECISIONS})")
-    group.addoption("--report-dir", default="reports",
-                    help="where reports go; each GPU gets a subdirectory (default reports)")
+    group.addoption("--report-dir", default=None,
+                    help="where reports go; each GPU gets a subdirectory (default: reports/ in pytest's rootdir, "
+                         "the repository's root, from any folder)")
     group.addoption("--update-baselines", action="store_true",
                     help="write measured speed-up ratios to perf/baselines/<gpu>.json instead of gating")
     group.addoption("--accept-regression", action="store_true",
@@ -165,7 +166,7 @@ def pytest_configure(config: pytest.Config) -> None:
         gpu_spec=gpu_spec,
         precisions=precisions,
         world_size=world_size,
-        report_root=Path(config.getoption("--report-dir")).resolve(),
+        report_root=_report_root(config),
         update_baselines=config.getoption("--update-baselines"),
         accept_regression=config.getoption("--accept-regression"),
         model_sizes=model_sizes,
@@ -176,6 +177,17 @@ def pytest_configure(config: pytest.Config) -> None:
         time_budget_s=time_budget_s,
         started=time.monotonic(),
     )
+
+
+def _report_root(config: pytest.Config) -> Path:
+    """--report-dir, relative to the folder pytest was started in; by default `reports/` in the rootdir, so a run
+    from a subfolder (`cd perf && pytest test_e2e.py`) writes where a run from the root does."""
+    from cs336_systems.reports import REPORTS_DIR_NAME
+
+    chosen = config.getoption("--report-dir")
+    if chosen is None:
+        return config.rootpath / REPORTS_DIR_NAME
+    return (config.invocation_params.dir / chosen).resolve()
 
 
 @pytest.hookimpl(optionalhook=True)
@@ -387,18 +399,21 @@ def pytest_sessionfinish(session: pytest.Session) -> None:
         try:
             rows = [json.loads(line) for f in staged if f.name.split(".")[0] == problem
                     for line in f.read_text().splitlines()]
-            written.append(reports.write_report(problems.report(problem), rows, run.report_dir, run.command,
-                                                "cuda" if run.on_gpu else "cpu"))
+            markdown = reports.write_report(problems.report(problem), rows, run.report_dir, run.command,
+                                            "cuda" if run.on_gpu else "cpu")
+            written += [markdown, *reports.shown_figures(markdown)]
         except Exception as error:  # one report's failure must not lose the others
             errors.append(f"{problem}: {type(error).__name__}: {error}")
     for asset in sorted((run.staging_dir / _ASSETS_DIR).glob("*")):
         run.report_dir.mkdir(parents=True, exist_ok=True)
         written.append(Path(shutil.move(asset, run.report_dir / asset.name)))
-    if written:  # the index answers from every report under the root, this run's included
+    written = list(dict.fromkeys(written))  # a staged plot that a kept report already showed is listed once
+    if written:  # the index of this run's kind of device answers from its reports, this run's included
         try:
-            written.append(report_index.write_index(run.report_root))
+            written.append(report_index.write_index(run.report_root, cpu=not run.on_gpu))
         except Exception as error:
-            errors.append(f"{run.report_root / report_index.INDEX_FILE}: {type(error).__name__}: {error}")
+            errors.append(f"{report_index.index_path(run.report_root, cpu=not run.on_gpu)}: "
+                          f"{type(error).__name__}: {error}")
     ratios = {r["name"]: r["ratio"] for f in staged if f.name.startswith(f"{_BASELINES_STAGE}.")
               for r in map(json.loads, f.read_text().splitlines())}
     if ratios:

@@ -2,8 +2,13 @@
 figures are read from its reports' rows, with links to its tables and plots, and, for each device,
 the reports that are absent and the run that would write them.
 
-    python -m cs336_systems index                   # writes reports/README.md
-    write_index("reports")
+    python -m cs336_systems index                   # writes reports/README.md (and reports/cpu/README.md)
+    write_index("reports")                          # the GPU reports' index
+    write_index("reports", cpu=True)                # a CPU run's, in reports/cpu/
+
+The committed index covers the GPU directories only. A CPU run's reports (`reports/cpu/`, git-ignored:
+they show that the code runs, not how fast) get an index of their own inside that directory, so a CPU
+run, `make perf` on a laptop, leaves every committed file as it was.
 
 Device reports live in `<reports>/<gpu-slug>/<problem>.md` (+ `.csv`, `.png`); the closed-form
 communication_accounting report lives in `<reports>/` itself. A problem's answer function,
@@ -18,7 +23,7 @@ headers), so writing it again from the same reports gives the same bytes.
 
 from __future__ import annotations
 
-import re
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -30,21 +35,21 @@ from cs336_systems.problems import PROBLEMS, Problem
 from cs336_systems.reports import (
     UNRECORDED_SIZE_TABLE,
     Metadata,
+    Report,
     Reports,
     Row,
     listing,
     markdown_table,
     metadata_path,
     read_rows,
+    shown_figures,
 )
 
 INDEX_FILE = "README.md"
-DEFAULT_REPORTS_ROOT = "reports"
 INDEX_COMMAND = "python -m cs336_systems index"
 CPU_SLUG = "cpu"
 CPU_NOTE = (f"The `{CPU_SLUG}/` reports come from a CPU run: Triton kernels ran in the Triton interpreter and every "
             "time there is a CPU time, which shows that the code runs, not how fast a GPU runs it.\n")
-
 
 
 # ---------------------------------------------------------------------------------------- the index
@@ -53,7 +58,7 @@ CPU_NOTE = (f"The `{CPU_SLUG}/` reports come from a CPU run: Triton kernels ran 
 class _Directory:
     """A directory of reports: a device's (`<root>/<slug>`) or the root's own."""
     path: Path
-    prefix: str  # the directory relative to the index, "" or "<slug>/"
+    prefix: str  # the directory relative to the index: "", "<slug>/" or "../"
 
     def has(self, report: str) -> bool:
         return (self.path / f"{report}.csv").is_file()
@@ -66,9 +71,20 @@ class _Directory:
         markdown = self.path / f"{report}.md"
         if not markdown.is_file():
             return []
-        plots = dict.fromkeys(re.findall(r"!\[[^\]]*\]\(([^)\s]+\.png)\)", markdown.read_text()))
-        return [f"[{name}]({self.prefix}{name})" for name in (f"{report}.md", *plots)
-                if (self.path / name).is_file()]
+        return [f"[{path.name}]({self.prefix}{path.name})" for path in (markdown, *shown_figures(markdown))]
+
+
+@dataclass(frozen=True)
+class _Layout:
+    """The reports an index reads and the folder it is written in, which its links are relative to."""
+    reports_root: Path
+    index_dir: Path
+
+    def directory(self, slug: str = "") -> _Directory:
+        """A device's directory, or with no slug the reports' root (the closed-form reports)."""
+        path = self.reports_root / slug
+        relative = Path(os.path.relpath(path, self.index_dir)).as_posix()
+        return _Directory(path, "" if relative == "." else f"{relative}/")
 
 
 def _device_directories(reports_root: Path) -> list[str]:
@@ -76,16 +92,22 @@ def _device_directories(reports_root: Path) -> list[str]:
     return sorted(p.name for p in reports_root.iterdir() if p.is_dir() and any(p.glob("*.csv")))
 
 
-def _device_table(reports_root: Path, slugs: list[str]) -> str:
+def result_directories(reports_root: Path | str) -> list[str]:
+    """The device directories whose reports are results to keep, the ones the repository commits: every one that
+    holds a report but a CPU run's, which shows that the code runs (reports/cpu/ is git-ignored)."""
+    return [slug for slug in _device_directories(Path(reports_root)) if slug != CPU_SLUG]
+
+
+def _device_table(layout: _Layout, slugs: list[str]) -> str:
     table = []
     for slug in slugs:
         # The problems' reports (each a CSV with its metadata), not records such as gpu_check.json.
         metadata = [Metadata.read(metadata_path(csv.parent, csv.stem))
-                    for csv in sorted((reports_root / slug).glob("*.csv"))]
+                    for csv in sorted((layout.reports_root / slug).glob("*.csv"))]
         devices = dict.fromkeys(m.device for m in metadata)
         software = dict.fromkeys(run.software_text for m in metadata for run in m.runs)
         dates = sorted(run.date for m in metadata for run in m.runs)
-        table.append({"directory": f"[{slug}/]({slug}/)", "device": "; ".join(devices),
+        table.append({"directory": f"[{slug}/]({layout.directory(slug).prefix or './'})", "device": "; ".join(devices),
                       "software": "; ".join(software),
                       "runs": f"{dates[0]} to {dates[-1]}" if len(set(dates)) > 1 else "".join(dates[:1])})
     return markdown_table(table)
@@ -97,40 +119,50 @@ def _perf_command(problem: Problem, slug: str) -> str:
     return f"`pytest perf/ -m {problem.marker} --gpu {gpu}{world_size}`"
 
 
-def _not_measured(problem: Problem, reports: list[str], slug: str) -> str:
-    files = listing([f"`{slug}/{report}.md`" for report in reports])
-    absent = f"{files} {'is' if len(reports) == 1 else 'are'} absent"
-    them = "it" if len(reports) == 1 else "them"
-    if problem.gpus > 1 and slug != CPU_SLUG:
-        return (f"- {slug}: not measured: needs {problem.gpus} GPUs. {absent}: no {_perf_command(problem, slug)} "
-                f"run on a {problem.gpus}-GPU machine has written {them} yet.")
-    return f"- {slug}: not measured: {absent}: no {_perf_command(problem, slug)} run has written {them} yet."
+def _skipped_on_cpu(report: Report, slug: str) -> bool:
+    """Whether `report` is absent from `slug` because a CPU run skips the tests that write it."""
+    return slug == CPU_SLUG and report.needs_gpu
 
 
-def _device(reports_root: Path, slug: str) -> _Directory:
-    return _Directory(reports_root / slug, f"{slug}/")
+def _not_measured(problem: Problem, reports: list[Report], slug: str) -> list[str]:
+    lines = []
+    for gpu_only in (False, True):
+        names = [report.name for report in reports if _skipped_on_cpu(report, slug) == gpu_only]
+        if not names:
+            continue
+        files = listing([f"`{slug}/{name}.md`" for name in names])
+        absent = f"{files} {'is' if len(names) == 1 else 'are'} absent"
+        them, its = ("it", "its") if len(names) == 1 else ("them", "their")
+        if gpu_only:
+            lines.append(f"- {slug}: not measured: {absent}: {its} perf tests need a CUDA GPU, so a CPU run skips "
+                         f"them; `pytest perf/ -m {problem.marker} --gpu auto` on a GPU writes {them}.")
+        elif problem.gpus > 1 and slug != CPU_SLUG:
+            lines.append(f"- {slug}: not measured: needs {problem.gpus} GPUs. {absent}: no "
+                         f"{_perf_command(problem, slug)} run on a {problem.gpus}-GPU machine has written {them} yet.")
+        else:
+            lines.append(f"- {slug}: not measured: {absent}: no {_perf_command(problem, slug)} run has written {them} "
+                         "yet.")
+    return lines
 
 
-def _device_paragraph(problem: Problem, reports_root: Path, slug: str) -> str:
-    directory = _device(reports_root, slug)
-    present = [r for r in problem.report_names if directory.has(r)]
-    absent = [r for r in problem.report_names if r not in present]
+def _device_paragraph(problem: Problem, layout: _Layout, slug: str) -> str:
+    directory = layout.directory(slug)
+    present = [r.name for r in problem.reports if directory.has(r.name)]
+    absent = [r for r in problem.reports if r.name not in present]
     lines = []
     if present:
         links = [link for report in present for link in directory.links(report)]
         sentences = problem.answer({report: directory.rows(report) for report in present})
         lines.append(f"**{slug}**" + (f" ({', '.join(links)})" if links else "") + ": " + " ".join(sentences))
-    if absent:
-        lines.append(_not_measured(problem, absent, slug))
-    return "\n\n".join(lines)
+    return "\n\n".join(lines + _not_measured(problem, absent, slug))
 
 
-def _status(problem: Problem, reports_root: Path, slug: str) -> str:
+def _status(problem: Problem, layout: _Layout, slug: str) -> str:
     if not problem.report_names:
         return "open" if problem.open_items else "no report (correctness tests)"
     if problem.device_independent:
-        return "device-independent" if _Directory(reports_root, "").has(problem.report_names[0]) else "not computed"
-    present = [r for r in problem.report_names if _device(reports_root, slug).has(r)]
+        return "device-independent" if layout.directory().has(problem.report_names[0]) else "not computed"
+    present = [r for r in problem.report_names if layout.directory(slug).has(r)]
     if not present:
         return "not measured"
     if len(present) < len(problem.report_names):
@@ -138,12 +170,12 @@ def _status(problem: Problem, reports_root: Path, slug: str) -> str:
     return "measured"
 
 
-def _section(number: int, problem: Problem, reports_root: Path, slugs: list[str]) -> str:
+def _section(number: int, problem: Problem, layout: _Layout, slugs: list[str]) -> str:
     head = f"## {number}. {problem.title}\n\n"
     if not problem.report_names:
         return head + " ".join(problem.answer({})) + "\n"
     if problem.device_independent:
-        root, report = _Directory(reports_root, ""), problem.report_names[0]
+        root, report = layout.directory(), problem.report_names[0]
         if not root.has(report):
             return head + f"- not computed: `{report}.md` is absent; `{ANALYSIS_COMMAND}` writes it.\n"
         links = root.links(report)
@@ -151,19 +183,19 @@ def _section(number: int, problem: Problem, reports_root: Path, slugs: list[str]
                 + " ".join(problem.answer({report: root.rows(report)})) + "\n")
     if not slugs:
         return head + "- not measured: no device directory under the reports holds a report yet.\n"
-    return head + "\n\n".join(_device_paragraph(problem, reports_root, slug) for slug in slugs) + "\n"
+    return head + "\n\n".join(_device_paragraph(problem, layout, slug) for slug in slugs) + "\n"
 
 
-def _measured(problem: Problem, reports_root: Path, slugs: list[str]) -> dict[str, Reports]:
+def _measured(problem: Problem, layout: _Layout, slugs: list[str]) -> dict[str, Reports]:
     """slug -> the problem's reports present there ("" for the reports' root, closed forms)."""
     if problem.device_independent:
-        root = _Directory(reports_root, "")
+        root = layout.directory()
         if not root.has(problem.report_names[0]):
             return {}
         return {"": {r: root.rows(r) for r in problem.report_names if root.has(r)}}
     found = {}
     for slug in slugs:
-        directory = _device(reports_root, slug)
+        directory = layout.directory(slug)
         present = {r: directory.rows(r) for r in problem.report_names if directory.has(r)}
         if present:
             found[slug] = present
@@ -188,8 +220,15 @@ def _open(problem: Problem, measured: dict[str, Reports], sizes: dict[str, list[
         return problem.open_items({}) if problem.open_items else []
     complete = [slug for slug, reports in measured.items() if len(reports) == len(problem.report_names)]
     if not complete and measured and not problem.device_independent:  # some of its reports, on some devices
-        items += [f"{slug}: {listing([r for r in problem.report_names if r not in reports])} not measured: "
-                  + _perf_command(problem, slug) for slug, reports in measured.items()]
+        for slug, reports in measured.items():
+            missing = [r for r in problem.reports if r.name not in reports]
+            for gpu_only in (False, True):
+                names = [r.name for r in missing if _skipped_on_cpu(r, slug) == gpu_only]
+                if names and gpu_only:
+                    items.append(f"{slug}: {listing(names)} needs a CUDA GPU: `pytest perf/ -m {problem.marker} "
+                                 "--gpu auto` on one")
+                elif names:
+                    items.append(f"{slug}: {listing(names)} not measured: " + _perf_command(problem, slug))
     elif not complete:
         if problem.device_independent:
             items.append(f"not computed: `{ANALYSIS_COMMAND}`")
@@ -221,16 +260,31 @@ def _size_gaps(sizes: dict[str, list[str]]) -> list[str]:
     return items
 
 
-def render_index(reports_root: Path | str, command: str = INDEX_COMMAND) -> str:
+def index_path(reports_root: Path | str, cpu: bool = False) -> Path:
+    """Where the index goes: `<reports_root>/README.md` for the reports kept (every GPU's), or a CPU run's own
+    `<reports_root>/cpu/README.md`, so that a CPU run never changes the committed index."""
+    return Path(reports_root) / (CPU_SLUG if cpu else "") / INDEX_FILE
+
+
+def render_index(reports_root: Path | str, command: str = INDEX_COMMAND, cpu: bool = False) -> str:
+    """The index of the GPU reports under `reports_root`, or with `cpu` the index of a CPU run's reports."""
     reports_root = Path(reports_root)
     if not reports_root.is_dir():
         raise ValueError(f"no reports directory {reports_root}")
-    slugs = _device_directories(reports_root)
+    layout = _Layout(reports_root, index_path(reports_root, cpu).parent)
+    if cpu:
+        slugs = [CPU_SLUG] if CPU_SLUG in _device_directories(reports_root) else []
+        scope = (f"This index covers a CPU run's reports, `{CPU_SLUG}/`, which are not committed; "
+                 f"[../{INDEX_FILE}](../{INDEX_FILE}) indexes the GPU reports.\n\n{CPU_NOTE}")
+    else:
+        slugs = result_directories(reports_root)
+        scope = (f"This index covers the GPU reports. A CPU run's reports, `{CPU_SLUG}/`, are not committed; such a run "
+                 f"writes an index of its own, `{CPU_SLUG}/{INDEX_FILE}`.\n")
     status = []
     for number, problem in enumerate(PROBLEMS, 1):
-        measured = _measured(problem, reports_root, slugs)
+        measured = _measured(problem, layout, slugs)
         sizes = _model_sizes(measured)
-        status.append({"problem": f"{number}. {problem.title}", **{s: _status(problem, reports_root, s) for s in slugs},
+        status.append({"problem": f"{number}. {problem.title}", **{s: _status(problem, layout, s) for s in slugs},
                        "model sizes": "; ".join(f"{table}: {', '.join(names)}" for table, names in sizes.items()),
                        "open": "; ".join(_open(problem, measured, sizes))})
     parts = [
@@ -239,20 +293,26 @@ def render_index(reports_root: Path | str, command: str = INDEX_COMMAND) -> str:
         "figure below is read from the rows of the report linked beside it, whose header names the device, "
         "software versions, dates and command that measured it. Each CSV has one line per measured number: "
         "`cell, run, device, dtype, shape, variant, status, statistic, value, unit` (`cs336_systems/rows.py`).\n",
+        scope,
         "## Devices\n",
-        _device_table(reports_root, slugs) if slugs else "No device reports yet.\n",
-        *([CPU_NOTE] if CPU_SLUG in slugs else []),
+        _device_table(layout, slugs) if slugs else "No device reports yet.\n",
         "## Status\n",
         "Per problem and device directory: whether its reports are there, the model sizes they measured (by size "
         "table) and what is still open.\n",
         markdown_table(status),
-        *(_section(number, problem, reports_root, slugs) for number, problem in enumerate(PROBLEMS, 1)),
+        *(_section(number, problem, layout, slugs) for number, problem in enumerate(PROBLEMS, 1)),
     ]
     return "\n".join(parts)
 
 
-def write_index(reports_root: Path | str, command: str = INDEX_COMMAND) -> Path:
-    """Write `<reports_root>/README.md` from the reports under it; returns its path."""
-    path = Path(reports_root) / INDEX_FILE
-    path.write_text(render_index(reports_root, command))
+def write_index(reports_root: Path | str, command: str = INDEX_COMMAND, cpu: bool = False) -> Path:
+    """Write the index `render_index` gives at `index_path`; returns its path."""
+    path = index_path(reports_root, cpu)
+    path.write_text(render_index(reports_root, command, cpu))
     return path
+
+
+def write_indexes(reports_root: Path | str, command: str = INDEX_COMMAND) -> list[Path]:
+    """The GPU reports' index and, where a CPU run left reports, the CPU run's own; returns their paths."""
+    with_cpu = CPU_SLUG in _device_directories(Path(reports_root))
+    return [write_index(reports_root, command), *([write_index(reports_root, command, cpu=True)] if with_cpu else [])]

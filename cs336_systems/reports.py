@@ -21,6 +21,8 @@ import json
 import math
 import os
 import platform
+import re
+import statistics
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -29,12 +31,14 @@ from typing import Any
 import torch
 from tabulate import tabulate
 
-from cs336_systems.provenance import package_source_hash
+from cs336_systems.provenance import PACKAGE_ROOT, package_source_hash
 from cs336_systems.rows import LONG_COLUMNS, from_long, to_long
 
 Row = dict[str, Any]
 Reports = dict[str, list[Row]]  # report name -> its rows, for the reports of a problem that exist
 OOM = "OOM"
+# A cell the memory model said would not fit was never started: tables say so, not just OOM.
+PREDICTED_OOM = "OOM (predicted, not run)"
 # A cell whose std is above this share of its mean varied too much between repetitions to be read as
 # one number; its table cell says so.
 NOISY_RELATIVE_STD = 0.20
@@ -63,11 +67,13 @@ class Report:
     With a key, a report accumulates runs: a later run's rows replace earlier rows with the same key
     and the others stay, so a long sweep can be measured in parts; the header lists every run that
     still contributes rows. Without a key, each run replaces the whole report. The reports of the
-    course's problems are listed in cs336_systems.problems.
+    course's problems are listed in cs336_systems.problems. `needs_gpu`: every perf test that writes it
+    is marked gpu, so a CPU run never does.
     """
     name: str
     render: Renderer = plain_table
     key: tuple[str, ...] | None = None
+    needs_gpu: bool = False
 
 
 def format_value(value: Any) -> str:
@@ -92,6 +98,21 @@ def mean_std(mean: float, std: float, spec: str = ".1f", std_spec: str | None = 
     """ "mean ± std [unit]", flagged noisy when the std is above NOISY_RELATIVE_STD of the mean."""
     text = f"{mean:{spec}} ± {std:{std_spec or spec}}" + (f" {unit}" if unit else "")
     return f"{text} ({NOISY})" if is_noisy(mean, std) else text
+
+
+def oom_text(row: Row) -> str:
+    """An OOM cell as a table shows it: predicted by the memory model and not run, or run out of memory."""
+    return PREDICTED_OOM if row.get("oom_predicted") else OOM
+
+
+def oom_note(row: Row) -> str:
+    """An OOM cell in words, as a command prints it: predicted and never run, or run out of memory, with the
+    memory model's estimate (cs336_systems.memory_guard)."""
+    estimate = (f"the memory model estimates a peak of {format_bytes(row['estimated_peak_bytes'])} against "
+                f"{format_bytes(row['available_bytes'])} available")
+    if row.get("oom_predicted"):
+        return f"{PREDICTED_OOM}: {estimate}, so nothing ran"
+    return f"{OOM}: it ran out of memory ({estimate})"
 
 
 def is_noisy(mean: float, std: float) -> bool:
@@ -142,6 +163,59 @@ def listing(items: Sequence[str]) -> str:
 def not_in_report(what: str) -> str:
     """What an answer says where a row it would quote is missing, instead of guessing."""
     return f"{what} is not in the report."
+
+
+def _times_noisy(*rows: Row, prefix: str = "") -> bool:
+    """Whether any of these rows' times (`<prefix>mean_ms`, `<prefix>std_ms`) varied too much to be one number."""
+    return any(is_noisy(r[f"{prefix}mean_ms"], r[f"{prefix}std_ms"] or 0.0) for r in rows)
+
+
+def speedup_text(slow: Row, fast: Row, prefix: str = "") -> str:
+    """The ratio of two rows' mean times, "2.00x", marked noisy where either time is."""
+    ratio = format_ratio(slow[f"{prefix}mean_ms"] / fast[f"{prefix}mean_ms"])
+    return ratio + (f" ({NOISY})" if _times_noisy(slow, fast, prefix=prefix) else "")
+
+
+@dataclass(frozen=True)
+class SpeedUps:
+    """How much faster one variant ran than another over many cells, read only from the cells where both times
+    are steady: a ratio of two noisy means is no finding. A report's findings and the index's answer quote the
+    same SpeedUps, so they quote the same figures."""
+    ratios: tuple[float, ...]  # the steady cells' slow mean over fast mean
+    cells: tuple[str, ...]  # the cell of each ratio, as a finding names it
+    noisy: int  # cells left out
+
+    @classmethod
+    def of(cls, pairs: Iterable[tuple[Row, Row, str]], prefix: str = "") -> SpeedUps:
+        """From (slow row, fast row, cell name) triples whose rows hold `<prefix>mean_ms` and `<prefix>std_ms`."""
+        pairs = list(pairs)
+        steady = [(slow[f"{prefix}mean_ms"] / fast[f"{prefix}mean_ms"], cell) for slow, fast, cell in pairs
+                  if not _times_noisy(slow, fast, prefix=prefix)]
+        return cls(tuple(r for r, _ in steady), tuple(c for _, c in steady), len(pairs) - len(steady))
+
+    @property
+    def median(self) -> float:
+        return statistics.median(self.ratios)
+
+    def range_text(self, with_cells: bool = False) -> str:
+        """ "0.54x to 1.64x", with each end's cell where asked: "0.54x (d=32, N=1024) to 1.64x (d=16, N=8192)"."""
+        if not with_cells or len(set(self.ratios)) == 1:
+            return span(self.ratios, format_ratio)
+        (low, low_cell), (high, high_cell) = min(zip(self.ratios, self.cells)), max(zip(self.ratios, self.cells))
+        return f"{format_ratio(low)} ({low_cell}) to {format_ratio(high)} ({high_cell})"
+
+    def details(self) -> str:
+        """ "median 1.33x; 4 noisy cells left out", the parts that apply ("" for one steady cell and none left out)."""
+        median = f"median {format_ratio(self.median)}" if len(self.ratios) > 1 else ""
+        left_out = f"{plural(self.noisy, 'noisy cell')} left out" if self.noisy else ""
+        return "; ".join(filter(None, (median, left_out)))
+
+    def summary(self) -> str:
+        """ "1.04x to 2.30x (median 1.33x; 4 noisy cells left out)", "noisy in every cell", or "" for no cell."""
+        if not self.ratios:
+            return "noisy in every cell" if self.noisy else ""
+        details = self.details()
+        return self.range_text() + (f" ({details})" if details else "")
 
 
 def markdown_table(rows: Sequence[Row], columns: Sequence[str] | None = None) -> str:
@@ -227,6 +301,17 @@ def software_versions() -> dict[str, str]:
     if torch.cuda.is_available() and torch.distributed.is_nccl_available():
         versions["nccl"] = ".".join(map(str, torch.cuda.nccl.version()))
     return versions
+
+
+REPORTS_DIR_NAME = "reports"
+
+
+def default_reports_root() -> Path:
+    """Where reports go unless a command names a directory: `reports/` in the repository's root (the folder
+    that holds this package and pyproject.toml), from whatever folder the command runs in. A copy of the
+    package installed without its repository has no such root; it writes `reports/` in the current folder."""
+    repository = PACKAGE_ROOT.parent
+    return (repository if (repository / "pyproject.toml").is_file() else Path.cwd()) / REPORTS_DIR_NAME
 
 
 RUN_COLUMN = "run"
@@ -437,6 +522,13 @@ def write_closed_form(report: Report, rows: list[Row], report_dir: Path | str, c
     report_dir.mkdir(parents=True, exist_ok=True)
     write_csv(report_dir / f"{report.name}.csv", rows)
     return _write_rendered(report.name, rendered, report_dir, _closed_form_header(report.name, command, sources))
+
+
+def shown_figures(markdown_path: Path) -> list[Path]:
+    """The PNG files beside a report's Markdown that it shows (`![...](name.png)`), in order, each once, the
+    ones present."""
+    names = dict.fromkeys(re.findall(r"!\[[^\]]*\]\(([^)\s]+\.png)\)", markdown_path.read_text()))
+    return [markdown_path.parent / name for name in names if (markdown_path.parent / name).is_file()]
 
 
 def _write_rendered(problem: str, rendered: Rendered, report_dir: Path, head: str) -> Path:

@@ -340,6 +340,37 @@ def test_torch_compile_report_puts_attention_beside_the_whole_model_part():
     assert "d=64, N=16384: only compiled attention fits in memory." in body
 
 
+def test_torch_compile_findings_and_answer_leave_out_noisy_attention_cells_and_quote_the_same_figures():
+    def pair(d, eager_ms, compiled_ms, compiled_std_ms=None):
+        compiled = _attention_row(d, 1024, compiled=True, forward_ms=compiled_ms, backward_ms=compiled_ms)
+        if compiled_std_ms is not None:  # noisy: std above 20% of the mean
+            compiled |= {"forward_std_ms": compiled_std_ms, "backward_std_ms": compiled_std_ms}
+        return [{**_attention_row(d, 1024, forward_ms=eager_ms, backward_ms=eager_ms), "table": "attention"},
+                {**compiled, "table": "attention"}]
+
+    # Steady: 2x and 1.5x (d=16, 32); noisy: 0.01x and 100x (d=64, 128), which no finding may quote.
+    rows = pair(16, 4.0, 2.0) + pair(32, 3.0, 2.0) + pair(64, 1.0, 100.0, 90.0) + pair(128, 100.0, 1.0, 0.5)
+    body = _flat(problems.report("torch_compile").render(rows).body)
+    assert "| 64 | 1024 | 1 ± 0.1 | 100 ± 90 (noisy) | 0.01x (noisy) |" in body
+    finding = "compiled runs 1.50x (d=32, N=1024) to 2.00x (d=16, N=1024) as fast as eager (median 1.75x; 2 noisy cells left out)."
+    assert f"- forward: {finding}" in body and f"- backward: {finding}" in body
+    answer = " ".join(attention_bench.answer_torch_compile({"torch_compile": rows}))
+    assert ("Naive attention alone, compiled over eager (4 cells): forward 1.50x to 2.00x (median 1.75x; 2 noisy "
+            "cells left out), backward 1.50x to 2.00x (median 1.75x; 2 noisy cells left out).") in answer
+    quoted = body[body.index("- forward:"):] + answer  # the findings after the table, and the index's answer
+    assert "0.01x" not in quoted and "100.00x" not in quoted
+
+
+def test_a_cpu_flash_report_says_fp32_is_full_fp32_and_no_word_of_tf32():
+    cpu = [{**_flash_row(provider, "forward", 128, 1.0, precision="fp32"), "device": "cpu"}
+           for provider in ("flash_triton", "naive")]
+    assert "TF32" not in FLASH_REPORT.render(cpu).body
+    assert "On a CPU fp32 is full fp32: the Triton interpreter computes tl.dot as a NumPy fp32 matmul." in _flat(
+        FLASH_REPORT.render(cpu).body)
+    gpu = [{**row, "device": "cuda"} for row in cpu]
+    assert "Triton's tl.dot defaults to TF32 tensor cores on NVIDIA GPUs" in FLASH_REPORT.render(gpu).body
+
+
 def _flash_row(provider: str, mode: str, n: int, ms: float | None, d: int = 64, precision: str = "bf16",
                status: str = "ok", table: str = "sweep", **extra) -> dict:
     cell = FlashCell(n, d, precision, n_heads=16 if table == "leaderboard" else 1)
@@ -365,11 +396,11 @@ def test_flash_report_tables_ratios_oom_and_leaderboard(tmp_path):
                    _flash_row("sdpa_cudnn", "forward_backward", 16384, 4.0, table="leaderboard")]
     rendered = FLASH_REPORT.render(rows + leaderboard)
     body = _flat(rendered.body)
-    assert "### bf16, forward+backward" in body and "OOM (predicted)" in body
+    assert "### bf16, forward+backward" in body and "OOM (predicted, not run)" in body
     assert "| 64 | 4096 | 1 | 10 | 0.5 | 10x | 0.5x |" in body
     assert ("bf16: naive attention runs out of memory from N=65536 (d=64; predicted and not run; the accounting puts "
             "its peak at 52 GiB against 40 GiB free at d=64)") in body
-    assert "| 64 | 65,536 | 100 | OOM (predicted) | 80 | | 0.8x |" in body  # SDPA's time over Triton's
+    assert "| 64 | 65,536 | 100 | OOM (predicted, not run) | 80 | | 0.8x |" in body  # SDPA's time over Triton's
     assert "| triton (compiled) | | 8 | 241 | 1x | 1.33x | 2x |" in body  # its time over each other provider's
     assert set(rendered.figures) == {"flash_benchmarking_bf16.png"}
     write_report(FLASH_REPORT, rows + leaderboard, tmp_path, command="pytest perf/test_flash.py", device="cpu")

@@ -14,7 +14,7 @@ from cs336_systems.__main__ import main
 from cs336_systems.benchmarks import e2e
 from cs336_systems.benchmarks.e2e import E2EConfig, benchmark_model
 from cs336_systems.benchmarks.harness import timed_step
-from cs336_systems.reports import OOM, unmeasured
+from cs336_systems.reports import OOM, format_bytes, unmeasured
 
 
 def test_train_mode_reports_every_phase():
@@ -125,6 +125,42 @@ def test_memory_estimate_of_the_10b_model_is_its_state_on_a_training_step():
     assert 51e9 < e2e.memory_estimate(E2EConfig("10B", 512, mode="forward")).peak_bytes < 60e9
 
 
+def _sweep_cell(context: int, phase: str, mean_ms: float, std_ms: float, **extra) -> dict:
+    return {"table": "sweep", "size": "small", "context_length": context, "batch_size": 4, "mode": "train",
+            "precision": "fp32", "compile": False, "attention": "sdpa", "warmup": 5, "steps": 10, "device": "cuda",
+            "phase": phase, "status": "ok", "mean_ms": mean_ms, "std_ms": std_ms, **extra}
+
+
+def test_the_report_and_the_index_quote_one_median_variation_of_the_cells():
+    # std / mean of 1%, 2%, 4% and 30%: the median is 3.0% (the upper of the two middle values would be 4.0%).
+    rows = [_sweep_cell(context, "train_step", 100.0, std) for context, std in ((128, 1.0), (256, 2.0), (512, 4.0),
+                                                                              (1024, 30.0))]
+    body = e2e.render_benchmarking_script(rows).body
+    answer = " ".join(e2e.answer_benchmarking_script({"benchmarking_script": rows}))
+    assert "median std 3.0% of the mean; 3 of 4 cells under 5%" in body
+    assert ("Over the 4 measured cells the std is a median 3.0% of the mean (largest: small at context 1024, train "
+            "step, 30.0%); 1 of them varies by more than 20% and is marked noisy.") in answer
+
+
+def test_the_report_and_the_index_quote_one_compiled_speed_up_and_leave_out_noisy_cells():
+    rows = []
+    for context, eager_ms, compiled_ms, std_ms in ((128, 30.0, 20.0, 0.1), (256, 40.0, 20.0, 0.1),
+                                                   (512, 90.0, 10.0, 20.0), (1024, 80.0, 40.0, 0.1)):
+        rows += [_sweep_cell(context, "train_step", eager_ms, std_ms, first_step_ms=1.0),
+                 _sweep_cell(context, "train_step", compiled_ms, 0.1, compile=True, first_step_ms=1.0)]
+    body = e2e.render_compiled_models(rows).body
+    answer = " ".join(e2e.answer_compiled_models(rows))
+    # Steady ratios 1.5, 2 and 2 (median 2.00x); context 512's 9x is noisy and left out of both.
+    assert "Compiled over eager by phase: train step: 1.50x to 2.00x (median 2.00x; 1 noisy cell left out)." in body
+    assert ("makes the whole-model training step 1.50x to 2.00x as fast as eager over 3 size, context and precision "
+            "cells (median 2.00x; 1 noisy cell left out).") in answer
+    assert "| small | 512 | fp32 | train step | 90.0 ± 20.0 (noisy) | 10.0 ± 0.1 | 9.00x (noisy) |" in _flat(body)
+
+
+def _flat(markdown: str) -> str:
+    return " ".join(markdown.split())
+
+
 def test_report_lists_cells_out_of_memory_with_their_estimates():
     cell = {"table": "sweep", "size": "10B", "context_length": 128, "batch_size": 4, "mode": "train", "precision": "fp32",
             "compile": False, "attention": "sdpa", "warmup": 5, "steps": 10, "device": "cuda", "status": OOM}
@@ -192,13 +228,19 @@ def test_command_help_shows_the_defaults(capsys):
         assert default in text
 
 
-def test_command_records_a_cell_too_large_for_this_machine_as_oom(capsys, monkeypatch):
+def test_command_says_a_cell_too_large_for_this_machine_was_predicted_out_of_memory_and_not_run(
+        capsys, caplog, monkeypatch):
     from cs336_systems import memory_guard
 
     monkeypatch.setattr(memory_guard, "_available_ram_bytes", lambda: 2**30)
+    monkeypatch.setattr(e2e, "_measure",
+                        lambda cfg, device, reference, profiled_steps: pytest.fail("a cell that cannot fit was run"))
     assert main(["e2e", "--size", "tiny", "--context", "100000", "--device", "cpu"]) == 0
     rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| tiny")]
-    assert len(rows) == 5 and all("| OOM " in row and "1,073,741,824" in row for row in rows)
+    assert len(rows) == 5 and all("| OOM (predicted, not run) " in row and "1,073,741,824" in row for row in rows)
+    estimate = format_bytes(e2e.memory_estimate(E2EConfig("tiny", 100000)).peak_bytes)
+    assert caplog.messages == [f"tiny at context 100,000, fp32: OOM (predicted, not run): the memory model estimates "
+                               f"a peak of {estimate} against 1.00 GiB available, so nothing ran"]
 
 
 def test_a_cell_whose_state_exceeds_the_device_is_reported_oom_without_running(monkeypatch):

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import itertools
 import math
+from pathlib import Path
 
 import pytest
 import torch
@@ -288,3 +289,18 @@ def test_analysis_command_writes_every_closed_form_report(tmp_path, capsys):
     assert written == {"communication_accounting.md", *(f"{problem}.md" for problem in PROBLEMS)}
     assert f"- command: `python -m cs336_systems analysis --reports {tmp_path}`" in (
         tmp_path / "tp_calcs.md").read_text()
+
+
+def test_analysis_command_writes_into_the_repository_root_from_any_folder(tmp_path, monkeypatch, capsys):
+    from cs336_systems import reports
+    from cs336_systems.__main__ import main
+
+    clone = tmp_path / "clone"
+    (clone / "cs336_systems").mkdir(parents=True)
+    (clone / "pyproject.toml").write_text("[project]\nname = 'cs336-systems'\n")
+    monkeypatch.setattr(reports, "PACKAGE_ROOT", clone / "cs336_systems")
+    monkeypatch.chdir(clone / "cs336_systems")
+    assert main(["analysis"]) == 0
+    assert {path.parent for path in map(Path, capsys.readouterr().out.split())} == {clone / "reports"}
+    assert "- command: `python -m cs336_systems analysis`" in (clone / "reports" / "tp_calcs.md").read_text()
+    assert not (clone / "cs336_systems" / "reports").exists()

@@ -3,8 +3,10 @@
 import json
 import os
 import shlex
+import shutil
 import subprocess
 import sys
+import textwrap
 from pathlib import Path
 
 import pytest
@@ -146,17 +148,31 @@ def test_a_report_that_cannot_be_written_fails_the_run_leaves_nothing_and_keeps_
     result.stdout.fnmatch_lines(["*cs336-systems reports not written*",
                                  "mixed_precision_accumulation: KeyError: 'variant'"])
     written = sorted(p.name for p in (pytester.path / "out" / "cpu").iterdir())
-    assert written == ["_plugin_problem.csv", "_plugin_problem.md", "_plugin_problem.meta.json"]
+    assert written == ["README.md", "_plugin_problem.csv", "_plugin_problem.md", "_plugin_problem.meta.json"]
 
 
-def test_a_run_that_writes_reports_rebuilds_the_index_from_every_report_under_the_root(pytester):
+def test_a_cpu_run_that_writes_reports_rebuilds_its_own_index_and_leaves_the_gpu_index_alone(pytester):
     from cs336_systems.report_index import render_index
 
     pytester.makepyfile(ROW_WRITING_TEST)
     run(pytester, "--report-dir", "out").assert_outcomes(passed=1)
-    index = pytester.path / "out" / "README.md"
-    assert index.read_text() == render_index(pytester.path / "out")
-    assert "[cpu/](cpu/)" in index.read_text()  # the device table lists this run's directory
+    index = pytester.path / "out" / "cpu" / "README.md"
+    assert index.read_text() == render_index(pytester.path / "out", cpu=True)
+    assert "[cpu/](./)" in index.read_text()  # the device table lists this run's directory
+    assert not (pytester.path / "out" / "README.md").exists()
+
+
+def test_a_run_from_a_subfolder_writes_reports_under_the_rootdir(pytester, monkeypatch):
+    pytester.makeini("[pytest]\n")  # the rootdir, as pyproject.toml makes the repository's root
+    (pytester.path / "perf").mkdir()
+    (pytester.path / "perf" / "test_rows.py").write_text(textwrap.dedent(ROW_WRITING_TEST))
+    monkeypatch.chdir(pytester.path / "perf")
+    run(pytester, "test_rows.py").assert_outcomes(passed=1)
+    assert (pytester.path / "reports" / "cpu" / "_plugin_problem.md").is_file()
+    assert not (pytester.path / "perf" / "reports").exists()
+    # A --report-dir is read from the folder pytest started in, as any path on its command line is.
+    run(pytester, "test_rows.py", "--report-dir", "out").assert_outcomes(passed=1)
+    assert (pytester.path / "perf" / "out" / "cpu" / "_plugin_problem.md").is_file()
 
 
 def test_report_assets_reach_the_report_directory_only_when_the_session_ends(pytester):
@@ -169,6 +185,66 @@ def test_report_assets_reach_the_report_directory_only_when_the_session_ends(pyt
     """)
     run(pytester, "--report-dir", "out").assert_outcomes(passed=1)
     assert (pytester.path / "out" / "cpu" / "plot.png").read_bytes() == b"png"
+
+
+def test_the_list_of_written_files_names_every_plot_a_report_shows(pytester):
+    # The committed gradient_checkpointing rows: its renderer draws a plot; the staged asset is a second file.
+    pytester.makepyfile(f"""
+        from cs336_systems.reports import read_rows
+        def test_rows(report):
+            for row in read_rows({str(REPO_ROOT / "reports" / "h100" / "gradient_checkpointing.csv")!r}):
+                report("gradient_checkpointing").add(row)
+            report("gradient_checkpointing").asset_path("trace.png").write_bytes(b"png")
+    """)
+    result = run(pytester, "--report-dir", "out")
+    result.assert_outcomes(passed=1)
+    listed = result.stdout.str().split("cs336-systems reports", 1)[1].split()
+    out = pytester.path / "out" / "cpu"
+    assert [Path(line) for line in listed if line.startswith(str(out))] == [
+        out / "gradient_checkpointing.md", out / "gradient_checkpointing.png", out / "trace.png", out / "README.md"]
+
+
+# The tests that read the committed reports, run again in a copy of the repository after a CPU perf run.
+COMMITTED_REPORT_TESTS = ("test_report_prose.py", "test_report_index.py", "test_rows.py")
+
+
+def test_a_cpu_perf_run_leaves_the_committed_reports_and_the_tests_that_read_them_as_they_were(pytester, monkeypatch):
+    """`make perf` then `make test` on a CPU, in small: a perf session, started in a subfolder of a copy of the
+    repository, writes real reports (the committed h100 rows of torch_compile, whose CPU header takes it past
+    the prose limit, and of gradient_checkpointing, with its plot); then every committed file is as it was
+    and the tests that read the committed reports pass against the copy."""
+    from cs336_systems.report_index import CPU_SLUG
+
+    project = pytester.path
+    shutil.copytree(REPO_ROOT / "reports", project / "reports", ignore=shutil.ignore_patterns(CPU_SLUG))
+    (project / "pyproject.toml").write_text("[tool.pytest.ini_options]\n")  # the rootdir, as in the repository
+    committed = {path: path.read_bytes() for path in (project / "reports").rglob("*") if path.is_file()}
+    (project / "perf").mkdir()
+    (project / "perf" / "test_replay.py").write_text(textwrap.dedent(f"""
+        import pytest
+        from cs336_systems.reports import read_rows
+
+        @pytest.mark.parametrize("problem", ["torch_compile", "gradient_checkpointing"])
+        def test_rows(report, problem):
+            for row in read_rows({str(REPO_ROOT / "reports" / "h100")!r} + f"/{{problem}}.csv"):
+                report(problem).add(row)
+    """))
+    monkeypatch.chdir(project / "perf")
+    run(pytester, "test_replay.py", subprocess=True).assert_outcomes(passed=2)
+
+    written = {path for path in (project / "reports").rglob("*") if path.is_file()} - set(committed)
+    assert {path.parent.name for path in written} == {CPU_SLUG}
+    assert {"README.md", "torch_compile.md", "gradient_checkpointing.png"} <= {path.name for path in written}
+    assert all(path.read_bytes() == data for path, data in committed.items()), "a committed report changed"
+    assert sorted(path.name for path in (project / "perf").iterdir() if path.name != "__pycache__") == ["test_replay.py"]
+
+    (project / "tests").mkdir()
+    for name in COMMITTED_REPORT_TESTS:
+        shutil.copy(REPO_ROOT / "tests" / name, project / "tests" / name)
+    monkeypatch.chdir(project)
+    result = pytester.runpytest_subprocess("tests", "-p", "no:cacheprovider", "-k", "committed or prose")
+    outcomes = result.parseoutcomes()
+    assert result.ret == pytest.ExitCode.OK and outcomes["passed"] > len(COMMITTED_REPORT_TESTS), result.stdout.str()
 
 
 def test_report_rows_from_xdist_workers_are_merged_into_one_report(pytester):

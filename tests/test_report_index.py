@@ -11,8 +11,27 @@ from cs336_systems import problems
 from cs336_systems.__main__ import main
 from cs336_systems.benchmarks.communication_accounting import communication_accounting_rows
 from cs336_systems.problems import PROBLEMS
-from cs336_systems.report_index import CPU_SLUG, INDEX_COMMAND, render_index, write_index
-from cs336_systems.reports import Metadata, Row, RunRecord, header, metadata_path, plural, rerender, span, write_csv
+from cs336_systems.report_index import (
+    CPU_SLUG,
+    INDEX_COMMAND,
+    index_path,
+    render_index,
+    result_directories,
+    write_index,
+    write_indexes,
+)
+from cs336_systems.reports import (
+    Metadata,
+    Row,
+    RunRecord,
+    header,
+    metadata_path,
+    plural,
+    read_rows,
+    rerender,
+    span,
+    write_csv,
+)
 
 RUN_DATE = "2030-01-02 03:04 UTC"
 
@@ -122,7 +141,7 @@ def test_sentences_read_as_written_for_a_cpu_run_of_one_small_size(tmp_path):
          "num_layers": 2, "plan_kind": kind, "k": k, "levels": levels, "block_bytes": 2**20,
          "boundary_bytes": 2**16, "status": "ok", "measured_peak_bytes": 2**20, "recomputed_blocks": 1,
          "step_ms": 10.0} for kind, k, levels in (("every_k", 1, None), ("optimal", None, "unlimited"))])
-    index = render_index(tmp_path)
+    index = render_index(tmp_path, cpu=True)
     assert "context 64, fp32, eager: tiny takes 20.0 ± 0.2 ms" in index
     assert "xl" not in index.split("## 2. ")[0].split("## 1. ")[1]  # the run had no xl, so no word of it
     assert "Over the 2 measured cells" in index
@@ -180,9 +199,9 @@ def test_noisy_times_are_marked_and_left_out_of_speed_ups(tmp_path):
 
     write_fake_report(tmp_path / "cpu", "torch_compile", [
         step(64, 10.0, 5.0, False), step(64, 5.0, 0.1, True), step(32, 8.0, 0.1, False), step(32, 4.0, 0.1, True)])
-    index = render_index(tmp_path)
+    index = render_index(tmp_path, cpu=True)
     assert ("makes the whole-model training step 2.00x as fast as eager over 1 size, context and precision cell "
-            "(median 2.00x; 1 noisy cell left out)") in index
+            "(1 noisy cell left out)") in index
     assert "At tiny, context 64: fp32 10.0 ms -> 5 ms, 2.00x (noisy)." in index
     assert "The `cpu/` reports come from a CPU run" in index
 
@@ -261,19 +280,53 @@ def test_memory_profiling_answer_includes_part_f(tmp_path):
     assert _status_row(index, "memory_profiling")[-1] == ""
 
 
-def test_the_committed_index_is_the_one_the_committed_rows_give(tmp_path):
-    reports_root = Path(__file__).resolve().parents[1] / "reports"
-    # reports/cpu/ is not committed: a local CPU run must not make the committed index look stale.
-    shutil.copytree(reports_root, tmp_path / "reports", ignore=lambda directory, names: {"cpu"} & set(names))
-    assert (reports_root / "README.md").read_text() == render_index(tmp_path / "reports"), (
-        f"reports/README.md is stale: run `{INDEX_COMMAND}` and commit it")
-
-
 COMMITTED = Path(__file__).resolve().parents[1] / "reports"
 
 
-@pytest.mark.parametrize("csv", sorted(p.relative_to(COMMITTED).as_posix() for p in COMMITTED.glob("*/*.csv")
-                                       if p.parent.name != CPU_SLUG))
+def test_the_committed_index_is_the_one_the_committed_rows_give():
+    assert (COMMITTED / "README.md").read_text() == render_index(COMMITTED), (
+        f"reports/README.md is stale: run `{INDEX_COMMAND}` and commit it")
+
+
+def test_a_cpu_run_changes_neither_the_index_of_the_gpu_reports_nor_what_the_committed_checks_read(reports_root):
+    before = render_index(reports_root)
+    write_fake_report(reports_root / CPU_SLUG, "benchmarking_script", step_rows("tiny", {"train_step": 10.0}))
+    assert render_index(reports_root) == before
+    assert result_directories(reports_root) == ["h100"]
+    assert index_path(reports_root, cpu=True) == reports_root / CPU_SLUG / "README.md"
+
+
+def test_a_cpu_runs_index_lives_in_its_directory_and_links_from_there(reports_root):
+    write_fake_report(reports_root / CPU_SLUG, "gradient_checkpointing",
+                      read_rows(reports_root / "h100" / "gradient_checkpointing.csv"),
+                      plots=("gradient_checkpointing.png",))
+    (reports_root / CPU_SLUG / "gradient_checkpointing.png").write_bytes(b"\x89PNG")
+    paths = write_indexes(reports_root)
+    assert paths == [reports_root / "README.md", reports_root / CPU_SLUG / "README.md"]
+    index = paths[1].read_text()
+    targets = re.findall(r"\]\(([^)]+)\)", index)
+    assert {"gradient_checkpointing.md", "gradient_checkpointing.png", "../communication_accounting.md"} <= set(targets)
+    assert all((paths[1].parent / target).exists() for target in targets)
+    assert "h100" not in index and "The `cpu/` reports come from a CPU run" in index
+    assert "The `cpu/` reports" not in paths[0].read_text() and "cpu/README.md" in paths[0].read_text()
+
+
+def test_a_report_that_only_gpu_tests_write_is_not_asked_of_a_cpu_run(tmp_path):
+    write_fake_report(tmp_path / CPU_SLUG, "flash_benchmarking", [
+        {"table": "sweep", "provider": provider, "precision": "fp32", "mode": "forward_backward", "head_dim": 16,
+         "seq_len": 128, "status": "ok", "median_ms": ms} for provider, ms in (("naive", 2.0), ("flash_triton", 1.0))])
+    index = render_index(tmp_path, cpu=True)
+    assert "--gpu none" not in index[index.index("## 10. flash_benchmarking"):].split("\n## ")[0]
+    assert ("- cpu: not measured: `cpu/flash_in_training.md` is absent: its perf tests need a CUDA GPU, so a CPU "
+            "run skips them; `pytest perf/ -m flash --gpu auto` on a GPU writes it.") in index
+    assert _status_row(index, "flash_benchmarking")[-1] == (
+        "cpu: flash_in_training needs a CUDA GPU: `pytest perf/ -m flash --gpu auto` on one")
+    # A report that CPU runs do write is still asked of one, with the command that writes it.
+    assert "no `pytest perf/ -m e2e --gpu none` run has written it yet" in index
+
+
+@pytest.mark.parametrize("csv", sorted(f"{slug}/{p.name}" for slug in result_directories(COMMITTED)
+                                       for p in (COMMITTED / slug).glob("*.csv")))
 def test_each_committed_report_is_the_one_its_rows_and_metadata_give(csv, tmp_path):
     report = COMMITTED / csv
     copy = tmp_path / report.parent.name

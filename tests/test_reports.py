@@ -1,4 +1,5 @@
 from dataclasses import replace
+from pathlib import Path
 
 import pytest
 
@@ -167,3 +168,38 @@ def test_header_names_the_size_table_and_parameters_of_each_measured_size_and_re
         "\n".join(line for line in text.splitlines() if not line.startswith("- model sizes")) + "\n")
     assert rerender(tmp_path, Report("_test_problem_sizes")).read_text() == text
     assert "- model sizes" not in write_report(Report("_test_no_sizes"), [{"k": 1}], tmp_path, "c", "cpu").read_text()
+
+
+def fake_checkout(root, with_pyproject: bool):
+    """A folder holding a package directory, as a clone (with pyproject.toml) or an installed copy (without)."""
+    package = root / "cs336_systems"
+    package.mkdir(parents=True)
+    if with_pyproject:
+        (root / "pyproject.toml").write_text("[project]\nname = 'cs336-systems'\n")
+    return package
+
+
+def test_reports_go_to_the_repository_root_from_any_folder(tmp_path, monkeypatch):
+    monkeypatch.setattr(reports, "PACKAGE_ROOT", fake_checkout(tmp_path / "clone", with_pyproject=True))
+    monkeypatch.chdir((tmp_path / "clone" / "cs336_systems"))
+    assert reports.default_reports_root() == tmp_path / "clone" / "reports"
+
+
+def test_an_installed_package_without_its_repository_writes_reports_in_the_current_folder(tmp_path, monkeypatch):
+    monkeypatch.setattr(reports, "PACKAGE_ROOT", fake_checkout(tmp_path / "site-packages", with_pyproject=False))
+    monkeypatch.chdir(tmp_path)
+    assert reports.default_reports_root() == tmp_path / "reports"
+
+
+def test_this_checkout_writes_its_reports_beside_the_package():
+    assert reports.default_reports_root() == Path(problems.__file__).resolve().parents[1] / "reports"
+
+
+def test_an_oom_cell_says_whether_it_was_predicted_and_never_run_or_ran_out():
+    predicted = {"status": OOM, "oom_predicted": True, "estimated_peak_bytes": 3 * 2**30, "available_bytes": 2**30}
+    ran_out = {**predicted, "oom_predicted": False}
+    assert reports.oom_text(predicted) == "OOM (predicted, not run)" and reports.oom_text(ran_out) == OOM
+    assert reports.oom_note(predicted) == ("OOM (predicted, not run): the memory model estimates a peak of 3.00 GiB "
+                                           "against 1.00 GiB available, so nothing ran")
+    assert reports.oom_note(ran_out) == ("OOM: it ran out of memory (the memory model estimates a peak of 3.00 GiB "
+                                         "against 1.00 GiB available)")

@@ -9,13 +9,13 @@ from hypothesis import strategies as st
 
 from cs336_systems.benchmarks.communication_accounting import communication_accounting_rows
 from cs336_systems.benchmarks.parallelism_calcs import ROWS
-from cs336_systems.report_index import CPU_SLUG
+from cs336_systems.report_index import result_directories
 from cs336_systems.reports import read_rows, write_csv
 from cs336_systems.rows import LONG_COLUMNS, UNIT_NAMES, UNIT_SUFFIXES, split_statistic, statistic_column, to_long
 
 REPORTS = Path(__file__).resolve().parents[1] / "reports"
-COMMITTED_CSVS = sorted(p.relative_to(REPORTS).as_posix() for p in [*REPORTS.glob("*.csv"), *REPORTS.glob("*/*.csv")]
-                        if p.parent.name != CPU_SLUG)
+COMMITTED_CSVS = sorted(p.relative_to(REPORTS).as_posix() for p in [
+    *REPORTS.glob("*.csv"), *(csv for slug in result_directories(REPORTS) for csv in (REPORTS / slug).glob("*.csv"))])
 
 # CSV text cannot hold NUL or lone surrogates; everything else, commas, quotes and newlines included.
 TEXT = st.text(st.characters(blacklist_categories=("Cs",), blacklist_characters="\x00"), max_size=12)

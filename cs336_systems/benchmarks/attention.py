@@ -35,13 +35,16 @@ from cs336_systems.reports import (
     Rendered,
     Reports,
     Row,
+    SpeedUps,
     format_bytes,
     format_ms,
     markdown_table,
     mean_std,
     not_in_report,
     ok_rows,
+    plural,
     select,
+    speedup_text,
 )
 from cs336_systems.timing import STEP_TIMER, Timings, synchronize, time_fn, timed
 
@@ -476,29 +479,38 @@ def render_pytorch_attention(rows: list[Row]) -> Rendered:
 
 # ------------------------------------------------------------------------------ torch_compile (part)
 
-def _speedup(eager: Row | None, compiled: Row | None, phase: str) -> float | None:
-    """Eager's mean time over compiled's, when both were measured."""
-    if eager and compiled and eager.get(f"{phase}_mean_ms") and compiled.get(f"{phase}_mean_ms"):
-        return eager[f"{phase}_mean_ms"] / compiled[f"{phase}_mean_ms"]
-    return None
-
-
-def _compiled_attention_section(rows: list[Row]) -> str:
+def _compiled_pairs(rows: list[Row]) -> dict[tuple[int, int], dict[bool, Row]]:
+    """(d, N) -> that cell's rows by whether attention was compiled."""
     pairs: dict[tuple[int, int], dict[bool, Row]] = {}
     for r in _by_cell(rows):
         pairs.setdefault((r["head_dim"], r["seq_len"]), {})[bool(r["compile"])] = r
+    return pairs
+
+
+def _both_timed(eager: Row | None, compiled: Row | None, phase: str) -> bool:
+    return bool(eager and compiled and eager.get(f"{phase}_mean_ms") and compiled.get(f"{phase}_mean_ms"))
+
+
+def compiled_attention_speedups(rows: list[Row]) -> dict[str, SpeedUps]:
+    """Phase -> how much faster compiled attention ran than eager, over the cells where both were timed: the
+    report's findings and the index's answer read this one computation."""
+    pairs = _compiled_pairs(rows)
+    return {phase: SpeedUps.of(((p[False], p[True], f"d={d}, N={n}") for (d, n), p in pairs.items()
+                                if _both_timed(p.get(False), p.get(True), phase)), prefix=f"{phase}_")
+            for phase in ("forward", "backward")}
+
+
+def _compiled_attention_section(rows: list[Row]) -> str:
+    pairs = _compiled_pairs(rows)
     table = []
-    speedups: dict[str, list[tuple[float, int, int]]] = {"forward": [], "backward": []}
     for (d, n), pair in pairs.items():
         eager, compiled = pair.get(False), pair.get(True)
         entry = {"d": d, "N": n}
         for phase in ("forward", "backward"):
-            speedup = _speedup(eager, compiled, phase)
             entry[f"{phase} eager (ms)"] = _ms(eager, phase) if eager else ""
             entry[f"{phase} compiled (ms)"] = _ms(compiled, phase) if compiled else ""
-            entry[f"{phase} speed-up"] = "" if speedup is None else f"{speedup:.2f}x"
-            if speedup is not None:
-                speedups[phase].append((speedup, d, n))
+            entry[f"{phase} speed-up"] = (speedup_text(eager, compiled, prefix=f"{phase}_")
+                                          if _both_timed(eager, compiled, phase) else "")
         if _memory_measured(rows):
             for label, r in (("eager", eager), ("compiled", compiled)):
                 entry[f"before backward, {label} (GiB)"] = _gib_cell(r.get("memory_before_backward_bytes")) if r else ""
@@ -506,11 +518,13 @@ def _compiled_attention_section(rows: list[Row]) -> str:
         entry["compiled: first fwd+bwd (s)"] = f"{sum(first_ms) / 1e3:.2g}" if None not in first_ms else ""
         table.append(entry)
     findings = []
-    for phase, ratios in speedups.items():
-        if ratios:
-            (low, low_d, low_n), (high, high_d, high_n) = min(ratios), max(ratios)
-            findings.append(f"- {phase}: compiled runs {low:.2f}x (d={low_d}, N={low_n}) to {high:.2f}x "
-                            f"(d={high_d}, N={high_n}) as fast as eager.")
+    for phase, speedups in compiled_attention_speedups(rows).items():
+        if speedups.ratios:
+            details = speedups.details()
+            findings.append(f"- {phase}: compiled runs {speedups.range_text(with_cells=True)} as fast as eager"
+                            + (f" ({details})." if details else "."))
+        elif speedups.noisy:
+            findings.append(f"- {phase}: every cell is noisy, so no speed-up is read from them.")
     for (d, n), pair in pairs.items():
         if len(pair) == 2 and {pair[False]["status"], pair[True]["status"]} == {"ok", OOM}:
             ran = "compiled" if pair[True]["status"] == "ok" else "eager"
@@ -535,6 +549,21 @@ def render_torch_compile(rows: list[Row]) -> Rendered:
 
 
 # ---------------------------------------------------------------------------------------------- answers
+
+def answer_torch_compile(reports: Reports) -> list[str]:
+    rows = reports["torch_compile"]
+    sentences = e2e.answer_compiled_models(rows)
+    attention = [r for r in select(rows, table="attention") if r.get("status") == "ok"]
+    speedups = compiled_attention_speedups(attention)
+    parts = [f"{phase} {s.summary()}" for phase, s in speedups.items() if s.summary()]
+    if parts:
+        sentences.append(f"Naive attention alone, compiled over eager ({plural(len(_compiled_pairs(attention)), 'cell')}): "
+                         + ", ".join(parts) + ".")
+    else:
+        sentences.append(not_in_report("The attention sweep compiled against eager (rows of table `attention`, "
+                                        "which the `-m attention` perf run writes)"))
+    return sentences
+
 
 def answer_pytorch_attention(reports: Reports) -> list[str]:
     rows = [r for r in reports["pytorch_attention"] if not r.get("compile")]

@@ -588,8 +588,6 @@ def render_bucketed_benchmarking(rows: list[Row]) -> Rendered:
     bucketed = [r for r in measured if r["method"] == "bucketed"]
     others = {r["method"]: r for r in measured if r["method"] != "bucketed"}
     if bucketed:
-        best = min(bucketed, key=lambda r: r["step_ms"])
-        worst = max(bucketed, key=lambda r: r["step_ms"])
         text = ["Expected: small buckets pay the per-call cost many times, large ones start late: time should "
                 "fall, then rise. " + _bucket_trend(bucketed)]
         naive = others.get("naive")
@@ -608,6 +606,15 @@ def render_bucketed_benchmarking(rows: list[Row]) -> Rendered:
 
 
 # ---------------------------------------------------------------------------------------------- answers
+
+def fastest_and_slowest_buckets(rows: list[Row]) -> tuple[Row, Row] | None:
+    """The measured steps of the bucket sizes that were fastest and slowest, as the index quotes them; None
+    where no bucketed step ran."""
+    bucketed = [r for r in steps_by_variant(rows).values() if r["method"] == "bucketed"]
+    if not bucketed:
+        return None
+    return min(bucketed, key=lambda r: r["step_ms"]), max(bucketed, key=lambda r: r["step_ms"])
+
 
 def steps_by_variant(rows: list[Row]) -> dict[str, Row]:
     """Measured steps by variant, in the step tables of DDP, optimizer state sharding and FSDP alike."""
@@ -690,12 +697,11 @@ def answer_ddp_overlap_bucketed(reports: Reports) -> list[str]:
     if "ddp_bucketed_benchmarking" not in reports:
         return sentences
     rows = reports["ddp_bucketed_benchmarking"]
-    steps = steps_by_variant(rows)
-    bucketed = [r for r in steps.values() if r["method"] == "bucketed"]
-    if not bucketed:
+    extremes = fastest_and_slowest_buckets(rows)
+    if extremes is None:
         return sentences + [not_in_report("A measured step of bucketed DDP")]
-    best, worst = min(bucketed, key=lambda r: r["step_ms"]), max(bucketed, key=lambda r: r["step_ms"])
-    torch_ddp = steps.get("torch_ddp")
+    best, worst = extremes
+    torch_ddp = steps_by_variant(rows).get("torch_ddp")
     sentences.append(f"{step_setup(best)}: the fastest bucket size is {best['bucket_size_mb']:g} MB "
                      f"({format_ms(best['step_ms'])} per step, {format_ms(best['gradient_sync_ms'])} after "
                      f"backward), the slowest {worst['bucket_size_mb']:g} MB ({format_ms(worst['step_ms'])})"

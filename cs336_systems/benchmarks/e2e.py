@@ -48,12 +48,12 @@ from cs336_systems.profiling.kernels import device_profile, device_timeline, is_
 from cs336_systems.profiling.ranges import annotate
 from cs336_systems import reports
 from cs336_systems.reports import (
-    NOISY,
     NOISY_RELATIVE_STD,
     OOM,
     Rendered,
     Reports,
     Row,
+    SpeedUps,
     find,
     format_ms,
     format_ratio,
@@ -65,6 +65,7 @@ from cs336_systems.reports import (
     plural,
     select,
     span,
+    speedup_text,
 )
 from cs336_systems.timing import STEP_TIMER, StepTimer, Timings
 
@@ -354,7 +355,9 @@ STEADY_RELATIVE_STD = 0.05
 
 
 def mean_std(row: Row, unit: str = "") -> str:
-    return OOM if row.get("status") == OOM else reports.mean_std(row["mean_ms"], row["std_ms"], unit=unit)
+    if row.get("status") == OOM:
+        return reports.oom_text(row)
+    return reports.mean_std(row["mean_ms"], row["std_ms"], unit=unit)
 
 
 def _cell_order(row: Row) -> tuple:
@@ -380,25 +383,48 @@ def _sweep_table(rows: list[Row]) -> str:
     return markdown_table(table)
 
 
-def _variation_summary(rows: list[Row]) -> str:
+@dataclass(frozen=True)
+class StepVariation:
+    """How much the measured cells' times varied between steps: what the report's variation line and the
+    index's answer both quote."""
+    cells: int
+    median_share: float  # the median over cells of std / mean
+    worst: Row  # the cell whose std is the largest share of its mean
+    steady: int  # cells under STEADY_RELATIVE_STD
+    noisy: int  # cells over NOISY_RELATIVE_STD, marked noisy in the tables
+
+    @property
+    def worst_share(self) -> float:
+        return self.worst["std_ms"] / self.worst["mean_ms"]
+
+
+def step_variation(rows: list[Row]) -> StepVariation | None:
+    """The variation of the cells that ran, or None where none did."""
     measured = [r for r in ok_rows(rows) if r["mean_ms"] > 0]
     if not measured:
+        return None
+    shares = [r["std_ms"] / r["mean_ms"] for r in measured]
+    return StepVariation(len(measured), statistics.median(shares),
+                         max(measured, key=lambda r: r["std_ms"] / r["mean_ms"]),
+                         sum(share < STEADY_RELATIVE_STD for share in shares),
+                         sum(is_noisy(r["mean_ms"], r["std_ms"]) for r in measured))
+
+
+def _variation_summary(rows: list[Row]) -> str:
+    variation = step_variation(rows)
+    if variation is None:
         return "No cell ran: every configuration ran out of memory."
-    spreads = sorted(r["std_ms"] / r["mean_ms"] for r in measured)
-    median_spread = spreads[len(spreads) // 2]
-    worst = max(measured, key=lambda r: r["std_ms"] / r["mean_ms"])
-    steady = sum(s < STEADY_RELATIVE_STD for s in spreads)
-    ooms = sorted({(r["size"], r["context_length"]) for r in rows if r.get("status") == OOM},
-                  key=lambda k: (size_order(k[0]), k[1]))
+    worst = variation.worst
     step = find(rows, **{k: worst.get(k) for k in ("size", "context_length", "precision", "compile")},
                 phase="train_step")
     clock = f"; GPU clock {clock_note(step)}" if step and "sm_clock_mhz" in step else ""
-    text = (f"Variation between steps: median std {median_spread:.1%} of the mean; {steady} of "
-            f"{plural(len(spreads), 'cell')} under {STEADY_RELATIVE_STD:.0%}; most variable: {worst['size']} at "
+    text = (f"Variation between steps: median std {variation.median_share:.1%} of the mean; {variation.steady} of "
+            f"{plural(variation.cells, 'cell')} under {STEADY_RELATIVE_STD:.0%}; most variable: {worst['size']} at "
             f"context {worst['context_length']} ({PHASE_LABELS[worst['phase']]}: "
-            f"{worst['std_ms'] / worst['mean_ms']:.1%} of {worst['mean_ms']:.1f} ms{clock}).")
+            f"{variation.worst_share:.1%} of {worst['mean_ms']:.1f} ms{clock}).")
+    ooms = [r for r in rows if r.get("status") == OOM]
     if ooms:
-        text += " Out of memory: " + _oom_listing([r for r in rows if r.get("status") == OOM]) + "."
+        text += " Out of memory: " + _oom_listing(ooms) + "."
     return text + "\n"
 
 
@@ -416,6 +442,11 @@ def _oom_listing(ooms: list[Row]) -> str:
         listed.append(f"{size} at context {context}" + (f" in {precision}" if precision else "")
                       + (f" ({'; '.join(notes)})" if notes else ""))
     return ", ".join(listed)
+
+
+def _first_step_ratio(row: Row) -> float:
+    """The first timed step's time over the median step's: what a run without warm-up pays once."""
+    return row["first_ms"] / row["median_ms"]
 
 
 def _one_time_costs(device_type: str) -> str:
@@ -450,7 +481,7 @@ def _warmup_section(rows: list[Row]) -> str:
             continue
         cold, most = steps[0], steps[max(steps)]
         findings.append(f"- {size}: without warm-up the first training step takes {cold['first_ms']:.1f} ms "
-                        f"({cold['first_ms'] / cold['median_ms']:.1f}x the median); mean {mean_std(cold, 'ms')} "
+                        f"({format_ratio(_first_step_ratio(cold))} the median); mean {mean_std(cold, 'ms')} "
                         f"against {mean_std(most, 'ms')} after {plural(max(steps), 'warm-up step')}.")
     if findings:
         text.append("\n".join(findings) + "\n\n" + _one_time_costs(rows[0].get("device", "cpu")) + "\n")
@@ -474,42 +505,52 @@ def render_benchmarking_script(rows: list[Row]) -> Rendered:
     return Rendered("\n".join(parts))
 
 
-def _comparison_table(rows: list[Row], key: str, base_value, other_value, base_label: str, other_label: str) -> list[Row]:
-    """One row per cell (size, context, precision, phase minus `key`): both variants' times and their ratio."""
-    index_keys = [k for k in ("size", "context_length", "precision", "phase") if k != key]
+def _index_keys(key: str) -> list[str]:
+    """The columns that name a cell of a comparison over `key`."""
+    return [k for k in ("size", "context_length", "precision", "phase") if k != key]
+
+
+def _paired_cells(rows: list[Row], key: str, base_value, other_value) -> dict[tuple, tuple[Row | None, Row | None]]:
+    """(size, context, precision, phase), less `key` -> the rows of that cell with `key` at each of two values."""
+    index_keys = _index_keys(key)
     cells: dict[tuple, dict] = {}
     for r in sorted(rows, key=_cell_order):
         cells.setdefault(tuple(r[k] for k in index_keys), {})[r[key]] = r
+    return {index: (pair.get(base_value), pair.get(other_value)) for index, pair in cells.items()}
+
+
+def _both_ran(base: Row | None, other: Row | None) -> bool:
+    return bool(base and other) and base.get("status") == other.get("status") == "ok"
+
+
+def phase_speedups(rows: list[Row], key: str, base_value, other_value, phase: str) -> SpeedUps:
+    """How much faster the rows with `key` = `other_value` ran than those with `base_value`, in one phase, over
+    the cells where both ran: the report's summary and the index's answer read this one computation."""
+    return SpeedUps.of((base, other, "") for base, other in _paired_cells(rows, key, base_value, other_value).values()
+                       if _both_ran(base, other) and base["phase"] == phase)
+
+
+def _speedup_summary(rows: list[Row], key: str, base_value, other_value) -> str:
+    """ "forward: 1.04x to 2.40x (median 1.44x; 4 noisy cells left out); backward: ...": the phases that ran."""
+    phases = ((PHASE_LABELS[phase], phase_speedups(rows, key, base_value, other_value, phase).summary())
+              for phase in ("forward", "backward", "train_step"))
+    return "; ".join(f"{label}: {summary}" for label, summary in phases if summary)
+
+
+def _comparison_table(rows: list[Row], key: str, base_value, other_value, base_label: str, other_label: str) -> list[Row]:
+    """One row per cell (size, context, precision, phase minus `key`): both variants' times and their ratio."""
     table = []
-    for index, pair in cells.items():
-        base, other = pair.get(base_value), pair.get(other_value)
-        entry = dict(zip(index_keys, index))
+    for index, (base, other) in _paired_cells(rows, key, base_value, other_value).items():
+        entry = dict(zip(_index_keys(key), index))
         entry["phase"] = PHASE_LABELS[entry["phase"]]
         entry[f"{base_label} (ms)"] = mean_std(base) if base else ""
         entry[f"{other_label} (ms)"] = mean_std(other) if other else ""
-        both_ok = base and other and base.get("status") == other.get("status") == "ok"
-        entry["speed-up"] = ""
-        if both_ok:
-            noisy = any(is_noisy(r["mean_ms"], r["std_ms"]) for r in (base, other))
-            entry["speed-up"] = f"{base['mean_ms'] / other['mean_ms']:.2f}x" + (f" ({NOISY})" if noisy else "")
+        entry["speed-up"] = speedup_text(base, other) if _both_ran(base, other) else ""
         for label, variant in ((base_label, base), (other_label, other)):
             if variant and variant.get("mfu") is not None:
                 entry[f"{label} MFU"] = f"{variant['mfu']:.1%}"
         table.append(entry)
     return table
-
-
-def _speedup_range(table: list[Row], phase: str) -> str:
-    """The speed-ups of one phase over its steady cells: a ratio of two noisy means is no finding."""
-    label = PHASE_LABELS.get(phase, phase)  # the table's phase column holds labels
-    measured = [r["speed-up"] for r in table if r["phase"] == label and r["speed-up"]]
-    ratios = [float(ratio.removesuffix("x")) for ratio in measured if ratio.endswith("x")]
-    noisy = f"{plural(len(measured) - len(ratios), 'noisy cell')} left out" if len(ratios) < len(measured) else ""
-    if not ratios:
-        return f"{label}: every cell noisy" if measured else ""
-    median = f"median {sorted(ratios)[len(ratios) // 2]:.2f}x" if len(ratios) > 1 else ""
-    details = "; ".join(filter(None, (median, noisy)))
-    return f"{label}: {span(ratios, '{:.2f}x'.format)}" + (f" ({details})" if details else "")
 
 
 def _autocast_section(dtypes: list[Row]) -> str:
@@ -552,7 +593,7 @@ def render_benchmarking_mixed_precision(rows: list[Row]) -> Rendered:
     timings = [r for r in rows if r.get("table") == "sweep"]
     if timings:
         table = _comparison_table(timings, "precision", "fp32", "bf16", "fp32", "bf16")
-        summary = "; ".join(filter(None, (_speedup_range(table, p) for p in ("forward", "backward", "train_step"))))
+        summary = _speedup_summary(timings, "precision", "fp32", "bf16")
         parts += [f"## (c) fp32 against bf16 autocast\n\n{_sweep_setup(timings)}; eager. Speed-up is the ratio "
                   "of means; MFU is against the device's dense peak for the precision (fp32 peak for fp32 cells, "
                   "bf16 tensor-core peak for bf16 cells).\n", markdown_table(table),
@@ -568,7 +609,7 @@ def render_compiled_models(rows: list[Row]) -> Rendered:
     if not model_rows:
         return Rendered("")
     table = _comparison_table(model_rows, "compile", False, True, "eager", "compiled")
-    summary = "; ".join(filter(None, (_speedup_range(table, p) for p in ("forward", "backward", "train_step"))))
+    summary = _speedup_summary(model_rows, "compile", False, True)
     compiled_first = [r for r in ok_rows(model_rows) if r["compile"] and r["phase"] == "forward"]
     compile_note = ""
     if compiled_first:
@@ -674,19 +715,10 @@ def _mean_std_ms(row: Row) -> str:
     return reports.mean_std(row["mean_ms"], row["std_ms"], ",.1f", ".1f", unit="ms")
 
 
-def _noisy(*rows: Row, prefix: str = "") -> bool:
-    """Whether any of these timings varied too much between repetitions to be read as one number."""
-    return any(is_noisy(r[f"{prefix}mean_ms"], r[f"{prefix}std_ms"] or 0.0) for r in rows)
-
-
-def _speedup(slow: Row, fast: Row) -> str:
-    return format_ratio(slow["mean_ms"] / fast["mean_ms"]) + (f" ({NOISY})" if _noisy(slow, fast) else "")
-
-
-def _e2e_step(rows: list[Row], size: str, context: int, phase: str, precision: str = "fp32",
-              compiled: bool = False) -> Row | None:
+def _e2e_step(rows: list[Row], size: str, context: int, phase: str, precision: str = "fp32") -> Row | None:
+    """An eager sweep cell's row, where it ran."""
     row = find(rows, table="sweep", size=size, context_length=context, phase=phase, precision=precision,
-               compile=compiled)
+               compile=False)
     return row if row and row.get("status") == "ok" else None
 
 
@@ -719,30 +751,28 @@ def answer_benchmarking_script(reports: Reports) -> list[str]:
     batch = f"batch {listing(sorted(map(str, batch_sizes)))}, " if batch_sizes else ""
     sentences = [f"A training step (forward, backward, AdamW) at {batch}context {context}, fp32, eager: "
                  + "; ".join(steps) + "." if steps else not_in_report("An fp32 eager training step")]
-    measured = [r for r in ok_rows(sweep) if r["mean_ms"] > 0]
-    if measured:
-        spreads = [r["std_ms"] / r["mean_ms"] for r in measured]
-        worst = max(measured, key=lambda r: r["std_ms"] / r["mean_ms"])
-        noisy = sum(_noisy(r) for r in measured)
-        sentences.append(f"Over the {plural(len(measured), 'measured cell')} the std is a median "
-                         f"{statistics.median(spreads):.1%} of the mean (largest: {worst['size']} at context "
-                         f"{worst['context_length']}, {PHASE_LABELS[worst['phase']]}, {max(spreads):.1%})"
-                         + (f"; {noisy} of them vary by more than {NOISY_RELATIVE_STD:.0%} and are marked noisy."
-                            if noisy else "."))
+    variation = step_variation(sweep)
+    if variation:
+        worst, noisy = variation.worst, variation.noisy
+        sentences.append(f"Over the {plural(variation.cells, 'measured cell')} the std is a median "
+                         f"{variation.median_share:.1%} of the mean (largest: {worst['size']} at context "
+                         f"{worst['context_length']}, {PHASE_LABELS[worst['phase']]}, {variation.worst_share:.1%})"
+                         + (f"; {noisy} of them {'varies' if noisy == 1 else 'vary'} by more than "
+                            f"{NOISY_RELATIVE_STD:.0%} and {'is' if noisy == 1 else 'are'} marked noisy." if noisy else "."))
     cold = [r for r in ok_rows(select(rows, table="warmup", phase="train_step", warmup=0)) if r.get("first_ms")]
     warm = [r for r in ok_rows(select(rows, table="warmup", phase="train_step")) if r["warmup"] in (1, 2)]
     if cold and warm:
-        slowest = max(cold, key=lambda r: r["first_ms"] / r["median_ms"])
-        mildest = min(cold, key=lambda r: r["first_ms"] / r["median_ms"])
+        slowest = max(cold, key=_first_step_ratio)
+        mildest = min(cold, key=_first_step_ratio)
         warmed = max(select(rows, table="warmup", phase="train_step", size=slowest["size"]), key=lambda r: r["warmup"])
-        first_step = (f"{format_ratio(slowest['first_ms'] / slowest['median_ms'])}" if mildest is slowest else
-                      f"{format_ratio(mildest['first_ms'] / mildest['median_ms'])} ({mildest['size']}) to "
-                      f"{format_ratio(slowest['first_ms'] / slowest['median_ms'])} ({slowest['size']})")
+        first_step = (f"{format_ratio(_first_step_ratio(slowest))}" if mildest is slowest else
+                      f"{format_ratio(_first_step_ratio(mildest))} ({mildest['size']}) to "
+                      f"{format_ratio(_first_step_ratio(slowest))} ({slowest['size']})")
         sentences.append(
             f"Without warm-up the first timed step takes {first_step} the median step, so {slowest['size']}'s "
             f"{slowest['steps']}-step mean is {_mean_std_ms(slowest)} against {_mean_std_ms(warmed)} after "
             f"{plural(warmed['warmup'], 'warm-up step')}; after 1 or 2 warm-up steps the first timed step is at most "
-            f"{format_ratio(max(r['first_ms'] / r['median_ms'] for r in warm))} the median.")
+            f"{format_ratio(max(map(_first_step_ratio, warm)))} the median.")
     else:
         sentences.append(not_in_report("The warm-up study"))
     return sentences
@@ -779,7 +809,7 @@ def answer_benchmarking_mixed_precision(reports: Reports) -> list[str]:
     for context in sorted({r["context_length"] for r in sweep if r["size"] == largest}):
         fp32, bf16 = (_e2e_step(sweep, largest, context, "train_step", p) for p in ("fp32", "bf16"))
         if fp32 and bf16:
-            speedups.append(f"{_speedup(fp32, bf16)} at context {context} "
+            speedups.append(f"{speedup_text(fp32, bf16)} at context {context} "
                             f"({format_ms(fp32['mean_ms'])} -> {format_ms(bf16['mean_ms'])})")
     if not speedups:
         sentences.append(not_in_report(f"A {largest} training step in both fp32 and bf16"))
@@ -788,7 +818,7 @@ def answer_benchmarking_mixed_precision(reports: Reports) -> list[str]:
     first_context = min(r["context_length"] for r in sweep if r["size"] == smallest)
     fp32, bf16 = (_e2e_step(sweep, smallest, first_context, "train_step", p) for p in ("fp32", "bf16"))
     if smallest != largest and fp32 and bf16:
-        text += (f"; at {smallest}, context {first_context}, it is {_speedup(fp32, bf16)}"
+        text += (f"; at {smallest}, context {first_context}, it is {speedup_text(fp32, bf16)}"
                  + (" (bf16 slower)" if bf16["mean_ms"] > fp32["mean_ms"] else ""))
     sentences.append(text + ".")
     return sentences
@@ -824,58 +854,28 @@ def _reference_answer(rows: list[Row]) -> list[str]:
     return sentences
 
 
-def answer_torch_compile(reports: Reports) -> list[str]:
-    rows = reports["torch_compile"]
-    sweep = ok_rows(select(rows, table="sweep"))
-    cells = {(r["size"], r["context_length"], r["precision"]) for r in sweep if r["phase"] == "train_step"}
-    speedups = {}
-    for size, context, precision in cells:
-        eager, compiled = (_e2e_step(sweep, size, context, "train_step", precision, c) for c in (False, True))
-        if eager and compiled:
-            speedups[(size, context, precision)] = (eager, compiled)
-    sentences = []
-    if speedups:
-        ratios = [e["mean_ms"] / c["mean_ms"] for e, c in speedups.values() if not _noisy(e, c)]
-        noisy = len(speedups) - len(ratios)
-        left_out = f"; {plural(noisy, 'noisy cell')} left out" if noisy else ""
-        if ratios:
-            sentences.append(f"Compiling each Transformer block makes the whole-model training step "
-                             f"{span(ratios, format_ratio)} as fast as eager over {len(ratios)} size, context and "
-                             f"precision {'cell' if len(ratios) == 1 else 'cells'} (median "
-                             f"{format_ratio(statistics.median(ratios))}{left_out}).")
-        else:
-            sentences.append(f"Every eager and compiled training step here is noisy (std above "
-                             f"{NOISY_RELATIVE_STD:.0%} of the mean), so no speed-up is read from them.")
-        largest = max(speedups, key=lambda key: (size_order(key[0]), key[1] == HEADLINE_CONTEXT, key[1]))
-        size, context = largest[:2]
-        shown = [f"{precision} {format_ms(e['mean_ms'])} -> {format_ms(c['mean_ms'])}, {_speedup(e, c)}"
-                 for (s, n, precision), (e, c) in sorted(speedups.items(), key=lambda item: item[0][2], reverse=True)
-                 if (s, n) == (size, context)]
-        sentences.append(f"At {size}, context {context}: " + ", ".join(shown) + ".")
+def answer_compiled_models(rows: list[Row]) -> list[str]:
+    """The whole-model part of the torch_compile answer (attention.answer_torch_compile gives it all): compiled
+    against eager, then against the torch-native reference."""
+    sweep = select(rows, table="sweep")
+    # (size, context, precision, phase) -> the eager and the compiled training step, where both ran.
+    pairs = {index: (eager, compiled) for index, (eager, compiled) in _paired_cells(sweep, "compile", False, True).items()
+             if _both_ran(eager, compiled) and eager["phase"] == "train_step"}
+    if not pairs:
+        return [not_in_report("A whole-model training step both eager and compiled"), *_reference_answer(rows)]
+    speedups = phase_speedups(sweep, "compile", False, True, "train_step")
+    if speedups.ratios:
+        details = speedups.details()
+        sentences = [f"Compiling each Transformer block makes the whole-model training step {speedups.range_text()} "
+                     f"as fast as eager over {len(speedups.ratios)} size, context and precision "
+                     f"{'cell' if len(speedups.ratios) == 1 else 'cells'}" + (f" ({details})." if details else ".")]
     else:
-        sentences.append(not_in_report("A whole-model training step both eager and compiled"))
-    sentences += _reference_answer(rows)
-    attention = [r for r in select(rows, table="attention") if r.get("status") == "ok"]
-    pairs: dict[tuple, dict[bool, Row]] = {}
-    for r in attention:
-        pairs.setdefault((r["head_dim"], r["seq_len"]), {})[bool(r["compile"])] = r
-    ratios, noisy = {}, {}
-    for phase in ("forward", "backward"):
-        timed = [p for p in pairs.values() if len(p) == 2 and all(r.get(f"{phase}_mean_ms") for r in p.values())]
-        steady = [p for p in timed if not _noisy(*p.values(), prefix=f"{phase}_")]
-        ratios[phase] = [p[False][f"{phase}_mean_ms"] / p[True][f"{phase}_mean_ms"] for p in steady]
-        noisy[phase] = len(timed) - len(steady)
-    parts = []
-    for phase, values in ratios.items():
-        if values:
-            parts.append(f"{phase} {span(values, format_ratio)}"
-                         + (f" ({plural(noisy[phase], 'noisy cell')} left out)" if noisy[phase] else ""))
-        elif noisy[phase]:
-            parts.append(f"{phase} noisy in every cell")
-    if parts:
-        sentences.append(f"Naive attention alone, compiled over eager ({plural(len(pairs), 'cell')}): "
-                         + ", ".join(parts) + ".")
-    else:
-        sentences.append(not_in_report("The attention sweep compiled against eager (rows of table `attention`, "
-                                        "which the `-m attention` perf run writes)"))
-    return sentences
+        sentences = [f"Every eager and compiled training step here is noisy (std above {NOISY_RELATIVE_STD:.0%} of "
+                     "the mean), so no speed-up is read from them."]
+    largest = max(pairs, key=lambda key: (size_order(key[0]), key[1] == HEADLINE_CONTEXT, key[1]))
+    size, context = largest[:2]
+    shown = [f"{precision} {format_ms(e['mean_ms'])} -> {format_ms(c['mean_ms'])}, {speedup_text(e, c)}"
+             for (s, n, precision, _), (e, c) in sorted(pairs.items(), key=lambda item: item[0][2], reverse=True)
+             if (s, n) == (size, context)]
+    sentences.append(f"At {size}, context {context}: " + ", ".join(shown) + ".")
+    return sentences + _reference_answer(rows)

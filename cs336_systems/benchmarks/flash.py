@@ -61,6 +61,7 @@ from cs336_systems.reports import (
     markdown_table,
     not_in_report,
     ok_rows,
+    oom_text,
     select,
 )
 from cs336_systems.timing import issue_times, time_fn
@@ -374,7 +375,7 @@ def _time_cell(row: Row | None) -> str:
     if not row:
         return ""
     if row["status"] == OOM:
-        return "OOM (predicted)" if row.get("oom_predicted") else OOM
+        return oom_text(row)
     if row["status"] != "ok":
         return row["status"]
     # The middle 60% of the samples against the median: the spread do_bench's percentiles give.
@@ -419,14 +420,18 @@ def _setup(rows: list[Row]) -> str:
     backends = sorted({(x["precision"], x["backend"]) for x in rows if x["provider"] == "sdpa" and x.get("backend")})
     backend_text = "; ".join(f"{p}: {b}" for p, b in backends) or "not measured"
     fp32_note = ""
-    if any(x["precision"] == "fp32" for x in rows):
-        matmul = sorted({x["fp32_matmul_precision"] for x in rows if x["precision"] == "fp32"})
+    fp32 = [x for x in rows if x["precision"] == "fp32"]
+    if any(x.get("device") == "cpu" for x in fp32):
+        # The interpreter runs tl.dot as a NumPy matmul in the output's dtype, whatever input_precision says.
+        fp32_note = " On a CPU fp32 is full fp32: the Triton interpreter computes tl.dot as a NumPy fp32 matmul."
+    elif fp32:
+        matmul = sorted({x["fp32_matmul_precision"] for x in fp32})
         fp32_note = (" In fp32, Triton's tl.dot defaults to TF32 tensor cores on NVIDIA GPUs; PyTorch's matmuls "
                      f"used float32_matmul_precision {', '.join(matmul)} ('highest' is full fp32).")
     return (f"Causal attention on q, k, v of shape ({r['batch_size']}, {r['n_heads']}, N, d), random normal; the "
             "median, in ms. Backward is timed alone, on a forward run beforehand, gradients reset"
             f"{reset_note}. Ratios are a provider's time over Triton's: above 1, Triton is faster. Naive is the "
-            "annotated reference, eager; OOM (predicted) cells were not run. SDPA backend: "
+            "annotated reference, eager. SDPA backend: "
             f"{backend_text}.{fp32_note}\n\nTFLOP/s counts useful FLOPs: forward 2·N²·d per head (causal: half of "
             "4·N²·d), backward 2.5x that, forward+backward 3.5x.\n")
 
