@@ -138,7 +138,7 @@ def _workload(cfg: E2EConfig, device: torch.device, reference: bool) -> Step:
         model = build_reference(config, device, compile=cfg.compile)
     else:
         model = build_model(config, device, cfg.attention, compile=cfg.compile)
-    optimizer = adamw(model, LEARNING_RATE) if cfg.mode == "train" else None
+    optimizer = adamw(model, LEARNING_RATE, "fused") if cfg.mode == "train" else None
     inputs, targets = random_batch(config, cfg.batch_size, cfg.context_length, device)
 
     def step(samples: dict[str, list[float]] | None, timers: list[StepTimer] | None = None) -> None:

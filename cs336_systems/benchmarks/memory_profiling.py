@@ -115,7 +115,7 @@ def memory_profile(cfg: MemoryProfileConfig, device: torch.device | str, snapsho
     optimizer = None
     for mode in MEMORY_MODES:
         if mode == "train_step":
-            optimizer = adamw(model, LEARNING_RATE)
+            optimizer = adamw(model, LEARNING_RATE, "fused")
         for precision in cfg.precisions:
             for context in cfg.contexts:
                 rows += _memory_cell(cfg, mode, precision, context, model, optimizer, device, snapshot_dir)

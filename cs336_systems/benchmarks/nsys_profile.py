@@ -124,7 +124,7 @@ def profile_training_step(cfg: ProfileConfig, device: torch.device | str) -> lis
 
 def _timed_then_profiled(cfg: ProfileConfig, config: ModelConfig, device: torch.device):
     model = build_model(config, device, cfg.attention)
-    optimizer = adamw(model, LEARNING_RATE)
+    optimizer = adamw(model, LEARNING_RATE, "fused")
     inputs, targets = random_batch(config, cfg.batch_size, cfg.context_length, device)
 
     def step(samples: dict[str, list[float]] | None = None) -> None:
