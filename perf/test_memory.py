@@ -1,10 +1,11 @@
 """memory_profiling and gradient_checkpointing.
 
 memory_profiling: the handout's model and contexts (2026: xl at 128 and 2048; with --size-table 2025,
-2.7B at 128, 256 and 512), forward only and a training step, in each --precision (fp32 and bf16 by
-default): peaks, allocator snapshots (CUDA; those of the shortest context are kept beside the report
-for pytorch.org/memory_viz), active-memory timelines, largest allocations, the analytical model
-against them, and part (f): each block's residuals and its gradients' memory.
+2.7B at 128, 256 and 512), forward only and a training step with the course's AdamW, in each
+--precision (fp32 and bf16 by default): peaks, allocator snapshots (CUDA; those of the first precision
+are kept beside the report for pytorch.org/memory_viz, with their Active Memory Timelines drawn to
+PNGs), largest allocations, the analytical model against them, and part (f): each block's residuals
+and its gradients' memory.
 
 gradient_checkpointing: xl, batch 4, fp32, SDPA attention at context 2048: peak activation memory
 for checkpointing every k blocks and for the optimal nested plans, then the longest context predicted
@@ -19,8 +20,11 @@ from cs336_systems.benchmarks.gradient_checkpointing import CheckpointSweepConfi
 from cs336_systems.benchmarks.memory_profiling import (
     HANDOUT_MEMORY_CONTEXTS,
     MEMORY_MODES,
+    SNAPSHOT_BUDGET_BYTES,
     MemoryProfileConfig,
     memory_profile,
+    render_snapshot_timelines,
+    timeline_file_name,
 )
 from cs336_systems.model import ModelConfig
 from cs336_systems.reports import OOM, unmeasured
@@ -63,7 +67,12 @@ def test_memory_profile(device, run_settings, report):
     assert blocks and all(r["weight_gradient_bytes"] == 4 * r["parameters"] for r in blocks)
     if run_settings.on_gpu:
         assert any(r["table"] == "timeline" for r in rows) and any(r["table"] == "allocation" for r in rows)
-        assert any(r["table"] == "snapshot" for r in rows)
+        snapshots = [r for r in rows if r["table"] == "snapshot"]
+        # One per cell of the first precision that ran, each small enough to keep, each with its timeline.
+        assert len(snapshots) == sum(r["status"] == "ok" and r["precision"] == cfg.precisions[0] for r in peaks)
+        assert all(r["file_bytes"] <= SNAPSHOT_BUDGET_BYTES for r in snapshots), snapshots
+        images = render_snapshot_timelines(rows, snapshot_dir)
+        assert [p.name for p in images] == [timeline_file_name(r["file"]) for r in snapshots]
 
 
 def test_checkpoint_sweep(device, run_settings, report):

@@ -256,8 +256,9 @@ def test_memory_profiling_answer_includes_part_f(tmp_path):
     write_fake_report(tmp_path / "h100", "memory_profiling", rows)
     index = render_index(tmp_path)
     assert ("(f) In fp32 at context 128 a block saves 166.00 MiB for backward (the model: 166.00 MiB), 24% of it "
-            "allocated by `aten::mm` (24%); its weight gradients take 400.02 MiB, 4 bytes for each of its 104,862,720 "
-            "parameters, and the allocator saw its backward add 405.00 MiB of gradients.") in index
+            "allocated by `aten::mm` (24%); its weight gradients should take 4 bytes x 104,862,720 parameters = "
+            "400.02 MiB and take 400.02 MiB; the allocator saw its backward add 405.00 MiB of gradients, 4.98 MiB "
+            "beyond the weights'.") in index
     assert _status_row(index, "memory_profiling")[-1] == ""
 
 
