@@ -246,10 +246,10 @@ def test_checkpoint_sweep_on_cpu_and_its_report():
     sweep = [r for r in rows if r["table"] == "sweep"]
     # k = 4 is k = 2 for two blocks: run once.
     assert [(r["plan_kind"], r["k"]) for r in sweep] == [("every_k", 1), ("every_k", 2), ("every_k", "none"),
-                                                          ("optimal", None)]
+                                                          ("sublayers", None), ("optimal", None)]
     assert all(r["status"] == "ok" and r["measured_peak_bytes"] > 0 for r in sweep)
     rendered = problems.report("gradient_checkpointing").render(rows)
-    assert "Best single level" in rendered.body and "gradient_checkpointing.png" in rendered.figures
+    assert "Measured best:" in rendered.body and "gradient_checkpointing.png" in rendered.figures
 
 
 def _gpu_checkpoint_rows() -> list[dict]:
@@ -262,6 +262,10 @@ def _gpu_checkpoint_rows() -> list[dict]:
         rows.append({**base, "plan_kind": "every_k", "k": k, "levels": None, "plan": "...", "recomputed_blocks": 48,
                      "status": "ok", "measured_peak_bytes": peak * gib, "predicted_peak_bytes": peak * 0.95 * gib,
                      "measured_kept_bytes": 1.0 * gib, "predicted_kept_bytes": 0.9 * gib, "step_ms": 1500.0})
+    rows.append({**base, "plan_kind": "sublayers", "k": None, "levels": None, "plan": "...", "recomputed_blocks": 48,
+                 "status": "ok", "measured_peak_bytes": 2.6 * gib, "predicted_peak_bytes": 2.5 * gib,
+                 "measured_kept_bytes": 2.0 * gib, "predicted_kept_bytes": 1.9 * gib, "step_ms": 1510.0,
+                 "attention_sublayer_bytes": 500_000_000, "ffn_sublayer_bytes": 234_003_200})
     rows.append({**base, "plan_kind": "optimal", "k": None, "levels": "unlimited", "plan": "...",
                  "recomputed_blocks": 1128, "status": "ok", "measured_peak_bytes": 1.5 * gib,
                  "predicted_peak_bytes": 1.4 * gib, "measured_kept_bytes": 0.5 * gib,
@@ -277,9 +281,13 @@ def _gpu_checkpoint_rows() -> list[dict]:
 
 def test_checkpoint_report_from_gpu_rows():
     body = problems.report("gradient_checkpointing").render(_gpu_checkpoint_rows()).body
-    assert "Best single level: every 1 block (the model's best: every 1)" in body and "closer to sqrt(L b / a)" in body
-    assert "Run at context 16384 (every 1 block): it fits" in body
-    assert "1128 recomputed blocks" in body
+    # (b): a = 28 b moves the best single level below sqrt(48); every block beats its neighbours on both sides.
+    assert ("here a = 28 b, and minimising b L / k + a k gives k = sqrt(L b / a) = 1.31 blocks. Measured best: every "
+            "1 block, 2.30 GiB; every 2 blocks 2.90 GiB and each block's two sublayers 2.60 GiB.") in body
+    # (a): the chain's code as it runs, and its cost for 48 blocks.
+    assert "```python\ndef checkpoint_chain(" in body and "L(L - 1)/2 = 1128 recomputed block forwards" in body
+    assert '"""' not in body
+    assert "Run at context 16384 (every 1 block): peak 58.00 GiB, predicted 60.00 GiB" in body
 
 
 

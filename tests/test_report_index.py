@@ -72,7 +72,8 @@ def test_index_quotes_the_figures_of_the_rows(reports_root):
     index = render_index(reports_root)
     assert "2.7B takes 1,234.5 ± 12.3 ms (forward 400.2 ms, backward 800.0 ms, optimizer 34.2 ms)" in index
     assert "fp16 += fp16 gives 9.95312 (error 0.0469)" in index
-    assert "2.25 GiB at every 4 blocks, the measured k nearest the sqrt(L) estimate sqrt(16) = 4.0" in index
+    assert "peak activation memory is 1.50 GiB at the best single level (every 1 block)." in index
+    assert "The sqrt(L) rule (k = sqrt(16) = 4.0) assumes a block keeps what a checkpoint keeps; here it keeps 26x" in index
     assert "a naive DDP step takes 700.0 ms, of which 175.0 ms (25%) is its 435 per-parameter all-reduces" in index
     assert "without communication the step takes 520.0 ms" in index
     assert "219,848,638,464 parameters" in index

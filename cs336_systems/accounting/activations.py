@@ -133,6 +133,24 @@ def block_saved_bytes(config: ModelConfig, batch_size: int, seq_len: int, precis
     return parts
 
 
+# The parts of block_saved_bytes that the feed-forward sublayer keeps (the rest, the attention sublayer's); of
+# autocast's weight copies, the attention projections' 4 d^2 and the feed-forward's 3 d d_ff.
+FFN_PARTS = ("ffn_norm", "ffn_inputs", "ffn_hidden")
+
+
+def sublayer_saved_bytes(config: ModelConfig, batch_size: int, seq_len: int, precision: str = "fp32",
+                         attention: str = "naive", device_type: str = "cuda") -> tuple[int, int]:
+    """(attention sublayer, feed-forward sublayer) bytes of `block_saved_bytes`: what each keeps for backward,
+    its input included (each RMSNorm keeps the residual stream it normalises)."""
+    parts = block_saved_bytes(config, batch_size, seq_len, precision, attention, device_type)
+    casts = parts.pop("weight_casts", 0)
+    d, f = config.d_model, config.d_ff
+    ffn_casts = casts * 3 * d * f // (4 * d * d + 3 * d * f)
+    ffn = sum(parts[name] for name in FFN_PARTS) + ffn_casts
+    attention_part = sum(size for name, size in parts.items() if name not in FFN_PARTS) + casts - ffn_casts
+    return attention_part, ffn
+
+
 def head_saved_bytes(config: ModelConfig, batch_size: int, seq_len: int, precision: str = "fp32") -> dict[str, int]:
     """Bytes the final norm, LM head and cross-entropy loss keep for backward."""
     _check(precision)
