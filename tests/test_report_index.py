@@ -222,6 +222,9 @@ def test_open_items_name_runs_that_need_more_gpus_and_parts_the_rows_lack(report
         "h100: the 2026 handout's (b) is xl at batch 4, context 2,048; this run measured context 1024 "
         "(`make single-gpu-reports` runs it)")
     assert "not implemented" in _status_row(index, "leaderboard")[-1]
+    # A problem the 2026 handout dropped is still indexed, and says which handout asks it.
+    assert _status_row(index, "ddp_overlap_bucketed (2025 handout only)")
+    assert "## 18. communication_accounting (2025 handout only)" in index
 
 
 def test_a_problem_with_some_of_its_reports_names_the_missing_ones_and_the_run_that_writes_them(reports_root):
@@ -284,3 +287,14 @@ def test_each_committed_report_is_the_one_its_rows_and_metadata_give(csv, tmp_pa
         shutil.copy(report.with_suffix(suffix), copy)
     assert rerender(copy, problems.report(report.stem)).read_text() == report.with_suffix(".md").read_text(), (
         f"reports/{csv[:-4]}.md is not what its rows give: rerender it from them and commit it")
+
+
+def test_a_problem_that_picks_its_sizes_is_not_told_the_others_are_missing(tmp_path):
+    rows = [{"table": "cell", "size": size, "size_table": "2026", "context_length": 512, "status": "ok"}
+            for size in ("small", "xl")]
+    write_fake_report(tmp_path / "h100", "nsys_profile", rows)
+    write_fake_report(tmp_path / "h100", "benchmarking_script",
+                      [{**e2e_row(size, 512, "train_step", 100.0), "size_table": "2026"} for size in ("small", "xl")])
+    index = render_index(tmp_path)
+    assert "not measured" not in _status_row(index, "nsys_profile")[-1]
+    assert "the 2026 table's medium, large and 10B are not measured" in _status_row(index, "benchmarking_script")[-1]
