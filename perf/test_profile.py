@@ -14,10 +14,9 @@ import shlex
 import pytest
 
 from cs336_systems.__main__ import build_parser
+from cs336_systems.benchmarks.e2e import COURSE_VARIANT, FAST_VARIANT
 from cs336_systems.benchmarks.nsys_profile import (
     ATTENTION_RANGES,
-    COURSE_VARIANT,
-    FAST_VARIANT,
     ProfileConfig,
     nsys_row,
     profile_training_step,

@@ -324,5 +324,5 @@ def test_report_says_nsight_cannot_make_reports_and_sets_variants_side_by_side()
             "nsys_report": "nsys profile exited 1: no permission", "command": "nsys profile python -m cs336_systems e2e"}
     body = problems.report("nsys_profile").render(fast + course + [nsys]).body
     assert "naive attention, the course's AdamW, fp32" in body  # the sections answer from the course's model
-    assert "## Beside SDPA and fused AdamW" in body and "SDPA, fused AdamW: step (ms)" in body
+    assert "## Beside SDPA + fused AdamW" in body and "| SDPA + fused: step (ms)" in body
     assert "Nsight Systems cannot make reports on the measuring machine (nsys profile exited 1: no permission)" in body

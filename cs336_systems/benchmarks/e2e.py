@@ -432,15 +432,19 @@ def _sweep_table(rows: list[Row], extra: dict[tuple, list[Row]]) -> str:
     for v, other in extra.items():
         extra_columns = {(r["size"], r["phase"]): r for r in pivot(
             ordered(other), index=["size", "phase"], column="context_length", value="mean_ms", fmt=mean_std,
-            label=f"{VARIANT_COLUMN_LABELS.get(v, variant_label(v))}, context")}
+            label=f"{variant_column_label(v)}, context")}
         for entry in table:
             entry.update({k: value for k, value in extra_columns.get((entry["size"], entry["phase"]), {}).items()
                           if k not in ("size", "phase")})
     return markdown_table(table)
 
 
-# The extra columns' heading per variant, short enough for a table.
-VARIANT_COLUMN_LABELS = {FAST_VARIANT: "SDPA + fused"}
+# Each variant as a table's column heads it.
+VARIANT_COLUMN_LABELS = {COURSE_VARIANT: "course model", FAST_VARIANT: "SDPA + fused"}
+
+
+def variant_column_label(v: tuple) -> str:
+    return VARIANT_COLUMN_LABELS.get(v, variant_label(v))
 
 
 def _variation_summary(rows: list[Row]) -> str:
@@ -629,7 +633,7 @@ def render_benchmarking_mixed_precision(rows: list[Row]) -> Rendered:
         summary = "; ".join(filter(None, (_speedup_range(table, p) for p in ("forward", "backward", "train_step"))))
         for v, other in extra.items():
             _add_columns(table, _comparison_table(other, "precision", "fp32", "bf16", "fp32", "bf16"),
-                         VARIANT_COLUMN_LABELS.get(v, variant_label(v)))
+                         variant_column_label(v))
         parts += [f"## (c) fp32 against bf16 autocast\n\n{_sweep_setup(timings, extra)}; eager. Speed-up is the ratio "
                   "of means; MFU is against the device's dense peak for the precision (fp32 peak for fp32 cells, "
                   "bf16 tensor-core peak for bf16 cells).\n", markdown_table(table),

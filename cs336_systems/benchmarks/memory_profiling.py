@@ -24,6 +24,7 @@ from cs336_systems.accounting.activations import (
 )
 from cs336_systems.benchmarks.e2e import DEFAULT_BATCH_SIZE, memory_model_attention
 from cs336_systems.benchmarks.harness import (
+    ADAMW_NAMES,
     LEARNING_RATE,
     PRECISIONS,
     adamw,
@@ -345,9 +346,6 @@ def _block_rows(cfg: MemoryProfileConfig, model, precision: str, device: torch.d
 
 # -------------------------------------------------------------------------- memory_profiling report
 
-# AdamW as the setup sentence names it, by the rows' `adamw` (rows from before it was recorded: torch's default,
-# foreach on CUDA).
-ADAMW_NAMES = {"course": "the course's AdamW", "fused": "fused AdamW", "foreach": "foreach AdamW", None: "foreach AdamW"}
 
 
 def _memory_setup(peaks: list[Row]) -> str:
@@ -356,7 +354,8 @@ def _memory_setup(peaks: list[Row]) -> str:
     precisions = ", ".join(dict.fromkeys(p["precision"] for p in peaks))
     train = next((p for p in peaks if p["mode"] == "train_step"), {})
     adamw = train.get("adamw")
-    optimizer = ADAMW_NAMES.get(adamw, adamw) if r["device"] == "cuda" or adamw else "AdamW"
+    # Rows from before the AdamW was recorded ran torch's default, foreach on CUDA.
+    optimizer = ADAMW_NAMES[adamw or "foreach"] if r["device"] == "cuda" or adamw else "AdamW"
     text = (f"{r['size']} model, batch {r['batch_size']}, {r['attention']} attention, contexts {contexts}, "
             f"precisions {precisions} (bf16: autocast over fp32 parameters). Forward only runs under no_grad; the "
             f"training step (forward, backward, {optimizer} step, zero_grad) is measured after an unmeasured one.")
@@ -625,6 +624,7 @@ def answer_memory_profiling(reports: Reports) -> list[str]:
                          f"`{top['source']}`.")
     blocks = ok_rows(select(rows, table="block"))
     if blocks:
+        blocks = select(blocks, precision=blocks[0]["precision"])  # the first precision measured: fp32 by default
         block = blocks[len(blocks) // 2]
         operations = sorted(select(rows, table="block_operation", precision=block["precision"]),
                             key=lambda r: r["rank"])

@@ -24,8 +24,16 @@ from pathlib import Path
 import torch
 
 from cs336_systems.accounting.activations import ADAMW_IMPLEMENTATIONS, predict_peak_memory, state_bytes
-from cs336_systems.benchmarks.e2e import DEFAULT_BATCH_SIZE, HEADLINE_CONTEXT, memory_model_attention
+from cs336_systems.benchmarks.e2e import (
+    DEFAULT_BATCH_SIZE,
+    HEADLINE_CONTEXT,
+    memory_model_attention,
+    split_variants,
+    variant_column_label,
+    variant_label,
+)
 from cs336_systems.benchmarks.harness import (
+    ADAMW_NAMES,
     LEARNING_RATE,
     PRECISIONS,
     adamw,
@@ -71,10 +79,6 @@ KERNELS_PER_RANGE = 12
 # The handout profiles power-of-two contexts above this one, up to the longest that fits.
 SHORTEST_EXCLUDED_CONTEXT = 128
 CONTEXTS_PER_SIZE = 3
-# The course's model (its naive attention, its own AdamW), and the variant the end-to-end benchmarks add.
-COURSE_VARIANT = ("naive", "course")
-FAST_VARIANT = ("sdpa", "fused")
-VARIANT_LABELS = {COURSE_VARIANT: "naive attention, the course's AdamW", FAST_VARIANT: "SDPA, fused AdamW"}
 # Nsight Systems' own check: a trivial CUDA program profiled. Starting nsys and its daemon takes seconds; a
 # machine where it hangs is one where it cannot profile either.
 NSYS_PROBE_TIMEOUT_S = 120
@@ -399,30 +403,21 @@ def _nsys_section(rows: list[Row]) -> str:
     return f"## Nsight Systems\n\n{state} Where it can, this shows the same NVTX ranges:\n\n```\n{r['command']}\n```\n"
 
 
-def _variant(row: Row) -> tuple:
-    """(attention, optimizer) of a row; rows from before the optimizer was recorded ran fused AdamW."""
-    return row.get("attention"), row.get("optimizer") or "fused"
+def _profiled(rows: list[Row]) -> list[Row]:
+    """The rows of profiled cells (not the Nsight Systems probe's)."""
+    return [r for r in rows if r.get("table") in ("cell", "range", "kernel")]
 
 
-def _split_variants(rows: list[Row]) -> tuple[tuple, list[Row], list[Row]]:
-    """(the variant the report's sections answer from, its rows, the other profiled variants' rows): the
-    course's model where the rows have it."""
-    profiled = [r for r in rows if r.get("table") in ("cell", "range", "kernel")]
-    variants = list(dict.fromkeys(_variant(r) for r in profiled))
-    main = COURSE_VARIANT if COURSE_VARIANT in variants else variants[0] if variants else COURSE_VARIANT
-    return main, [r for r in profiled if _variant(r) == main], [r for r in profiled if _variant(r) != main]
-
-
-def _variant_section(main: tuple, cells: dict, others: list[Row]) -> str:
+def _variant_section(main: tuple, cells: dict, others: dict[tuple, list[Row]]) -> str:
     """Other variants' cells beside the course model's at the same size and context."""
     table = []
-    for variant in dict.fromkeys(_variant(r) for r in others):
-        for key, c in _measured(_nsys_cells([r for r in others if _variant(r) == variant])).items():
+    for other, rows in others.items():
+        for key, c in _measured(_nsys_cells(rows)).items():
             ours = cells.get(key)
             if ours is None:
                 continue
             entry = {"size": key[0], "context": key[1]}
-            for label, cell in ((VARIANT_LABELS.get(main, main), ours), (VARIANT_LABELS.get(variant, variant), c)):
+            for label, cell in ((variant_column_label(main), ours), (variant_column_label(other), c)):
                 entry[f"{label}: step (ms)"] = mean_std(cell["cell"]["timer_step_ms"], cell["cell"]["timer_step_std_ms"],
                                                         ".1f")
                 entry[f"{label}: optimizer (ms)"] = f"{cell['cell']['timer_optimizer_ms']:.1f}"
@@ -430,7 +425,8 @@ def _variant_section(main: tuple, cells: dict, others: list[Row]) -> str:
             table.append(entry)
     if not table:
         return ""
-    return "## Beside SDPA and fused AdamW\n\nTheir kernel tables are in the CSV.\n\n" + markdown_table(table)
+    return (f"## Beside {listing([variant_label(v) for v in others])}\n\nTheir kernel tables are in the CSV.\n\n"
+            + markdown_table(table))
 
 
 def _attribution_note(cells: dict) -> str:
@@ -454,7 +450,7 @@ NSYS_KEY = ("table", "size", "context_length", "precision", "attention", "optimi
 
 
 def render_nsys_profile(rows: list[Row]) -> Rendered:
-    main, mine, others = _split_variants(rows)
+    main, mine, others = split_variants(_profiled(rows))
     cells = _nsys_cells(mine)
     measured = _measured(cells)
     parts = []
@@ -465,9 +461,8 @@ def render_nsys_profile(rows: list[Row]) -> Rendered:
                                         + ("; not run" if c["cell"].get("oom_predicted") else "") + ")"
                                         if c["cell"].get("predicted_peak_bytes") else "")
                 for (s, n), c in cells.items() if c["cell"] and c["cell"]["status"] == OOM]
-        optimizer = {"course": "the course's AdamW", "fused": "fused AdamW", "foreach": "foreach AdamW"}[main[1]]
         parts.append(f"torch.profiler kernel tables of one training step per cell: {main[0]} attention, "
-                     f"{optimizer}, {sample.get('precision', 'fp32')}, batch {sample.get('batch_size')}."
+                     f"{ADAMW_NAMES[main[1]]}, {sample.get('precision', 'fp32')}, batch {sample.get('batch_size')}."
                      + (" " + _attribution_note(measured) if measured else "")
                      + (f" Out of memory: {', '.join(ooms)}." if ooms else "") + "\n")
         if measured:
@@ -509,7 +504,7 @@ def _cells_that_ran(rows: list[Row]) -> dict[tuple[str, int], dict]:
 
 
 def answer_nsys_profile(reports: Reports) -> list[str]:
-    _, rows, _ = _split_variants(reports["nsys_profile"])
+    _, rows, _ = split_variants(_profiled(reports["nsys_profile"]))
     cells = _cells_that_ran(rows)
     if not cells:
         return [not_in_report("A profiled cell that ran to completion")]
@@ -524,7 +519,8 @@ def answer_nsys_profile(reports: Reports) -> list[str]:
         top = forward_kernels[0]
         other = next((k for k in forward_kernels if k.get("matmul") is False), None)
         sentences.append(
-            f"Kernel tables from torch.profiler ({sample['attention']} attention, {sample['precision']}, batch "
+            f"Kernel tables from torch.profiler ({sample['attention']} attention, "
+            f"{ADAMW_NAMES[sample.get('optimizer') or 'fused']}, {sample['precision']}, batch "
             f"{sample['batch_size']}); at {size}, context {context}, the top forward kernel is "
             f"`{short_name(top['kernel'], KERNEL_NAME_CHARS)}` ({'a matmul, ' if top.get('matmul') else ''}"
             f"{top['share']:.1%} of forward kernel time, {top['calls_per_instance']:g} launches per forward pass)"
