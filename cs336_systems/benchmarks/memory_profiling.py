@@ -273,7 +273,8 @@ def _keep_snapshot(snapshot: dict, device: int, path: Path) -> Row:
         size = write_snapshot(compact_snapshot(snapshot, device, min_frames_bytes=min_bytes), path)
         if size <= SNAPSHOT_BUDGET_BYTES:
             break
-    return {"file_bytes": size, "stacks": stacks, "events": len(snapshot["device_traces"][device])}
+    return {"file_bytes": size, "stacks": stacks, "events": len(snapshot["device_traces"][device]),
+            "device_index": device}
 
 
 def render_snapshot_timelines(rows: list[Row], directory: Path) -> list[Path]:
@@ -285,7 +286,8 @@ def render_snapshot_timelines(rows: list[Row], directory: Path) -> list[Path]:
     for r in rows:
         if r.get("table") != "snapshot":
             continue
-        layout = active_memory_layout(load_snapshot(directory / r["file"]), max_allocations=TIMELINE_BANDS)
+        layout = active_memory_layout(load_snapshot(directory / r["file"]), r.get("device_index") or 0,
+                                      max_allocations=TIMELINE_BANDS)
         figure = plot_active_memory(layout, f"{r['size']}, {MODE_LABELS[r['mode']]}, {r['precision']}, context "
                                             f"{r['context_length']}, batch {r['batch_size']}")
         path = directory / timeline_file_name(r["file"])
