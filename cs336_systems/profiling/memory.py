@@ -79,10 +79,22 @@ FRAMES_OUTSIDE_PACKAGE = 4
 
 def _package_frames(frames: Sequence[dict], package: str) -> list[dict]:
     """The frames from the innermost to the outermost one in `package`: the library calls that
-    allocated and the package code that called them, without the test runner or interpreter below."""
+    allocated and the package code that called them, without the test runner or interpreter below;
+    file names relative to the package's or the libraries' directory (`short_path`)."""
     marker = f"/{package}/"
     ours = [i for i, frame in enumerate(frames) if marker in frame.get("filename", "")]
-    return list(frames[:ours[-1] + 1] if ours else frames[:FRAMES_OUTSIDE_PACKAGE])
+    kept = frames[:ours[-1] + 1] if ours else frames[:FRAMES_OUTSIDE_PACKAGE]
+    return [{**frame, "filename": short_path(frame.get("filename", "?"), package)} for frame in kept]
+
+
+def short_path(path: str, package: str = PACKAGE) -> str:
+    """A source file's name from the package's or the installed libraries' directory on (`cs336_systems/...`,
+    `torch/...`), not the machine's own directories; other paths as they are."""
+    for marker in (f"/{package}/", "site-packages/", "dist-packages/"):
+        if marker in path:
+            tail = path.split(marker, 1)[1]
+            return f"{package}/{tail}" if marker == f"/{package}/" else tail
+    return path
 
 
 def compact_snapshot(snapshot: dict, device: int = 0, package: str = PACKAGE,
@@ -280,11 +292,7 @@ def source_frame(frames: Sequence[dict], package: str = PACKAGE) -> str:
 
 
 def _short_frame(frame: dict) -> str:
-    path = frame.get("filename", "?")
-    for marker in ("site-packages/", "dist-packages/"):
-        if marker in path:
-            path = path.split(marker, 1)[1]
-    return f"{path}:{frame.get('line', '?')} ({frame.get('name', '?')})"
+    return f"{short_path(frame.get('filename', '?'))}:{frame.get('line', '?')} ({frame.get('name', '?')})"
 
 
 @dataclass(frozen=True)
