@@ -26,8 +26,9 @@ gpu-check: $(GPU_SETUP)
 	$(PYTHON) -m cs336_systems.gpu_check
 
 # On one GPU, the reports of pytorch_attention (eager), nsys_profile, memory_profiling (with its memory_viz
-# snapshots) and gradient_checkpointing, on the 2026 sizes; expected to take about 8 minutes on an H100 or
-# H200 (an estimate from earlier runs of these tests, not yet timed as one command).
+# snapshots and their timelines) and gradient_checkpointing, on the 2026 handout's model and settings (xl at
+# contexts 128 and 2048); estimated at 5 to 7 minutes on an H100 from the step times of earlier runs of these
+# tests (not yet timed as one command).
 single-gpu-reports: $(GPU_SETUP)
 	$(PYTHON) -m pytest perf/test_attention.py perf/test_profile.py perf/test_memory.py \
 		-m "attention or profile or memory" -k "not compiled" --gpu auto -p no:cacheprovider -q

@@ -1,6 +1,7 @@
 """Command line: one benchmark, one number (or a small sweep), without pytest.
 
     python -m cs336_systems e2e --size xl --context 512 --precision bf16 --compile
+    python -m cs336_systems e2e --size xl --context 512 --attention sdpa --optimizer fused
     python -m cs336_systems e2e --size small,medium --context 128,256 --json
     python -m cs336_systems e2e --size-table 2025 --size 2.7B --context 512
     python -m cs336_systems accumulation
@@ -88,7 +89,7 @@ def _cmd_e2e(args) -> None:
     _, spec = resolve_gpu("auto" if device.type == "cuda" else "none")
     cells = [
         E2EConfig(size=size, context_length=context, batch_size=args.batch_size, mode=args.mode,
-                  precision=precision, compile=args.compile, attention=args.attention,
+                  precision=precision, compile=args.compile, attention=args.attention, optimizer=args.optimizer,
                   warmup=args.warmup, steps=args.steps, model_context_length=args.model_context)
         for size, context, precision in itertools.product(args.size, args.context, args.precision)
     ]  # built first, so bad input fails before anything runs
@@ -113,7 +114,7 @@ def _cmd_e2e(args) -> None:
         _print_rows(rows, True)
         return
     model = ["model"] if args.reference else []
-    cell = [*model, "size", "context_length", "precision", "compile", "phase", "status"]
+    cell = [*model, "size", "context_length", "precision", "attention", "optimizer", "compile", "phase", "status"]
     timed, breakdown = split_breakdown([{**row, "status": oom_text(row)} if row.get("status") == OOM else row
                                         for row in rows])
     clocks = [*CLOCK_COLUMNS] if any(CLOCK_COLUMNS[0] in row for row in timed) else []
@@ -171,8 +172,9 @@ REPORTS_ROOT_HELP = "reports/ in the repository's root, from any folder"
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from cs336_systems.accounting.activations import ADAMW_IMPLEMENTATIONS
     from cs336_systems.attention import ATTENTION_VARIANTS
-    from cs336_systems.benchmarks.e2e import DEFAULT_BATCH_SIZE, DEFAULT_STEPS, DEFAULT_WARMUP, MODES
+    from cs336_systems.benchmarks.e2e import COURSE_VARIANT, DEFAULT_BATCH_SIZE, DEFAULT_STEPS, DEFAULT_WARMUP, MODES
     from cs336_systems.benchmarks.harness import PRECISIONS
     from cs336_systems.model import DEFAULT_SIZE_TABLE, SIZE_TABLES
 
@@ -206,8 +208,13 @@ def build_parser() -> argparse.ArgumentParser:
     e2e.add_argument("--compile", action="store_true", help="torch.compile each Transformer block")
     e2e.add_argument("--reference", action="store_true",
                      help="also time a torch-native LM of the same architecture (nn modules, SDPA; compiled whole "
-                          "with --compile) after each cell: what the project's model and harness cost")
-    e2e.add_argument("--attention", choices=ATTENTION_VARIANTS, default="sdpa", help="(default: sdpa)")
+                          "with --compile) after each cell: what the project's model and harness cost (needs "
+                          "--attention sdpa)")
+    e2e.add_argument("--attention", choices=ATTENTION_VARIANTS, default=COURSE_VARIANT[0],
+                     help=f"(default: {COURSE_VARIANT[0]}, the course model's)")
+    e2e.add_argument("--optimizer", choices=ADAMW_IMPLEMENTATIONS, default=COURSE_VARIANT[1],
+                     help=f"the AdamW of train steps: the course model's own (one parameter at a time), torch's "
+                          f"fused kernel, or torch's multi-tensor one (default: {COURSE_VARIANT[1]})")
     e2e.add_argument("--warmup", type=_non_negative_int, default=DEFAULT_WARMUP,
                      help=f"untimed steps first (default: {DEFAULT_WARMUP})")
     e2e.add_argument("--steps", type=_positive_int, default=DEFAULT_STEPS,

@@ -210,7 +210,14 @@ class TransformerBlock(nn.Module):
         self.ffn = SwiGLU(config.d_model, config.d_ff)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = x + self.attn(self.ln1(x))
+        return self.ffn_sublayer(self.attention_sublayer(x))
+
+    # The two residual sublayers, each a function of the residual stream alone: checkpointing can wrap
+    # them one at a time.
+    def attention_sublayer(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.attn(self.ln1(x))
+
+    def ffn_sublayer(self, x: torch.Tensor) -> torch.Tensor:
         return x + self.ffn(self.ln2(x))
 
 

@@ -46,10 +46,19 @@ class Problem:
     device_independent: bool = False
     # What the reports' rows leave unanswered (a part not measured, an old run), beyond absent reports.
     open_items: Callable[[Reports], list[str]] | None = None
+    # The one handout that asks it, where the other does not (the problems run and report all the same).
+    only_in_handout: str | None = None
+    # Whether it asks for every model size of the table (nsys_profile asks for two of the user's choice).
+    every_size: bool = True
 
     @property
     def report_names(self) -> tuple[str, ...]:
         return tuple(report.name for report in self.reports)
+
+    @property
+    def label(self) -> str:
+        """The title as the index heads it: with the handout it belongs to, where only one asks it."""
+        return self.title + (f" ({self.only_in_handout} handout only)" if self.only_in_handout else "")
 
 
 def _parallelism(name: str, answer: Answer) -> Problem:
@@ -62,7 +71,7 @@ PROBLEMS: tuple[Problem, ...] = (
             e2e.answer_benchmarking_script, "e2e", ("perf/test_e2e.py",)),
     Problem("nsys_profile", (Report("nsys_profile", nsys_profile.render_nsys_profile, nsys_profile.NSYS_KEY),),
             nsys_profile.answer_nsys_profile, "profile", ("perf/test_profile.py",),
-            open_items=nsys_profile.open_items_nsys_profile),
+            open_items=nsys_profile.open_items_nsys_profile, every_size=False),
     Problem("mixed_precision_accumulation",
             (Report("mixed_precision_accumulation", mixed_precision.render_accumulation),),
             mixed_precision.answer_mixed_precision_accumulation, "e2e", ("perf/test_e2e.py",)),
@@ -105,7 +114,7 @@ PROBLEMS: tuple[Problem, ...] = (
     Problem("ddp_overlap_bucketed",
             (Report("ddp_overlap_bucketed", ddp.render_overlap_bucketed),
              Report("ddp_bucketed_benchmarking", ddp.render_bucketed_benchmarking)),
-            ddp.answer_ddp_overlap_bucketed, "ddp", ("perf/test_ddp.py",), 2),
+            ddp.answer_ddp_overlap_bucketed, "ddp", ("perf/test_ddp.py",), 2, only_in_handout="2025"),
     Problem("optimizer_state_sharding",
             (Report("optimizer_state_sharding", sharding.render_sharding),
              Report("optimizer_state_sharding_accounting", sharding.render_sharding_accounting)),
@@ -114,7 +123,8 @@ PROBLEMS: tuple[Problem, ...] = (
             fsdp.answer_fsdp, "fsdp", ("perf/test_fsdp.py",), 2),
     Problem("communication_accounting",
             (Report("communication_accounting", communication_accounting.render_communication_accounting),),
-            communication_accounting.answer_communication_accounting, device_independent=True),
+            communication_accounting.answer_communication_accounting, device_independent=True,
+            only_in_handout="2025"),
     _parallelism("alternate_ring_all_reduce", parallelism_calcs.answer_alternate_ring_all_reduce),
     _parallelism("data_parallel_calcs", parallelism_calcs.answer_data_parallel_calcs),
     _parallelism("fsdp_calcs", parallelism_calcs.answer_fsdp_calcs),

@@ -171,7 +171,7 @@ def _status(problem: Problem, layout: _Layout, slug: str) -> str:
 
 
 def _section(number: int, problem: Problem, layout: _Layout, slugs: list[str]) -> str:
-    head = f"## {number}. {problem.title}\n\n"
+    head = f"## {number}. {problem.label}\n\n"
     if not problem.report_names:
         return head + " ".join(problem.answer({})) + "\n"
     if problem.device_independent:
@@ -237,22 +237,22 @@ def _open(problem: Problem, measured: dict[str, Reports], sizes: dict[str, list[
                          f"--world-size {problem.gpus}`")
         else:
             items.append(f"not measured on a GPU: `pytest perf/ -m {problem.marker} --gpu auto`")
-    items += _size_gaps(sizes)
+    items += _size_gaps(sizes, problem.every_size)
     if problem.open_items:
         items += [f"{slug}: {item}" if slug else item for slug, reports in measured.items()
                   if len(reports) == len(problem.report_names) for item in problem.open_items(reports)]
     return items
 
 
-def _size_gaps(sizes: dict[str, list[str]]) -> list[str]:
-    """The current table's sizes a sweep left out, and sizes measured that the current table lacks. A size
-    of another table with the same shape counts as measured (the 2025 table's 2.7B is the 2026 xl)."""
+def _size_gaps(sizes: dict[str, list[str]], every_size: bool = True) -> list[str]:
+    """The current table's sizes a sweep over `every_size` left out, and sizes measured that the current table
+    lacks. A size of another table with the same shape counts as measured (the 2025 table's 2.7B is the 2026 xl)."""
     current = {name: shape for name, shape in model_sizes(CURRENT_SIZE_TABLE).items() if name != "tiny"}
     shapes = {(table, name): model_sizes(table).get(name) for table, names in sizes.items() for name in names}
     foreign = [f"{table} table's {name}" for (table, name), shape in shapes.items()
                if name != "tiny" and shape not in current.values()]
     items = [f"measured on the {listing(foreign)}, which the {CURRENT_SIZE_TABLE} table does not have"] if foreign else []
-    if len([name for _, name in shapes if name != "tiny"]) > 1:  # a sweep over sizes
+    if every_size and len([name for _, name in shapes if name != "tiny"]) > 1:  # a sweep over sizes
         missing = [name for name, shape in current.items() if shape not in shapes.values()]
         if missing:
             items.append(f"the {CURRENT_SIZE_TABLE} table's {listing(missing)} {'is' if len(missing) == 1 else 'are'} "
@@ -284,7 +284,7 @@ def render_index(reports_root: Path | str, command: str = INDEX_COMMAND, cpu: bo
     for number, problem in enumerate(PROBLEMS, 1):
         measured = _measured(problem, layout, slugs)
         sizes = _model_sizes(measured)
-        status.append({"problem": f"{number}. {problem.title}", **{s: _status(problem, layout, s) for s in slugs},
+        status.append({"problem": f"{number}. {problem.label}", **{s: _status(problem, layout, s) for s in slugs},
                        "model sizes": "; ".join(f"{table}: {', '.join(names)}" for table, names in sizes.items()),
                        "open": "; ".join(_open(problem, measured, sizes))})
     parts = [

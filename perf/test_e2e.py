@@ -1,5 +1,8 @@
 """End-to-end model benchmarks: problems benchmarking_script, benchmarking_mixed_precision,
-mixed_precision_accumulation and the whole-model part of torch_compile."""
+mixed_precision_accumulation and the whole-model part of torch_compile.
+
+The course's model (naive attention, its own AdamW) as the handout times it, and SDPA with fused AdamW
+beside it, eager; torch_compile compiles the SDPA model, as its torch-native reference is."""
 
 import math
 
@@ -7,6 +10,8 @@ import pytest
 
 from cs336_systems.benchmarks.e2e import (
     BREAKDOWN_PHASES,
+    COURSE_VARIANT,
+    FAST_VARIANT,
     PHASES,
     REFERENCE_MODEL,
     E2EConfig,
@@ -60,9 +65,12 @@ def _smallest_size(run_settings) -> str:
     return min(run_settings.model_sizes, key=size_order)
 
 
-@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
-def test_model_step(model_size, context_length, precision, compiled, device, gpu_spec, run_settings, report):
-    cfg = E2EConfig(size=model_size, context_length=context_length, precision=precision, compile=compiled)
+@pytest.mark.parametrize("variant, compiled", [(COURSE_VARIANT, False), (FAST_VARIANT, False), (FAST_VARIANT, True)],
+                         ids=["course-eager", "sdpa-fused-eager", "sdpa-fused-compiled"])
+def test_model_step(model_size, context_length, precision, variant, compiled, device, gpu_spec, run_settings, report):
+    attention, optimizer = variant
+    cfg = E2EConfig(size=model_size, context_length=context_length, precision=precision, compile=compiled,
+                    attention=attention, optimizer=optimizer)
     profiled = compiled and context_length == _reference_context(run_settings)
     rows = benchmark_model(cfg, device, gpu_spec.peak_flops(precision) if gpu_spec else None,
                            profiled_steps=PROFILED_STEPS if profiled else 0)
@@ -73,9 +81,11 @@ def test_model_step(model_size, context_length, precision, compiled, device, gpu
             report("benchmarking_script").add(row)
         if not compiled:
             report("benchmarking_mixed_precision").add(row)
-    for row in rows:
-        report("torch_compile").add(row)
+    if variant == FAST_VARIANT:
+        for row in rows:
+            report("torch_compile").add(row)
     assert [r["phase"] for r in steps] == list(PHASES[cfg.mode])
+    assert {(r["attention"], r["optimizer"]) for r in steps} == {variant}
     assert {r["status"] for r in steps} <= {"ok", OOM}
     if (model_size, context_length) == (_smallest_size(run_settings), min(_contexts(run_settings.on_gpu))):
         require_some_ran(steps, f"the sweep's smallest cell, {model_size} at context {context_length}")
@@ -87,7 +97,7 @@ def test_reference_step(model_size, precision, device, gpu_spec, run_settings, r
     # The torch-native LM of the same architecture, compiled whole, at one context per size and
     # precision: the torch_compile report sets the project's compiled step beside it.
     cfg = E2EConfig(size=model_size, context_length=_reference_context(run_settings), precision=precision,
-                    compile=True)
+                    compile=True, attention=FAST_VARIANT[0], optimizer=FAST_VARIANT[1])
     rows = benchmark_model(cfg, device, gpu_spec.peak_flops(precision) if gpu_spec else None, reference=True,
                            profiled_steps=PROFILED_STEPS)
     steps, breakdown = split_breakdown(rows)

@@ -1,6 +1,6 @@
 """Problem flash_benchmarking: Triton FlashAttention-2 against naive attention and PyTorch SDPA, one
-test per (precision, head dim, sequence length); the leaderboard configuration; the speed-up gates that
-fail CI on a GPU when the Triton kernels regress; the host's time to issue a forward+backward. Problem
+test per (precision, head dim, sequence length); the 2025 leaderboard's attention cell; the speed-up gates
+that fail CI on a GPU when the Triton kernels regress; the host's time to issue a forward+backward. Problem
 flash_in_training: the kernels inside a compiled training step, against SDPA."""
 
 import pytest
@@ -11,7 +11,7 @@ from cs336_systems.benchmarks.flash import (
     HEAD_DIMS,
     HOST_ISSUE_CELLS,
     HOST_ISSUE_PROVIDERS,
-    LEADERBOARD_PROVIDERS,
+    LEADERBOARD_2025_PROVIDERS,
     MODES,
     PROVIDERS,
     SEQ_LENS,
@@ -22,7 +22,7 @@ from cs336_systems.benchmarks.flash import (
     gate,
     gate_name,
     host_issue,
-    leaderboard,
+    leaderboard_2025_cell,
 )
 from cs336_systems.benchmarks.flash_in_training import (
     ATTENTIONS,
@@ -74,11 +74,11 @@ def test_flash_cell(precision, head_dim, seq_len, device, run_settings, report):
 
 
 @pytest.mark.gpu
-def test_flash_leaderboard(device, report):
-    rows = leaderboard(device)
+def test_flash_leaderboard_2025_cell(device, report):
+    rows = leaderboard_2025_cell(device)
     for row in rows:
         report(PROBLEM).add(row)
-    assert [r["provider"] for r in rows] == list(LEADERBOARD_PROVIDERS)
+    assert [r["provider"] for r in rows] == list(LEADERBOARD_2025_PROVIDERS)
     assert {r["status"] for r in rows} <= {"ok", OOM, UNSUPPORTED}
     assert all(r["status"] == "ok" for r in rows if r["provider"].startswith("flash_triton"))
     assert not unmeasured(rows, *TIMED_COLUMNS)

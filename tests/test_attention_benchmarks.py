@@ -402,6 +402,8 @@ def test_flash_report_tables_ratios_oom_and_leaderboard(tmp_path):
             "its peak at 52 GiB against 40 GiB free at d=64)") in body
     assert "| 64 | 65,536 | 100 | OOM (predicted, not run) | 80 | | 0.8x |" in body  # SDPA's time over Triton's
     assert "| triton (compiled) | | 8 | 241 | 1x | 1.33x | 2x |" in body  # its time over each other provider's
+    # Named for what it is: the 2025 leaderboard's attention cell on one GPU, not the 2026 leaderboard.
+    assert "## The 2025 leaderboard's attention cell, one GPU" in body and "8B-class training step on two GPUs" in body
     assert set(rendered.figures) == {"flash_benchmarking_bf16.png"}
     write_report(FLASH_REPORT, rows + leaderboard, tmp_path, command="pytest perf/test_flash.py", device="cpu")
     assert len(read_rows(tmp_path / "flash_benchmarking.csv")) == len(rows) + 3

@@ -9,13 +9,17 @@ import torch
 import torch.nn.functional as F
 
 from cs336_systems.model import ModelConfig, TransformerLM
+from cs336_systems.accounting.activations import block_saved_bytes, sublayer_saved_bytes
 from cs336_systems.profiling.checkpointing import (
     Checkpoint,
     CheckpointedStack,
+    Sublayers,
     apply_checkpointing,
     blocks_of,
+    checkpoint_chain,
     describe,
     every_k,
+    every_sublayer,
     optimal_plan,
     plan_cost,
     remove_checkpointing,
@@ -143,7 +147,10 @@ def reference():
 
 
 PLANS = [every_k(LAYERS, 1), every_k(LAYERS, 2), every_k(LAYERS, 3), every_k(LAYERS, LAYERS),
-         optimal_plan(LAYERS, 28.0, 1.0, 1)[0], optimal_plan(LAYERS, 28.0, 1.0, 2)[0], optimal_plan(LAYERS, 28.0, 1.0)[0]]
+         optimal_plan(LAYERS, 28.0, 1.0, 1)[0], optimal_plan(LAYERS, 28.0, 1.0, 2)[0], optimal_plan(LAYERS, 28.0, 1.0)[0],
+         every_sublayer(LAYERS), (0, Checkpoint((1, Sublayers(2))), 3, Sublayers(4))]
+# Prices split blocks in the plan tests: a_attn + a_ffn = 28, each at least its input.
+SUBLAYERS = (20.0, 8.0)
 
 
 @pytest.mark.parametrize("plan", PLANS, ids=describe)
@@ -152,13 +159,59 @@ def test_checkpointing_gives_bit_identical_loss_and_gradients(reference, plan):
     checkpointed = apply_checkpointing(copy.deepcopy(model), plan)
     assert list(checkpointed.state_dict()) == list(model.state_dict())
     starts = []
-    for block in checkpointed.layers.blocks():
-        block.register_forward_pre_hook(lambda module, args: starts.append(module))
+    for block in checkpointed.layers.blocks():  # a block's first norm runs whether the block is split or not
+        block.ln1.register_forward_pre_hook(lambda module, args: starts.append(module))
     got_loss, got_grads = _loss_and_grads(checkpointed, inputs, targets)
     assert torch.equal(got_loss, loss)
     assert all(torch.equal(g, r) for g, r in zip(got_grads, grads))
     # Every block runs once in forward, plus once per recomputation the plan implies.
-    assert len(starts) == LAYERS + plan_cost(plan, 28.0, 1.0).recomputed_blocks
+    assert len(starts) == LAYERS + plan_cost(plan, 28.0, 1.0, SUBLAYERS).recomputed_blocks
+
+
+def test_the_chain_gives_the_same_gradients_and_recomputes_as_the_unlimited_optimum(reference):
+    model, inputs, targets, (loss, grads) = reference
+    chained = copy.deepcopy(model)
+    blocks = list(chained.layers)
+    forwards = []
+    for block in blocks:
+        block.register_forward_pre_hook(lambda module, args: forwards.append(module))
+
+    class Chain(torch.nn.Module):  # the model's loop over layers runs the whole chain as one stage
+        def __init__(self):
+            super().__init__()
+            self.blocks = torch.nn.ModuleList(blocks)
+
+        def __iter__(self):
+            yield lambda x: checkpoint_chain(list(self.blocks), x)
+
+    chained.layers = Chain()
+    got_loss, got_grads = _loss_and_grads(chained, inputs, targets)
+    assert torch.equal(got_loss, loss) and all(torch.equal(g, r) for g, r in zip(got_grads, grads))
+    _, optimum = optimal_plan(LAYERS, 28.0, 1.0)
+    assert len(forwards) == LAYERS + optimum.recomputed_blocks == LAYERS + LAYERS * (LAYERS - 1) // 2
+
+
+def test_split_blocks_keep_two_inputs_and_peak_at_the_larger_sublayer():
+    a, b = 28.0, 1.0
+    # Four split blocks: 8 inputs kept. Backward of the last: 6b kept before it, then b + a_ffn = 9 while its
+    # feed-forward sublayer is recomputed, a_attn = 20 while its attention sublayer is: 6 + 20.
+    cost = plan_cost(every_sublayer(4), a, b, SUBLAYERS)
+    assert (cost.peak_bytes, cost.kept_bytes, cost.recomputed_blocks) == (26, 8, 4)
+    assert describe(every_sublayer(3)) == "{0} {1} {2}" and blocks_of(every_sublayer(3)) == [0, 1, 2]
+    # Inside a group, the first split block shares the group's input.
+    assert plan_cost((Checkpoint((Sublayers(0),)),), a, b, SUBLAYERS).peak_bytes == 1 + 20 - 1
+    with pytest.raises(ValueError, match="needs sublayer_bytes"):
+        plan_cost(every_sublayer(2), a, b)
+    with pytest.raises(ValueError, match="add up to block_bytes"):
+        plan_cost(every_sublayer(2), a, b, (20.0, 7.0))
+
+
+@pytest.mark.parametrize("precision, attention", [("fp32", "naive"), ("bf16", "naive"), ("bf16", "sdpa")])
+def test_sublayer_bytes_split_the_block_and_each_keeps_its_input(precision, attention):
+    config = ModelConfig.for_size("xl", 2048)
+    attention_bytes, ffn_bytes = sublayer_saved_bytes(config, 4, 2048, precision, attention)
+    assert attention_bytes + ffn_bytes == sum(block_saved_bytes(config, 4, 2048, precision, attention).values())
+    assert min(attention_bytes, ffn_bytes) > 4 * 2048 * config.d_model * 4
 
 
 def test_apply_and_remove_keep_the_same_blocks(reference):
@@ -193,12 +246,13 @@ def test_measured_peaks_differ_between_plans_as_the_model_predicts():
         F.cross_entropy(model(inputs).flatten(0, 1), targets.flatten()).backward()
 
     step()  # gradients allocated once; zeroed in place below, so peaks hold no gradients
+    sublayers = sublayer_saved_bytes(config, batch, seq, "fp32", "sdpa", "cpu")
     offsets = {}
-    for plan in [every_k(6, None), every_k(6, 1), every_k(6, 3), optimal_plan(6, a, b)[0]]:
+    for plan in [every_k(6, None), every_k(6, 1), every_k(6, 3), optimal_plan(6, a, b)[0], every_sublayer(6)]:
         apply_checkpointing(model, plan)
         model.zero_grad(set_to_none=False)
         peak, _ = peak_memory_increase(step, "cpu")
-        offsets[describe(plan)] = peak - plan_cost(plan, a, b).peak_bytes
+        offsets[describe(plan)] = peak - plan_cost(plan, a, b, sublayers).peak_bytes
     assert max(offsets.values()) - min(offsets.values()) < 0.1 * a, offsets
 
 

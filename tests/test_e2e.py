@@ -14,6 +14,7 @@ from cs336_systems.__main__ import main
 from cs336_systems.benchmarks import e2e
 from cs336_systems.benchmarks.e2e import E2EConfig, benchmark_model
 from cs336_systems.benchmarks.harness import timed_step
+from cs336_systems.memory_guard import MemoryCheck
 from cs336_systems.reports import OOM, format_bytes, unmeasured
 
 
@@ -62,7 +63,8 @@ def test_a_real_cpu_step_is_issued_by_the_host_in_about_its_own_time():
 
 
 def test_profiled_steps_break_each_phase_down_after_the_timed_ones():
-    rows = benchmark_model(E2EConfig("tiny", 16, batch_size=1, warmup=1, steps=2), "cpu", profiled_steps=2)
+    cfg = E2EConfig("tiny", 16, batch_size=1, warmup=1, steps=2, attention="sdpa", optimizer="fused")
+    rows = benchmark_model(cfg, "cpu", profiled_steps=2)
     timed, profiled = e2e.split_breakdown(rows)
     breakdown = {r["phase"]: r for r in profiled}
     assert [r["phase"] for r in timed] == list(e2e.PHASES["train"])
@@ -118,9 +120,11 @@ def test_out_of_memory_is_recorded_not_raised(monkeypatch):
 
 def test_memory_estimate_of_the_10b_model_is_its_state_on_a_training_step():
     # 12,832,823,808 parameters: fp32 weights, gradients and AdamW's two moments, 16 bytes each, and fused
-    # AdamW adds no temporary: 205,325,180,928 bytes, which no single GPU of the table holds.
-    estimate = e2e.memory_estimate(E2EConfig("10B", 512))
+    # AdamW adds no temporary: 205,325,180,928 bytes, which no single GPU of the table holds. The course's
+    # AdamW adds sqrt(v) of its largest parameter, a 12,288 x 4,608 feed-forward weight.
+    estimate = e2e.memory_estimate(E2EConfig("10B", 512, optimizer="fused"))
     assert estimate.peak_bytes == 16 * 12_832_823_808 and estimate.peak_phase == "optimizer step"
+    assert e2e.memory_estimate(E2EConfig("10B", 512)).peak_bytes == 16 * 12_832_823_808 + 4 * 12_288 * 4_608
     # Forward only keeps the weights and one block's temporaries: it fits in 80 GB.
     assert 51e9 < e2e.memory_estimate(E2EConfig("10B", 512, mode="forward")).peak_bytes < 60e9
 
@@ -170,8 +174,13 @@ def test_report_lists_cells_out_of_memory_with_their_estimates():
              "oom_predicted": False},
             {**ok, "phase": "train_step"}]
     body = e2e.render_benchmarking_script(rows).body
-    assert ("Out of memory: 10B at context 128 in fp32 (estimate 191.2 GiB; not run), "
-            "10B at context 512 in fp32 (estimate 191.4 GiB).") in body
+    # One was not run, one ran out: not every cell of the size was skipped.
+    assert "Out of memory: 10B at contexts 128 and 512 in fp32 (estimate 191.2 to 191.4 GiB)." in body
+    # Where the forward alone ran in a cell's place, the listing says so.
+    forward = {**cell, "phase": "forward", "status": "ok", "mean_ms": 900.0, "std_ms": 1.0, "measured_mode": "forward"}
+    body = e2e.render_benchmarking_script(rows[:1] + [forward, {**ok, "phase": "train_step"}]).body
+    assert "10B at context 128 in fp32 (estimate 191.2 GiB; not run; the forward alone ran)" in body
+    assert "| 900.0 ± 1.0 (forward only) |" in body.replace("  ", "")
 
 
 @pytest.mark.parametrize("kwargs, message", [
@@ -223,7 +232,8 @@ def test_command_help_shows_the_defaults(capsys):
         main(["e2e", "--help"])
     text = " ".join(capsys.readouterr().out.split())
     for default in (f"(default: {e2e.DEFAULT_BATCH_SIZE})", f"(default: {e2e.DEFAULT_WARMUP})",
-                    f"(default: {e2e.DEFAULT_STEPS})", "(default: train)", "(default: fp32)", "(default: sdpa)",
+                    f"(default: {e2e.DEFAULT_STEPS})", "(default: train)", "(default: fp32)", "(default: naive",
+                        "(default: course)",
                     "(default: auto"):
         assert default in text
 
@@ -243,11 +253,27 @@ def test_command_says_a_cell_too_large_for_this_machine_was_predicted_out_of_mem
                                f"a peak of {estimate} against 1.00 GiB available, so nothing ran"]
 
 
-def test_a_cell_whose_state_exceeds_the_device_is_reported_oom_without_running(monkeypatch):
-    # An 80 GB device: the 10B model's weights, gradients and AdamW state (205 GB) cannot fit.
+def test_a_10b_step_is_not_run_on_80_gb_but_its_forward_alone_is(monkeypatch):
+    # An 80 GB device: the 10B model's weights, gradients and AdamW state (205 GB) cannot fit, nor its weights and
+    # gradients (103 GB) for forward+backward; its weights and one block's temporaries for a forward alone can.
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: SimpleNamespace(total_memory=80e9))
-    monkeypatch.setattr(e2e, "_measure",
-                        lambda cfg, device, reference, profiled_steps: pytest.fail("a cell that cannot fit was run"))
-    rows = benchmark_model(E2EConfig("10B", 128), "cuda")
-    assert {(r["status"], r["oom_predicted"]) for r in rows} == {(OOM, True)}
-    assert rows[0]["estimated_peak_bytes"] == 16 * 12_832_823_808
+    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda device: 60e9)
+    monkeypatch.setattr(e2e, "release_memory", lambda device: None)
+    monkeypatch.setattr(e2e, "check_memory", lambda estimate, device: MemoryCheck(estimate, 80e9))
+    modes = []
+
+    def measure(cfg, device, reference, profiled_steps):
+        modes.append(cfg.mode)
+        return e2e.Measured({"forward": [900.0, 910.0], "backward": [], "optimizer": [], "step": [900.0, 910.0]}, 950.0)
+
+    monkeypatch.setattr(e2e, "_measure", measure)
+    rows = {r["phase"]: r for r in benchmark_model(E2EConfig("10B", 128), "cuda")}
+    assert modes == ["forward"] and list(rows) == list(e2e.PHASES["train"])
+    assert rows["train_step"]["oom_predicted"] and rows["train_step"]["estimated_peak_bytes"] > 16 * 12_832_823_808
+    assert rows["backward"]["oom_predicted"] and rows["backward"]["measured_mode"] == "forward_backward"
+    assert rows["backward"]["estimated_peak_bytes"] >= 8 * 12_832_823_808
+    forward = rows["forward"]
+    assert (forward["status"], forward["mode"], forward["measured_mode"], forward["mean_ms"]) == ("ok", "train",
+                                                                                                  "forward", 905.0)
+    assert forward["estimated_peak_bytes"] < 0.9 * 80e9
+    assert e2e.mean_std(forward) == "905.0 ± 7.1 (forward only)"

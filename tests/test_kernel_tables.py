@@ -228,7 +228,7 @@ def test_profile_cell_rows_and_report():
     body = problems.report("nsys_profile").render(rows).body
     for heading in ("(a) Forward time", "(b) The top forward kernel", "(d) Matmul share", "(e) Softmax"):
         assert heading in body
-    assert "Each kernel is attributed once" in body and "adds up to no more than the step's" in body
+    assert "Each kernel counts once" in body and "adds up to no more than the step's" in body
     # Rows of a run from before the attribution was fixed have no self work: the report says so.
     old = [{k: v for k, v in r.items() if k != "self_work_ms"} for r in rows]
     assert "measured before kernels were attributed once" in problems.report("nsys_profile").render(old).body
@@ -266,7 +266,7 @@ def test_a_cell_whose_state_exceeds_the_device_is_reported_oom_without_running(m
     rows = profile_training_step(ProfileConfig("10B", 128), "cuda")
     assert len(rows) == 1 and rows[0]["status"] == OOM and rows[0]["oom_predicted"]
     body = problems.report("nsys_profile").render(rows).body
-    assert "Out of memory: 10B at context 128 (estimate 191.22 GiB; not run)." in body
+    assert "Out of memory: 10B at context 128 (estimate 191.43 GiB; not run)." in body
 
 
 def test_a_kernel_without_its_launch_call_is_placed_at_its_operator():
@@ -279,3 +279,50 @@ def test_a_kernel_without_its_launch_call_is_placed_at_its_operator():
     trace.add("sm90_xmma_gemm", 300, 340, "kernel", id=77, linked=10, device=DeviceType.CUDA)
     assert device_work(trace.events, "cuda") == [Work("sm90_xmma_gemm", 10, 40)]
     assert kernel_tables(trace.events, "cuda")["forward"].work_us == 40
+
+
+def test_profiled_contexts_run_up_to_the_longest_that_fits_and_one_beyond():
+    from cs336_systems.benchmarks.nsys_profile import ProfileConfig, profiled_contexts
+    from cs336_systems.memory_guard import FIT_SHARE
+
+    capacity = 80 * 2**30
+    # The 2026 xl with the course's AdamW: 256 and 512 fit 80 GiB, 1024 does not (the model: 87.9 GiB).
+    assert profiled_contexts("xl", capacity) == [256, 512, 1024]
+    *fitting, beyond = profiled_contexts("small", capacity)
+    assert fitting == [1024, 2048, 4096] and beyond == 8192  # the three longest above 128
+    assert all(ProfileConfig("small", n).estimate().peak_bytes <= FIT_SHARE * capacity for n in fitting)
+    assert ProfileConfig("small", beyond).estimate().peak_bytes > FIT_SHARE * capacity
+
+
+def _fake_nsys(tmp_path, monkeypatch, script: str):
+    from cs336_systems.benchmarks import nsys_profile
+
+    nsys = tmp_path / "nsys"
+    nsys.write_text("#!/bin/sh\n" + script)
+    nsys.chmod(0o755)
+    monkeypatch.setattr(nsys_profile.shutil, "which", lambda name: str(nsys))
+    return nsys_profile.probe_nsys()
+
+
+def test_nsys_probe_says_whether_nsys_wrote_a_report_and_why_not(tmp_path, monkeypatch):
+    from cs336_systems.benchmarks import nsys_profile
+
+    # The output file comes as --output=<path>; nsys adds .nsys-rep.
+    wrote = _fake_nsys(tmp_path, monkeypatch, 'for a; do case "$a" in --output=*) touch "${a#--output=}.nsys-rep";; esac; done\n')
+    assert wrote == {"nsys_found": True, "nsys_report": "written"}
+    failed = _fake_nsys(tmp_path, monkeypatch, "echo 'ERROR: perf_event_paranoid is 4' >&2\nexit 1\n")
+    assert failed == {"nsys_found": True, "nsys_report": "nsys profile exited 1: ERROR: perf_event_paranoid is 4"}
+    monkeypatch.setattr(nsys_profile.shutil, "which", lambda name: None)
+    assert nsys_profile.probe_nsys() == {"nsys_found": False, "nsys_report": "nsys is not installed"}
+
+
+def test_report_says_nsight_cannot_make_reports_and_sets_variants_side_by_side():
+    course = profile_training_step(ProfileConfig("tiny", 16, batch_size=1, timed_steps=2), "cpu")
+    fast = profile_training_step(ProfileConfig("tiny", 16, batch_size=1, timed_steps=2, attention="sdpa",
+                                               optimizer="fused"), "cpu")
+    nsys = {"table": "nsys", "size": "tiny", "context_length": 16, "nsys_found": True,
+            "nsys_report": "nsys profile exited 1: no permission", "command": "nsys profile python -m cs336_systems e2e"}
+    body = problems.report("nsys_profile").render(fast + course + [nsys]).body
+    assert "naive attention, the course's AdamW, fp32" in body  # the sections answer from the course's model
+    assert "## Beside SDPA + fused AdamW" in body and "| SDPA + fused: step (ms)" in body
+    assert "Nsight Systems cannot make reports on the measuring machine (nsys profile exited 1: no permission)" in body

@@ -133,6 +133,18 @@ def test_fused_adamw_and_forward_backward_peaks():
     assert no_optimizer.optimizer_state_bytes == 0 and no_optimizer.peak_bytes == fused.peak_bytes - 2 * params
 
 
+def test_the_course_adamw_step_adds_only_the_largest_parameter():
+    # The 2026 xl at context 128: the course's AdamW holds 4P and the sqrt(v) of a 10,240 x 2,560 feed-forward
+    # weight (100 MiB, above the 10,000 x 2,560 embedding) at its step, 12.59 GiB less than foreach's 5P; the
+    # step is still the training peak there.
+    config = ModelConfig.for_size("xl", 128, table="2026")
+    params = 3_406_809_600 * 4
+    course = predict_peak_memory(config, 4, 128, "fp32", "naive", "train_step", adamw="course")
+    foreach = predict_peak_memory(config, 4, 128, "fp32", "naive", "train_step", adamw="foreach")
+    assert course.peak_phase == "optimizer step" and course.peak_bytes == 4 * params + 10_240 * 2560 * 4
+    assert foreach.peak_bytes - course.peak_bytes == params - 10_240 * 2560 * 4
+
+
 def test_inference_peak_by_hand():
     config = ModelConfig.for_size("2.7B", 512, table="2025")
     fp32 = predict_peak_memory(config, 4, 512, "fp32", "naive", "inference")

@@ -7,16 +7,25 @@ import pytest
 import torch
 
 from cs336_systems import problems
+from cs336_systems.benchmarks import memory_profiling
 from cs336_systems.benchmarks.gradient_checkpointing import CheckpointSweepConfig, checkpoint_sweep
 from cs336_systems.benchmarks.memory_profiling import MemoryProfileConfig, memory_profile
 from cs336_systems.profiling.memory import (
+    PREEXISTING,
+    SMALLER,
+    active_memory_layout,
     active_memory_timeline,
+    compact_snapshot,
     downsample_peaks,
     largest_allocations,
+    load_snapshot,
     peak_memory_increase,
+    plot_active_memory,
     record_memory_history,
     saved_tensor_bytes,
+    short_path,
     source_frame,
+    write_snapshot,
 )
 from cs336_systems.reports import OOM
 
@@ -70,6 +79,69 @@ def test_largest_allocations_group_by_size_and_source():
         (1000, 1, "cs336_systems/model.py:77 (forward)")]
     assert top[1].innermost == "torch/nn/functional.py:10 (linear)"
     assert source_frame(_frames(LINEAR)) == "outside cs336_systems"
+
+
+def _stack_at(layout, step: int) -> list[tuple[int, int, str]]:
+    """(bottom, top, kind) of every area that covers `step`, bottom up."""
+    stack = []
+    for area in layout.areas:
+        if area.steps[0] <= step < area.steps[-1]:
+            i = max(i for i, s in enumerate(area.steps) if s <= step)
+            if area.tops[i] > area.bottoms[i]:
+                stack.append((area.bottoms[i], area.tops[i], area.kind))
+    return sorted(stack)
+
+
+@pytest.mark.parametrize("max_allocations", [0, 1, 3])
+def test_layout_stacks_bands_without_gaps_up_to_the_active_memory(max_allocations):
+    snapshot = synthetic_snapshot()
+    layout = active_memory_layout(snapshot, max_allocations=max_allocations)
+    levels = [active for _, active in active_memory_timeline(snapshot)]
+    assert layout.events == len(levels) and layout.peak_bytes == max(levels)
+    for step, active in enumerate(levels, 1):
+        stack = _stack_at(layout, step)
+        assert stack[0][0] == 0 and stack[-1][1] == active, stack
+        assert all(upper[0] == lower[1] for lower, upper in zip(stack, stack[1:])), stack
+    assert sum(area.kind == "allocation" for area in layout.areas) == min(max_allocations, 3)
+
+
+def test_layout_slides_a_band_down_when_one_below_is_freed():
+    # Every allocation shown: B (3000) sits on A (1000) until A is freed, then on what came before.
+    layout = active_memory_layout(synthetic_snapshot(), max_allocations=3)
+    b = next(a for a in layout.areas if a.kind == "allocation" and a.steps[0] == 2)
+    assert list(zip(b.steps, b.bottoms)) == [(2, 5096), (3, 4096), (5, 4096)]
+    assert [a.kind for a in layout.areas][0] == PREEXISTING and layout.areas[-1].kind == SMALLER
+
+
+def test_compact_snapshot_keeps_one_trace_and_the_package_frames():
+    pytest_frame = ("/venv/lib/python3.12/site-packages/_pytest/python.py", 1, "pytest_pyfunc_call")
+    snapshot = synthetic_snapshot()
+    snapshot["device_traces"][0][1]["frames"] = _frames(LINEAR, MODEL, STEP, pytest_frame)
+    snapshot["device_traces"].append([{"action": "alloc", "addr": 9, "size": 1, "time_us": 0, "frames": []}])
+    snapshot["segments"][0]["blocks"][0]["frames"] = _frames(pytest_frame)
+    compact = compact_snapshot(snapshot, min_frames_bytes=2000)
+    trace = compact["device_traces"][0]
+    assert trace[1]["frames"] == []  # 1000 B, under min_frames_bytes
+    # File names from the package's or the libraries' directory on: no machine's own paths.
+    relative = [("cs336_systems/benchmarks/harness.py", 88, "training_step")]
+    assert trace[2]["frames"] == _frames(*relative) and compact["device_traces"][1] == []
+    assert compact_snapshot(snapshot)["device_traces"][0][1]["frames"] == _frames(
+        ("torch/nn/functional.py", 10, "linear"), ("cs336_systems/model.py", 77, "forward"), *relative)
+    assert "frames" not in compact["segments"][0]["blocks"][0]
+    assert short_path("/home/someone/repo/cs336_systems/model.py") == "cs336_systems/model.py"
+    assert short_path("/usr/lib/python3.12/runpy.py") == "/usr/lib/python3.12/runpy.py"
+    # What memory_viz's timeline and the parsers read is unchanged.
+    assert active_memory_timeline(compact) == active_memory_timeline(snapshot)
+
+
+def test_written_snapshot_reads_back_and_its_timeline_plots(tmp_path):
+    path = tmp_path / "snapshot.pickle"
+    assert write_snapshot(synthetic_snapshot(), path) == path.stat().st_size
+    layout = active_memory_layout(load_snapshot(path))
+    figure = plot_active_memory(layout, "synthetic")
+    assert figure.axes[0].get_ylim()[1] >= layout.peak_bytes / 2**30
+    with pytest.raises(ValueError, match="max_allocations"):
+        active_memory_layout(synthetic_snapshot(), max_allocations=-1)
 
 
 def test_bad_snapshots_are_refused():
@@ -136,7 +208,7 @@ def test_memory_profile_on_cpu_gives_peaks_saved_bytes_and_the_residual_check():
     assert [r["block"] for r in blocks] == [0, 1] and all(r["context_length"] == 8 for r in blocks)
     assert all(r["saved_bytes"] == r["predicted_saved_bytes"] for r in blocks)
     body = problems.report("memory_profiling").render(rows).body
-    assert "Residual-stream activation size" in body and "2 of 2 cells match to the byte" in body
+    assert "Residual-stream activation size" in body and "| +0.00%  |" in body
     assert "## (f) Residuals and gradients per TransformerBlock" in body
 
 
@@ -169,7 +241,7 @@ def test_memory_report_from_gpu_rows():
     assert "1 of 2 measured peaks within 15%" in body
     # The miss is explained from the rows: 10 GiB above the prediction, closest in size to the
     # predicted parameters (12.7 GiB).
-    assert "10.00 GiB more; of the predicted components the gap is closest in size to the parameters (12.70 GiB)" in body
+    assert "+10.00 GiB, parameters (12.70 GiB)" in body
     assert OOM in body
     assert "Largest allocations" in body and "cs336_systems/model.py:77 (forward)" in body
 
@@ -180,10 +252,10 @@ def test_checkpoint_sweep_on_cpu_and_its_report():
     sweep = [r for r in rows if r["table"] == "sweep"]
     # k = 4 is k = 2 for two blocks: run once.
     assert [(r["plan_kind"], r["k"]) for r in sweep] == [("every_k", 1), ("every_k", 2), ("every_k", "none"),
-                                                          ("optimal", None)]
+                                                          ("sublayers", None), ("optimal", None)]
     assert all(r["status"] == "ok" and r["measured_peak_bytes"] > 0 for r in sweep)
     rendered = problems.report("gradient_checkpointing").render(rows)
-    assert "Best single level" in rendered.body and "gradient_checkpointing.png" in rendered.figures
+    assert "Measured best:" in rendered.body and "gradient_checkpointing.png" in rendered.figures
 
 
 def _gpu_checkpoint_rows() -> list[dict]:
@@ -196,6 +268,10 @@ def _gpu_checkpoint_rows() -> list[dict]:
         rows.append({**base, "plan_kind": "every_k", "k": k, "levels": None, "plan": "...", "recomputed_blocks": 48,
                      "status": "ok", "measured_peak_bytes": peak * gib, "predicted_peak_bytes": peak * 0.95 * gib,
                      "measured_kept_bytes": 1.0 * gib, "predicted_kept_bytes": 0.9 * gib, "step_ms": 1500.0})
+    rows.append({**base, "plan_kind": "sublayers", "k": None, "levels": None, "plan": "...", "recomputed_blocks": 48,
+                 "status": "ok", "measured_peak_bytes": 2.6 * gib, "predicted_peak_bytes": 2.5 * gib,
+                 "measured_kept_bytes": 2.0 * gib, "predicted_kept_bytes": 1.9 * gib, "step_ms": 1510.0,
+                 "attention_sublayer_bytes": 500_000_000, "ffn_sublayer_bytes": 234_003_200})
     rows.append({**base, "plan_kind": "optimal", "k": None, "levels": "unlimited", "plan": "...",
                  "recomputed_blocks": 1128, "status": "ok", "measured_peak_bytes": 1.5 * gib,
                  "predicted_peak_bytes": 1.4 * gib, "measured_kept_bytes": 0.5 * gib,
@@ -211,9 +287,13 @@ def _gpu_checkpoint_rows() -> list[dict]:
 
 def test_checkpoint_report_from_gpu_rows():
     body = problems.report("gradient_checkpointing").render(_gpu_checkpoint_rows()).body
-    assert "Best single level: every 1 block (the model's best: every 1)" in body and "closer to sqrt(L b / a)" in body
-    assert "Run at context 16384 (every 1 block): it fits" in body
-    assert "1128 recomputed blocks" in body
+    # (b): a = 28 b moves the best single level below sqrt(48); every block beats its neighbours on both sides.
+    assert ("here a = 28 b, and minimising b L / k + a k gives k = sqrt(L b / a) = 1.31 blocks. Measured best: every "
+            "1 block, 2.30 GiB; every 2 blocks 2.90 GiB and each block's two sublayers 2.60 GiB.") in body
+    # (a): the chain's code as it runs, and its cost for 48 blocks.
+    assert "```python\ndef checkpoint_chain(" in body and "L(L - 1)/2 = 1128 recomputed block forwards" in body
+    assert '"""' not in body
+    assert "Run at context 16384 (every 1 block): peak 58.00 GiB, predicted 60.00 GiB" in body
 
 
 
@@ -237,3 +317,42 @@ def test_memory_report_names_the_adamw_its_rows_used():
     assert "(forward, backward, foreach AdamW step, zero_grad)" in problems.report("memory_profiling").render(rows).body
     fused = [{**r, "adamw": "fused"} if r.get("mode") == "train_step" else r for r in rows]
     assert "(forward, backward, fused AdamW step, zero_grad)" in problems.report("memory_profiling").render(fused).body
+    course = [{**r, "adamw": "course"} if r.get("mode") == "train_step" else r for r in rows]
+    body = problems.report("memory_profiling").render(course).body
+    # 2.7B: sqrt(v) of one 10,240 x 2,560 weight against that of all 3,406,809,600 parameters.
+    assert "(forward, backward, the course's AdamW step, zero_grad)" in body
+    assert "(+100.00 MiB at its step)" in body and "(+12.69 GiB)" in body
+
+
+def _xl_block_rows(precision: str) -> list[dict]:
+    base = {"size": "xl", "batch_size": 4, "attention": "naive", "device": "cuda", "context_length": 128,
+            "precision": precision, "status": "ok", "table": "block"}
+    weights = 4 * 104_862_720
+    rows = [{**base, "block": b, "saved_bytes": 300 * 2**20, "predicted_saved_bytes": 300 * 2**20,
+             "input_bytes": 5 * 2**20, "forward_allocated_bytes": 295 * 2**20,
+             "backward_allocated_bytes": weights + 5 * 2**20 - 300 * 2**20, "gradient_bytes": weights + 5 * 2**20,
+             "weight_gradient_bytes": weights, "parameters": 104_862_720, "residual_stream_bytes": 5 * 2**20}
+            for b in range(32)]
+    rows += [{**base, "table": "block_operation", "block": 16, "rank": rank, "operation": op, "bytes": size,
+              "share": size / (300 * 2**20)} for rank, (op, size) in enumerate([("aten::mm", 120 * 2**20),
+                                                                                ("aten::mul", 60 * 2**20)], 1)]
+    return rows
+
+
+def test_memory_report_answers_part_f_with_the_expected_gradient_size():
+    rows = _gpu_memory_rows() + _xl_block_rows("fp32")
+    body = problems.report("memory_profiling").render(rows).body
+    assert "4 x 104,862,720 = 400.02 MiB" in body and "| aten::mm" in body
+    (answer,) = [s for s in memory_profiling.answer_memory_profiling({"memory_profiling": rows}) if s.startswith("(f)")]
+    assert "4 bytes x 104,862,720 parameters = 400.02 MiB and take 400.02 MiB" in answer
+    assert "5.00 MiB beyond the weights'" in answer and "60% of it allocated by `aten::mm` (40%)" in answer
+
+
+def test_snapshot_timelines_are_drawn_beside_their_pickles_and_linked(tmp_path):
+    write_snapshot(synthetic_snapshot(), tmp_path / "memory_xl_inference_fp32_ctx128.pickle")
+    row = {"table": "snapshot", "size": "xl", "mode": "inference", "precision": "fp32", "context_length": 128,
+           "batch_size": 4, "file": "memory_xl_inference_fp32_ctx128.pickle", "file_bytes": 1000, "stacks": "all"}
+    (png,) = memory_profiling.render_snapshot_timelines([row], tmp_path)
+    assert png == tmp_path / "memory_xl_inference_fp32_ctx128.png" and png.stat().st_size > 0
+    body = problems.report("memory_profiling").render(_gpu_memory_rows() + [row]).body
+    assert "(memory_xl_inference_fp32_ctx128.png)" in body and "[memory_xl_inference_fp32_ctx128.pickle]" in body

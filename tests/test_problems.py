@@ -39,3 +39,11 @@ def test_every_report_a_perf_module_writes_is_in_the_table():
 def test_a_name_no_problem_has_gets_a_plain_table_and_a_known_one_its_own_renderer():
     assert problems.report("flash_benchmarking") is REPORTS["flash_benchmarking"]
     assert problems.report("my_experiment").render([{"k": 1}]).body.startswith("| k")
+
+
+def test_the_problems_only_the_2025_handout_asks_are_marked_and_still_measured():
+    only_2025 = {problem.title for problem in PROBLEMS if problem.only_in_handout == "2025"}
+    assert only_2025 == {"communication_accounting", "ddp_overlap_bucketed"}
+    bucketed = next(p for p in PROBLEMS if p.title == "ddp_overlap_bucketed")
+    assert bucketed.label == "ddp_overlap_bucketed (2025 handout only)" and bucketed.marker == "ddp"
+    assert next(p for p in PROBLEMS if p.title == "fsdp").label == "fsdp"

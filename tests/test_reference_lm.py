@@ -32,7 +32,7 @@ def test_with_the_project_s_weights_it_gives_the_project_s_logits_and_gradients(
 
 
 def test_benchmark_rows_of_the_reference_say_so_and_the_report_sets_them_beside_the_project():
-    cfg = E2EConfig("tiny", 16, batch_size=1, warmup=1, steps=2, compile=True)
+    cfg = E2EConfig("tiny", 16, batch_size=1, warmup=1, steps=2, compile=True, attention="sdpa", optimizer="fused")
     project = [{**row, "table": "sweep"} for row in benchmark_model(cfg, "cpu")]
     reference = [{**row, "table": "reference"} for row in benchmark_model(cfg, "cpu", reference=True)]
     assert {r["model"] for r in reference} == {REFERENCE_MODEL} and all("model" not in r for r in project)

@@ -91,7 +91,8 @@ def test_index_quotes_the_figures_of_the_rows(reports_root):
     index = render_index(reports_root)
     assert "2.7B takes 1,234.5 ± 12.3 ms (forward 400.2 ms, backward 800.0 ms, optimizer 34.2 ms)" in index
     assert "fp16 += fp16 gives 9.95312 (error 0.0469)" in index
-    assert "2.25 GiB at every 4 blocks, the measured k nearest the sqrt(L) estimate sqrt(16) = 4.0" in index
+    assert "peak activation memory is 1.50 GiB at the best single level (every 1 block)." in index
+    assert "The sqrt(L) rule (k = sqrt(16) = 4.0) assumes a block keeps what a checkpoint keeps; here it keeps 26x" in index
     assert "a naive DDP step takes 700.0 ms, of which 175.0 ms (25%) is its 435 per-parameter all-reduces" in index
     assert "without communication the step takes 520.0 ms" in index
     assert "219,848,638,464 parameters" in index
@@ -240,6 +241,9 @@ def test_open_items_name_runs_that_need_more_gpus_and_parts_the_rows_lack(report
         "h100: the 2026 handout's (b) is xl at batch 4, context 2,048; this run measured context 1024 "
         "(`make single-gpu-reports` runs it)")
     assert "not implemented" in _status_row(index, "leaderboard")[-1]
+    # A problem the 2026 handout dropped is still indexed, and says which handout asks it.
+    assert _status_row(index, "ddp_overlap_bucketed (2025 handout only)")
+    assert "## 18. communication_accounting (2025 handout only)" in index
 
 
 def test_a_problem_with_some_of_its_reports_names_the_missing_ones_and_the_run_that_writes_them(reports_root):
@@ -275,8 +279,9 @@ def test_memory_profiling_answer_includes_part_f(tmp_path):
     write_fake_report(tmp_path / "h100", "memory_profiling", rows)
     index = render_index(tmp_path)
     assert ("(f) In fp32 at context 128 a block saves 166.00 MiB for backward (the model: 166.00 MiB), 24% of it "
-            "allocated by `aten::mm` (24%); its weight gradients take 400.02 MiB, 4 bytes for each of its 104,862,720 "
-            "parameters, and the allocator saw its backward add 405.00 MiB of gradients.") in index
+            "allocated by `aten::mm` (24%); its weight gradients should take 4 bytes x 104,862,720 parameters = "
+            "400.02 MiB and take 400.02 MiB; the allocator saw its backward add 405.00 MiB of gradients, 4.98 MiB "
+            "beyond the weights'.") in index
     assert _status_row(index, "memory_profiling")[-1] == ""
 
 
@@ -335,3 +340,14 @@ def test_each_committed_report_is_the_one_its_rows_and_metadata_give(csv, tmp_pa
         shutil.copy(report.with_suffix(suffix), copy)
     assert rerender(copy, problems.report(report.stem)).read_text() == report.with_suffix(".md").read_text(), (
         f"reports/{csv[:-4]}.md is not what its rows give: rerender it from them and commit it")
+
+
+def test_a_problem_that_picks_its_sizes_is_not_told_the_others_are_missing(tmp_path):
+    rows = [{"table": "cell", "size": size, "size_table": "2026", "context_length": 512, "status": "ok"}
+            for size in ("small", "xl")]
+    write_fake_report(tmp_path / "h100", "nsys_profile", rows)
+    write_fake_report(tmp_path / "h100", "benchmarking_script",
+                      [{**e2e_row(size, 512, "train_step", 100.0), "size_table": "2026"} for size in ("small", "xl")])
+    index = render_index(tmp_path)
+    assert "not measured" not in _status_row(index, "nsys_profile")[-1]
+    assert "the 2026 table's medium, large and 10B are not measured" in _status_row(index, "benchmarking_script")[-1]

@@ -42,9 +42,10 @@ DEVICE_TYPES = ("cuda", "cpu")
 # AdamW keeps two fp32 moments per parameter.
 ADAMW_STATE_PER_PARAMETER = 2
 MODES = ("inference", "forward_backward", "train_step")
-# AdamW implementations: foreach (torch's default on CUDA) allocates one parameter-sized temporary in its
-# step (sqrt of the second moment); fused updates in place.
-ADAMW_IMPLEMENTATIONS = ("foreach", "fused")
+# AdamW implementations and the temporary each allocates in its step: the course's (cs336_systems.optimizer)
+# computes sqrt of the second moment one parameter at a time (the largest parameter's worth), foreach (torch's
+# default on CUDA) for every parameter at once (one more copy of the parameters), fused updates in place.
+ADAMW_IMPLEMENTATIONS = ("course", "foreach", "fused")
 
 
 def _check(precision: str, attention: str = "naive", device_type: str = "cuda") -> None:
@@ -70,6 +71,20 @@ def parameter_counts(config: ModelConfig) -> dict[str, int]:
 
 def parameter_count(config: ModelConfig) -> int:
     return sum(parameter_counts(config).values())
+
+
+def largest_parameter_count(config: ModelConfig) -> int:
+    """Elements of the model's largest parameter: the embedding or LM head (vocab x d_model), or a
+    feed-forward weight (d_ff x d_model)."""
+    return max(config.vocab_size, config.d_ff, config.d_model) * config.d_model
+
+
+def adamw_step_temporary_bytes(config: ModelConfig, adamw: str) -> int:
+    """What an AdamW step allocates beside parameters, gradients and moments (fp32 parameters)."""
+    if adamw not in ADAMW_IMPLEMENTATIONS:
+        raise ValueError(f"unknown AdamW implementation {adamw!r}; choose one of {', '.join(ADAMW_IMPLEMENTATIONS)}")
+    per_parameter = {"course": largest_parameter_count(config), "foreach": parameter_count(config), "fused": 0}
+    return per_parameter[adamw] * FP32_BYTES
 
 
 def matmul_weight_count(config: ModelConfig) -> int:
@@ -116,6 +131,24 @@ def block_saved_bytes(config: ModelConfig, batch_size: int, seq_len: int, precis
     if low:
         parts["weight_casts"] = (4 * d * d + 3 * d * f) * act
     return parts
+
+
+# The parts of block_saved_bytes that the feed-forward sublayer keeps (the rest, the attention sublayer's); of
+# autocast's weight copies, the attention projections' 4 d^2 and the feed-forward's 3 d d_ff.
+FFN_PARTS = ("ffn_norm", "ffn_inputs", "ffn_hidden")
+
+
+def sublayer_saved_bytes(config: ModelConfig, batch_size: int, seq_len: int, precision: str = "fp32",
+                         attention: str = "naive", device_type: str = "cuda") -> tuple[int, int]:
+    """(attention sublayer, feed-forward sublayer) bytes of `block_saved_bytes`: what each keeps for backward,
+    its input included (each RMSNorm keeps the residual stream it normalises)."""
+    parts = block_saved_bytes(config, batch_size, seq_len, precision, attention, device_type)
+    casts = parts.pop("weight_casts", 0)
+    d, f = config.d_model, config.d_ff
+    ffn_casts = casts * 3 * d * f // (4 * d * d + 3 * d * f)
+    ffn = sum(parts[name] for name in FFN_PARTS) + ffn_casts
+    attention_part = sum(size for name, size in parts.items() if name not in FFN_PARTS) + casts - ffn_casts
+    return attention_part, ffn
 
 
 def head_saved_bytes(config: ModelConfig, batch_size: int, seq_len: int, precision: str = "fp32") -> dict[str, int]:
@@ -224,13 +257,13 @@ def predict_peak_memory(config: ModelConfig, batch_size: int, seq_len: int, prec
     as gradients appear, so the end of backward (P + 2P + G) is below the optimizer step, where foreach
     AdamW allocates one more parameter-sized temporary (sqrt of the second moment) beside parameters,
     gradients and state: 5P, with P the bytes of the fp32 parameters (fp32 under autocast too); fused
-    AdamW updates in place, 4P. Forward+backward has no AdamW state: the larger of the end of forward
+    AdamW updates in place, 4P; the course's AdamW allocates that temporary one parameter at a time,
+    4P plus the largest parameter. Forward+backward has no AdamW state: the larger of the end of forward
     and the end of backward (P + G).
     """
     if mode not in MODES:
         raise ValueError(f"unknown mode {mode!r}; choose one of {', '.join(MODES)}")
-    if adamw not in ADAMW_IMPLEMENTATIONS:
-        raise ValueError(f"unknown AdamW implementation {adamw!r}; choose one of {', '.join(ADAMW_IMPLEMENTATIONS)}")
+    step_temporary = adamw_step_temporary_bytes(config, adamw)
     _check(precision, attention)
     params = parameter_count(config) * FP32_BYTES
     cast_weights = matmul_weight_count(config) * ACTIVATION_BYTES[precision] if precision != "fp32" else 0
@@ -245,7 +278,6 @@ def predict_peak_memory(config: ModelConfig, batch_size: int, seq_len: int, prec
     # Under autocast, the weight copies are among the saved activations (each Linear keeps its own).
     moments = [("end of forward", params + state + saved + transient)]
     if mode == "train_step":
-        step_temporary = params if adamw == "foreach" else 0
         moments.append(("optimizer step", params + grads + state + step_temporary))
     else:
         moments.append(("end of backward", params + grads))

@@ -169,7 +169,7 @@ def _measure_variant(method: str, bucket_size_mb: float | None, cfg: DDPBenchmar
     model = build_model(config, device, cfg.attention, seed=rank)
     trainable_bytes = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
     module, sync, before_batch = _wrap(method, bucket_size_mb, model, device)
-    optimizer = adamw(module, LEARNING_RATE, fused=False)
+    optimizer = adamw(module, LEARNING_RATE, "foreach")
     # Every rank trains on its own data.
     inputs, targets = random_batch(config, cfg.batch_size, cfg.context_length, device, seed=rank)
 

@@ -1,6 +1,8 @@
 """End-to-end model benchmarks (problems benchmarking_script, benchmarking_mixed_precision and the
 whole-model part of torch_compile).
 
+The model is the course's (COURSE_VARIANT: its naive attention, its own AdamW) unless a cell names
+another attention and AdamW; the perf sweep adds SDPA with torch's fused AdamW (FAST_VARIANT).
 `benchmark_model` builds the LM, draws random tokens, runs `warmup` untimed steps and `steps`
 timed ones, each with one synchronisation, at its end (cs336_systems.timing.StepTimer). In "train"
 mode every step is forward, backward and an AdamW step, each phase timed from markers inside the
@@ -22,12 +24,12 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import torch
 
-from cs336_systems.accounting.activations import predict_peak_memory, state_bytes
+from cs336_systems.accounting.activations import ADAMW_IMPLEMENTATIONS, predict_peak_memory, state_bytes
 from cs336_systems.accounting.flops import step_flops
 from cs336_systems.benchmarks.harness import (
     LEARNING_RATE,
@@ -79,6 +81,12 @@ PHASES = {
 DEFAULT_WARMUP = 5
 DEFAULT_STEPS = 10
 DEFAULT_BATCH_SIZE = 4
+# (attention, AdamW) of the course's model, which the handout benchmarks, and of the faster variant beside it.
+COURSE_VARIANT = ("naive", "course")
+FAST_VARIANT = ("sdpa", "fused")
+VARIANT_LABELS = {COURSE_VARIANT: "the course's model (naive attention, its AdamW)", FAST_VARIANT: "SDPA + fused AdamW"}
+# Where a mode's cell does not fit, the next smaller mode is measured: it yields a prefix of the phases.
+SMALLER_MODE = {"train": "forward_backward", "forward_backward": "forward"}
 
 
 @dataclass(frozen=True)
@@ -89,7 +97,8 @@ class E2EConfig:
     mode: str = "train"
     precision: str = "fp32"
     compile: bool = False
-    attention: str = "sdpa"
+    attention: str = COURSE_VARIANT[0]
+    optimizer: str = COURSE_VARIANT[1]  # an AdamW implementation of harness.adamw
     warmup: int = DEFAULT_WARMUP
     steps: int = DEFAULT_STEPS
     # The model's maximum context; None means the benchmark's context length.
@@ -108,6 +117,9 @@ class E2EConfig:
             raise ValueError(f"batch size must be >= 1, got {self.batch_size}")
         if self.context_length < 1:
             raise ValueError(f"context length must be >= 1, got {self.context_length}")
+        if self.optimizer not in ADAMW_IMPLEMENTATIONS:
+            raise ValueError(f"unknown AdamW implementation {self.optimizer!r}; choose one of "
+                             f"{', '.join(ADAMW_IMPLEMENTATIONS)}")
         model = self.model_config()  # validates the size
         if self.context_length > model.context_length:
             raise ValueError(f"context length {self.context_length} exceeds the model's context length "
@@ -139,7 +151,7 @@ def _workload(cfg: E2EConfig, device: torch.device, reference: bool) -> Step:
         model = build_reference(config, device, compile=cfg.compile)
     else:
         model = build_model(config, device, cfg.attention, compile=cfg.compile)
-    optimizer = adamw(model, LEARNING_RATE) if cfg.mode == "train" else None
+    optimizer = adamw(model, LEARNING_RATE, cfg.optimizer) if cfg.mode == "train" else None
     inputs, targets = random_batch(config, cfg.batch_size, cfg.context_length, device)
 
     def step(samples: dict[str, list[float]] | None, timers: list[StepTimer] | None = None) -> None:
@@ -249,7 +261,7 @@ def benchmark_in_fresh_process(cfg: E2EConfig, device: torch.device | str) -> li
     args = [sys.executable, "-m", "cs336_systems", "e2e", "--json", "--device", torch.device(device).type,
             "--size", cfg.size, "--context", str(cfg.context_length), "--batch-size", str(cfg.batch_size),
             "--mode", cfg.mode, "--precision", cfg.precision, "--attention", cfg.attention,
-            "--warmup", str(cfg.warmup), "--steps", str(cfg.steps)]
+            "--optimizer", cfg.optimizer, "--warmup", str(cfg.warmup), "--steps", str(cfg.steps)]
     if cfg.compile:
         args.append("--compile")
     if cfg.model_context_length:
@@ -268,10 +280,10 @@ _MEMORY_MODES = {"forward": "inference", "forward_backward": "forward_backward",
 
 def memory_estimate(cfg: E2EConfig):
     """The cell's peak device memory by the closed-form model (cs336_systems.accounting.activations):
-    CUDA's autocast rules, fused AdamW as `harness.adamw` builds it on CUDA, eager attention (compiled blocks
-    save what Inductor decides). Attention other than naive is modelled as SDPA."""
+    CUDA's autocast rules, the cell's AdamW, eager attention (compiled blocks save what Inductor decides).
+    Attention other than naive is modelled as SDPA."""
     return predict_peak_memory(cfg.model_config(), cfg.batch_size, cfg.context_length, cfg.precision,
-                               memory_model_attention(cfg.attention), _MEMORY_MODES[cfg.mode], adamw="fused")
+                               memory_model_attention(cfg.attention), _MEMORY_MODES[cfg.mode], adamw=cfg.optimizer)
 
 
 def benchmark_model(cfg: E2EConfig, device: torch.device | str, peak_flops: float | None = None,
@@ -283,7 +295,21 @@ def benchmark_model(cfg: E2EConfig, device: torch.device | str, peak_flops: floa
 
     A configuration whose estimated peak does not fit the free memory is not run, and one that runs
     out of memory stops; both give rows with status "OOM" and the estimate (cs336_systems.memory_guard).
+    Then the next smaller mode (SMALLER_MODE) is estimated and measured in its place, down to forward
+    only: each phase's row comes from the smallest mode that has it, measured or OOM with that mode's
+    estimate, in `measured_mode` (a 10B forward fits where its training step does not).
     """
+    rows = _benchmark_mode(cfg, device, peak_flops, reference, profiled_steps)
+    smaller = SMALLER_MODE.get(cfg.mode)
+    if smaller is None or any(r.get("status") == "ok" for r in rows):
+        return rows
+    by_phase = {r["phase"]: {**r, "mode": cfg.mode, "measured_mode": r.get("measured_mode", r["mode"])}
+                for r in benchmark_model(replace(cfg, mode=smaller), device, peak_flops, reference, profiled_steps)}
+    return [by_phase.get(r["phase"], r) for r in rows]
+
+
+def _benchmark_mode(cfg: E2EConfig, device: torch.device | str, peak_flops: float | None, reference: bool,
+                    profiled_steps: int) -> list[Row]:
     device = torch.device(device)
     if reference and cfg.attention != "sdpa":
         raise ValueError(f"the torch reference uses SDPA attention; got attention {cfg.attention!r}")
@@ -355,9 +381,29 @@ STEADY_RELATIVE_STD = 0.05
 
 
 def mean_std(row: Row, unit: str = "") -> str:
+    """A cell's time, or OOM; a forward measured on its own (no autograd) where training did not fit says so."""
     if row.get("status") == OOM:
         return reports.oom_text(row)
-    return reports.mean_std(row["mean_ms"], row["std_ms"], unit=unit)
+    alone = " (forward only)" if row.get("measured_mode") == "forward" else ""
+    return reports.mean_std(row["mean_ms"], row["std_ms"], unit=unit) + alone
+
+
+def variant(row: Row) -> tuple:
+    """(attention, AdamW) of a row; rows from before the AdamW was recorded ran fused AdamW."""
+    return row.get("attention"), row.get("optimizer") or "fused"
+
+
+def split_variants(rows: list[Row]) -> tuple[tuple, list[Row], dict[tuple, list[Row]]]:
+    """(the variant the report answers from, its rows, the other variants' rows): the course's model where
+    the rows have it."""
+    variants = list(dict.fromkeys(variant(r) for r in rows))
+    main = COURSE_VARIANT if COURSE_VARIANT in variants or not variants else variants[0]
+    others = {v: [r for r in rows if variant(r) == v] for v in variants if v != main}
+    return main, [r for r in rows if variant(r) == main], others
+
+
+def variant_label(v: tuple) -> str:
+    return VARIANT_LABELS.get(v, f"{v[0]} attention, {v[1]} AdamW")
 
 
 def _cell_order(row: Row) -> tuple:
@@ -365,22 +411,41 @@ def _cell_order(row: Row) -> tuple:
             list(PHASE_LABELS).index(row["phase"]))
 
 
-def _sweep_setup(rows: list[Row]) -> str:
+def _sweep_setup(rows: list[Row], extra: dict[tuple, list[Row]] | None = None) -> str:
     sample = rows[0]
     # Rows that record their timer are described by the header's timing line; older ones timed each phase.
     timer = "" if sample.get("timer") else ", each phase timed between device synchronisations"
-    return (f"batch {sample['batch_size']}, {sample['attention']} attention, AdamW (fused on CUDA), random tokens, "
-            f"{sample['warmup']} warm-up + {sample['steps']} timed steps per cell{timer}; times in ms, mean ± std")
+    extras = f"; extra columns: {', '.join(variant_label(v) for v in extra)}" if extra else ""
+    return (f"batch {sample['batch_size']}, {variant_label(variant(sample))}, random tokens, {sample['warmup']} "
+            f"warm-up + {sample['steps']} timed steps per cell{timer}{extras}; times in ms, mean ± std")
 
 
-def _sweep_table(rows: list[Row]) -> str:
+def _sweep_table(rows: list[Row], extra: dict[tuple, list[Row]]) -> str:
+    """Phases by size and context of the main variant, then each other variant's as extra columns."""
     from cs336_systems.reports import markdown_table, pivot
 
-    ordered = sorted(rows, key=lambda r: (size_order(r["size"]), list(PHASE_LABELS).index(r["phase"]),
-                                          r["context_length"]))
-    table = pivot([{**r, "phase": PHASE_LABELS[r["phase"]]} for r in ordered],
-                  index=["size", "phase"], column="context_length", value="mean_ms", fmt=mean_std, label="context")
+    def ordered(selected: list[Row]) -> list[Row]:
+        return [{**r, "phase": PHASE_LABELS[r["phase"]]} for r in sorted(
+            selected, key=lambda r: (size_order(r["size"]), list(PHASE_LABELS).index(r["phase"]), r["context_length"]))]
+
+    table = pivot(ordered(rows), index=["size", "phase"], column="context_length", value="mean_ms", fmt=mean_std,
+                  label="context")
+    for v, other in extra.items():
+        extra_columns = {(r["size"], r["phase"]): r for r in pivot(
+            ordered(other), index=["size", "phase"], column="context_length", value="mean_ms", fmt=mean_std,
+            label=f"{variant_column_label(v)}, context")}
+        for entry in table:
+            entry.update({k: value for k, value in extra_columns.get((entry["size"], entry["phase"]), {}).items()
+                          if k not in ("size", "phase")})
     return markdown_table(table)
+
+
+# Each variant as a table's column heads it.
+VARIANT_COLUMN_LABELS = {COURSE_VARIANT: "course model", FAST_VARIANT: "SDPA + fused"}
+
+
+def variant_column_label(v: tuple) -> str:
+    return VARIANT_COLUMN_LABELS.get(v, variant_label(v))
 
 
 @dataclass(frozen=True)
@@ -422,25 +487,34 @@ def _variation_summary(rows: list[Row]) -> str:
             f"{plural(variation.cells, 'cell')} under {STEADY_RELATIVE_STD:.0%}; most variable: {worst['size']} at "
             f"context {worst['context_length']} ({PHASE_LABELS[worst['phase']]}: "
             f"{variation.worst_share:.1%} of {worst['mean_ms']:.1f} ms{clock}).")
-    ooms = [r for r in rows if r.get("status") == OOM]
-    if ooms:
-        text += " Out of memory: " + _oom_listing(ooms) + "."
+    if any(r.get("status") == OOM for r in rows):
+        text += " Out of memory: " + _oom_listing(rows) + "."
     return text + "\n"
 
 
-def _oom_listing(ooms: list[Row]) -> str:
-    """Each cell that did not fit, with the memory model's estimate and whether it was run (a cell whose
-    estimate exceeds the free memory is not)."""
-    cells: dict[tuple, Row] = {}
-    for r in sorted(ooms, key=_cell_order):
-        cells.setdefault((r["size"], r["context_length"], r.get("precision")), r)
+def _oom_listing(rows: list[Row]) -> str:
+    """The cells that did not fit, per size and precision: their contexts, the memory model's estimate of
+    the step, whether they were run (a cell whose estimate exceeds the free memory is not), and which smaller
+    mode ran in their place, if one did."""
+    groups: dict[tuple, list[Row]] = {}
+    for r in sorted((r for r in rows if r.get("status") == OOM), key=_cell_order):
+        groups.setdefault((r["size"], r.get("precision")), []).append(r)
     listed = []
-    for (size, context, precision), r in cells.items():
-        notes = [f"estimate {r['estimated_peak_bytes'] / 2**30:,.1f} GiB"] if r.get("estimated_peak_bytes") else []
-        if r.get("oom_predicted"):
+    for (size, precision), ooms in groups.items():
+        contexts = sorted({r["context_length"] for r in ooms})
+        # A cell's largest estimate is that of its whole step.
+        estimates = [max(r.get("estimated_peak_bytes") or 0 for r in ooms if r["context_length"] == n) for n in contexts]
+        notes = [f"estimate {span([e / 2**30 for e in estimates], '{:,.1f}'.format)} GiB"] if all(estimates) else []
+        if all(r.get("oom_predicted") for r in ooms):
             notes.append("not run")
-        listed.append(f"{size} at context {context}" + (f" in {precision}" if precision else "")
-                      + (f" ({'; '.join(notes)})" if notes else ""))
+        smaller = {r.get("measured_mode") for r in rows if r.get("status") == "ok" and r["size"] == size
+                   and r.get("precision") == precision and r["context_length"] in contexts}
+        if "forward_backward" in smaller:
+            notes.append("forward and backward ran without the optimizer")
+        elif "forward" in smaller:
+            notes.append("the forward alone ran")
+        listed.append(f"{size} at context{'s' if len(contexts) > 1 else ''} {listing([str(n) for n in contexts])}"
+                      + (f" in {precision}" if precision else "") + (f" ({'; '.join(notes)})" if notes else ""))
     return ", ".join(listed)
 
 
@@ -490,17 +564,18 @@ def _warmup_section(rows: list[Row]) -> str:
 
 # The columns that identify an e2e cell: a later run replaces the rows of cells it measures again.
 CELL_KEY = ("table", "model", "size", "context_length", "batch_size", "mode", "precision", "compile", "attention",
-            "warmup", "steps", "phase")
+            "optimizer", "warmup", "steps", "phase")
 # benchmarking_mixed_precision also holds the autocast dtype rows, one per tensor of the toy model.
 MIXED_PRECISION_KEY = CELL_KEY + ("tensor", "autocast", "storage_dtype")
 
 
 def render_benchmarking_script(rows: list[Row]) -> Rendered:
-    sweep = [r for r in rows if r.get("table") == "sweep"]
+    _, sweep, extra = split_variants([r for r in rows if r.get("table") == "sweep"])
     parts = []
     if sweep:
-        parts += [f"## Time per phase by model size and context\n\n{_sweep_setup(sweep)}; fp32, eager. Forward is "
-                  "timed inside training steps (autograd recording).\n", _sweep_table(sweep), _variation_summary(sweep)]
+        parts += [f"## Time per phase by model size and context\n\n{_sweep_setup(sweep, extra)}; fp32, eager. Forward "
+                  "is timed inside training steps (autograd recording).\n", _sweep_table(sweep, extra),
+                  _variation_summary(sweep)]
     parts.append(_warmup_section([r for r in rows if r.get("table") == "warmup"]))
     return Rendered("\n".join(parts))
 
@@ -590,15 +665,28 @@ def render_benchmarking_mixed_precision(rows: list[Row]) -> Rendered:
                          f"{bf16['relative_error']:.2%}. So under fp16 the norms must run in fp32; under bf16 they can "
                          "run without overflow, though accumulating the statistics in fp32 (as our RMSNorm does) is "
                          "still more accurate.\n")
-    timings = [r for r in rows if r.get("table") == "sweep"]
+    _, timings, extra = split_variants([r for r in rows if r.get("table") == "sweep"])
     if timings:
         table = _comparison_table(timings, "precision", "fp32", "bf16", "fp32", "bf16")
         summary = _speedup_summary(timings, "precision", "fp32", "bf16")
-        parts += [f"## (c) fp32 against bf16 autocast\n\n{_sweep_setup(timings)}; eager. Speed-up is the ratio "
+        for v, other in extra.items():
+            _add_columns(table, _comparison_table(other, "precision", "fp32", "bf16", "fp32", "bf16"),
+                         variant_column_label(v))
+        parts += [f"## (c) fp32 against bf16 autocast\n\n{_sweep_setup(timings, extra)}; eager. Speed-up is the ratio "
                   "of means; MFU is against the device's dense peak for the precision (fp32 peak for fp32 cells, "
                   "bf16 tensor-core peak for bf16 cells).\n", markdown_table(table),
                   f"bf16 speed-up over fp32 by phase: {summary}.\n" if summary else ""]
     return Rendered("\n".join(parts))
+
+
+def _add_columns(table: list[Row], other: list[Row], label: str) -> None:
+    """Another variant's times and speed-up as extra columns of `table`, matched by size, context and phase."""
+    index = ("size", "context_length", "phase")
+    by_cell = {tuple(r[k] for k in index): r for r in other}
+    for entry in table:
+        match = by_cell.get(tuple(entry[k] for k in index), {})
+        entry.update({f"{label}: {column}": match.get(column, "")
+                      for column in ("fp32 (ms)", "bf16 (ms)", "speed-up")})
 
 
 def render_compiled_models(rows: list[Row]) -> Rendered:
@@ -736,7 +824,7 @@ def _headline_cells(sweep: list[Row]) -> tuple[list[str], int]:
 
 def answer_benchmarking_script(reports: Reports) -> list[str]:
     rows = reports["benchmarking_script"]
-    sweep = select(rows, table="sweep")
+    main, sweep, extra = split_variants(select(rows, table="sweep"))
     sizes, context = _headline_cells(sweep)
     steps, batch_sizes = [], set()
     for size in sizes:
@@ -748,9 +836,13 @@ def answer_benchmarking_script(reports: Reports) -> list[str]:
         phases = [(p, _e2e_step(sweep, size, context, p)) for p in ("forward", "backward", "optimizer")]
         detail = ", ".join(f"{p} {format_ms(r['mean_ms'])}" for p, r in phases if r)
         steps.append(f"{size} takes {_mean_std_ms(step)}" + (f" ({detail})" if detail else ""))
+        for v, other in extra.items():
+            fast = _e2e_step(other, size, context, "train_step")
+            if fast:
+                steps[-1] += f"; with {variant_label(v)} {_mean_std_ms(fast)}"
     batch = f"batch {listing(sorted(map(str, batch_sizes)))}, " if batch_sizes else ""
-    sentences = [f"A training step (forward, backward, AdamW) at {batch}context {context}, fp32, eager: "
-                 + "; ".join(steps) + "." if steps else not_in_report("An fp32 eager training step")]
+    sentences = [f"A training step (forward, backward, AdamW) of {variant_label(main)} at {batch}context {context}, "
+                 "fp32, eager: " + "; ".join(steps) + "." if steps else not_in_report("An fp32 eager training step")]
     variation = step_variation(sweep)
     if variation:
         worst, noisy = variation.worst, variation.noisy
@@ -780,6 +872,7 @@ def answer_benchmarking_script(reports: Reports) -> list[str]:
 
 def answer_benchmarking_mixed_precision(reports: Reports) -> list[str]:
     rows = reports["benchmarking_mixed_precision"]
+    main, main_sweep, _ = split_variants(select(rows, table="sweep"))
     clauses = []
     dtypes = select(rows, table="autocast_dtypes")
     if dtypes:
@@ -799,7 +892,7 @@ def answer_benchmarking_mixed_precision(reports: Reports) -> list[str]:
                           f"is off by {fp16['relative_error']:.2%}")
                        + f" in fp16 and is off by {bf16['relative_error']:.2%} in bf16")
     sentences = ["; ".join(clauses) + "."]
-    sweep = ok_rows(select(rows, table="sweep"))
+    sweep = ok_rows(main_sweep)
     sizes = sorted({r["size"] for r in sweep}, key=size_order)
     if not sizes:
         sentences.append(not_in_report("The fp32 against bf16 timing sweep"))
@@ -814,7 +907,7 @@ def answer_benchmarking_mixed_precision(reports: Reports) -> list[str]:
     if not speedups:
         sentences.append(not_in_report(f"A {largest} training step in both fp32 and bf16"))
         return sentences
-    text = f"bf16 autocast over fp32 for a {largest} training step (eager): " + ", ".join(speedups)
+    text = f"bf16 autocast over fp32 for a {largest} training step of {variant_label(main)} (eager): " + ", ".join(speedups)
     first_context = min(r["context_length"] for r in sweep if r["size"] == smallest)
     fp32, bf16 = (_e2e_step(sweep, smallest, first_context, "train_step", p) for p in ("fp32", "bf16"))
     if smallest != largest and fp32 and bf16:

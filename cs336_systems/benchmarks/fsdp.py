@@ -107,7 +107,7 @@ def _fsdp_collectives(model: FSDP) -> dict[str, int]:
 def _ours(prefetch_layers: int) -> Callable[[nn.Module, torch.device], TrainingSetup]:
     def make(model: nn.Module, device: torch.device) -> TrainingSetup:
         fsdp = FSDP(model, prefetch_layers=prefetch_layers)
-        optimizer = adamw(fsdp, LEARNING_RATE, fused=False)
+        optimizer = adamw(fsdp, LEARNING_RATE, "foreach")
         return TrainingSetup(fsdp, optimizer, lambda: optimizer_state_tensors(optimizer.state.values()),
                              after_backward=fsdp.finish_gradient_synchronization,
                              collectives=lambda: _fsdp_collectives(fsdp))
@@ -123,7 +123,7 @@ def _torch_fsdp(model: nn.Module, device: torch.device) -> TrainingSetup:
     for block in model.layers:
         fully_shard(block)
     fully_shard(model)
-    optimizer = adamw(model, LEARNING_RATE, fused=False)
+    optimizer = adamw(model, LEARNING_RATE, "foreach")
     collectives = {"all_gather (forward weights)": total_bytes, "all_gather (backward weights)": block_bytes,
                    "reduce_scatter (gradients)": total_bytes}
     return TrainingSetup(model, optimizer, lambda: optimizer_state_tensors(optimizer.state.values()),

@@ -2,7 +2,7 @@
 AdamW, one training step, and releasing device memory between cells.
 
     model = build_model(ModelConfig.for_size("small", 512), "cuda", attention="naive")
-    optimizer = adamw(model, lr=LEARNING_RATE)
+    optimizer = adamw(model, lr=LEARNING_RATE)   # the course's AdamW; "fused" for torch's fused kernel
     inputs, targets = random_batch(model.config, 4, 512, "cuda")
     samples = defaultdict(list)
     with timed_step("cuda", samples) as phase:
@@ -22,7 +22,9 @@ from contextlib import AbstractContextManager, contextmanager, nullcontext
 import torch
 import torch.nn.functional as F
 
+from cs336_systems.accounting.activations import ADAMW_IMPLEMENTATIONS
 from cs336_systems.model import ModelConfig, TransformerLM
+from cs336_systems.optimizer import AdamW
 from cs336_systems.profiling.ranges import annotate
 from cs336_systems.timing import StepTimer
 
@@ -60,13 +62,25 @@ def build_model(config: ModelConfig, device: torch.device | str, attention: str 
     return model
 
 
-def adamw(module: torch.nn.Module, lr: float = LEARNING_RATE, fused: bool = True) -> torch.optim.AdamW:
-    """AdamW over `module`'s parameters. fused: the fused kernel on CUDA (one pass over parameters,
-    gradients and both moments; the default multi-tensor path takes about three times as long on a
-    2.7B model). The distributed benchmarks pass False, torch's default (foreach on CUDA), as they
-    were measured with."""
+# Each AdamW implementation as reports name it.
+ADAMW_NAMES = {"course": "the course's AdamW", "fused": "fused AdamW", "foreach": "foreach AdamW"}
+
+
+def adamw(module: torch.nn.Module, lr: float = LEARNING_RATE,
+          implementation: str = "course") -> torch.optim.Optimizer:
+    """AdamW over `module`'s parameters, in one of ADAMW_IMPLEMENTATIONS:
+    - course: the course model's own (cs336_systems.optimizer.AdamW), one parameter at a time;
+    - fused: torch's fused kernel on CUDA (one pass over parameters, gradients and both moments; the
+      multi-tensor path takes about three times as long on a 2.7B model), torch's default elsewhere;
+    - foreach: torch's default (the multi-tensor path on CUDA), as the distributed benchmarks were
+      measured with."""
+    if implementation not in ADAMW_IMPLEMENTATIONS:
+        raise ValueError(f"unknown AdamW implementation {implementation!r}; choose one of "
+                         f"{', '.join(ADAMW_IMPLEMENTATIONS)}")
+    if implementation == "course":
+        return AdamW(module.parameters(), lr=lr)
     # None, not False: an explicit False would also turn off the foreach default.
-    use_fused = True if fused and next(module.parameters()).is_cuda else None
+    use_fused = True if implementation == "fused" and next(module.parameters()).is_cuda else None
     return torch.optim.AdamW(module.parameters(), lr=lr, fused=use_fused)
 
 

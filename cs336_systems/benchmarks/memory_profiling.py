@@ -16,6 +16,7 @@ from pathlib import Path
 import torch
 
 from cs336_systems.accounting.activations import (
+    adamw_step_temporary_bytes,
     block_saved_bytes,
     predict_peak_memory,
     residual_stream_bytes,
@@ -23,6 +24,7 @@ from cs336_systems.accounting.activations import (
 )
 from cs336_systems.benchmarks.e2e import DEFAULT_BATCH_SIZE, memory_model_attention
 from cs336_systems.benchmarks.harness import (
+    ADAMW_NAMES,
     LEARNING_RATE,
     PRECISIONS,
     adamw,
@@ -37,17 +39,23 @@ from cs336_systems.gpus import GIB, MIB
 from cs336_systems.memory_guard import check_memory, is_out_of_memory
 from cs336_systems.model import ModelConfig
 from cs336_systems.profiling.memory import (
+    active_memory_layout,
     active_memory_timeline,
+    compact_snapshot,
     downsample_peaks,
     largest_allocations,
+    load_snapshot,
     peak_memory_increase,
+    plot_active_memory,
     record_memory_history,
     saved_tensor_bytes,
     take_snapshot,
+    write_snapshot,
 )
 from cs336_systems.profiling.residuals import block_memory
 from cs336_systems.reports import (
     OOM,
+    UNRECORDED_SIZE_TABLE,
     Rendered,
     Reports,
     Row,
@@ -66,6 +74,16 @@ HANDOUT_MEMORY_CONTEXTS = (128, 2048)
 MODE_LABELS = {"inference": "forward only (inference)", "train_step": "training step"}
 # The analytical model should land within this share of a measured peak.
 PREDICTION_TOLERANCE = 0.15
+# The handout profiles the step with the model's own AdamW (cs336_systems.optimizer): it allocates sqrt(v) one
+# parameter at a time, where torch's default foreach AdamW adds a copy of every parameter at its step.
+MEMORY_ADAMW = "course"
+# A kept snapshot's pickle should stay small enough for a repository. If its stacks make it larger,
+# allocations under SNAPSHOT_STACKS_MIN_BYTES lose theirs (memory_viz's timeline shows them, without a stack),
+# and past that every stack goes.
+SNAPSHOT_BUDGET_BYTES = 8 * MIB
+SNAPSHOT_STACKS_MIN_BYTES = MIB
+# memory_viz's Detail setting for the rendered timelines: the largest allocations drawn as bands of their own.
+TIMELINE_BANDS = 1000
 
 
 @dataclass(frozen=True)
@@ -76,9 +94,9 @@ class MemoryProfileConfig:
     batch_size: int = DEFAULT_BATCH_SIZE
     attention: str = "naive"
     timeline_points: int = 300  # per plotted cell: enough to show every phase, few enough for the CSV
-    top_allocations: int = 8
-    # The context whose timelines, snapshots, largest allocations and per-block residuals the report
-    # shows; None: the shortest, where a training step fits if any does.
+    top_allocations: int = 5
+    # The context whose timelines and per-block residuals the report shows; None: the shortest, where a
+    # training step fits if any does. Snapshots are kept for every cell of the first precision.
     detail_context: int | None = None
 
     def __post_init__(self):
@@ -101,11 +119,11 @@ def memory_profile(cfg: MemoryProfileConfig, device: torch.device | str, snapsho
     at the shown context what each block saves for backward and what its gradients take (part f).
 
     On CUDA every cell also records the allocator's history: its snapshot gives the active-memory
-    timeline and the largest allocations, and at the shown context it is dumped to `snapshot_dir`
-    (the pickle pytorch.org/memory_viz opens). On CPU, peaks come from torch.profiler's memory records
-    and there are no snapshots. Inference cells run first, before AdamW exists; each training cell
-    runs one step first, so the measured step has AdamW's state. AdamW is fused on CUDA, as in the
-    end-to-end benchmarks.
+    timeline and, for the first precision's cells, the largest allocations and a compacted copy in
+    `snapshot_dir` (the pickle pytorch.org/memory_viz opens; `render_snapshot_timelines` draws them).
+    On CPU, peaks come from torch.profiler's memory records and there are no snapshots. Inference cells
+    run first, before AdamW exists; each training cell runs one step first, so the measured step has
+    AdamW's state. AdamW is the course's (MEMORY_ADAMW).
     """
     device = torch.device(device)
     config = ModelConfig.for_size(cfg.size, max(cfg.contexts))
@@ -115,7 +133,7 @@ def memory_profile(cfg: MemoryProfileConfig, device: torch.device | str, snapsho
     optimizer = None
     for mode in MEMORY_MODES:
         if mode == "train_step":
-            optimizer = adamw(model, LEARNING_RATE)
+            optimizer = adamw(model, LEARNING_RATE, MEMORY_ADAMW)
         for precision in cfg.precisions:
             for context in cfg.contexts:
                 rows += _memory_cell(cfg, mode, precision, context, model, optimizer, device, snapshot_dir)
@@ -156,11 +174,11 @@ def _residual_row(cfg: MemoryProfileConfig, model, precision: str, device: torch
 def _memory_cell(cfg, mode, precision, context, model, optimizer, device, snapshot_dir) -> list[Row]:
     base = _memory_base(cfg, device, mode=mode, precision=precision, context_length=context)
     if mode == "train_step":
-        base["adamw"] = "fused" if optimizer.defaults.get("fused") else None
+        base["adamw"] = MEMORY_ADAMW
     config = ModelConfig.for_size(cfg.size, context)
     # The predictor follows CUDA's autocast rules: on a CPU it only bounds what the cell may need.
     prediction = predict_peak_memory(config, cfg.batch_size, context, precision, memory_model_attention(cfg.attention),
-                                     mode, adamw="fused" if base.get("adamw") == "fused" else "foreach")
+                                     mode, adamw=MEMORY_ADAMW)
     if device.type == "cuda":
         base["predicted_peak_bytes"] = prediction.peak_bytes
     inputs, targets = random_batch(model.config, cfg.batch_size, context, device)
@@ -179,8 +197,7 @@ def _memory_cell(cfg, mode, precision, context, model, optimizer, device, snapsh
 
     run = inference if mode == "inference" else train
     shown = context == cfg.shown_context
-    snapshot_path = (snapshot_dir / snapshot_file_name(cfg.size, mode, precision, context)
-                     if snapshot_dir and shown else None)
+    kept = precision == cfg.precisions[0]  # the cells whose snapshots and largest allocations the report shows
     release_memory(device)
     # The model, and AdamW's state once a step has made it, are allocated already: what must still
     # fit is the rest of the predicted peak.
@@ -196,7 +213,7 @@ def _memory_cell(cfg, mode, precision, context, model, optimizer, device, snapsh
         if device.type == "cuda":
             with record_memory_history():
                 increase, _ = peak_memory_increase(run, device)
-                snapshot = take_snapshot(snapshot_path)
+                snapshot = take_snapshot()
         else:
             increase, _ = peak_memory_increase(run, device)
     except Exception as error:
@@ -228,20 +245,60 @@ def _memory_cell(cfg, mode, precision, context, model, optimizer, device, snapsh
                     predicted_weight_cache_bytes=prediction.autocast_weight_cache_bytes,
                     predicted_transient_bytes=prediction.transient_bytes)
     rows = [peak]
-    if snapshot_path is not None:
-        rows.append({**base, "table": "snapshot", "file": snapshot_path.name})
-    timeline = active_memory_timeline(snapshot, torch.cuda.current_device()) if snapshot is not None else []
+    if snapshot is None:
+        return rows
+    gpu = torch.cuda.current_device()
+    timeline = active_memory_timeline(snapshot, gpu)
     if timeline:
         peak.update(timeline_peak_bytes=max(active for _, active in timeline), trace_events=len(timeline))
-        if shown:
-            origin = timeline[0][0]
-            rows += [{**base, "table": "timeline", "time_ms": (t - origin) / 1e3, "active_gib": active / GIB}
-                     for t, active in downsample_peaks(timeline, cfg.timeline_points)]
-            rows += [{**base, "table": "allocation", "rank": rank, "size_mib": a.size_bytes / MIB, "count": a.count,
-                      "source": a.source, "innermost": a.innermost}
-                     for rank, a in enumerate(largest_allocations(snapshot, cfg.top_allocations,
-                                                                  torch.cuda.current_device()), 1)]
+    if shown and timeline:
+        origin = timeline[0][0]
+        rows += [{**base, "table": "timeline", "time_ms": (t - origin) / 1e3, "active_gib": active / GIB}
+                 for t, active in downsample_peaks(timeline, cfg.timeline_points)]
+    if kept:
+        rows += [{**base, "table": "allocation", "rank": rank, "size_mib": a.size_bytes / MIB, "count": a.count,
+                  "source": a.source, "innermost": a.innermost}
+                 for rank, a in enumerate(largest_allocations(snapshot, cfg.top_allocations, gpu), 1)]
+        if snapshot_dir is not None:
+            path = snapshot_dir / snapshot_file_name(cfg.size, mode, precision, context)
+            rows.append({**base, "table": "snapshot", "file": path.name, **_keep_snapshot(snapshot, gpu, path)})
     return rows
+
+
+def _keep_snapshot(snapshot: dict, device: int, path: Path) -> Row:
+    """Write the snapshot compacted to fit SNAPSHOT_BUDGET_BYTES, dropping the stacks of smaller
+    allocations and then all stacks only where it must; returns its size and the stacks it kept."""
+    for min_bytes, stacks in ((0, "all"), (SNAPSHOT_STACKS_MIN_BYTES, f">= {format_bytes(SNAPSHOT_STACKS_MIN_BYTES)}"),
+                              (float("inf"), "none")):
+        size = write_snapshot(compact_snapshot(snapshot, device, min_frames_bytes=min_bytes), path)
+        if size <= SNAPSHOT_BUDGET_BYTES:
+            break
+    return {"file_bytes": size, "stacks": stacks, "events": len(snapshot["device_traces"][device]),
+            "device_index": device}
+
+
+def render_snapshot_timelines(rows: list[Row], directory: Path) -> list[Path]:
+    """memory_viz's Active Memory Timeline of each snapshot the rows name, drawn from its pickle in
+    `directory` to a PNG beside it (`timeline_file_name`); returns the PNGs' paths."""
+    import matplotlib.pyplot as plt
+
+    written = []
+    for r in rows:
+        if r.get("table") != "snapshot":
+            continue
+        layout = active_memory_layout(load_snapshot(directory / r["file"]), r.get("device_index") or 0,
+                                      max_allocations=TIMELINE_BANDS)
+        figure = plot_active_memory(layout, f"{r['size']}, {MODE_LABELS[r['mode']]}, {r['precision']}, context "
+                                            f"{r['context_length']}, batch {r['batch_size']}")
+        path = directory / timeline_file_name(r["file"])
+        figure.savefig(path, dpi=120, bbox_inches="tight", metadata={"Software": None})
+        plt.close(figure)
+        written.append(path)
+    return written
+
+
+def timeline_file_name(snapshot_file: str) -> str:
+    return snapshot_file.removesuffix(".pickle") + ".png"
 
 
 def snapshot_file_name(size: str, mode: str, precision: str, context: int) -> str:
@@ -291,17 +348,26 @@ def _block_rows(cfg: MemoryProfileConfig, model, precision: str, device: torch.d
 
 # -------------------------------------------------------------------------- memory_profiling report
 
+
+
 def _memory_setup(peaks: list[Row]) -> str:
     r = peaks[0]
     contexts = ", ".join(str(c) for c in sorted({p["context_length"] for p in peaks}))
     precisions = ", ".join(dict.fromkeys(p["precision"] for p in peaks))
-    # Runs before AdamW was fused here used torch's default, the foreach (multi-tensor) implementation.
-    fused = any(p.get("adamw") == "fused" for p in peaks)
-    optimizer = "fused AdamW" if fused else "foreach AdamW" if r["device"] == "cuda" else "AdamW"
-    return (f"{r['size']} model, batch {r['batch_size']}, {r['attention']} attention, contexts {contexts}, "
-            f"precisions {precisions} (bf16 is autocast over fp32 parameters). Forward only runs under "
-            f"torch.no_grad(); the training step (forward, backward, {optimizer} step, zero_grad) is measured after "
-            "one unmeasured step, so AdamW's state already exists.\n")
+    train = next((p for p in peaks if p["mode"] == "train_step"), {})
+    adamw = train.get("adamw")
+    # Rows from before the AdamW was recorded ran torch's default, foreach on CUDA.
+    optimizer = ADAMW_NAMES[adamw or "foreach"] if r["device"] == "cuda" or adamw else "AdamW"
+    text = (f"{r['size']} model, batch {r['batch_size']}, {r['attention']} attention, contexts {contexts}, "
+            f"precisions {precisions} (bf16: autocast over fp32 parameters). Forward only runs under no_grad; the "
+            f"training step (forward, backward, {optimizer} step, zero_grad) is measured after an unmeasured one.")
+    if adamw == "course":
+        config = ModelConfig.for_size(r["size"], 1, table=train.get("size_table") or UNRECORDED_SIZE_TABLE)
+        text += (f" The course's AdamW takes sqrt(v) one parameter at a time "
+                 f"(+{format_bytes(adamw_step_temporary_bytes(config, 'course'))} at its step); torch's default "
+                 f"foreach AdamW takes it of every parameter at once "
+                 f"(+{format_bytes(adamw_step_temporary_bytes(config, 'foreach'))}).")
+    return text + "\n"
 
 
 def _peak_section(peaks: list[Row]) -> str:
@@ -319,52 +385,48 @@ def _peak_section(peaks: list[Row]) -> str:
                           "timeline peak": format_bytes(r.get("timeline_peak_bytes")),
                           "predicted": format_bytes(r["predicted_peak_bytes"]),
                           "error": f"{r['peak_bytes'] / r['predicted_peak_bytes'] - 1:+.1%}",
-                          "predicted peak at": r["predicted_phase"]})
+                          "predicted peak at": r["predicted_phase"], "a miss's gap, nearest component": _miss(r)})
         else:
             entry["peak above start"] = format_bytes(r["peak_increase_bytes"])
         table.append(entry)
-    text = ["## Peak memory\n\n" + ("Start: allocated before the measured work (parameters, and for training "
-            "AdamW's state); peak: torch.cuda.max_memory_allocated; timeline peak: the snapshot trace's highest point; "
-            "predicted: cs336_systems.accounting.activations.predict_peak_memory.\n" if on_gpu else
-            "On CPU the peak is the most memory allocated at once above the start, from torch.profiler's memory "
-            "records; snapshots and the predictor (which follows CUDA's rules) are for CUDA runs.\n"),
+    if not any(entry.get("a miss's gap, nearest component") for entry in table):
+        for entry in table:
+            entry.pop("a miss's gap, nearest component", None)
+    text = ["## Peak memory\n\n" + ("Start: allocated before the measured work; peak: "
+            "torch.cuda.max_memory_allocated; predicted: accounting.activations.predict_peak_memory.\n" if on_gpu else
+            "On CPU: the most allocated at once above the start (torch.profiler's memory records).\n"),
             markdown_table(table)]
     ok = [r for r in peaks if r["status"] == "ok"]
     if on_gpu and ok:
-        text.append(_prediction_summary(ok))
+        errors = [(abs(r["peak_bytes"] / r["predicted_peak_bytes"] - 1), r) for r in ok]
+        within = sum(error <= PREDICTION_TOLERANCE for error, _ in errors)
+        text.append(f"The model predicts {within} of {len(ok)} measured peaks within {PREDICTION_TOLERANCE:.0%} "
+                    f"(largest error {max(error for error, _ in errors):.1%}).\n")
     text.append(_autocast_note(ok))
     return "\n".join(text)
 
 
-def _prediction_summary(ok: list[Row]) -> str:
-    errors = [(abs(r["peak_bytes"] / r["predicted_peak_bytes"] - 1), r) for r in ok]
-    within = [r for e, r in errors if e <= PREDICTION_TOLERANCE]
-    worst_error, worst = max(errors, key=lambda item: item[0])
-    text = (f"The model predicts {len(within)} of {len(ok)} measured peaks within {PREDICTION_TOLERANCE:.0%} "
-            f"(largest error {worst_error:.1%}: {MODE_LABELS[worst['mode']]}, {worst['precision']}, context "
-            f"{worst['context_length']}).")
-    for _, r in (item for item in errors if item[0] > PREDICTION_TOLERANCE):
-        difference = r["peak_bytes"] - r["predicted_peak_bytes"]
-        components = {"parameters": r["predicted_parameters_bytes"], "gradients": r["predicted_gradients_bytes"],
-                      "AdamW state": r["predicted_optimizer_state_bytes"],
-                      "saved activations": r["predicted_activations_bytes"],
-                      "autocast weight copies": r["predicted_weight_cache_bytes"],
-                      "transients": r["predicted_transient_bytes"]}
-        name, size = min(((n, s) for n, s in components.items() if s), key=lambda item: abs(abs(difference) - item[1]))
-        text += (f" {MODE_LABELS[r['mode']]}, {r['precision']}, context {r['context_length']}: measured "
-                 f"{format_bytes(r['peak_bytes'])} against {format_bytes(r['predicted_peak_bytes'])} predicted, "
-                 f"{format_bytes(abs(difference))} {'more' if difference > 0 else 'less'}; of the predicted components "
-                 f"the gap is closest in size to the {name} ({format_bytes(size)}).")
-    return text + "\n"
+def _miss(r: Row) -> str:
+    """Where a measured peak is off its prediction by more than the tolerance: the gap, and the predicted
+    component nearest it in size."""
+    difference = r["peak_bytes"] - r["predicted_peak_bytes"]
+    if abs(difference) <= PREDICTION_TOLERANCE * r["predicted_peak_bytes"]:
+        return ""
+    components = {"parameters": r["predicted_parameters_bytes"], "gradients": r["predicted_gradients_bytes"],
+                  "AdamW state": r["predicted_optimizer_state_bytes"],
+                  "saved activations": r["predicted_activations_bytes"],
+                  "autocast weight copies": r["predicted_weight_cache_bytes"],
+                  "transients": r["predicted_transient_bytes"]}
+    name, size = min(((n, v) for n, v in components.items() if v), key=lambda item: abs(abs(difference) - item[1]))
+    return f"{'+' if difference > 0 else '-'}{format_bytes(abs(difference))}, {name} ({format_bytes(size)})"
 
 
 def _autocast_note(ok: list[Row]) -> str:
     """Why bf16 autocast does not halve the peak, where both precisions ran (the table holds the peaks)."""
     if not {"fp32", "bf16"} <= {r["precision"] for r in ok}:
         return ""
-    return ("Autocast keeps fp32 parameters (and AdamW state and gradients), adds bf16 copies of the weights, and "
-            "halves only the activations that come out of matmuls; the residual stream and norms stay fp32"
-            + (", and so does softmax (CUDA autocast runs it in fp32).\n" if ok[0]["device"] == "cuda" else ".\n"))
+    return ("Autocast keeps fp32 parameters, gradients and AdamW state, adds bf16 weight copies and halves only "
+            "matmul outputs" + (" (softmax stays fp32 on CUDA).\n" if ok[0]["device"] == "cuda" else ".\n"))
 
 
 def _saved_section(peaks: list[Row]) -> str:
@@ -375,11 +437,9 @@ def _saved_section(peaks: list[Row]) -> str:
               "measured": format_bytes(r["measured_saved_bytes"]), "predicted": format_bytes(r["predicted_saved_bytes"]),
               "measured - predicted (bytes)": r["measured_saved_bytes"] - r["predicted_saved_bytes"],
               "error": f"{r['measured_saved_bytes'] / r['predicted_saved_bytes'] - 1:+.2%}"} for r in rows]
-    exact = sum(r["measured_saved_bytes"] == r["predicted_saved_bytes"] for r in rows)
-    return ("## Saved activations: model against autograd\n\nBytes of the distinct tensors autograd saves for "
-            "backward in one forward pass with the loss (saved_tensors_hooks; parameters and inputs excluded), "
-            "against cs336_systems.accounting.activations.saved_activation_bytes.\n\n" + markdown_table(table) +
-            f"\n{exact} of {len(rows)} cells match to the byte.\n")
+    return ("## Saved activations: model against autograd\n\nWhat autograd saves in one forward with the loss "
+            "(saved_tensors_hooks; parameters and inputs excluded) against "
+            "accounting.activations.saved_activation_bytes.\n\n" + markdown_table(table))
 
 
 def _residual_section(rows: list[Row]) -> str:
@@ -390,12 +450,10 @@ def _residual_section(rows: list[Row]) -> str:
               f"{r['d_model']} x 4 = {r['computed_bytes'] / MIB:.2f} MiB", "first block's output": f"{r['shape']} "
               f"{r['dtype']}", "measured (MiB)": r["measured_bytes"] / MIB,
               "match": r["measured_bytes"] == r["computed_bytes"]} for r in residual]
-    all_match = all(entry["match"] for entry in table)
-    return ("## Residual-stream activation size\n\nOne residual-stream tensor, computed, and measured on the first "
-            "block's output with a forward hook.\n\n" + markdown_table(table) +
-            ("\nThey agree. It is 4 bytes per value under bf16 autocast too: the embedding output is fp32 and each "
-             "block adds its bf16 sublayer outputs to it, which promotes back to fp32.\n" if all_match else
-             "\nThey disagree in some cells: see the dtype column.\n"))
+    fp32 = all(r["dtype"] == "float32" for r in residual)
+    return ("## Residual-stream activation size\n\nComputed, and measured on the first block's output."
+            + (" It is fp32 under bf16 autocast too: the embedding output is fp32, and fp32 + bf16 is fp32."
+               if fp32 else "") + "\n\n" + markdown_table(table))
 
 
 def _timeline_figure(rows: list[Row]):
@@ -433,17 +491,15 @@ def _allocation_section(rows: list[Row]) -> str:
     allocations = [r for r in rows if r.get("table") == "allocation"]
     if not allocations:
         return ""
-    parts = ["## Largest allocations\n\nThe largest blocks allocated in each measured window, with the innermost "
-             "line of this package that asked for them and the innermost Python frame; allocations of one size from "
-             "one line are counted together.\n"]
-    for mode in MEMORY_MODES:
-        for precision in dict.fromkeys(r["precision"] for r in allocations):
-            cell = sorted((r for r in allocations if r["mode"] == mode and r["precision"] == precision),
-                          key=lambda r: r["rank"])
-            if cell:
-                parts.append(f"### {MODE_LABELS[mode]}, {precision}, context {cell[0]['context_length']}\n")
-                parts.append(markdown_table([{"size (MiB)": r["size_mib"], "count": r["count"], "source": r["source"],
-                                              "innermost frame": r["innermost"]} for r in cell]))
+    parts = ["## Largest allocations\n\nPer kept snapshot: the largest blocks, the line of this package that asked "
+             "and the innermost frame.\n"]
+    cells = dict.fromkeys((r["mode"], r["precision"], r["context_length"]) for r in allocations)
+    for mode, precision, context in sorted(cells, key=lambda c: (MEMORY_MODES.index(c[0]), c[2], c[1])):
+        cell = sorted(select(allocations, mode=mode, precision=precision, context_length=context),
+                      key=lambda r: r["rank"])
+        parts.append(f"### {MODE_LABELS[mode]}, {precision}, context {context}\n")
+        parts.append(markdown_table([{"size (MiB)": r["size_mib"], "count": r["count"], "source": r["source"],
+                                      "innermost frame": r["innermost"]} for r in cell]))
     return "\n".join(parts)
 
 
@@ -456,19 +512,26 @@ def render_memory_profiling(rows: list[Row]) -> Rendered:
     figure = _timeline_figure(rows)
     if figure is not None:
         figures["memory_timeline.png"] = figure
-        parts.append("## Active memory over one step\n\nFrom each snapshot's allocator trace (allocations and "
-                     "completed frees); each plotted point is the highest of its run of events."
-                     + _snapshot_note(rows) + "\n\n![active memory](memory_timeline.png)\n")
-    parts += [_allocation_section(rows), _block_section(rows)]
+        parts.append("## Active memory over one step\n\nFrom each snapshot's allocator trace; each point is the "
+                     "highest of its run of events.\n\n![active memory](memory_timeline.png)\n")
+    parts += [_snapshot_section(rows), _allocation_section(rows), _block_section(rows)]
     return Rendered("\n".join(p for p in parts if p), figures)
 
 
-def _snapshot_note(rows: list[Row]) -> str:
-    files = [r for r in rows if r.get("table") == "snapshot"]
+def _snapshot_section(rows: list[Row]) -> str:
+    """The kept snapshots (pytorch.org/memory_viz opens them) and their Active Memory Timelines."""
+    files = sorted((r for r in rows if r.get("table") == "snapshot"),
+                   key=lambda r: (MEMORY_MODES.index(r["mode"]), r["context_length"]))
     if not files:
         return ""
-    return (" The snapshots open in pytorch.org/memory_viz (its Active Memory Timeline, with every allocation's "
-            "stack): " + ", ".join(f"[{r['file']}]({r['file']})" for r in files) + ".")
+    table = [{"cell": f"{MODE_LABELS[r['mode']]}, {r['precision']}, context {r['context_length']}",
+              "snapshot": f"[{r['file']}]({r['file']})", "size": format_bytes(r.get("file_bytes")),
+              "stacks kept": r.get("stacks", "")} for r in files]
+    images = [f"![{MODE_LABELS[r['mode']]}, context {r['context_length']}]({timeline_file_name(r['file'])})"
+              for r in files]
+    return ("## memory_viz: Active Memory Timeline\n\nEach snapshot as pytorch.org/memory_viz draws it (x: allocator "
+            f"events), redrawn from the pickle with its {TIMELINE_BANDS} largest allocations as bands.\n\n"
+            + markdown_table(table) + "\n" + "\n\n".join(images) + "\n")
 
 
 def _block_section(rows: list[Row]) -> str:
@@ -476,73 +539,35 @@ def _block_section(rows: list[Row]) -> str:
     blocks = [r for r in rows if r.get("table") == "block" and r.get("status") == "ok"]
     if not blocks:
         failed = [r for r in rows if r.get("table") == "block"]
-        return ("## (f) Residuals and gradients per TransformerBlock\n\nOut of memory.\n" if failed else "")
-    parts = ["## (f) Residuals and gradients per TransformerBlock\n\n"
-             "One forward and backward at the shown context after zero_grad(set_to_none=True). A block's residuals "
-             "are the distinct storages autograd saved while its forward ran (saved-tensor hooks); the operation "
-             "behind each is the aten call that allocated it (a dispatch mode under autograd; its input, the "
-             "residual stream, was allocated by the previous block's last addition). In backward, on CUDA, "
-             "memory_allocated is read when autograd reaches the block and once the gradient of its input is "
-             "computed; that change plus the residuals the block freed is what its gradients took.\n"]
+        return "## (f) Residuals and gradients per TransformerBlock\n\nOut of memory.\n" if failed else ""
+    table, operations = [], []
     for precision in dict.fromkeys(r["precision"] for r in blocks):
         mine = sorted((r for r in blocks if r["precision"] == precision), key=lambda r: r["block"])
-        parts.append(_block_precision_text(precision, mine, [r for r in rows if r.get("table") == "block_operation"
-                                                             and r["precision"] == precision]))
-    return "\n".join(parts)
-
-
-def _block_precision_text(precision: str, blocks: list[Row], operations: list[Row]) -> str:
+        middle = mine[len(mine) // 2]
+        top = sorted(select(rows, table="block_operation", precision=precision), key=lambda r: r["rank"])
+        gradients = [r["gradient_bytes"] for r in mine if r.get("gradient_bytes") is not None]
+        table.append({"precision": precision, "context": middle["context_length"],
+                      "residuals per block": _span_bytes([r["saved_bytes"] for r in mine]),
+                      "model": format_bytes(middle["predicted_saved_bytes"]),
+                      f"top {len(top)} operations": format_share(sum(r["share"] for r in top)) if top else "",
+                      "weight gradients: 4 B x parameters": f"4 x {middle['parameters']:,} = "
+                                                            f"{format_bytes(4 * middle['parameters'])}",
+                      ".grad after its backward": _span_bytes([r["weight_gradient_bytes"] for r in mine]),
+                      "gradients, from the allocator": _span_bytes(gradients) if gradients else ""})
+        operations += [{"precision": precision, "block": r["block"], "operation": r["operation"],
+                        "residuals": format_bytes(r["bytes"]), "share": f"{r['share']:.1%}"} for r in top]
     r0 = blocks[0]
-    saved = [r["saved_bytes"] for r in blocks]
-    text = [f"### {precision}, context {r0['context_length']}\n",
-            f"Each of the {len(blocks)} blocks saves {_span_bytes(saved)} for backward "
-            f"({'all alike' if len(set(saved)) == 1 else 'blocks differ'}); the accounting model "
-            f"(accounting.activations.block_saved_bytes) gives {format_bytes(r0['predicted_saved_bytes'])}"
-            + (", to the byte." if all(s == r0["predicted_saved_bytes"] for s in saved) else
-               f", {saved[len(saved) // 2] - r0['predicted_saved_bytes']:+,} bytes off in the middle block.")
-            + f" Of that, {format_bytes(blocks[len(blocks) // 2]['input_bytes'])} is the block's input (one residual-stream "
-            f"tensor is {format_bytes(r0['residual_stream_bytes'])}).\n"]
-    if operations:
-        middle = operations[0]["block"]
-        top = sorted(operations, key=lambda r: r["rank"])
-        text.append(f"The {len(top)} operations that allocated the most of block {middle}'s residuals, which "
-                    f"together hold {sum(r['share'] for r in top):.1%} of them:\n")
-        text.append(markdown_table([{"operation": r["operation"], "residuals": format_bytes(r["bytes"]),
-                                     "share": f"{r['share']:.1%}"} for r in top]))
-    expected = 4 * r0["parameters"]
-    weight = [r["weight_gradient_bytes"] for r in blocks]
-    text.append(f"Gradients: each block has {r0['parameters']:,} parameters, so its weight gradients should take "
-                f"4 x {r0['parameters']:,} = {format_bytes(expected)} (fp32 whatever the autocast precision); the "
-                f".grad storages found after each block's backward take {_span_bytes(weight)}"
-                + (", as expected." if all(w == expected for w in weight) else ", not what was expected."))
-    measured = [r for r in blocks if r.get("gradient_bytes") is not None]
-    if measured:
-        gradients = [r["gradient_bytes"] for r in measured]
-        middle = measured[len(measured) // 2]
-        extra = middle["gradient_bytes"] - expected
-        text.append(f" Read from the allocator: over block {middle['block']}'s backward memory changed by "
-                    f"{_signed_size(middle['backward_allocated_bytes'])} while it freed its "
-                    f"{format_bytes(middle['saved_bytes'])} of residuals, so the new gradients took "
-                    f"{format_bytes(middle['gradient_bytes'])} ({_span_bytes(gradients)} over the blocks): the weight "
-                    f"gradients and {_signed_size(extra)} more"
-                    + (", one residual-stream tensor: the gradient of the block's input, allocated while that of "
-                       "its output is still held."
-                       if abs(extra - r0["residual_stream_bytes"]) <= 0.01 * r0["residual_stream_bytes"] else "."))
-        forward = [r["forward_allocated_bytes"] for r in measured if r.get("forward_allocated_bytes") is not None]
-        if forward:
-            text.append(f" Over each block's forward allocated memory grew by {_span_bytes(forward)}: what it "
-                        "allocated and keeps for backward, and its output, which stands in for the input it saved "
-                        "but did not allocate.")
-    return "\n".join(text) + "\n"
+    return ("## (f) Residuals and gradients per TransformerBlock\n\nOne forward and backward after "
+            "zero_grad(set_to_none=True). Residuals: the storages autograd saved while a block's forward ran "
+            "(saved-tensor hooks), each from the aten call that allocated it. Gradients (CUDA): memory_allocated's "
+            "change over a block's backward plus the residuals it freed; beyond the weight gradients it holds the "
+            f"gradient of the block's input, one residual-stream tensor ({format_bytes(r0['residual_stream_bytes'])})."
+            "\n\n" + markdown_table(table) + "\n" + markdown_table(operations))
 
 
 def _span_bytes(values: list[float]) -> str:
     low, high = min(values), max(values)
     return format_bytes(low) if low == high else f"{format_bytes(low)} to {format_bytes(high)}"
-
-
-def _signed_size(value: float) -> str:
-    return ("-" if value < 0 else "+") + format_bytes(abs(value))
 
 
 def _gib(value) -> float | None:
@@ -594,12 +619,14 @@ def answer_memory_profiling(reports: Reports) -> list[str]:
         sentences.append(not_in_report("The residual-stream size"))
     tops = select(rows, table="allocation", rank=1)
     if tops:
-        top = select(tops, mode="train_step")[0] if select(tops, mode="train_step") else tops[0]
+        # Part (e) asks about the forward pass: its longest context, where the largest tensors are.
+        top = max(tops, key=lambda r: (r["mode"] == "inference", r["context_length"]))
         sentences.append(f"The largest allocations of {ANSWER_MODE_LABELS[top['mode']]} in {top['precision']} at "
                          f"context {top['context_length']} are {top['count']} blocks of {top['size_mib']:.2f} MiB from "
                          f"`{top['source']}`.")
     blocks = ok_rows(select(rows, table="block"))
     if blocks:
+        blocks = select(blocks, precision=blocks[0]["precision"])  # the first precision measured: fp32 by default
         block = blocks[len(blocks) // 2]
         operations = sorted(select(rows, table="block_operation", precision=block["precision"]),
                             key=lambda r: r["rank"])
@@ -609,11 +636,15 @@ def answer_memory_profiling(reports: Reports) -> list[str]:
         if operations:
             text += (", " + format_share(sum(r["share"] for r in operations)) + " of it allocated by "
                      + listing([f"`{r['operation']}` ({format_share(r['share'])})" for r in operations]))
-        text += (f"; its weight gradients take {format_bytes(block['weight_gradient_bytes'], 'bytes')}, 4 bytes for "
-                 f"each of its {block['parameters']:,} parameters")
+        expected = 4 * block["parameters"]
+        text += (f"; its weight gradients should take 4 bytes x {block['parameters']:,} parameters = "
+                 f"{format_bytes(expected, 'bytes')} and take {format_bytes(block['weight_gradient_bytes'], 'bytes')}")
         if block.get("gradient_bytes") is not None:
-            text += (f", and the allocator saw its backward add {format_bytes(block['gradient_bytes'], 'bytes')} of "
-                     "gradients")
+            text += (f"; the allocator saw its backward add {format_bytes(block['gradient_bytes'], 'bytes')} of "
+                     f"gradients, {format_bytes(block['gradient_bytes'] - expected, 'bytes')} beyond the weights'")
+            if block.get("residual_stream_bytes"):
+                text += (" (the gradient of its input is one residual-stream tensor, "
+                         f"{format_bytes(block['residual_stream_bytes'], 'bytes')})")
         sentences.append(text + ".")
     return sentences
 

@@ -1,8 +1,11 @@
 """Problem nsys_profile: kernel tables per range (step, forward, backward, optimizer and the naive
-attention's scores / softmax / final matmul) of one AdamW training step, from torch.profiler, beside
-the end-to-end timer's phase times, and the Nsight Systems command for the same step.
+attention's scores / softmax / final matmul) of one training step of the course's model (naive
+attention, its own AdamW), from torch.profiler, beside the end-to-end timer's phase times; the same
+for SDPA with fused AdamW where a run asks for it; and whether Nsight Systems could write a report
+on the measuring machine, with the command for the same step.
 
     rows = profile_training_step(ProfileConfig("small", 512), "cuda")
+    profiled_contexts("xl", capacity_bytes)   # the contexts above 128 up to the longest that fits
 
 Each measuring function returns rows; the renderer below answers the written questions from them.
 """
@@ -11,14 +14,26 @@ from __future__ import annotations
 
 import shutil
 import statistics
+import subprocess
+import sys
+import tempfile
 from collections import defaultdict
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
-from cs336_systems.accounting.activations import predict_peak_memory, state_bytes
-from cs336_systems.benchmarks.e2e import DEFAULT_BATCH_SIZE, HEADLINE_CONTEXT, memory_model_attention
+from cs336_systems.accounting.activations import ADAMW_IMPLEMENTATIONS, predict_peak_memory, state_bytes
+from cs336_systems.benchmarks.e2e import (
+    DEFAULT_BATCH_SIZE,
+    HEADLINE_CONTEXT,
+    memory_model_attention,
+    split_variants,
+    variant_column_label,
+    variant_label,
+)
 from cs336_systems.benchmarks.harness import (
+    ADAMW_NAMES,
     LEARNING_RATE,
     PRECISIONS,
     adamw,
@@ -28,7 +43,7 @@ from cs336_systems.benchmarks.harness import (
     timed_step,
     training_step,
 )
-from cs336_systems.memory_guard import MemoryCheck, check_memory, is_out_of_memory
+from cs336_systems.memory_guard import FIT_SHARE, MemoryCheck, check_memory, is_out_of_memory
 from cs336_systems.model import ModelConfig, size_order
 from cs336_systems.profiling.kernels import device_profile, kernel_tables, merge_tables, short_name
 from cs336_systems.profiling.ranges import annotate
@@ -61,6 +76,13 @@ SOFTMAX_FLOPS_PER_SCORE = 5
 MAIN_KERNEL_SHARE = 0.02
 # Kernel rows kept per range (beside every main non-matmul kernel); the rest become one summary row.
 KERNELS_PER_RANGE = 12
+# The handout profiles power-of-two contexts above this one, up to the longest that fits.
+SHORTEST_EXCLUDED_CONTEXT = 128
+CONTEXTS_PER_SIZE = 3
+# Nsight Systems' own check: a trivial CUDA program profiled. Starting nsys and its daemon takes seconds; a
+# machine where it hangs is one where it cannot profile either.
+NSYS_PROBE_TIMEOUT_S = 120
+NSYS_PROBE_PROGRAM = "import torch; torch.ones(1, device='cuda').sum().item()"
 
 
 @dataclass(frozen=True)
@@ -70,6 +92,7 @@ class ProfileConfig:
     batch_size: int = DEFAULT_BATCH_SIZE
     precision: str = "fp32"
     attention: str = "naive"
+    optimizer: str = "course"  # an AdamW implementation of harness.adamw
     warmup: int = 1  # untimed steps first: one-time costs (cuBLAS handles, AdamW state) stay out
     timed_steps: int = 3  # steps timed as the end-to-end benchmark times them, for comparison
 
@@ -78,7 +101,27 @@ class ProfileConfig:
             raise ValueError(f"unknown precision {self.precision!r}; choose one of {', '.join(PRECISIONS)}")
         if self.warmup < 0 or self.timed_steps < 1:
             raise ValueError(f"need warmup >= 0 and timed_steps >= 1, got {self.warmup} and {self.timed_steps}")
+        if self.optimizer not in ADAMW_IMPLEMENTATIONS:
+            raise ValueError(f"unknown AdamW implementation {self.optimizer!r}; choose one of "
+                             f"{', '.join(ADAMW_IMPLEMENTATIONS)}")
         ModelConfig.for_size(self.size, self.context_length)  # validates size and context
+
+    def estimate(self):
+        """The step's predicted peak memory (cs336_systems.accounting.activations)."""
+        return predict_peak_memory(ModelConfig.for_size(self.size, self.context_length), self.batch_size,
+                                   self.context_length, self.precision, memory_model_attention(self.attention),
+                                   adamw=self.optimizer)
+
+
+def profiled_contexts(size: str, capacity_bytes: float, count: int = CONTEXTS_PER_SIZE, **config) -> list[int]:
+    """The handout's contexts for `size`: the `count` longest powers of two above 128 whose training step
+    is predicted to fit `capacity_bytes` (with the memory guard's margin), then the next one, which is
+    expected not to fit (its cell records OOM, showing the longest that fits)."""
+    context, fitting = 2 * SHORTEST_EXCLUDED_CONTEXT, []
+    while ProfileConfig(size, context, **config).estimate().peak_bytes <= FIT_SHARE * capacity_bytes:
+        fitting.append(context)
+        context *= 2
+    return fitting[-count:] + [context]
 
 
 def profile_training_step(cfg: ProfileConfig, device: torch.device | str) -> list[Row]:
@@ -87,10 +130,9 @@ def profile_training_step(cfg: ProfileConfig, device: torch.device | str) -> lis
     device = torch.device(device)
     config = ModelConfig.for_size(cfg.size, cfg.context_length)
     base: Row = {"size": cfg.size, "context_length": cfg.context_length, "batch_size": cfg.batch_size,
-                 "precision": cfg.precision, "attention": cfg.attention, "device": device.type,
-                 "d_head": config.d_head, "num_layers": config.num_layers}
-    estimate = predict_peak_memory(config, cfg.batch_size, cfg.context_length, cfg.precision,
-                                   memory_model_attention(cfg.attention), adamw="fused")
+                 "precision": cfg.precision, "attention": cfg.attention, "optimizer": cfg.optimizer,
+                 "device": device.type, "d_head": config.d_head, "num_layers": config.num_layers}
+    estimate = cfg.estimate()
     if device.type == "cuda":
         base["predicted_peak_bytes"] = estimate.peak_bytes
         total = torch.cuda.get_device_properties(device).total_memory
@@ -124,7 +166,7 @@ def profile_training_step(cfg: ProfileConfig, device: torch.device | str) -> lis
 
 def _timed_then_profiled(cfg: ProfileConfig, config: ModelConfig, device: torch.device):
     model = build_model(config, device, cfg.attention)
-    optimizer = adamw(model, LEARNING_RATE)
+    optimizer = adamw(model, LEARNING_RATE, cfg.optimizer)
     inputs, targets = random_batch(config, cfg.batch_size, cfg.context_length, device)
 
     def step(samples: dict[str, list[float]] | None = None) -> None:
@@ -176,9 +218,30 @@ def nsys_command(size: str, context_length: int, attention: str = "naive") -> st
 
 
 def nsys_row(size: str, context_length: int) -> Row:
-    """Whether nsys is on PATH here, and the command that profiles one cell with it."""
-    return {"table": "nsys", "size": size, "context_length": context_length,
-            "nsys_found": shutil.which("nsys") is not None, "command": nsys_command(size, context_length)}
+    """Whether Nsight Systems can profile here (`probe_nsys`), and the command that profiles one cell."""
+    return {"table": "nsys", "size": size, "context_length": context_length, **probe_nsys(),
+            "command": nsys_command(size, context_length)}
+
+
+def probe_nsys() -> Row:
+    """Whether `nsys` is on PATH and, where it is, whether it writes a report of a trivial CUDA program:
+    nsys_report is "written", or why not (its last line of output, or the timeout)."""
+    nsys = shutil.which("nsys")
+    if nsys is None:
+        return {"nsys_found": False, "nsys_report": "nsys is not installed"}
+    with tempfile.TemporaryDirectory() as directory:
+        output = Path(directory) / "probe"
+        try:
+            result = subprocess.run([nsys, "profile", "--trace=cuda", f"--output={output}", "--force-overwrite=true",
+                                     sys.executable, "-c", NSYS_PROBE_PROGRAM],
+                                    capture_output=True, text=True, timeout=NSYS_PROBE_TIMEOUT_S)
+        except subprocess.TimeoutExpired:
+            return {"nsys_found": True, "nsys_report": f"nsys profile did not finish in {NSYS_PROBE_TIMEOUT_S} s"}
+        if result.returncode == 0 and any(Path(directory).glob("probe.*rep")):
+            return {"nsys_found": True, "nsys_report": "written"}
+        lines = [line for line in (result.stderr + result.stdout).splitlines() if line.strip()]
+        return {"nsys_found": True, "nsys_report": f"nsys profile exited {result.returncode}: "
+                                                   + (lines[-1].strip() if lines else "no output")}
 
 
 # ------------------------------------------------------------------------------ nsys_profile report
@@ -224,11 +287,10 @@ def _forward_time_section(cells: dict, device: str) -> str:
     gap = "the GPU waited for the CPU to launch kernels" if device == "cuda" else "Python and the dispatcher ran"
     sample = next(iter(cells.values()))["cell"]
     return ("## (a) Forward time: profiler against the end-to-end timer\n\n"
-            f"Timer: the end-to-end benchmark's ({_timer(sample)}), over {sample['timed_steps']} steps after "
-            f"{sample['warmup']} warm-up; the profiled step is the next one. Forward work: {work} in the forward "
-            "range.\n\n" + markdown_table(table) +
-            f"\nThe profiled range includes the profiler's overhead ({_span(wall)} of the timer's mean); beyond "
-            f"forward work, {gap}.\n")
+            f"Timer: the end-to-end benchmark's ({_timer(sample)}), {sample['timed_steps']} steps after "
+            f"{sample['warmup']} warm-up; then one profiled step. Forward work: its {work}.\n\n" + markdown_table(table)
+            + f"\nThe profiled range adds the profiler's overhead ({_span(wall)} of the timer's mean); beyond forward "
+            f"work, {gap}.\n")
 
 
 def _top_kernel_section(cells: dict) -> str:
@@ -299,8 +361,8 @@ def _attention_section(cells: dict) -> str:
     if not table:
         return "## (e) Softmax against matmul inside attention\n\nNo cell ran the annotated naive attention.\n"
     return ("## (e) Softmax against matmul inside attention\n\n"
-            f"FLOPs per score element: 4 d_head for the two matmuls (q k^T, P v), about {SOFTMAX_FLOPS_PER_SCORE} for "
-            "softmax (max, subtract, exp, sum, divide). Times: the forward's attention ranges.\n\n"
+            f"FLOPs per score: 4 d_head in the matmuls (q k^T, P v), about {SOFTMAX_FLOPS_PER_SCORE} in softmax (max, "
+            "subtract, exp, sum, divide).\n\n"
             + markdown_table(table) +
             f"\nSoftmax's time is {_span(excess, '{:.0f}x')} its FLOP share" + (
                 ": at under 1 FLOP per byte it is paced by memory traffic, while the matmuls reuse "
@@ -330,10 +392,41 @@ def _nsys_section(rows: list[Row]) -> str:
     if not found:
         return ""
     r = found[-1]
-    state = ("`nsys` was on PATH on the measuring machine." if r["nsys_found"] else
-             "`nsys` was not on PATH on the measuring machine: these tables are torch.profiler's alone.")
-    return (f"## Nsight Systems\n\n{state} Nsight Systems shows the same NVTX ranges with:\n\n"
-            f"```\n{r['command']}\n```\n")
+    outcome = r.get("nsys_report") or ("nsys is on PATH" if r["nsys_found"] else "nsys is not installed")
+    if outcome == "written":
+        state = "Nsight Systems wrote a report of a CUDA program on the measuring machine."
+    elif r["nsys_found"] and not r.get("nsys_report"):  # rows from before the probe: nsys was only looked up
+        state = "`nsys` was on PATH on the measuring machine."
+    else:
+        state = (f"Nsight Systems cannot make reports on the measuring machine ({outcome}): the tables above are "
+                 "torch.profiler's (CUPTI).")
+    return f"## Nsight Systems\n\n{state} Where it can, this shows the same NVTX ranges:\n\n```\n{r['command']}\n```\n"
+
+
+def _profiled(rows: list[Row]) -> list[Row]:
+    """The rows of profiled cells (not the Nsight Systems probe's)."""
+    return [r for r in rows if r.get("table") in ("cell", "range", "kernel")]
+
+
+def _variant_section(main: tuple, cells: dict, others: dict[tuple, list[Row]]) -> str:
+    """Other variants' cells beside the course model's at the same size and context."""
+    table = []
+    for other, rows in others.items():
+        for key, c in _measured(_nsys_cells(rows)).items():
+            ours = cells.get(key)
+            if ours is None:
+                continue
+            entry = {"size": key[0], "context": key[1]}
+            for label, cell in ((variant_column_label(main), ours), (variant_column_label(other), c)):
+                entry[f"{label}: step (ms)"] = mean_std(cell["cell"]["timer_step_ms"], cell["cell"]["timer_step_std_ms"],
+                                                        ".1f")
+                entry[f"{label}: optimizer (ms)"] = f"{cell['cell']['timer_optimizer_ms']:.1f}"
+                entry[f"{label}: forward matmul share"] = format_share(cell["range"]["forward"]["matmul_share"])
+            table.append(entry)
+    if not table:
+        return ""
+    return (f"## Beside {listing([variant_label(v) for v in others])}\n\nTheir kernel tables are in the CSV.\n\n"
+            + markdown_table(table))
 
 
 def _attribution_note(cells: dict) -> str:
@@ -347,17 +440,18 @@ def _attribution_note(cells: dict) -> str:
         own = sum(r["self_work_ms"] for r in ranges.values())
         if own > ranges[STEP_RANGE]["work_ms"] * (1 + 1e-9):
             excess.append(f"{size} at context {context}")
-    return ("Each kernel is attributed once, to the innermost range open at its launch (CUPTI correlation id); a "
-            "range's table includes its nested ranges' kernels. "
-            + ("In every cell the ranges' own kernel time adds up to no more than the step's."
-               if not excess else f"The ranges' own kernel time exceeds the step's in {', '.join(excess)}."))
+    return ("Each kernel counts once, in the innermost range open at its launch (a range's table includes those "
+            "nested in it); "
+            + ("in every cell the ranges' own kernel time adds up to no more than the step's."
+               if not excess else f"the ranges' own kernel time exceeds the step's in {', '.join(excess)}."))
 
 
-NSYS_KEY = ("table", "size", "context_length", "precision", "attention")
+NSYS_KEY = ("table", "size", "context_length", "precision", "attention", "optimizer")
 
 
 def render_nsys_profile(rows: list[Row]) -> Rendered:
-    cells = _nsys_cells(rows)
+    main, mine, others = split_variants(_profiled(rows))
+    cells = _nsys_cells(mine)
     measured = _measured(cells)
     parts = []
     if cells:
@@ -367,18 +461,19 @@ def render_nsys_profile(rows: list[Row]) -> Rendered:
                                         + ("; not run" if c["cell"].get("oom_predicted") else "") + ")"
                                         if c["cell"].get("predicted_peak_bytes") else "")
                 for (s, n), c in cells.items() if c["cell"] and c["cell"]["status"] == OOM]
-        parts.append(f"torch.profiler kernel tables of one training step (AdamW) per cell: "
-                     f"{sample.get('attention', 'naive')} attention, {sample.get('precision', 'fp32')}, batch "
-                     f"{sample.get('batch_size')}." + (" " + _attribution_note(measured) if measured else "")
+        parts.append(f"torch.profiler kernel tables of one training step per cell: {main[0]} attention, "
+                     f"{ADAMW_NAMES[main[1]]}, {sample.get('precision', 'fp32')}, batch {sample.get('batch_size')}."
+                     + (" " + _attribution_note(measured) if measured else "")
                      + (f" Out of memory: {', '.join(ooms)}." if ooms else "") + "\n")
         if measured:
             parts += [_forward_time_section(measured, device), _top_kernel_section(measured),
                       _main_kernels_section(measured), _matmul_share_section(measured),
-                      _attention_section(measured), _kernel_tables_section(measured)]
+                      _attention_section(measured), _variant_section(main, measured, others),
+                      _kernel_tables_section(measured)]
         else:
             parts.append("No cell ran to completion.\n")
     parts.append(_nsys_section(rows))
-    return Rendered("\n".join(parts))
+    return Rendered("\n".join(p for p in parts if p))
 
 
 def _span(values: list[float], fmt: str = "{:.0%}") -> str:
@@ -409,7 +504,7 @@ def _cells_that_ran(rows: list[Row]) -> dict[tuple[str, int], dict]:
 
 
 def answer_nsys_profile(reports: Reports) -> list[str]:
-    rows = reports["nsys_profile"]
+    _, rows, _ = split_variants(_profiled(reports["nsys_profile"]))
     cells = _cells_that_ran(rows)
     if not cells:
         return [not_in_report("A profiled cell that ran to completion")]
@@ -424,7 +519,8 @@ def answer_nsys_profile(reports: Reports) -> list[str]:
         top = forward_kernels[0]
         other = next((k for k in forward_kernels if k.get("matmul") is False), None)
         sentences.append(
-            f"Kernel tables from torch.profiler ({sample['attention']} attention, {sample['precision']}, batch "
+            f"Kernel tables from torch.profiler ({sample['attention']} attention, "
+            f"{ADAMW_NAMES[sample.get('optimizer') or 'fused']}, {sample['precision']}, batch "
             f"{sample['batch_size']}); at {size}, context {context}, the top forward kernel is "
             f"`{short_name(top['kernel'], KERNEL_NAME_CHARS)}` ({'a matmul, ' if top.get('matmul') else ''}"
             f"{top['share']:.1%} of forward kernel time, {top['calls_per_instance']:g} launches per forward pass)"

@@ -192,7 +192,7 @@ def measure_training(make_setup: Callable[[nn.Module, torch.device], TrainingSet
 
 def ddp_adamw(model: nn.Module, device: torch.device) -> TrainingSetup:
     ddp = torch_ddp(model, device)
-    optimizer = adamw(ddp, LEARNING_RATE, fused=False)
+    optimizer = adamw(ddp, LEARNING_RATE, "foreach")
     return TrainingSetup(ddp, optimizer, lambda: optimizer_state_tensors(optimizer.state.values()),
                          collectives=lambda: {"all_reduce (DDP gradients)": _gradient_bytes(model)})
 

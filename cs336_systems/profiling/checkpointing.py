@@ -5,8 +5,11 @@ A plan is a tuple of items run in order. An int is a block run plainly: autograd
 activations for backward. A `Checkpoint` is a group of items run under torch.utils.checkpoint
 (non-reentrant): forward keeps only the group's input; in backward the group's forward runs again
 (with its own inner plan, so groups nest) and backward goes through the recomputed activations.
+`Sublayers` splits one block: its attention sublayer and its feed-forward sublayer (each with its
+residual addition) are checkpointed one at a time, a granularity below a block.
 
     apply_checkpointing(model, every_k(model.config.num_layers, 4))
+    apply_checkpointing(model, every_sublayer(model.config.num_layers))
     plan, cost = optimal_plan(48, block_bytes=a, boundary_bytes=b)
     apply_checkpointing(model, plan)
 
@@ -15,7 +18,10 @@ activations, which include its input), a checkpointed group keeps `b` (its input
 tensor). Backward visits items last to first; while it is inside item i, the items before it still
 hold what they kept, so a sequence peaks at max_i (kept by items before i + peak of item i). A plain
 block peaks at `a`; a group at `b` plus the peak of its inner sequence, recomputed. The first item
-inside a group shares its input with the group (one tensor), so it is not counted twice.
+inside a group shares its input with the group (one tensor), so it is not counted twice. A split
+block keeps its two sublayers' inputs (2 b) and peaks at the larger of b + a_ffn (the feed-forward
+sublayer recomputed, the attention sublayer's input held) and a_attn, where a_attn + a_ffn = a and
+each includes its sublayer's input.
 """
 
 from __future__ import annotations
@@ -38,14 +44,21 @@ class Checkpoint:
             raise ValueError("a checkpointed group needs at least one block")
 
 
-Item = int | Checkpoint
+@dataclass(frozen=True)
+class Sublayers:
+    """Block `block` run as its two residual sublayers, each checkpointed on its own."""
+    block: int
+
+
+Item = int | Checkpoint | Sublayers
 Plan = tuple[Item, ...]
 
 
 def blocks_of(items: Sequence[Item]) -> list[int]:
     """The block indices a plan runs, in order."""
     return [block for item in items
-            for block in (blocks_of(item.items) if isinstance(item, Checkpoint) else [item])]
+            for block in (blocks_of(item.items) if isinstance(item, Checkpoint) else
+                          [item.block] if isinstance(item, Sublayers) else [item])]
 
 
 def validate_plan(plan: Plan, num_layers: int) -> None:
@@ -64,12 +77,20 @@ def every_k(num_layers: int, k: int | None) -> Plan:
                  for start in range(0, num_layers, k))
 
 
+def every_sublayer(num_layers: int) -> Plan:
+    """Checkpoint each block's attention and feed-forward sublayers one at a time."""
+    return tuple(Sublayers(block) for block in range(num_layers))
+
+
 def describe(plan: Plan) -> str:
-    """Compact text of a plan: blocks as numbers, checkpointed groups in brackets; runs of plain
-    blocks and groups of consecutive blocks shortened to first-last."""
+    """Compact text of a plan: blocks as numbers, checkpointed groups in brackets, a block split into
+    its checkpointed sublayers as `{i}`; runs of plain blocks and groups of consecutive blocks
+    shortened to first-last."""
     def item_text(item: Item) -> str:
         if isinstance(item, int):
             return str(item)
+        if isinstance(item, Sublayers):
+            return f"{{{item.block}}}"
         blocks = blocks_of(item.items)
         if all(isinstance(i, int) for i in item.items) and len(blocks) > 2:
             return f"[{blocks[0]}-{blocks[-1]}]"
@@ -87,14 +108,21 @@ class PlanCost:
     recomputed_blocks: int  # block forwards run a second (or later) time during backward
 
 
-def _sequence_cost(items: Sequence[Item], a: float, b: float, input_held: bool) -> PlanCost:
+def _sequence_cost(items: Sequence[Item], a: float, b: float, input_held: bool,
+                   sublayers: tuple[float, float] | None) -> PlanCost:
     kept, peak, recomputed = 0.0, 0.0, 0
     for position, item in enumerate(items):
         shared = b if input_held and position == 0 else 0.0
         if isinstance(item, Checkpoint):
-            inner = _sequence_cost(item.items, a, b, input_held=True)
+            inner = _sequence_cost(item.items, a, b, True, sublayers)
             item_kept, item_peak = b - shared, b - shared + inner.peak_bytes
             recomputed += len(blocks_of(item.items)) + inner.recomputed_blocks
+        elif isinstance(item, Sublayers):
+            if sublayers is None:
+                raise ValueError("a plan that splits blocks into sublayers needs sublayer_bytes (a_attn, a_ffn)")
+            a_attn, a_ffn = sublayers
+            item_kept, item_peak = 2 * b - shared, max(b + a_ffn, a_attn) - shared
+            recomputed += 1
         else:
             item_kept = item_peak = a - shared
         peak = max(peak, kept + item_peak)
@@ -102,12 +130,18 @@ def _sequence_cost(items: Sequence[Item], a: float, b: float, input_held: bool) 
     return PlanCost(peak, kept, recomputed)
 
 
-def plan_cost(plan: Plan, block_bytes: float, boundary_bytes: float) -> PlanCost:
-    """Peak and kept activation memory of a plan, and its recomputation, under the module's model."""
+def plan_cost(plan: Plan, block_bytes: float, boundary_bytes: float,
+              sublayer_bytes: tuple[float, float] | None = None) -> PlanCost:
+    """Peak and kept activation memory of a plan, and its recomputation, under the module's model;
+    `sublayer_bytes` (a_attn, a_ffn, adding up to `block_bytes`) prices blocks split into sublayers."""
     if block_bytes < boundary_bytes:
         raise ValueError(f"a block keeps its input, so block_bytes ({block_bytes}) cannot be below "
                          f"boundary_bytes ({boundary_bytes})")
-    return _sequence_cost(plan, block_bytes, boundary_bytes, input_held=False)
+    if sublayer_bytes is not None and (min(sublayer_bytes) < boundary_bytes
+                                       or abs(sum(sublayer_bytes) - block_bytes) > 1e-9 * block_bytes):
+        raise ValueError(f"sublayer_bytes {sublayer_bytes} must each keep at least their input "
+                         f"({boundary_bytes}) and add up to block_bytes ({block_bytes})")
+    return _sequence_cost(plan, block_bytes, boundary_bytes, False, sublayer_bytes)
 
 
 def optimal_plan(num_layers: int, block_bytes: float, boundary_bytes: float,
@@ -179,9 +213,22 @@ def _run(items: Sequence[Item], blocks: Sequence[nn.Module], x: torch.Tensor) ->
     for item in items:
         if isinstance(item, Checkpoint):
             x = checkpoint(_run, item.items, blocks, x, use_reentrant=False)
+        elif isinstance(item, Sublayers):
+            block = blocks[item.block]
+            for sublayer in (block.attention_sublayer, block.ffn_sublayer):
+                x = checkpoint(sublayer, x, use_reentrant=False)
         else:
             x = blocks[item](x)
     return x
+
+
+def checkpoint_chain(blocks: Sequence[nn.Module], x: torch.Tensor) -> torch.Tensor:
+    """The memory-optimal plan (optimal_plan with no limit) as code: blocks[:-1] run as one checkpointed
+    group, nested the same way, and the last block plainly. Backward of block i recomputes blocks 0..i-1
+    from the input: one block's activations and one boundary alive, O(n^2) recomputed block forwards."""
+    if len(blocks) > 1:
+        x = checkpoint(checkpoint_chain, blocks[:-1], x, use_reentrant=False)
+    return blocks[-1](x)
 
 
 class CheckpointedStack(nn.Module):
@@ -212,7 +259,7 @@ class CheckpointedStack(nn.Module):
     def __iter__(self) -> Iterator[nn.Module | Callable[[torch.Tensor], torch.Tensor]]:
         blocks = self.blocks()
         for item in self.plan:
-            yield functools.partial(_run, (item,), blocks) if isinstance(item, Checkpoint) else blocks[item]
+            yield blocks[item] if isinstance(item, int) else functools.partial(_run, (item,), blocks)
 
     def extra_repr(self) -> str:
         return f"plan={describe(self.plan)}"
