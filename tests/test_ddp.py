@@ -389,11 +389,9 @@ def test_benchmark_reports_answer_from_the_rows(gpu_like_rows):
     assert "bucketed 10 MB 648.0 ms against 655.0 ms (-1.1%) | yes" in bucketed
     assert "bucketed 10 MB 648.0 ms against 620.0 ms (+4.5%) | yes" in bucketed
     assert "14.00 of 665.0 ms (2.1%)" in bucketed
-    # The report and the index quote the same fastest and slowest bucket sizes, in the same figures.
-    fastest = "fastest bucket size is 10 MB (648.0 ms per step, 9 ms"
-    assert fastest in bucketed and "the slowest is 1 MB (665.0 ms, 14.0 ms after backward)" in bucketed
+    # The index names the fastest and slowest bucket sizes, whose times the report's table holds.
     answer = " ".join(answer_ddp_overlap_bucketed({"ddp_bucketed_benchmarking": gpu_like_rows}))
-    assert fastest in answer and "the slowest 1 MB (665.0 ms)" in answer
+    assert "fastest bucket size is 10 MB (648.0 ms per step, 9 ms" in answer and "the slowest 1 MB (665.0 ms)" in answer
 
 
 def test_equivalence_reports_say_whether_each_wrapper_matched():
