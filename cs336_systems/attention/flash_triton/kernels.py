@@ -174,6 +174,9 @@ def forward_kernel(Q, K, V, O, L,
                    IS_CAUSAL: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     """One program per (batch x head, query tile): o and L for BLOCK_M queries."""
+    # A float argument is fp32 when Triton's own launcher passes it and fp64 when torch.compile's does:
+    # fp64 would spread through the scores into tl.dot, which refuses it.
+    qk_scale = tl.cast(qk_scale, tl.float32)
     pid_bh, batch, head, pid_m = _program_tile(n_queries, n_heads, BLOCK_M, True)
     q_start = pid_m * BLOCK_M
     o, lse2 = _attend_key_range(Q, K, V, batch, head, stride_qb, stride_qh, stride_qn, stride_kb, stride_kh, stride_kn,
@@ -230,6 +233,8 @@ def split_forward_kernel(Q, K, V, O, L, Partial, Arrivals,
     columns at a time over all RUNS (the grid's runs, unrolled, masked past this tile's): a chunk's
     loads are all in flight at once, within the registers a chunk needs.
     """
+    # fp32 scales, whichever launcher passed them (see forward_kernel).
+    qk_scale = tl.cast(qk_scale, tl.float32)
     pid_bh, batch, head, pid_m = _program_tile(n_queries, n_heads, BLOCK_M, True)
     split = tl.program_id(1)
     q_start = pid_m * BLOCK_M
@@ -329,6 +334,9 @@ def dkdv_kernel(Q, K, V, DO, L, Delta, DK, DV,
                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     """One program per (batch x head, key tile): dK and dV for BLOCK_N keys, in one pass over
     the queries that can see them."""
+    # fp32 scales, whichever launcher passed them (see forward_kernel).
+    qk_scale = tl.cast(qk_scale, tl.float32)
+    sm_scale = tl.cast(sm_scale, tl.float32)
     pid_bh, batch, head, pid_n = _program_tile(n_keys, n_heads, BLOCK_N, False)
     k_start = pid_n * BLOCK_N
     cols = k_start + tl.arange(0, BLOCK_N)
@@ -409,6 +417,9 @@ def dq_kernel(Q, K, V, O, DO, L, Delta, DQ,
     """One program per (batch x head, query tile): D = rowsum(dO * O) for its BLOCK_M queries,
     stored for the dK/dV kernel that runs next, then dQ, with the forward's loop structure
     (unmasked tiles below the diagonal, masked diagonal and tail tiles)."""
+    # fp32 scales, whichever launcher passed them (see forward_kernel).
+    qk_scale = tl.cast(qk_scale, tl.float32)
+    sm_scale = tl.cast(sm_scale, tl.float32)
     pid_bh, batch, head, pid_m = _program_tile(n_queries, n_heads, BLOCK_M, True)
     q_start = pid_m * BLOCK_M
     offs_m = q_start + tl.arange(0, BLOCK_M)
