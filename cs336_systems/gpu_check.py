@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import datetime as dt
 import json
+import os
 import re
 import shutil
 import subprocess
@@ -38,6 +39,10 @@ RECORD_NAME = "gpu_check"
 # workers fill Triton's on-disk cache, so that the one-process run after it compiles nothing. Idle
 # workers take queued tests from busy ones: a few drawn GPU tests take minutes each.
 PARALLEL_TESTS = ("tests/", "-n", "auto", "--dist", "worksteal")
+# A worker per core is one thread per core: left at torch's defaults, each worker also ran a thread and an
+# inductor compile process per core, and 16 workers on 16 cores took 557 s, with launches of 3 ranks
+# running past their deadline.
+ONE_THREAD_PER_WORKER = {"OMP_NUM_THREADS": "1", "TORCHINDUCTOR_COMPILE_THREADS": "1"}
 TESTS = ("tests/",)
 # Every launch path on every head dim and alignment, the split forward against the whole, misaligned
 # inputs: small explicit shapes (not the drawn examples), so that the sanitizer's slowdown stays in minutes.
@@ -98,13 +103,15 @@ def _pytest(arguments: tuple[str, ...], junit: Path, prefix: tuple[str, ...] = (
     `junit`, so that a run stopped from outside still shows which tests had finished."""
     command = (*prefix, sys.executable, "-m", "pytest", *arguments, "-v", "-rfE", "--durations=10",
                "-p", "no:cacheprovider", f"--junitxml={junit}")
+    environment = ONE_THREAD_PER_WORKER if "-n" in arguments else {}
     log = junit.with_suffix(".log")
     started = time.monotonic()
     with log.open("w") as stream:
-        stream.write(f"$ {' '.join(command)}\n")
+        stream.write(f"$ {_shell_prefix(environment)}{' '.join(command)}\n")
         stream.flush()
         try:
-            result = subprocess.run(command, stdout=stream, stderr=subprocess.STDOUT, timeout=RUN_TIMEOUT_S)
+            result = subprocess.run(command, stdout=stream, stderr=subprocess.STDOUT, timeout=RUN_TIMEOUT_S,
+                                    env={**os.environ, **environment})
             ending = f"pytest exited {result.returncode} without a report"
         except subprocess.TimeoutExpired:
             ending = f"stopped after {RUN_TIMEOUT_S} s"
@@ -112,8 +119,12 @@ def _pytest(arguments: tuple[str, ...], junit: Path, prefix: tuple[str, ...] = (
     sys.stdout.write(output[-6000:] + "\n")
     summary = parse_junit(junit) if junit.exists() else {"passed": 0, "failed": 0, "errors": 1, "skipped": 0,
                                                           "failures": [ending], "skip_reasons": {}}
-    pytest_command = " ".join(("python -m pytest", *arguments))
+    pytest_command = _shell_prefix(environment) + " ".join(("python -m pytest", *arguments))
     return {"command": pytest_command, "seconds": round(time.monotonic() - started), **summary}, output
+
+
+def _shell_prefix(environment: dict[str, str]) -> str:
+    return "".join(f"{name}={value} " for name, value in environment.items())
 
 
 TEST_RUNS = {"parallel tests": PARALLEL_TESTS, "tests": TESTS}
