@@ -118,7 +118,8 @@ def launch(fn: Callable[..., Any], world_size: int, *args: Any, device: str = "a
     return _spawn(fn, world_size, args, kwargs, device_type, timeout_s)
 
 
-def _init_rank(rank: int, world_size: int, device_type: str, timeout_s: float, store: dist.Store) -> None:
+def _init_rank(rank: int, world_size: int, device_type: str, timeout_s: float, store: dist.Store,
+               threads: int) -> None:
     """Join the process group, then wait for every rank to have joined; sets launch_store()."""
     global _store
     device_id = None
@@ -126,8 +127,8 @@ def _init_rank(rank: int, world_size: int, device_type: str, timeout_s: float, s
         device_id = torch.device("cuda", int(os.environ.get("LOCAL_RANK", rank)))
         torch.cuda.set_device(device_id)
     else:
-        # Ranks share the host's cores; without this each one starts a thread per core.
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
+        # Ranks share their launcher's cores (`threads` each); left alone each starts a thread per core.
+        torch.set_num_threads(threads)
     dist.init_process_group(
         backend_for(device_type),
         store=store,
@@ -169,7 +170,7 @@ def _run_in_place(fn, world_size, args, kwargs, device_type, timeout_s) -> list[
     # torchrun's store (its agent's, or one that rank 0 hosts), as init_process_group("env://") finds it.
     store, _, _ = next(dist.rendezvous("env://", rank, env_world_size, timeout=dt.timedelta(seconds=timeout_s)))
     try:
-        _init_rank(rank, env_world_size, device_type, timeout_s, store)
+        _init_rank(rank, env_world_size, device_type, timeout_s, store, max(1, (os.cpu_count() or 1) // env_world_size))
         result = fn(rank, env_world_size, *args, **kwargs)
         gathered: list[Any] = [None] * env_world_size
         dist.all_gather_object(gathered, result)
@@ -185,11 +186,11 @@ def _leave() -> None:
         dist.destroy_process_group()
 
 
-def _worker(rank, world_size, port, fn, args, kwargs, device_type, timeout_s, results) -> None:
+def _worker(rank, world_size, port, fn, args, kwargs, device_type, timeout_s, threads, results) -> None:
     try:
         store = dist.TCPStore("127.0.0.1", port, world_size=None, is_master=False,
                               timeout=dt.timedelta(seconds=timeout_s))
-        _init_rank(rank, world_size, device_type, timeout_s + EXIT_GRACE_S, store)
+        _init_rank(rank, world_size, device_type, timeout_s + EXIT_GRACE_S, store, threads)
         payload = pickle.dumps(fn(rank, world_size, *args, **kwargs))
         results.put((rank, "ok", payload))
     except BaseException:
@@ -204,9 +205,13 @@ def _spawn(fn, world_size, args, kwargs, device_type, timeout_s) -> list[Any]:
     # Port 0: the OS picks a free port and the store keeps it bound, so nothing can take it.
     store = dist.TCPStore("127.0.0.1", 0, world_size=None, is_master=True,
                           timeout=dt.timedelta(seconds=timeout_s), wait_for_workers=False)
+    # The ranks share the threads this process was given (OMP_NUM_THREADS, or a core each): a launch from
+    # one of several test workers must not start a thread per core in every rank.
+    ranks_threads = max(1, torch.get_num_threads() // world_size)
     processes = [
         context.Process(target=_worker, daemon=True,
-                        args=(rank, world_size, store.port, fn, args, kwargs, device_type, timeout_s, results))
+                        args=(rank, world_size, store.port, fn, args, kwargs, device_type, timeout_s,
+                              ranks_threads, results))
         for rank in range(world_size)
     ]
     for process in processes:
