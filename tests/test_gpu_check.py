@@ -110,14 +110,20 @@ def test_junit_counts_outcomes_failures_and_skip_reasons(tmp_path):
     assert summary["skip_reasons"] == {"needs 2 CUDA GPUs, 1 present": 1}
 
 
-def test_shards_deal_every_test_file_into_exactly_one_run():
+def test_shards_deal_every_test_file_but_the_evidence_tests_into_exactly_one_run():
     tests_dir = Path(__file__).parent
-    every = sorted(str(path) for path in tests_dir.glob("test_*.py"))
+    every = sorted(str(path) for path in tests_dir.glob("test_*.py") if path.name != gpu_check.EVIDENCE_TESTS)
+    assert len(every) == len(list(tests_dir.glob("test_*.py"))) - 1
     for n in (1, 2, 3):
         dealt = [file for k in range(1, n + 1) for file in gpu_check.shard_files(k, n, tests_dir)]
         assert sorted(dealt) == every
     assert gpu_check.shard("tests:2/3") == (2, 3)
     assert [gpu_check.shard(part) for part in ("tests:0/2", "tests:3/2", "tests", "memcheck")] == [None] * 4
+
+
+def test_whole_suite_runs_leave_out_the_tests_of_the_record_they_replace():
+    for arguments in (gpu_check.TESTS, gpu_check.PARALLEL_TESTS):
+        assert arguments[:3] == ("tests/", "--ignore", f"tests/{gpu_check.EVIDENCE_TESTS}")
 
 
 def test_a_split_suite_counts_only_when_every_run_of_one_split_is_there():
