@@ -81,7 +81,8 @@ def _cmd_e2e(args) -> None:
     from cs336_systems.clocks import CLOCK_COLUMNS
     from cs336_systems.gpus import resolve_gpu
     from cs336_systems.model import use_size_table
-    from cs336_systems.reports import OOM, oom_note, oom_text
+    from cs336_systems.reports import oom_note, oom_text
+    from cs336_systems.rows import OOM
 
     if args.size_table:
         use_size_table(args.size_table)

@@ -27,7 +27,7 @@ from pathlib import Path
 
 import torch
 
-from cs336_systems.reports import OOM, Row
+from cs336_systems.rows import OOM, Row
 
 # The estimates leave out allocator rounding and fragmentation, library workspaces and the
 # interpreter's own memory: a cell whose estimate needs more than this share of what is free is not

@@ -37,13 +37,13 @@ from cs336_systems.reports import (
     Metadata,
     Report,
     Reports,
-    Row,
     listing,
     markdown_table,
     metadata_path,
     read_rows,
     shown_figures,
 )
+from cs336_systems.rows import Row
 
 INDEX_FILE = "README.md"
 INDEX_COMMAND = "python -m cs336_systems index"

@@ -32,11 +32,9 @@ import torch
 from tabulate import tabulate
 
 from cs336_systems.provenance import PACKAGE_ROOT, package_source_hash
-from cs336_systems.rows import LONG_COLUMNS, from_long, to_long
+from cs336_systems.rows import LONG_COLUMNS, OOM, Row, from_long, to_long
 
-Row = dict[str, Any]
 Reports = dict[str, list[Row]]  # report name -> its rows, for the reports of a problem that exist
-OOM = "OOM"
 # A cell the memory model said would not fit was never started: tables say so, not just OOM.
 PREDICTED_OOM = "OOM (predicted, not run)"
 # A cell whose std is above this share of its mean varied too much between repetitions to be read as
@@ -257,23 +255,6 @@ def find(rows: Iterable[Row], **equal: Any) -> Row | None:
     """The first row that `select` would return, or None."""
     found = select(rows, **equal)
     return found[0] if found else None
-
-
-def ok_rows(rows: Iterable[Row]) -> list[Row]:
-    """The rows of cells that ran (status "ok"), not those that ran out of memory or were not run."""
-    return [row for row in rows if row.get("status") == "ok"]
-
-
-def unmeasured(rows: Iterable[Row], *columns: str) -> list[str]:
-    """Each of `columns` that a row with status "ok" holds as anything but a positive, finite number
-    (a time or a size that was never measured, or measured wrongly), as "column = value in row".
-    Empty when every ok row has them all; rows of any other status are not looked at."""
-    return [f"{column} = {row.get(column)!r} in {row}" for row in rows if row.get("status") == "ok"
-            for column in columns if not _positive_finite(row.get(column))]
-
-
-def _positive_finite(value: Any) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) and value > 0
 
 
 def device_description(device: torch.device | str | None = None) -> str:

@@ -1,7 +1,10 @@
-"""The long-format row contract of every report's CSV: one row per measured number.
+"""The rows that benchmarks return and reports render, and the long format of every report's CSV.
 
-A measuring function returns records, flat dicts of strings, numbers, booleans and None, one per
-measured cell. On disk each record becomes long rows with the columns LONG_COLUMNS:
+A measuring function returns rows, flat dicts of strings, numbers, booleans and None, one per measured
+cell (a record); the reports package renders them. A cell that ran has status "ok" (`ok_rows`); one that
+ran out of memory, or that the memory model said would not fit, has status OOM (cs336_systems.memory_guard).
+
+On disk each record becomes long rows with the columns LONG_COLUMNS:
 
     cell, run, device, dtype, shape, variant, status, statistic, value, unit
 
@@ -27,8 +30,17 @@ import json
 from collections.abc import Iterable, Sequence
 from typing import Any
 
-Record = dict[str, Any]
+Row = dict[str, Any]  # a measured cell: column -> value
 LongRow = dict[str, str]  # LONG_COLUMNS -> the text of a CSV cell
+
+# The status of a cell that ran out of memory, or that the memory model said would not fit and so never ran.
+OOM = "OOM"
+
+
+def ok_rows(rows: Iterable[Row]) -> list[Row]:
+    """The rows of cells that ran (status "ok"), not those that ran out of memory or were not run."""
+    return [row for row in rows if row.get("status") == "ok"]
+
 
 LONG_COLUMNS = ("cell", "run", "device", "dtype", "shape", "variant", "status", "statistic", "value", "unit")
 
@@ -78,7 +90,7 @@ def statistic_column(statistic: str, unit: str) -> str:
     return statistic + _SUFFIX_OF_UNIT[unit]
 
 
-def to_long(records: Sequence[Record]) -> list[LongRow]:
+def to_long(records: Sequence[Row]) -> list[LongRow]:
     """The long rows of `records`: one per statistic of each record, or one for a record without any.
 
     An empty (None) value is left out, except in a column that no record has a value for: there every
@@ -89,7 +101,7 @@ def to_long(records: Sequence[Record]) -> list[LongRow]:
     return [row for cell, record in enumerate(records) for row in _cell_rows(cell, record, valued, empty)]
 
 
-def _cell_rows(cell: int, record: Record, valued: set[str], empty: dict[str, None]) -> list[LongRow]:
+def _cell_rows(cell: int, record: Row, valued: set[str], empty: dict[str, None]) -> list[LongRow]:
     record = {column: value for column, value in record.items() if value is not None} | empty
     run = record.pop("run") if _is_int(record.get("run")) else ""
     device = record.pop("device") if _is_text(record.get("device")) else ""
@@ -112,7 +124,7 @@ def _cell_rows(cell: int, record: Record, valued: set[str], empty: dict[str, Non
             for column, value in statistics.items()]
 
 
-def _dtype_column(record: Record, valued: set[str]) -> str | None:
+def _dtype_column(record: Row, valued: set[str]) -> str | None:
     """The first dtype column that holds text; none where a dtype column before it is one that the
     record lacks and no record has a value in (naming it as null would add a column)."""
     for column in DTYPE_COLUMNS:
@@ -123,7 +135,7 @@ def _dtype_column(record: Record, valued: set[str]) -> str | None:
     return None
 
 
-def from_long(rows: Iterable[LongRow]) -> list[Record]:
+def from_long(rows: Iterable[LongRow]) -> list[Row]:
     """The records that `to_long` made `rows` from, each with every column of them all (None where a
     record has none), in the order: device, dtype, shape, variant, status, statistics, run."""
     cells: dict[str, list[LongRow]] = {}
@@ -134,11 +146,11 @@ def from_long(rows: Iterable[LongRow]) -> list[Record]:
     return [{column: record.get(column) for column in columns} for record in records]
 
 
-def _record(rows: list[LongRow]) -> Record:
+def _record(rows: list[LongRow]) -> Row:
     first = rows[0]
     shape, variant = _unjson(first["shape"]), _unjson(first["variant"])
     statistics = {statistic_column(r["statistic"], r["unit"]): _parse_number(r["value"]) for r in rows if r["value"]}
-    record: Record = {"device": first["device"]} if first["device"] else {}
+    record: Row = {"device": first["device"]} if first["device"] else {}
     if first["dtype"]:
         named = shape | variant | statistics
         record[next(c for c in DTYPE_COLUMNS if c not in named)] = first["dtype"]
@@ -164,11 +176,11 @@ def _is_number(value: Any) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
-def _json(columns: Record) -> str:
+def _json(columns: Row) -> str:
     return json.dumps(columns, separators=(",", ":"), ensure_ascii=False) if columns else ""
 
 
-def _unjson(text: str) -> Record:
+def _unjson(text: str) -> Row:
     return json.loads(text) if text else {}
 
 

@@ -12,9 +12,9 @@ from cs336_systems.benchmarks.allreduce import (
     allreduce_sweep,
     gloo_sizes,
 )
-from cs336_systems.cells import require_some_ran
+from cs336_systems.cells import require_some_ran, unmeasured
 from cs336_systems.distributed.launch import launch
-from cs336_systems.reports import OOM, unmeasured
+from cs336_systems.rows import OOM
 
 PROBLEM = "distributed_communication_single_node"
 # 1 GB over gloo on 6 ranks takes about a second per all-reduce; a hang ends here instead.

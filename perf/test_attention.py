@@ -4,9 +4,9 @@ compiled, timed forward and backward over head dimension x sequence length, one 
 import pytest
 
 from cs336_systems.benchmarks.attention import HEAD_DIMS, SEQ_LENS, AttentionCell, benchmark_attention
-from cs336_systems.cells import require_some_ran
+from cs336_systems.cells import require_some_ran, unmeasured
 from cs336_systems.pytest_plugin import settings
-from cs336_systems.reports import OOM, unmeasured
+from cs336_systems.rows import OOM
 
 # CPU runs a small version of the sweep: a few passes over tiny shapes, seconds in all (each compiled
 # cell still pays a few seconds of compilation).

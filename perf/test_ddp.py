@@ -23,10 +23,10 @@ from cs336_systems.benchmarks.ddp import (
     equivalence_failures,
     variant_label,
 )
-from cs336_systems.cells import require_some_ran
+from cs336_systems.cells import require_some_ran, unmeasured
 from cs336_systems.distributed.launch import launch
 from cs336_systems.profiling.timeline import plot_timeline
-from cs336_systems.reports import OOM, unmeasured
+from cs336_systems.rows import OOM
 
 GPU_CONFIG = DDPBenchmarkConfig()
 CPU_CONFIG = DDPBenchmarkConfig(size="tiny", context_length=32, batch_size=2, warmup=1, steps=3,

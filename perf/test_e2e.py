@@ -25,10 +25,10 @@ from cs336_systems.benchmarks.mixed_precision import (
     autocast_dtypes_experiment,
     normalization_precision_experiment,
 )
-from cs336_systems.cells import require_some_ran
+from cs336_systems.cells import require_some_ran, unmeasured
 from cs336_systems.model import size_order
 from cs336_systems.pytest_plugin import settings
-from cs336_systems.reports import OOM, unmeasured
+from cs336_systems.rows import OOM
 
 GPU_CONTEXTS = (128, 256, 512, 1024)
 CPU_CONTEXTS = (32, 64)

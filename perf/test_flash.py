@@ -32,9 +32,9 @@ from cs336_systems.benchmarks.flash_in_training import (
     kernel_cell_of,
     training_steps,
 )
-from cs336_systems.cells import require_some_ran
+from cs336_systems.cells import require_some_ran, unmeasured
 from cs336_systems.pytest_plugin import settings
-from cs336_systems.reports import OOM, unmeasured
+from cs336_systems.rows import OOM
 
 PROBLEM = "flash_benchmarking"
 # What an ok row of do_bench (GPU) or the host clock (CPU) measured.

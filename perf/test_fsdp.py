@@ -12,10 +12,10 @@ from cs336_systems.baselines import at_world_size, within
 from cs336_systems.benchmarks.ddp import equivalence_failures
 from cs336_systems.benchmarks.fsdp import OURS, TORCH_FSDP, VARIANTS, fsdp_problems, timeline_intervals
 from cs336_systems.benchmarks.sharding import ShardingBenchmarkConfig
-from cs336_systems.cells import require_some_ran
+from cs336_systems.cells import require_some_ran, unmeasured
 from cs336_systems.distributed.launch import launch
 from cs336_systems.profiling.timeline import plot_timeline
-from cs336_systems.reports import OOM, unmeasured
+from cs336_systems.rows import OOM
 
 GPU_CONFIG = ShardingBenchmarkConfig()
 CPU_CONFIG = ShardingBenchmarkConfig(size="tiny", context_length=32, batch_size=2, warmup=1, steps=3)

@@ -27,9 +27,9 @@ from cs336_systems.benchmarks.memory_profiling import (
     render_snapshot_timelines,
     timeline_file_name,
 )
-from cs336_systems.cells import require_some_ran
+from cs336_systems.cells import require_some_ran, unmeasured
 from cs336_systems.model import ModelConfig
-from cs336_systems.reports import OOM, unmeasured
+from cs336_systems.rows import OOM
 
 CPU_MEMORY_CONFIG = dict(size="tiny", contexts=(16, 32), batch_size=2)
 # Each handout's memory_profiling model and contexts, by size table.

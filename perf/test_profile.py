@@ -22,10 +22,10 @@ from cs336_systems.benchmarks.nsys_profile import (
     profile_training_step,
     profiled_contexts,
 )
-from cs336_systems.cells import require_some_ran
+from cs336_systems.cells import require_some_ran, unmeasured
 from cs336_systems.model import size_order
 from cs336_systems.pytest_plugin import settings
-from cs336_systems.reports import OOM, unmeasured
+from cs336_systems.rows import OOM
 
 GPU_SIZES = ("small", "xl")
 CPU_CONTEXTS = (16, 32)

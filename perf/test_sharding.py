@@ -10,10 +10,10 @@ import pytest
 
 from cs336_systems.baselines import at_world_size, within
 from cs336_systems.benchmarks.sharding import VARIANTS, ShardingBenchmarkConfig, optimizer_sharding_problems
-from cs336_systems.cells import require_some_ran
+from cs336_systems.cells import require_some_ran, unmeasured
 from cs336_systems.distributed.launch import launch
 from cs336_systems.distributed.sharded_optimizer import SYNC_METHODS
-from cs336_systems.reports import OOM, unmeasured
+from cs336_systems.rows import OOM
 
 GPU_CONFIG = ShardingBenchmarkConfig()
 CPU_CONFIG = ShardingBenchmarkConfig(size="tiny", context_length=32, batch_size=2, warmup=1, steps=3)

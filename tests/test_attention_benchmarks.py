@@ -22,7 +22,8 @@ from cs336_systems.benchmarks import flash as flash_bench
 from cs336_systems.benchmarks.attention import AttentionCell, attention_sweep, benchmark_attention
 from cs336_systems.benchmarks.flash import UNSUPPORTED, BenchSettings, FlashCell, benchmark_flash_cell
 from cs336_systems.profiling.memory import peak_memory_increase
-from cs336_systems.reports import OOM, read_rows, rerender, write_report
+from cs336_systems.reports import read_rows, rerender, write_report
+from cs336_systems.rows import OOM
 
 FLASH_REPORT = problems.report("flash_benchmarking")
 

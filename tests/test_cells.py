@@ -1,9 +1,10 @@
-"""A perf test whose cells all failed to run fails, saying what became of them (cs336_systems.cells)."""
+"""A perf test whose cells all failed to run fails, saying what became of them, and one whose cells ran has
+measured every number it promises (cs336_systems.cells)."""
 
 import pytest
 
-from cs336_systems.cells import require_some_ran
-from cs336_systems.reports import OOM
+from cs336_systems.cells import require_some_ran, unmeasured
+from cs336_systems.rows import OOM
 
 
 def test_one_cell_that_ran_is_enough():
@@ -21,3 +22,15 @@ def test_cells_none_of_which_ran_fail_naming_their_statuses(rows, said):
     with pytest.raises(AssertionError) as raised:
         require_some_ran(rows, "the variants")
     assert str(raised.value) == said
+
+
+@pytest.mark.parametrize("value", [0.0, -1.0, float("nan"), float("inf"), None, True, "12"])
+def test_an_ok_row_without_a_positive_finite_measurement_is_unmeasured(value):
+    rows = [{"status": "ok", "ms": 1.5, "bytes": 4096}, {"status": "ok", "ms": value, "bytes": 4096}]
+    assert unmeasured(rows, "ms", "bytes") == [f"ms = {value!r} in {rows[1]}"]
+
+
+def test_only_ok_rows_need_measurements():
+    rows = [{"status": OOM, "ms": None}, {"status": "unsupported"}, {"status": "ok", "ms": 0.25}]
+    assert unmeasured(rows, "ms") == []
+    assert unmeasured([{"status": "ok"}], "ms") == ["ms = None in {'status': 'ok'}"]

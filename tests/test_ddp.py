@@ -39,7 +39,7 @@ from cs336_systems.profiling.timeline import (
     intervals_from_events,
     plot_timeline,
 )
-from cs336_systems.reports import OOM
+from cs336_systems.rows import OOM
 from tests import adapters
 from tests.common import (
     CheckOutcome,

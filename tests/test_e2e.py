@@ -14,8 +14,10 @@ from cs336_systems.__main__ import main
 from cs336_systems.benchmarks import e2e
 from cs336_systems.benchmarks.e2e import E2EConfig, benchmark_model
 from cs336_systems.benchmarks.harness import timed_step
+from cs336_systems.cells import unmeasured
 from cs336_systems.memory_guard import MemoryCheck
-from cs336_systems.reports import OOM, format_bytes, unmeasured
+from cs336_systems.reports import format_bytes
+from cs336_systems.rows import OOM
 
 
 def test_train_mode_reports_every_phase():

@@ -8,7 +8,7 @@ from cs336_systems.benchmarks.flash_in_training import (
     render_flash_in_training,
     training_steps,
 )
-from cs336_systems.reports import OOM
+from cs336_systems.rows import OOM
 
 
 def test_the_kernel_cell_is_the_attention_call_of_the_training_step():

@@ -24,7 +24,7 @@ from cs336_systems.profiling.kernels import (
     short_name,
 )
 from cs336_systems.profiling.ranges import annotate
-from cs336_systems.reports import OOM
+from cs336_systems.rows import OOM
 
 # The tiny model: 2 blocks of 7 Linears each, plus the LM head.
 LINEARS_PER_FORWARD = 2 * 7 + 1

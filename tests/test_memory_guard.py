@@ -12,7 +12,7 @@ from cs336_systems.benchmarks.attention import AttentionCell, benchmark_attentio
 from cs336_systems.benchmarks.e2e import E2EConfig, benchmark_model, memory_estimate
 from cs336_systems.benchmarks.flash import FlashCell, benchmark_flash_cell
 from cs336_systems.memory_guard import FIT_SHARE, MemoryCheck, check_memory, is_out_of_memory
-from cs336_systems.reports import OOM
+from cs336_systems.rows import OOM
 
 GIB = 2**30
 

@@ -27,7 +27,7 @@ from cs336_systems.profiling.memory import (
     source_frame,
     write_snapshot,
 )
-from cs336_systems.reports import OOM
+from cs336_systems.rows import OOM
 
 # ---------------------------------------------------------------------------------------- snapshots
 

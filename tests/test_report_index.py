@@ -22,7 +22,6 @@ from cs336_systems.report_index import (
 )
 from cs336_systems.reports import (
     Metadata,
-    Row,
     RunRecord,
     header,
     metadata_path,
@@ -32,6 +31,7 @@ from cs336_systems.reports import (
     span,
     write_csv,
 )
+from cs336_systems.rows import Row
 
 RUN_DATE = "2030-01-02 03:04 UTC"
 

@@ -25,18 +25,8 @@ import torch.distributed as dist
 from cs336_systems.distributed.launch import rank_device
 from cs336_systems.gpus import MB, spec_for_device_name
 from cs336_systems.memory_guard import check_memory_on_every_rank
-from cs336_systems.reports import (
-    OOM,
-    Rendered,
-    Reports,
-    Row,
-    format_ms,
-    listing,
-    markdown_table,
-    not_in_report,
-    pivot,
-    select,
-)
+from cs336_systems.reports import Rendered, Reports, format_ms, listing, markdown_table, not_in_report, pivot, select
+from cs336_systems.rows import OOM, Row
 from cs336_systems.timing import STEP_TIMER, synchronize, timed
 
 GB = 10**9

@@ -31,21 +31,19 @@ from cs336_systems.benchmarks import e2e
 from cs336_systems.benchmarks.harness import release_memory
 from cs336_systems.memory_guard import check_memory, is_out_of_memory
 from cs336_systems.reports import (
-    OOM,
     Rendered,
     Reports,
-    Row,
     SpeedUps,
     format_bytes,
     format_ms,
     markdown_table,
     mean_std,
     not_in_report,
-    ok_rows,
     plural,
     select,
     speedup_text,
 )
+from cs336_systems.rows import OOM, Row, ok_rows
 from cs336_systems.timing import STEP_TIMER, Timings, synchronize, time_fn, timed
 
 BATCH_SIZE = 8

@@ -43,7 +43,6 @@ from cs336_systems.reports import (
     Rendered,
     Report,
     Reports,
-    Row,
     find,
     format_share,
     markdown_table,
@@ -51,6 +50,7 @@ from cs336_systems.reports import (
     select,
     write_closed_form,
 )
+from cs336_systems.rows import Row
 
 PROBLEM = "communication_accounting"
 MS, US = 1e3, 1e6  # seconds -> milliseconds, microseconds

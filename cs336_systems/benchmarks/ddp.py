@@ -78,19 +78,17 @@ from cs336_systems.model import ModelConfig, TransformerLM
 from cs336_systems.profiling.kernels import device_profile
 from cs336_systems.profiling.timeline import COMPUTE, CPU_COMPUTE_ROW, communication_summary, load_intervals
 from cs336_systems.reports import (
-    OOM,
     Rendered,
     Reports,
-    Row,
     find,
     format_ms,
     format_share,
     markdown_table,
     mean_std,
     not_in_report,
-    ok_rows,
     select,
 )
+from cs336_systems.rows import OOM, Row, ok_rows
 from cs336_systems.timing import STEP_TIMER
 
 log = logging.getLogger(__name__)

@@ -51,10 +51,8 @@ from cs336_systems.profiling.ranges import annotate
 from cs336_systems import reports
 from cs336_systems.reports import (
     NOISY_RELATIVE_STD,
-    OOM,
     Rendered,
     Reports,
-    Row,
     SpeedUps,
     find,
     format_ms,
@@ -63,12 +61,12 @@ from cs336_systems.reports import (
     is_noisy,
     listing,
     not_in_report,
-    ok_rows,
     plural,
     select,
     span,
     speedup_text,
 )
+from cs336_systems.rows import OOM, Row, ok_rows
 from cs336_systems.timing import STEP_TIMER, StepTimer, Timings
 
 MODES = ("forward", "forward_backward", "train")

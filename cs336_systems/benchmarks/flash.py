@@ -53,18 +53,16 @@ from cs336_systems.benchmarks.harness import release_memory
 from cs336_systems.memory_guard import available_bytes, is_out_of_memory
 from cs336_systems.reports import (
     NOISY,
-    OOM,
     Rendered,
     Reports,
-    Row,
     format_ms,
     is_noisy,
     markdown_table,
     not_in_report,
-    ok_rows,
     oom_text,
     select,
 )
+from cs336_systems.rows import OOM, Row, ok_rows
 from cs336_systems.timing import issue_times, time_fn
 
 SEQ_LENS = tuple(2**p for p in range(7, 17))  # 128 ... 65536

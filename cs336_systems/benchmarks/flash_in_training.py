@@ -31,7 +31,8 @@ from cs336_systems.benchmarks.harness import (
     training_step,
 )
 from cs336_systems.model import ModelConfig
-from cs336_systems.reports import OOM, Rendered, Row, markdown_table
+from cs336_systems.reports import Rendered, markdown_table
+from cs336_systems.rows import OOM, Row
 from cs336_systems.timing import STEP_TIMER, time_fn
 
 ATTENTIONS = ("sdpa", "flash_triton")

@@ -62,16 +62,8 @@ from cs336_systems.distributed.launch import rank_device
 from cs336_systems.model import ModelConfig
 from cs336_systems.profiling.kernels import device_profile
 from cs336_systems.profiling.timeline import COMPUTE, PHASE, Interval, intervals_from_events
-from cs336_systems.reports import (
-    Rendered,
-    Reports,
-    Row,
-    format_ms,
-    markdown_table,
-    not_in_report,
-    plural,
-    select,
-)
+from cs336_systems.reports import Rendered, Reports, format_ms, markdown_table, not_in_report, plural, select
+from cs336_systems.rows import Row
 from cs336_systems.timing import synchronize
 
 STEP_PHASES = ("forward", "backward", "optimizer")

@@ -39,21 +39,19 @@ from cs336_systems.profiling.checkpointing import (
 )
 from cs336_systems.profiling.memory import peak_memory_increase
 from cs336_systems.reports import (
-    OOM,
     Rendered,
     Reports,
-    Row,
     find,
     format_bytes,
     format_ratio,
     listing,
     markdown_table,
     not_in_report,
-    ok_rows,
     plural,
     select,
     span,
 )
+from cs336_systems.rows import OOM, Row, ok_rows
 from cs336_systems.timing import STEP_TIMER, timed
 
 # The 2026 handout's gradient_checkpointing (b): xl at batch 4 and this sequence length.

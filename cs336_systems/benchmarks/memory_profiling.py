@@ -54,19 +54,17 @@ from cs336_systems.profiling.memory import (
 )
 from cs336_systems.profiling.residuals import block_memory
 from cs336_systems.reports import (
-    OOM,
     UNRECORDED_SIZE_TABLE,
     Rendered,
     Reports,
-    Row,
     format_bytes,
     format_share,
     listing,
     markdown_table,
     not_in_report,
-    ok_rows,
     select,
 )
+from cs336_systems.rows import OOM, Row, ok_rows
 
 MEMORY_MODES = ("inference", "train_step")
 # The 2026 handout's memory_profiling contexts (for its xl).

@@ -8,7 +8,8 @@ import math
 import torch
 from torch import nn
 
-from cs336_systems.reports import Rendered, Reports, Row, not_in_report
+from cs336_systems.reports import Rendered, Reports, not_in_report
+from cs336_systems.rows import Row
 
 ACCUMULATION_STEPS = 1000
 ADDEND = 0.01

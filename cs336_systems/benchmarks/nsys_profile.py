@@ -48,10 +48,8 @@ from cs336_systems.model import ModelConfig, size_order
 from cs336_systems.profiling.kernels import device_profile, kernel_tables, merge_tables, short_name
 from cs336_systems.profiling.ranges import annotate
 from cs336_systems.reports import (
-    OOM,
     Rendered,
     Reports,
-    Row,
     format_bytes,
     format_share,
     listing,
@@ -63,6 +61,7 @@ from cs336_systems.reports import (
     select,
     span,
 )
+from cs336_systems.rows import OOM, Row
 from cs336_systems.timing import STEP_TIMER
 
 STEP_RANGE = "step"

@@ -37,7 +37,6 @@ from cs336_systems.reports import (
     Rendered,
     Report,
     Reports,
-    Row,
     find,
     format_ms,
     markdown_table,
@@ -45,6 +44,7 @@ from cs336_systems.reports import (
     select,
     write_closed_form,
 )
+from cs336_systems.rows import Row
 
 PROBLEMS = ("alternate_ring_all_reduce", "data_parallel_calcs", "fsdp_calcs", "tp_calcs", "fsdp_tp_calcs")
 ANALYSIS_COMMAND = "python -m cs336_systems analysis"

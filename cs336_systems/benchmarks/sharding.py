@@ -49,19 +49,17 @@ from cs336_systems.memory_guard import check_memory_on_every_rank, is_out_of_mem
 from cs336_systems.model import ModelConfig
 from cs336_systems.profiling.ranges import annotate
 from cs336_systems.reports import (
-    OOM,
     Rendered,
     Reports,
-    Row,
     format_ms,
     format_share,
     markdown_table,
     mean_std,
     not_in_report,
-    ok_rows,
     select,
     span,
 )
+from cs336_systems.rows import OOM, Row, ok_rows
 from cs336_systems.timing import STEP_TIMER, synchronize
 
 @dataclass(frozen=True)
