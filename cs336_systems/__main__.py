@@ -153,7 +153,7 @@ def _cmd_analysis(args) -> None:
 
 
 def _cmd_index(args) -> None:
-    from cs336_systems.report_index import INDEX_COMMAND, write_indexes
+    from cs336_systems.reports.index import INDEX_COMMAND, write_indexes
 
     for path in write_indexes(*_reports_root(args, INDEX_COMMAND)):
         print(path)

@@ -390,7 +390,9 @@ def pytest_sessionfinish(session: pytest.Session) -> None:
     run = settings(config)
     if not run.staging_dir.exists():
         return
-    from cs336_systems import baselines, problems, report_index, reports
+    from cs336_systems import baselines, reports
+    from cs336_systems.reports import problems
+    from cs336_systems.reports.index import index_path, write_index
 
     written, errors = [], []
     staged = sorted(run.staging_dir.glob("*.jsonl"))
@@ -410,9 +412,9 @@ def pytest_sessionfinish(session: pytest.Session) -> None:
     written = list(dict.fromkeys(written))  # a staged plot that a kept report already showed is listed once
     if written:  # the index of this run's kind of device answers from its reports, this run's included
         try:
-            written.append(report_index.write_index(run.report_root, cpu=not run.on_gpu))
+            written.append(write_index(run.report_root, cpu=not run.on_gpu))
         except Exception as error:
-            errors.append(f"{report_index.index_path(run.report_root, cpu=not run.on_gpu)}: "
+            errors.append(f"{index_path(run.report_root, cpu=not run.on_gpu)}: "
                           f"{type(error).__name__}: {error}")
     ratios = {r["name"]: r["ratio"] for f in staged if f.name.startswith(f"{_BASELINES_STAGE}.")
               for r in map(json.loads, f.read_text().splitlines())}

@@ -13,7 +13,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from cs336_systems import problems
+from cs336_systems.reports import problems
 from cs336_systems.accounting.attention import attention_flops, naive_attention_memory
 from cs336_systems.attention.flash_triton import INTERPRETED
 from cs336_systems.attention.reference import naive_attention

@@ -9,7 +9,7 @@ import torch.nn.functional as F
 from torch.autograd import DeviceType
 from torch.autograd.profiler_util import FunctionEvent
 
-from cs336_systems import problems
+from cs336_systems.reports import problems
 from cs336_systems.benchmarks.nsys_profile import ATTENTION_RANGES, ProfileConfig, profile_training_step
 from cs336_systems.model import ModelConfig, TransformerLM
 from cs336_systems.profiling.kernels import (

@@ -6,7 +6,7 @@ import weakref
 import pytest
 import torch
 
-from cs336_systems import problems
+from cs336_systems.reports import problems
 from cs336_systems.benchmarks import memory_profiling
 from cs336_systems.benchmarks.gradient_checkpointing import CheckpointSweepConfig, checkpoint_sweep
 from cs336_systems.benchmarks.memory_profiling import MemoryProfileConfig, memory_profile

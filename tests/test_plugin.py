@@ -152,7 +152,7 @@ def test_a_report_that_cannot_be_written_fails_the_run_leaves_nothing_and_keeps_
 
 
 def test_a_cpu_run_that_writes_reports_rebuilds_its_own_index_and_leaves_the_gpu_index_alone(pytester):
-    from cs336_systems.report_index import render_index
+    from cs336_systems.reports.index import render_index
 
     pytester.makepyfile(ROW_WRITING_TEST)
     run(pytester, "--report-dir", "out").assert_outcomes(passed=1)
@@ -213,7 +213,7 @@ def test_a_cpu_perf_run_leaves_the_committed_reports_and_the_tests_that_read_the
     repository, writes real reports (the committed h100 rows of torch_compile, whose CPU header takes it past
     the prose limit, and of gradient_checkpointing, with its plot); then every committed file is as it was
     and the tests that read the committed reports pass against the copy."""
-    from cs336_systems.report_index import CPU_SLUG
+    from cs336_systems.reports.index import CPU_SLUG
 
     project = pytester.path
     shutil.copytree(REPO_ROOT / "reports", project / "reports", ignore=shutil.ignore_patterns(CPU_SLUG))

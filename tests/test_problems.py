@@ -5,8 +5,8 @@ from pathlib import Path
 
 import pytest
 
-from cs336_systems import problems
-from cs336_systems.problems import PROBLEMS, REPORTS
+from cs336_systems.reports import problems
+from cs336_systems.reports.problems import PROBLEMS, REPORTS
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -7,11 +7,11 @@ from pathlib import Path
 
 import pytest
 
-from cs336_systems import problems
+from cs336_systems.reports import problems
 from cs336_systems.__main__ import main
 from cs336_systems.benchmarks.communication_accounting import communication_accounting_rows
-from cs336_systems.problems import PROBLEMS
-from cs336_systems.report_index import (
+from cs336_systems.reports.problems import PROBLEMS
+from cs336_systems.reports.index import (
     CPU_SLUG,
     INDEX_COMMAND,
     index_path,

@@ -5,7 +5,7 @@ from pathlib import Path
 
 import pytest
 
-from cs336_systems.report_index import result_directories
+from cs336_systems.reports.index import result_directories
 
 REPORTS = Path(__file__).resolve().parents[1] / "reports"
 # A measured report (one directory per device) says how, the caveats and what its tables answer.

@@ -3,8 +3,8 @@ from pathlib import Path
 
 import pytest
 
-from cs336_systems import problems, reports
-from cs336_systems.reports import Rendered, Report, markdown_table, pivot, read_rows, rerender, write_report
+from cs336_systems import reports
+from cs336_systems.reports import Rendered, Report, markdown_table, pivot, problems, read_rows, rerender, write_report
 from cs336_systems.rows import OOM
 
 
@@ -181,7 +181,7 @@ def test_an_installed_package_without_its_repository_writes_reports_in_the_curre
 
 
 def test_this_checkout_writes_its_reports_beside_the_package():
-    assert reports.default_reports_root() == Path(problems.__file__).resolve().parents[1] / "reports"
+    assert reports.default_reports_root() == Path(reports.__file__).resolve().parents[2] / "reports"
 
 
 def test_an_oom_cell_says_whether_it_was_predicted_and_never_run_or_ran_out():

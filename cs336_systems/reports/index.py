@@ -16,7 +16,7 @@ communication_accounting report lives in `<reports>/` itself. A problem's answer
 its reports (`cs336_systems.reports.read_rows`) into sentences; where a row it quotes is not in the
 report, the sentence says so instead of guessing (`open_items_<problem>`, where there is one, names
 what the rows leave unanswered). This module only assembles them: the table of problems
-(cs336_systems.problems) names each problem's reports and functions, and the index adds the links,
+(cs336_systems.reports.problems) names each problem's reports and functions, and the index adds the links,
 devices and status around them. The index carries no date of its own (only those quoted from report
 headers), so writing it again from the same reports gives the same bytes.
 """
@@ -31,7 +31,7 @@ from cs336_systems.benchmarks.parallelism_calcs import ANALYSIS_COMMAND
 from cs336_systems.gpus import GPU_SPECS
 from cs336_systems.model import DEFAULT_SIZE_TABLE as CURRENT_SIZE_TABLE
 from cs336_systems.model import model_sizes, size_order
-from cs336_systems.problems import PROBLEMS, Problem
+from cs336_systems.reports.problems import PROBLEMS, Problem
 from cs336_systems.reports import (
     UNRECORDED_SIZE_TABLE,
     Metadata,

@@ -1,15 +1,18 @@
-"""Report rows -> Markdown, CSV and PNG, with a header naming the device, versions, date and command.
+"""The reports: rows -> Markdown, CSV and PNG, with a header naming the device, versions, date and command.
 
-A measuring function returns rows (flat dicts of strings and numbers, one per measured cell). A
-report's renderer (cs336_systems.problems lists each report with its renderer) turns its rows into a
-Markdown body (tables, derived answers) and figures; `write_report` adds the header and writes
-`<report_dir>/<problem>.md`, `<problem>.csv` (every row, in the long format of cs336_systems.rows: one
-line per measured number, columns cell, run, device, dtype, shape, variant, status, statistic, value,
-unit; `read_rows` gives the rows back), `<problem>.meta.json` (the metadata: device, and each run's
-date, command, software versions and package source hash) and the figures beside them. The Markdown
-header is rendered from that metadata, never parsed back. Beside its renderer, a problem's
-`answer_<problem>` turns the same rows into the few sentences the reports' index quotes
-(cs336_systems.report_index), with the formatting helpers below.
+    problems.py   the table of problems: each report's renderer and cell key, each problem's answer
+    index.py      reports/README.md, every problem answered from its reports' rows
+
+This module is what they share. A measuring function returns rows (cs336_systems.rows: flat dicts of
+strings and numbers, one per measured cell). A report's renderer (the problems table lists each report
+with its renderer) turns its rows into a Markdown body (tables, derived answers) and figures;
+`write_report` adds the header and writes `<report_dir>/<problem>.md`, `<problem>.csv` (every row, in
+the long format of cs336_systems.rows: one line per measured number, columns cell, run, device, dtype,
+shape, variant, status, statistic, value, unit; `read_rows` gives the rows back), `<problem>.meta.json`
+(the metadata: device, and each run's date, command, software versions and package source hash) and the
+figures beside them. The Markdown header is rendered from that metadata, never parsed back. Beside its
+renderer, a problem's `answer_<problem>` turns the same rows into the few sentences the reports' index
+quotes, with the formatting helpers below.
 """
 
 from __future__ import annotations
@@ -65,7 +68,7 @@ class Report:
     With a key, a report accumulates runs: a later run's rows replace earlier rows with the same key
     and the others stay, so a long sweep can be measured in parts; the header lists every run that
     still contributes rows. Without a key, each run replaces the whole report. The reports of the
-    course's problems are listed in cs336_systems.problems. `needs_gpu`: every perf test that writes it
+    course's problems are listed in cs336_systems.reports.problems. `needs_gpu`: every perf test that writes it
     is marked gpu, so a CPU run never does.
     """
     name: str
