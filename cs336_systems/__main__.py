@@ -128,7 +128,8 @@ def _cmd_e2e(args) -> None:
 
 
 def _cmd_accumulation(args) -> None:
-    from cs336_systems.benchmarks.mixed_precision import accumulation_experiment, accumulation_table
+    from cs336_systems.benchmarks.mixed_precision import accumulation_experiment
+    from cs336_systems.reports.mixed_precision import accumulation_table
 
     rows = accumulation_experiment()
     if args.json:

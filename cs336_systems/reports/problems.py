@@ -24,12 +24,11 @@ from cs336_systems.benchmarks import (
     fsdp,
     gradient_checkpointing,
     memory_profiling,
-    mixed_precision,
     nsys_profile,
     parallelism_calcs,
     sharding,
 )
-from cs336_systems.reports import Report, Reports
+from cs336_systems.reports import Report, Reports, mixed_precision
 
 Answer = Callable[[Reports], list[str]]
 

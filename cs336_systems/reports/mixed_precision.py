@@ -1,0 +1,57 @@
+"""Problem mixed_precision_accumulation's report: the four accumulation variants and what their errors
+show (cs336_systems.benchmarks.mixed_precision measures them)."""
+
+from __future__ import annotations
+
+import math
+
+from cs336_systems.benchmarks.mixed_precision import ACCUMULATION_STEPS, ADDEND
+from cs336_systems.reports import Rendered, Reports, markdown_table, not_in_report
+from cs336_systems.rows import Row
+
+# Sums to show: the variants differ from 10 in the fourth decimal place and beyond (10.0001 against
+# 10.0021), which a table rounded to two decimals would hide.
+SUM_DIGITS = 6
+
+
+def accumulation_table(rows: list[Row]) -> str:
+    return markdown_table([{**r, "result": f"{r['result']:.{SUM_DIGITS}f}", "abs_error": f"{r['abs_error']:.3g}",
+                            "exact_sum_of_stored_addend": f"{r['exact_sum_of_stored_addend']:.{SUM_DIGITS}f}"}
+                           for r in rows],
+                          ["variant", "accumulator", "addend", "result", "abs_error", "exact_sum_of_stored_addend"])
+
+
+def render_accumulation(rows: list[Row]) -> Rendered:
+    by_variant = {r["variant"]: r for r in rows}
+    body = [f"Adding {ADDEND} {ACCUMULATION_STEPS} times; the exact sum is {ACCUMULATION_STEPS * ADDEND:g}.\n",
+            accumulation_table(rows)]
+    fp32, fp16 = by_variant.get("fp32 += fp32"), by_variant.get("fp16 += fp16")
+    mixed = by_variant.get("fp32 += fp16")
+    if fp32 and fp16 and mixed:
+        body.append(
+            f"An fp32 accumulator is off by {fp32['abs_error']:.2g}. An fp16 accumulator is off by "
+            f"{fp16['abs_error']:.2g}: once the running sum is large, fp16's spacing (2^-7 = 0.0078 between 8 "
+            "and 16) is comparable to the addend, so each addition rounds away a large part of it. With an fp32 "
+            f"accumulator and fp16 addends the error ({mixed['abs_error']:.2g}) is exactly the error of storing "
+            f"0.01 in fp16: the sum equals {ACCUMULATION_STEPS} x fp16(0.01) = "
+            f"{mixed['exact_sum_of_stored_addend']:.6g}. Explicit and implicit upcasting give the same result. "
+            "Hence mixed precision keeps accumulations (matmul accumulators, reductions, optimizer state) in fp32 "
+            "while inputs may be low precision.\n")
+    return Rendered("\n".join(body))
+
+
+def answer_mixed_precision_accumulation(reports: Reports) -> list[str]:
+    variants = {r["variant"]: r for r in reports["mixed_precision_accumulation"]}
+    if not variants:
+        return [not_in_report("An accumulation variant")]
+    sentences = [f"Adding {ADDEND:g} {ACCUMULATION_STEPS} times (exact sum {ADDEND * ACCUMULATION_STEPS:g}): "
+                 + "; ".join(f"{name} gives {r['result']:.6g} (error {r['abs_error']:.3g})"
+                             for name, r in variants.items()) + "."]
+    pure, mixed = variants.get("fp16 += fp16"), variants.get("fp32 += fp16")
+    if pure and mixed and math.isclose(mixed["result"], mixed["exact_sum_of_stored_addend"], rel_tol=1e-9):
+        sentences.append(
+            f"With an fp32 accumulator the fp16 addend costs only its own rounding ({ACCUMULATION_STEPS} x "
+            f"fp16({ADDEND:g}) = {mixed['exact_sum_of_stored_addend']:.6g}), while the fp16 accumulator's error is "
+            f"{pure['abs_error'] / mixed['abs_error']:.0f}x larger as its spacing grows with the sum: accumulate in "
+            "fp32.")
+    return sentences
