@@ -42,6 +42,10 @@ def ok_rows(rows: Iterable[Row]) -> list[Row]:
     return [row for row in rows if row.get("status") == "ok"]
 
 
+# Each report's key: the columns that identify one of its measured cells, so that a later run replaces the rows of
+# the cells it measures again and keeps the others (cs336_systems.reports.Report).
+ALLREDUCE_KEY = ("backend", "world_size", "size_bytes")
+
 LONG_COLUMNS = ("cell", "run", "device", "dtype", "shape", "variant", "status", "statistic", "value", "unit")
 
 DTYPE_COLUMNS = ("precision", "dtype")

@@ -11,10 +11,10 @@ from cs336_systems.benchmarks.allreduce import (
     allreduce_sweep,
     bus_bandwidth,
     gloo_sizes,
-    render_allreduce,
     summarize,
 )
 from cs336_systems.distributed.launch import RankFailed, launch
+from cs336_systems.reports.allreduce import render_allreduce
 
 LAUNCH_TIMEOUT_S = 180
 TINY_SIZES_BYTES = (4096, 64 * 1024)

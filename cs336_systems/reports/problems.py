@@ -14,7 +14,6 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from cs336_systems.benchmarks import (
-    allreduce,
     attention,
     communication_accounting,
     ddp,
@@ -28,7 +27,8 @@ from cs336_systems.benchmarks import (
     parallelism_calcs,
     sharding,
 )
-from cs336_systems.reports import Report, Reports, mixed_precision
+from cs336_systems.reports import Report, Reports, allreduce, mixed_precision
+from cs336_systems.rows import ALLREDUCE_KEY
 
 Answer = Callable[[Reports], list[str]]
 
@@ -96,7 +96,7 @@ PROBLEMS: tuple[Problem, ...] = (
                     needs_gpu=True)),
             flash.answer_flash_benchmarking, "flash", ("perf/test_flash.py",)),
     Problem("distributed_communication_single_node",
-            (Report("distributed_communication_single_node", allreduce.render_allreduce, allreduce.ALLREDUCE_KEY),),
+            (Report("distributed_communication_single_node", allreduce.render_allreduce, ALLREDUCE_KEY),),
             allreduce.answer_distributed_communication_single_node, "ddp", ("perf/test_allreduce.py",),
             open_items=allreduce.open_items_distributed_communication_single_node),
     Problem("naive_ddp / naive_ddp_benchmarking",

@@ -1,0 +1,168 @@
+"""Problem distributed_communication_single_node's report: all-reduce time and bus bandwidth by backend,
+size and number of ranks, what they show, and the plot (cs336_systems.benchmarks.allreduce measures them)."""
+
+from __future__ import annotations
+
+from cs336_systems.benchmarks.allreduce import GB, MAX_ITERATIONS, MIN_ITERATIONS, WARMUP
+from cs336_systems.gpus import MB
+from cs336_systems.reports import Rendered, Reports, format_ms, listing, markdown_table, not_in_report, pivot, select
+from cs336_systems.rows import OOM, Row
+
+
+def _size_label(size_bytes: float) -> str:
+    return f"{size_bytes / GB:g} GB" if size_bytes >= GB else f"{size_bytes / MB:g} MB"
+
+
+# At the smallest size, a backend reaching under this share of its best bus bandwidth spends more than
+# half the time on its fixed per-call cost; the largest size this far short of the best is a decline.
+FIXED_COST_BOUND_SHARE = 0.5
+DECLINE_SHARE = 0.9
+# Across world sizes, bus bandwidth within this share of the first is "flat": the ring's extra bytes
+# per link account for the extra time.
+FLAT_BUS_BANDWIDTH = 0.15
+
+
+def _size_findings(backend: str, n: int, line: list[Row]) -> str:
+    """How bandwidth changes with size for one backend and world size, read from its rows."""
+    small, large = line[0], line[-1]
+    best = max(line, key=lambda r: r["busbw_gbps"])
+    share = small["busbw_gbps"] / best["busbw_gbps"]
+    text = (f"- {backend}, {n} ranks: at {_size_label(small['size_bytes'])}, {share:.0%} of the best bus bandwidth "
+            f"({best['busbw_gbps']:.3g} GB/s at {_size_label(best['size_bytes'])}): ")
+    if share < FIXED_COST_BOUND_SHARE:
+        text += "a fixed per-call cost takes more than half the time there"
+    else:
+        text += "the per-call cost is small beside the transfer at every size measured"
+    if best is not large and large["busbw_gbps"] < DECLINE_SHARE * best["busbw_gbps"]:
+        text += (f", and past {_size_label(best['size_bytes'])} bandwidth falls "
+                 f"({large['busbw_gbps'] / best['busbw_gbps']:.0%} of the best at {_size_label(large['size_bytes'])})")
+    return text + "."
+
+
+def _rank_findings(backend: str, at_size: list[Row]) -> str:
+    """How time and bus bandwidth change with the world size at one size."""
+    first, last = at_size[0], at_size[-1]
+    ring = [2 * (r["world_size"] - 1) / r["world_size"] for r in (first, last)]
+    spread = max(abs(r["busbw_gbps"] / first["busbw_gbps"] - 1) for r in at_size)
+    text = (f"- {backend} at {_size_label(first['size_bytes'])}: from {first['world_size']} to {last['world_size']} "
+            f"ranks the time grows {last['mean_rank_median_ms'] / first['mean_rank_median_ms']:.2f}x, a ring's "
+            f"2(n-1)/n of the data per link {ring[1] / ring[0]:.2f}x. Bus bandwidth, which divides that factor out, ")
+    if spread <= FLAT_BUS_BANDWIDTH:
+        return text + f"stays within {spread:.0%}: the extra time is the extra bytes each rank's link carries."
+    direction = "falls" if last["busbw_gbps"] < first["busbw_gbps"] else "rises"
+    return text + f"{direction}: more ranks change more than the bytes per link."
+
+
+def _findings(rows: list[Row]) -> list[str]:
+    findings = []
+    for backend in sorted({r["backend"] for r in rows}):
+        mine = [r for r in rows if r["backend"] == backend]
+        for n in sorted({r["world_size"] for r in mine}):
+            findings.append(_size_findings(backend, n, sorted((r for r in mine if r["world_size"] == n),
+                                                               key=lambda r: r["size_bytes"])))
+        largest = max(r["size_bytes"] for r in mine)
+        at_largest = sorted((r for r in mine if r["size_bytes"] == largest), key=lambda r: r["world_size"])
+        if len(at_largest) > 1:
+            findings.append(_rank_findings(backend, at_largest))
+    common = [(g, n) for g in rows if g["backend"] == "gloo" for n in rows
+              if n["backend"] == "nccl" and (n["world_size"], n["size_bytes"]) == (g["world_size"], g["size_bytes"])]
+    if common:
+        gloo, nccl = max(common, key=lambda pair: (pair[0]["size_bytes"], pair[0]["world_size"]))
+        findings.append(
+            f"- NCCL on GPUs against gloo on CPUs, {gloo['world_size']} ranks, {_size_label(gloo['size_bytes'])}: "
+            f"{gloo['mean_rank_median_ms'] / nccl['mean_rank_median_ms']:.3g}x faster.")
+    return findings
+
+
+def _nominal_comparison(rows: list[Row]) -> str:
+    linked = [r for r in rows if r.get("nominal_link_gbps")]
+    if not linked:
+        return ""
+    best = max(linked, key=lambda r: r["busbw_gbps"])
+    return (f"\nNVLink {best['nvlink_generation']} is nominally {2 * best['nominal_link_gbps']:.0f} GB/s "
+            f"bidirectional per GPU, {best['nominal_link_gbps']:.0f} GB/s per direction; bus bandwidth counts "
+            f"per-direction bytes, so the best measured, {best['busbw_gbps']:.0f} GB/s ({best['world_size']} ranks, "
+            f"{_size_label(best['size_bytes'])}), is {best['busbw_gbps'] / best['nominal_link_gbps']:.0%} of "
+            f"{best['nominal_link_gbps']:.0f} GB/s.\n")
+
+
+def _plot(rows: list[Row]):
+    from matplotlib.figure import Figure
+
+    figure = Figure(figsize=(7, 4.5))
+    axes = figure.subplots()
+    for backend, n in sorted({(r["backend"], r["world_size"]) for r in rows}):
+        line = sorted((r for r in rows if r["backend"] == backend and r["world_size"] == n),
+                      key=lambda r: r["size_bytes"])
+        axes.plot([r["size_mb"] for r in line], [r["busbw_gbps"] for r in line], marker="o",
+                  label=f"{backend}, {n} ranks")
+    for nominal in sorted({r["nominal_link_gbps"] for r in rows if r.get("nominal_link_gbps")}):
+        axes.axhline(nominal, color="gray", linestyle="--", label=f"NVLink per direction ({nominal:.0f} GB/s)")
+    axes.set_xscale("log")
+    axes.set_yscale("log")
+    axes.set_xlabel("all-reduce size (MB)")
+    axes.set_ylabel("bus bandwidth (GB/s)")
+    axes.set_title("all-reduce bus bandwidth")
+    axes.grid(True, which="both", alpha=0.3)
+    axes.legend(fontsize=8)
+    figure.tight_layout()
+    return figure
+
+
+def _out_of_memory(row: Row) -> bool:
+    return row.get("status") == OOM  # rows measured before the status column read as measured
+
+
+def render_allreduce(rows: list[Row]) -> Rendered:
+    rows = sorted(rows, key=lambda r: (r["backend"], r["world_size"], r["size_bytes"]))
+    labelled = [{**r, "size": _size_label(r["size_bytes"])} for r in rows]
+    devices = ", ".join(sorted({f"{r['backend']} on {r['device']}" for r in rows}))
+    times = pivot(labelled, ["backend", "world_size"], "size", "mean_rank_median_ms",
+                  fmt=lambda r: OOM if _out_of_memory(r) else
+                  f"{r['mean_rank_median_ms']:.3g} (max {r['max_rank_median_ms']:.3g})")
+    bandwidths = pivot(labelled, ["backend", "world_size"], "size", "busbw_gbps",
+                       fmt=lambda r: OOM if _out_of_memory(r) else f"{r['busbw_gbps']:.3g} ({r['algbw_gbps']:.3g})")
+    rows = [r for r in rows if not _out_of_memory(r)]
+    body = [
+        f"float32 all-reduce (sum), {devices}; {WARMUP} warm-up, then {MIN_ITERATIONS}-{MAX_ITERATIONS} timed "
+        "all-reduces per cell, each after a barrier, device synchronised. Each rank takes its median; tables show "
+        "the mean of the ranks' medians (the slowest rank's in brackets). 1 MB = 10^6 bytes.\n",
+        "## Time (ms)\n", markdown_table(times),
+        "## Bus bandwidth, GB/s (algorithm bandwidth in brackets)\n", markdown_table(bandwidths),
+        _nominal_comparison(rows),
+        "## Findings\n", "\n".join(_findings(rows)) + "\n",
+        "\n![bus bandwidth](allreduce_bus_bandwidth.png)\n",
+    ]
+    return Rendered("\n".join(body), figures={"allreduce_bus_bandwidth.png": _plot(rows)})
+
+
+def answer_distributed_communication_single_node(reports: Reports) -> list[str]:
+    rows = reports["distributed_communication_single_node"]
+    sentences = []
+    for backend, device in (("gloo", "CPU"), ("nccl", "GPUs")):
+        mine = [r for r in select(rows, backend=backend) if r.get("status") != OOM]
+        if not mine:
+            sentences.append(not_in_report(f"{backend} on {device}") if backend == "gloo" else
+                             not_in_report("NCCL on GPUs (it needs 2 GPUs)"))
+            continue
+        fewest = min(r["world_size"] for r in mine)
+        line = sorted(select(mine, world_size=fewest), key=lambda r: r["size_bytes"])
+        small, large = line[0], line[-1]
+        text = (f"{backend} on {device}, {fewest} ranks: {format_ms(small['mean_rank_median_ms'])} for "
+                f"{_size_label(small['size_bytes'])} ({small['busbw_gbps']:.3g} GB/s bus bandwidth) and "
+                f"{format_ms(large['mean_rank_median_ms'])} for {_size_label(large['size_bytes'])} "
+                f"({large['busbw_gbps']:.3g} GB/s)")
+        at_size = sorted(select(mine, size_bytes=large["size_bytes"]), key=lambda r: r["world_size"])
+        if len(at_size) > 1:
+            text += (f"; at {_size_label(large['size_bytes'])} from {at_size[0]['world_size']} to "
+                     f"{at_size[-1]['world_size']} ranks the time goes {format_ms(at_size[0]['mean_rank_median_ms'])} "
+                     f"-> {format_ms(at_size[-1]['mean_rank_median_ms'])}")
+        sentences.append(text + ".")
+    return sentences
+
+
+def open_items_distributed_communication_single_node(reports: Reports) -> list[str]:
+    rows = reports["distributed_communication_single_node"]
+    gloo = {r["world_size"] for r in select(rows, backend="gloo")}
+    missing = sorted(gloo - {r["world_size"] for r in select(rows, backend="nccl")})
+    return [f"NCCL at {listing([str(n) for n in missing])} ranks: needs as many GPUs in one machine"] if missing else []
