@@ -145,8 +145,9 @@ def _cmd_autocast_dtypes(args) -> None:
 
 
 def _cmd_analysis(args) -> None:
-    from cs336_systems.benchmarks.communication_accounting import write_communication_accounting
-    from cs336_systems.benchmarks.parallelism_calcs import ANALYSIS_COMMAND, write_parallelism_calcs
+    from cs336_systems.reports import ANALYSIS_COMMAND
+    from cs336_systems.reports.communication_accounting import write_communication_accounting
+    from cs336_systems.reports.parallelism_calcs import write_parallelism_calcs
 
     reports_root, command = _reports_root(args, ANALYSIS_COMMAND)
     for path in [write_communication_accounting(reports_root, command), *write_parallelism_calcs(reports_root, command)]:

@@ -44,13 +44,13 @@ from cs336_systems.accounting.parallelism import (
     saved_activation_bytes_per_token,
     training_state_bytes,
 )
-from cs336_systems.benchmarks.communication_accounting import (
-    communication_accounting_rows,
+from cs336_systems.benchmarks.communication_accounting import communication_accounting_rows
+from cs336_systems.gpus import GB, GIB, GPU_SPECS
+from cs336_systems.reports import read_rows
+from cs336_systems.reports.communication_accounting import (
     render_communication_accounting,
     write_communication_accounting,
 )
-from cs336_systems.gpus import GB, GIB, GPU_SPECS
-from cs336_systems.reports import read_rows
 
 C, W = TPU_V5P_FLOPS_PER_S, TPU_V5P_ICI_BYTES_PER_S
 D, F = XXL.d_model, XXL.d_ff

@@ -22,8 +22,9 @@ from cs336_systems.accounting.communication import (
     reduce_scatter_s,
 )
 from cs336_systems.accounting import ffn_parallelism as ffn
-from cs336_systems.benchmarks.parallelism_calcs import PROBLEMS, RENDERERS, ROWS, write_parallelism_calcs
+from cs336_systems.benchmarks.parallelism_calcs import PROBLEMS, ROWS
 from cs336_systems.reports import read_rows
+from cs336_systems.reports.parallelism_calcs import RENDERERS, write_parallelism_calcs
 
 W = 450e9  # bytes/s
 C = 989.4e12  # FLOP/s

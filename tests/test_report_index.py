@@ -255,7 +255,7 @@ def test_a_problem_with_some_of_its_reports_names_the_missing_ones_and_the_run_t
 
 
 def test_the_2026_parallelism_problems_are_answered_from_their_reports(tmp_path):
-    from cs336_systems.benchmarks.parallelism_calcs import write_parallelism_calcs
+    from cs336_systems.reports.parallelism_calcs import write_parallelism_calcs
 
     write_parallelism_calcs(tmp_path)
     index = render_index(tmp_path)

@@ -487,6 +487,10 @@ def _merge_runs(earlier: list[Row], earlier_runs: Sequence[RunRecord], rows: lis
     return merged, runs
 
 
+# The command that writes the closed-form reports: communication_accounting and the 2026 parallelism problems.
+ANALYSIS_COMMAND = "python -m cs336_systems analysis"
+
+
 def _closed_form_header(problem: str, command: str, sources: str) -> str:
     """The header of a report computed in closed form: no device, versions or date, so writing it
     again from the same code gives the same bytes."""

@@ -27,12 +27,12 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from cs336_systems.benchmarks.parallelism_calcs import ANALYSIS_COMMAND
 from cs336_systems.gpus import GPU_SPECS
 from cs336_systems.model import DEFAULT_SIZE_TABLE as CURRENT_SIZE_TABLE
 from cs336_systems.model import model_sizes, size_order
 from cs336_systems.reports.problems import PROBLEMS, Problem
 from cs336_systems.reports import (
+    ANALYSIS_COMMAND,
     UNRECORDED_SIZE_TABLE,
     Metadata,
     Report,

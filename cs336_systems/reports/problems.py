@@ -15,7 +15,6 @@ from dataclasses import dataclass
 
 from cs336_systems.benchmarks import (
     attention,
-    communication_accounting,
     ddp,
     e2e,
     flash,
@@ -24,10 +23,16 @@ from cs336_systems.benchmarks import (
     gradient_checkpointing,
     memory_profiling,
     nsys_profile,
-    parallelism_calcs,
     sharding,
 )
-from cs336_systems.reports import Report, Reports, allreduce, mixed_precision
+from cs336_systems.reports import (
+    Report,
+    Reports,
+    allreduce,
+    communication_accounting,
+    mixed_precision,
+    parallelism_calcs,
+)
 from cs336_systems.rows import ALLREDUCE_KEY
 
 Answer = Callable[[Reports], list[str]]
@@ -41,7 +46,7 @@ class Problem:
     marker: str = ""  # the perf marker whose run writes its reports
     measured_by: tuple[str, ...] = ()  # the perf modules that write its reports
     gpus: int = 1  # GPUs that run needs on a GPU machine
-    # Computed in closed form (parallelism_calcs.ANALYSIS_COMMAND writes it), reported once in the reports' root.
+    # Computed in closed form (ANALYSIS_COMMAND writes it), reported once in the reports' root.
     device_independent: bool = False
     # What the reports' rows leave unanswered (a part not measured, an old run), beyond absent reports.
     open_items: Callable[[Reports], list[str]] | None = None
