@@ -42,9 +42,27 @@ def ok_rows(rows: Iterable[Row]) -> list[Row]:
     return [row for row in rows if row.get("status") == "ok"]
 
 
+# The end-to-end model benchmarks' rows (cs336_systems.benchmarks.e2e), which the nsys_profile and torch_compile
+# reports read as well. (attention, AdamW) of the course's model, which the handout benchmarks, and of the faster
+# variant beside it:
+COURSE_VARIANT = ("naive", "course")
+FAST_VARIANT = ("sdpa", "fused")
+# The `model` of rows that time benchmarks.reference_lm; the project's own rows carry no `model`.
+REFERENCE_MODEL = "torch reference"
+# Where a step's time goes: its phases' device work by kind, and how much of the step the device was busy.
+BREAKDOWN_TABLE = "breakdown"
+BREAKDOWN_PHASES = ("forward", "backward", "optimizer")
+
 # Each report's key: the columns that identify one of its measured cells, so that a later run replaces the rows of
-# the cells it measures again and keeps the others (cs336_systems.reports.Report).
+# the cells it measures again and keeps the others (cs336_systems.reports.Report). benchmarking_script's:
+E2E_KEY = ("table", "model", "size", "context_length", "batch_size", "mode", "precision", "compile", "attention",
+           "optimizer", "warmup", "steps", "phase")
+# benchmarking_mixed_precision also holds the autocast dtype rows, one per tensor of the toy model.
+MIXED_PRECISION_KEY = E2E_KEY + ("tensor", "autocast", "storage_dtype")
 ALLREDUCE_KEY = ("backend", "world_size", "size_bytes")
+
+
+# ------------------------------------------------------------------------------------------ the long format
 
 LONG_COLUMNS = ("cell", "run", "device", "dtype", "shape", "variant", "status", "statistic", "value", "unit")
 

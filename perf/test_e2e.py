@@ -8,17 +8,7 @@ import math
 
 import pytest
 
-from cs336_systems.benchmarks.e2e import (
-    BREAKDOWN_PHASES,
-    COURSE_VARIANT,
-    FAST_VARIANT,
-    PHASES,
-    REFERENCE_MODEL,
-    E2EConfig,
-    benchmark_in_fresh_process,
-    benchmark_model,
-    split_breakdown,
-)
+from cs336_systems.benchmarks.e2e import PHASES, E2EConfig, benchmark_in_fresh_process, benchmark_model, split_breakdown
 from cs336_systems.benchmarks.mixed_precision import (
     ACCUMULATION_VARIANTS,
     accumulation_experiment,
@@ -28,7 +18,7 @@ from cs336_systems.benchmarks.mixed_precision import (
 from cs336_systems.cells import require_some_ran, unmeasured
 from cs336_systems.model import size_order
 from cs336_systems.pytest_plugin import settings
-from cs336_systems.rows import OOM
+from cs336_systems.rows import BREAKDOWN_PHASES, COURSE_VARIANT, FAST_VARIANT, OOM, REFERENCE_MODEL
 
 GPU_CONTEXTS = (128, 256, 512, 1024)
 CPU_CONTEXTS = (32, 64)

@@ -14,7 +14,6 @@ import shlex
 import pytest
 
 from cs336_systems.__main__ import build_parser
-from cs336_systems.benchmarks.e2e import COURSE_VARIANT, FAST_VARIANT
 from cs336_systems.benchmarks.nsys_profile import (
     ATTENTION_RANGES,
     ProfileConfig,
@@ -25,7 +24,7 @@ from cs336_systems.benchmarks.nsys_profile import (
 from cs336_systems.cells import require_some_ran, unmeasured
 from cs336_systems.model import size_order
 from cs336_systems.pytest_plugin import settings
-from cs336_systems.rows import OOM
+from cs336_systems.rows import COURSE_VARIANT, FAST_VARIANT, OOM
 
 GPU_SIZES = ("small", "xl")
 CPU_CONTEXTS = (16, 32)

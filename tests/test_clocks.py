@@ -11,6 +11,7 @@ from cs336_systems.benchmarks import e2e
 from cs336_systems.benchmarks.e2e import E2EConfig, benchmark_model
 from cs336_systems.benchmarks.harness import timed_step
 from cs336_systems.clocks import ClockSample, GpuClocks, clock_columns
+from cs336_systems.reports import e2e as e2e_report
 from cs336_systems.timing import StepTimer
 
 
@@ -120,9 +121,10 @@ def test_the_reference_table_sets_both_models_clocks_side_by_side():
             "status": "ok", "mean_ms": 130.0, "std_ms": 1.0, "median_ms": 130.0}
     ours = {**step, "table": "sweep", "sm_clock_mhz": 1755, "power_capped_share": 0.4, "thermal_limited_share": 0.12,
             "max_temperature_celsius": 88}
-    theirs = {**step, "table": "reference", "model": e2e.REFERENCE_MODEL, "median_ms": 125.0, "sm_clock_mhz": 1980,
+    theirs = {**step, "table": "reference", "model": rows.REFERENCE_MODEL, "median_ms": 125.0, "sm_clock_mhz": 1980,
               "power_capped_share": 0.0, "thermal_limited_share": 0.0, "max_temperature_celsius": 70}
-    assert re.search(r"\| 1,755 MHz, power-capped 40%, hot 12%; 1,980 MHz +\|", e2e._reference_section([ours, theirs]))
+    table = e2e_report._reference_section([ours, theirs])
+    assert re.search(r"\| 1,755 MHz, power-capped 40%, hot 12%; 1,980 MHz +\|", table)
 
 
 @pytest.mark.gpu
@@ -148,5 +150,5 @@ def test_the_reference_table_says_how_much_of_each_step_the_host_took_to_issue()
     step = {"size": "small", "context_length": 512, "precision": "bf16", "compile": True, "phase": "train_step",
             "status": "ok", "mean_ms": 20.0, "std_ms": 1.0}
     ours = {**step, "table": "sweep", "median_ms": 20.0, "host_ms": 19.0}
-    theirs = {**step, "table": "reference", "model": e2e.REFERENCE_MODEL, "median_ms": 16.0, "host_ms": 8.0}
-    assert re.search(r"\| 95%; 50% +\|", e2e._reference_section([ours, theirs]))
+    theirs = {**step, "table": "reference", "model": rows.REFERENCE_MODEL, "median_ms": 16.0, "host_ms": 8.0}
+    assert re.search(r"\| 95%; 50% +\|", e2e_report._reference_section([ours, theirs]))

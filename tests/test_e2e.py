@@ -17,7 +17,14 @@ from cs336_systems.benchmarks.harness import timed_step
 from cs336_systems.cells import unmeasured
 from cs336_systems.memory_guard import MemoryCheck
 from cs336_systems.reports import format_bytes
-from cs336_systems.rows import OOM
+from cs336_systems.reports.e2e import (
+    answer_benchmarking_script,
+    answer_compiled_models,
+    mean_std,
+    render_benchmarking_script,
+    render_compiled_models,
+)
+from cs336_systems.rows import BREAKDOWN_PHASES, OOM
 
 
 def test_train_mode_reports_every_phase():
@@ -70,8 +77,8 @@ def test_profiled_steps_break_each_phase_down_after_the_timed_ones():
     timed, profiled = e2e.split_breakdown(rows)
     breakdown = {r["phase"]: r for r in profiled}
     assert [r["phase"] for r in timed] == list(e2e.PHASES["train"])
-    assert list(breakdown) == [*e2e.BREAKDOWN_PHASES, "step"]
-    for phase in e2e.BREAKDOWN_PHASES:
+    assert list(breakdown) == [*BREAKDOWN_PHASES, "step"]
+    for phase in BREAKDOWN_PHASES:
         row = breakdown[phase]
         assert row["profiled_steps"] == 2 and row["work_ms"] > 0
         assert row["matmul_ms"] + row["attention_ms"] + row["other_ms"] == pytest.approx(row["work_ms"])
@@ -141,8 +148,8 @@ def test_the_report_and_the_index_quote_one_median_variation_of_the_cells():
     # std / mean of 1%, 2%, 4% and 30%: the median is 3.0% (the upper of the two middle values would be 4.0%).
     rows = [_sweep_cell(context, "train_step", 100.0, std) for context, std in ((128, 1.0), (256, 2.0), (512, 4.0),
                                                                               (1024, 30.0))]
-    body = e2e.render_benchmarking_script(rows).body
-    answer = " ".join(e2e.answer_benchmarking_script({"benchmarking_script": rows}))
+    body = render_benchmarking_script(rows).body
+    answer = " ".join(answer_benchmarking_script({"benchmarking_script": rows}))
     assert "median std 3.0% of the mean; 3 of 4 cells under 5%" in body
     assert ("Over the 4 measured cells the std is a median 3.0% of the mean (largest: small at context 1024, train "
             "step, 30.0%); 1 of them varies by more than 20% and is marked noisy.") in answer
@@ -154,8 +161,8 @@ def test_the_report_and_the_index_quote_one_compiled_speed_up_and_leave_out_nois
                                                    (512, 90.0, 10.0, 20.0), (1024, 80.0, 40.0, 0.1)):
         rows += [_sweep_cell(context, "train_step", eager_ms, std_ms, first_step_ms=1.0),
                  _sweep_cell(context, "train_step", compiled_ms, 0.1, compile=True, first_step_ms=1.0)]
-    body = e2e.render_compiled_models(rows).body
-    answer = " ".join(e2e.answer_compiled_models(rows))
+    body = render_compiled_models(rows).body
+    answer = " ".join(answer_compiled_models(rows))
     # Steady ratios 1.5, 2 and 2 (median 2.00x); context 512's 9x is noisy and left out of both.
     assert "Compiled over eager by phase: train step: 1.50x to 2.00x (median 2.00x; 1 noisy cell left out)." in body
     assert ("makes the whole-model training step 1.50x to 2.00x as fast as eager over 3 size, context and precision "
@@ -175,12 +182,12 @@ def test_report_lists_cells_out_of_memory_with_their_estimates():
             {**cell, "context_length": 512, "phase": "train_step", "estimated_peak_bytes": 191.4 * 2**30,
              "oom_predicted": False},
             {**ok, "phase": "train_step"}]
-    body = e2e.render_benchmarking_script(rows).body
+    body = render_benchmarking_script(rows).body
     # One was not run, one ran out: not every cell of the size was skipped.
     assert "Out of memory: 10B at contexts 128 and 512 in fp32 (estimate 191.2 to 191.4 GiB)." in body
     # Where the forward alone ran in a cell's place, the listing says so.
     forward = {**cell, "phase": "forward", "status": "ok", "mean_ms": 900.0, "std_ms": 1.0, "measured_mode": "forward"}
-    body = e2e.render_benchmarking_script(rows[:1] + [forward, {**ok, "phase": "train_step"}]).body
+    body = render_benchmarking_script(rows[:1] + [forward, {**ok, "phase": "train_step"}]).body
     assert "10B at context 128 in fp32 (estimate 191.2 GiB; not run; the forward alone ran)" in body
     assert "| 900.0 ± 1.0 (forward only) |" in body.replace("  ", "")
 
@@ -278,4 +285,4 @@ def test_a_10b_step_is_not_run_on_80_gb_but_its_forward_alone_is(monkeypatch):
     assert (forward["status"], forward["mode"], forward["measured_mode"], forward["mean_ms"]) == ("ok", "train",
                                                                                                   "forward", 905.0)
     assert forward["estimated_peak_bytes"] < 0.9 * 80e9
-    assert e2e.mean_std(forward) == "905.0 ± 7.1 (forward only)"
+    assert mean_std(forward) == "905.0 ± 7.1 (forward only)"

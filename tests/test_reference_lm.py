@@ -5,10 +5,12 @@ import pytest
 import torch
 
 from cs336_systems.__main__ import main
-from cs336_systems.benchmarks.e2e import REFERENCE_MODEL, E2EConfig, benchmark_model, render_compiled_models
+from cs336_systems.benchmarks.e2e import E2EConfig, benchmark_model
 from cs336_systems.benchmarks.harness import lm_loss
 from cs336_systems.benchmarks.reference_lm import ReferenceLM
 from cs336_systems.model import ModelConfig, TransformerLM, count_parameters
+from cs336_systems.reports.e2e import render_compiled_models
+from cs336_systems.rows import REFERENCE_MODEL
 
 
 def test_with_the_project_s_weights_it_gives_the_project_s_logits_and_gradients():

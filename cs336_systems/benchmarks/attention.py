@@ -27,9 +27,9 @@ import torch
 
 from cs336_systems.accounting.attention import naive_attention_memory
 from cs336_systems.attention.reference import naive_attention
-from cs336_systems.benchmarks import e2e
 from cs336_systems.benchmarks.harness import release_memory
 from cs336_systems.memory_guard import check_memory, is_out_of_memory
+from cs336_systems.reports import e2e
 from cs336_systems.reports import (
     Rendered,
     Reports,
@@ -43,7 +43,7 @@ from cs336_systems.reports import (
     select,
     speedup_text,
 )
-from cs336_systems.rows import OOM, Row, ok_rows
+from cs336_systems.rows import E2E_KEY, OOM, Row, ok_rows
 from cs336_systems.timing import STEP_TIMER, Timings, synchronize, time_fn, timed
 
 BATCH_SIZE = 8
@@ -535,7 +535,7 @@ def _compiled_attention_section(rows: list[Row]) -> str:
     ])
 
 
-TORCH_COMPILE_KEY = e2e.CELL_KEY + ("seq_len", "head_dim", "is_causal", "passes")
+TORCH_COMPILE_KEY = E2E_KEY + ("seq_len", "head_dim", "is_causal", "passes")
 
 
 def render_torch_compile(rows: list[Row]) -> Rendered:

@@ -24,14 +24,7 @@ from pathlib import Path
 import torch
 
 from cs336_systems.accounting.activations import ADAMW_IMPLEMENTATIONS, predict_peak_memory, state_bytes
-from cs336_systems.benchmarks.e2e import (
-    DEFAULT_BATCH_SIZE,
-    HEADLINE_CONTEXT,
-    memory_model_attention,
-    split_variants,
-    variant_column_label,
-    variant_label,
-)
+from cs336_systems.benchmarks.e2e import DEFAULT_BATCH_SIZE, memory_model_attention
 from cs336_systems.benchmarks.harness import (
     ADAMW_NAMES,
     LEARNING_RATE,
@@ -47,6 +40,7 @@ from cs336_systems.memory_guard import FIT_SHARE, MemoryCheck, check_memory, is_
 from cs336_systems.model import ModelConfig, size_order
 from cs336_systems.profiling.kernels import device_profile, kernel_tables, merge_tables, short_name
 from cs336_systems.profiling.ranges import annotate
+from cs336_systems.reports.e2e import HEADLINE_CONTEXT, split_variants, variant_column_label, variant_label
 from cs336_systems.reports import (
     Rendered,
     Reports,

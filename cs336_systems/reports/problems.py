@@ -16,7 +16,6 @@ from dataclasses import dataclass
 from cs336_systems.benchmarks import (
     attention,
     ddp,
-    e2e,
     flash,
     flash_in_training,
     fsdp,
@@ -30,10 +29,11 @@ from cs336_systems.reports import (
     Reports,
     allreduce,
     communication_accounting,
+    e2e,
     mixed_precision,
     parallelism_calcs,
 )
-from cs336_systems.rows import ALLREDUCE_KEY
+from cs336_systems.rows import ALLREDUCE_KEY, E2E_KEY, MIXED_PRECISION_KEY
 
 Answer = Callable[[Reports], list[str]]
 
@@ -71,7 +71,7 @@ def _parallelism(name: str, answer: Answer) -> Problem:
 
 
 PROBLEMS: tuple[Problem, ...] = (
-    Problem("benchmarking_script", (Report("benchmarking_script", e2e.render_benchmarking_script, e2e.CELL_KEY),),
+    Problem("benchmarking_script", (Report("benchmarking_script", e2e.render_benchmarking_script, E2E_KEY),),
             e2e.answer_benchmarking_script, "e2e", ("perf/test_e2e.py",)),
     Problem("nsys_profile", (Report("nsys_profile", nsys_profile.render_nsys_profile, nsys_profile.NSYS_KEY),),
             nsys_profile.answer_nsys_profile, "profile", ("perf/test_profile.py",),
@@ -80,7 +80,7 @@ PROBLEMS: tuple[Problem, ...] = (
             (Report("mixed_precision_accumulation", mixed_precision.render_accumulation),),
             mixed_precision.answer_mixed_precision_accumulation, "e2e", ("perf/test_e2e.py",)),
     Problem("benchmarking_mixed_precision",
-            (Report("benchmarking_mixed_precision", e2e.render_benchmarking_mixed_precision, e2e.MIXED_PRECISION_KEY),),
+            (Report("benchmarking_mixed_precision", e2e.render_benchmarking_mixed_precision, MIXED_PRECISION_KEY),),
             e2e.answer_benchmarking_mixed_precision, "e2e", ("perf/test_e2e.py",)),
     Problem("memory_profiling", (Report("memory_profiling", memory_profiling.render_memory_profiling),),
             memory_profiling.answer_memory_profiling, "memory", ("perf/test_memory.py",),

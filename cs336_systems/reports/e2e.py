@@ -1,0 +1,621 @@
+"""The reports of the end-to-end model benchmarks: benchmarking_script (time per phase by size and
+context, the warm-up study), benchmarking_mixed_precision (autocast dtypes, normalisation statistics in low
+precision, fp32 against bf16) and the whole-model part of torch_compile (eager against compiled, and
+against a torch-native reference), with their answers. cs336_systems.benchmarks.e2e measures them.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from dataclasses import dataclass
+
+from cs336_systems import reports
+from cs336_systems.model import size_order
+from cs336_systems.reports import (
+    NOISY_RELATIVE_STD,
+    Rendered,
+    Reports,
+    SpeedUps,
+    find,
+    format_ms,
+    format_ratio,
+    format_share,
+    is_noisy,
+    listing,
+    markdown_table,
+    not_in_report,
+    pivot,
+    plural,
+    select,
+    span,
+    speedup_text,
+)
+from cs336_systems.rows import (
+    BREAKDOWN_PHASES,
+    BREAKDOWN_TABLE,
+    COURSE_VARIANT,
+    FAST_VARIANT,
+    OOM,
+    REFERENCE_MODEL,
+    Row,
+    ok_rows,
+)
+
+
+VARIANT_LABELS = {COURSE_VARIANT: "the course's model (naive attention, its AdamW)", FAST_VARIANT: "SDPA + fused AdamW"}
+PHASE_LABELS = {"forward": "forward", "backward": "backward", "optimizer": "optimizer",
+                "forward_backward": "forward+backward", "train_step": "train step"}
+# A cell whose std is under this share of its mean is called steady.
+STEADY_RELATIVE_STD = 0.05
+
+
+def mean_std(row: Row, unit: str = "") -> str:
+    """A cell's time, or OOM; a forward measured on its own (no autograd) where training did not fit says so."""
+    if row.get("status") == OOM:
+        return reports.oom_text(row)
+    alone = " (forward only)" if row.get("measured_mode") == "forward" else ""
+    return reports.mean_std(row["mean_ms"], row["std_ms"], unit=unit) + alone
+
+
+def variant(row: Row) -> tuple:
+    """(attention, AdamW) of a row; rows from before the AdamW was recorded ran fused AdamW."""
+    return row.get("attention"), row.get("optimizer") or "fused"
+
+
+def split_variants(rows: list[Row]) -> tuple[tuple, list[Row], dict[tuple, list[Row]]]:
+    """(the variant the report answers from, its rows, the other variants' rows): the course's model where
+    the rows have it."""
+    variants = list(dict.fromkeys(variant(r) for r in rows))
+    main = COURSE_VARIANT if COURSE_VARIANT in variants or not variants else variants[0]
+    others = {v: [r for r in rows if variant(r) == v] for v in variants if v != main}
+    return main, [r for r in rows if variant(r) == main], others
+
+
+def variant_label(v: tuple) -> str:
+    return VARIANT_LABELS.get(v, f"{v[0]} attention, {v[1]} AdamW")
+
+
+def _cell_order(row: Row) -> tuple:
+    return (size_order(row["size"]), row["context_length"], str(row.get("precision")),
+            list(PHASE_LABELS).index(row["phase"]))
+
+
+def _sweep_setup(rows: list[Row], extra: dict[tuple, list[Row]] | None = None) -> str:
+    sample = rows[0]
+    # Rows that record their timer are described by the header's timing line; older ones timed each phase.
+    timer = "" if sample.get("timer") else ", each phase timed between device synchronisations"
+    extras = f"; extra columns: {', '.join(variant_label(v) for v in extra)}" if extra else ""
+    return (f"batch {sample['batch_size']}, {variant_label(variant(sample))}, random tokens, {sample['warmup']} "
+            f"warm-up + {sample['steps']} timed steps per cell{timer}{extras}; times in ms, mean ± std")
+
+
+def _sweep_table(rows: list[Row], extra: dict[tuple, list[Row]]) -> str:
+    """Phases by size and context of the main variant, then each other variant's as extra columns."""
+    def ordered(selected: list[Row]) -> list[Row]:
+        return [{**r, "phase": PHASE_LABELS[r["phase"]]} for r in sorted(
+            selected, key=lambda r: (size_order(r["size"]), list(PHASE_LABELS).index(r["phase"]), r["context_length"]))]
+
+    table = pivot(ordered(rows), index=["size", "phase"], column="context_length", value="mean_ms", fmt=mean_std,
+                  label="context")
+    for v, other in extra.items():
+        extra_columns = {(r["size"], r["phase"]): r for r in pivot(
+            ordered(other), index=["size", "phase"], column="context_length", value="mean_ms", fmt=mean_std,
+            label=f"{variant_column_label(v)}, context")}
+        for entry in table:
+            entry.update({k: value for k, value in extra_columns.get((entry["size"], entry["phase"]), {}).items()
+                          if k not in ("size", "phase")})
+    return markdown_table(table)
+
+
+# Each variant as a table's column heads it.
+VARIANT_COLUMN_LABELS = {COURSE_VARIANT: "course model", FAST_VARIANT: "SDPA + fused"}
+
+
+def variant_column_label(v: tuple) -> str:
+    return VARIANT_COLUMN_LABELS.get(v, variant_label(v))
+
+
+@dataclass(frozen=True)
+class StepVariation:
+    """How much the measured cells' times varied between steps: what the report's variation line and the
+    index's answer both quote."""
+    cells: int
+    median_share: float  # the median over cells of std / mean
+    worst: Row  # the cell whose std is the largest share of its mean
+    steady: int  # cells under STEADY_RELATIVE_STD
+    noisy: int  # cells over NOISY_RELATIVE_STD, marked noisy in the tables
+
+    @property
+    def worst_share(self) -> float:
+        return self.worst["std_ms"] / self.worst["mean_ms"]
+
+
+def step_variation(rows: list[Row]) -> StepVariation | None:
+    """The variation of the cells that ran, or None where none did."""
+    measured = [r for r in ok_rows(rows) if r["mean_ms"] > 0]
+    if not measured:
+        return None
+    shares = [r["std_ms"] / r["mean_ms"] for r in measured]
+    return StepVariation(len(measured), statistics.median(shares),
+                         max(measured, key=lambda r: r["std_ms"] / r["mean_ms"]),
+                         sum(share < STEADY_RELATIVE_STD for share in shares),
+                         sum(is_noisy(r["mean_ms"], r["std_ms"]) for r in measured))
+
+
+def _variation_summary(rows: list[Row]) -> str:
+    variation = step_variation(rows)
+    if variation is None:
+        return "No cell ran: every configuration ran out of memory."
+    worst = variation.worst
+    step = find(rows, **{k: worst.get(k) for k in ("size", "context_length", "precision", "compile")},
+                phase="train_step")
+    clock = f"; GPU clock {clock_note(step)}" if step and "sm_clock_mhz" in step else ""
+    text = (f"Variation between steps: median std {variation.median_share:.1%} of the mean; {variation.steady} of "
+            f"{plural(variation.cells, 'cell')} under {STEADY_RELATIVE_STD:.0%}; most variable: {worst['size']} at "
+            f"context {worst['context_length']} ({PHASE_LABELS[worst['phase']]}: "
+            f"{variation.worst_share:.1%} of {worst['mean_ms']:.1f} ms{clock}).")
+    if any(r.get("status") == OOM for r in rows):
+        text += " Out of memory: " + _oom_listing(rows) + "."
+    return text + "\n"
+
+
+def _oom_listing(rows: list[Row]) -> str:
+    """The cells that did not fit, per size and precision: their contexts, the memory model's estimate of
+    the step, whether they were run (a cell whose estimate exceeds the free memory is not), and which smaller
+    mode ran in their place, if one did."""
+    groups: dict[tuple, list[Row]] = {}
+    for r in sorted((r for r in rows if r.get("status") == OOM), key=_cell_order):
+        groups.setdefault((r["size"], r.get("precision")), []).append(r)
+    listed = []
+    for (size, precision), ooms in groups.items():
+        contexts = sorted({r["context_length"] for r in ooms})
+        # A cell's largest estimate is that of its whole step.
+        estimates = [max(r.get("estimated_peak_bytes") or 0 for r in ooms if r["context_length"] == n) for n in contexts]
+        notes = [f"estimate {span([e / 2**30 for e in estimates], '{:,.1f}'.format)} GiB"] if all(estimates) else []
+        if all(r.get("oom_predicted") for r in ooms):
+            notes.append("not run")
+        smaller = {r.get("measured_mode") for r in rows if r.get("status") == "ok" and r["size"] == size
+                   and r.get("precision") == precision and r["context_length"] in contexts}
+        if "forward_backward" in smaller:
+            notes.append("forward and backward ran without the optimizer")
+        elif "forward" in smaller:
+            notes.append("the forward alone ran")
+        listed.append(f"{size} at context{'s' if len(contexts) > 1 else ''} {listing([str(n) for n in contexts])}"
+                      + (f" in {precision}" if precision else "") + (f" ({'; '.join(notes)})" if notes else ""))
+    return ", ".join(listed)
+
+
+def _first_step_ratio(row: Row) -> float:
+    """The first timed step's time over the median step's: what a run without warm-up pays once."""
+    return row["first_ms"] / row["median_ms"]
+
+
+def _one_time_costs(device_type: str) -> str:
+    if device_type == "cuda":
+        costs = ("cuBLAS/cuDNN handles and workspaces, loading each kernel's module on first use (CUDA lazy "
+                 "loading), the caching allocator requesting driver memory, and AdamW creating its state")
+    else:
+        costs = ("the allocator obtaining memory from the OS, oneDNN/BLAS setting up kernels and thread pools, "
+                 "and AdamW creating its state")
+    return f"A first step pays one-time costs: {costs}."
+
+
+def _warmup_section(rows: list[Row]) -> str:
+    if not rows:
+        return ""
+    shown = sorted((r for r in rows if r["phase"] in ("forward", "backward", "optimizer")),
+                   key=lambda r: (size_order(r["size"]), r["warmup"], list(PHASE_LABELS).index(r["phase"])))
+    table = [{"size": r["size"], "warm-up steps": r["warmup"], "phase": r["phase"],
+              "mean ± std (ms)": mean_std(r), "median (ms)": r.get("median_ms"),
+              "first timed step (ms)": r.get("first_ms"), "slowest step (ms)": r.get("max_ms")} for r in shown]
+    text = [f"## Warm-up study\n\nOne fresh process per cell: "
+            f"context {rows[0]['context_length']}, {rows[0]['steps']} timed training steps after "
+            f"{', '.join(str(w) for w in sorted({r['warmup'] for r in rows}))} warm-up steps.\n",
+            markdown_table(table)]
+    ok = ok_rows(rows)
+    findings = []
+    for size in sorted({r["size"] for r in ok}, key=size_order):
+        steps = {r["warmup"]: r for r in ok if r["size"] == size and r["phase"] == "train_step"}
+        if 0 not in steps or len(steps) < 2:
+            continue
+        cold, most = steps[0], steps[max(steps)]
+        findings.append(f"- {size}: without warm-up the first training step takes {cold['first_ms']:.1f} ms "
+                        f"({format_ratio(_first_step_ratio(cold))} the median); mean {mean_std(cold, 'ms')} "
+                        f"against {mean_std(most, 'ms')} after {plural(max(steps), 'warm-up step')}.")
+    if findings:
+        text.append("\n".join(findings) + "\n\n" + _one_time_costs(rows[0].get("device", "cpu")) + "\n")
+    return "\n".join(text)
+
+
+def render_benchmarking_script(rows: list[Row]) -> Rendered:
+    _, sweep, extra = split_variants([r for r in rows if r.get("table") == "sweep"])
+    parts = []
+    if sweep:
+        parts += [f"## Time per phase by model size and context\n\n{_sweep_setup(sweep, extra)}; fp32, eager. Forward "
+                  "is timed inside training steps (autograd recording).\n", _sweep_table(sweep, extra),
+                  _variation_summary(sweep)]
+    parts.append(_warmup_section([r for r in rows if r.get("table") == "warmup"]))
+    return Rendered("\n".join(parts))
+
+
+def _index_keys(key: str) -> list[str]:
+    """The columns that name a cell of a comparison over `key`."""
+    return [k for k in ("size", "context_length", "precision", "phase") if k != key]
+
+
+def _paired_cells(rows: list[Row], key: str, base_value, other_value) -> dict[tuple, tuple[Row | None, Row | None]]:
+    """(size, context, precision, phase), less `key` -> the rows of that cell with `key` at each of two values."""
+    index_keys = _index_keys(key)
+    cells: dict[tuple, dict] = {}
+    for r in sorted(rows, key=_cell_order):
+        cells.setdefault(tuple(r[k] for k in index_keys), {})[r[key]] = r
+    return {index: (pair.get(base_value), pair.get(other_value)) for index, pair in cells.items()}
+
+
+def _both_ran(base: Row | None, other: Row | None) -> bool:
+    return bool(base and other) and base.get("status") == other.get("status") == "ok"
+
+
+def phase_speedups(rows: list[Row], key: str, base_value, other_value, phase: str) -> SpeedUps:
+    """How much faster the rows with `key` = `other_value` ran than those with `base_value`, in one phase, over
+    the cells where both ran: the report's summary and the index's answer read this one computation."""
+    return SpeedUps.of((base, other, "") for base, other in _paired_cells(rows, key, base_value, other_value).values()
+                       if _both_ran(base, other) and base["phase"] == phase)
+
+
+def _speedup_summary(rows: list[Row], key: str, base_value, other_value) -> str:
+    """ "forward: 1.04x to 2.40x (median 1.44x; 4 noisy cells left out); backward: ...": the phases that ran."""
+    phases = ((PHASE_LABELS[phase], phase_speedups(rows, key, base_value, other_value, phase).summary())
+              for phase in ("forward", "backward", "train_step"))
+    return "; ".join(f"{label}: {summary}" for label, summary in phases if summary)
+
+
+def _comparison_table(rows: list[Row], key: str, base_value, other_value, base_label: str, other_label: str) -> list[Row]:
+    """One row per cell (size, context, precision, phase minus `key`): both variants' times and their ratio."""
+    table = []
+    for index, (base, other) in _paired_cells(rows, key, base_value, other_value).items():
+        entry = dict(zip(_index_keys(key), index))
+        entry["phase"] = PHASE_LABELS[entry["phase"]]
+        entry[f"{base_label} (ms)"] = mean_std(base) if base else ""
+        entry[f"{other_label} (ms)"] = mean_std(other) if other else ""
+        entry["speed-up"] = speedup_text(base, other) if _both_ran(base, other) else ""
+        for label, variant in ((base_label, base), (other_label, other)):
+            if variant and variant.get("mfu") is not None:
+                entry[f"{label} MFU"] = f"{variant['mfu']:.1%}"
+        table.append(entry)
+    return table
+
+
+def _autocast_section(dtypes: list[Row]) -> str:
+    observed = {r["tensor"]: r["dtype"] for r in dtypes}
+    autocast_dtype = dtypes[0]["autocast"]
+    low = [t for t, d in observed.items() if d == autocast_dtype]
+    full = [t for t, d in observed.items() if d == "float32"]
+    note = "" if autocast_dtype == "float16" else " (this device's autocast does not support fp16)"
+    return (f"## (a) dtypes inside a toy-model step under autocast\n\nObserved with forward hooks on "
+            f"{dtypes[0]['device']}, autocast dtype {autocast_dtype}{note}.\n\n" + markdown_table(dtypes, ["tensor", "dtype"]) +
+            f"\nIn {autocast_dtype}: {', '.join(low) or 'nothing'}. In float32: {', '.join(full) or 'nothing'}. "
+            "Autocast leaves parameters (and so their gradients) in fp32 and casts copies of the weights for each "
+            "matmul, whose outputs come out in the low-precision dtype; ops on its fp32 list (the loss, and on CUDA "
+            "layer norm) run in fp32. Which ops are on that list differs by device: compare the layer norm row "
+            "across devices.\n")
+
+
+def render_benchmarking_mixed_precision(rows: list[Row]) -> Rendered:
+    parts = []
+    dtypes = [r for r in rows if r.get("table") == "autocast_dtypes"]
+    if dtypes:
+        parts.append(_autocast_section(dtypes))
+    norms = {r["storage_dtype"]: r for r in rows if r.get("table") == "normalization"}
+    if norms:
+        fp16, bf16 = norms.get("float16"), norms.get("bfloat16")
+        parts += ["## (b) normalisation statistics in low precision\n\nMean of squares of a 1024-wide row of "
+                  "magnitude ~300, against a float64 reference:\n", markdown_table(list(norms.values()),
+                                                                                   ["storage_dtype", "mean_square", "relative_error"])]
+        if fp16 and bf16:
+            parts.append(f"In fp16 the result is {fp16['mean_square']} (largest finite fp16 value: 65504; 300² is 9e4): "
+                         f"a layer norm or RMSNorm whose statistics are computed in fp16 overflows. bf16 keeps fp32's "
+                         f"exponent range, so it does not overflow, but with 8 mantissa bits its mean is off by "
+                         f"{bf16['relative_error']:.2%}. So under fp16 the norms must run in fp32; under bf16 they can "
+                         "run without overflow, though accumulating the statistics in fp32 (as our RMSNorm does) is "
+                         "still more accurate.\n")
+    _, timings, extra = split_variants([r for r in rows if r.get("table") == "sweep"])
+    if timings:
+        table = _comparison_table(timings, "precision", "fp32", "bf16", "fp32", "bf16")
+        summary = _speedup_summary(timings, "precision", "fp32", "bf16")
+        for v, other in extra.items():
+            _add_columns(table, _comparison_table(other, "precision", "fp32", "bf16", "fp32", "bf16"),
+                         variant_column_label(v))
+        parts += [f"## (c) fp32 against bf16 autocast\n\n{_sweep_setup(timings, extra)}; eager. Speed-up is the ratio "
+                  "of means; MFU is against the device's dense peak for the precision (fp32 peak for fp32 cells, "
+                  "bf16 tensor-core peak for bf16 cells).\n", markdown_table(table),
+                  f"bf16 speed-up over fp32 by phase: {summary}.\n" if summary else ""]
+    return Rendered("\n".join(parts))
+
+
+def _add_columns(table: list[Row], other: list[Row], label: str) -> None:
+    """Another variant's times and speed-up as extra columns of `table`, matched by size, context and phase."""
+    index = ("size", "context_length", "phase")
+    by_cell = {tuple(r[k] for k in index): r for r in other}
+    for entry in table:
+        match = by_cell.get(tuple(entry[k] for k in index), {})
+        entry.update({f"{label}: {column}": match.get(column, "")
+                      for column in ("fp32 (ms)", "bf16 (ms)", "speed-up")})
+
+
+def render_compiled_models(rows: list[Row]) -> Rendered:
+    """The whole-model part of the torch_compile report (attention.render_torch_compile renders it all)."""
+    model_rows = [r for r in rows if r.get("table") == "sweep"]
+    if not model_rows:
+        return Rendered("")
+    table = _comparison_table(model_rows, "compile", False, True, "eager", "compiled")
+    summary = _speedup_summary(model_rows, "compile", False, True)
+    compiled_first = [r for r in ok_rows(model_rows) if r["compile"] and r["phase"] == "forward"]
+    compile_note = ""
+    if compiled_first:
+        slowest = max(compiled_first, key=lambda r: r["first_step_ms"])
+        compile_note = (f" The first (compiling) step took up to {slowest['first_step_ms'] / 1e3:.1f} s "
+                        f"({slowest['size']}, context {slowest['context_length']}, {slowest['precision']}).")
+    return Rendered("\n".join([
+        f"## Whole model: eager against torch.compile\n\n{_sweep_setup(model_rows)}. Compiled cells compile each "
+        "Transformer block (regional compilation); embedding, final norm, LM head and AdamW run eagerly. The "
+        "compiling first warm-up step is not timed.\n",
+        markdown_table(table),
+        f"Compiled over eager by phase: {summary}.{compile_note}\n" if summary else "",
+        _reference_section(rows)]))
+
+
+def _reference_section(rows: list[Row]) -> str:
+    """The compiled training step against the torch-native reference of the same cell, and where the
+    profiled steps of both spent their time."""
+    cells = _reference_cells(rows)
+    if not cells:
+        return ""
+    table = []
+    for cell, (ours, theirs) in cells.items():
+        entry = {"size": cell[0], "context": cell[1], "precision": cell[2],
+                 "project (ms)": mean_std(ours), "torch reference (ms)": mean_std(theirs),
+                 "project / reference": format_ratio(ours["median_ms"] / theirs["median_ms"])}
+        if ours.get("host_ms") and theirs.get("host_ms"):
+            entry["host issue / step: project; reference"] = (f"{format_share(ours['host_ms'] / ours['median_ms'])}; "
+                                                              f"{format_share(theirs['host_ms'] / theirs['median_ms'])}")
+        if "sm_clock_mhz" in ours and "sm_clock_mhz" in theirs:
+            entry["GPU clock: project; reference"] = f"{clock_note(ours)}; {clock_note(theirs)}"
+        table.append(entry)
+    return ("## The compiled step against a torch-native reference\n\n"
+            "The reference is the same architecture in torch's own modules "
+            "(cs336_systems/benchmarks/reference_lm.py), compiled as one graph, with the same AdamW, timed the same "
+            "way in the same run. Ratio of medians: above 1, the project's model and harness cost that much more."
+            "\n\n" + markdown_table(table)
+            + _breakdown_section(rows))
+
+
+def clock_note(row: Row) -> str:
+    """A whole-step row's clock columns in words: `1,755 MHz, power-capped 40%, hot 12%`."""
+    note = f"{row['sm_clock_mhz']:,.0f} MHz"
+    limits = [f"{name} {format_share(row[column])}" for name, column in
+              (("power-capped", "power_capped_share"), ("hot", "thermal_limited_share")) if row[column] >= 0.005]
+    return ", ".join([note, *limits])
+
+
+def _reference_cells(rows: list[Row]) -> dict[tuple, tuple[Row, Row]]:
+    """(size, context, precision) -> the project's compiled train step and the reference's, where both ran."""
+    def steps(table: str) -> dict[tuple, Row]:
+        return {(r["size"], r["context_length"], r["precision"]): r for r in ok_rows(rows)
+                if r.get("table") == table and r["compile"] and r["phase"] == "train_step"}
+
+    project, reference = steps("sweep"), steps("reference")
+    cells = sorted(set(project) & set(reference), key=lambda cell: (size_order(cell[0]), cell[1], cell[2]))
+    return {cell: (project[cell], reference[cell]) for cell in cells}
+
+
+def _breakdown_section(rows: list[Row]) -> str:
+    profiled = select(rows, table=BREAKDOWN_TABLE)
+    if not profiled:
+        return ""
+    table = []
+    for r in sorted(profiled, key=lambda r: (size_order(r["size"]), r["context_length"], r["precision"],
+                                             r.get("model") or "", (*BREAKDOWN_PHASES, "step").index(r["phase"]))):
+        entry = {"model": r.get("model") or "project", "size": r["size"], "context": r["context_length"],
+                 "precision": r["precision"], "phase": r["phase"]}
+        if r["phase"] == "step":
+            busy = r.get("busy_ms")
+            entry.update({"step (ms)": f"{r['step_ms']:.1f}",
+                          "GPU busy (ms)": "" if busy is None else f"{busy:.1f} ({format_share(busy / r['step_ms'])})",
+                          "GPU idle (ms)": "" if busy is None else f"{r['idle_ms']:.1f}"})
+        else:
+            entry.update({"kernels (ms)": f"{r['work_ms']:.1f}", "matmul": format_share(_part(r, "matmul_ms")),
+                          "attention": format_share(_part(r, "attention_ms")),
+                          "other": format_share(_part(r, "other_ms"))})
+        table.append(entry)
+    steps = profiled[0].get("profiled_steps")
+    return (f"\n### Where the time goes\n\n{plural(steps, 'more step')} of each model under torch.profiler: per "
+            "phase, kernel time per step split into matmuls, fused attention and the rest; per step, its time under "
+            "the profiler (which adds host work), GPU busy, and GPU idle (waiting for the host). Kernels can "
+            "overlap, so the phases' kernel times may exceed the busy time.\n\n" + markdown_table(table))
+
+
+def _part(row: Row, column: str) -> float:
+    return row[column] / row["work_ms"] if row["work_ms"] else 0.0
+
+
+# The training steps the first answer quotes: the two largest sizes measured, at context 512.
+HEADLINE_SIZE_COUNT = 2
+HEADLINE_CONTEXT = 512
+
+
+def _mean_std_ms(row: Row) -> str:
+    """A time as the answers quote it: thousands separated, where the tables' `mean_std` is not."""
+    return reports.mean_std(row["mean_ms"], row["std_ms"], ",.1f", ".1f", unit="ms")
+
+
+def _e2e_step(rows: list[Row], size: str, context: int, phase: str, precision: str = "fp32") -> Row | None:
+    """An eager sweep cell's row, where it ran."""
+    row = find(rows, table="sweep", size=size, context_length=context, phase=phase, precision=precision,
+               compile=False)
+    return row if row and row.get("status") == "ok" else None
+
+
+def _headline_cells(sweep: list[Row]) -> tuple[list[str], int]:
+    """The sizes and context a training-step sentence quotes: the largest sizes the run measured, at the
+    headline context, or, for a run that never measured that context (a CPU run of the tiny model), its
+    largest size at its longest context."""
+    steps = select(sweep, phase="train_step", precision="fp32", compile=False)
+    if not steps or any(r["context_length"] == HEADLINE_CONTEXT for r in steps):
+        largest = sorted({r["size"] for r in steps}, key=size_order, reverse=True)
+        return largest[:HEADLINE_SIZE_COUNT], HEADLINE_CONTEXT
+    largest = max(steps, key=lambda r: (size_order(r["size"]), r["context_length"]))
+    return [largest["size"]], largest["context_length"]
+
+
+def answer_benchmarking_script(reports: Reports) -> list[str]:
+    rows = reports["benchmarking_script"]
+    main, sweep, extra = split_variants(select(rows, table="sweep"))
+    sizes, context = _headline_cells(sweep)
+    steps, batch_sizes = [], set()
+    for size in sizes:
+        step = find(sweep, size=size, context_length=context, phase="train_step", precision="fp32", compile=False)
+        if step is None or step["status"] != "ok":
+            steps.append(f"the {size} step is not in the report" if step is None else f"{size} ran out of memory")
+            continue
+        batch_sizes.add(step["batch_size"])
+        phases = [(p, _e2e_step(sweep, size, context, p)) for p in ("forward", "backward", "optimizer")]
+        detail = ", ".join(f"{p} {format_ms(r['mean_ms'])}" for p, r in phases if r)
+        steps.append(f"{size} takes {_mean_std_ms(step)}" + (f" ({detail})" if detail else ""))
+        for v, other in extra.items():
+            fast = _e2e_step(other, size, context, "train_step")
+            if fast:
+                steps[-1] += f"; with {variant_label(v)} {_mean_std_ms(fast)}"
+    batch = f"batch {listing(sorted(map(str, batch_sizes)))}, " if batch_sizes else ""
+    sentences = [f"A training step (forward, backward, AdamW) of {variant_label(main)} at {batch}context {context}, "
+                 "fp32, eager: " + "; ".join(steps) + "." if steps else not_in_report("An fp32 eager training step")]
+    variation = step_variation(sweep)
+    if variation:
+        worst, noisy = variation.worst, variation.noisy
+        sentences.append(f"Over the {plural(variation.cells, 'measured cell')} the std is a median "
+                         f"{variation.median_share:.1%} of the mean (largest: {worst['size']} at context "
+                         f"{worst['context_length']}, {PHASE_LABELS[worst['phase']]}, {variation.worst_share:.1%})"
+                         + (f"; {noisy} of them {'varies' if noisy == 1 else 'vary'} by more than "
+                            f"{NOISY_RELATIVE_STD:.0%} and {'is' if noisy == 1 else 'are'} marked noisy." if noisy else "."))
+    cold = [r for r in ok_rows(select(rows, table="warmup", phase="train_step", warmup=0)) if r.get("first_ms")]
+    warm = [r for r in ok_rows(select(rows, table="warmup", phase="train_step")) if r["warmup"] in (1, 2)]
+    if cold and warm:
+        slowest = max(cold, key=_first_step_ratio)
+        mildest = min(cold, key=_first_step_ratio)
+        warmed = max(select(rows, table="warmup", phase="train_step", size=slowest["size"]), key=lambda r: r["warmup"])
+        first_step = (f"{format_ratio(_first_step_ratio(slowest))}" if mildest is slowest else
+                      f"{format_ratio(_first_step_ratio(mildest))} ({mildest['size']}) to "
+                      f"{format_ratio(_first_step_ratio(slowest))} ({slowest['size']})")
+        sentences.append(
+            f"Without warm-up the first timed step takes {first_step} the median step, so {slowest['size']}'s "
+            f"{slowest['steps']}-step mean is {_mean_std_ms(slowest)} against {_mean_std_ms(warmed)} after "
+            f"{plural(warmed['warmup'], 'warm-up step')}; after 1 or 2 warm-up steps the first timed step is at most "
+            f"{format_ratio(max(map(_first_step_ratio, warm)))} the median.")
+    else:
+        sentences.append(not_in_report("The warm-up study"))
+    return sentences
+
+
+def answer_benchmarking_mixed_precision(reports: Reports) -> list[str]:
+    rows = reports["benchmarking_mixed_precision"]
+    main, main_sweep, _ = split_variants(select(rows, table="sweep"))
+    clauses = []
+    dtypes = select(rows, table="autocast_dtypes")
+    if dtypes:
+        by_dtype: dict[str, list[str]] = {}
+        for r in dtypes:
+            by_dtype.setdefault(r["dtype"], []).append(r["tensor"])
+        clauses.append(f"Under {dtypes[0]['autocast']} autocast on {dtypes[0]['device']} the toy model's "
+                       + "; ".join(f"{listing(tensors)} {'is' if len(tensors) == 1 else 'are'} {dtype}"
+                                   for dtype, tensors in by_dtype.items()))
+    else:
+        clauses.append("The autocast dtype table is not in the report")
+    norms = {r["storage_dtype"]: r for r in select(rows, table="normalization")}
+    if "float16" in norms and "bfloat16" in norms:
+        fp16, bf16 = norms["float16"], norms["bfloat16"]
+        clauses.append("the mean of squares of the report's test row "
+                       + ("overflows to inf" if math.isinf(fp16["mean_square"]) else
+                          f"is off by {fp16['relative_error']:.2%}")
+                       + f" in fp16 and is off by {bf16['relative_error']:.2%} in bf16")
+    sentences = ["; ".join(clauses) + "."]
+    sweep = ok_rows(main_sweep)
+    sizes = sorted({r["size"] for r in sweep}, key=size_order)
+    if not sizes:
+        sentences.append(not_in_report("The fp32 against bf16 timing sweep"))
+        return sentences
+    largest, smallest = sizes[-1], sizes[0]
+    speedups = []
+    for context in sorted({r["context_length"] for r in sweep if r["size"] == largest}):
+        fp32, bf16 = (_e2e_step(sweep, largest, context, "train_step", p) for p in ("fp32", "bf16"))
+        if fp32 and bf16:
+            speedups.append(f"{speedup_text(fp32, bf16)} at context {context} "
+                            f"({format_ms(fp32['mean_ms'])} -> {format_ms(bf16['mean_ms'])})")
+    if not speedups:
+        sentences.append(not_in_report(f"A {largest} training step in both fp32 and bf16"))
+        return sentences
+    text = f"bf16 autocast over fp32 for a {largest} training step of {variant_label(main)} (eager): " + ", ".join(speedups)
+    first_context = min(r["context_length"] for r in sweep if r["size"] == smallest)
+    fp32, bf16 = (_e2e_step(sweep, smallest, first_context, "train_step", p) for p in ("fp32", "bf16"))
+    if smallest != largest and fp32 and bf16:
+        text += (f"; at {smallest}, context {first_context}, it is {speedup_text(fp32, bf16)}"
+                 + (" (bf16 slower)" if bf16["mean_ms"] > fp32["mean_ms"] else ""))
+    sentences.append(text + ".")
+    return sentences
+
+
+def _reference_answer(rows: list[Row]) -> list[str]:
+    """The compiled step against the torch-native reference: the largest cell, where the ratio
+    ranges, and how busy the project's GPU was where the ratio is worst."""
+    cells = _reference_cells(rows)
+    if not cells:
+        return []
+    ratios = {cell: ours["median_ms"] / theirs["median_ms"] for cell, (ours, theirs) in cells.items()}
+    (size, context, precision), (ours, theirs) = list(cells.items())[-1]
+    sentences = [f"Against a torch-native LM of the same architecture compiled whole, the compiled {size} {precision} "
+                 f"training step at context {context} takes {format_ratio(ratios[size, context, precision])} its "
+                 f"time (medians {format_ms(ours['median_ms'])} and {format_ms(theirs['median_ms'])})"
+                 + (f"; over {plural(len(cells), 'cell')} the ratio is {span(ratios.values(), format_ratio)}."
+                    if len(cells) > 1 else ".")]
+    worst = max(ratios, key=ratios.get)
+    busy = {model: find(rows, table=BREAKDOWN_TABLE, phase="step", size=worst[0], context_length=worst[1],
+                        precision=worst[2], model=model) for model in (None, REFERENCE_MODEL)}
+    if all(row and row.get("busy_ms") is not None for row in busy.values()):
+        project, reference = busy.values()
+        extra_step = project["step_ms"] - reference["step_ms"]
+        extra_busy = project["busy_ms"] - reference["busy_ms"]
+        sentence = (f"Where the ratio is highest ({worst[0]}, context {worst[1]}, {worst[2]}), the GPU was busy for "
+                    f"{format_share(project['busy_ms'] / project['step_ms'])} of the project's profiled step and "
+                    f"{format_share(reference['busy_ms'] / reference['step_ms'])} of the reference's")
+        if extra_step > 0:
+            sentence += (f"; of the project's extra {format_ms(extra_step)} per profiled step, "
+                         f"{format_ms(max(extra_busy, 0.0))} is kernel time and the rest the GPU waiting for the host")
+        sentences.append(sentence + ".")
+    return sentences
+
+
+def answer_compiled_models(rows: list[Row]) -> list[str]:
+    """The whole-model part of the torch_compile answer (attention.answer_torch_compile gives it all): compiled
+    against eager, then against the torch-native reference."""
+    sweep = select(rows, table="sweep")
+    # (size, context, precision, phase) -> the eager and the compiled training step, where both ran.
+    pairs = {index: (eager, compiled) for index, (eager, compiled) in _paired_cells(sweep, "compile", False, True).items()
+             if _both_ran(eager, compiled) and eager["phase"] == "train_step"}
+    if not pairs:
+        return [not_in_report("A whole-model training step both eager and compiled"), *_reference_answer(rows)]
+    speedups = phase_speedups(sweep, "compile", False, True, "train_step")
+    if speedups.ratios:
+        details = speedups.details()
+        sentences = [f"Compiling each Transformer block makes the whole-model training step {speedups.range_text()} "
+                     f"as fast as eager over {len(speedups.ratios)} size, context and precision "
+                     f"{'cell' if len(speedups.ratios) == 1 else 'cells'}" + (f" ({details})." if details else ".")]
+    else:
+        sentences = [f"Every eager and compiled training step here is noisy (std above {NOISY_RELATIVE_STD:.0%} of "
+                     "the mean), so no speed-up is read from them."]
+    largest = max(pairs, key=lambda key: (size_order(key[0]), key[1] == HEADLINE_CONTEXT, key[1]))
+    size, context = largest[:2]
+    shown = [f"{precision} {format_ms(e['mean_ms'])} -> {format_ms(c['mean_ms'])}, {speedup_text(e, c)}"
+             for (s, n, precision, _), (e, c) in sorted(pairs.items(), key=lambda item: item[0][2], reverse=True)
+             if (s, n) == (size, context)]
+    sentences.append(f"At {size}, context {context}: " + ", ".join(shown) + ".")
+    return sentences + _reference_answer(rows)
