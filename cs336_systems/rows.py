@@ -59,6 +59,10 @@ E2E_KEY = ("table", "model", "size", "context_length", "batch_size", "mode", "pr
            "optimizer", "warmup", "steps", "phase")
 # benchmarking_mixed_precision also holds the autocast dtype rows, one per tensor of the toy model.
 MIXED_PRECISION_KEY = E2E_KEY + ("tensor", "autocast", "storage_dtype")
+ATTENTION_KEY = ("attention", "compile", "precision", "batch_size", "seq_len", "head_dim", "is_causal", "passes",
+                 "warmup")
+# torch_compile holds the whole model's cells and the attention sweep's.
+TORCH_COMPILE_KEY = E2E_KEY + ("seq_len", "head_dim", "is_causal", "passes")
 ALLREDUCE_KEY = ("backend", "world_size", "size_bytes")
 
 

@@ -13,7 +13,6 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from cs336_systems.reports import problems
 from cs336_systems.accounting.attention import attention_flops, naive_attention_memory
 from cs336_systems.attention.flash_triton import INTERPRETED
 from cs336_systems.attention.reference import naive_attention
@@ -22,7 +21,8 @@ from cs336_systems.benchmarks import flash as flash_bench
 from cs336_systems.benchmarks.attention import AttentionCell, attention_sweep, benchmark_attention
 from cs336_systems.benchmarks.flash import UNSUPPORTED, BenchSettings, FlashCell, benchmark_flash_cell
 from cs336_systems.profiling.memory import peak_memory_increase
-from cs336_systems.reports import read_rows, rerender, write_report
+from cs336_systems.reports import problems, read_rows, rerender, write_report
+from cs336_systems.reports.attention import answer_torch_compile
 from cs336_systems.rows import OOM
 
 FLASH_REPORT = problems.report("flash_benchmarking")
@@ -355,7 +355,7 @@ def test_torch_compile_findings_and_answer_leave_out_noisy_attention_cells_and_q
     assert "| 64 | 1024 | 1 ± 0.1 | 100 ± 90 (noisy) | 0.01x (noisy) |" in body
     finding = "compiled runs 1.50x (d=32, N=1024) to 2.00x (d=16, N=1024) as fast as eager (median 1.75x; 2 noisy cells left out)."
     assert f"- forward: {finding}" in body and f"- backward: {finding}" in body
-    answer = " ".join(attention_bench.answer_torch_compile({"torch_compile": rows}))
+    answer = " ".join(answer_torch_compile({"torch_compile": rows}))
     assert ("Naive attention alone, compiled over eager (4 cells): forward 1.50x to 2.00x (median 1.75x; 2 noisy "
             "cells left out), backward 1.50x to 2.00x (median 1.75x; 2 noisy cells left out).") in answer
     quoted = body[body.index("- forward:"):] + answer  # the findings after the table, and the index's answer

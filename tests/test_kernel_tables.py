@@ -9,7 +9,6 @@ import torch.nn.functional as F
 from torch.autograd import DeviceType
 from torch.autograd.profiler_util import FunctionEvent
 
-from cs336_systems.reports import problems
 from cs336_systems.benchmarks.nsys_profile import ATTENTION_RANGES, ProfileConfig, profile_training_step
 from cs336_systems.model import ModelConfig, TransformerLM
 from cs336_systems.profiling.kernels import (
@@ -24,6 +23,7 @@ from cs336_systems.profiling.kernels import (
     short_name,
 )
 from cs336_systems.profiling.ranges import annotate
+from cs336_systems.reports import problems
 from cs336_systems.rows import OOM
 
 # The tiny model: 2 blocks of 7 Linears each, plus the LM head.

@@ -12,6 +12,7 @@ from cs336_systems.benchmarks.attention import AttentionCell, benchmark_attentio
 from cs336_systems.benchmarks.e2e import E2EConfig, benchmark_model, memory_estimate
 from cs336_systems.benchmarks.flash import FlashCell, benchmark_flash_cell
 from cs336_systems.memory_guard import FIT_SHARE, MemoryCheck, check_memory, is_out_of_memory
+from cs336_systems.reports.attention import oom_when
 from cs336_systems.rows import OOM
 
 GIB = 2**30
@@ -109,7 +110,7 @@ def test_attention_cell_that_cannot_fit_is_predicted_oom(free_ram, monkeypatch):
     monkeypatch.setattr(attention_bench, "_measure", _never_run)
     row = benchmark_attention(AttentionCell(16, 16384), "cpu")  # three (8, 16384, 16384) fp32 matrices: 24 GiB
     assert row["status"] == OOM and row["oom_predicted"] and row["estimated_peak_bytes"] > 24 * GIB
-    assert attention_bench.oom_when(row) == "predicted, not run"
+    assert oom_when(row) == "predicted, not run"
 
 
 def test_flash_naive_cell_that_cannot_fit_in_ram_is_predicted_oom(free_ram):

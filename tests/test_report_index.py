@@ -7,10 +7,20 @@ from pathlib import Path
 
 import pytest
 
-from cs336_systems.reports import problems
 from cs336_systems.__main__ import main
 from cs336_systems.benchmarks.communication_accounting import communication_accounting_rows
-from cs336_systems.reports.problems import PROBLEMS
+from cs336_systems.reports import (
+    Metadata,
+    RunRecord,
+    header,
+    metadata_path,
+    plural,
+    problems,
+    read_rows,
+    rerender,
+    span,
+    write_csv,
+)
 from cs336_systems.reports.index import (
     CPU_SLUG,
     INDEX_COMMAND,
@@ -20,17 +30,7 @@ from cs336_systems.reports.index import (
     write_index,
     write_indexes,
 )
-from cs336_systems.reports import (
-    Metadata,
-    RunRecord,
-    header,
-    metadata_path,
-    plural,
-    read_rows,
-    rerender,
-    span,
-    write_csv,
-)
+from cs336_systems.reports.problems import PROBLEMS
 from cs336_systems.rows import Row
 
 RUN_DATE = "2030-01-02 03:04 UTC"

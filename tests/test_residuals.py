@@ -7,10 +7,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from cs336_systems.reports import problems
 from cs336_systems.accounting.activations import block_saved_bytes, residual_stream_bytes
 from cs336_systems.model import ModelConfig, TransformerLM
 from cs336_systems.profiling.residuals import block_memory
+from cs336_systems.reports import problems
 
 CONFIG = ModelConfig.for_size("tiny", 16)
 BATCH = 2

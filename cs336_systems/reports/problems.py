@@ -14,7 +14,6 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from cs336_systems.benchmarks import (
-    attention,
     ddp,
     flash,
     flash_in_training,
@@ -28,12 +27,19 @@ from cs336_systems.reports import (
     Report,
     Reports,
     allreduce,
+    attention,
     communication_accounting,
     e2e,
     mixed_precision,
     parallelism_calcs,
 )
-from cs336_systems.rows import ALLREDUCE_KEY, E2E_KEY, MIXED_PRECISION_KEY
+from cs336_systems.rows import (
+    ALLREDUCE_KEY,
+    ATTENTION_KEY,
+    E2E_KEY,
+    MIXED_PRECISION_KEY,
+    TORCH_COMPILE_KEY,
+)
 
 Answer = Callable[[Reports], list[str]]
 
@@ -90,9 +96,9 @@ PROBLEMS: tuple[Problem, ...] = (
             gradient_checkpointing.answer_gradient_checkpointing, "memory", ("perf/test_memory.py",),
             open_items=gradient_checkpointing.open_items_gradient_checkpointing),
     Problem("pytorch_attention",
-            (Report("pytorch_attention", attention.render_pytorch_attention, attention.ATTENTION_KEY),),
+            (Report("pytorch_attention", attention.render_pytorch_attention, ATTENTION_KEY),),
             attention.answer_pytorch_attention, "attention", ("perf/test_attention.py",)),
-    Problem("torch_compile", (Report("torch_compile", attention.render_torch_compile, attention.TORCH_COMPILE_KEY),),
+    Problem("torch_compile", (Report("torch_compile", attention.render_torch_compile, TORCH_COMPILE_KEY),),
             attention.answer_torch_compile, "e2e", ("perf/test_e2e.py", "perf/test_attention.py")),
     Problem("flash_forward / flash_backward", (), flash.answer_flash_forward_backward),
     Problem("flash_benchmarking",
