@@ -59,6 +59,7 @@ E2E_KEY = ("table", "model", "size", "context_length", "batch_size", "mode", "pr
            "optimizer", "warmup", "steps", "phase")
 # benchmarking_mixed_precision also holds the autocast dtype rows, one per tensor of the toy model.
 MIXED_PRECISION_KEY = E2E_KEY + ("tensor", "autocast", "storage_dtype")
+NSYS_KEY = ("table", "size", "context_length", "precision", "attention", "optimizer")
 ATTENTION_KEY = ("attention", "compile", "precision", "batch_size", "seq_len", "head_dim", "is_causal", "passes",
                  "warmup")
 # torch_compile holds the whole model's cells and the attention sweep's.

@@ -20,7 +20,6 @@ from cs336_systems.benchmarks import (
     fsdp,
     gradient_checkpointing,
     memory_profiling,
-    nsys_profile,
     sharding,
 )
 from cs336_systems.reports import (
@@ -31,6 +30,7 @@ from cs336_systems.reports import (
     communication_accounting,
     e2e,
     mixed_precision,
+    nsys_profile,
     parallelism_calcs,
 )
 from cs336_systems.rows import (
@@ -38,6 +38,7 @@ from cs336_systems.rows import (
     ATTENTION_KEY,
     E2E_KEY,
     MIXED_PRECISION_KEY,
+    NSYS_KEY,
     TORCH_COMPILE_KEY,
 )
 
@@ -79,7 +80,7 @@ def _parallelism(name: str, answer: Answer) -> Problem:
 PROBLEMS: tuple[Problem, ...] = (
     Problem("benchmarking_script", (Report("benchmarking_script", e2e.render_benchmarking_script, E2E_KEY),),
             e2e.answer_benchmarking_script, "e2e", ("perf/test_e2e.py",)),
-    Problem("nsys_profile", (Report("nsys_profile", nsys_profile.render_nsys_profile, nsys_profile.NSYS_KEY),),
+    Problem("nsys_profile", (Report("nsys_profile", nsys_profile.render_nsys_profile, NSYS_KEY),),
             nsys_profile.answer_nsys_profile, "profile", ("perf/test_profile.py",),
             open_items=nsys_profile.open_items_nsys_profile, every_size=False),
     Problem("mixed_precision_accumulation",
