@@ -37,9 +37,14 @@ LongRow = dict[str, str]  # LONG_COLUMNS -> the text of a CSV cell
 OOM = "OOM"
 
 
+def ran(row: Row | None) -> bool:
+    """Whether `row` is a cell that ran (status "ok"); not a cell that ran out of memory or was not run, or no row."""
+    return bool(row) and row.get("status") == "ok"
+
+
 def ok_rows(rows: Iterable[Row]) -> list[Row]:
     """The rows of cells that ran (status "ok"), not those that ran out of memory or were not run."""
-    return [row for row in rows if row.get("status") == "ok"]
+    return [row for row in rows if ran(row)]
 
 
 # The end-to-end model benchmarks' rows (cs336_systems.benchmarks.e2e), which the nsys_profile and torch_compile
@@ -60,6 +65,9 @@ E2E_KEY = ("table", "model", "size", "context_length", "batch_size", "mode", "pr
 # benchmarking_mixed_precision also holds the autocast dtype rows, one per tensor of the toy model.
 MIXED_PRECISION_KEY = E2E_KEY + ("tensor", "autocast", "storage_dtype")
 NSYS_KEY = ("table", "size", "context_length", "precision", "attention", "optimizer")
+FLASH_KEY = ("table", "provider", "precision", "batch_size", "n_heads", "seq_len", "head_dim", "is_causal", "mode")
+FLASH_IN_TRAINING_KEY = ("table", "size_table", "size", "context_length", "attention", "provider", "batch_size",
+                         "n_heads", "seq_len", "head_dim", "mode")
 ATTENTION_KEY = ("attention", "compile", "precision", "batch_size", "seq_len", "head_dim", "is_causal", "passes",
                  "warmup")
 # torch_compile holds the whole model's cells and the attention sweep's.

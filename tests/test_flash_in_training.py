@@ -2,12 +2,8 @@
 
 import pytest
 
-from cs336_systems.benchmarks.flash_in_training import (
-    TrainingCell,
-    kernel_cell_of,
-    render_flash_in_training,
-    training_steps,
-)
+from cs336_systems.benchmarks.flash_in_training import TrainingCell, kernel_cell_of, training_steps
+from cs336_systems.reports.flash_in_training import render_flash_in_training
 from cs336_systems.rows import OOM
 
 

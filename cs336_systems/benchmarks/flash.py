@@ -1,6 +1,7 @@
 """Problem flash_benchmarking: FlashAttention-2 in Triton against naive PyTorch attention and PyTorch
 SDPA, forward, backward and forward+backward; and the 2025 leaderboard's attention cell, one kernel
 on one GPU (the 2026 leaderboard times a whole training step of an 8B-class model on two GPUs instead).
+cs336_systems.reports.flash renders them.
 
     rows = benchmark_flash_cell(FlashCell(seq_len=4096, head_dim=64, precision="bf16"), PROVIDERS, "cuda")
     rows = leaderboard_2025_cell("cuda")
@@ -37,7 +38,6 @@ from __future__ import annotations
 
 import statistics
 import warnings
-from collections import defaultdict
 from collections.abc import Callable
 from contextlib import nullcontext
 from dataclasses import dataclass
@@ -51,18 +51,7 @@ from cs336_systems.attention.reference import naive_attention
 from cs336_systems.benchmarks.attention import DTYPES
 from cs336_systems.benchmarks.harness import release_memory
 from cs336_systems.memory_guard import available_bytes, is_out_of_memory
-from cs336_systems.reports import (
-    NOISY,
-    Rendered,
-    Reports,
-    format_ms,
-    is_noisy,
-    markdown_table,
-    not_in_report,
-    oom_text,
-    select,
-)
-from cs336_systems.rows import OOM, Row, ok_rows
+from cs336_systems.rows import OOM, Row, ran
 from cs336_systems.timing import issue_times, time_fn
 
 SEQ_LENS = tuple(2**p for p in range(7, 17))  # 128 ... 65536
@@ -355,308 +344,12 @@ def gate_name(provider: str) -> str:
     return f"flash_benchmarking/N={cell.seq_len},d={cell.head_dim},{cell.precision},fwd+bwd: {provider} / triton"
 
 
+def median_ratio(slow: Row | None, fast: Row | None) -> float | None:
+    """`slow`'s median time over `fast`'s; None unless both ran."""
+    return slow["median_ms"] / fast["median_ms"] if ran(slow) and ran(fast) else None
+
+
 def gate_ratios(rows: list[Row]) -> dict[str, float | None]:
     """Gate name -> the gated provider's time over Triton's in the gate rows; None where either did not run."""
     measured = {r["provider"]: r for r in rows if r.get("table") == "gate"}
-    return {gate_name(p): _ratio(measured.get(p), measured.get("flash_triton")) for p in GATED_PROVIDERS}
-
-
-# ------------------------------------------------------------------------------------------ reports
-
-FLASH_KEY = ("table", "provider", "precision", "batch_size", "n_heads", "seq_len", "head_dim", "is_causal", "mode")
-MODE_LABELS = {"forward": "forward", "backward": "backward", "forward_backward": "forward+backward"}
-RATIO_PAIRS = (("naive", "flash_triton"), ("sdpa", "flash_triton"))
-
-
-def _ok(row: Row | None) -> bool:
-    return bool(row) and row.get("status") == "ok"
-
-
-def _time_cell(row: Row | None) -> str:
-    if not row:
-        return ""
-    if row["status"] == OOM:
-        return oom_text(row)
-    if row["status"] != "ok":
-        return row["status"]
-    # The middle 60% of the samples against the median: the spread do_bench's percentiles give.
-    noisy = is_noisy(row["median_ms"], row["p80_ms"] - row["p20_ms"])
-    return f"{row['median_ms']:.3g}" + (f" ({NOISY})" if noisy else "")
-
-
-def _ratio(slow: Row | None, fast: Row | None) -> float | None:
-    return slow["median_ms"] / fast["median_ms"] if _ok(slow) and _ok(fast) else None
-
-
-def _index(rows: list[Row]) -> dict[tuple, Row]:
-    return {(r["precision"], r["mode"], r["head_dim"], r["seq_len"], r["provider"]): r for r in rows}
-
-
-def _sweep_table(rows: list[Row], precision: str, mode: str) -> str:
-    index = _index(rows)
-    providers = [p for p in PROVIDER_LABELS if any(r["provider"] == p for r in rows)]
-    table = []
-    for d, n in sorted({(r["head_dim"], r["seq_len"]) for r in rows
-                        if r["precision"] == precision and r["mode"] == mode}):
-        cell = {p: index.get((precision, mode, d, n, p)) for p in providers}
-        entry = {"d": d, "N": n}
-        entry |= {f"{PROVIDER_LABELS[p]} (ms)": _time_cell(cell[p]) for p in providers}
-        for slow, fast in RATIO_PAIRS:
-            if slow in cell and fast in cell:
-                ratio = _ratio(cell[slow], cell[fast])
-                entry[f"{PROVIDER_LABELS[slow]} / {PROVIDER_LABELS[fast]}"] = "" if ratio is None else f"{ratio:.3g}x"
-        entry |= {f"{PROVIDER_LABELS[p]} TFLOP/s": f"{cell[p]['tflops']:.3g}" if _ok(cell[p]) else ""
-                  for p in providers if p != "naive"}
-        table.append(entry)
-    return markdown_table(table)
-
-
-def _timer(rows: list[Row]) -> str:
-    return next((r["timer"] for r in rows if r.get("timer")), "none (no cell ran)")
-
-
-def _setup(rows: list[Row]) -> str:
-    r = rows[0]
-    reset_note = " outside do_bench's timed region" if _timer(rows).startswith("do_bench") else ""
-    backends = sorted({(x["precision"], x["backend"]) for x in rows if x["provider"] == "sdpa" and x.get("backend")})
-    backend_text = "; ".join(f"{p}: {b}" for p, b in backends) or "not measured"
-    fp32_note = ""
-    fp32 = [x for x in rows if x["precision"] == "fp32"]
-    if any(x.get("device") == "cpu" for x in fp32):
-        # The interpreter runs tl.dot as a NumPy matmul in the output's dtype, whatever input_precision says.
-        fp32_note = " On a CPU fp32 is full fp32: the Triton interpreter computes tl.dot as a NumPy fp32 matmul."
-    elif fp32:
-        matmul = sorted({x["fp32_matmul_precision"] for x in fp32})
-        fp32_note = (" In fp32, Triton's tl.dot defaults to TF32 tensor cores on NVIDIA GPUs; PyTorch's matmuls "
-                     f"used float32_matmul_precision {', '.join(matmul)} ('highest' is full fp32).")
-    return (f"Causal attention on q, k, v of shape ({r['batch_size']}, {r['n_heads']}, N, d), random normal; the "
-            "median, in ms. Backward is timed alone, on a forward run beforehand, gradients reset"
-            f"{reset_note}. Ratios are a provider's time over Triton's: above 1, Triton is faster. Naive is the "
-            "annotated reference, eager. SDPA backend: "
-            f"{backend_text}.{fp32_note}\n\nTFLOP/s counts useful FLOPs: forward 2·N²·d per head (causal: half of "
-            "4·N²·d), backward 2.5x that, forward+backward 3.5x.\n")
-
-
-# Up to this length, a time that barely grows while the work grows by orders of magnitude is the
-# host's (Python and launch overhead per call), not the kernels'.
-SHORT_SEQ_LEN = 4096
-HOST_BOUND_MAX_SPREAD = 4  # largest/smallest time over the short lengths
-HOST_BOUND_MIN_WORK_GROWTH = 64  # (longest/shortest N)^2 over the short lengths
-
-
-def _host_bound_finding(rows: list[Row], precision: str) -> str | None:
-    """A finding when Triton's forward+backward time stays nearly flat over the short lengths."""
-    short = [r for r in rows if (r["provider"], r["precision"], r["mode"]) == ("flash_triton", precision,
-                                                                               "forward_backward")
-             and r["seq_len"] <= SHORT_SEQ_LEN and _ok(r)]
-    if len({r["seq_len"] for r in short}) < 2:
-        return None
-    shortest, longest = min(r["seq_len"] for r in short), max(r["seq_len"] for r in short)
-    low, high = min(r["median_ms"] for r in short), max(r["median_ms"] for r in short)
-    growth = (longest / shortest) ** 2
-    if high / low > HOST_BOUND_MAX_SPREAD or growth < HOST_BOUND_MIN_WORK_GROWTH:
-        return None
-    return (f"- {precision}: from N={shortest} to N={longest}, Triton's forward+backward takes {low:.3g} to "
-            f"{high:.3g} ms at every d while the work grows {growth:.0f}x: the time is the host's (launch "
-            "overhead; docs/flash_tuning.md), not the kernels'.")
-
-
-def _findings(rows: list[Row]) -> list[str]:
-    findings = []
-    for precision in [p for p in PRECISIONS if any(r["precision"] == p for r in rows)]:
-        mine = [r for r in rows if r["precision"] == precision]
-        host_bound = _host_bound_finding(mine, precision)
-        if host_bound:
-            findings.append(host_bound)
-        naive = [r for r in mine if r["provider"] == "naive"]
-        ooms = [r for r in naive if r["status"] == OOM]
-        if ooms:
-            first = min(r["seq_len"] for r in ooms)
-            at_first = [r for r in ooms if r["seq_len"] == first]
-            head_dims = ", ".join(str(d) for d in sorted({r["head_dim"] for r in at_first}))
-            worst = max(at_first, key=lambda r: r["predicted_peak_bytes"] or 0)
-            how = "predicted and not run" if all(r.get("oom_predicted") for r in at_first) else "measured"
-            need = f"; the accounting puts its peak at {worst['predicted_peak_bytes'] / 2**30:.3g} GiB"
-            if worst.get("free_memory_bytes"):
-                need += f" against {worst['free_memory_bytes'] / 2**30:.3g} GiB free"
-            findings.append(f"- {precision}: naive attention runs out of memory from N={first} (d={head_dims}; "
-                            f"{how}{need} at d={worst['head_dim']}).")
-        elif naive:
-            ran = max(r["seq_len"] for r in naive)
-            findings.append(f"- {precision}: naive attention ran at every N measured, up to {ran}.")
-    return findings
-
-
-def _leaderboard_section(rows: list[Row]) -> str:
-    if not rows:
-        return ""
-    r = rows[0]
-    measured = [x for x in rows if _ok(x)]
-    table = [{"provider": PROVIDER_LABELS[x["provider"]], "backend": x.get("backend") or "",
-              "median (ms)": _time_cell(x), "TFLOP/s": f"{x['tflops']:.3g}" if _ok(x) else ""}
-             | {f"time / {PROVIDER_LABELS[y['provider']]}": f"{x['median_ms'] / y['median_ms']:.3g}x"
-                if _ok(x) else "" for y in measured}
-             for x in rows]
-    return "\n".join([
-        f"## The 2025 leaderboard's attention cell, one GPU\n\nBatch {r['batch_size']}, {r['n_heads']} heads, d_head "
-        f"{r['head_dim']}, N {r['seq_len']}, {r['precision']}, causal, forward+backward, one run; triton (compiled) is "
-        "the Triton Function in torch.compile. (The 2026 leaderboard is a whole 8B-class training step on two GPUs.)\n",
-        markdown_table(table),
-    ])
-
-
-def _plot(rows: list[Row], precision: str):
-    from matplotlib.figure import Figure
-
-    head_dims = sorted({r["head_dim"] for r in rows})
-    figure = Figure(figsize=(3.2 * len(head_dims), 2.6 * len(MODES)))
-    axes = figure.subplots(len(MODES), len(head_dims), squeeze=False, sharex=True)
-    for i, mode in enumerate(MODES):
-        for j, d in enumerate(head_dims):
-            ax = axes[i][j]
-            for provider in [p for p in PROVIDER_LABELS if any(r["provider"] == p for r in rows)]:
-                line = sorted((r for r in rows if (r["provider"], r["mode"], r["head_dim"]) == (provider, mode, d)
-                               and _ok(r)), key=lambda r: r["seq_len"])
-                if line:
-                    ax.plot([r["seq_len"] for r in line], [r["median_ms"] for r in line], marker="o", markersize=3,
-                            label=PROVIDER_LABELS[provider])
-            ax.set_xscale("log", base=2)
-            ax.set_yscale("log")
-            ax.set_title(f"{MODE_LABELS[mode]}, d={d}", fontsize="small")
-            if i == len(MODES) - 1:
-                ax.set_xlabel("N")
-            if j == 0:
-                ax.set_ylabel("ms")
-    labelled = next((ax for row in axes for ax in row if ax.get_legend_handles_labels()[0]), None)
-    if labelled is not None:  # the first panel with a line: a partial sweep may leave the top left one empty
-        labelled.legend(fontsize="x-small")
-    figure.suptitle(f"Causal attention, batch 1, {precision}: time against sequence length")
-    figure.tight_layout()
-    return figure
-
-
-def _host_issue_section(rows: list[Row]) -> str:
-    if not rows:
-        return ""
-    providers = [p for p in PROVIDER_LABELS if any(r["provider"] == p for r in rows)]
-    table = []
-    for shape in dict.fromkeys((r["batch_size"], r["n_heads"], r["seq_len"], r["head_dim"]) for r in rows):
-        cell = {r["provider"]: r for r in rows if (r["batch_size"], r["n_heads"], r["seq_len"], r["head_dim"]) == shape}
-        entry = {"batch x heads x N x d": " x ".join(map(str, shape))}
-        for p in providers:
-            row = cell.get(p)
-            entry[f"{PROVIDER_LABELS[p]} (us)"] = (f"{row['median_ms'] * 1e3:.0f} [{row['p20_ms'] * 1e3:.0f}-"
-                                                   f"{row['p80_ms'] * 1e3:.0f}]" if _ok(row)
-                                                   else (row or {}).get("status", ""))
-        for ours in ("flash_triton", "flash_triton_op"):
-            for sdpa in ("sdpa_cudnn", "sdpa_flash"):
-                ratio = _ratio(cell.get(ours), cell.get(sdpa))
-                if ratio is not None:
-                    entry[f"{PROVIDER_LABELS[ours]} / {PROVIDER_LABELS[sdpa]}"] = f"{ratio:.2f}x"
-        table.append(entry)
-    r = rows[0]
-    return (f"## Host time to issue forward+backward\n\n{r['precision']}, causal; the host's time per call, median "
-            f"[p20-p80] in us, the GPU kept busy so that no call waits for it ({r['timer']}).\n\n"
-            + markdown_table(table))
-
-
-def _gate_section(rows: list[Row]) -> str:
-    if not rows:
-        return ""
-    cell = GATE_CELL
-    table = [{"provider": PROVIDER_LABELS[r["provider"]], "backend": r.get("backend") or "",
-              "median (ms)": _time_cell(r)} for r in rows]
-    ratios = "; ".join(f"{provider} / triton " + ("did not run" if ratio is None else f"{ratio:.3g}x")
-                       for provider, ratio in zip(GATED_PROVIDERS, gate_ratios(rows).values()))
-    return (f"## Speed-up gates\n\nBatch 1, 1 head, N {cell.seq_len}, d {cell.head_dim}, {cell.precision}, causal, "
-            "forward+backward. The perf suite and the CPU tests check these ratios against perf/baselines/<gpu>.json: "
-            f"{ratios}.\n\n" + markdown_table(table))
-
-
-def _sources(rows: list[Row]) -> str:
-    """The FlashAttention source each run's rows measured (rows written before hashes were recorded
-    carry none)."""
-    by_run: dict[int, set[str]] = defaultdict(set)
-    for r in rows:
-        by_run[int(r.get("run") or 1)].add(str(r.get("source_hash") or "not recorded"))
-    runs = sorted(by_run.items())
-    if len(runs) == 1:
-        return f"FlashAttention GPU source measured: {', '.join(sorted(runs[0][1]))}.\n"
-    return ("FlashAttention GPU source measured: "
-            + "; ".join(f"run {run}: {', '.join(sorted(hashes))}" for run, hashes in runs) + ".\n")
-
-
-def render_flash_benchmarking(rows: list[Row]) -> Rendered:
-    sweep = [r for r in rows if r.get("table") == "sweep"]
-    parts, figures = [_sources(rows)], {}
-    if sweep:
-        parts.append(f"## Sweep\n\n{_setup(sweep)}")
-        for precision in [p for p in PRECISIONS if any(r["precision"] == p for r in sweep)]:
-            for mode in MODES:
-                if any(r["precision"] == precision and r["mode"] == mode for r in sweep):
-                    parts += [f"### {precision}, {MODE_LABELS[mode]}\n", _sweep_table(sweep, precision, mode)]
-            name = f"flash_benchmarking_{precision}.png"
-            figures[name] = _plot([r for r in sweep if r["precision"] == precision], precision)
-            parts.append(f"![{precision}: time against N]({name})\n")
-        findings = _findings(sweep)
-        if findings:
-            parts.append("## Findings\n\n" + "\n".join(findings) + "\n")
-    parts.append(_leaderboard_section([r for r in rows if r.get("table") == "leaderboard"]))
-    parts.append(_gate_section([r for r in rows if r.get("table") == "gate"]))
-    parts.append(_host_issue_section([r for r in rows if r.get("table") == "host_issue"]))
-    return Rendered("\n".join(p for p in parts if p), figures=figures)
-
-
-# ---------------------------------------------------------------------------------------------- answers
-
-def answer_flash_forward_backward(reports: Reports) -> list[str]:
-    return ["No report of their own: these are correctness problems, run on every machine by "
-            "`pytest tests/test_flash_attention.py` (output, logsumexp and gradients against a float64 reference, L "
-            "as the only tensor saved per query row, causal masking), for the tiled PyTorch and the Triton "
-            "Functions; their speed is measured under flash_benchmarking."]
-
-
-def answer_flash_benchmarking(reports: Reports) -> list[str]:
-    rows = reports["flash_benchmarking"]
-    sweep = select(rows, table="sweep")
-    sentences = []
-    index = {(r["precision"], r["mode"], r["head_dim"], r["seq_len"], r["provider"]): r for r in ok_rows(sweep)}
-    for precision in dict.fromkeys(r["precision"] for r in sweep):
-        both = [(d, n) for (p, mode, d, n, provider) in index if (p, mode, provider) ==
-                (precision, "forward_backward", "naive") and (p, mode, d, n, "flash_triton") in index]
-        if not both:
-            continue
-        d, n = max(both, key=lambda dn: (dn[1], dn[0]))
-        triton, naive, sdpa = (index.get((precision, "forward_backward", d, n, provider))
-                               for provider in ("flash_triton", "naive", "sdpa"))
-        ooms = [r["seq_len"] for r in select(sweep, precision=precision, provider="naive", status=OOM)]
-        sentences.append(
-            f"{precision}, causal, forward+backward at the largest N where naive attention ran (d={d}, N={n}): Triton "
-            f"{format_ms(triton['median_ms'])} against naive {format_ms(naive['median_ms'])} (naive takes "
-            f"{naive['median_ms'] / triton['median_ms']:.3g}x Triton's time)"
-            + (f" and SDPA {format_ms(sdpa['median_ms'])}" if sdpa else "")
-            + (f"; naive runs out of memory from N={min(ooms)}." if ooms else "."))
-    if not sentences:
-        sentences.append(not_in_report("A forward+backward cell where both Triton and naive attention ran"))
-    leaderboard = ok_rows(select(rows, table="leaderboard"))
-    if leaderboard:
-        r0 = leaderboard[0]
-        sentences.append(
-            f"The 2025 leaderboard's attention cell on one GPU (batch {r0['batch_size']}, {r0['n_heads']} heads, d "
-            f"{r0['head_dim']}, "
-            f"N {r0['seq_len']:,}, {r0['precision']}, causal, forward+backward): "
-            + ", ".join(f"{PROVIDER_LABELS.get(r['provider'], r['provider'])} {format_ms(r['median_ms'])}"
-                        for r in leaderboard) + ".")
-    else:
-        sentences.append(not_in_report("The 2025 leaderboard's attention cell"))
-    return sentences
-
-
-def answer_leaderboard(reports: Reports) -> list[str]:
-    return ["No report: no benchmark of the leaderboard's full training step (the 8B-class model, d_model 4096, "
-            "34 layers, vocabulary 151,936, batch 2 x 32,768 tokens, bf16, AdamW) exists in the project yet; it "
-            "needs two GPUs. flash_benchmarking measures the attention part of the 2025 leaderboard."]
-
-
-def open_items_leaderboard(reports: Reports) -> list[str]:
-    return ["the full training step of the 8B-class model on two GPUs: not implemented"]
+    return {gate_name(p): median_ratio(measured.get(p), measured.get("flash_triton")) for p in GATED_PROVIDERS}

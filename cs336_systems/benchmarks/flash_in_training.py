@@ -10,7 +10,7 @@ with bf16 autocast, cross-entropy, backward, a fused AdamW step and zero_grad. B
 one process, one after the other, from the same initial weights and batch; whole steps are timed by
 cs336_systems.timing (CUDA events, one synchronisation per step, garbage collection off): the median
 and interquartile range, and the mean and std. The first step's loss is recorded so that the two attentions can be
-seen to compute the same function.
+seen to compute the same function. cs336_systems.reports.flash_in_training renders them.
 """
 
 from __future__ import annotations
@@ -31,7 +31,6 @@ from cs336_systems.benchmarks.harness import (
     training_step,
 )
 from cs336_systems.model import ModelConfig
-from cs336_systems.reports import Rendered, markdown_table
 from cs336_systems.rows import OOM, Row
 from cs336_systems.timing import STEP_TIMER, time_fn
 
@@ -120,69 +119,3 @@ def attention_kernels(cell: FlashCell, device: torch.device | str = "cuda",
     `cell`'s shape, timed by do_bench."""
     rows = benchmark_flash_cell(cell, KERNEL_PROVIDERS, device, settings=settings)
     return [{**row, "table": "kernels"} for row in rows]
-
-
-# ------------------------------------------------------------------------------------------ report
-
-KEY = ("table", "size_table", "size", "context_length", "attention", "provider", "batch_size", "n_heads", "seq_len",
-       "head_dim", "mode")
-
-
-def _time(row: Row) -> str:
-    if row["status"] != "ok":
-        return row["status"]
-    return f"{row['median_ms']:.4g} (IQR {row['iqr_ms']:.2g})"
-
-
-def _steps_section(rows: list[Row]) -> str:
-    table, text = [], []
-    for table_name, size, context in dict.fromkeys((r["size_table"], r["size"], r["context_length"]) for r in rows):
-        cell = {r["attention"]: r for r in rows
-                if (r["size_table"], r["size"], r["context_length"]) == (table_name, size, context)}
-        sdpa = cell.get("sdpa")
-        for attention, r in cell.items():
-            ok = r["status"] == "ok"
-            ratio = r["median_ms"] / sdpa["median_ms"] if ok and sdpa and sdpa["status"] == "ok" else None
-            shape = f"{r['d_model']} / {r['n_heads']} / {r['head_dim']}"
-            table.append({"size": f"{size} ({table_name} table)", "d_model / heads / d_head": shape,
-                          "context": context, "attention": attention, "step ms, median (IQR)": _time(r),
-                          "std / mean": f"{r['std_ms'] / r['mean_ms']:.1%}" if ok else "",
-                          "vs SDPA": f"{ratio:.3f}x" if ratio else "",
-                          "TFLOP/s": f"{r['tflops']:.0f}" if ok else "",
-                          "peak GiB": f"{r['peak_memory_gib']:.1f}" if r.get("peak_memory_gib") else "",
-                          "first loss": f"{r['first_loss']:.4f}" if ok else ""})
-    sample = rows[0]
-    text.append(f"Batch {sample['batch_size']}, {sample['precision']}, {sample['optimizer']}, the whole model under "
-                f"torch.compile ({sample['compile']}), {sample['warmup']} warm-up steps then {sample['steps']} "
-                "timed whole steps (CUDA events, one synchronisation per step). TFLOP/s counts the step's matmul "
-                "FLOPs (accounting.flops.step_flops) over the median.\n")
-    return "## Training steps\n\n" + "\n".join(text) + "\n" + markdown_table(table)
-
-
-def _kernels_section(rows: list[Row]) -> str:
-    table = []
-    shapes = dict.fromkeys((r["batch_size"], r["n_heads"], r["seq_len"], r["head_dim"]) for r in rows)
-    for shape in shapes:
-        for mode in ("forward", "backward", "forward_backward"):
-            cell = {r["provider"]: r for r in rows
-                    if (r["batch_size"], r["n_heads"], r["seq_len"], r["head_dim"], r["mode"]) == (*shape, mode)}
-            ours = cell.get("flash_triton")
-            entry = {"batch x heads x N x d": " x ".join(map(str, shape)), "mode": mode}
-            for provider, r in cell.items():
-                entry[f"{provider} ms"] = f"{r['median_ms']:.4g}" if r["status"] == "ok" else r["status"]
-            for provider in ("sdpa_cudnn", "sdpa_flash"):
-                other = cell.get(provider)
-                if ours and other and ours["status"] == other["status"] == "ok":
-                    entry[f"triton / {provider}"] = f"{ours['median_ms'] / other['median_ms']:.2f}x"
-            if ours and ours["status"] == "ok":
-                entry["triton TFLOP/s"] = f"{ours['tflops']:.0f}"
-            table.append(entry)
-    return ("## Attention kernels at the training shapes\n\nCausal, bf16, do_bench medians; a ratio above 1 "
-            "means the Triton kernels are slower.\n\n" + markdown_table(table))
-
-
-def render_flash_in_training(rows: list[Row]) -> Rendered:
-    steps = [r for r in rows if r.get("table") == "step"]
-    kernels = [r for r in rows if r.get("table") == "kernels"]
-    parts = [_steps_section(steps) if steps else "", _kernels_section(kernels) if kernels else ""]
-    return Rendered("\n".join(p for p in parts if p))
