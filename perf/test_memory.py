@@ -24,11 +24,10 @@ from cs336_systems.benchmarks.memory_profiling import (
     SNAPSHOT_BUDGET_BYTES,
     MemoryProfileConfig,
     memory_profile,
-    render_snapshot_timelines,
-    timeline_file_name,
 )
 from cs336_systems.cells import require_some_ran, unmeasured
 from cs336_systems.model import ModelConfig
+from cs336_systems.reports.memory_profiling import render_snapshot_timelines, timeline_file_name
 from cs336_systems.rows import OOM
 
 CPU_MEMORY_CONFIG = dict(size="tiny", contexts=(16, 32), batch_size=2)

@@ -6,7 +6,6 @@ import weakref
 import pytest
 import torch
 
-from cs336_systems.benchmarks import memory_profiling
 from cs336_systems.benchmarks.gradient_checkpointing import CheckpointSweepConfig, checkpoint_sweep
 from cs336_systems.benchmarks.memory_profiling import MemoryProfileConfig, memory_profile
 from cs336_systems.profiling.memory import (
@@ -26,7 +25,7 @@ from cs336_systems.profiling.memory import (
     source_frame,
     write_snapshot,
 )
-from cs336_systems.reports import problems
+from cs336_systems.reports import memory_profiling, problems
 from cs336_systems.rows import OOM
 
 # ---------------------------------------------------------------------------------------- snapshots

@@ -4,12 +4,12 @@ nested plans), against the closed-form model, and the longest context each plan 
 
     rows = checkpoint_sweep(CheckpointSweepConfig(), "cuda")
 
-Each measuring function returns rows; the renderer below answers the written questions from them.
+Each measuring function returns rows; cs336_systems.reports.gradient_checkpointing answers the written
+questions from them.
 """
 
 from __future__ import annotations
 
-import inspect
 import math
 from dataclasses import dataclass
 
@@ -24,12 +24,10 @@ from cs336_systems.accounting.activations import (
 )
 from cs336_systems.benchmarks.e2e import DEFAULT_BATCH_SIZE
 from cs336_systems.benchmarks.harness import PRECISIONS, autocast, build_model, lm_loss, random_batch, release_memory
-from cs336_systems.gpus import GIB, MIB
 from cs336_systems.memory_guard import check_memory, is_out_of_memory
 from cs336_systems.model import ModelConfig
 from cs336_systems.profiling.checkpointing import (
     apply_checkpointing,
-    checkpoint_chain,
     describe,
     every_k,
     every_sublayer,
@@ -38,20 +36,7 @@ from cs336_systems.profiling.checkpointing import (
     remove_checkpointing,
 )
 from cs336_systems.profiling.memory import peak_memory_increase
-from cs336_systems.reports import (
-    Rendered,
-    Reports,
-    find,
-    format_bytes,
-    format_ratio,
-    listing,
-    markdown_table,
-    not_in_report,
-    plural,
-    select,
-    span,
-)
-from cs336_systems.rows import OOM, Row, ok_rows
+from cs336_systems.rows import OOM, Row
 from cs336_systems.timing import STEP_TIMER, timed
 
 # The 2026 handout's gradient_checkpointing (b): xl at batch 4 and this sequence length.
@@ -66,7 +51,6 @@ NESTED_LEVELS = (2, None)
 USABLE_MEMORY_SHARE = 0.9
 # Longest context the prediction considers.
 MAX_PREDICTED_CONTEXT = 131_072
-Y_TICK_SUBS = (1.0, 1.5, 2.0, 3.0, 5.0, 7.0)
 
 
 @dataclass(frozen=True)
@@ -217,7 +201,7 @@ def _predicted_peak(cfg: CheckpointSweepConfig, context: int, plan_for) -> float
     return _cost(plan_for(sizes), sizes).peak_bytes + sizes.head + sizes.transient
 
 
-def _single_level(sweep: list[Row], measured: bool = True) -> list[Row]:
+def single_level_rows(sweep: list[Row], measured: bool = True) -> list[Row]:
     """The sweep's single-level plans (every k blocks, or every block split) that ran, or all of them."""
     return [r for r in sweep if (r["plan_kind"] == "sublayers" or r["plan_kind"] == "every_k" and r["k"] != "none")
             and (r["status"] == "ok" or not measured)]
@@ -234,9 +218,9 @@ def _longest_context_rows(model, cfg, num_layers, sweep, base, device) -> list[R
     capacity = torch.cuda.get_device_properties(device).total_memory
     start = torch.cuda.memory_allocated(device)  # parameters, gradients, buffers
     budget = capacity * USABLE_MEMORY_SHARE - start
-    single = _single_level(sweep)
+    single = single_level_rows(sweep)
     best = (min(single, key=lambda r: r["measured_peak_bytes"]) if single else
-            min(_single_level(sweep, measured=False), key=lambda r: r["predicted_peak_bytes"]))
+            min(single_level_rows(sweep, measured=False), key=lambda r: r["predicted_peak_bytes"]))
     candidates = [(best["plan_kind"], best["k"], None, _plan_for(best, num_layers)),
                   ("optimal", None, "unlimited", lambda sizes: optimal_plan(num_layers, sizes.block, sizes.boundary)[0]),
                   ("every_k", "none", None, lambda sizes: every_k(num_layers, None))]
@@ -262,217 +246,3 @@ def _longest_context_rows(model, cfg, num_layers, sweep, base, device) -> list[R
                         "run_predicted_peak_bytes": predicted + start, "run_step_ms": measured.get("step_ms")})
         rows.append(row)
     return rows
-
-
-# -------------------------------------------------------------------- gradient_checkpointing report
-
-def _every(k: int) -> str:
-    return f"every {k} block{'s' if k != 1 else ''}"
-
-
-# Where a block split into its two sublayers sits on the figure's axis of blocks per checkpoint.
-SUBLAYERS_X = 0.5
-
-
-def _plan_label(r: Row) -> str:
-    if r["plan_kind"] == "every_k":
-        return "no checkpointing" if r["k"] == "none" else _every(r["k"])
-    if r["plan_kind"] == "sublayers":
-        return "each block's two sublayers"
-    return f"optimal nested, {r['levels']} recomputation level{'s' if r['levels'] != 1 else ''}"
-
-
-def _blocks_per_checkpoint(r: Row) -> float:
-    return SUBLAYERS_X if r["plan_kind"] == "sublayers" else r["k"]
-
-
-def _sweep_figure(sweep: list[Row], num_layers: int):
-    from matplotlib.figure import Figure
-    from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter
-
-    single = sorted(_single_level(sweep, measured=False), key=_blocks_per_checkpoint)
-    measured = [r for r in single if r["status"] == "ok"]
-    lines = [r for r in sweep if r["status"] == "ok" and (r["plan_kind"] == "optimal" or r["k"] == "none")]
-    largest = max([r["predicted_peak_bytes"] for r in single] + [r["measured_peak_bytes"] for r in measured + lines])
-    scale, unit = (GIB, "GiB") if largest >= GIB else (MIB, "MiB")
-    figure = Figure(figsize=(7, 4))
-    ax = figure.subplots()
-    ax.plot([_blocks_per_checkpoint(r) for r in single], [r["predicted_peak_bytes"] / scale for r in single], "o--",
-            color="tab:gray", label="predicted")
-    if measured:
-        ax.plot([_blocks_per_checkpoint(r) for r in measured], [r["measured_peak_bytes"] / scale for r in measured],
-                "o-", color="tab:blue", label="measured")
-    colors = iter(["tab:green", "tab:purple", "tab:orange", "tab:red", "tab:brown", "tab:olive"])
-    for r in lines:
-        ax.axhline(r["measured_peak_bytes"] / scale, ls=":", color=next(colors, "black"), label=_plan_label(r))
-    ax.axvline(math.sqrt(num_layers), color="black", lw=0.8, alpha=0.5, label=f"sqrt(L) = {math.sqrt(num_layers):.1f}")
-    ax.set_xscale("log", base=2)
-    ax.set_xticks([_blocks_per_checkpoint(r) for r in single],
-                  ["1/2 (sublayers)" if r["plan_kind"] == "sublayers" else str(r["k"]) for r in single])
-    ax.set_yscale("log")
-    # Labels at 1, 1.5, 2, 3, 5 and 7 of each decade: a label in every stretch of a plot that spans one
-    # or two decades, none crowding the next (every minor tick labelled overlapped between 6 and 10).
-    ax.yaxis.set_major_locator(LogLocator(subs=Y_TICK_SUBS))
-    ax.yaxis.set_major_formatter(FuncFormatter(lambda value, _: f"{value:g}"))
-    ax.yaxis.set_minor_formatter(NullFormatter())
-    ax.set_xlabel("blocks per checkpoint")
-    ax.set_ylabel(f"peak activation memory ({unit})")
-    ax.grid(alpha=0.3, which="both")
-    ax.legend(fontsize=7)
-    figure.tight_layout()
-    return figure
-
-
-def _sweep_section(sweep: list[Row]) -> str:
-    r0 = sweep[0]
-    on_gpu = r0["device"] == "cuda"
-    a, b, layers = r0["block_bytes"], r0["boundary_bytes"], r0["num_layers"]
-    table = [{"plan": _plan_label(r), "recomputed blocks": r["recomputed_blocks"],
-              "kept after forward": format_bytes(r.get("measured_kept_bytes")) if r["status"] == "ok" else OOM,
-              "predicted kept": format_bytes(r["predicted_kept_bytes"]),
-              "peak": format_bytes(r["measured_peak_bytes"]) if r["status"] == "ok" else OOM,
-              "predicted peak": format_bytes(r["predicted_peak_bytes"]),
-              "step (ms)": r.get("step_ms") if r["status"] == "ok" else None} for r in sweep]
-    split = (f" (attention sublayer {format_bytes(r0['attention_sublayer_bytes'])}, feed-forward "
-             f"{format_bytes(r0['ffn_sublayer_bytes'])})" if r0.get("attention_sublayer_bytes") else "")
-    parts = [f"## Peak activation memory by checkpoint plan\n\n{r0['size']} ({layers} blocks), batch "
-             f"{r0['batch_size']}, context {r0['context_length']}, {r0['precision']}, {r0['attention']} attention; one "
-             "forward + backward per plan (non-reentrant torch.utils.checkpoint) with gradients allocated: the peak "
-             f"above the start is activations and temporaries. Model: a block keeps a = {format_bytes(a)}{split}, a "
-             f"checkpoint its input b = {format_bytes(b)}; predicted peak = plan_cost + head "
-             f"({format_bytes(r0['head_bytes'])}) + largest temporary ({format_bytes(r0['transient_bytes'])})."
-             + ("" if on_gpu else " CPU peaks: torch.profiler's memory records.") + "\n", markdown_table(table)]
-    single = _single_level(sweep)
-    if single:
-        best = min(single, key=lambda r: r["measured_peak_bytes"])
-        neighbours = [f"{_plan_label(r)} {format_bytes(r['measured_peak_bytes'])}" for r in single
-                      if r is not best and _blocks_per_checkpoint(r) in (SUBLAYERS_X, 1, 2)]
-        parts.append(f"(b) One level of recomputation: the sqrt(L) rule assumes a = b; here a = {a / b:.0f} b, and "
-                     f"minimising b L / k + a k gives k = sqrt(L b / a) = {math.sqrt(layers * b / a):.2f} blocks. "
-                     f"Measured best: {_plan_label(best)}, {format_bytes(best['measured_peak_bytes'])}"
-                     + (f"; {listing(neighbours)}." if neighbours else ".") + "\n")
-    offsets = [r["measured_peak_bytes"] - r["predicted_peak_bytes"] for r in sweep if r["status"] == "ok"]
-    if offsets:
-        parts.append(f"Measured minus predicted peak: {span(offsets, format_bytes)} "
-                     f"({span([x / a for x in offsets], '{:+.2f}'.format)} blocks' worth).\n")
-    return "\n".join(parts)
-
-
-def _code_sketch() -> str:
-    """checkpoint_chain's code, its docstring left out: the sketch part (a) asks for, as it runs."""
-    lines = inspect.getsource(checkpoint_chain).splitlines()
-    quotes = [i for i, line in enumerate(lines) if '"""' in line]
-    return "\n".join(lines[:quotes[0]] + lines[quotes[1] + 1:])
-
-
-def _strategy_section(sweep: list[Row]) -> str:
-    r0 = sweep[0]
-    a, b, layers = r0["block_bytes"], r0["boundary_bytes"], r0["num_layers"]
-    table = []
-    for levels in sorted({1, 2, 3, max(1, math.ceil(math.log2(layers)))}) + [None]:
-        plan, cost = optimal_plan(layers, a, b, levels)
-        table.append({"recomputation levels": "unlimited" if levels is None else levels,
-                      "predicted peak": format_bytes(cost.peak_bytes), "peak / a": f"{cost.peak_bytes / a:.2f}",
-                      "recomputed blocks": cost.recomputed_blocks, "plan": describe(plan)[:100]})
-    unlimited = optimal_plan(layers, a, b)[1]
-    return ("## (a) The memory-optimal strategy\n\nNest checkpoints so that backward of block i recomputes blocks "
-            "0..i-1 from the model's input (profiling.checkpointing.checkpoint_chain, run on the blocks):\n\n"
-            f"```python\n{_code_sketch()}\n```\n\nPeak a + b, O(1) in L, for L(L - 1)/2 = "
-            f"{unlimited.recomputed_blocks} recomputed block forwards, O(L^2). With r levels "
-            "(profiling.checkpointing.optimal_plan): about a + r L^(1/r) b for at most r L recomputations; r = log2 L: "
-            "O(log L) memory, O(L log L) compute.\n\n" + markdown_table(table))
-
-
-def _longest_section(rows: list[Row]) -> str:
-    longest = [r for r in rows if r.get("table") == "longest"]
-    if not longest:
-        return ""
-    r0 = longest[0]
-    table = [{"plan": _plan_label(r), "longest context predicted to fit": r["predicted_longest_context"] or "none",
-              "predicted peak there": format_bytes(r["predicted_peak_bytes"]),
-              "next context": r["next_context"], "its predicted peak": format_bytes(r["next_predicted_peak_bytes"])}
-             for r in longest]
-    text = ("## Longest context that fits\n\nPredicted: parameters, gradients and buffers "
-            f"({format_bytes(r0['start_bytes'])}) plus the plan's peak, against {r0['usable_share']:.0%} of "
-            f"{format_bytes(r0['capacity_bytes'])}.\n\n" + markdown_table(table))
-    for r in longest:
-        if r.get("run_context"):
-            if r["run_status"] == OOM:
-                text += (f"\nRun at context {r['run_context']} ({_plan_label(r)}): out of memory, against a predicted "
-                         f"{format_bytes(r['run_predicted_peak_bytes'])}.\n")
-            else:
-                text += (f"\nRun at context {r['run_context']} ({_plan_label(r)}): peak "
-                         f"{format_bytes(r['run_peak_bytes'])}, predicted {format_bytes(r['run_predicted_peak_bytes'])}, "
-                         f"{r['run_step_ms'] / 1e3:.1f} s for forward + backward.\n")
-    return text
-
-
-def render_gradient_checkpointing(rows: list[Row]) -> Rendered:
-    sweep = [r for r in rows if r.get("table") == "sweep"]
-    if not sweep:
-        return Rendered("_no rows_\n")
-    parts = [_sweep_section(sweep), _strategy_section(sweep), _longest_section(rows)]
-    figure = _sweep_figure(sweep, sweep[0]["num_layers"])
-    parts.insert(1, "![peak activation memory by plan](gradient_checkpointing.png)\n")
-    return Rendered("\n".join(p for p in parts if p), {"gradient_checkpointing.png": figure})
-
-
-# ---------------------------------------------------------------------------------------------- answers
-
-def _plan_phrase(r: Row) -> str:
-    """A plan as a sentence names it (`_plan_label` is the table's shorter name)."""
-    if r["plan_kind"] == "every_k":
-        return "no checkpointing" if r["k"] == "none" else _every(r["k"])
-    if r["plan_kind"] == "sublayers":
-        return "checkpointing each block's two sublayers"
-    return f"the optimal nested plan with {r['levels']} recomputation level{'s' if r['levels'] != 1 else ''}"
-
-
-def answer_gradient_checkpointing(reports: Reports) -> list[str]:
-    sweep = select(reports["gradient_checkpointing"], table="sweep")
-    single = _single_level(sweep)
-    if not single:
-        return [not_in_report("A single-level checkpoint plan that fit in memory")]
-    r0 = single[0]
-    layers, a, b = r0["num_layers"], r0["block_bytes"], r0["boundary_bytes"]
-    best = min(single, key=lambda r: r["measured_peak_bytes"])
-    none = find(sweep, plan_kind="every_k", k="none")
-    baseline = (f"{format_bytes(none['measured_peak_bytes'], 'bytes')} without checkpointing, "
-                if none and none["status"] == "ok" else "")
-    others = [f"{format_bytes(r['measured_peak_bytes'], 'bytes')} {_plan_phrase(r)}" for r in single
-              if r is not best and _blocks_per_checkpoint(r) in (SUBLAYERS_X, 1, 2)]
-    sentences = [
-        f"{r0['size']} ({layers} blocks), batch {r0['batch_size']}, context {r0['context_length']}, {r0['precision']}"
-        + (f", {r0['attention']} attention" if r0.get("attention") else "") + f": peak activation memory is {baseline}"
-        f"{format_bytes(best['measured_peak_bytes'], 'bytes')} at the best single level ({_plan_phrase(best)})"
-        + (f", against {listing(others)}." if others else ".")]
-    ooms = [_plan_phrase(r) for r in sweep if r["status"] == OOM]
-    sentences.append(
-        f"The sqrt(L) rule (k = sqrt({layers}) = {math.sqrt(layers):.1f}) assumes a block keeps what a checkpoint "
-        f"keeps; here it keeps {a / b:.0f}x as much, which moves the optimum to sqrt(L b / a) = "
-        f"{math.sqrt(layers * b / a):.2f} blocks" + (f" (out of memory at this context: {listing(ooms)})." if ooms else "."))
-    nested = {r["levels"]: r for r in ok_rows(sweep) if r["plan_kind"] == "optimal"}
-    unlimited, two = nested.get("unlimited"), nested.get(2)
-    if unlimited:
-        text = (f"The memory-optimal strategy nests checkpointed groups inside each other: with unlimited "
-                f"recomputation it peaks at {format_bytes(unlimited['measured_peak_bytes'], 'bytes')}, recomputing "
-                f"{plural(unlimited['recomputed_blocks'], 'block forward pass', 'block forward passes')} per step "
-                f"in the {layers}-block model ({format_ratio(unlimited['step_ms'] / best['step_ms'])} the step time of "
-                f"{_plan_phrase(best)}), O(1) memory for O(L^2) recomputation")
-        if two:
-            text += (f"; two levels reach {format_bytes(two['measured_peak_bytes'], 'bytes')} for "
-                     f"{plural(two['recomputed_blocks'], 'recomputed block')} "
-                     f"({format_ratio(two['step_ms'] / best['step_ms'])})")
-        sentences.append(text + ".")
-    else:
-        sentences.append(not_in_report("The optimal nested plan with unlimited recomputation"))
-    return sentences
-
-
-def open_items_gradient_checkpointing(reports: Reports) -> list[str]:
-    sweep = select(reports["gradient_checkpointing"], table="sweep")
-    if any(r.get("context_length") == HANDOUT_CHECKPOINT_CONTEXT for r in sweep):
-        return []
-    return [f"the 2026 handout's (b) is xl at batch 4, context {HANDOUT_CHECKPOINT_CONTEXT:,}; this run measured "
-            "context " + listing(sorted({str(r["context_length"]) for r in sweep}))
-            + " (`make single-gpu-reports` runs it)"]

@@ -16,8 +16,6 @@ from dataclasses import dataclass
 from cs336_systems.benchmarks import (
     ddp,
     fsdp,
-    gradient_checkpointing,
-    memory_profiling,
     sharding,
 )
 from cs336_systems.reports import (
@@ -29,6 +27,8 @@ from cs336_systems.reports import (
     e2e,
     flash,
     flash_in_training,
+    gradient_checkpointing,
+    memory_profiling,
     mixed_precision,
     nsys_profile,
     parallelism_calcs,

@@ -1,0 +1,369 @@
+"""Problem memory_profiling's report: peak memory by mode, precision and context against the memory model,
+saved activations, the residual stream's size, the active-memory timelines (memory_viz's, drawn from the kept
+snapshots), the largest allocations and part (f), each block's residuals and gradients; with its answer and
+what a run leaves open. cs336_systems.benchmarks.memory_profiling measures them.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from cs336_systems.accounting.activations import adamw_step_temporary_bytes
+from cs336_systems.benchmarks.harness import ADAMW_NAMES
+from cs336_systems.benchmarks.memory_profiling import HANDOUT_MEMORY_CONTEXTS, MEMORY_MODES
+from cs336_systems.gpus import GIB, MIB
+from cs336_systems.model import ModelConfig
+from cs336_systems.profiling.memory import active_memory_layout, load_snapshot, plot_active_memory
+from cs336_systems.reports import (
+    UNRECORDED_SIZE_TABLE,
+    Rendered,
+    Reports,
+    format_bytes,
+    format_share,
+    listing,
+    markdown_table,
+    not_in_report,
+    select,
+)
+from cs336_systems.rows import OOM, Row, ok_rows
+
+MODE_LABELS = {"inference": "forward only (inference)", "train_step": "training step"}
+# The analytical model should land within this share of a measured peak.
+PREDICTION_TOLERANCE = 0.15
+# memory_viz's Detail setting for the rendered timelines: the largest allocations drawn as bands of their own.
+TIMELINE_BANDS = 1000
+
+
+def _memory_setup(peaks: list[Row]) -> str:
+    r = peaks[0]
+    contexts = ", ".join(str(c) for c in sorted({p["context_length"] for p in peaks}))
+    precisions = ", ".join(dict.fromkeys(p["precision"] for p in peaks))
+    train = next((p for p in peaks if p["mode"] == "train_step"), {})
+    adamw = train.get("adamw")
+    # Rows from before the AdamW was recorded ran torch's default, foreach on CUDA.
+    optimizer = ADAMW_NAMES[adamw or "foreach"] if r["device"] == "cuda" or adamw else "AdamW"
+    text = (f"{r['size']} model, batch {r['batch_size']}, {r['attention']} attention, contexts {contexts}, "
+            f"precisions {precisions} (bf16: autocast over fp32 parameters). Forward only runs under no_grad; the "
+            f"training step (forward, backward, {optimizer} step, zero_grad) is measured after an unmeasured one.")
+    if adamw == "course":
+        config = ModelConfig.for_size(r["size"], 1, table=train.get("size_table") or UNRECORDED_SIZE_TABLE)
+        text += (f" The course's AdamW takes sqrt(v) one parameter at a time "
+                 f"(+{format_bytes(adamw_step_temporary_bytes(config, 'course'))} at its step); torch's default "
+                 f"foreach AdamW takes it of every parameter at once "
+                 f"(+{format_bytes(adamw_step_temporary_bytes(config, 'foreach'))}).")
+    return text + "\n"
+
+
+def _peak_section(peaks: list[Row]) -> str:
+    on_gpu = peaks[0]["device"] == "cuda"
+    table = []
+    precisions = list(dict.fromkeys(r["precision"] for r in peaks))
+    for r in sorted(peaks, key=lambda r: (MEMORY_MODES.index(r["mode"]), precisions.index(r["precision"]),
+                                          r["context_length"])):
+        entry = {"mode": MODE_LABELS[r["mode"]], "precision": r["precision"], "context": r["context_length"]}
+        if r["status"] == OOM:
+            entry["peak"] = OOM
+            entry["predicted"] = format_bytes(r.get("predicted_peak_bytes"))
+        elif on_gpu:
+            entry.update({"start": format_bytes(r["start_bytes"]), "peak": format_bytes(r["peak_bytes"]),
+                          "timeline peak": format_bytes(r.get("timeline_peak_bytes")),
+                          "predicted": format_bytes(r["predicted_peak_bytes"]),
+                          "error": f"{r['peak_bytes'] / r['predicted_peak_bytes'] - 1:+.1%}",
+                          "predicted peak at": r["predicted_phase"], "a miss's gap, nearest component": _miss(r)})
+        else:
+            entry["peak above start"] = format_bytes(r["peak_increase_bytes"])
+        table.append(entry)
+    if not any(entry.get("a miss's gap, nearest component") for entry in table):
+        for entry in table:
+            entry.pop("a miss's gap, nearest component", None)
+    text = ["## Peak memory\n\n" + ("Start: allocated before the measured work; peak: "
+            "torch.cuda.max_memory_allocated; predicted: accounting.activations.predict_peak_memory.\n" if on_gpu else
+            "On CPU: the most allocated at once above the start (torch.profiler's memory records).\n"),
+            markdown_table(table)]
+    ok = [r for r in peaks if r["status"] == "ok"]
+    if on_gpu and ok:
+        errors = [(abs(r["peak_bytes"] / r["predicted_peak_bytes"] - 1), r) for r in ok]
+        within = sum(error <= PREDICTION_TOLERANCE for error, _ in errors)
+        text.append(f"The model predicts {within} of {len(ok)} measured peaks within {PREDICTION_TOLERANCE:.0%} "
+                    f"(largest error {max(error for error, _ in errors):.1%}).\n")
+    text.append(_autocast_note(ok))
+    return "\n".join(text)
+
+
+def _miss(r: Row) -> str:
+    """Where a measured peak is off its prediction by more than the tolerance: the gap, and the predicted
+    component nearest it in size."""
+    difference = r["peak_bytes"] - r["predicted_peak_bytes"]
+    if abs(difference) <= PREDICTION_TOLERANCE * r["predicted_peak_bytes"]:
+        return ""
+    components = {"parameters": r["predicted_parameters_bytes"], "gradients": r["predicted_gradients_bytes"],
+                  "AdamW state": r["predicted_optimizer_state_bytes"],
+                  "saved activations": r["predicted_activations_bytes"],
+                  "autocast weight copies": r["predicted_weight_cache_bytes"],
+                  "transients": r["predicted_transient_bytes"]}
+    name, size = min(((n, v) for n, v in components.items() if v), key=lambda item: abs(abs(difference) - item[1]))
+    return f"{'+' if difference > 0 else '-'}{format_bytes(abs(difference))}, {name} ({format_bytes(size)})"
+
+
+def _autocast_note(ok: list[Row]) -> str:
+    """Why bf16 autocast does not halve the peak, where both precisions ran (the table holds the peaks)."""
+    if not {"fp32", "bf16"} <= {r["precision"] for r in ok}:
+        return ""
+    return ("Autocast keeps fp32 parameters, gradients and AdamW state, adds bf16 weight copies and halves only "
+            "matmul outputs" + (" (softmax stays fp32 on CUDA).\n" if ok[0]["device"] == "cuda" else ".\n"))
+
+
+def _saved_section(peaks: list[Row]) -> str:
+    rows = [r for r in peaks if r["status"] == "ok" and r.get("measured_saved_bytes") is not None]
+    if not rows:
+        return ""
+    table = [{"precision": r["precision"], "context": r["context_length"],
+              "measured": format_bytes(r["measured_saved_bytes"]), "predicted": format_bytes(r["predicted_saved_bytes"]),
+              "measured - predicted (bytes)": r["measured_saved_bytes"] - r["predicted_saved_bytes"],
+              "error": f"{r['measured_saved_bytes'] / r['predicted_saved_bytes'] - 1:+.2%}"} for r in rows]
+    return ("## Saved activations: model against autograd\n\nWhat autograd saves in one forward with the loss "
+            "(saved_tensors_hooks; parameters and inputs excluded) against "
+            "accounting.activations.saved_activation_bytes.\n\n" + markdown_table(table))
+
+
+def _residual_section(rows: list[Row]) -> str:
+    residual = [r for r in rows if r.get("table") == "residual"]
+    if not residual:
+        return ""
+    table = [{"precision": r["precision"], "batch x context x d_model x 4 B": f"{r['batch_size']} x {r['context_length']} x "
+              f"{r['d_model']} x 4 = {r['computed_bytes'] / MIB:.2f} MiB", "first block's output": f"{r['shape']} "
+              f"{r['dtype']}", "measured (MiB)": r["measured_bytes"] / MIB,
+              "match": r["measured_bytes"] == r["computed_bytes"]} for r in residual]
+    fp32 = all(r["dtype"] == "float32" for r in residual)
+    return ("## Residual-stream activation size\n\nComputed, and measured on the first block's output."
+            + (" It is fp32 under bf16 autocast too: the embedding output is fp32, and fp32 + bf16 is fp32."
+               if fp32 else "") + "\n\n" + markdown_table(table))
+
+
+def _timeline_figure(rows: list[Row]):
+    from matplotlib.figure import Figure
+
+    points = [r for r in rows if r.get("table") == "timeline"]
+    if not points:
+        return None
+    modes = [m for m in MEMORY_MODES if any(p["mode"] == m for p in points)]
+    precisions = list(dict.fromkeys(p["precision"] for p in points))
+    figure = Figure(figsize=(6 * len(precisions), 3.2 * len(modes)))
+    axes = figure.subplots(len(modes), len(precisions), squeeze=False)
+    peaks = {(r["mode"], r["precision"], r["context_length"]): r for r in rows if r.get("table") == "peak"}
+    for i, mode in enumerate(modes):
+        for j, precision in enumerate(precisions):
+            ax = axes[i][j]
+            series = [p for p in points if p["mode"] == mode and p["precision"] == precision]
+            if not series:
+                ax.set_visible(False)
+                continue
+            ax.plot([p["time_ms"] for p in series], [p["active_gib"] for p in series], color="tab:blue", lw=1)
+            peak = peaks.get((mode, precision, series[0]["context_length"]))
+            if peak and peak.get("predicted_peak_bytes"):
+                ax.axhline(_gib(peak["predicted_peak_bytes"]), color="tab:red", ls="--", lw=1, label="predicted peak")
+                ax.legend(loc="lower right", fontsize=8)
+            ax.set_title(f"{MODE_LABELS[mode]}, {precision}, context {series[0]['context_length']}", fontsize=10)
+            ax.set_xlabel("time (ms)")
+            ax.set_ylabel("active memory (GiB)")
+            ax.grid(alpha=0.3)
+    figure.tight_layout()
+    return figure
+
+
+def _allocation_section(rows: list[Row]) -> str:
+    allocations = [r for r in rows if r.get("table") == "allocation"]
+    if not allocations:
+        return ""
+    parts = ["## Largest allocations\n\nPer kept snapshot: the largest blocks, the line of this package that asked "
+             "and the innermost frame.\n"]
+    cells = dict.fromkeys((r["mode"], r["precision"], r["context_length"]) for r in allocations)
+    for mode, precision, context in sorted(cells, key=lambda c: (MEMORY_MODES.index(c[0]), c[2], c[1])):
+        cell = sorted(select(allocations, mode=mode, precision=precision, context_length=context),
+                      key=lambda r: r["rank"])
+        parts.append(f"### {MODE_LABELS[mode]}, {precision}, context {context}\n")
+        parts.append(markdown_table([{"size (MiB)": r["size_mib"], "count": r["count"], "source": r["source"],
+                                      "innermost frame": r["innermost"]} for r in cell]))
+    return "\n".join(parts)
+
+
+def render_memory_profiling(rows: list[Row]) -> Rendered:
+    peaks = [r for r in rows if r.get("table") == "peak"]
+    if not peaks:
+        return Rendered("_no rows_\n")
+    parts = [_memory_setup(peaks), _peak_section(peaks), _saved_section(peaks), _residual_section(rows)]
+    figures = {}
+    figure = _timeline_figure(rows)
+    if figure is not None:
+        figures["memory_timeline.png"] = figure
+        parts.append("## Active memory over one step\n\nFrom each snapshot's allocator trace; each point is the "
+                     "highest of its run of events.\n\n![active memory](memory_timeline.png)\n")
+    parts += [_snapshot_section(rows), _allocation_section(rows), _block_section(rows)]
+    return Rendered("\n".join(p for p in parts if p), figures)
+
+
+def _snapshot_section(rows: list[Row]) -> str:
+    """The kept snapshots (pytorch.org/memory_viz opens them) and their Active Memory Timelines."""
+    files = sorted((r for r in rows if r.get("table") == "snapshot"),
+                   key=lambda r: (MEMORY_MODES.index(r["mode"]), r["context_length"]))
+    if not files:
+        return ""
+    table = [{"cell": f"{MODE_LABELS[r['mode']]}, {r['precision']}, context {r['context_length']}",
+              "snapshot": f"[{r['file']}]({r['file']})", "size": format_bytes(r.get("file_bytes")),
+              "stacks kept": r.get("stacks", "")} for r in files]
+    images = [f"![{MODE_LABELS[r['mode']]}, context {r['context_length']}]({timeline_file_name(r['file'])})"
+              for r in files]
+    return ("## memory_viz: Active Memory Timeline\n\nEach snapshot as pytorch.org/memory_viz draws it (x: allocator "
+            f"events), redrawn from the pickle with its {TIMELINE_BANDS} largest allocations as bands.\n\n"
+            + markdown_table(table) + "\n" + "\n\n".join(images) + "\n")
+
+
+def render_snapshot_timelines(rows: list[Row], directory: Path) -> list[Path]:
+    """memory_viz's Active Memory Timeline of each snapshot the rows name, drawn from its pickle in
+    `directory` to a PNG beside it (`timeline_file_name`); returns the PNGs' paths."""
+    import matplotlib.pyplot as plt
+
+    written = []
+    for r in rows:
+        if r.get("table") != "snapshot":
+            continue
+        layout = active_memory_layout(load_snapshot(directory / r["file"]), r.get("device_index") or 0,
+                                      max_allocations=TIMELINE_BANDS)
+        figure = plot_active_memory(layout, f"{r['size']}, {MODE_LABELS[r['mode']]}, {r['precision']}, context "
+                                            f"{r['context_length']}, batch {r['batch_size']}")
+        path = directory / timeline_file_name(r["file"])
+        figure.savefig(path, dpi=120, bbox_inches="tight", metadata={"Software": None})
+        plt.close(figure)
+        written.append(path)
+    return written
+
+
+def timeline_file_name(snapshot_file: str) -> str:
+    return snapshot_file.removesuffix(".pickle") + ".png"
+
+
+def _block_section(rows: list[Row]) -> str:
+    """Part (f): residuals per TransformerBlock, the operations behind them, gradients in backward."""
+    blocks = [r for r in rows if r.get("table") == "block" and r.get("status") == "ok"]
+    if not blocks:
+        failed = [r for r in rows if r.get("table") == "block"]
+        return "## (f) Residuals and gradients per TransformerBlock\n\nOut of memory.\n" if failed else ""
+    table, operations = [], []
+    for precision in dict.fromkeys(r["precision"] for r in blocks):
+        mine = sorted((r for r in blocks if r["precision"] == precision), key=lambda r: r["block"])
+        middle = mine[len(mine) // 2]
+        top = sorted(select(rows, table="block_operation", precision=precision), key=lambda r: r["rank"])
+        gradients = [r["gradient_bytes"] for r in mine if r.get("gradient_bytes") is not None]
+        table.append({"precision": precision, "context": middle["context_length"],
+                      "residuals per block": _span_bytes([r["saved_bytes"] for r in mine]),
+                      "model": format_bytes(middle["predicted_saved_bytes"]),
+                      f"top {len(top)} operations": format_share(sum(r["share"] for r in top)) if top else "",
+                      "weight gradients: 4 B x parameters": f"4 x {middle['parameters']:,} = "
+                                                            f"{format_bytes(4 * middle['parameters'])}",
+                      ".grad after its backward": _span_bytes([r["weight_gradient_bytes"] for r in mine]),
+                      "gradients, from the allocator": _span_bytes(gradients) if gradients else ""})
+        operations += [{"precision": precision, "block": r["block"], "operation": r["operation"],
+                        "residuals": format_bytes(r["bytes"]), "share": f"{r['share']:.1%}"} for r in top]
+    r0 = blocks[0]
+    return ("## (f) Residuals and gradients per TransformerBlock\n\nOne forward and backward after "
+            "zero_grad(set_to_none=True). Residuals: the storages autograd saved while a block's forward ran "
+            "(saved-tensor hooks), each from the aten call that allocated it. Gradients (CUDA): memory_allocated's "
+            "change over a block's backward plus the residuals it freed; beyond the weight gradients it holds the "
+            f"gradient of the block's input, one residual-stream tensor ({format_bytes(r0['residual_stream_bytes'])})."
+            "\n\n" + markdown_table(table) + "\n" + markdown_table(operations))
+
+
+def _span_bytes(values: list[float]) -> str:
+    low, high = min(values), max(values)
+    return format_bytes(low) if low == high else f"{format_bytes(low)} to {format_bytes(high)}"
+
+
+def _gib(value) -> float | None:
+    return None if value is None else value / GIB
+
+
+# The modes as the answers' sentences name them (MODE_LABELS heads the tables).
+ANSWER_MODE_LABELS = {"inference": "forward only (no_grad)", "train_step": "a training step"}
+
+
+def answer_memory_profiling(reports: Reports) -> list[str]:
+    rows = reports["memory_profiling"]
+    peaks = select(rows, table="peak")
+    if not peaks:
+        return [not_in_report("A peak-memory cell")]
+    on_gpu = any(r.get("peak_bytes") is not None for r in peaks)
+    column = "peak_bytes" if on_gpu else "peak_increase_bytes"
+    first = peaks[0]
+    groups = []
+    for mode, label in ANSWER_MODE_LABELS.items():
+        for precision in dict.fromkeys(r["precision"] for r in peaks):
+            cells = sorted(select(peaks, mode=mode, precision=precision), key=lambda r: r["context_length"])
+            if not cells:
+                continue
+            values = [format_bytes(r[column], "bytes") if r["status"] == "ok" else OOM for r in cells]
+            contexts = " / ".join(str(r["context_length"]) for r in cells)
+            shown = (f"out of memory at every context ({contexts})" if set(values) == {OOM} else
+                     f"{' / '.join(values)} at context {contexts}")
+            groups.append(f"{label} in {precision}: {shown}")
+    training_phases = {r["predicted_phase"] for r in ok_rows(select(peaks, mode="train_step"))
+                       if r.get("predicted_phase")}
+    sentences = [f"Peak memory{'' if on_gpu else ' above the start'} of {first['size']}, batch {first['batch_size']}, "
+                 f"{first['attention']} attention: " + "; ".join(groups)
+                 + (f" (the memory model places the training step's peak at the {training_phases.pop()})."
+                    if len(training_phases) == 1 else ".")]
+    residual = select(rows, table="residual")
+    if residual:
+        r = residual[0]
+        match = all(x["measured_bytes"] == x["computed_bytes"] for x in residual)
+        sentences.append(
+            f"One residual-stream tensor at context {r['context_length']} is {r['batch_size']} x {r['context_length']} "
+            f"x {r['d_model']} x 4 bytes = {format_bytes(r['computed_bytes'], 'bytes')}; the first block's output "
+            "measured " + listing([f"{format_bytes(x['measured_bytes'], 'bytes')} ({x['dtype']}) under "
+                                   f"{x['precision']}" for x in residual])
+            + (", as computed." if match else ", which differs from the computed size."))
+    else:
+        sentences.append(not_in_report("The residual-stream size"))
+    tops = select(rows, table="allocation", rank=1)
+    if tops:
+        # Part (e) asks about the forward pass: its longest context, where the largest tensors are.
+        top = max(tops, key=lambda r: (r["mode"] == "inference", r["context_length"]))
+        sentences.append(f"The largest allocations of {ANSWER_MODE_LABELS[top['mode']]} in {top['precision']} at "
+                         f"context {top['context_length']} are {top['count']} blocks of {top['size_mib']:.2f} MiB from "
+                         f"`{top['source']}`.")
+    blocks = ok_rows(select(rows, table="block"))
+    if blocks:
+        blocks = select(blocks, precision=blocks[0]["precision"])  # the first precision measured: fp32 by default
+        block = blocks[len(blocks) // 2]
+        operations = sorted(select(rows, table="block_operation", precision=block["precision"]),
+                            key=lambda r: r["rank"])
+        text = (f"(f) In {block['precision']} at context {block['context_length']} a block saves "
+                f"{format_bytes(block['saved_bytes'], 'bytes')} for backward (the model: "
+                f"{format_bytes(block['predicted_saved_bytes'], 'bytes')})")
+        if operations:
+            text += (", " + format_share(sum(r["share"] for r in operations)) + " of it allocated by "
+                     + listing([f"`{r['operation']}` ({format_share(r['share'])})" for r in operations]))
+        expected = 4 * block["parameters"]
+        text += (f"; its weight gradients should take 4 bytes x {block['parameters']:,} parameters = "
+                 f"{format_bytes(expected, 'bytes')} and take {format_bytes(block['weight_gradient_bytes'], 'bytes')}")
+        if block.get("gradient_bytes") is not None:
+            text += (f"; the allocator saw its backward add {format_bytes(block['gradient_bytes'], 'bytes')} of "
+                     f"gradients, {format_bytes(block['gradient_bytes'] - expected, 'bytes')} beyond the weights'")
+            if block.get("residual_stream_bytes"):
+                text += (" (the gradient of its input is one residual-stream tensor, "
+                         f"{format_bytes(block['residual_stream_bytes'], 'bytes')})")
+        sentences.append(text + ".")
+    return sentences
+
+
+def open_items_memory_profiling(reports: Reports) -> list[str]:
+    rows = reports["memory_profiling"]
+    gaps = []
+    if not select(rows, table="block"):
+        gaps.append("part (f), residuals and gradients per block")
+    if not select(rows, table="snapshot"):
+        gaps.append("the memory_viz snapshots beside the report")
+    contexts = {r["context_length"] for r in select(rows, table="peak")}
+    missing = [str(n) for n in HANDOUT_MEMORY_CONTEXTS if n not in contexts]
+    if missing:
+        gaps.append(f"the 2026 handout's context {listing(missing)}")
+    return [f"not in this run: {listing(gaps)} (`make single-gpu-reports` measures them)"] if gaps else []
