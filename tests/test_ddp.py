@@ -18,18 +18,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from cs336_systems.benchmarks.ddp import (
-    answer_ddp_overlap_bucketed,
-    ddp_equivalence,
-    equivalence_failures,
-    render_bucketed_benchmarking,
-    render_flat_benchmarking,
-    render_naive_ddp,
-    render_naive_ddp_benchmarking,
-    render_overlap_bucketed,
-    render_overlap_individual_benchmarking,
-    variant_label,
-)
+from cs336_systems.benchmarks.ddp import ddp_equivalence, equivalence_failures, variant_label
 from cs336_systems.distributed.ddp import BucketedDDP, FlatDDP, NaiveDDP, OverlapIndividualDDP, batch_shard
 from cs336_systems.distributed.launch import launch
 from cs336_systems.profiling.timeline import (
@@ -38,6 +27,15 @@ from cs336_systems.profiling.timeline import (
     communication_summary,
     intervals_from_events,
     plot_timeline,
+)
+from cs336_systems.reports.ddp import (
+    answer_ddp_overlap_bucketed,
+    render_bucketed_benchmarking,
+    render_flat_benchmarking,
+    render_naive_ddp,
+    render_naive_ddp_benchmarking,
+    render_overlap_bucketed,
+    render_overlap_individual_benchmarking,
 )
 from cs336_systems.rows import OOM
 from tests import adapters

@@ -37,7 +37,6 @@ from torch import nn
 
 from cs336_systems.accounting.communication import bytes_sent_per_device
 from cs336_systems.accounting.memory import training_memory
-from cs336_systems.benchmarks.ddp import step_setup, steps_by_variant
 from cs336_systems.benchmarks.harness import LEARNING_RATE, adamw, build_model, lm_loss, random_batch
 from cs336_systems.benchmarks.sharding import (
     BREAKDOWN_NOTE,
@@ -63,6 +62,7 @@ from cs336_systems.model import ModelConfig
 from cs336_systems.profiling.kernels import device_profile
 from cs336_systems.profiling.timeline import COMPUTE, PHASE, Interval, intervals_from_events
 from cs336_systems.reports import Rendered, Reports, format_ms, markdown_table, not_in_report, plural, select
+from cs336_systems.reports.ddp import step_setup, steps_by_variant
 from cs336_systems.rows import Row
 from cs336_systems.timing import synchronize
 

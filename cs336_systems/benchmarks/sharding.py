@@ -32,7 +32,6 @@ from torch import nn
 
 from cs336_systems.accounting.communication import bytes_sent_per_device
 from cs336_systems.accounting.memory import GIB, training_memory
-from cs336_systems.benchmarks.ddp import step_setup, steps_by_variant
 from cs336_systems.benchmarks.harness import (
     LEARNING_RATE,
     Phase,
@@ -59,6 +58,7 @@ from cs336_systems.reports import (
     select,
     span,
 )
+from cs336_systems.reports.ddp import step_setup, steps_by_variant
 from cs336_systems.rows import OOM, Row, ok_rows
 from cs336_systems.timing import STEP_TIMER, synchronize
 

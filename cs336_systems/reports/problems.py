@@ -14,7 +14,6 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from cs336_systems.benchmarks import (
-    ddp,
     fsdp,
     sharding,
 )
@@ -24,6 +23,7 @@ from cs336_systems.reports import (
     allreduce,
     attention,
     communication_accounting,
+    ddp,
     e2e,
     flash,
     flash_in_training,
