@@ -475,7 +475,7 @@ def _gpu_like_fsdp_rows() -> list[dict]:
 
 
 def test_fsdp_accounting_report_answers_from_the_rows():
-    from cs336_systems.benchmarks.fsdp import render_fsdp_accounting
+    from cs336_systems.reports.fsdp import render_fsdp_accounting
 
     body = render_fsdp_accounting(_gpu_like_fsdp_rows()).body
     rows = [" ".join(line.split()) for line in body.splitlines() if line.startswith("|")]
@@ -494,7 +494,7 @@ def test_fsdp_accounting_report_answers_from_the_rows():
 
 
 def test_fsdp_accounting_report_renders_the_same_from_its_csv(tmp_path):
-    from cs336_systems.benchmarks.fsdp import render_fsdp_accounting
+    from cs336_systems.reports.fsdp import render_fsdp_accounting
     from cs336_systems.reports import read_rows, write_csv
 
     rows = _gpu_like_fsdp_rows()
@@ -504,7 +504,7 @@ def test_fsdp_accounting_report_renders_the_same_from_its_csv(tmp_path):
 
 
 def test_fsdp_report_gives_each_precision_a_verdict():
-    from cs336_systems.benchmarks.fsdp import render_fsdp
+    from cs336_systems.reports.fsdp import render_fsdp
 
     rows = [{"table": "equivalence", "compute": "bf16", "world_size": 2, "backend": "nccl", "model": "tiny LM",
              "steps": 3, "logits_dtype": "bfloat16", "master_dtype": "float32", "max_abs_difference": 0.01,

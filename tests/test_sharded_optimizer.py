@@ -380,7 +380,7 @@ def _gpu_like_sharding_rows() -> list[dict]:
 
 
 def test_sharding_accounting_report_answers_from_the_rows():
-    from cs336_systems.benchmarks.sharding import render_sharding_accounting
+    from cs336_systems.reports.sharding import render_sharding_accounting
 
     body = render_sharding_accounting(_gpu_like_sharding_rows()).body
     rows = [" ".join(line.split()) for line in body.splitlines() if line.startswith("|")]
@@ -399,7 +399,7 @@ def test_sharding_accounting_report_answers_from_the_rows():
 
 
 def test_sharding_accounting_answers_c_against_zero_stage_1():
-    from cs336_systems.benchmarks.sharding import render_sharding_accounting
+    from cs336_systems.reports.sharding import render_sharding_accounting
 
     rows = _gpu_like_sharding_rows() + [
         {"table": "communication", "variant": "DDP + AdamW", "collective": "all_reduce (DDP gradients)",
@@ -415,7 +415,7 @@ def test_sharding_accounting_answers_c_against_zero_stage_1():
 
 
 def test_sharding_report_names_the_faster_resynchronisation():
-    from cs336_systems.benchmarks.sharding import render_sharding
+    from cs336_systems.reports.sharding import render_sharding
 
     rows = [r for r in _gpu_like_sharding_rows() if r.get("status") != "OOM"]
     rows.append(_step("DDP + ShardedOptimizer (broadcast)", 730.0, 55.0, 40.0, 38.3, 16.0))

@@ -4,8 +4,9 @@ rows. Everything that writes or reads a report finds it here:
 
     name -> measure (perf/<module>.py, marker) -> rows -> render (Report.render) -> answer (Problem.answer)
 
-A problem's code lives in the benchmark module of its family (cs336_systems.benchmarks.<module>):
-what it measures, the renderer of its reports and its answer, side by side.
+A problem family's measuring code is a benchmark module (cs336_systems.benchmarks.<family>), which returns
+rows; the renderers of its reports and its answers are the reports module of the same name
+(cs336_systems.reports.<family>); each report's cell key is in cs336_systems.rows.
 """
 
 from __future__ import annotations
@@ -13,10 +14,6 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from cs336_systems.benchmarks import (
-    fsdp,
-    sharding,
-)
 from cs336_systems.reports import (
     Report,
     Reports,
@@ -27,11 +24,13 @@ from cs336_systems.reports import (
     e2e,
     flash,
     flash_in_training,
+    fsdp,
     gradient_checkpointing,
     memory_profiling,
     mixed_precision,
     nsys_profile,
     parallelism_calcs,
+    sharding,
 )
 from cs336_systems.rows import (
     ALLREDUCE_KEY,
