@@ -1,8 +1,12 @@
-"""The rows that benchmarks return and reports render, and the long format of every report's CSV.
+"""The rows that benchmarks return and reports render, what both sides name in them, and the long format
+of every report's CSV.
 
 A measuring function returns rows, flat dicts of strings, numbers, booleans and None, one per measured
-cell (a record); the reports package renders them. A cell that ran has status "ok" (`ok_rows`); one that
-ran out of memory, or that the memory model said would not fit, has status OOM (cs336_systems.memory_guard).
+cell (a record); the reports package renders them. A cell that ran has status "ok" (`ran`, `ok_rows`);
+one that ran out of memory, or that the memory model said would not fit, has status OOM
+(cs336_systems.memory_guard). Beside these, the values a benchmark writes and a report reads back: the
+model variants of the end-to-end rows, the breakdown table's name and phases, and each report's key, the
+columns that identify one of its cells.
 
 On disk each record becomes long rows with the columns LONG_COLUMNS:
 
@@ -62,16 +66,16 @@ BREAKDOWN_PHASES = ("forward", "backward", "optimizer")
 # the cells it measures again and keeps the others (cs336_systems.reports.Report). benchmarking_script's:
 E2E_KEY = ("table", "model", "size", "context_length", "batch_size", "mode", "precision", "compile", "attention",
            "optimizer", "warmup", "steps", "phase")
+NSYS_KEY = ("table", "size", "context_length", "precision", "attention", "optimizer")
 # benchmarking_mixed_precision also holds the autocast dtype rows, one per tensor of the toy model.
 MIXED_PRECISION_KEY = E2E_KEY + ("tensor", "autocast", "storage_dtype")
-NSYS_KEY = ("table", "size", "context_length", "precision", "attention", "optimizer")
-FLASH_KEY = ("table", "provider", "precision", "batch_size", "n_heads", "seq_len", "head_dim", "is_causal", "mode")
-FLASH_IN_TRAINING_KEY = ("table", "size_table", "size", "context_length", "attention", "provider", "batch_size",
-                         "n_heads", "seq_len", "head_dim", "mode")
 ATTENTION_KEY = ("attention", "compile", "precision", "batch_size", "seq_len", "head_dim", "is_causal", "passes",
                  "warmup")
 # torch_compile holds the whole model's cells and the attention sweep's.
 TORCH_COMPILE_KEY = E2E_KEY + ("seq_len", "head_dim", "is_causal", "passes")
+FLASH_KEY = ("table", "provider", "precision", "batch_size", "n_heads", "seq_len", "head_dim", "is_causal", "mode")
+FLASH_IN_TRAINING_KEY = ("table", "size_table", "size", "context_length", "attention", "provider", "batch_size",
+                         "n_heads", "seq_len", "head_dim", "mode")
 ALLREDUCE_KEY = ("backend", "world_size", "size_bytes")
 
 

@@ -2,6 +2,9 @@
 
     problems.py   the table of problems: each report's renderer and cell key, each problem's answer
     index.py      reports/README.md, every problem answered from its reports' rows
+    <family>.py   one per problem family, named as its benchmark (e2e, attention, flash, ddp, ...): the
+                  renderers of its reports and the answers to its problems, from the rows the benchmark
+                  returns
 
 This module is what they share. A measuring function returns rows (cs336_systems.rows: flat dicts of
 strings and numbers, one per measured cell). A report's renderer (the problems table lists each report

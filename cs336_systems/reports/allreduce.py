@@ -136,6 +136,8 @@ def render_allreduce(rows: list[Row]) -> Rendered:
     return Rendered("\n".join(body), figures={"allreduce_bus_bandwidth.png": _plot(rows)})
 
 
+# ---------------------------------------------------------------------------------------------- answers
+
 def answer_distributed_communication_single_node(reports: Reports) -> list[str]:
     rows = reports["distributed_communication_single_node"]
     sentences = []

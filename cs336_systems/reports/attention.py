@@ -373,6 +373,8 @@ def render_torch_compile(rows: list[Row]) -> Rendered:
     return Rendered("\n".join(p for p in parts if p), figures=model.figures)
 
 
+# ---------------------------------------------------------------------------------------------- answers
+
 def answer_torch_compile(reports: Reports) -> list[str]:
     rows = reports["torch_compile"]
     sentences = e2e.answer_compiled_models(rows)

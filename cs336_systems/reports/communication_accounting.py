@@ -287,6 +287,8 @@ def write_communication_accounting(report_dir: Path | str, command: str = ANALYS
                              report_dir, command, sources)
 
 
+# ---------------------------------------------------------------------------------------------- answers
+
 def answer_communication_accounting(reports: Reports) -> list[str]:
     rows = reports["communication_accounting"]
     scalars = {r["name"]: r["value"] for r in select(rows, table="scalar")}

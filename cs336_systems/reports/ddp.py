@@ -295,6 +295,8 @@ def render_bucketed_benchmarking(rows: list[Row]) -> Rendered:
     return Rendered("\n".join(parts))
 
 
+# ---------------------------------------------------------------------------------------------- answers
+
 def fastest_and_slowest_buckets(rows: list[Row]) -> tuple[Row, Row] | None:
     """The measured steps of the bucket sizes that were fastest and slowest, as the index quotes them; None
     where no bucketed step ran."""

@@ -440,6 +440,8 @@ def _part(row: Row, column: str) -> float:
     return row[column] / row["work_ms"] if row["work_ms"] else 0.0
 
 
+# ---------------------------------------------------------------------------------------------- answers
+
 # The training steps the first answer quotes: the two largest sizes measured, at context 512.
 HEADLINE_SIZE_COUNT = 2
 HEADLINE_CONTEXT = 512

@@ -265,6 +265,8 @@ def render_flash_benchmarking(rows: list[Row]) -> Rendered:
     return Rendered("\n".join(p for p in parts if p), figures=figures)
 
 
+# ---------------------------------------------------------------------------------------------- answers
+
 def answer_flash_forward_backward(reports: Reports) -> list[str]:
     return ["No report of their own: these are correctness problems, run on every machine by "
             "`pytest tests/test_flash_attention.py` (output, logsumexp and gradients against a float64 reference, L "

@@ -152,6 +152,8 @@ def render_fsdp(rows: list[Row]) -> Rendered:
         + "\n" + "\n".join(verdicts) + "\n")
 
 
+# ---------------------------------------------------------------------------------------------- answers
+
 def answer_fsdp(reports: Reports) -> list[str]:
     sentences = []
     if "fsdp" in reports:

@@ -182,6 +182,8 @@ def render_gradient_checkpointing(rows: list[Row]) -> Rendered:
     return Rendered("\n".join(p for p in parts if p), {"gradient_checkpointing.png": figure})
 
 
+# ---------------------------------------------------------------------------------------------- answers
+
 def _plan_phrase(r: Row) -> str:
     """A plan as a sentence names it (`_plan_label` is the table's shorter name)."""
     if r["plan_kind"] == "every_k":

@@ -12,7 +12,7 @@ run, `make perf` on a laptop, leaves every committed file as it was.
 
 Device reports live in `<reports>/<gpu-slug>/<problem>.md` (+ `.csv`, `.png`); the closed-form
 communication_accounting report lives in `<reports>/` itself. A problem's answer function,
-`answer_<problem>` beside the renderer of its reports in cs336_systems.benchmarks, turns the rows of
+`answer_<problem>` beside the renderer of its reports in cs336_systems.reports.<family>, turns the rows of
 its reports (`cs336_systems.reports.read_rows`) into sentences; where a row it quotes is not in the
 report, the sentence says so instead of guessing (`open_items_<problem>`, where there is one, names
 what the rows leave unanswered). This module only assembles them: the table of problems

@@ -282,6 +282,8 @@ def _gib(value) -> float | None:
     return None if value is None else value / GIB
 
 
+# ---------------------------------------------------------------------------------------------- answers
+
 # The modes as the answers' sentences name them (MODE_LABELS heads the tables).
 ANSWER_MODE_LABELS = {"inference": "forward only (no_grad)", "train_step": "a training step"}
 

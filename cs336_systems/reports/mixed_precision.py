@@ -40,6 +40,8 @@ def render_accumulation(rows: list[Row]) -> Rendered:
     return Rendered("\n".join(body))
 
 
+# ---------------------------------------------------------------------------------------------- answers
+
 def answer_mixed_precision_accumulation(reports: Reports) -> list[str]:
     variants = {r["variant"]: r for r in reports["mixed_precision_accumulation"]}
     if not variants:

@@ -271,6 +271,8 @@ def _span(values: list[float], fmt: str = "{:.0%}") -> str:
     return span(values, fmt.format)
 
 
+# ---------------------------------------------------------------------------------------------- answers
+
 KERNEL_NAME_CHARS = 60
 
 

@@ -224,6 +224,8 @@ def write_parallelism_calcs(report_dir: Path | str, command: str = ANALYSIS_COMM
                               "`cs336_systems.accounting.ffn_parallelism`") for problem in PROBLEMS]
 
 
+# ---------------------------------------------------------------------------------------------- answers
+
 def _node_clause(setting: Row) -> str:
     return (f"on {NODE_SIZE} NVLink GPUs (C = {setting['C_flops_per_s'] / 1e12:.1f} TFLOP/s, W = "
             f"{setting['W_bytes_per_s'] / GB:.0f} GB/s) with the {setting['size_table']} {setting['size']} FFN and "

@@ -189,6 +189,8 @@ def render_sharding(rows: list[Row]) -> Rendered:
     return Rendered("\n".join(parts) or "_no rows_\n")
 
 
+# ---------------------------------------------------------------------------------------------- answers
+
 MEMORY_POINTS = ("init", "before optimizer step", "after optimizer step")  # the points the handout asks for
 
 
