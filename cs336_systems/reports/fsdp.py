@@ -18,8 +18,6 @@ WORST_SHOWN = 10
 # What our FSDP should stay within, over torch FSDP.
 TARGET_STEP_OVER_TORCH = 0.15
 TARGET_PEAK_OVER_TORCH = 0.10
-
-
 MEMORY_MODEL_FIELDS = ("parameters", "gradients", "optimizer_state", "activations", "buffers", "peak")
 
 

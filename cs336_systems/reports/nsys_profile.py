@@ -63,10 +63,10 @@ def _measured(cells: dict) -> dict:
     return {key: c for key, c in cells.items() if c["cell"] and c["cell"]["status"] == "ok" and "forward" in c["range"]}
 
 
-
 def _timer(cell: Row) -> str:
     """How the cell's timer measured (rows from before whole-step timing name none)."""
     return STEP_TIMER if cell.get("timer") == STEP_TIMER else "a host clock between device synchronisations at every phase"
+
 
 def _forward_time_section(cells: dict, device: str) -> str:
     table, wall = [], []
