@@ -87,7 +87,7 @@ def _attention_fn(compiled: bool):
     # A fresh compile per cell, with static shapes so Inductor specialises its kernels to this cell.
     # Resetting first keeps earlier cells' graphs from counting towards dynamo's recompile limit,
     # past which it would run the function eagerly without saying so.
-    torch._dynamo.reset()
+    torch.compiler.reset()
     return torch.compile(naive_attention, dynamic=False)
 
 

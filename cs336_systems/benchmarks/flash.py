@@ -289,7 +289,7 @@ def benchmark_flash_cell(cell: FlashCell, providers=PROVIDERS, device: torch.dev
 
 def leaderboard_2025_cell(device: torch.device | str = "cuda", settings: BenchSettings = BenchSettings()) -> list[Row]:
     """The 2025 leaderboard's attention cell, forward+backward, for each of LEADERBOARD_2025_PROVIDERS."""
-    torch._dynamo.reset()  # compile the Triton Function afresh, with no earlier graphs in dynamo's caches
+    torch.compiler.reset()  # compile the Triton Function afresh, with no earlier graphs in dynamo's caches
     rows = benchmark_flash_cell(LEADERBOARD_2025_CELL, LEADERBOARD_2025_PROVIDERS, device, ("forward_backward",),
                                 settings)
     return [{**row, "table": "leaderboard"} for row in rows]

@@ -78,7 +78,7 @@ def _training_step_row(cell: TrainingCell, attention: str, device: torch.device,
     model = build_model(config, device, attention, seed=0)
     optimizer = adamw(model, LEARNING_RATE, "fused")
     inputs, targets = random_batch(config, cell.batch_size, cell.context_length, device)
-    torch._dynamo.reset()
+    torch.compiler.reset()
     compiled = torch.compile(model, fullgraph=True)
     losses = []
 

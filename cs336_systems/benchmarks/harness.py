@@ -54,7 +54,7 @@ def build_model(config: ModelConfig, device: torch.device | str, attention: str 
     if compile:
         # Start from empty compile caches: entries from earlier models would count towards dynamo's
         # recompile limit, past which it silently falls back to eager.
-        torch._dynamo.reset()
+        torch.compiler.reset()
         # Regional compilation: every block has the same code and shapes, so one compiled graph
         # serves all of them and compile time no longer grows with depth.
         for block in model.layers:
