@@ -31,6 +31,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from cs336_systems.checks import check_choice
 from cs336_systems.model import ModelConfig
 
 FP32_BYTES = 4
@@ -53,8 +54,7 @@ def _check(precision: str, attention: str = "naive", device_type: str = "cuda") 
         raise ValueError(f"unknown precision {precision!r}; choose one of {', '.join(ACTIVATION_BYTES)}")
     if attention not in ATTENTIONS:
         raise ValueError(f"no activation model for attention {attention!r}; choose one of {', '.join(ATTENTIONS)}")
-    if device_type not in DEVICE_TYPES:
-        raise ValueError(f"unknown device type {device_type!r}; choose one of {', '.join(DEVICE_TYPES)}")
+    check_choice("device type", device_type, DEVICE_TYPES)
 
 
 def parameter_counts(config: ModelConfig) -> dict[str, int]:
@@ -81,8 +81,7 @@ def largest_parameter_count(config: ModelConfig) -> int:
 
 def adamw_step_temporary_bytes(config: ModelConfig, adamw: str) -> int:
     """What an AdamW step allocates beside parameters, gradients and moments (fp32 parameters)."""
-    if adamw not in ADAMW_IMPLEMENTATIONS:
-        raise ValueError(f"unknown AdamW implementation {adamw!r}; choose one of {', '.join(ADAMW_IMPLEMENTATIONS)}")
+    check_choice("AdamW implementation", adamw, ADAMW_IMPLEMENTATIONS)
     per_parameter = {"course": largest_parameter_count(config), "foreach": parameter_count(config), "fused": 0}
     return per_parameter[adamw] * FP32_BYTES
 
@@ -261,8 +260,7 @@ def predict_peak_memory(config: ModelConfig, batch_size: int, seq_len: int, prec
     4P plus the largest parameter. Forward+backward has no AdamW state: the larger of the end of forward
     and the end of backward (P + G).
     """
-    if mode not in MODES:
-        raise ValueError(f"unknown mode {mode!r}; choose one of {', '.join(MODES)}")
+    check_choice("mode", mode, MODES)
     step_temporary = adamw_step_temporary_bytes(config, adamw)
     _check(precision, attention)
     params = parameter_count(config) * FP32_BYTES
