@@ -24,6 +24,7 @@ from cs336_systems.attention.flash_triton import (
 )
 from cs336_systems.attention.flash_triton import launch, op, tiles
 from cs336_systems.model import ModelConfig, TransformerLM
+from cs336_systems.precision import PRECISIONS
 from tests.flash_reference import (
     LAYOUTS,
     assert_close_to_reference,
@@ -44,7 +45,7 @@ PATHS = ("wide", "narrow", "split")
 # Every head dim class the contract accepts, powers of two or not (those are padded on chip, and 8 is
 # below a dot's 16).
 HEAD_DIMS = (8, 24, 40, 64, 80, 96, 112, 128)
-GPU_DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32, "fp16": torch.float16}
+GPU_DTYPES = {name: spec.dtype for name, spec in PRECISIONS.items()}
 
 
 def _sm_count(device: torch.device) -> int:

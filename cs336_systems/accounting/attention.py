@@ -49,8 +49,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from cs336_systems.checks import check_choice, check_positive_int
+from cs336_systems.precision import Precision, check_precision
 
-PRECISION_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 BOOL_BYTES = 1
 # Score-sized (B, Nq, Nk) matrices alive at the forward's and, per device type, the backward's peak
 # (see above).
@@ -59,11 +59,6 @@ BACKWARD_PEAK_SCORE_MATRICES = {"cuda": 4, "cpu": 3}
 # Backward over forward FLOPs: five matmuls of the forward's size against its two.
 BACKWARD_FLOPS_MULTIPLE = 2.5
 PHASES = ("forward", "backward", "forward_backward")
-
-
-def _check_precision(precision: str) -> None:
-    if precision not in PRECISION_BYTES:
-        raise ValueError(f"unknown precision {precision!r}; choose one of {', '.join(PRECISION_BYTES)}")
 
 
 @dataclass(frozen=True)
@@ -80,7 +75,7 @@ class NaiveAttentionMemory:
 
     def __post_init__(self):
         check_positive_int(batch=self.batch, n_queries=self.n_queries, n_keys=self.n_keys, head_dim=self.head_dim)
-        _check_precision(self.precision)
+        check_precision(self.precision)
         check_choice("device type", self.device_type, BACKWARD_PEAK_SCORE_MATRICES)
 
     @property
@@ -89,7 +84,7 @@ class NaiveAttentionMemory:
 
     @property
     def element_bytes(self) -> int:
-        return PRECISION_BYTES[self.precision]
+        return Precision.named(self.precision).bytes_per_element
 
     @property
     def query_sized_bytes(self) -> int:

@@ -34,7 +34,6 @@ import math
 from dataclasses import dataclass
 
 from cs336_systems.accounting.activations import (
-    ACTIVATION_BYTES,
     ADAMW_STATE_PER_PARAMETER,
     FP32_BYTES,
     parameter_count,
@@ -44,6 +43,7 @@ from cs336_systems.accounting.activations import (
 from cs336_systems.checks import check_choice, check_positive_int
 from cs336_systems.gpus import GIB
 from cs336_systems.model import ModelConfig
+from cs336_systems.precision import Precision
 
 INDEX_BYTES = 8  # token ids and targets are int64
 STRATEGIES = ("replicated", "optimizer_state", "fsdp")
@@ -111,7 +111,7 @@ def training_memory(config: ModelConfig, batch_size: int, seq_len: int, precisio
     if strategy == "fsdp":
         local = fsdp_shard_elements(config, world_size) + parameter_counts(config)["norms"]
         largest = max(rows * cols for rows, cols in sharded_weight_shapes(config))
-        buffers = largest * (fsdp_gathered_weights * ACTIVATION_BYTES[precision]
+        buffers = largest * (fsdp_gathered_weights * Precision.named(precision).bytes_per_element
                              + fsdp_reduce_scatters_in_flight * FP32_BYTES)
         state_elements = local
     else:

@@ -29,7 +29,9 @@ from cs336_systems.accounting.attention import naive_attention_memory
 from cs336_systems.attention.reference import naive_attention
 from cs336_systems.benchmarks import e2e
 from cs336_systems.benchmarks.harness import release_memory
+from cs336_systems.checks import check_positive_int
 from cs336_systems.memory_guard import check_memory, is_out_of_memory
+from cs336_systems.precision import Precision, check_precision
 from cs336_systems.reports import (
     OOM,
     Rendered,
@@ -55,7 +57,6 @@ PASSES = 100
 # Untimed passes before each timed series. The first compiles (torch.compile) and loads kernels; the
 # next let cuBLAS heuristics and the caching allocator settle.
 WARMUP_PASSES = 5
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 GIB = 2**30
 LOGSUMEXP_BYTES = 4  # FlashAttention keeps one fp32 logsumexp per query row
 COUNTS = {3: "three", 4: "four"}
@@ -73,12 +74,9 @@ class AttentionCell:
     warmup: int = WARMUP_PASSES
 
     def __post_init__(self):
-        for name in ("head_dim", "seq_len", "batch_size", "passes", "warmup"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name} must be a positive integer, got {value!r}")
-        if self.precision not in DTYPES:
-            raise ValueError(f"unknown precision {self.precision!r}; choose one of {', '.join(DTYPES)}")
+        check_positive_int(head_dim=self.head_dim, seq_len=self.seq_len, batch_size=self.batch_size,
+                           passes=self.passes, warmup=self.warmup)
+        check_precision(self.precision)
 
 
 def _attention_fn(compiled: bool):
@@ -121,7 +119,7 @@ def _measure(cell: AttentionCell, device: torch.device, row: Row) -> None:
     shape = (cell.batch_size, cell.seq_len, cell.head_dim)
 
     def randn(requires_grad: bool) -> torch.Tensor:
-        return torch.randn(shape, generator=generator, device=device, dtype=DTYPES[cell.precision],
+        return torch.randn(shape, generator=generator, device=device, dtype=Precision.named(cell.precision).dtype,
                            requires_grad=requires_grad)
 
     q, k, v = randn(True), randn(True), randn(True)

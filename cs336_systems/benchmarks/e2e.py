@@ -33,7 +33,6 @@ from cs336_systems.accounting.activations import ADAMW_IMPLEMENTATIONS, predict_
 from cs336_systems.accounting.flops import step_flops
 from cs336_systems.benchmarks.harness import (
     LEARNING_RATE,
-    PRECISIONS,
     adamw,
     autocast,
     build_model,
@@ -46,6 +45,7 @@ from cs336_systems.benchmarks.reference_lm import build_reference
 from cs336_systems.clocks import ClockSample, clock_columns
 from cs336_systems.memory_guard import MemoryCheck, check_memory, is_out_of_memory
 from cs336_systems.model import ModelConfig, size_order
+from cs336_systems.precision import check_precision
 from cs336_systems.profiling.kernels import device_profile, device_timeline, is_fused_attention, kernel_tables
 from cs336_systems.profiling.ranges import annotate
 from cs336_systems import reports
@@ -107,8 +107,7 @@ class E2EConfig:
     def __post_init__(self):
         if self.mode not in MODES:
             raise ValueError(f"unknown mode {self.mode!r}; choose one of {', '.join(MODES)}")
-        if self.precision not in PRECISIONS:
-            raise ValueError(f"unknown precision {self.precision!r}; choose one of {', '.join(PRECISIONS)}")
+        check_precision(self.precision)
         if self.warmup < 0:
             raise ValueError(f"warm-up steps must be >= 0, got {self.warmup}")
         if self.steps < 1:

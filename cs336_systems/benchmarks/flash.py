@@ -48,9 +48,10 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from cs336_systems.accounting.attention import attention_flops, naive_attention_memory
 from cs336_systems.attention.reference import naive_attention
-from cs336_systems.benchmarks.attention import DTYPES
 from cs336_systems.benchmarks.harness import release_memory
+from cs336_systems.checks import check_positive_int
 from cs336_systems.memory_guard import available_bytes, is_out_of_memory
+from cs336_systems.precision import Precision, check_precision
 from cs336_systems.reports import (
     NOISY,
     OOM,
@@ -99,12 +100,9 @@ class FlashCell:
     is_causal: bool = True
 
     def __post_init__(self):
-        for name in ("seq_len", "head_dim", "batch_size", "n_heads"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name} must be a positive integer, got {value!r}")
-        if self.precision not in DTYPES:
-            raise ValueError(f"unknown precision {self.precision!r}; choose one of {', '.join(DTYPES)}")
+        check_positive_int(seq_len=self.seq_len, head_dim=self.head_dim, batch_size=self.batch_size,
+                           n_heads=self.n_heads)
+        check_precision(self.precision)
 
     @property
     def shape(self) -> tuple[int, int, int, int]:
@@ -231,7 +229,7 @@ def _inputs(cell: FlashCell, device: torch.device) -> tuple[tuple[torch.Tensor, 
     generator = torch.Generator(device=device).manual_seed(0)
 
     def randn(requires_grad: bool) -> torch.Tensor:
-        return torch.randn(cell.shape, generator=generator, device=device, dtype=DTYPES[cell.precision],
+        return torch.randn(cell.shape, generator=generator, device=device, dtype=Precision.named(cell.precision).dtype,
                            requires_grad=requires_grad)
 
     return (randn(True), randn(True), randn(True)), randn(False)

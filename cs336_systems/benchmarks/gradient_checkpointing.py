@@ -23,10 +23,11 @@ from cs336_systems.accounting.activations import (
     training_transient_bytes,
 )
 from cs336_systems.benchmarks.e2e import DEFAULT_BATCH_SIZE
-from cs336_systems.benchmarks.harness import PRECISIONS, autocast, build_model, lm_loss, random_batch, release_memory
+from cs336_systems.benchmarks.harness import autocast, build_model, lm_loss, random_batch, release_memory
 from cs336_systems.gpus import GIB, MIB
 from cs336_systems.memory_guard import check_memory, is_out_of_memory
 from cs336_systems.model import ModelConfig
+from cs336_systems.precision import check_precision
 from cs336_systems.profiling.checkpointing import (
     apply_checkpointing,
     checkpoint_chain,
@@ -88,8 +89,7 @@ class CheckpointSweepConfig:
     longest_context_run_limit: int = 4_096
 
     def __post_init__(self):
-        if self.precision not in PRECISIONS:
-            raise ValueError(f"unknown precision {self.precision!r}; choose one of {', '.join(PRECISIONS)}")
+        check_precision(self.precision)
         if any(k is not None and k < 1 for k in self.ks):
             raise ValueError(f"checkpoint every k blocks needs k >= 1, got {self.ks}")
         ModelConfig.for_size(self.size, self.context_length)

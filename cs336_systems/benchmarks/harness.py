@@ -25,11 +25,10 @@ import torch.nn.functional as F
 from cs336_systems.accounting.activations import ADAMW_IMPLEMENTATIONS
 from cs336_systems.model import ModelConfig, TransformerLM
 from cs336_systems.optimizer import AdamW
+from cs336_systems.precision import Precision
 from cs336_systems.profiling.ranges import annotate
 from cs336_systems.timing import StepTimer
 
-# Autocast dtype of each precision; fp32 runs without autocast.
-PRECISIONS = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
 LEARNING_RATE = 1e-4
 
 Phase = Callable[[str], AbstractContextManager]
@@ -37,7 +36,7 @@ Phase = Callable[[str], AbstractContextManager]
 
 def autocast(precision: str, device: torch.device | str) -> AbstractContextManager:
     """bf16/fp16 autocast on `device`, or nothing for fp32."""
-    dtype = PRECISIONS[precision]
+    dtype = Precision.named(precision).autocast_dtype
     return nullcontext() if dtype is None else torch.autocast(torch.device(device).type, dtype=dtype)
 
 

@@ -26,7 +26,6 @@ from cs336_systems.benchmarks.e2e import DEFAULT_BATCH_SIZE, memory_model_attent
 from cs336_systems.benchmarks.harness import (
     ADAMW_NAMES,
     LEARNING_RATE,
-    PRECISIONS,
     adamw,
     autocast,
     build_model,
@@ -38,6 +37,7 @@ from cs336_systems.benchmarks.harness import (
 from cs336_systems.gpus import GIB, MIB
 from cs336_systems.memory_guard import check_memory, is_out_of_memory
 from cs336_systems.model import ModelConfig
+from cs336_systems.precision import PRECISIONS
 from cs336_systems.profiling.memory import (
     active_memory_layout,
     active_memory_timeline,

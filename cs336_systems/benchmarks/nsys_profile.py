@@ -35,7 +35,6 @@ from cs336_systems.benchmarks.e2e import (
 from cs336_systems.benchmarks.harness import (
     ADAMW_NAMES,
     LEARNING_RATE,
-    PRECISIONS,
     adamw,
     build_model,
     random_batch,
@@ -45,6 +44,7 @@ from cs336_systems.benchmarks.harness import (
 )
 from cs336_systems.memory_guard import FIT_SHARE, MemoryCheck, check_memory, is_out_of_memory
 from cs336_systems.model import ModelConfig, size_order
+from cs336_systems.precision import check_precision
 from cs336_systems.profiling.kernels import device_profile, kernel_tables, merge_tables, short_name
 from cs336_systems.profiling.ranges import annotate
 from cs336_systems.reports import (
@@ -97,8 +97,7 @@ class ProfileConfig:
     timed_steps: int = 3  # steps timed as the end-to-end benchmark times them, for comparison
 
     def __post_init__(self):
-        if self.precision not in PRECISIONS:
-            raise ValueError(f"unknown precision {self.precision!r}; choose one of {', '.join(PRECISIONS)}")
+        check_precision(self.precision)
         if self.warmup < 0 or self.timed_steps < 1:
             raise ValueError(f"need warmup >= 0 and timed_steps >= 1, got {self.warmup} and {self.timed_steps}")
         if self.optimizer not in ADAMW_IMPLEMENTATIONS:
