@@ -28,9 +28,8 @@ import torch
 from cs336_systems.accounting.attention import naive_attention_memory
 from cs336_systems.attention.reference import naive_attention
 from cs336_systems.benchmarks import e2e
-from cs336_systems.benchmarks.harness import release_memory
+from cs336_systems.benchmarks.harness import guarded_cell
 from cs336_systems.checks import check_positive_int
-from cs336_systems.memory_guard import check_memory, is_out_of_memory
 from cs336_systems.precision import Precision, check_precision
 from cs336_systems.reports import (
     OOM,
@@ -169,22 +168,16 @@ def benchmark_attention(cell: AttentionCell, device: torch.device | str) -> Row:
     that ran out."""
     device = torch.device(device)
     row = _empty_row(cell, device)
-    release_memory(device)
     # Eager attention's peak; a compiled graph keeps at most what eager autograd does.
-    memory = check_memory(naive_attention_memory(cell.batch_size, cell.seq_len, cell.seq_len, cell.head_dim,
-                                                 cell.precision, cell.is_causal).peak_bytes, device)
-    if not memory.fits:
-        return row | memory.oom_columns(predicted=True)
-    try:
+    peak_bytes = naive_attention_memory(cell.batch_size, cell.seq_len, cell.seq_len, cell.head_dim, cell.precision,
+                                        cell.is_causal).peak_bytes
+
+    def measure(columns: Row) -> Row:
         _measure(cell, device, row)
-        row |= {"status": "ok", **memory.columns()}
-    except Exception as error:
-        if not is_out_of_memory(error):
-            raise
-        row |= memory.oom_columns(predicted=False)
-    # Outside the except block: its traceback held the failed cell's frames, and their tensors, alive.
-    release_memory(device)
-    return row
+        return row | {"status": "ok", **columns}
+
+    # A cell that runs out keeps what `_measure` filled in before it did.
+    return guarded_cell(device, peak_bytes, measure, oom=lambda columns: row | columns)
 
 
 def attention_sweep(device: torch.device | str, head_dims=HEAD_DIMS, seq_lens=SEQ_LENS, **cell_options) -> list[Row]:

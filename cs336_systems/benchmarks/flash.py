@@ -48,9 +48,9 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from cs336_systems.accounting.attention import attention_flops, naive_attention_memory
 from cs336_systems.attention.reference import naive_attention
-from cs336_systems.benchmarks.harness import release_memory
+from cs336_systems.benchmarks.harness import guarded_cell, release_memory
 from cs336_systems.checks import check_positive_int
-from cs336_systems.memory_guard import available_bytes, is_out_of_memory
+from cs336_systems.memory_guard import check_memory, oom_columns
 from cs336_systems.precision import Precision, check_precision
 from cs336_systems.reports import (
     NOISY,
@@ -76,11 +76,6 @@ PROVIDERS = ("flash_triton", "naive", "sdpa")
 UNSUPPORTED = "unsupported"
 SDPA_BACKEND_ORDER = (SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH)
 PINNED_SDPA = {"sdpa_flash": SDPBackend.FLASH_ATTENTION, "sdpa_cudnn": SDPBackend.CUDNN_ATTENTION}
-# Naive attention runs only if its predicted peak fits in this share of the free memory; the rest
-# covers what the closed form leaves out: cuBLAS workspaces, allocator rounding, do_bench's 256 MB
-# L2-flush buffer.
-NAIVE_FREE_MEMORY_SHARE = 0.9
-
 
 @dataclass(frozen=True)
 class BenchSettings:
@@ -206,11 +201,10 @@ def _naive_fits(cell: FlashCell, device: torch.device) -> tuple[bool, int, int]:
     """(whether naive attention's predicted peak fits in the free memory, that peak, the free bytes)."""
     memory = naive_attention_memory(cell.batch_size * cell.n_heads, cell.seq_len, cell.seq_len, cell.head_dim,
                                     cell.precision, cell.is_causal)
-    release_memory(device)
-    free_bytes = available_bytes(device)
-    # q, k, v and dO are allocated already, so they are not part of what must still fit.
-    fits = memory.peak_bytes - memory.caller_bytes <= NAIVE_FREE_MEMORY_SHARE * free_bytes
-    return fits, memory.peak_bytes, free_bytes
+    # q, k, v and dO are allocated already, so they are not part of what must still fit. The memory
+    # guard's margin also covers do_bench's 256 MB L2-flush buffer.
+    check = check_memory(memory.peak_bytes - memory.caller_bytes, device)
+    return check.fits, memory.peak_bytes, check.available_bytes
 
 
 def _cell_row(cell: FlashCell, provider: str, mode: str, device: torch.device) -> Row:
@@ -257,7 +251,7 @@ def benchmark_flash_cell(cell: FlashCell, providers=PROVIDERS, device: torch.dev
             for row in base:
                 row |= {"predicted_peak_bytes": peak_bytes, "free_memory_bytes": free_bytes}
             if not fits:
-                rows += [{**row, "status": OOM, "oom_predicted": True} for row in base]
+                rows += [{**row, **oom_columns(True)} for row in base]
                 continue
         forward, backend = _provider(provider, *inputs, cell.is_causal)
         for row in base:
@@ -265,24 +259,26 @@ def benchmark_flash_cell(cell: FlashCell, providers=PROVIDERS, device: torch.dev
         if forward is None:
             rows += [{**row, "status": UNSUPPORTED} for row in base]
             continue
-        for row in base:
-            stats = None
-            try:
-                with sdpa_kernel(backend) if backend is not None else nullcontext():
-                    stats = _bench_mode(row["mode"], forward, inputs, grad_out, device, settings)
-            except Exception as error:
-                if not is_out_of_memory(error):
-                    raise
-            # After the except block: its traceback kept the failed call's tensors alive until here.
-            release_memory(device)
-            for t in inputs:
-                t.grad = None
-            if stats is None:
-                rows.append({**row, "status": OOM, "oom_predicted": False})
-            else:
-                tflops = cell.flops(row["mode"]) / (stats["median_ms"] * 1e-3) / 1e12
-                rows.append({**row, **stats, "status": "ok", "tflops": tflops})
+        rows += [_guarded_mode(cell, row, forward, backend, inputs, grad_out, device, settings) for row in base]
     return rows
+
+
+def _guarded_mode(cell: FlashCell, row: Row, forward: Callable[[], torch.Tensor], backend: SDPBackend | None,
+                  inputs: tuple[torch.Tensor, ...], grad_out: torch.Tensor, device: torch.device,
+                  settings: BenchSettings) -> Row:
+    """`row`'s mode timed, with its TFLOP/s, or OOM where it runs out of memory; the inputs' gradients
+    are dropped after it, so that every mode starts without them."""
+    def measure(columns: Row) -> Row:
+        with sdpa_kernel(backend) if backend is not None else nullcontext():
+            stats = _bench_mode(row["mode"], forward, inputs, grad_out, device, settings)
+        tflops = cell.flops(row["mode"]) / (stats["median_ms"] * 1e-3) / 1e12
+        return {**row, **stats, "status": "ok", "tflops": tflops}
+
+    def drop_gradients() -> None:
+        for t in inputs:
+            t.grad = None
+
+    return guarded_cell(device, None, measure, oom=lambda columns: {**row, **columns}, let_go=drop_gradients)
 
 
 def leaderboard_2025_cell(device: torch.device | str = "cuda", settings: BenchSettings = BenchSettings()) -> list[Row]:
