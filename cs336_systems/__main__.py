@@ -178,8 +178,8 @@ def build_parser() -> argparse.ArgumentParser:
     from cs336_systems.accounting.activations import ADAMW_IMPLEMENTATIONS
     from cs336_systems.attention import ATTENTION_VARIANTS
     from cs336_systems.benchmarks.e2e import DEFAULT_BATCH_SIZE, DEFAULT_STEPS, DEFAULT_WARMUP, MODES
-    from cs336_systems.benchmarks.harness import PRECISIONS
     from cs336_systems.model import DEFAULT_SIZE_TABLE, SIZE_TABLES
+    from cs336_systems.precision import PRECISIONS
     from cs336_systems.rows import COURSE_VARIANT
 
     parser = _Parser(prog="python -m cs336_systems", description=__doc__,

@@ -8,15 +8,8 @@ recorded the same way, with its estimate beside it, and the sweep goes on.
 The estimate matters most on a CPU: Linux overcommits memory, so a process that allocates more than
 the machine has is not told so but killed by the kernel's OOM killer, with no error to catch.
 
-    check = check_memory(estimated_bytes, device)
-    if not check.fits:
-        return {**row, **check.oom_columns(predicted=True)}
-    try:
-        ...
-    except Exception as error:
-        if not is_out_of_memory(error):
-            raise
-        return {**row, **check.oom_columns(predicted=False)}
+Benchmarks run their cells through `cs336_systems.benchmarks.harness.guarded_cell`, which puts these
+pieces together: check, release memory, measure, record OOM, release memory again.
 """
 
 from __future__ import annotations
@@ -73,9 +66,11 @@ class MemoryCheck:
     def columns(self) -> Row:
         return {"estimated_peak_bytes": self.estimated_bytes, "available_bytes": self.available_bytes}
 
-    def oom_columns(self, predicted: bool) -> Row:
-        """A row's status OOM, whether it was predicted (not run) or happened, and the estimate."""
-        return {"status": OOM, "oom_predicted": predicted, **self.columns()}
+
+def oom_columns(predicted: bool, check: MemoryCheck | None = None) -> Row:
+    """A row's status OOM, whether it was predicted (not run) or happened, and the estimate where the
+    cell had one."""
+    return {"status": OOM, "oom_predicted": predicted, **(check.columns() if check is not None else {})}
 
 
 def check_memory(estimated_bytes: int, device: torch.device | str, processes: int = 1) -> MemoryCheck:

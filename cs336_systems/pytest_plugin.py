@@ -32,7 +32,6 @@ MARKERS = {
     "multigpu": "needs --world-size CUDA GPUs; skipped when fewer are present",
     "slow": "takes more than a few seconds on a CPU",
 }
-PRECISIONS = ("fp32", "bf16", "fp16")
 DEFAULT_PRECISIONS = "fp32,bf16"
 DEFAULT_WORLD_SIZE = 2
 CPU_MODEL_SIZES = ("tiny",)
@@ -78,6 +77,8 @@ def settings(config: pytest.Config) -> Settings:
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
+    from cs336_systems.precision import PRECISIONS
+
     group = parser.getgroup("cs336", "cs336-systems")
     group.addoption("--gpu", default="auto",
                     help="auto (detect), none (CPU, Triton interpreter), or a GPU name from "
@@ -108,7 +109,9 @@ def pytest_addoption(parser: pytest.Parser) -> None:
 
 
 def _parse_precisions(value: str) -> tuple[str, ...]:
-    chosen = PRECISIONS if value == "all" else tuple(p.strip() for p in value.split(",") if p.strip())
+    from cs336_systems.precision import PRECISIONS
+
+    chosen = tuple(PRECISIONS) if value == "all" else tuple(p.strip() for p in value.split(",") if p.strip())
     unknown = [p for p in chosen if p not in PRECISIONS]
     if unknown or not chosen:
         raise pytest.UsageError(f"--precision: unknown {', '.join(unknown) or repr(value)}; "
@@ -267,9 +270,9 @@ def device(run_settings):
 @pytest.fixture
 def dtype(precision):
     """The torch dtype of the `precision` parameter (fp32, bf16, fp16)."""
-    import torch
+    from cs336_systems.precision import Precision
 
-    return {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[precision]
+    return Precision.named(precision).dtype
 
 
 @pytest.fixture(scope="session")

@@ -29,7 +29,7 @@ def _check(function, dtype, backend, device) -> bool:
     name = f"{function.__name__} {str(dtype).removeprefix('torch.')} {backend}"
     q, k, v, do = (torch.randn(SHAPE, device=device, dtype=dtype) for _ in range(4))
     eager = _run(attend, q, k, v, do)
-    torch._dynamo.reset()
+    torch.compiler.reset()
     try:
         explanation = torch._dynamo.explain(attend)(q, k, v)
         compiled = _run(torch.compile(attend, backend=backend), q, k, v, do)

@@ -30,7 +30,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from cs336_systems.attention.flash_triton import FlashAttentionTriton
 from cs336_systems.attention.flash_triton import launch as ft
 from cs336_systems.attention.flash_triton.tiles import Tiles, tiles_for
-from cs336_systems.benchmarks.attention import DTYPES
+from cs336_systems.precision import Precision
 
 KERNELS = ("forward", "dkdv", "dq")
 MATMULS = {"forward": 2, "dkdv": 4, "dq": 3}
@@ -86,7 +86,7 @@ def _prepare(q, k, v, do, is_causal):
 def _compile_one(job) -> str | None:
     """Compile (and run once at a short length) one candidate; an error message if it cannot run."""
     kernel, tiles, head_dim, precision, is_causal = job
-    q, k, v, do = _inputs((1, 1, COMPILE_SEQ_LEN, head_dim), DTYPES[precision])
+    q, k, v, do = _inputs((1, 1, COMPILE_SEQ_LEN, head_dim), Precision.named(precision).dtype)
     try:
         _run_kernel(kernel, tiles, q, k, v, do, is_causal, _prepare(q, k, v, do, is_causal))()
         torch.cuda.synchronize()
@@ -96,7 +96,7 @@ def _compile_one(job) -> str | None:
 
 
 def tune_class(head_dim, precision, shape, is_causal, pool, rep_ms) -> dict:
-    dtype = DTYPES[precision]
+    dtype = Precision.named(precision).dtype
     batch_heads = shape[0] * shape[1]
     n = shape[2]
     score_elements = batch_heads * n * n / (2 if is_causal else 1)
@@ -139,7 +139,7 @@ def tune_class(head_dim, precision, shape, is_causal, pool, rep_ms) -> dict:
 def time_splits(head_dim, precision, shape, is_causal, split_keys, rep_ms) -> dict:
     """The forward on narrow tiles, whole and with its keys cut into runs of each of `split_keys`
     (launch_split_forward), against SDPA's forward (flash in bf16, efficient attention in fp32)."""
-    dtype = DTYPES[precision]
+    dtype = Precision.named(precision).dtype
     q, k, v, _ = _inputs(shape, dtype)
     tile_set = tiles_for(head_dim, dtype)
     tiles = tile_set.narrow_forward or tile_set.forward
@@ -175,7 +175,7 @@ def _fmt(entry) -> str:
 
 def compare_whole(head_dim, precision, shape, is_causal, rep_ms) -> dict:
     """The Function forward, backward and forward+backward with the current table, and SDPA's backends."""
-    dtype = DTYPES[precision]
+    dtype = Precision.named(precision).dtype
     q, k, v, do = (t.requires_grad_(i < 3) for i, t in enumerate(_inputs(shape, dtype, seed=1)))
     grads = [q, k, v]
     out = {}

@@ -175,8 +175,8 @@ def test_out_of_memory_in_backward_keeps_the_forward_times(monkeypatch):
 
 
 @pytest.mark.parametrize("kwargs, message", [
-    (dict(head_dim=0), "head_dim must be a positive integer"),
-    (dict(warmup=0), "warmup must be a positive integer"),
+    (dict(head_dim=0), "head_dim must be >= 1"),
+    (dict(warmup=0), "warmup must be >= 1"),
     (dict(precision="fp64"), "unknown precision 'fp64'"),
 ])
 def test_attention_cell_rejects_bad_input(kwargs, message):
@@ -254,7 +254,7 @@ def test_out_of_memory_in_one_mode_leaves_the_others_measured(monkeypatch):
     (lambda: benchmark_flash_cell(FlashCell(16, 16, "fp32"), ("naive",), "cpu", ("fwd",)), "unknown mode 'fwd'"),
     (lambda: benchmark_flash_cell(FlashCell(16, 16, "fp32"), ("flash_triton_compiled",), "cpu"),
      "backward alone cannot be timed"),
-    (lambda: FlashCell(0, 16, "fp32"), "seq_len must be a positive integer"),
+    (lambda: FlashCell(0, 16, "fp32"), "seq_len must be >= 1"),
     (lambda: FlashCell(16, 16, "int8"), "unknown precision 'int8'"),
 ])
 def test_flash_benchmark_rejects_bad_input(call, message):

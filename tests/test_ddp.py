@@ -19,7 +19,14 @@ import torch.distributed as dist
 from torch import nn
 
 from cs336_systems.benchmarks.ddp import ddp_equivalence, equivalence_failures, variant_label
-from cs336_systems.distributed.ddp import BucketedDDP, FlatDDP, NaiveDDP, OverlapIndividualDDP, batch_shard
+from cs336_systems.distributed.ddp import (
+    BucketedDDP,
+    FlatDDP,
+    NaiveDDP,
+    OverlapIndividualDDP,
+    batch_shard,
+    write_back_gradient,
+)
 from cs336_systems.distributed.launch import launch
 from cs336_systems.profiling.timeline import (
     MIN_BAR_WIDTH_SHARE,
@@ -255,6 +262,34 @@ def test_a_batch_that_does_not_split_evenly_over_the_ranks_is_refused():
         batch_shard(4, 0, 3)
     with pytest.raises(ValueError, match="rank 3 is not one of the 3 ranks"):
         batch_shard(6, 3, 3)
+
+
+@pytest.mark.parametrize("summed_over", [1, 4])
+def test_a_reduced_gradient_is_written_back_as_the_average_into_the_grad_this_rank_had(summed_over):
+    param = nn.Parameter(torch.zeros(2, 3))
+    param.grad = grad = torch.ones(2, 3)
+    reduced = torch.full((2, 3), 8.0)
+    write_back_gradient(param, reduced, summed_over, had_gradient=True, used_anywhere=True)
+    assert param.grad is grad and torch.equal(grad, torch.full((2, 3), 8.0 / summed_over))
+    # Reduced in place, .grad itself holds the sum.
+    write_back_gradient(param, grad, 2, had_gradient=True, used_anywhere=True)
+    assert param.grad is grad and torch.equal(grad, torch.full((2, 3), 4.0 / summed_over))
+
+
+@pytest.mark.parametrize("copy", [False, True])
+def test_a_gradient_only_other_ranks_had_becomes_a_new_grad_shared_only_without_copy(copy):
+    param = nn.Parameter(torch.zeros(4))
+    buffer = torch.full((6,), 6.0)  # the parameter's slot and two more elements
+    write_back_gradient(param, buffer[:4], 3, had_gradient=False, used_anywhere=True, copy=copy)
+    assert torch.equal(param.grad, torch.full((4,), 2.0))
+    assert (param.grad.data_ptr() == buffer.data_ptr()) is not copy
+    assert torch.equal(buffer[4:], torch.full((2,), 6.0))  # the rest of the buffer is left alone
+
+
+def test_a_parameter_no_rank_had_a_gradient_for_keeps_none():
+    param = nn.Parameter(torch.zeros(4))
+    write_back_gradient(param, torch.zeros(4), 2, had_gradient=False, used_anywhere=False)
+    assert param.grad is None
 
 
 def test_equivalence_failures_give_each_failing_variant_s_difference_and_tolerance():

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from cs336_systems.__main__ import main
-from cs336_systems.benchmarks import e2e
+from cs336_systems.benchmarks import e2e, harness
 from cs336_systems.benchmarks.e2e import E2EConfig, benchmark_model
 from cs336_systems.benchmarks.harness import timed_step
 from cs336_systems.cells import unmeasured
@@ -267,7 +267,7 @@ def test_a_10b_step_is_not_run_on_80_gb_but_its_forward_alone_is(monkeypatch):
     # gradients (103 GB) for forward+backward; its weights and one block's temporaries for a forward alone can.
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: SimpleNamespace(total_memory=80e9))
     monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda device: 60e9)
-    monkeypatch.setattr(e2e, "release_memory", lambda device: None)
+    monkeypatch.setattr(harness, "release_memory", lambda device: None)
     monkeypatch.setattr(e2e, "check_memory", lambda estimate, device: MemoryCheck(estimate, 80e9))
     modes = []
 

@@ -262,7 +262,7 @@ def test_function_under_torch_compile_gives_the_eager_output_and_gradients(impl,
         return FUNCTIONS[impl].apply(q, k, v, True)
 
     # Compiled first, so that no buffer the compiled forward allocates can hold the eager results.
-    torch._dynamo.reset()
+    torch.compiler.reset()
     compiled = attend_and_differentiate(torch.compile(attend, backend="aot_eager"))
     eager = attend_and_differentiate(attend)
     for got, want in zip(compiled, eager):

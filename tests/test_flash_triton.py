@@ -24,6 +24,7 @@ from cs336_systems.attention.flash_triton import (
 )
 from cs336_systems.attention.flash_triton import launch, op, tiles
 from cs336_systems.model import ModelConfig, TransformerLM
+from cs336_systems.precision import PRECISIONS
 from tests.flash_reference import (
     LAYOUTS,
     assert_close_to_reference,
@@ -44,7 +45,7 @@ PATHS = ("wide", "narrow", "split")
 # Every head dim class the contract accepts, powers of two or not (those are padded on chip, and 8 is
 # below a dot's 16).
 HEAD_DIMS = (8, 24, 40, 64, 80, 96, 112, 128)
-GPU_DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32, "fp16": torch.float16}
+GPU_DTYPES = {name: spec.dtype for name, spec in PRECISIONS.items()}
 
 
 def _sm_count(device: torch.device) -> int:
@@ -385,7 +386,7 @@ def test_a_compiled_graph_launches_the_kernels_itself(device):
     q, k, v, do = leaf_inputs((2, 4), 256, 256, 64, torch.bfloat16, device)
     inputs = [t.requires_grad_() for t in (q, k, v)]
 
-    torch._dynamo.reset()
+    torch.compiler.reset()
     compiled = torch.compile(lambda q, k, v: flash_attention_triton(q, k, v, True), fullgraph=True)
     # The backward compiles at its first call: both graphs' code is collected.
     gradients, code = run_and_get_code(lambda: torch.autograd.grad(compiled(*inputs), inputs, do))
@@ -416,7 +417,7 @@ def test_the_whole_model_compiles_to_one_graph_with_the_op(device):
     model = TransformerLM(ModelConfig.for_size("tiny", context_length=48), attention="flash_triton").to(device)
     tokens = torch.randint(1000, (2, 48), device=device)
     backend = "inductor" if device.type == "cuda" else "aot_eager"
-    torch._dynamo.reset()
+    torch.compiler.reset()
     explanation = torch._dynamo.explain(model)(tokens)
     assert explanation.graph_break_count == 0, explanation.break_reasons
     compiled = torch.compile(model, backend=backend, fullgraph=True)
@@ -469,7 +470,7 @@ def test_the_model_compiled_with_cuda_graphs_matches_eager(device):
     torch.manual_seed(0)
     model = TransformerLM(ModelConfig.for_size("tiny", context_length=64), attention="flash_triton").to(device)
     tokens = torch.randint(1000, (2, 64), device=device)
-    torch._dynamo.reset()
+    torch.compiler.reset()
     compiled = torch.compile(model, mode="reduce-overhead", fullgraph=True)
     with torch.autocast("cuda", dtype=torch.bfloat16):
         eager_logits, eager_grads = _model_step(model, model, tokens)

@@ -11,7 +11,8 @@ from cs336_systems.benchmarks import e2e, nsys_profile
 from cs336_systems.benchmarks.attention import AttentionCell, benchmark_attention
 from cs336_systems.benchmarks.e2e import E2EConfig, benchmark_model, memory_estimate
 from cs336_systems.benchmarks.flash import FlashCell, benchmark_flash_cell
-from cs336_systems.memory_guard import FIT_SHARE, MemoryCheck, check_memory, is_out_of_memory
+from cs336_systems.benchmarks.harness import guarded_cell
+from cs336_systems.memory_guard import FIT_SHARE, MemoryCheck, check_memory, is_out_of_memory, oom_columns
 from cs336_systems.reports.attention import oom_when
 from cs336_systems.rows import OOM
 
@@ -51,8 +52,9 @@ def test_a_cell_fits_within_the_share_of_free_memory_its_processes_share(free_ra
     assert not check_memory(int(FIT_SHARE * 10 * GIB) + 1, "cpu").fits
     assert not check_memory(3 * GIB, "cpu", processes=4).fits  # four ranks on one host: 12 GiB
     check = MemoryCheck(estimated_bytes=20 * GIB, available_bytes=10 * GIB)
-    assert check.oom_columns(predicted=True) == {"status": OOM, "oom_predicted": True,
-                                                 "estimated_peak_bytes": 20 * GIB, "available_bytes": 10 * GIB}
+    assert oom_columns(True, check) == {"status": OOM, "oom_predicted": True,
+                                        "estimated_peak_bytes": 20 * GIB, "available_bytes": 10 * GIB}
+    assert oom_columns(False) == {"status": OOM, "oom_predicted": False}  # a cell with no estimate ran out
 
 
 def test_cpu_and_gpu_allocation_failures_count_as_out_of_memory_and_nothing_else_does():
@@ -62,6 +64,53 @@ def test_cpu_and_gpu_allocation_failures_count_as_out_of_memory_and_nothing_else
     assert is_out_of_memory(torch.OutOfMemoryError("CUDA out of memory"))
     assert not is_out_of_memory(RuntimeError("shape mismatch"))
     assert not is_out_of_memory(ValueError(memory_guard.CPU_ALLOCATOR_FAILURE))
+
+
+def _run_out(columns):
+    torch.empty(2**62, dtype=torch.uint8)  # the CPU allocator refuses: a real out-of-memory error
+
+
+def test_a_guarded_cell_that_cannot_fit_gives_its_predicted_oom_rows_and_never_runs(free_ram):
+    free_ram(1 * GIB)
+    rows = guarded_cell("cpu", 2 * GIB, measure=_never_run, oom=lambda columns: [{"cell": 1, **columns}])
+    assert rows == [{"cell": 1, "status": OOM, "oom_predicted": True, "estimated_peak_bytes": 2 * GIB,
+                     "available_bytes": 1 * GIB}]
+
+
+def test_a_guarded_cell_that_fits_gives_its_rows_with_the_estimate(free_ram):
+    free_ram(4 * GIB)
+    rows = guarded_cell("cpu", 1 * GIB, measure=lambda columns: [{"cell": 1, "status": "ok", **columns}],
+                        oom=_never_run)
+    assert rows == [{"cell": 1, "status": "ok", "estimated_peak_bytes": 1 * GIB, "available_bytes": 4 * GIB}]
+
+
+def test_a_guarded_cell_that_runs_out_gives_its_measured_oom_rows_after_letting_go(free_ram):
+    free_ram(4 * GIB)
+    let_go = []
+    rows = guarded_cell("cpu", 1 * GIB, measure=_run_out, oom=lambda columns: [columns],
+                        let_go=lambda: let_go.append(True))
+    assert rows == [{"status": OOM, "oom_predicted": False, "estimated_peak_bytes": 1 * GIB,
+                     "available_bytes": 4 * GIB}] and let_go == [True]
+
+
+def test_a_guarded_cell_without_an_estimate_always_runs_and_records_only_that_it_ran_out():
+    assert guarded_cell("cpu", None, measure=lambda columns: columns, oom=_never_run) == {}
+    assert guarded_cell("cpu", None, measure=_run_out, oom=lambda columns: columns) == {
+        "status": OOM, "oom_predicted": False}
+
+
+def test_a_guarded_cell_takes_the_check_it_is_given():
+    impossible = MemoryCheck(estimated_bytes=3 * GIB, available_bytes=2 * GIB, processes=2)
+    rows = guarded_cell("cpu", lambda: impossible, measure=_never_run, oom=lambda columns: columns)
+    assert rows["oom_predicted"] and rows["available_bytes"] == 2 * GIB
+
+
+def test_a_guarded_cell_lets_an_error_that_is_not_out_of_memory_through():
+    def fail(columns):
+        raise RuntimeError("a bug")
+
+    with pytest.raises(RuntimeError, match="a bug"):
+        guarded_cell("cpu", None, measure=fail, oom=_never_run)
 
 
 def test_e2e_cell_that_cannot_fit_is_oom_with_its_estimate_and_never_runs(free_ram, monkeypatch):

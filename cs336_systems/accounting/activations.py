@@ -31,12 +31,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from cs336_systems.checks import check_choice
 from cs336_systems.model import ModelConfig
+from cs336_systems.precision import Precision, check_precision
 
 FP32_BYTES = 4
 BOOL_BYTES = 1
-# Bytes of activations produced by matmuls: autocast's dtype, or fp32 without autocast.
-ACTIVATION_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 ATTENTIONS = ("naive", "sdpa")
 DEVICE_TYPES = ("cuda", "cpu")
 # AdamW keeps two fp32 moments per parameter.
@@ -49,12 +49,15 @@ ADAMW_IMPLEMENTATIONS = ("course", "foreach", "fused")
 
 
 def _check(precision: str, attention: str = "naive", device_type: str = "cuda") -> None:
-    if precision not in ACTIVATION_BYTES:
-        raise ValueError(f"unknown precision {precision!r}; choose one of {', '.join(ACTIVATION_BYTES)}")
+    check_precision(precision)
     if attention not in ATTENTIONS:
         raise ValueError(f"no activation model for attention {attention!r}; choose one of {', '.join(ATTENTIONS)}")
-    if device_type not in DEVICE_TYPES:
-        raise ValueError(f"unknown device type {device_type!r}; choose one of {', '.join(DEVICE_TYPES)}")
+    check_choice("device type", device_type, DEVICE_TYPES)
+
+
+def _activation_bytes(precision: str) -> int:
+    """Bytes of an activation a matmul produces: autocast's dtype, or fp32 without autocast."""
+    return Precision.named(precision).bytes_per_element
 
 
 def parameter_counts(config: ModelConfig) -> dict[str, int]:
@@ -81,8 +84,7 @@ def largest_parameter_count(config: ModelConfig) -> int:
 
 def adamw_step_temporary_bytes(config: ModelConfig, adamw: str) -> int:
     """What an AdamW step allocates beside parameters, gradients and moments (fp32 parameters)."""
-    if adamw not in ADAMW_IMPLEMENTATIONS:
-        raise ValueError(f"unknown AdamW implementation {adamw!r}; choose one of {', '.join(ADAMW_IMPLEMENTATIONS)}")
+    check_choice("AdamW implementation", adamw, ADAMW_IMPLEMENTATIONS)
     per_parameter = {"course": largest_parameter_count(config), "foreach": parameter_count(config), "fused": 0}
     return per_parameter[adamw] * FP32_BYTES
 
@@ -103,7 +105,7 @@ def block_saved_bytes(config: ModelConfig, batch_size: int, seq_len: int, precis
                       attention: str = "naive", device_type: str = "cuda") -> dict[str, int]:
     """Bytes one Transformer block keeps for backward, by component (see the module docstring)."""
     _check(precision, attention, device_type)
-    act = ACTIVATION_BYTES[precision]
+    act = _activation_bytes(precision)
     low = precision != "fp32"
     t, n = batch_size * seq_len, seq_len
     d, f, h, dh = config.d_model, config.d_ff, config.num_heads, config.d_head
@@ -154,7 +156,7 @@ def sublayer_saved_bytes(config: ModelConfig, batch_size: int, seq_len: int, pre
 def head_saved_bytes(config: ModelConfig, batch_size: int, seq_len: int, precision: str = "fp32") -> dict[str, int]:
     """Bytes the final norm, LM head and cross-entropy loss keep for backward."""
     _check(precision)
-    act = ACTIVATION_BYTES[precision]
+    act = _activation_bytes(precision)
     t, d, v = batch_size * seq_len, config.d_model, config.vocab_size
     parts = {
         "final_norm": 2 * t * d * FP32_BYTES + t * FP32_BYTES,
@@ -197,7 +199,7 @@ def inference_transient_bytes(config: ModelConfig, batch_size: int, seq_len: int
     makes of bf16 scores), the SwiGLU stage (SiLU output, w3 output and their product), or the logits.
     """
     _check(precision, attention)
-    act = ACTIVATION_BYTES[precision]
+    act = _activation_bytes(precision)
     t, d, f, v = batch_size * seq_len, config.d_model, config.d_ff, config.vocab_size
     carried = 2 * t * d * FP32_BYTES
     if attention == "naive":
@@ -218,7 +220,7 @@ def training_transient_bytes(config: ModelConfig, batch_size: int, seq_len: int,
     gradients of q, k and v in SDPA's backward.
     """
     _check(precision, attention)
-    act = ACTIVATION_BYTES[precision]
+    act = _activation_bytes(precision)
     t, d, v = batch_size * seq_len, config.d_model, config.vocab_size
     loss_gradients = t * v * (2 * FP32_BYTES + (act if precision != "fp32" else 0))
     if attention == "naive":
@@ -261,12 +263,11 @@ def predict_peak_memory(config: ModelConfig, batch_size: int, seq_len: int, prec
     4P plus the largest parameter. Forward+backward has no AdamW state: the larger of the end of forward
     and the end of backward (P + G).
     """
-    if mode not in MODES:
-        raise ValueError(f"unknown mode {mode!r}; choose one of {', '.join(MODES)}")
+    check_choice("mode", mode, MODES)
     step_temporary = adamw_step_temporary_bytes(config, adamw)
     _check(precision, attention)
     params = parameter_count(config) * FP32_BYTES
-    cast_weights = matmul_weight_count(config) * ACTIVATION_BYTES[precision] if precision != "fp32" else 0
+    cast_weights = matmul_weight_count(config) * _activation_bytes(precision) if precision != "fp32" else 0
     if mode == "inference":
         transient = inference_transient_bytes(config, batch_size, seq_len, precision, attention)
         return MemoryPrediction(mode, params, 0, 0, 0, cast_weights, transient,

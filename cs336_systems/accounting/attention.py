@@ -48,7 +48,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-PRECISION_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
+from cs336_systems.checks import check_choice, check_positive_int
+from cs336_systems.precision import Precision, check_precision
+
 BOOL_BYTES = 1
 # Score-sized (B, Nq, Nk) matrices alive at the forward's and, per device type, the backward's peak
 # (see above).
@@ -57,19 +59,6 @@ BACKWARD_PEAK_SCORE_MATRICES = {"cuda": 4, "cpu": 3}
 # Backward over forward FLOPs: five matmuls of the forward's size against its two.
 BACKWARD_FLOPS_MULTIPLE = 2.5
 PHASES = ("forward", "backward", "forward_backward")
-
-
-def _check_positive_int(**values: int) -> None:
-    for name, value in values.items():
-        if isinstance(value, bool) or not isinstance(value, int):
-            raise TypeError(f"{name} must be an int, got {type(value).__name__}")
-        if value < 1:
-            raise ValueError(f"{name} must be >= 1, got {value}")
-
-
-def _check_precision(precision: str) -> None:
-    if precision not in PRECISION_BYTES:
-        raise ValueError(f"unknown precision {precision!r}; choose one of {', '.join(PRECISION_BYTES)}")
 
 
 @dataclass(frozen=True)
@@ -85,11 +74,9 @@ class NaiveAttentionMemory:
     device_type: str = "cuda"
 
     def __post_init__(self):
-        _check_positive_int(batch=self.batch, n_queries=self.n_queries, n_keys=self.n_keys, head_dim=self.head_dim)
-        _check_precision(self.precision)
-        if self.device_type not in BACKWARD_PEAK_SCORE_MATRICES:
-            raise ValueError(f"unknown device type {self.device_type!r}; choose one of "
-                             f"{', '.join(BACKWARD_PEAK_SCORE_MATRICES)}")
+        check_positive_int(batch=self.batch, n_queries=self.n_queries, n_keys=self.n_keys, head_dim=self.head_dim)
+        check_precision(self.precision)
+        check_choice("device type", self.device_type, BACKWARD_PEAK_SCORE_MATRICES)
 
     @property
     def backward_peak_score_matrices(self) -> int:
@@ -97,7 +84,7 @@ class NaiveAttentionMemory:
 
     @property
     def element_bytes(self) -> int:
-        return PRECISION_BYTES[self.precision]
+        return Precision.named(self.precision).bytes_per_element
 
     @property
     def query_sized_bytes(self) -> int:
@@ -198,9 +185,8 @@ def naive_attention_memory(batch: int, n_queries: int, n_keys: int, head_dim: in
 
 def attention_flops(batch: int, seq_len: int, head_dim: int, is_causal: bool, phase: str) -> float:
     """Useful FLOPs of self-attention over `batch` (batch x heads) sequences, by the convention above."""
-    _check_positive_int(batch=batch, seq_len=seq_len, head_dim=head_dim)
-    if phase not in PHASES:
-        raise ValueError(f"unknown phase {phase!r}; choose one of {', '.join(PHASES)}")
+    check_positive_int(batch=batch, seq_len=seq_len, head_dim=head_dim)
+    check_choice("phase", phase, PHASES)
     forward = 4 * batch * seq_len * seq_len * head_dim
     if is_causal:
         forward /= 2

@@ -37,18 +37,14 @@ N * w * latency_s bytes the latency term is the larger one (`latency_bound_below
 
 from __future__ import annotations
 
+from cs336_systems.checks import check_choice, check_non_negative, check_positive, check_positive_int
+
 
 def _check(array_bytes: float, num_devices: int, bandwidth_bytes_per_s: float, latency_s: float) -> None:
-    if isinstance(num_devices, bool) or not isinstance(num_devices, int):
-        raise TypeError(f"num_devices must be an int, got {type(num_devices).__name__}")
-    if num_devices < 1:
-        raise ValueError(f"num_devices must be >= 1, got {num_devices}")
-    if not array_bytes >= 0:
-        raise ValueError(f"array_bytes must be >= 0, got {array_bytes}")
-    if not bandwidth_bytes_per_s > 0:
-        raise ValueError(f"bandwidth_bytes_per_s must be positive, got {bandwidth_bytes_per_s}")
-    if not latency_s >= 0:
-        raise ValueError(f"latency_s must be >= 0, got {latency_s}")
+    check_positive_int(num_devices=num_devices)
+    check_non_negative(array_bytes=array_bytes)
+    check_positive(bandwidth_bytes_per_s=bandwidth_bytes_per_s)
+    check_non_negative(latency_s=latency_s)
 
 
 def _ring_steps_s(steps: int, message_bytes: float, bandwidth_bytes_per_s: float, latency_s: float) -> float:
@@ -95,8 +91,7 @@ COLLECTIVES = {
 def bytes_sent_per_device(collective: str, array_bytes: float, num_devices: int) -> float:
     """Bytes each device sends (and receives): (N - 1) / N * V, twice that for the ring all-reduce,
     (N - 1) V for the alternate all-reduce."""
-    if collective not in COLLECTIVES:
-        raise ValueError(f"unknown collective {collective!r}; choose one of {', '.join(COLLECTIVES)}")
+    check_choice("collective", collective, COLLECTIVES)
     _check(array_bytes, num_devices, 1.0, 0.0)
     if collective == "alternate_all_reduce":
         return (num_devices - 1) * array_bytes

@@ -28,17 +28,13 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 
-
-def _check_positive(**values: float) -> None:
-    for name, value in values.items():
-        if not value > 0:
-            raise ValueError(f"{name} must be positive, got {value}")
+from cs336_systems.checks import check_positive
 
 
 def ddp_overhead_s(model_bytes: float, bandwidth_bytes_per_s: float, per_call_overhead_s: float,
                    num_buckets: float) -> float:
     """s / (n_b w) + n_b o: time after backward until the gradients are reduced (course's model)."""
-    _check_positive(model_bytes=model_bytes, bandwidth_bytes_per_s=bandwidth_bytes_per_s, num_buckets=num_buckets)
+    check_positive(model_bytes=model_bytes, bandwidth_bytes_per_s=bandwidth_bytes_per_s, num_buckets=num_buckets)
     if per_call_overhead_s < 0:
         raise ValueError(f"per_call_overhead_s must be >= 0, got {per_call_overhead_s}")
     return model_bytes / (num_buckets * bandwidth_bytes_per_s) + num_buckets * per_call_overhead_s
@@ -46,7 +42,7 @@ def ddp_overhead_s(model_bytes: float, bandwidth_bytes_per_s: float, per_call_ov
 
 def optimal_num_buckets(model_bytes: float, bandwidth_bytes_per_s: float, per_call_overhead_s: float) -> float:
     """n_b* = sqrt(s / (w o)), the (real-valued) bucket count that minimises `ddp_overhead_s`."""
-    _check_positive(model_bytes=model_bytes, bandwidth_bytes_per_s=bandwidth_bytes_per_s,
+    check_positive(model_bytes=model_bytes, bandwidth_bytes_per_s=bandwidth_bytes_per_s,
                     per_call_overhead_s=per_call_overhead_s)
     return math.sqrt(model_bytes / (bandwidth_bytes_per_s * per_call_overhead_s))
 
@@ -66,7 +62,7 @@ def pipelined_overhead_s(bucket_bytes: Sequence[float], backward_s: float, bandw
     """
     if not bucket_bytes:
         raise ValueError("need at least one bucket")
-    _check_positive(backward_s=backward_s, bandwidth_bytes_per_s=bandwidth_bytes_per_s)
+    check_positive(backward_s=backward_s, bandwidth_bytes_per_s=bandwidth_bytes_per_s)
     total = sum(bucket_bytes)
     produced = 0.0
     done_s = 0.0
@@ -80,7 +76,7 @@ def pipelined_overhead_s(bucket_bytes: Sequence[float], backward_s: float, bandw
 def allreduce_cost(small_bytes: float, small_s: float, large_bytes: float, large_s: float) -> tuple[float, float]:
     """(o, w) from two measured all-reduces: o is the small one's time (it is nearly all fixed
     cost), w the bandwidth the large one achieves once o is taken off."""
-    _check_positive(small_bytes=small_bytes, small_s=small_s, large_bytes=large_bytes, large_s=large_s)
+    check_positive(small_bytes=small_bytes, small_s=small_s, large_bytes=large_bytes, large_s=large_s)
     if not large_bytes > small_bytes:
         raise ValueError(f"the large all-reduce ({large_bytes} bytes) must be larger than the small one "
                          f"({small_bytes})")

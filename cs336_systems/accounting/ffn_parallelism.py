@@ -35,6 +35,7 @@ from dataclasses import dataclass
 import torch
 
 from cs336_systems.accounting.communication import all_gather_s, all_reduce_s, reduce_scatter_s
+from cs336_systems.checks import check_choice, check_positive
 
 FP16_BYTES = 2
 MATMULS = {"forward": 3, "backward": 6}  # matmuls of 2 B D D_FF each
@@ -42,29 +43,18 @@ WEIGHT_MATRICES = 3  # W1, W2, W3, each D x D_FF elements
 PHASES = tuple(MATMULS)
 
 
-def _check_phase(phase: str) -> None:
-    if phase not in PHASES:
-        raise ValueError(f"unknown phase {phase!r}; choose one of {', '.join(PHASES)}")
-
-
-def _check_positive(**values: float) -> None:
-    for name, value in values.items():
-        if not value > 0:
-            raise ValueError(f"{name} must be positive, got {value}")
-
-
 # ------------------------------------------------------------------------------------ FLOPs
 
 def ffn_flops(B: float, D: int, D_FF: int, phase: str) -> float:
     """Matmul FLOPs of the whole FFN layer over B tokens: 6 B D D_FF forward, 12 B D D_FF backward."""
-    _check_phase(phase)
+    check_choice("phase", phase, PHASES)
     return MATMULS[phase] * 2 * B * D * D_FF
 
 
 def flops_per_device(B: float, D: int, D_FF: int, N: int, phase: str) -> float:
     """Each of N devices does 1/N of the layer's matmuls (DP, FSDP and TP all split them evenly):
     6 B D D_FF / N forward, 12 B D D_FF / N backward."""
-    _check_positive(N=N)
+    check_positive(N=N)
     return ffn_flops(B, D, D_FF, phase) / N
 
 
@@ -83,7 +73,7 @@ def dp_max_devices(B: float, C: float, W: float) -> float:
     """N_DP <= 1 + B W / C keeps the backward compute bound.
 
     12 (N - 1) D D_FF / (N W) <= 12 B D D_FF / (N C)  <=>  N - 1 <= B W / C."""
-    _check_positive(B=B, C=C, W=W)
+    check_positive(B=B, C=C, W=W)
     return 1 + B * W / C
 
 
@@ -92,7 +82,7 @@ def dp_max_devices(B: float, C: float, W: float) -> float:
 def fsdp_comm_s(D: int, D_FF: int, N_FSDP: int, W: float, phase: str) -> float:
     """Forward: all-gather W1, W2, W3, 6 (N - 1) D D_FF / (N W). Backward: all-gather them again and
     reduce-scatter the gradients, 12 (N - 1) D D_FF / (N W)."""
-    _check_phase(phase)
+    check_choice("phase", phase, PHASES)
     size = _weights_bytes(D, D_FF)
     gather = all_gather_s(size, N_FSDP, W)
     return gather if phase == "forward" else gather + reduce_scatter_s(size, N_FSDP, W)
@@ -102,7 +92,7 @@ def fsdp_max_devices(B: float, C: float, W: float, phase: str) -> float:
     """N_FSDP <= 1 + B W / C in both passes: the backward doubles both the FLOPs and the traffic.
 
     forward  6 (N - 1) D D_FF / (N W) <= 6 B D D_FF / (N C);  backward: both sides times 2."""
-    _check_phase(phase)
+    check_choice("phase", phase, PHASES)
     return dp_max_devices(B, C, W)
 
 
@@ -118,8 +108,8 @@ def tp_max_devices(D_FF: int, C: float, W: float, phase: str) -> float:
     against 6 or 12 B D D_FF / N FLOPs, so the batch cancels.
 
     forward  4 (N - 1) B D / (N W) <= 6 B D D_FF / (N C)  <=>  N - 1 <= 3 D_FF W / (2 C)."""
-    _check_phase(phase)
-    _check_positive(D_FF=D_FF, C=C, W=W)
+    check_choice("phase", phase, PHASES)
+    check_positive(D_FF=D_FF, C=C, W=W)
     return 1 + (MATMULS[phase] / 2) * D_FF * W / C
 
 
@@ -179,7 +169,7 @@ class AxisTimes:
 
 def fsdp_tp_forward_comm(B: float, D: int, D_FF: int, N_FSDP: int, N_TP: int, W: float) -> AxisTimes:
     """FSDP axis: 6 (N_FSDP - 1) D D_FF / (N_FSDP N_TP W). TP axis: 4 (N_TP - 1) B D / (N_TP N_FSDP W)."""
-    _check_positive(N_FSDP=N_FSDP, N_TP=N_TP)
+    check_positive(N_FSDP=N_FSDP, N_TP=N_TP)
     return AxisTimes(all_gather_s(_weights_bytes(D, D_FF) / N_TP, N_FSDP, W),
                      all_reduce_s(FP16_BYTES * B * D / N_FSDP, N_TP, W))
 
@@ -187,7 +177,7 @@ def fsdp_tp_forward_comm(B: float, D: int, D_FF: int, N_FSDP: int, N_TP: int, W:
 def fsdp_tp_headroom(B: float, D_FF: int, C: float, W: float) -> tuple[float, float]:
     """(a, b) = (B W / C, 3 D_FF W / (2 C)): per forward, the FSDP axis is compute bound while
     N_FSDP - 1 <= a and the TP axis while N_TP - 1 <= b (each collective against 6 B D D_FF / (N C))."""
-    _check_positive(B=B, D_FF=D_FF, C=C, W=W)
+    check_positive(B=B, D_FF=D_FF, C=C, W=W)
     return B * W / C, 3 * D_FF * W / (2 * C)
 
 

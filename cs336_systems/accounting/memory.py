@@ -34,31 +34,19 @@ import math
 from dataclasses import dataclass
 
 from cs336_systems.accounting.activations import (
-    ACTIVATION_BYTES,
     ADAMW_STATE_PER_PARAMETER,
     FP32_BYTES,
     parameter_count,
     parameter_counts,
     saved_activation_bytes,
 )
+from cs336_systems.checks import check_choice, check_positive_int
 from cs336_systems.gpus import GIB
 from cs336_systems.model import ModelConfig
+from cs336_systems.precision import Precision
 
 INDEX_BYTES = 8  # token ids and targets are int64
 STRATEGIES = ("replicated", "optimizer_state", "fsdp")
-
-
-def _check_positive_int(**values: int) -> None:
-    for name, value in values.items():
-        if isinstance(value, bool) or not isinstance(value, int):
-            raise TypeError(f"{name} must be an int, got {type(value).__name__}")
-        if value < 1:
-            raise ValueError(f"{name} must be >= 1, got {value}")
-
-
-def _check_choice(name: str, value: str, choices) -> None:
-    if value not in choices:
-        raise ValueError(f"unknown {name} {value!r}; choose one of {', '.join(choices)}")
 
 
 # ----------------------------------------------------------------------------------- FSDP shards
@@ -72,7 +60,7 @@ def sharded_weight_shapes(config: ModelConfig) -> list[tuple[int, int]]:
 
 def fsdp_shard_elements(config: ModelConfig, world_size: int) -> int:
     """Elements of one rank's weight shards: each weight padded up to a multiple of world_size."""
-    _check_positive_int(world_size=world_size)
+    check_positive_int(world_size=world_size)
     return sum(math.ceil(rows * cols / world_size) for rows, cols in sharded_weight_shapes(config))
 
 
@@ -114,8 +102,8 @@ def training_memory(config: ModelConfig, batch_size: int, seq_len: int, precisio
     in use and those prefetched) and `fsdp_reduce_scatters_in_flight` fp32 full-size gradients
     waiting to be reduce-scattered, each as large as the largest weight.
     """
-    _check_choice("strategy", strategy, STRATEGIES)
-    _check_positive_int(batch_size=batch_size, seq_len=seq_len, world_size=world_size)
+    check_choice("strategy", strategy, STRATEGIES)
+    check_positive_int(batch_size=batch_size, seq_len=seq_len, world_size=world_size)
     activations = (saved_activation_bytes(config, batch_size, seq_len, precision, attention, device_type,
                                           weight_copies=strategy != "fsdp")
                    + 2 * batch_size * seq_len * INDEX_BYTES)
@@ -123,7 +111,7 @@ def training_memory(config: ModelConfig, batch_size: int, seq_len: int, precisio
     if strategy == "fsdp":
         local = fsdp_shard_elements(config, world_size) + parameter_counts(config)["norms"]
         largest = max(rows * cols for rows, cols in sharded_weight_shapes(config))
-        buffers = largest * (fsdp_gathered_weights * ACTIVATION_BYTES[precision]
+        buffers = largest * (fsdp_gathered_weights * Precision.named(precision).bytes_per_element
                              + fsdp_reduce_scatters_in_flight * FP32_BYTES)
         state_elements = local
     else:

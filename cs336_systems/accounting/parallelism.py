@@ -54,6 +54,7 @@ import math
 from dataclasses import dataclass
 
 from cs336_systems.accounting.communication import COLLECTIVES
+from cs336_systems.checks import check_choice, check_non_negative, check_positive, check_positive_int
 
 BF16_BYTES = 2
 FP32_BYTES = 4
@@ -72,26 +73,6 @@ PHASES = ("forward", "backward")
 _MATMULS_PER_LINEAR = {"forward": 1, "backward": 2}  # backward: input gradient and weight gradient
 
 
-def _check_positive_int(**values: int) -> None:
-    for name, value in values.items():
-        if isinstance(value, bool) or not isinstance(value, int):
-            raise TypeError(f"{name} must be an int, got {type(value).__name__}")
-        if value < 1:
-            raise ValueError(f"{name} must be >= 1, got {value}")
-
-
-def _check_positive(**values: float) -> None:
-    for name, value in values.items():
-        if not value > 0:
-            raise ValueError(f"{name} must be positive, got {value}")
-
-
-def _check_non_negative(**values: float) -> None:
-    for name, value in values.items():
-        if not value >= 0:
-            raise ValueError(f"{name} must be >= 0, got {value}")
-
-
 @dataclass(frozen=True)
 class FeedForwardStack:
     """`num_blocks` blocks of Linear(d_model -> d_ff) then Linear(d_ff -> d_model), no biases."""
@@ -101,7 +82,7 @@ class FeedForwardStack:
     num_blocks: int
 
     def __post_init__(self):
-        _check_positive_int(d_model=self.d_model, d_ff=self.d_ff, num_blocks=self.num_blocks)
+        check_positive_int(d_model=self.d_model, d_ff=self.d_ff, num_blocks=self.num_blocks)
 
     @property
     def num_params(self) -> int:
@@ -128,8 +109,8 @@ def training_state_bytes(model: FeedForwardStack, weight_bytes: int = FP32_BYTES
                          gradient_bytes: int = FP32_BYTES, optimizer_moments: int = ADAM_MOMENTS,
                          moment_bytes: int = FP32_BYTES) -> TrainingStateBytes:
     """Master weights, accumulated gradients and Adam's moments: one value each per parameter."""
-    _check_positive_int(weight_bytes=weight_bytes, gradient_bytes=gradient_bytes, moment_bytes=moment_bytes)
-    _check_non_negative(optimizer_moments=optimizer_moments)
+    check_positive_int(weight_bytes=weight_bytes, gradient_bytes=gradient_bytes, moment_bytes=moment_bytes)
+    check_non_negative(optimizer_moments=optimizer_moments)
     p = model.num_params
     return TrainingStateBytes(p * weight_bytes, p * gradient_bytes, p * optimizer_moments * moment_bytes)
 
@@ -140,12 +121,12 @@ def saved_activation_bytes_per_token(model: FeedForwardStack, activation_bytes: 
     dW_in = In^T dTmp needs In (d_model values) and dW_out = Tmp^T dOut needs Tmp (d_ff values). A
     block's output is the next block's input, saved once, as that block's In.
     """
-    _check_positive_int(activation_bytes=activation_bytes)
+    check_positive_int(activation_bytes=activation_bytes)
     return model.num_blocks * (model.d_model + model.d_ff) * activation_bytes
 
 
 def saved_activation_bytes(model: FeedForwardStack, tokens: int, activation_bytes: int = BF16_BYTES) -> int:
-    _check_non_negative(tokens=tokens)
+    check_non_negative(tokens=tokens)
     return tokens * saved_activation_bytes_per_token(model, activation_bytes)
 
 
@@ -156,23 +137,23 @@ def saved_activation_bytes_per_device(model: FeedForwardStack, tokens: float, da
     Its B / X tokens' In[B_X, D], gathered over Y before W_in and kept for backward (as `layer_times`
     assumes), and its slice Tmp[B_X, F_Y] of the hidden activations.
     """
-    _check_positive_int(data_devices=data_devices, tensor_devices=tensor_devices, activation_bytes=activation_bytes)
-    _check_non_negative(tokens=tokens)
+    check_positive_int(data_devices=data_devices, tensor_devices=tensor_devices, activation_bytes=activation_bytes)
+    check_non_negative(tokens=tokens)
     per_token_per_block = activation_bytes * (model.d_model + model.d_ff / tensor_devices)
     return model.num_blocks * per_token_per_block * tokens / data_devices
 
 
 def fsdp_bytes_per_device(state_bytes: float, activation_bytes: float, num_devices: int) -> float:
     """state / N + A / (2N) + A / 2: the state and half the activations sharded, half replicated."""
-    _check_positive_int(num_devices=num_devices)
-    _check_non_negative(state_bytes=state_bytes, activation_bytes=activation_bytes)
+    check_positive_int(num_devices=num_devices)
+    check_non_negative(state_bytes=state_bytes, activation_bytes=activation_bytes)
     return (state_bytes + activation_bytes / 2) / num_devices + activation_bytes / 2
 
 
 def min_fsdp_devices(state_bytes: float, activation_bytes: float, device_memory_bytes: float) -> int:
     """Smallest N with `fsdp_bytes_per_device` < device memory: N > (S + A/2) / (M - A/2)."""
-    _check_non_negative(state_bytes=state_bytes, activation_bytes=activation_bytes)
-    _check_positive(device_memory_bytes=device_memory_bytes)
+    check_non_negative(state_bytes=state_bytes, activation_bytes=activation_bytes)
+    check_positive(device_memory_bytes=device_memory_bytes)
     headroom = device_memory_bytes - activation_bytes / 2
     if headroom <= 0:
         raise ValueError(f"the unsharded half of the activations ({activation_bytes / 2:.4g} bytes) alone does "
@@ -186,7 +167,7 @@ def max_tokens_for_fsdp(model: FeedForwardStack, device_memory_bytes: float,
 
     Fewer tokens than this fit with enough FSDP devices; this many or more fit with none.
     """
-    _check_positive(device_memory_bytes=device_memory_bytes)
+    check_positive(device_memory_bytes=device_memory_bytes)
     return 2 * device_memory_bytes / saved_activation_bytes_per_token(model, activation_bytes)
 
 
@@ -219,9 +200,8 @@ def _collective_s(collective: str, array_bytes: float, num_devices: int, bandwid
 
 
 def _check_mesh(strategy: str, data_devices: int, tensor_devices: int) -> None:
-    if strategy not in STRATEGIES:
-        raise ValueError(f"unknown strategy {strategy!r}; choose one of {', '.join(STRATEGIES)}")
-    _check_positive_int(data_devices=data_devices, tensor_devices=tensor_devices)
+    check_choice("strategy", strategy, STRATEGIES)
+    check_positive_int(data_devices=data_devices, tensor_devices=tensor_devices)
     if strategy in ("dp", "fsdp") and tensor_devices != 1:
         raise ValueError(f"{strategy} shards only the batch: tensor_devices must be 1, got {tensor_devices}")
     if strategy == "tp" and data_devices != 1:
@@ -238,11 +218,10 @@ def layer_times(strategy: str, phase: str, tokens: float, d_model: int, d_ff: in
     `tensor_axes` M_Y are how many mesh axes (each of `bandwidth_bytes_per_s`) each collective uses.
     """
     _check_mesh(strategy, data_devices, tensor_devices)
-    if phase not in PHASES:
-        raise ValueError(f"unknown phase {phase!r}; choose one of {', '.join(PHASES)}")
-    _check_positive_int(d_model=d_model, d_ff=d_ff, comm_bytes_per_element=comm_bytes_per_element)
-    _check_non_negative(tokens=tokens)
-    _check_positive(flops_per_s=flops_per_s, bandwidth_bytes_per_s=bandwidth_bytes_per_s,
+    check_choice("phase", phase, PHASES)
+    check_positive_int(d_model=d_model, d_ff=d_ff, comm_bytes_per_element=comm_bytes_per_element)
+    check_non_negative(tokens=tokens)
+    check_positive(flops_per_s=flops_per_s, bandwidth_bytes_per_s=bandwidth_bytes_per_s,
                     data_axes=data_axes, tensor_axes=tensor_axes)
     x, y = data_devices, tensor_devices
     data_bandwidth = bandwidth_bytes_per_s * data_axes
@@ -292,15 +271,15 @@ def min_tokens_per_device(strategy: str, phase: str, d_model: int, d_ff: int, da
 
 def network_intensity(flops_per_s: float, bandwidth_bytes_per_s: float) -> float:
     """alpha = C / W, FLOPs a device does in the time one byte crosses a mesh axis (v5p ICI: 2,556)."""
-    _check_positive(flops_per_s=flops_per_s, bandwidth_bytes_per_s=bandwidth_bytes_per_s)
+    check_positive(flops_per_s=flops_per_s, bandwidth_bytes_per_s=bandwidth_bytes_per_s)
     return flops_per_s / bandwidth_bytes_per_s
 
 
 def fsdp_tp_best_tensor_devices(d_ff: int, flops_per_s: float, bandwidth_bytes_per_s: float,
                                 tensor_axes: float = 1, comm_bytes_per_element: int = BF16_BYTES) -> float:
     """Y* = F M_Y / (e alpha): the (real) TP degree that minimises FSDP+TP's forward threshold."""
-    _check_positive_int(d_ff=d_ff, comm_bytes_per_element=comm_bytes_per_element)
-    _check_positive(tensor_axes=tensor_axes)
+    check_positive_int(d_ff=d_ff, comm_bytes_per_element=comm_bytes_per_element)
+    check_positive(tensor_axes=tensor_axes)
     return d_ff * tensor_axes / (comm_bytes_per_element * network_intensity(flops_per_s, bandwidth_bytes_per_s))
 
 
@@ -308,8 +287,8 @@ def fsdp_tp_min_tokens_lower_bound(d_ff: int, flops_per_s: float, bandwidth_byte
                                    data_axes: float = 1, tensor_axes: float = 1,
                                    comm_bytes_per_element: int = BF16_BYTES) -> float:
     """4 (e alpha / 2)^2 / (F M_X M_Y): no split of the devices into X x Y gets below this B / N."""
-    _check_positive_int(d_ff=d_ff, comm_bytes_per_element=comm_bytes_per_element)
-    _check_positive(data_axes=data_axes, tensor_axes=tensor_axes)
+    check_positive_int(d_ff=d_ff, comm_bytes_per_element=comm_bytes_per_element)
+    check_positive(data_axes=data_axes, tensor_axes=tensor_axes)
     alpha = comm_bytes_per_element / 2 * network_intensity(flops_per_s, bandwidth_bytes_per_s)
     return 4 * alpha**2 / (d_ff * data_axes * tensor_axes)
 
@@ -319,7 +298,7 @@ def pipeline_bubble_fraction(stages: int, microbatches: int) -> float:
 
     Each stage works m slots of the m + P - 1 the schedule lasts (it waits P - 1 slots to fill or drain).
     """
-    _check_positive_int(stages=stages, microbatches=microbatches)
+    check_positive_int(stages=stages, microbatches=microbatches)
     return (stages - 1) / (microbatches + stages - 1)
 
 
@@ -331,7 +310,7 @@ def pipeline_send_to_compute_ratio(d_ff: int, num_blocks: int, stages: int, flop
     microbatch of b tokens and each device sends its e b D / Y bytes of Out[b, D_Y] to the next stage
     in e b D / (Y W): neither the microbatch nor Y changes the ratio.
     """
-    _check_positive_int(d_ff=d_ff, num_blocks=num_blocks, stages=stages, comm_bytes_per_element=comm_bytes_per_element)
+    check_positive_int(d_ff=d_ff, num_blocks=num_blocks, stages=stages, comm_bytes_per_element=comm_bytes_per_element)
     if stages > num_blocks:
         raise ValueError(f"{stages} pipeline stages for {num_blocks} blocks: a stage needs at least one block")
     alpha = network_intensity(flops_per_s, bandwidth_bytes_per_s)

@@ -22,6 +22,7 @@ from collections.abc import Sequence
 import torch
 import torch.distributed as dist
 
+from cs336_systems.benchmarks.harness import guarded_cell
 from cs336_systems.distributed.launch import rank_device
 from cs336_systems.gpus import MB, spec_for_device_name
 from cs336_systems.memory_guard import check_memory_on_every_rank
@@ -108,6 +109,22 @@ def time_allreduce(size_bytes: int, group=None, warmup: int = WARMUP) -> tuple[f
     return statistics.median(samples_ms) * 1e-3, iterations
 
 
+def _guarded_size(backend: str, device_name: str, device: torch.device, size_bytes: int, group,
+                  group_size: int) -> Row:
+    """One size's row on every rank of `group`, or its OOM row where its buffers do not fit on every rank
+    (then no rank runs it) or an all-reduce runs out of memory."""
+    def measure(columns: Row) -> Row:
+        median_s, iterations = time_allreduce(size_bytes, group)
+        medians: list[float | None] = [None] * group_size
+        dist.all_gather_object(medians, median_s, group=group)
+        return summarize(backend, device_name, group_size, size_bytes, iterations, medians)
+
+    estimated_bytes = ALLREDUCE_COPIES * size_bytes
+    return guarded_cell(device, lambda: check_memory_on_every_rank(estimated_bytes, device, group_size, group), measure,
+                        oom=lambda columns: {"backend": backend, "device": device_name, "world_size": group_size,
+                                             "size_bytes": size_bytes, "size_mb": size_bytes / MB, **columns})
+
+
 def allreduce_sweep(rank: int, world_size: int, sizes_bytes: Sequence[int], world_sizes: Sequence[int]) -> list[Row]:
     """Run under launch with world_size = max(world_sizes); rank 0 returns the rows, others []."""
     if max(world_sizes) > world_size:
@@ -119,17 +136,8 @@ def allreduce_sweep(rank: int, world_size: int, sizes_bytes: Sequence[int], worl
     for group_size in world_sizes:
         group = dist.new_group(list(range(group_size)))  # every rank takes part in creating it
         if rank < group_size:
-            for size_bytes in sizes_bytes:
-                memory = check_memory_on_every_rank(ALLREDUCE_COPIES * size_bytes, device, group_size, group)
-                if not memory.fits:
-                    rows.append({"backend": backend, "device": device_name, "world_size": group_size,
-                                 "size_bytes": size_bytes, "size_mb": size_bytes / MB,
-                                 **memory.oom_columns(predicted=True)})
-                    continue
-                median_s, iterations = time_allreduce(size_bytes, group)
-                medians: list[float | None] = [None] * group_size
-                dist.all_gather_object(medians, median_s, group=group)
-                rows.append(summarize(backend, device_name, group_size, size_bytes, iterations, medians))
+            rows += [_guarded_size(backend, device_name, device, size_bytes, group, group_size)
+                     for size_bytes in sizes_bytes]
             dist.destroy_process_group(group)
         dist.barrier()
     return rows if rank == 0 else []

@@ -27,8 +27,9 @@ import torch
 
 from cs336_systems.accounting.attention import naive_attention_memory
 from cs336_systems.attention.reference import naive_attention
-from cs336_systems.benchmarks.harness import release_memory
-from cs336_systems.memory_guard import check_memory, is_out_of_memory
+from cs336_systems.benchmarks.harness import guarded_cell
+from cs336_systems.checks import check_positive_int
+from cs336_systems.precision import Precision, check_precision
 from cs336_systems.rows import Row
 from cs336_systems.timing import STEP_TIMER, Timings, synchronize, time_fn, timed
 
@@ -39,7 +40,6 @@ PASSES = 100
 # Untimed passes before each timed series. The first compiles (torch.compile) and loads kernels; the
 # next let cuBLAS heuristics and the caching allocator settle.
 WARMUP_PASSES = 5
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 @dataclass(frozen=True)
@@ -54,12 +54,9 @@ class AttentionCell:
     warmup: int = WARMUP_PASSES
 
     def __post_init__(self):
-        for name in ("head_dim", "seq_len", "batch_size", "passes", "warmup"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name} must be a positive integer, got {value!r}")
-        if self.precision not in DTYPES:
-            raise ValueError(f"unknown precision {self.precision!r}; choose one of {', '.join(DTYPES)}")
+        check_positive_int(head_dim=self.head_dim, seq_len=self.seq_len, batch_size=self.batch_size,
+                           passes=self.passes, warmup=self.warmup)
+        check_precision(self.precision)
 
 
 def _attention_fn(compiled: bool):
@@ -68,7 +65,7 @@ def _attention_fn(compiled: bool):
     # A fresh compile per cell, with static shapes so Inductor specialises its kernels to this cell.
     # Resetting first keeps earlier cells' graphs from counting towards dynamo's recompile limit,
     # past which it would run the function eagerly without saying so.
-    torch._dynamo.reset()
+    torch.compiler.reset()
     return torch.compile(naive_attention, dynamic=False)
 
 
@@ -102,7 +99,7 @@ def _measure(cell: AttentionCell, device: torch.device, row: Row) -> None:
     shape = (cell.batch_size, cell.seq_len, cell.head_dim)
 
     def randn(requires_grad: bool) -> torch.Tensor:
-        return torch.randn(shape, generator=generator, device=device, dtype=DTYPES[cell.precision],
+        return torch.randn(shape, generator=generator, device=device, dtype=Precision.named(cell.precision).dtype,
                            requires_grad=requires_grad)
 
     q, k, v = randn(True), randn(True), randn(True)
@@ -152,22 +149,16 @@ def benchmark_attention(cell: AttentionCell, device: torch.device | str) -> Row:
     that ran out."""
     device = torch.device(device)
     row = _empty_row(cell, device)
-    release_memory(device)
     # Eager attention's peak; a compiled graph keeps at most what eager autograd does.
-    memory = check_memory(naive_attention_memory(cell.batch_size, cell.seq_len, cell.seq_len, cell.head_dim,
-                                                 cell.precision, cell.is_causal).peak_bytes, device)
-    if not memory.fits:
-        return row | memory.oom_columns(predicted=True)
-    try:
+    peak_bytes = naive_attention_memory(cell.batch_size, cell.seq_len, cell.seq_len, cell.head_dim, cell.precision,
+                                        cell.is_causal).peak_bytes
+
+    def measure(columns: Row) -> Row:
         _measure(cell, device, row)
-        row |= {"status": "ok", **memory.columns()}
-    except Exception as error:
-        if not is_out_of_memory(error):
-            raise
-        row |= memory.oom_columns(predicted=False)
-    # Outside the except block: its traceback held the failed cell's frames, and their tensors, alive.
-    release_memory(device)
-    return row
+        return row | {"status": "ok", **columns}
+
+    # A cell that runs out keeps what `_measure` filled in before it did.
+    return guarded_cell(device, peak_bytes, measure, oom=lambda columns: row | columns)
 
 
 def attention_sweep(device: torch.device | str, head_dims=HEAD_DIMS, seq_lens=SEQ_LENS, **cell_options) -> list[Row]:

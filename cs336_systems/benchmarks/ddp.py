@@ -49,16 +49,16 @@ from cs336_systems.benchmarks.harness import (
     Phase,
     adamw,
     build_model,
+    guarded_cell,
     lm_loss,
     random_batch,
-    release_memory,
     timed_step,
     training_step,
 )
 from cs336_systems.distributed.ddp import BucketedDDP, FlatDDP, NaiveDDP, OverlapIndividualDDP, batch_shard
 from cs336_systems.distributed.launch import rank_device
 from cs336_systems.gpus import GIB
-from cs336_systems.memory_guard import check_memory_on_every_rank, is_out_of_memory
+from cs336_systems.memory_guard import check_memory_on_every_rank
 from cs336_systems.model import ModelConfig
 from cs336_systems.profiling.kernels import device_profile
 from cs336_systems.profiling.timeline import COMPUTE, CPU_COMPUTE_ROW, communication_summary, load_intervals
@@ -227,26 +227,26 @@ def _estimated_peak_bytes(method: str, cfg: DDPBenchmarkConfig, world_size: int)
                            ddp_buckets=method in ("flat", "bucketed", "torch_ddp")).peak
 
 
+def _guarded_variant(method: str, bucket_size_mb: float | None, cfg: DDPBenchmarkConfig, rank: int, world_size: int,
+                     device: torch.device) -> tuple[dict, list | None]:
+    """`_measure_variant`'s stats, with the estimate, and timeline; or OOM stats and no timeline where the
+    estimate does not fit on every rank (then no rank runs it) or the variant runs out of memory."""
+    def measure(columns: Row) -> tuple[dict, list | None]:
+        stats, intervals = _measure_variant(method, bucket_size_mb, cfg, rank, device, profile=rank == 0)
+        return stats | columns, intervals
+
+    estimated_bytes = _estimated_peak_bytes(method, cfg, world_size)
+    return guarded_cell(device, lambda: check_memory_on_every_rank(estimated_bytes, device, world_size), measure,
+                        oom=lambda columns: (columns, None))
+
+
 def benchmark_ddp(rank: int, world_size: int, cfg: DDPBenchmarkConfig) -> dict | None:
     """Run under launch. Rank 0 returns {"rows": [...], "timelines": {variant: intervals}}."""
     device = rank_device()
     rows = [{**_allreduce_probe(cfg, rank, world_size), "world_size": world_size}]
     timelines = {}
     for method, bucket_size_mb in cfg.variants():
-        release_memory(device)
-        intervals = None
-        memory = check_memory_on_every_rank(_estimated_peak_bytes(method, cfg, world_size), device, world_size)
-        if not memory.fits:
-            stats = memory.oom_columns(predicted=True)
-        else:
-            try:
-                stats, intervals = _measure_variant(method, bucket_size_mb, cfg, rank, device, profile=rank == 0)
-                stats |= memory.columns()
-            except Exception as error:
-                if not is_out_of_memory(error):
-                    raise
-                stats = memory.oom_columns(predicted=False)
-        release_memory(device)
+        stats, intervals = _guarded_variant(method, bucket_size_mb, cfg, rank, world_size, device)
         per_rank: list[dict | None] = [None] * world_size
         dist.all_gather_object(per_rank, stats)
         label = variant_label(method, bucket_size_mb)

@@ -28,23 +28,28 @@ from pathlib import Path
 
 import torch
 
-from cs336_systems.accounting.activations import ADAMW_IMPLEMENTATIONS, predict_peak_memory, state_bytes
+from cs336_systems.accounting.activations import (
+    ADAMW_IMPLEMENTATIONS,
+    MemoryPrediction,
+    predict_peak_memory,
+    state_bytes,
+)
 from cs336_systems.accounting.flops import step_flops
 from cs336_systems.benchmarks.harness import (
     LEARNING_RATE,
-    PRECISIONS,
     adamw,
     autocast,
     build_model,
+    guarded_cell,
     random_batch,
-    release_memory,
     timed_step,
     training_step,
 )
 from cs336_systems.benchmarks.reference_lm import build_reference
 from cs336_systems.clocks import ClockSample, clock_columns
-from cs336_systems.memory_guard import MemoryCheck, check_memory, is_out_of_memory
+from cs336_systems.memory_guard import MemoryCheck, check_memory
 from cs336_systems.model import ModelConfig
+from cs336_systems.precision import check_precision
 from cs336_systems.profiling.kernels import device_profile, device_timeline, is_fused_attention, kernel_tables
 from cs336_systems.profiling.ranges import annotate
 from cs336_systems.rows import BREAKDOWN_PHASES, BREAKDOWN_TABLE, COURSE_VARIANT, REFERENCE_MODEL, Row
@@ -82,8 +87,7 @@ class E2EConfig:
     def __post_init__(self):
         if self.mode not in MODES:
             raise ValueError(f"unknown mode {self.mode!r}; choose one of {', '.join(MODES)}")
-        if self.precision not in PRECISIONS:
-            raise ValueError(f"unknown precision {self.precision!r}; choose one of {', '.join(PRECISIONS)}")
+        check_precision(self.precision)
         if self.warmup < 0:
             raise ValueError(f"warm-up steps must be >= 0, got {self.warmup}")
         if self.steps < 1:
@@ -254,6 +258,17 @@ def memory_estimate(cfg: E2EConfig):
                                memory_model_attention(cfg.attention), _MEMORY_MODES[cfg.mode], adamw=cfg.optimizer)
 
 
+def model_memory_check(estimate: MemoryPrediction, device: torch.device) -> MemoryCheck:
+    """`check_memory` of a model cell's predicted peak, except where its parameters, gradients and AdamW
+    state alone exceed a GPU's whole memory: then the check is against that whole memory, which no
+    batch or context fits whatever else is free."""
+    if device.type == "cuda":
+        total = torch.cuda.get_device_properties(device).total_memory
+        if state_bytes(estimate) > total:
+            return MemoryCheck(estimate.peak_bytes, total)
+    return check_memory(estimate.peak_bytes, device)
+
+
 def benchmark_model(cfg: E2EConfig, device: torch.device | str, peak_flops: float | None = None,
                     reference: bool = False, profiled_steps: int = 0) -> list[Row]:
     """Rows, one per reported phase: mean / std / median ms and, given a peak, TFLOP/s and MFU.
@@ -286,29 +301,19 @@ def _benchmark_mode(cfg: E2EConfig, device: torch.device | str, peak_flops: floa
     if reference:
         base["model"] = REFERENCE_MODEL
     estimate = memory_estimate(cfg)
-    if device.type == "cuda":
-        total = torch.cuda.get_device_properties(device).total_memory
-        if state_bytes(estimate) > total:
-            # Parameters, gradients and AdamW state alone exceed the device: no batch or context fits, and
-            # building the model only to run out would take minutes.
-            check = MemoryCheck(estimate.peak_bytes, total)
-            return [{**base, "phase": phase, **check.oom_columns(predicted=True)} for phase in PHASES[cfg.mode]]
-    release_memory(device)
-    memory = check_memory(estimate.peak_bytes, device)
-    if not memory.fits:
-        return [{**base, "phase": phase, **memory.oom_columns(predicted=True)} for phase in PHASES[cfg.mode]]
-    try:
-        measured = _measure(cfg, device, reference, profiled_steps)
-    except Exception as error:
-        if not is_out_of_memory(error):
-            raise
-        measured = None
-    peak_memory = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None
-    release_memory(device)
-    if measured is None:
-        return [{**base, "phase": phase, **memory.oom_columns(predicted=False)} for phase in PHASES[cfg.mode]]
-    base.update(memory.columns())
 
+    def measure(columns: Row) -> list[Row]:
+        measured = _measure(cfg, device, reference, profiled_steps)
+        peak_memory = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None
+        return _measured_rows(cfg, {**base, **columns}, measured, peak_memory, peak_flops, device)
+
+    return guarded_cell(device, lambda: model_memory_check(estimate, device), measure,
+                        oom=lambda columns: [{**base, "phase": phase, **columns} for phase in PHASES[cfg.mode]])
+
+
+def _measured_rows(cfg: E2EConfig, base: Row, measured: Measured, peak_memory: int | None, peak_flops: float | None,
+                   device: torch.device) -> list[Row]:
+    """One row per reported phase of a cell that ran, and its breakdown rows if it was profiled."""
     samples = measured.samples
     # Forward and backward are adjacent on the device's timeline: their sum is the interval they span.
     # A train step is the whole step, from the first event to the last.

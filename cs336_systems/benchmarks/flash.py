@@ -48,10 +48,11 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from cs336_systems.accounting.attention import attention_flops, naive_attention_memory
 from cs336_systems.attention.reference import naive_attention
-from cs336_systems.benchmarks.attention import DTYPES
-from cs336_systems.benchmarks.harness import release_memory
-from cs336_systems.memory_guard import available_bytes, is_out_of_memory
-from cs336_systems.rows import OOM, Row, ran
+from cs336_systems.benchmarks.harness import guarded_cell, release_memory
+from cs336_systems.checks import check_positive_int
+from cs336_systems.memory_guard import check_memory, oom_columns
+from cs336_systems.precision import Precision, check_precision
+from cs336_systems.rows import Row, ran
 from cs336_systems.timing import issue_times, time_fn
 
 SEQ_LENS = tuple(2**p for p in range(7, 17))  # 128 ... 65536
@@ -62,11 +63,6 @@ PROVIDERS = ("flash_triton", "naive", "sdpa")
 UNSUPPORTED = "unsupported"
 SDPA_BACKEND_ORDER = (SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH)
 PINNED_SDPA = {"sdpa_flash": SDPBackend.FLASH_ATTENTION, "sdpa_cudnn": SDPBackend.CUDNN_ATTENTION}
-# Naive attention runs only if its predicted peak fits in this share of the free memory; the rest
-# covers what the closed form leaves out: cuBLAS workspaces, allocator rounding, do_bench's 256 MB
-# L2-flush buffer.
-NAIVE_FREE_MEMORY_SHARE = 0.9
-
 
 @dataclass(frozen=True)
 class BenchSettings:
@@ -86,12 +82,9 @@ class FlashCell:
     is_causal: bool = True
 
     def __post_init__(self):
-        for name in ("seq_len", "head_dim", "batch_size", "n_heads"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name} must be a positive integer, got {value!r}")
-        if self.precision not in DTYPES:
-            raise ValueError(f"unknown precision {self.precision!r}; choose one of {', '.join(DTYPES)}")
+        check_positive_int(seq_len=self.seq_len, head_dim=self.head_dim, batch_size=self.batch_size,
+                           n_heads=self.n_heads)
+        check_precision(self.precision)
 
     @property
     def shape(self) -> tuple[int, int, int, int]:
@@ -195,11 +188,10 @@ def _naive_fits(cell: FlashCell, device: torch.device) -> tuple[bool, int, int]:
     """(whether naive attention's predicted peak fits in the free memory, that peak, the free bytes)."""
     memory = naive_attention_memory(cell.batch_size * cell.n_heads, cell.seq_len, cell.seq_len, cell.head_dim,
                                     cell.precision, cell.is_causal)
-    release_memory(device)
-    free_bytes = available_bytes(device)
-    # q, k, v and dO are allocated already, so they are not part of what must still fit.
-    fits = memory.peak_bytes - memory.caller_bytes <= NAIVE_FREE_MEMORY_SHARE * free_bytes
-    return fits, memory.peak_bytes, free_bytes
+    # q, k, v and dO are allocated already, so they are not part of what must still fit. The memory
+    # guard's margin also covers do_bench's 256 MB L2-flush buffer.
+    check = check_memory(memory.peak_bytes - memory.caller_bytes, device)
+    return check.fits, memory.peak_bytes, check.available_bytes
 
 
 def _cell_row(cell: FlashCell, provider: str, mode: str, device: torch.device) -> Row:
@@ -218,7 +210,7 @@ def _inputs(cell: FlashCell, device: torch.device) -> tuple[tuple[torch.Tensor, 
     generator = torch.Generator(device=device).manual_seed(0)
 
     def randn(requires_grad: bool) -> torch.Tensor:
-        return torch.randn(cell.shape, generator=generator, device=device, dtype=DTYPES[cell.precision],
+        return torch.randn(cell.shape, generator=generator, device=device, dtype=Precision.named(cell.precision).dtype,
                            requires_grad=requires_grad)
 
     return (randn(True), randn(True), randn(True)), randn(False)
@@ -246,7 +238,7 @@ def benchmark_flash_cell(cell: FlashCell, providers=PROVIDERS, device: torch.dev
             for row in base:
                 row |= {"predicted_peak_bytes": peak_bytes, "free_memory_bytes": free_bytes}
             if not fits:
-                rows += [{**row, "status": OOM, "oom_predicted": True} for row in base]
+                rows += [{**row, **oom_columns(True)} for row in base]
                 continue
         forward, backend = _provider(provider, *inputs, cell.is_causal)
         for row in base:
@@ -254,29 +246,31 @@ def benchmark_flash_cell(cell: FlashCell, providers=PROVIDERS, device: torch.dev
         if forward is None:
             rows += [{**row, "status": UNSUPPORTED} for row in base]
             continue
-        for row in base:
-            stats = None
-            try:
-                with sdpa_kernel(backend) if backend is not None else nullcontext():
-                    stats = _bench_mode(row["mode"], forward, inputs, grad_out, device, settings)
-            except Exception as error:
-                if not is_out_of_memory(error):
-                    raise
-            # After the except block: its traceback kept the failed call's tensors alive until here.
-            release_memory(device)
-            for t in inputs:
-                t.grad = None
-            if stats is None:
-                rows.append({**row, "status": OOM, "oom_predicted": False})
-            else:
-                tflops = cell.flops(row["mode"]) / (stats["median_ms"] * 1e-3) / 1e12
-                rows.append({**row, **stats, "status": "ok", "tflops": tflops})
+        rows += [_guarded_mode(cell, row, forward, backend, inputs, grad_out, device, settings) for row in base]
     return rows
+
+
+def _guarded_mode(cell: FlashCell, row: Row, forward: Callable[[], torch.Tensor], backend: SDPBackend | None,
+                  inputs: tuple[torch.Tensor, ...], grad_out: torch.Tensor, device: torch.device,
+                  settings: BenchSettings) -> Row:
+    """`row`'s mode timed, with its TFLOP/s, or OOM where it runs out of memory; the inputs' gradients
+    are dropped after it, so that every mode starts without them."""
+    def measure(columns: Row) -> Row:
+        with sdpa_kernel(backend) if backend is not None else nullcontext():
+            stats = _bench_mode(row["mode"], forward, inputs, grad_out, device, settings)
+        tflops = cell.flops(row["mode"]) / (stats["median_ms"] * 1e-3) / 1e12
+        return {**row, **stats, "status": "ok", "tflops": tflops}
+
+    def drop_gradients() -> None:
+        for t in inputs:
+            t.grad = None
+
+    return guarded_cell(device, None, measure, oom=lambda columns: {**row, **columns}, let_go=drop_gradients)
 
 
 def leaderboard_2025_cell(device: torch.device | str = "cuda", settings: BenchSettings = BenchSettings()) -> list[Row]:
     """The 2025 leaderboard's attention cell, forward+backward, for each of LEADERBOARD_2025_PROVIDERS."""
-    torch._dynamo.reset()  # compile the Triton Function afresh, with no earlier graphs in dynamo's caches
+    torch.compiler.reset()  # compile the Triton Function afresh, with no earlier graphs in dynamo's caches
     rows = benchmark_flash_cell(LEADERBOARD_2025_CELL, LEADERBOARD_2025_PROVIDERS, device, ("forward_backward",),
                                 settings)
     return [{**row, "table": "leaderboard"} for row in rows]

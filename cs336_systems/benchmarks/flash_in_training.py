@@ -26,12 +26,12 @@ from cs336_systems.benchmarks.harness import (
     LEARNING_RATE,
     adamw,
     build_model,
+    guarded_cell,
     random_batch,
-    release_memory,
     training_step,
 )
 from cs336_systems.model import ModelConfig
-from cs336_systems.rows import OOM, Row
+from cs336_systems.rows import Row
 from cs336_systems.timing import STEP_TIMER, time_fn
 
 ATTENTIONS = ("sdpa", "flash_triton")
@@ -75,33 +75,30 @@ def _training_step_row(cell: TrainingCell, attention: str, device: torch.device,
                 "batch_size": cell.batch_size, "attention": attention, "compile": "whole model, fullgraph",
                 "precision": "bf16 autocast", "optimizer": "AdamW (fused)", "warmup": warmup,
                 "source_hash": source_hash()}
-    model = build_model(config, device, attention, seed=0)
-    optimizer = adamw(model, LEARNING_RATE, "fused")
-    inputs, targets = random_batch(config, cell.batch_size, cell.context_length, device)
-    torch._dynamo.reset()
-    compiled = torch.compile(model, fullgraph=True)
-    losses = []
 
-    def step():
-        loss = training_step(compiled, optimizer, inputs, targets, precision="bf16", phase=_no_range,
-                             keep_logits=True)
-        if not losses:
-            losses.append(loss.item())
+    def measure(columns: Row) -> Row:
+        model = build_model(config, device, attention, seed=0)
+        optimizer = adamw(model, LEARNING_RATE, "fused")
+        inputs, targets = random_batch(config, cell.batch_size, cell.context_length, device)
+        torch.compiler.reset()
+        compiled = torch.compile(model, fullgraph=True)
+        losses = []
 
-    torch.cuda.reset_peak_memory_stats(device)
-    try:
+        def step():
+            loss = training_step(compiled, optimizer, inputs, targets, precision="bf16", phase=_no_range,
+                                 keep_logits=True)
+            if not losses:
+                losses.append(loss.item())
+
+        # The steps' peak, not the model's construction's.
+        torch.cuda.reset_peak_memory_stats(device)
         timings = time_fn(step, warmup=warmup, steps=steps, device=device)
-    except torch.OutOfMemoryError:
-        timings = None
-    peak = torch.cuda.max_memory_allocated(device)
-    del model, optimizer, compiled
-    release_memory(device)
-    if timings is None:
-        return {**row, "status": OOM}
-    stats = {**timings.summary(), "steps": steps, "timer": STEP_TIMER}
-    flops = step_flops(config, cell.batch_size, cell.context_length, "train_step")
-    return {**row, "status": "ok", **stats, "tflops": flops / (stats["median_ms"] * 1e-3) / 1e12,
-            "peak_memory_gib": peak / 2**30, "first_loss": losses[0]}
+        stats = {**timings.summary(), "steps": steps, "timer": STEP_TIMER}
+        flops = step_flops(config, cell.batch_size, cell.context_length, "train_step")
+        return {**row, "status": "ok", **stats, "tflops": flops / (stats["median_ms"] * 1e-3) / 1e12,
+                "peak_memory_gib": torch.cuda.max_memory_allocated(device) / 2**30, "first_loss": losses[0]}
+
+    return guarded_cell(device, None, measure, oom=lambda columns: {**row, **columns})
 
 
 def training_steps(cell: TrainingCell, device: torch.device | str = "cuda", attentions=ATTENTIONS,

@@ -54,6 +54,7 @@ from cs336_systems.distributed.ddp import batch_shard
 from cs336_systems.distributed.fsdp import FSDP, MAX_PREFETCH_LAYERS, REDUCE_SCATTERS_IN_FLIGHT
 from cs336_systems.distributed.launch import rank_device
 from cs336_systems.model import ModelConfig
+from cs336_systems.precision import Precision
 from cs336_systems.profiling.kernels import device_profile
 from cs336_systems.profiling.timeline import COMPUTE, PHASE, Interval, intervals_from_events
 from cs336_systems.rows import Row
@@ -237,7 +238,8 @@ def fsdp_equivalence(rank: int, world_size: int) -> list[Row]:
     device = rank_device()
     config = ModelConfig.for_size(EQUIVALENCE_SIZE, EQUIVALENCE_CONTEXT)
     rows = []
-    for precision, compute_dtype in (("fp32", None), ("bf16", torch.bfloat16)):
+    for precision in EQUIVALENCE_TOLERANCES:
+        compute_dtype = Precision.named(precision).autocast_dtype  # None: fp32 computes in the master weights
         reference = build_model(config, device, seed=0)
         model = FSDP(deepcopy(reference), compute_dtype=compute_dtype)
         sharded = {f"{w.name}.weight" for w in model.weights}

@@ -23,9 +23,9 @@ from cs336_systems.accounting.activations import (
     training_transient_bytes,
 )
 from cs336_systems.benchmarks.e2e import DEFAULT_BATCH_SIZE
-from cs336_systems.benchmarks.harness import PRECISIONS, autocast, build_model, lm_loss, random_batch, release_memory
-from cs336_systems.memory_guard import check_memory, is_out_of_memory
+from cs336_systems.benchmarks.harness import autocast, build_model, guarded_cell, lm_loss, random_batch, release_memory
 from cs336_systems.model import ModelConfig
+from cs336_systems.precision import check_precision
 from cs336_systems.profiling.checkpointing import (
     apply_checkpointing,
     describe,
@@ -70,8 +70,7 @@ class CheckpointSweepConfig:
     longest_context_run_limit: int = 4_096
 
     def __post_init__(self):
-        if self.precision not in PRECISIONS:
-            raise ValueError(f"unknown precision {self.precision!r}; choose one of {', '.join(PRECISIONS)}")
+        check_precision(self.precision)
         if any(k is not None and k < 1 for k in self.ks):
             raise ValueError(f"checkpoint every k blocks needs k >= 1, got {self.ks}")
         ModelConfig.for_size(self.size, self.context_length)
@@ -173,27 +172,20 @@ def _measure_plan(model, plan, cfg: CheckpointSweepConfig, context: int, device:
     """A plan's forward + backward: its peak above the start (the model and its gradients), or OOM
     where the predicted peak does not fit what is free, or where it runs out."""
     apply_checkpointing(model, plan)
-    release_memory(device)
-    memory = check_memory(predicted_peak_bytes, device)
-    if not memory.fits:
-        return memory.oom_columns(predicted=True)
-    start = torch.cuda.memory_allocated(device) if device.type == "cuda" else None
-    kept: dict = {}
-    samples: list[float] = []
-    try:
+
+    def measure(columns: Row) -> Row:
+        start = torch.cuda.memory_allocated(device) if device.type == "cuda" else None
+        kept: dict = {}
+        samples: list[float] = []
         with timed(device, samples):
             increase, _ = peak_memory_increase(lambda: _forward_backward(model, cfg, context, device, kept), device)
-    except Exception as error:
-        if not is_out_of_memory(error):
-            raise
-        increase = None
-    if increase is None:
-        model.zero_grad(set_to_none=False)
-        release_memory(device)
-        return memory.oom_columns(predicted=False)
-    return {"status": "ok", "start_bytes": start, "measured_peak_bytes": increase,
-            "measured_kept_bytes": kept["after_forward"] - start if kept else None, "step_ms": samples[0],
-            "timer": STEP_TIMER, **memory.columns()}
+        return {"status": "ok", "start_bytes": start, "measured_peak_bytes": increase,
+                "measured_kept_bytes": kept["after_forward"] - start if kept else None, "step_ms": samples[0],
+                "timer": STEP_TIMER, **columns}
+
+    # Gradients are zeroed, not freed: the next plan starts from them, as this one did.
+    return guarded_cell(device, predicted_peak_bytes, measure, oom=lambda columns: columns,
+                        let_go=lambda: model.zero_grad(set_to_none=False))
 
 
 def _predicted_peak(cfg: CheckpointSweepConfig, context: int, plan_for) -> float:

@@ -1,5 +1,5 @@
 """What every model benchmark shares: building the LM, a batch of random tokens, the loss, autocast,
-AdamW, one training step, and releasing device memory between cells.
+AdamW, one training step, and running each cell guarded against running out of memory.
 
     model = build_model(ModelConfig.for_size("small", 512), "cuda", attention="naive")
     optimizer = adamw(model, lr=LEARNING_RATE)   # the course's AdamW; "fused" for torch's fused kernel
@@ -11,6 +11,13 @@ AdamW, one training step, and releasing device memory between cells.
 A step runs its phases (forward, backward, the optimizer) inside `phase(name)`, which names the range
 for profilers (`annotate`, the default); `timed_step` also times each phase and the whole step from
 events on the device's timeline, synchronising once, when the step ends (cs336_systems.timing).
+
+Every benchmark cell runs through `guarded_cell`: not at all where its estimated peak does not fit,
+recorded as OOM where it runs out all the same, the sweep going on either way:
+
+    rows = guarded_cell(device, estimated_peak_bytes,
+                        measure=lambda columns: [{**row, "status": "ok", **measured(), **columns}],
+                        oom=lambda columns: [{**row, **columns}])
 """
 
 from __future__ import annotations
@@ -18,26 +25,29 @@ from __future__ import annotations
 import gc
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, contextmanager, nullcontext
+from typing import TypeVar
 
 import torch
 import torch.nn.functional as F
 
 from cs336_systems.accounting.activations import ADAMW_IMPLEMENTATIONS
+from cs336_systems.memory_guard import MemoryCheck, check_memory, is_out_of_memory, oom_columns
 from cs336_systems.model import ModelConfig, TransformerLM
 from cs336_systems.optimizer import AdamW
+from cs336_systems.precision import Precision
 from cs336_systems.profiling.ranges import annotate
+from cs336_systems.reports import Row
 from cs336_systems.timing import StepTimer
 
-# Autocast dtype of each precision; fp32 runs without autocast.
-PRECISIONS = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
 LEARNING_RATE = 1e-4
 
 Phase = Callable[[str], AbstractContextManager]
+Rows = TypeVar("Rows")
 
 
 def autocast(precision: str, device: torch.device | str) -> AbstractContextManager:
     """bf16/fp16 autocast on `device`, or nothing for fp32."""
-    dtype = PRECISIONS[precision]
+    dtype = Precision.named(precision).autocast_dtype
     return nullcontext() if dtype is None else torch.autocast(torch.device(device).type, dtype=dtype)
 
 
@@ -54,7 +64,7 @@ def build_model(config: ModelConfig, device: torch.device | str, attention: str 
     if compile:
         # Start from empty compile caches: entries from earlier models would count towards dynamo's
         # recompile limit, past which it silently falls back to eager.
-        torch._dynamo.reset()
+        torch.compiler.reset()
         # Regional compilation: every block has the same code and shapes, so one compiled graph
         # serves all of them and compile time no longer grows with depth.
         for block in model.layers:
@@ -164,3 +174,36 @@ def release_memory(device: torch.device | str) -> None:
     if device.type == "cuda":
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(device)
+
+
+def guarded_cell(device: torch.device | str, memory: int | Callable[[], MemoryCheck] | None,
+                 measure: Callable[[Row], Rows], oom: Callable[[Row], Rows], *,
+                 let_go: Callable[[], None] | None = None) -> Rows:
+    """One benchmark cell, run only where its memory fits (cs336_systems.memory_guard): its rows, or
+    its OOM rows, predicted (not run) or measured (it ran out), and the sweep goes on.
+
+    `memory` is the cell's estimated peak in bytes, checked against what `device` has free (what
+    earlier cells left is collected first); or a function that makes the check (on every rank, say);
+    or None for a cell with no estimate, which always runs. `measure(columns)` runs the cell, in memory
+    released just before, and returns its rows, given the estimate's columns to record in them ({}
+    without an estimate); `oom(columns)` returns the rows of a cell that did not run or ran out, given
+    its OOM columns (status, oom_predicted and the estimate). After the cell `let_go`, if given, drops
+    what it kept alive outside its frames (gradients, say), and memory is released again. An error
+    that is not out-of-memory propagates.
+    """
+    check = memory() if callable(memory) else None if memory is None else check_memory(memory, device)
+    if check is not None and not check.fits:
+        return oom(oom_columns(True, check))
+    release_memory(device)
+    ran_out = False
+    try:
+        rows = measure({} if check is None else check.columns())
+    except Exception as error:
+        if not is_out_of_memory(error):
+            raise
+        ran_out = True
+    # Outside the except block: its traceback held the failed cell's frames, and their tensors, alive.
+    if let_go is not None:
+        let_go()
+    release_memory(device)
+    return oom(oom_columns(False, check)) if ran_out else rows

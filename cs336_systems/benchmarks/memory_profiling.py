@@ -25,18 +25,18 @@ from cs336_systems.accounting.activations import (
 from cs336_systems.benchmarks.e2e import DEFAULT_BATCH_SIZE, memory_model_attention
 from cs336_systems.benchmarks.harness import (
     LEARNING_RATE,
-    PRECISIONS,
     adamw,
     autocast,
     build_model,
+    guarded_cell,
     lm_loss,
     random_batch,
     release_memory,
     training_step,
 )
 from cs336_systems.gpus import GIB, MIB
-from cs336_systems.memory_guard import check_memory, is_out_of_memory
 from cs336_systems.model import ModelConfig
+from cs336_systems.precision import PRECISIONS
 from cs336_systems.profiling.memory import (
     active_memory_timeline,
     compact_snapshot,
@@ -177,42 +177,35 @@ def _memory_cell(cfg, mode, precision, context, model, optimizer, device, snapsh
     run = inference if mode == "inference" else train
     shown = context == cfg.shown_context
     kept = precision == cfg.precisions[0]  # the cells whose snapshots and largest allocations the report shows
-    release_memory(device)
-    # The model, and AdamW's state once a step has made it, are allocated already: what must still
-    # fit is the rest of the predicted peak.
-    resident = prediction.parameters_bytes + (prediction.optimizer_state_bytes if optimizer and optimizer.state else 0)
-    memory = check_memory(prediction.peak_bytes - resident, device)
-    if not memory.fits:
-        return [{**base, "table": "peak", **memory.oom_columns(predicted=True)}]
-    try:
+    snapshot = None
+
+    def measure(columns: Row) -> Row:
+        nonlocal snapshot
         if mode == "train_step":
             run()  # the first step creates AdamW's state; the measured one is a steady-state step
         start = torch.cuda.memory_allocated(device) if device.type == "cuda" else None
-        snapshot = None
         if device.type == "cuda":
             with record_memory_history():
                 increase, _ = peak_memory_increase(run, device)
                 snapshot = take_snapshot()
         else:
             increase, _ = peak_memory_increase(run, device)
-    except Exception as error:
-        if not is_out_of_memory(error):
-            raise
-        increase = None
-    if increase is None:
-        model.zero_grad(set_to_none=True)
-        release_memory(device)
-        return [{**base, "table": "peak", **memory.oom_columns(predicted=False)}]
-    peak = {**base, "table": "peak", "status": "ok", "start_bytes": start, "peak_increase_bytes": increase,
-            "peak_bytes": None if start is None else start + increase, **memory.columns()}
+        return {**base, "table": "peak", "status": "ok", "start_bytes": start, "peak_increase_bytes": increase,
+                "peak_bytes": None if start is None else start + increase, **columns}
+
+    # The model, and AdamW's state once a step has made it, are allocated already: what must still
+    # fit is the rest of the predicted peak.
+    resident = prediction.parameters_bytes + (prediction.optimizer_state_bytes if optimizer and optimizer.state else 0)
+    peak = guarded_cell(device, prediction.peak_bytes - resident, measure,
+                        oom=lambda columns: {**base, "table": "peak", **columns},
+                        let_go=lambda: model.zero_grad(set_to_none=True))
+    if peak["status"] == OOM:
+        return [peak]
     if mode == "train_step":
-        try:
-            peak["measured_saved_bytes"] = saved_tensor_bytes(loss, exclude=[*params, inputs, targets])
-        except Exception as error:
-            if not is_out_of_memory(error):
-                raise
-            peak["measured_saved_bytes"] = None
-        release_memory(device)
+        # None where the forward that counts them runs out of memory.
+        peak["measured_saved_bytes"] = guarded_cell(
+            device, None, lambda columns: saved_tensor_bytes(loss, exclude=[*params, inputs, targets]),
+            oom=lambda columns: None)
         peak["predicted_saved_bytes"] = saved_activation_bytes(config, cfg.batch_size, context, precision,
                                                                cfg.attention, device.type)
     if device.type == "cuda":  # the predictor follows CUDA's autocast rules
@@ -276,26 +269,24 @@ def _block_rows(cfg: MemoryProfileConfig, model, precision: str, device: torch.d
         with autocast(precision, device):
             return lm_loss(model(inputs), targets)
 
-    model.zero_grad(set_to_none=True)  # the backward allocates the gradients afresh, as after zero_grad
-    release_memory(device)
-    try:
+    def measure(columns: Row) -> list[Row]:
         profile = block_memory(model, loss, model.layers, exclude=[inputs, targets])
-    except torch.OutOfMemoryError:
-        profile = None
-    model.zero_grad(set_to_none=True)
-    release_memory(device)
-    if profile is None:
-        return [{**base, "table": "block", "status": OOM}]
-    predicted = sum(block_saved_bytes(config, cfg.batch_size, context, precision, cfg.attention, device.type).values())
-    rows = [{**base, "table": "block", "status": "ok", "block": b.index, "saved_bytes": b.saved_bytes,
-             "predicted_saved_bytes": predicted, "input_bytes": b.allocated_elsewhere_bytes,
-             "forward_allocated_bytes": b.forward_allocated_bytes, "backward_allocated_bytes": b.backward_allocated_bytes,
-             "gradient_bytes": b.gradient_bytes, "weight_gradient_bytes": b.gradient_parameter_bytes,
-             "parameters": b.parameter_count, "residual_stream_bytes": residual_stream_bytes(config, cfg.batch_size,
-                                                                                                 context)}
-            for b in profile.blocks]
-    middle = profile.blocks[len(profile.blocks) // 2]
-    rows += [{**base, "table": "block_operation", "block": middle.index, "rank": rank, "operation": op,
-              "bytes": size, "share": share}
-             for rank, (op, size, share) in enumerate(middle.top_operations(TOP_RESIDUAL_OPERATIONS), 1)]
-    return rows
+        predicted = sum(block_saved_bytes(config, cfg.batch_size, context, precision, cfg.attention,
+                                          device.type).values())
+        rows = [{**base, "table": "block", "status": "ok", "block": b.index, "saved_bytes": b.saved_bytes,
+                 "predicted_saved_bytes": predicted, "input_bytes": b.allocated_elsewhere_bytes,
+                 "forward_allocated_bytes": b.forward_allocated_bytes,
+                 "backward_allocated_bytes": b.backward_allocated_bytes,
+                 "gradient_bytes": b.gradient_bytes, "weight_gradient_bytes": b.gradient_parameter_bytes,
+                 "parameters": b.parameter_count,
+                 "residual_stream_bytes": residual_stream_bytes(config, cfg.batch_size, context)}
+                for b in profile.blocks]
+        middle = profile.blocks[len(profile.blocks) // 2]
+        rows += [{**base, "table": "block_operation", "block": middle.index, "rank": rank, "operation": op,
+                  "bytes": size, "share": share}
+                 for rank, (op, size, share) in enumerate(middle.top_operations(TOP_RESIDUAL_OPERATIONS), 1)]
+        return rows
+
+    model.zero_grad(set_to_none=True)  # the backward allocates the gradients afresh, as after zero_grad
+    return guarded_cell(device, None, measure, oom=lambda columns: [{**base, "table": "block", **columns}],
+                        let_go=lambda: model.zero_grad(set_to_none=True))

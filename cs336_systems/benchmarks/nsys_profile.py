@@ -24,20 +24,20 @@ from pathlib import Path
 
 import torch
 
-from cs336_systems.accounting.activations import ADAMW_IMPLEMENTATIONS, predict_peak_memory, state_bytes
-from cs336_systems.benchmarks.e2e import DEFAULT_BATCH_SIZE, memory_model_attention
+from cs336_systems.accounting.activations import ADAMW_IMPLEMENTATIONS, predict_peak_memory
+from cs336_systems.benchmarks.e2e import DEFAULT_BATCH_SIZE, memory_model_attention, model_memory_check
 from cs336_systems.benchmarks.harness import (
     LEARNING_RATE,
-    PRECISIONS,
     adamw,
     build_model,
+    guarded_cell,
     random_batch,
-    release_memory,
     timed_step,
     training_step,
 )
-from cs336_systems.memory_guard import FIT_SHARE, MemoryCheck, check_memory, is_out_of_memory
+from cs336_systems.memory_guard import FIT_SHARE
 from cs336_systems.model import ModelConfig
+from cs336_systems.precision import check_precision
 from cs336_systems.profiling.kernels import device_profile, kernel_tables, merge_tables
 from cs336_systems.profiling.ranges import annotate
 from cs336_systems.rows import Row
@@ -73,8 +73,7 @@ class ProfileConfig:
     timed_steps: int = 3  # steps timed as the end-to-end benchmark times them, for comparison
 
     def __post_init__(self):
-        if self.precision not in PRECISIONS:
-            raise ValueError(f"unknown precision {self.precision!r}; choose one of {', '.join(PRECISIONS)}")
+        check_precision(self.precision)
         if self.warmup < 0 or self.timed_steps < 1:
             raise ValueError(f"need warmup >= 0 and timed_steps >= 1, got {self.warmup} and {self.timed_steps}")
         if self.optimizer not in ADAMW_IMPLEMENTATIONS:
@@ -111,33 +110,21 @@ def profile_training_step(cfg: ProfileConfig, device: torch.device | str) -> lis
     estimate = cfg.estimate()
     if device.type == "cuda":
         base["predicted_peak_bytes"] = estimate.peak_bytes
-        total = torch.cuda.get_device_properties(device).total_memory
-        if state_bytes(estimate) > total:
-            # Parameters, gradients and AdamW state alone exceed the device: not worth building the model.
-            return [{**base, "table": "cell", **MemoryCheck(estimate.peak_bytes, total).oom_columns(predicted=True)}]
-    release_memory(device)
-    memory = check_memory(estimate.peak_bytes, device)
-    if not memory.fits:
-        return [{**base, "table": "cell", **memory.oom_columns(predicted=True)}]
-    try:
+
+    def measure(columns: Row) -> list[Row]:
         samples, tables = _timed_then_profiled(cfg, config, device)
-    except Exception as error:
-        if not is_out_of_memory(error):
-            raise
-        samples = tables = None
-    release_memory(device)
-    if samples is None:
-        return [{**base, "table": "cell", **memory.oom_columns(predicted=False)}]
-    cell = {**base, "table": "cell", "status": "ok", "warmup": cfg.warmup, "timed_steps": cfg.timed_steps,
-            "timer": STEP_TIMER,
-            **memory.columns()}
-    for name, series in [(p, samples[p]) for p in (*TRAIN_PHASES, "step")]:
-        cell[f"timer_{name}_ms"] = statistics.fmean(series)
-        cell[f"timer_{name}_std_ms"] = statistics.stdev(series) if len(series) > 1 else 0.0
-    rows = [cell]
-    for table in tables.values():
-        rows += _range_rows(base, table)
-    return rows
+        cell = {**base, "table": "cell", "status": "ok", "warmup": cfg.warmup, "timed_steps": cfg.timed_steps,
+                "timer": STEP_TIMER, **columns}
+        for name, series in [(p, samples[p]) for p in (*TRAIN_PHASES, "step")]:
+            cell[f"timer_{name}_ms"] = statistics.fmean(series)
+            cell[f"timer_{name}_std_ms"] = statistics.stdev(series) if len(series) > 1 else 0.0
+        rows = [cell]
+        for table in tables.values():
+            rows += _range_rows(base, table)
+        return rows
+
+    return guarded_cell(device, lambda: model_memory_check(estimate, device), measure,
+                        oom=lambda columns: [{**base, "table": "cell", **columns}])
 
 
 def _timed_then_profiled(cfg: ProfileConfig, config: ModelConfig, device: torch.device):

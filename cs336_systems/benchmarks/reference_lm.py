@@ -83,6 +83,6 @@ def build_reference(config: ModelConfig, device: torch.device | str, *, compile:
     with torch.device(device):
         model = ReferenceLM(config)
     if compile:
-        torch._dynamo.reset()
+        torch.compiler.reset()
         model = torch.compile(model)
     return model

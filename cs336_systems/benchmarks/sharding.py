@@ -38,14 +38,14 @@ from cs336_systems.benchmarks.harness import (
     Phase,
     adamw,
     build_model,
+    guarded_cell,
     lm_loss,
     random_batch,
-    release_memory,
     timed_step,
 )
 from cs336_systems.distributed.launch import rank_device
 from cs336_systems.distributed.sharded_optimizer import SYNC_METHODS, ShardedOptimizer
-from cs336_systems.memory_guard import check_memory_on_every_rank, is_out_of_memory
+from cs336_systems.memory_guard import check_memory_on_every_rank
 from cs336_systems.model import ModelConfig
 from cs336_systems.profiling.ranges import annotate
 from cs336_systems.rows import OOM, Row
@@ -130,8 +130,8 @@ def measure_training(make_setup: Callable[[nn.Module, torch.device], TrainingSet
     """Time `cfg.steps` training steps of the variant `make_setup` builds, and probe its memory.
 
     `profile`, if given, is called with the step function and runs one more step under the profiler.
+    Run it through `guarded_training`, which releases what earlier variants left first.
     """
-    release_memory(device)
     probe = _MemoryProbe(device)
     # The same model on every rank, also for wrappers that broadcast nothing.
     setup = make_setup(build_model(cfg.model_config(), device, cfg.attention, seed=0), device)
@@ -231,16 +231,11 @@ def guarded_training(make_setup, cfg: ShardingBenchmarkConfig, rank: int, world_
                      estimated_bytes: int, profile: Callable | None = None) -> dict:
     """`measure_training`, or OOM stats where the estimate does not fit on every rank (then no rank
     runs it) or where it runs out of memory; the estimate goes with the stats either way."""
-    memory = check_memory_on_every_rank(estimated_bytes, device, world_size)
-    if not memory.fits:
-        return memory.oom_columns(predicted=True)
-    try:
-        return measure_training(make_setup, cfg, rank, device, profile=profile) | memory.columns()
-    except Exception as error:
-        if not is_out_of_memory(error):
-            raise
-    release_memory(device)  # outside the except block, whose traceback held the failed step's tensors
-    return memory.oom_columns(predicted=False)
+    def measure(columns: Row) -> dict:
+        return measure_training(make_setup, cfg, rank, device, profile=profile) | columns
+
+    return guarded_cell(device, lambda: check_memory_on_every_rank(estimated_bytes, device, world_size), measure,
+                        oom=lambda columns: columns)
 
 
 def gather_rows(stats: dict, world_size: int) -> list[dict]:

@@ -22,7 +22,8 @@ model), average gradients, communicate a tied parameter once, and leave paramete
 requires_grad=False alone. Naive, flat and overlap-individual average inside the all-reduce on
 NCCL (ReduceOp.AVG), which saves a pass over every gradient after communication; gloo has no AVG,
 so there it is a SUM divided by the world size. Bucketed sums and divides while it copies the
-buckets back into .grad, a pass it makes anyway.
+buckets back into .grad, a pass it makes anyway. Each writes the result back into .grad through
+`write_back_gradient`.
 
 Every rank must issue the same collectives in the same order, or the job hangs. Two rules keep
 that true when a parameter gets no gradient in a step (a branch not taken, on some ranks or all):
@@ -74,6 +75,28 @@ def batch_shard(batch_size: int, rank: int, world_size: int) -> slice:
                          f"of {world_size} (uneven shards do not average to the whole batch's gradient)")
     rows = batch_size // world_size
     return slice(rank * rows, (rank + 1) * rows)
+
+
+def write_back_gradient(param: torch.Tensor, reduced: torch.Tensor, summed_over: int, *, had_gradient: bool,
+                        used_anywhere: bool, copy: bool = False) -> None:
+    """Make `reduced`, the all-reduce of `param`'s gradient (param's shape; zeros where this rank had
+    none), param's averaged .grad, dividing it by `summed_over` on the way (1 where the all-reduce
+    averaged already):
+      - into the .grad this rank had (in place when `reduced` is that .grad);
+      - where only other ranks had one, as a new .grad: `reduced` itself, or with `copy` a copy, for a
+        view of a buffer that is reused next step or holds more than this gradient;
+      - a parameter no rank had a gradient for keeps its .grad None, as in single-process training.
+    """
+    if had_gradient:
+        averaged = param.grad
+    elif used_anywhere:
+        averaged = param.grad = torch.empty_like(reduced) if copy else reduced
+    else:
+        return
+    if summed_over != 1:
+        torch.div(reduced, summed_over, out=averaged)  # one pass, in place where averaged is reduced
+    elif averaged is not reduced:
+        averaged.copy_(reduced)
 
 
 def assign_buckets(sizes_bytes: Sequence[int], bucket_size_bytes: float,
@@ -129,20 +152,15 @@ class _DataParallel(nn.Module):
         return self.module(*args, **kwargs)
 
     def _start_average(self, tensor: torch.Tensor, async_op: bool = False) -> dist.Work | None:
-        """All-reduce `tensor` towards its average over ranks; `_finish_average` completes it."""
+        """All-reduce `tensor` towards its average over ranks; `_write_back` completes it."""
         return dist.all_reduce(tensor, op=self._reduce_op, async_op=async_op)
 
-    def _finish_average(self, tensor: torch.Tensor) -> None:
-        """In place, after the all-reduce: divide the sum by the world size, unless it averaged."""
-        if self._reduce_op == dist.ReduceOp.SUM:
-            tensor.div_(self.world_size)
-
-    def _finish_average_into(self, reduced: torch.Tensor, out: torch.Tensor) -> None:
-        """`_finish_average` of `reduced`, written to `out` in the same pass."""
-        if self._reduce_op == dist.ReduceOp.SUM:
-            torch.div(reduced, self.world_size, out=out)
-        else:
-            out.copy_(reduced)
+    def _write_back(self, index: int, reduced: torch.Tensor, had_gradient: bool, used_anywhere: bool,
+                    copy: bool = False) -> None:
+        """`write_back_gradient` of parameter `index`, after the all-reduce `_start_average` started."""
+        summed_over = self.world_size if self._reduce_op == dist.ReduceOp.SUM else 1
+        write_back_gradient(self._params[index], reduced, summed_over, had_gradient=had_gradient,
+                            used_anywhere=used_anywhere, copy=copy)
 
     def _start_gradient_count(self, had_gradient: list[bool]) -> tuple[torch.Tensor, dist.Work]:
         """All-reduce, asynchronously, on how many ranks each parameter had a gradient."""
@@ -167,11 +185,8 @@ class NaiveDDP(_DataParallel):
         for grad in reduced:
             self._start_average(grad)
         used = self._used_anywhere(had_gradient, *self._start_gradient_count(had_gradient))
-        for p, grad, had, anywhere in zip(self._params, reduced, had_gradient, used):
-            if anywhere:
-                self._finish_average(grad)
-                if not had:
-                    p.grad = grad
+        for index, grad in enumerate(reduced):
+            self._write_back(index, grad, had_gradient[index], used[index])
 
 
 class FlatDDP(_DataParallel):
@@ -192,12 +207,7 @@ class FlatDDP(_DataParallel):
         used = self._used_anywhere(had_gradient, *self._start_gradient_count(had_gradient))
         for indices, flat in zip(by_dtype.values(), flats):
             for i, chunk in zip(indices, flat.split([grads[i].numel() for i in indices])):
-                p = self._params[i]
-                if had_gradient[i]:
-                    self._finish_average_into(chunk.view_as(p), p.grad)
-                elif used[i]:
-                    p.grad = chunk.view_as(p)
-                    self._finish_average(p.grad)
+                self._write_back(i, chunk.view_as(self._params[i]), had_gradient[i], used[i])
 
 
 class _OverlappedDataParallel(_DataParallel):
@@ -246,7 +256,7 @@ class _OverlappedDataParallel(_DataParallel):
         counts, count_work = self._start_gradient_count(had_gradient)
         for work in self._works:
             work.wait()
-        self._write_back(had_gradient, self._used_anywhere(had_gradient, counts, count_work))
+        self._write_back_units(had_gradient, self._used_anywhere(had_gradient, counts, count_work))
         self._works.clear()
         self._ready = [False] * len(self._params)
         self._waiting_in_unit = [len(unit) for unit in self._units]
@@ -257,7 +267,7 @@ class _OverlappedDataParallel(_DataParallel):
     def _launch(self, unit: int) -> dist.Work:
         raise NotImplementedError
 
-    def _write_back(self, had_gradient: list[bool], used_anywhere: list[bool]) -> None:
+    def _write_back_units(self, had_gradient: list[bool], used_anywhere: list[bool]) -> None:
         raise NotImplementedError
 
 
@@ -287,13 +297,10 @@ class OverlapIndividualDDP(_OverlappedDataParallel):
             tensor = self._stand_ins[index] = torch.zeros_like(self._params[index])
         return self._start_average(tensor, async_op=True)
 
-    def _write_back(self, had_gradient: list[bool], used_anywhere: list[bool]) -> None:
+    def _write_back_units(self, had_gradient: list[bool], used_anywhere: list[bool]) -> None:
         for index, p in enumerate(self._params):
-            if had_gradient[index]:
-                self._finish_average(p.grad)
-            elif used_anywhere[index]:
-                p.grad = self._stand_ins[index]
-                self._finish_average(p.grad)
+            reduced = p.grad if had_gradient[index] else self._stand_ins[index]
+            self._write_back(index, reduced, had_gradient[index], used_anywhere[index])
         self._stand_ins.clear()
 
 
@@ -317,6 +324,9 @@ class BucketedDDP(_OverlappedDataParallel):
         if not (isinstance(bucket_size_mb, (int, float)) and bucket_size_mb > 0):
             raise ValueError(f"bucket_size_mb must be a positive number, got {bucket_size_mb!r}")
         super().__init__(module)
+        # A sum on every backend: the division by the world size rides on the copy back into .grad, a
+        # pass the buckets make anyway.
+        self._reduce_op = dist.ReduceOp.SUM
         self.bucket_size_mb = bucket_size_mb
         units = assign_buckets([p.numel() * p.element_size() for p in self._params],
                                bucket_size_mb * BYTES_PER_MB,
@@ -341,15 +351,12 @@ class BucketedDDP(_OverlappedDataParallel):
             if not self._ready[index]:
                 # The buffer still holds last step's value here; this rank contributes zero.
                 bucket.slot(position, self._params[index]).zero_()
-        return dist.all_reduce(bucket.buffer, op=dist.ReduceOp.SUM, async_op=True)
+        return self._start_average(bucket.buffer, async_op=True)
 
-    def _write_back(self, had_gradient: list[bool], used_anywhere: list[bool]) -> None:
+    def _write_back_units(self, had_gradient: list[bool], used_anywhere: list[bool]) -> None:
         for bucket in self.buckets:
             for position, index in enumerate(bucket.indices):
                 p = self._params[index]
-                summed = bucket.slot(position, p).view_as(p)
-                # Dividing straight into .grad reads the sum and writes the average in one pass.
-                if had_gradient[index]:
-                    torch.div(summed, self.world_size, out=p.grad)
-                elif used_anywhere[index]:
-                    p.grad = summed / self.world_size
+                # The bucket's buffer is reused next step, so a new .grad is a copy of its slot.
+                self._write_back(index, bucket.slot(position, p).view_as(p), had_gradient[index],
+                                 used_anywhere[index], copy=True)

@@ -51,6 +51,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from cs336_systems.distributed.ddp import write_back_gradient
 from cs336_systems.distributed.launch import require_process_group
 from cs336_systems.model import Embedding, Linear
 from cs336_systems.profiling.ranges import annotate
@@ -317,13 +318,11 @@ class FSDP(nn.Module):
             flat = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1) for p in params]
                              + [flags])
             dist.all_reduce(flat)
-            flat.div_(self.world_size)
-            offset = 0
-            for p, present in zip(params, flat[-len(params):].tolist()):
-                averaged = flat[offset:offset + p.numel()].view_as(p)
-                offset += p.numel()
-                if present > 0:
-                    p.grad = averaged.clone()
+            *summed, ranks_with_gradient = flat.split([*(p.numel() for p in params), len(params)])
+            for p, gradient, ranks in zip(params, summed, ranks_with_gradient.tolist()):
+                # A new .grad is a copy: a view would keep the whole flat tensor alive.
+                write_back_gradient(p, gradient.view_as(p), self.world_size, had_gradient=p.grad is not None,
+                                    used_anywhere=ranks > 0, copy=True)
 
     @torch.no_grad()
     def gather_full_params(self) -> dict[str, torch.Tensor]:

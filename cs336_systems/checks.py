@@ -1,0 +1,41 @@
+"""Argument checks that refuse bad input at the call, naming the argument and what it was given.
+
+    check_positive_int(batch_size=batch_size, seq_len=seq_len)
+    check_choice("strategy", strategy, STRATEGIES)
+
+Keyword arguments carry the names the messages use, so a caller checks several values in one line.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+
+def check_positive_int(**values: int) -> None:
+    """Each value an int (not a bool, which Python counts as one) of at least 1."""
+    for name, value in values.items():
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise TypeError(f"{name} must be an int, got {type(value).__name__}")
+        if value < 1:
+            raise ValueError(f"{name} must be >= 1, got {value}")
+
+
+def check_positive(**values: float) -> None:
+    """Each value above zero (NaN is not)."""
+    for name, value in values.items():
+        if not value > 0:
+            raise ValueError(f"{name} must be positive, got {value}")
+
+
+def check_non_negative(**values: float) -> None:
+    """Each value zero or above (NaN is not)."""
+    for name, value in values.items():
+        if not value >= 0:
+            raise ValueError(f"{name} must be >= 0, got {value}")
+
+
+def check_choice(name: str, value: str, choices: Iterable[str]) -> None:
+    """`value` one of `choices`; the message lists them."""
+    choices = tuple(choices)
+    if value not in choices:
+        raise ValueError(f"unknown {name} {value!r}; choose one of {', '.join(choices)}")

@@ -1,0 +1,35 @@
+"""Argument checks refuse bad input with a message that names the argument and what it was given."""
+
+import math
+
+import pytest
+
+from cs336_systems.checks import check_choice, check_non_negative, check_positive, check_positive_int
+
+
+@pytest.mark.parametrize("check, values, error, message", [
+    (check_positive_int, dict(world_size=0), ValueError, "world_size must be >= 1, got 0"),
+    (check_positive_int, dict(world_size=2.0), TypeError, "world_size must be an int, got float"),
+    (check_positive_int, dict(world_size=True), TypeError, "world_size must be an int, got bool"),
+    (check_positive, dict(latency_s=0.0), ValueError, "latency_s must be positive, got 0.0"),
+    (check_positive, dict(latency_s=math.nan), ValueError, "latency_s must be positive, got nan"),
+    (check_non_negative, dict(tokens=-1), ValueError, "tokens must be >= 0, got -1"),
+    (check_non_negative, dict(tokens=math.nan), ValueError, "tokens must be >= 0, got nan"),
+])
+def test_a_bad_value_is_refused_by_name(check, values, error, message):
+    with pytest.raises(error, match=f"^{message}$"):
+        check(**values)
+
+
+def test_every_value_is_checked_and_good_ones_pass():
+    check_positive_int(batch_size=1, seq_len=2**20)
+    check_positive(bandwidth_bytes_per_s=1e-9)
+    check_non_negative(tokens=0)
+    with pytest.raises(ValueError, match="seq_len"):
+        check_positive_int(batch_size=4, seq_len=0)
+
+
+def test_an_unknown_choice_is_refused_with_the_choices_listed():
+    check_choice("phase", "forward", ("forward", "backward"))
+    with pytest.raises(ValueError, match=r"^unknown phase 'sideways'; choose one of forward, backward$"):
+        check_choice("phase", "sideways", {"forward": 1, "backward": 2})
