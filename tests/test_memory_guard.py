@@ -186,3 +186,10 @@ def test_ranks_agree_that_a_variant_runs_only_where_it_fits_on_every_rank():
     from cs336_systems.distributed.launch import launch
 
     assert launch(_checks_on_each_rank, 2, device="cpu") == [(False, 2**60, True)] * 2
+
+
+def test_a_guarded_cell_inside_collectives_lets_running_out_through():
+    # A rank that recorded running out and went on would leave its peers waiting in a collective.
+    with pytest.raises(Exception) as raised:
+        guarded_cell("cpu", None, measure=_run_out, oom=_never_run, record_running_out=False)
+    assert is_out_of_memory(raised.value)

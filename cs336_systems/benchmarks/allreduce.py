@@ -112,7 +112,8 @@ def time_allreduce(size_bytes: int, group=None, warmup: int = WARMUP) -> tuple[f
 def _guarded_size(backend: str, device_name: str, device: torch.device, size_bytes: int, group,
                   group_size: int) -> Row:
     """One size's row on every rank of `group`, or its OOM row where its buffers do not fit on every rank
-    (then no rank runs it) or an all-reduce runs out of memory."""
+    (then no rank runs it). Running out inside the all-reduces fails the launch at once: one rank that
+    recorded it and went on would leave the others waiting in a collective."""
     def measure(columns: Row) -> Row:
         median_s, iterations = time_allreduce(size_bytes, group)
         medians: list[float | None] = [None] * group_size
@@ -122,7 +123,8 @@ def _guarded_size(backend: str, device_name: str, device: torch.device, size_byt
     estimated_bytes = ALLREDUCE_COPIES * size_bytes
     return guarded_cell(device, lambda: check_memory_on_every_rank(estimated_bytes, device, group_size, group), measure,
                         oom=lambda columns: {"backend": backend, "device": device_name, "world_size": group_size,
-                                             "size_bytes": size_bytes, "size_mb": size_bytes / MB, **columns})
+                                             "size_bytes": size_bytes, "size_mb": size_bytes / MB, **columns},
+                        record_running_out=False)
 
 
 def allreduce_sweep(rank: int, world_size: int, sizes_bytes: Sequence[int], world_sizes: Sequence[int]) -> list[Row]:

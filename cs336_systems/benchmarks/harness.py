@@ -178,7 +178,7 @@ def release_memory(device: torch.device | str) -> None:
 
 def guarded_cell(device: torch.device | str, memory: int | Callable[[], MemoryCheck] | None,
                  measure: Callable[[Row], Rows], oom: Callable[[Row], Rows], *,
-                 let_go: Callable[[], None] | None = None) -> Rows:
+                 let_go: Callable[[], None] | None = None, record_running_out: bool = True) -> Rows:
     """One benchmark cell, run only where its memory fits (cs336_systems.memory_guard): its rows, or
     its OOM rows, predicted (not run) or measured (it ran out), and the sweep goes on.
 
@@ -189,7 +189,8 @@ def guarded_cell(device: torch.device | str, memory: int | Callable[[], MemoryCh
     without an estimate); `oom(columns)` returns the rows of a cell that did not run or ran out, given
     its OOM columns (status, oom_predicted and the estimate). After the cell `let_go`, if given, drops
     what it kept alive outside its frames (gradients, say), and memory is released again. An error
-    that is not out-of-memory propagates.
+    that is not out-of-memory propagates, and so does running out with `record_running_out=False`: for a
+    cell inside collectives, where a rank that ran out alone and went on would leave its peers waiting.
     """
     check = memory() if callable(memory) else None if memory is None else check_memory(memory, device)
     if check is not None and not check.fits:
@@ -199,7 +200,7 @@ def guarded_cell(device: torch.device | str, memory: int | Callable[[], MemoryCh
     try:
         rows = measure({} if check is None else check.columns())
     except Exception as error:
-        if not is_out_of_memory(error):
+        if not (record_running_out and is_out_of_memory(error)):
             raise
         ran_out = True
     # Outside the except block: its traceback held the failed cell's frames, and their tensors, alive.
