@@ -1,17 +1,16 @@
-"""GPU evidence that CPU CI can check: on a CUDA machine, run the whole test suite with a worker per
-core and then in one process (an illegal memory access poisons the process, so no other worker can hide
-it), compute-sanitizer memcheck on the tests that reach every FlashAttention launch path, and racecheck
-on the split forward, whose programs merge each other's results; then write
-reports/<gpu>/gpu_check.json (and a Markdown twin) with the device, versions, date, command, counts
-and the hash of the GPU source that was tested.
+"""GPU evidence that CPU CI can check: on a CUDA machine, run the whole test suite in one process (an
+illegal memory access poisons the process, so no other worker can hide it), compute-sanitizer memcheck on
+the tests that reach every FlashAttention launch path, and racecheck on the split forward, whose programs
+merge each other's results; then write reports/<gpu>/gpu_check.json (and a Markdown twin) with the
+device, versions, date, command, counts and the hash of the GPU source that was tested.
 
     python -m cs336_systems.gpu_check                        # or: make gpu-check
     python -m cs336_systems.gpu_check --parts memcheck,racecheck
     python -m cs336_systems.gpu_check --parts tests:1/2,tests:2/2  # the one-process suite as two runs
 
-Most of a cold run is compiling kernels (a few hundred, seconds each), which parallel runs spread over
-the cores and leave in Triton's on-disk cache for the single-process runs after them; those (the suite
-and each sanitizer) then run side by side.
+Most of a cold run is compiling kernels (a few hundred, seconds each); the one-process runs (the suite,
+or its shards, and each sanitizer after a parallel warm-up that fills Triton's on-disk cache) run side by
+side, so that their compiling is spread over the cores.
 
 `problems(record, source_hash)` says what is wrong with a record as evidence for the current source;
 the command prints it when it ends.
@@ -35,17 +34,13 @@ from pathlib import Path
 from typing import Any
 
 RECORD_NAME = "gpu_check"
-# The suite in parallel first (pytest-xdist, a worker per core): it must pass that way too, and its
-# workers fill Triton's on-disk cache, so that the one-process run after it compiles nothing. Idle
-# workers take queued tests from busy ones: a few drawn GPU tests take minutes each.
 # The tests that check the committed record and the rows measured on the GPU source: a run for a new source
 # is what replaces them, so they would fail in it by design (and so keep any record from being clean).
 EVIDENCE_TESTS = "test_gpu_evidence.py"
 WHOLE_SUITE = ("tests/", "--ignore", f"tests/{EVIDENCE_TESTS}")
-PARALLEL_TESTS = (*WHOLE_SUITE, "-n", "auto", "--dist", "worksteal")
-# A worker per core is one thread per core: left at torch's defaults, each worker also ran a thread and an
-# inductor compile process per core, and 16 workers on 16 cores took 557 s, with launches of 3 ranks
-# running past their deadline.
+_EVIDENCE_TEST_ID = f"tests.{EVIDENCE_TESTS.removesuffix('.py')}::"  # as JUnit names its tests
+# The sanitizers' warm-up runs a worker per core, and so a thread per worker: left at torch's defaults,
+# each worker also ran a thread and an inductor compile process per core.
 ONE_THREAD_PER_WORKER = {"OMP_NUM_THREADS": "1", "TORCHINDUCTOR_COMPILE_THREADS": "1"}
 TESTS = WHOLE_SUITE
 # Every launch path on every head dim and alignment, the split forward against the whole, misaligned
@@ -131,8 +126,7 @@ def _shell_prefix(environment: dict[str, str]) -> str:
     return "".join(f"{name}={value} " for name, value in environment.items())
 
 
-TEST_RUNS = {"parallel tests": PARALLEL_TESTS, "tests": TESTS}
-PARTS = ("parallel", "tests", *SANITIZER_TOOLS)
+PARTS = ("tests", *SANITIZER_TOOLS)
 # "tests:K/N": the K-th of N one-process runs that share the suite's test files between them, for a
 # machine that cannot give one run as long as the whole suite takes; a record needs all N of one split
 # (or the whole suite's run).
@@ -155,7 +149,7 @@ def shard_files(k: int, n: int, tests_dir: Path = Path("tests")) -> tuple[str, .
 
 def run_checks(parts: tuple[str, ...] = PARTS, earlier: dict[str, Any] | None = None,
                save=lambda record: None, log_dir: Path | None = None) -> dict[str, Any]:
-    """Run `parts` here (the suite in parallel, in one process, each sanitizer on its subset); the record
+    """Run `parts` here (the suite in one process, whole or a shard, each sanitizer on its subset); the record
     (see module docstring), handed to `save` after each part, keeping the parts of `earlier` not run
     again when it tested the same source on the same device."""
     import torch
@@ -178,20 +172,16 @@ def run_checks(parts: tuple[str, ...] = PARTS, earlier: dict[str, Any] | None = 
         if log_dir is not None:
             log_dir.mkdir(parents=True, exist_ok=True)
         scratch = log_dir or Path(temporary)
-        if "parallel" in parts:
-            record["runs"]["parallel tests"], _ = _pytest(PARALLEL_TESTS, scratch / "parallel.xml")
-            save(record)
-        one_process = [part for part in parts if part != "parallel"]
-        for part in one_process:
+        for part in parts:
             if part in SANITIZER_TOOLS:
                 # Compiling is most of a cold run and the sanitizer's process is one: the same tests in
-                # parallel first leave every kernel in Triton's cache (seconds when the suite ran before).
+                # parallel first leave every kernel in Triton's cache.
                 _pytest((*SANITIZER_TOOLS[part], "-n", "auto"), scratch / f"{part}-warm-up.xml")
         # Each of these runs is one process on one core, so they run side by side; on one GPU, which
         # changes no result (no test asserts a time).
         # Each part is saved as it ends, so that a run stopped from outside keeps the parts that ended.
-        with ThreadPoolExecutor(max_workers=len(one_process) or 1) as pool:
-            for future in as_completed([pool.submit(_one_process_run, part, scratch) for part in one_process]):
+        with ThreadPoolExecutor(max_workers=len(parts)) as pool:
+            for future in as_completed([pool.submit(_one_process_run, part, scratch) for part in parts]):
                 name, run = future.result()
                 record["runs"][name] = run
                 save(record)
@@ -222,13 +212,15 @@ def problems(record: dict[str, Any], current_hash: str) -> list[str]:
         found.append(f"it tested GPU source {record.get('source_hash')}, not the current {current_hash}: "
                      "run `make gpu-check` on a CUDA machine and commit its record")
     runs = record.get("runs", {})
-    for name in (*_one_process_test_runs(runs), *SANITIZER_TOOLS):
+    for name in evidence_runs(runs):
         run = runs.get(name)
         if not run:
             found.append(f"no {name} run in the record")
             continue
-        if run["failed"] or run["errors"]:
-            found.append(f"{name}: {run['failed']} failed, {run['errors']} errors ({', '.join(run['failures'][:5])})")
+        # A run that included the evidence tests checked the record and rows it was made to replace.
+        failures = [test for test in run["failures"] if not test.startswith(_EVIDENCE_TEST_ID)]
+        if run["failed"] + run["errors"] > len(run["failures"]) - len(failures):
+            found.append(f"{name}: {run['failed']} failed, {run['errors']} errors ({', '.join(failures[:5])})")
         if not run["passed"]:
             found.append(f"{name}: no test passed")
         if name in SANITIZER_TOOLS and run.get("sanitizer_errors") is None:
@@ -239,17 +231,18 @@ def problems(record: dict[str, Any], current_hash: str) -> list[str]:
     return found
 
 
-def _one_process_test_runs(runs: dict[str, Any]) -> list[str]:
-    """The runs a record needs: the suite in parallel, and in one process, whole or as every run of one
-    split (shards of several splits do not add up to the suite)."""
+def evidence_runs(runs: dict[str, Any]) -> list[str]:
+    """The runs a record needs: the suite in one process, whole or as every run of one split (shards of
+    several splits do not add up to the suite), and each sanitizer. A record may hold others (a run of
+    the suite in parallel, which an earlier version of this command made): shown, but no evidence."""
     splits: dict[int, set[int]] = {}
     for name in runs:
         if (found := shard(name)) is not None:
             splits.setdefault(found[1], set()).add(found[0])
     complete = [n for n, ks in sorted(splits.items()) if ks == set(range(1, n + 1))]
-    if "tests" in runs or not complete:
-        return [*TEST_RUNS]
-    return ["parallel tests", *(f"tests:{k}/{complete[0]}" for k in range(1, complete[0] + 1))]
+    tests = ["tests"] if "tests" in runs or not complete else [f"tests:{k}/{complete[0]}"
+                                                                for k in range(1, complete[0] + 1)]
+    return [*tests, *SANITIZER_TOOLS]
 
 
 def render(record: dict[str, Any]) -> str:
@@ -265,6 +258,18 @@ def render(record: dict[str, Any]) -> str:
     for name, run in runs:
         lines.append(f"| {name} | `{run['command']}` | {run['passed']} | {run['failed']} | {run['errors']} | "
                      f"{run['skipped']} | {run.get('sanitizer_errors', '')} | {run['seconds']} |")
+    evidence = evidence_runs(record["runs"])
+    found = problems(record, record["source_hash"])
+    lines += ["", "As evidence for its source: " + ("; ".join(found) if found else "clean") + "."]
+    notes = []
+    for name, run in runs:
+        evidence_failures = [test for test in run["failures"] if test.startswith(_EVIDENCE_TEST_ID)]
+        if name not in evidence:
+            notes.append(f"- {name} is not part of the evidence (only the one-process suite and the sanitizers are).")
+        elif evidence_failures:
+            notes.append(f"- In {name}, {len(evidence_failures)} failed tests checked the committed record and rows "
+                         "that this run replaces, and count for nothing.")
+    lines += ["", *notes] if notes else []
     for name, run in runs:
         if run["skip_reasons"]:
             lines += ["", f"Skipped in {name}:", ""]

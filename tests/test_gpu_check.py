@@ -14,7 +14,7 @@ def _run(**changes):
 
 
 def _record(source_hash="abc", **runs):
-    clean = {"parallel tests": _run(), "tests": _run()}
+    clean = {"tests": _run()}
     clean |= {tool: _run(sanitizer_errors=0) for tool in gpu_check.SANITIZER_TOOLS}
     return {"source_hash": source_hash, "runs": {name: run for name, run in (clean | runs).items() if run}}
 
@@ -29,13 +29,11 @@ def test_a_clean_record_of_the_current_source_has_no_problems():
     (_record(tests=_run(errors=1)), "tests: 0 failed, 1 errors"),
     (_record(tests=_run(passed=0)), "tests: no test passed"),
     (_record(tests=None), "no tests run in the record"),
-    (_record(**{"parallel tests": _run(failed=1, failures=["tests/x.py::test_b"])}), "parallel tests: 1 failed"),
     (_record(memcheck=_run(sanitizer_errors=269)), "memcheck: compute-sanitizer reported 269 errors"),
     (_record(racecheck=_run(sanitizer_errors=2)), "racecheck: compute-sanitizer reported 2 hazards"),
     (_record(racecheck=_run(sanitizer_errors=None)), "racecheck: compute-sanitizer printed no summary"),
     (_record(racecheck=None), "no racecheck run in the record"),
-], ids=["stale source", "failed tests", "errors", "nothing passed", "no tests", "failed in parallel",
-        "sanitizer errors", "racecheck hazards", "no sanitizer summary", "missing racecheck"])
+], ids=["stale source", "failed tests", "errors", "nothing passed", "no tests", "sanitizer errors", "racecheck hazards", "no sanitizer summary", "missing racecheck"])
 def test_a_record_that_is_no_evidence_says_why(record, problem):
     assert any(problem in found for found in gpu_check.problems(record, "abc"))
 
@@ -121,9 +119,36 @@ def test_shards_deal_every_test_file_but_the_evidence_tests_into_exactly_one_run
     assert [gpu_check.shard(part) for part in ("tests:0/2", "tests:3/2", "tests", "memcheck")] == [None] * 4
 
 
-def test_whole_suite_runs_leave_out_the_tests_of_the_record_they_replace():
-    for arguments in (gpu_check.TESTS, gpu_check.PARALLEL_TESTS):
-        assert arguments[:3] == ("tests/", "--ignore", f"tests/{gpu_check.EVIDENCE_TESTS}")
+def test_the_whole_suite_run_leaves_out_the_tests_of_the_record_it_replaces():
+    assert gpu_check.TESTS[:3] == ("tests/", "--ignore", f"tests/{gpu_check.EVIDENCE_TESTS}")
+
+
+def test_failures_of_the_evidence_tests_count_for_nothing_and_others_still_do():
+    evidence_test = "tests.test_gpu_evidence::test_committed_gpu_check_record_is_a_clean_run_of_the_current_source[h100]"
+    only_evidence = _record(tests=_run(failed=1, failures=[evidence_test]))
+    assert gpu_check.problems(only_evidence, "abc") == []
+    assert "1 failed tests checked the committed record" in gpu_check.render(_rendered(only_evidence))
+    also_another = _record(tests=_run(failed=1, errors=1, failures=[evidence_test, "tests.test_a::test_b"]))
+    assert gpu_check.problems(also_another, "abc") == ["tests: 1 failed, 1 errors (tests.test_a::test_b)"]
+
+
+def test_a_run_outside_the_evidence_is_shown_but_counts_for_nothing():
+    record = _record(**{"parallel tests": _run(errors=46, failures=["tests.test_ddp::test_ddp[2ranks-x]"] * 46)})
+    assert gpu_check.problems(record, "abc") == []
+    text = gpu_check.render(_rendered(record))
+    assert "| parallel tests |" in text and "parallel tests is not part of the evidence" in text
+    assert "As evidence for its source: clean." in text
+
+
+def test_a_rendered_record_says_what_makes_it_no_evidence():
+    text = gpu_check.render(_rendered(_record(racecheck=None)))
+    assert "As evidence for its source: no racecheck run in the record." in text
+
+
+def _rendered(record):
+    return record | {"device": "NVIDIA H100 80GB HBM3", "python": "3.12", "torch": "2.11", "triton": "3.6",
+                     "cuda": "13.0", "driver": "580", "date": "2026-11-26 19:06 UTC",
+                     "command": "python -m cs336_systems.gpu_check"}
 
 
 def test_a_split_suite_counts_only_when_every_run_of_one_split_is_there():
