@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 from torch import nn, optim
 
-from cs336_systems.distributed.launch import launch_store
+from cs336_systems.distributed.launch import launch_store, report_progress
 
 FIXTURES_PATH = pathlib.Path(__file__).resolve().parent / "fixtures"
 
@@ -178,7 +178,8 @@ def run_checks(rank: int, world_size: int, checks: dict) -> dict[str, CheckOutco
     rank never enters. So the rank whose check raised leaves the process group at once, which makes
     such a collective fail on its gloo peers (the checks run on the CPU; an NCCL peer would wait for
     the group's timeout), and after every check the ranks agree at the launch's store, not in a
-    collective, whether it failed anywhere. The failures are numbered in the order the ranks met
+    collective, whether it failed anywhere, and report progress to the launch (whose deadline is then
+    one check's, not the whole list's). The failures are numbered in the order the ranks met
     them: a peer whose collective failed because the first rank left comes after it.
     """
     store = launch_store()
@@ -198,6 +199,7 @@ def run_checks(rank: int, world_size: int, checks: dict) -> dict[str, CheckOutco
                 dist.destroy_process_group()
         store.set(f"run_checks/{name}/finished/{rank}", "")
         store.wait([f"run_checks/{name}/finished/{other}" for other in range(world_size)])
+        report_progress()
         if store.add(failures_key, 0):
             failed_check = name
     return outcomes

@@ -56,7 +56,8 @@ from tests.common import (
 )
 
 WORLD_SIZES = (2, 3)
-# Generous, since ranks import torch on a busy machine; a hang still ends here, not in CI's timeout.
+# Generous for one check (each reports progress to the launch), since ranks import torch on a busy
+# machine; a hang still ends here, not in CI's timeout.
 LAUNCH_TIMEOUT_S = 180
 STEPS = 5
 # Small enough that the toy models (float64) split into several buckets, some holding two parameters.

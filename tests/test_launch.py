@@ -22,6 +22,7 @@ from cs336_systems.distributed.launch import (
     launch,
     launch_store,
     rank_device,
+    report_progress,
 )
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -29,9 +30,13 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 FAIL_FAST_TIMEOUT_S = 120
 FAIL_FAST_WITHIN_S = 60
 HANG_TIMEOUT_S = 15
-# After the deadline the parent kills the ranks; that and tearing down take a few seconds.
-HANG_REPORTED_WITHIN_S = HANG_TIMEOUT_S + 30
+# The deadline counts from the ranks' connecting (after they import torch); after it the parent kills
+# the ranks; starting and tearing down take seconds each on a busy machine.
+HANG_REPORTED_WITHIN_S = HANG_TIMEOUT_S + 60
 SLEEP_PAST_DEADLINE_S = 10 * HANG_TIMEOUT_S
+# Steps each well inside the deadline that together outlast it.
+STEP_S = 0.6 * HANG_TIMEOUT_S
+STEPS = 2
 TORCHRUN_TIMEOUT_S = 180
 # Long enough for a thread that was free to go to have gone; a correct wait is still waiting.
 STILL_WAITING_AFTER_S = 1.0
@@ -103,9 +108,28 @@ def _rank_one_waits_for_rank_zero(rank: int, world_size: int) -> None:
 
 def test_a_rank_that_hangs_in_a_collective_times_out():
     start = time.monotonic()
-    with pytest.raises(TimeoutError, match=r"ranks \[0, 1\] of 2 did not finish within 15 s"):
+    with pytest.raises(TimeoutError, match=r"ranks \[0, 1\] of 2 did not finish within 15 s of the last sign"):
         launch(_rank_one_waits_for_rank_zero, 2, device="cpu", timeout_s=HANG_TIMEOUT_S)
     assert HANG_TIMEOUT_S <= time.monotonic() - start < HANG_REPORTED_WITHIN_S
+
+
+def _steps_that_report_progress(rank: int, world_size: int) -> int:
+    for _ in range(STEPS):
+        time.sleep(STEP_S)
+        report_progress()
+    dist.barrier()
+    return rank
+
+
+def test_a_job_that_outlasts_its_deadline_while_reporting_progress_finishes():
+    start = time.monotonic()
+    assert launch(_steps_that_report_progress, 2, device="cpu", timeout_s=HANG_TIMEOUT_S) == [0, 1]
+    assert time.monotonic() - start > HANG_TIMEOUT_S
+
+
+def test_progress_is_reported_only_inside_a_launch():
+    with pytest.raises(RuntimeError, match="only available inside a function run by"):
+        report_progress()
 
 
 def test_more_ranks_than_gpus_is_refused(monkeypatch):

@@ -5,7 +5,9 @@
 Spawned: one process per rank (one GPU per rank with NCCL, gloo on CPU), meeting at a TCPStore the
 parent opens on a free port the OS picks (so parallel test workers never collide). A rank that
 raises fails the whole job at once with that rank's traceback; a deadline turns a hang into a
-TimeoutError; every rank destroys its process group on the way out.
+TimeoutError; every rank destroys its process group on the way out. The deadline counts from the last
+sign of progress: a rank connecting, or calling `report_progress()`, so that a job of many steps that
+each report is not taken for a hang on a busy machine, however long it runs in all.
 
 Under torchrun (RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT set), `launch` runs the function
 in the current process with env:// rendezvous, for one node or several, and all-gathers the
@@ -41,6 +43,8 @@ _TORCHRUN_VARIABLES = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 # Counts the ranks that have connected, over every launch that shares one store.
 _ARRIVALS_KEY = "launch/arrivals"
 _CONNECTED_KEY = "connected"
+# Counts the calls of report_progress(), under the launch's own prefix.
+_PROGRESS_KEY = "progress"
 
 # This rank's view of its launch's store while the launch's function runs (see launch_store()).
 _store: dist.Store | None = None
@@ -95,9 +99,16 @@ def launch_store() -> dist.Store:
     return _store
 
 
+def report_progress() -> None:
+    """Tell the launcher that this rank is alive and moving on (after a step or a check): a spawned
+    launch's deadline starts again from here."""
+    launch_store().add(_PROGRESS_KEY, 1)
+
+
 def launch(fn: Callable[..., Any], world_size: int, *args: Any, device: str = "auto",
            timeout_s: float = DEFAULT_TIMEOUT_S, **kwargs: Any) -> list[Any]:
-    """Run `fn(rank, world_size, *args, **kwargs)` on `world_size` ranks; return the results by rank."""
+    """Run `fn(rank, world_size, *args, **kwargs)` on `world_size` ranks; return the results by rank.
+    Spawned ranks that show no progress (see module docstring) for `timeout_s` raise TimeoutError."""
     device_type = resolve_device_type(device)
     if under_torchrun():
         return _run_in_place(fn, world_size, args, kwargs, device_type, timeout_s)
@@ -154,12 +165,15 @@ def _wait_until_every_rank_connected(store: dist.Store, world_size: int, timeout
     arrival = store.add(_ARRIVALS_KEY, 1)
     # Launches in sequence on one store (several under one torchrun) count on: each is a new
     # generation of world_size arrivals, with keys under its own prefix.
-    generation = (arrival - 1) // world_size
-    own = dist.PrefixStore(f"launch/{generation}", store)
+    own = _own_store(store, generation=(arrival - 1) // world_size)
     if arrival % world_size == 0:
         own.set(_CONNECTED_KEY, "1")
     own.wait([_CONNECTED_KEY], dt.timedelta(seconds=timeout_s))
     return own
+
+
+def _own_store(store: dist.Store, generation: int) -> dist.Store:
+    return dist.PrefixStore(f"launch/{generation}", store)
 
 
 def _run_in_place(fn, world_size, args, kwargs, device_type, timeout_s) -> list[Any]:
@@ -217,7 +231,9 @@ def _spawn(fn, world_size, args, kwargs, device_type, timeout_s) -> list[Any]:
     for process in processes:
         process.start()
     outputs: dict[int, Any] = {}
-    deadline = time.monotonic() + timeout_s
+    # This store serves one launch: its ranks are the first generation to arrive.
+    own = _own_store(store, generation=0)
+    progress, deadline = 0, time.monotonic() + timeout_s
     try:
         while len(outputs) < world_size:
             try:
@@ -226,11 +242,13 @@ def _spawn(fn, world_size, args, kwargs, device_type, timeout_s) -> list[Any]:
                 for rank, process in enumerate(processes):
                     if rank not in outputs and process.exitcode not in (None, 0):
                         raise RankFailed(f"rank {rank} of {world_size} died with exit code {process.exitcode}")
-                if time.monotonic() > deadline:
+                if (latest := store.add(_ARRIVALS_KEY, 0) + own.add(_PROGRESS_KEY, 0)) != progress:
+                    progress, deadline = latest, time.monotonic() + timeout_s
+                elif time.monotonic() > deadline:
                     missing = sorted(set(range(world_size)) - set(outputs))
                     raise TimeoutError(
                         f"ranks {missing} of {world_size} did not finish within {timeout_s:.0f} s "
-                        "(a collective that some rank never joined?)"
+                        "of the last sign of progress (a collective that some rank never joined?)"
                     )
                 continue
             if status == "error":
