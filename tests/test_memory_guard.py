@@ -1,6 +1,7 @@
 """Benchmark cells that cannot fit are recorded as OOM, with their estimate, instead of being killed."""
 
 from dataclasses import replace
+from pathlib import Path
 
 import pytest
 import torch
@@ -12,11 +13,22 @@ from cs336_systems.benchmarks.attention import AttentionCell, benchmark_attentio
 from cs336_systems.benchmarks.e2e import E2EConfig, benchmark_model, memory_estimate
 from cs336_systems.benchmarks.flash import FlashCell, benchmark_flash_cell
 from cs336_systems.benchmarks.harness import guarded_cell
-from cs336_systems.memory_guard import FIT_SHARE, MemoryCheck, check_memory, is_out_of_memory, oom_columns
+from cs336_systems.memory_guard import (
+    FIT_SHARE,
+    GPU_TRY_SHARE,
+    MemoryCheck,
+    check_memory,
+    is_out_of_memory,
+    oom_columns,
+)
+from cs336_systems.reports import read_rows
 from cs336_systems.reports.attention import oom_when
 from cs336_systems.rows import OOM
 
 GIB = 2**30
+REPORTS = Path(__file__).resolve().parents[1] / "reports"
+# The problems whose rows hold each training step's estimated and measured peak.
+MEASURED_STEPS = ("benchmarking_script", "benchmarking_mixed_precision", "torch_compile")
 
 
 @pytest.fixture
@@ -55,6 +67,35 @@ def test_a_cell_fits_within_the_share_of_free_memory_its_processes_share(free_ra
     assert oom_columns(True, check) == {"status": OOM, "oom_predicted": True,
                                         "estimated_peak_bytes": 20 * GIB, "available_bytes": 10 * GIB}
     assert oom_columns(False) == {"status": OOM, "oom_predicted": False}  # a cell with no estimate ran out
+
+
+def test_a_lone_gpu_cell_is_tried_wherever_its_estimate_could_fit_and_ranks_keep_the_margin(monkeypatch):
+    monkeypatch.setattr(memory_guard, "available_bytes", lambda device: 10 * GIB)
+    assert check_memory(int(GPU_TRY_SHARE * 10 * GIB), "cuda").fits
+    assert not check_memory(int(GPU_TRY_SHARE * 10 * GIB) + 1, "cuda").fits
+    assert not check_memory(int(FIT_SHARE * 10 * GIB) + 1, "cuda", in_collectives=True).fits
+    assert not check_memory(int(FIT_SHARE * 10 * GIB) + 1, "cpu").fits
+
+
+def _estimate_over_measured_peak() -> list[tuple[str, float]]:
+    """(where, estimated / measured peak) of every committed training step that ran on a GPU."""
+    ratios = []
+    for path in sorted(path for problem in MEASURED_STEPS for path in REPORTS.glob(f"*/{problem}.csv")):
+        for row in read_rows(path):
+            if row.get("estimated_peak_bytes") and row.get("peak_memory_gib"):
+                where = f"{path.parent.name}/{path.stem}: {row['size']} context {row['context_length']} " \
+                        f"{row['precision']}{' compiled' if row.get('compile') else ''}"
+                ratios.append((where, row["estimated_peak_bytes"] / (row["peak_memory_gib"] * GIB)))
+    return ratios
+
+
+def test_no_committed_step_that_ran_would_have_been_refused_by_its_estimate():
+    # A cell is refused on a GPU only where its estimate exceeds GPU_TRY_SHARE times what is free: that
+    # is no false out-of-memory as long as no estimate exceeds its measured peak by more.
+    ratios = _estimate_over_measured_peak()
+    assert ratios, f"no committed rows of {', '.join(MEASURED_STEPS)} with an estimate and a measured peak"
+    over = [(where, round(ratio, 3)) for where, ratio in ratios if ratio > GPU_TRY_SHARE]
+    assert not over, f"estimates past {GPU_TRY_SHARE} x the measured peak would refuse cells that fit: {over}"
 
 
 def test_cpu_and_gpu_allocation_failures_count_as_out_of_memory_and_nothing_else_does():
