@@ -119,16 +119,16 @@ def _parse_precisions(value: str) -> tuple[str, ...]:
     return chosen
 
 
-def _parse_sizes(value: str | None, on_gpu: bool) -> tuple[str, ...]:
-    from cs336_systems.model import model_sizes, size_table
+def _parse_sizes(value: str | None, on_gpu: bool, size_table: str) -> tuple[str, ...]:
+    from cs336_systems.model import model_sizes
 
-    table = model_sizes()
+    table = model_sizes(size_table)
     if value is None:
         return tuple(s for s in table if s not in CPU_MODEL_SIZES) if on_gpu else CPU_MODEL_SIZES
     sizes = tuple(s.strip() for s in value.split(",") if s.strip())
     unknown = [s for s in sizes if s not in table]
     if unknown or not sizes:
-        raise pytest.UsageError(f"--model-sizes: unknown {', '.join(unknown) or repr(value)} in the {size_table()} "
+        raise pytest.UsageError(f"--model-sizes: unknown {', '.join(unknown) or repr(value)} in the {size_table} "
                                 f"size table; choose from {', '.join(table)} (--size-table picks the table)")
     return sizes
 
@@ -155,12 +155,11 @@ def pytest_configure(config: pytest.Config) -> None:
         raise pytest.UsageError(f"--time-budget must be at least 0 seconds, got {time_budget_s:g}")
     if config.getoption("--accept-regression") and not config.getoption("--update-baselines"):
         raise pytest.UsageError("--accept-regression only applies with --update-baselines")
-    from cs336_systems.model import size_table, use_size_table
+    from cs336_systems.model import DEFAULT_SIZE_TABLE
 
-    if config.getoption("--size-table"):
-        use_size_table(config.getoption("--size-table"))
+    size_table = config.getoption("--size-table") or DEFAULT_SIZE_TABLE
     precisions = _parse_precisions(config.getoption("--precision"))
-    model_sizes = _parse_sizes(config.getoption("--model-sizes"), gpu_slug != "cpu")
+    model_sizes = _parse_sizes(config.getoption("--model-sizes"), gpu_slug != "cpu", size_table)
     # Staged only once every option is known to be good: a usage error leaves nothing behind.
     worker_input = getattr(config, "workerinput", None)
     staging = Path(worker_input[_STAGING_KEY] if worker_input else tempfile.mkdtemp(prefix="cs336-report-rows-"))
@@ -173,7 +172,7 @@ def pytest_configure(config: pytest.Config) -> None:
         update_baselines=config.getoption("--update-baselines"),
         accept_regression=config.getoption("--accept-regression"),
         model_sizes=model_sizes,
-        size_table=size_table(),
+        size_table=size_table,
         staging_dir=staging,
         command=" ".join(["pytest", *config.invocation_params.args]),
         baseline_dir=config.rootpath / "perf" / "baselines",
@@ -296,18 +295,18 @@ class ProblemReport:
     until the session ends and its reports are written.
     """
 
-    def __init__(self, problem: str, staging_dir: Path, worker: str):
+    def __init__(self, problem: str, staging_dir: Path, worker: str, size_table: str):
         self.problem = problem
         self._staging_dir = staging_dir
         self._file = staging_dir / f"{problem}.{worker}.jsonl"
+        self._size_table = size_table
 
     def add(self, row: dict[str, Any] | None = None, **fields: Any) -> None:
-        from cs336_systems.model import size_table
-
         record = {**(row or {}), **fields}
         if "size" in record:
-            # A size name means different models in different tables: the row says which it measured.
-            record.setdefault("size_table", size_table())
+            # A size name means different models in different tables: the row says which it measured, the
+            # run's table where the row does not name one.
+            record.setdefault("size_table", self._size_table)
         with self._file.open("a") as f:
             f.write(json.dumps(record, default=str) + "\n")
 
@@ -325,7 +324,8 @@ _ASSETS_DIR = "assets"
 def report(run_settings):
     """report("<problem>") -> a writer whose .add(row) lands in reports/<gpu>/<problem>.md and .csv."""
     worker = os.environ.get("PYTEST_XDIST_WORKER", "main")
-    return functools.cache(lambda problem: ProblemReport(problem, run_settings.staging_dir, worker))
+    return functools.cache(lambda problem: ProblemReport(problem, run_settings.staging_dir, worker,
+                                                         run_settings.size_table))
 
 
 @pytest.fixture(scope="session")

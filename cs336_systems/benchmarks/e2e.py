@@ -48,7 +48,7 @@ from cs336_systems.benchmarks.harness import (
 from cs336_systems.benchmarks.reference_lm import build_reference
 from cs336_systems.clocks import ClockSample, clock_columns
 from cs336_systems.memory_guard import MemoryCheck, check_memory
-from cs336_systems.model import ModelConfig
+from cs336_systems.model import DEFAULT_SIZE_TABLE, ModelConfig
 from cs336_systems.precision import check_precision
 from cs336_systems.profiling.kernels import device_profile, device_timeline, is_fused_attention, kernel_tables
 from cs336_systems.profiling.ranges import annotate
@@ -83,6 +83,7 @@ class E2EConfig:
     steps: int = DEFAULT_STEPS
     # The model's maximum context; None means the benchmark's context length.
     model_context_length: int | None = None
+    size_table: str = DEFAULT_SIZE_TABLE  # the handout whose size table `size` names
 
     def __post_init__(self):
         if self.mode not in MODES:
@@ -105,7 +106,7 @@ class E2EConfig:
                              f"{model.context_length}")
 
     def model_config(self) -> ModelConfig:
-        return ModelConfig.for_size(self.size, self.model_context_length or self.context_length)
+        return ModelConfig.for_size(self.size, self.model_context_length or self.context_length, table=self.size_table)
 
 
 def memory_model_attention(attention: str) -> str:
@@ -233,7 +234,8 @@ def benchmark_in_fresh_process(cfg: E2EConfig, device: torch.device | str) -> li
     args = [sys.executable, "-m", "cs336_systems", "e2e", "--json", "--device", torch.device(device).type,
             "--size", cfg.size, "--context", str(cfg.context_length), "--batch-size", str(cfg.batch_size),
             "--mode", cfg.mode, "--precision", cfg.precision, "--attention", cfg.attention,
-            "--optimizer", cfg.optimizer, "--warmup", str(cfg.warmup), "--steps", str(cfg.steps)]
+            "--optimizer", cfg.optimizer, "--warmup", str(cfg.warmup), "--steps", str(cfg.steps),
+            "--size-table", cfg.size_table]
     if cfg.compile:
         args.append("--compile")
     if cfg.model_context_length:
