@@ -129,10 +129,10 @@ def _check_breakdown(breakdown, steps, expected, device):
 
 
 @pytest.mark.parametrize("warmup", WARMUP_STEPS_STUDIED)
-def test_warmup_study(model_size, warmup, device, run_settings, report):
+def test_warmup_study(model_size, warmup, device, gpu_spec, run_settings, report):
     context = GPU_WARMUP_STUDY_CONTEXT if run_settings.on_gpu else CPU_WARMUP_STUDY_CONTEXT
     cfg = E2EConfig(size=model_size, context_length=context, warmup=warmup, size_table=run_settings.size_table)
-    rows = benchmark_in_fresh_process(cfg, device)
+    rows = benchmark_in_fresh_process(cfg, device, gpu_spec.peak_flops(cfg.precision) if gpu_spec else None)
     for row in rows:
         report("benchmarking_script").add(row, table="warmup")
     assert [r["phase"] for r in rows] == list(PHASES["train"])
