@@ -12,6 +12,7 @@ import os
 import shutil
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -69,7 +70,7 @@ class Settings:
 
 
 _settings_key = pytest.StashKey[Settings]()
-_interpret_key = pytest.StashKey[str | None]()
+_restore_interpretation_key = pytest.StashKey[Callable[[], None]]()
 
 
 def settings(config: pytest.Config) -> Settings:
@@ -137,16 +138,14 @@ def pytest_configure(config: pytest.Config) -> None:
     for name, description in MARKERS.items():
         config.addinivalue_line("markers", f"{name}: {description}")
     from cs336_systems.gpus import resolve_gpu
+    from cs336_systems.interpretation import interpret_kernels
 
     try:
         gpu_slug, gpu_spec = resolve_gpu(config.getoption("--gpu"))
     except ValueError as error:
         raise pytest.UsageError(f"--gpu: {error}") from None
-    if gpu_slug == "cpu":
-        # Triton reads this when a kernel is decorated, so it must be set before kernels are imported;
-        # pytest_unconfigure puts back what the process had, for a run inside another (pytester).
-        config.stash[_interpret_key] = os.environ.get("TRITON_INTERPRET")
-        os.environ["TRITON_INTERPRET"] = "1"
+    # Before any test module imports the kernels (cs336_systems.interpretation says why it must be then).
+    config.stash[_restore_interpretation_key] = interpret_kernels(on_gpu=gpu_slug != "cpu")
     world_size = config.getoption("--world-size")
     if world_size < 1:
         raise pytest.UsageError(f"--world-size must be at least 1, got {world_size}")
@@ -217,12 +216,8 @@ def pytest_runtest_setup(item: pytest.Item) -> None:
 
 
 def pytest_unconfigure(config: pytest.Config) -> None:
-    if _interpret_key in config.stash:
-        before = config.stash[_interpret_key]
-        if before is None:
-            os.environ.pop("TRITON_INTERPRET", None)
-        else:
-            os.environ["TRITON_INTERPRET"] = before
+    if _restore_interpretation_key in config.stash:
+        config.stash[_restore_interpretation_key]()
 
 
 def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
