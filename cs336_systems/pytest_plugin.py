@@ -7,10 +7,7 @@ ratios are staged per worker and merged by the controller when the session ends.
 from __future__ import annotations
 
 import functools
-import json
 import os
-import shutil
-import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -155,13 +152,14 @@ def pytest_configure(config: pytest.Config) -> None:
     if config.getoption("--accept-regression") and not config.getoption("--update-baselines"):
         raise pytest.UsageError("--accept-regression only applies with --update-baselines")
     from cs336_systems.model import DEFAULT_SIZE_TABLE
+    from cs336_systems.reports.staging import new_staging_dir
 
     size_table = config.getoption("--size-table") or DEFAULT_SIZE_TABLE
     precisions = _parse_precisions(config.getoption("--precision"))
     model_sizes = _parse_sizes(config.getoption("--model-sizes"), gpu_slug != "cpu", size_table)
     # Staged only once every option is known to be good: a usage error leaves nothing behind.
     worker_input = getattr(config, "workerinput", None)
-    staging = Path(worker_input[_STAGING_KEY] if worker_input else tempfile.mkdtemp(prefix="cs336-report-rows-"))
+    staging = Path(worker_input[_STAGING_KEY]) if worker_input else new_staging_dir()
     config.stash[_settings_key] = Settings(
         gpu_slug=gpu_slug,
         gpu_spec=gpu_spec,
@@ -283,44 +281,18 @@ def spawn(device):
     return functools.partial(launch, device=device.type)
 
 
-class ProblemReport:
-    """Rows for one problem's report, staged on disk as they arrive so a crash keeps them.
-
-    Files that go with the report (plots) are staged too: nothing reaches the report directory
-    until the session ends and its reports are written.
-    """
-
-    def __init__(self, problem: str, staging_dir: Path, worker: str, size_table: str):
-        self.problem = problem
-        self._staging_dir = staging_dir
-        self._file = staging_dir / f"{problem}.{worker}.jsonl"
-        self._size_table = size_table
-
-    def add(self, row: dict[str, Any] | None = None, **fields: Any) -> None:
-        record = {**(row or {}), **fields}
-        if "size" in record:
-            # A size name means different models in different tables: the row says which it measured, the
-            # run's table where the row does not name one.
-            record.setdefault("size_table", self._size_table)
-        with self._file.open("a") as f:
-            f.write(json.dumps(record, default=str) + "\n")
-
-    def asset_path(self, file_name: str) -> Path:
-        """Where a file that goes with this report (a PNG, a trace) should be written."""
-        assets = self._staging_dir / _ASSETS_DIR
-        assets.mkdir(exist_ok=True)
-        return assets / file_name
-
-
-_ASSETS_DIR = "assets"
-
-
 @pytest.fixture(scope="session")
 def report(run_settings):
     """report("<problem>") -> a writer whose .add(row) lands in reports/<gpu>/<problem>.md and .csv."""
-    worker = os.environ.get("PYTEST_XDIST_WORKER", "main")
-    return functools.cache(lambda problem: ProblemReport(problem, run_settings.staging_dir, worker,
+    from cs336_systems.reports.staging import ProblemReport
+
+    return functools.cache(lambda problem: ProblemReport(problem, run_settings.staging_dir, _worker(),
                                                          run_settings.size_table))
+
+
+def _worker() -> str:
+    """This process's name among pytest-xdist's workers ("main" without xdist): its staged files carry it."""
+    return os.environ.get("PYTEST_XDIST_WORKER", "main")
 
 
 @pytest.fixture(scope="session")
@@ -337,6 +309,7 @@ def speedup_gate(run_settings):
     --accept-regression is given. `note` (the variants' statuses, say) is added to a failure's message.
     """
     from cs336_systems import baselines
+    from cs336_systems.reports.staging import stage_ratio
 
     path = run_settings.baseline_path
     recorded = baselines.load_baselines(path)
@@ -356,10 +329,8 @@ def speedup_gate(run_settings):
                 pytest.fail(f"refusing to record {result.message(path)}{noted}")
             if result.regressed and not run_settings.accept_regression:
                 pytest.fail(f"refusing to record {result.message(path)}; pass --accept-regression to record it")
-            worker = os.environ.get("PYTEST_XDIST_WORKER", "main")
-            with (run_settings.staging_dir / f"{_BASELINES_STAGE}.{worker}.jsonl").open("a") as f:
-                record = baselines.ratio_to_record(result, run_settings.accept_regression)
-                f.write(json.dumps({"name": name, "ratio": record}) + "\n")
+            stage_ratio(run_settings.staging_dir, _worker(), name,
+                        baselines.ratio_to_record(result, run_settings.accept_regression))
             return ratio
         if not path.exists():
             pytest.skip(baselines.no_baseline_file(path))
@@ -370,64 +341,23 @@ def speedup_gate(run_settings):
     return gate
 
 
-_BASELINES_STAGE = "baselines"
-
-
 # ------------------------------------------------------------------------------------ session end
 
 def pytest_sessionfinish(session: pytest.Session) -> None:
-    """Write the staged rows into reports, the reports' index, and the staged ratios into the
-    baseline file.
-
-    Never raises: a report that cannot be written is named in the summary and fails the session,
-    and the others are still written.
-    """
+    """Write the staged rows into reports, the reports' index, and the staged ratios into the baseline
+    file (cs336_systems.reports.staging.publish); a report that cannot be written fails the session."""
     config = session.config
     if hasattr(config, "workerinput") or _settings_key not in config.stash:
         return  # xdist workers leave merging to the controller
-    run = settings(config)
-    if not run.staging_dir.exists():
-        return
-    from cs336_systems import baselines, reports
-    from cs336_systems.reports import problems
-    from cs336_systems.reports.index import index_path, write_index
+    from cs336_systems.reports.staging import publish
 
-    written, errors = [], []
-    staged = sorted(run.staging_dir.glob("*.jsonl"))
-    names = sorted({f.name.split(".")[0] for f in staged} - {_BASELINES_STAGE})
-    for problem in names:
-        try:
-            rows = [json.loads(line) for f in staged if f.name.split(".")[0] == problem
-                    for line in f.read_text().splitlines()]
-            markdown = reports.write_report(problems.report(problem), rows, run.report_dir, run.command,
-                                            "cuda" if run.on_gpu else "cpu")
-            written += [markdown, *reports.shown_figures(markdown)]
-        except Exception as error:  # one report's failure must not lose the others
-            errors.append(f"{problem}: {type(error).__name__}: {error}")
-    for asset in sorted((run.staging_dir / _ASSETS_DIR).glob("*")):
-        run.report_dir.mkdir(parents=True, exist_ok=True)
-        written.append(Path(shutil.move(asset, run.report_dir / asset.name)))
-    written = list(dict.fromkeys(written))  # a staged plot that a kept report already showed is listed once
-    if written:  # the index of this run's kind of device answers from its reports, this run's included
-        try:
-            written.append(write_index(run.report_root, cpu=not run.on_gpu))
-        except Exception as error:
-            errors.append(f"{index_path(run.report_root, cpu=not run.on_gpu)}: "
-                          f"{type(error).__name__}: {error}")
-    ratios = {r["name"]: r["ratio"] for f in staged if f.name.startswith(f"{_BASELINES_STAGE}.")
-              for r in map(json.loads, f.read_text().splitlines())}
-    if ratios:
-        try:
-            baselines.update_baselines(run.baseline_path, ratios,
-                                       reports.device_description("cuda" if run.on_gpu else "cpu"))
-            written.append(run.baseline_path)
-        except Exception as error:
-            errors.append(f"{run.baseline_path}: {type(error).__name__}: {error}")
+    run = settings(config)
+    written, errors = publish(run.staging_dir, run.report_dir, run.report_root, run.on_gpu, run.command,
+                              run.baseline_path)
     config.stash[_written_key] = written
     config.stash[_errors_key] = errors
     if errors and session.exitstatus == pytest.ExitCode.OK:
         session.exitstatus = pytest.ExitCode.TESTS_FAILED
-    shutil.rmtree(run.staging_dir, ignore_errors=True)
 
 
 _written_key = pytest.StashKey[list]()
