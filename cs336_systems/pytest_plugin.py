@@ -297,46 +297,24 @@ def _worker() -> str:
 
 @pytest.fixture(scope="session")
 def speedup_gate(run_settings):
-    """speedup_gate(name, slow_ms, fast_ms, *, promise, note=""): the ratio slow/fast against its floor.
-
-    `promise` is the least ratio the calling test guarantees (cs336_systems.baselines); the floor is the
-    higher of the promise and the baseline less its tolerance. Fails below the floor, naming the bound
-    that failed, when the baseline file has no entry for `name`, and when either time is None (a variant
-    that ran out of memory or errored gates nothing, so it cannot pass). Skips, saying why, when this
-    device has no baseline file. With --update-baselines it records the ratio instead: a broken promise
-    is never recorded, one past tolerance below the baseline only with --accept-regression, and a lower
-    one within tolerance leaves the recorded ratio as it was (and gates against it) unless
-    --accept-regression is given. `note` (the variants' statuses, say) is added to a failure's message.
-    """
-    from cs336_systems import baselines
+    """speedup_gate(name, slow_ms, fast_ms, *, promise, note=""): the ratio slow/fast against its floor, the
+    higher of `promise` (the least ratio the calling test guarantees) and the baseline less its tolerance.
+    Fails or skips as cs336_systems.baselines.SpeedupGates says; with --update-baselines the ratio is
+    recorded when the session ends."""
+    from cs336_systems.baselines import SpeedupGates
     from cs336_systems.reports.staging import stage_ratio
 
-    path = run_settings.baseline_path
-    recorded = baselines.load_baselines(path)
+    gates = SpeedupGates(run_settings.baseline_path, run_settings.update_baselines, run_settings.accept_regression)
 
     def gate(name: str, slow_ms: float | None, fast_ms: float | None, *, promise: float, note: str = "") -> float:
-        noted = f" ({note})" if note else ""
-        if slow_ms is None or fast_ms is None:
-            unmeasured = [side for side, ms in (("slower", slow_ms), ("faster", fast_ms)) if ms is None]
-            if run_settings.update_baselines or path.exists():
-                have = "variants have" if len(unmeasured) > 1 else "variant has"
-                pytest.fail(f"{name}: the {' and '.join(unmeasured)} {have} no time, so the gate cannot hold{noted}")
-            pytest.skip(baselines.no_baseline_file(path))
-        ratio = baselines.speedup_ratio(slow_ms, fast_ms)
-        result = baselines.check(name, ratio, recorded, promise)
-        if run_settings.update_baselines:
-            if result.broke_promise:
-                pytest.fail(f"refusing to record {result.message(path)}{noted}")
-            if result.regressed and not run_settings.accept_regression:
-                pytest.fail(f"refusing to record {result.message(path)}; pass --accept-regression to record it")
-            stage_ratio(run_settings.staging_dir, _worker(), name,
-                        baselines.ratio_to_record(result, run_settings.accept_regression))
-            return ratio
-        if not path.exists():
-            pytest.skip(baselines.no_baseline_file(path))
-        if not result.passed:
-            pytest.fail(result.message(path) + noted)
-        return ratio
+        verdict = gates.judge(name, slow_ms, fast_ms, promise, note)
+        if verdict.failure:
+            pytest.fail(verdict.failure)
+        if verdict.skip:
+            pytest.skip(verdict.skip)
+        if verdict.record is not None:
+            stage_ratio(run_settings.staging_dir, _worker(), name, verdict.record)
+        return verdict.ratio
 
     return gate
 
