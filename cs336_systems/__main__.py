@@ -80,18 +80,16 @@ def _cmd_e2e(args) -> None:
     from cs336_systems.benchmarks.e2e import E2EConfig, benchmark_model, split_breakdown
     from cs336_systems.clocks import CLOCK_COLUMNS
     from cs336_systems.gpus import resolve_gpu
-    from cs336_systems.model import use_size_table
     from cs336_systems.reports import oom_note, oom_text
     from cs336_systems.rows import OOM
 
-    if args.size_table:
-        use_size_table(args.size_table)
     device = _device(args.device)
     _, spec = resolve_gpu("auto" if device.type == "cuda" else "none")
     cells = [
         E2EConfig(size=size, context_length=context, batch_size=args.batch_size, mode=args.mode,
                   precision=precision, compile=args.compile, attention=args.attention, optimizer=args.optimizer,
-                  warmup=args.warmup, steps=args.steps, model_context_length=args.model_context)
+                  warmup=args.warmup, steps=args.steps, model_context_length=args.model_context,
+                  size_table=args.size_table)
         for size, context, precision in itertools.product(args.size, args.context, args.precision)
     ]  # built first, so bad input fails before anything runs
     if args.reference and args.attention != "sdpa":
@@ -195,7 +193,7 @@ def build_parser() -> argparse.ArgumentParser:
     e2e.add_argument("--size", type=_list(str), required=True,
                      help=f"model size(s), comma-separated: any of {', '.join(SIZE_TABLES[DEFAULT_SIZE_TABLE])} "
                           "or tiny")
-    e2e.add_argument("--size-table", choices=tuple(SIZE_TABLES), default=None,
+    e2e.add_argument("--size-table", choices=tuple(SIZE_TABLES), default=DEFAULT_SIZE_TABLE,
                      help=f"the handout whose size table --size names (default: {DEFAULT_SIZE_TABLE}; 2025 has "
                           "xl = 1600/6400/48/25 and 2.7B)")
     e2e.add_argument("--context", type=_list(_positive_int), required=True, help="context length(s), comma-separated")

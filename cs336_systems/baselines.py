@@ -116,6 +116,63 @@ def ratio_to_record(result: GateResult, accept_regression: bool) -> float:
     return result.baseline.ratio
 
 
+@dataclass(frozen=True)
+class Verdict:
+    """What a gate does: pass, giving `ratio` back; fail or skip saying why; and with --update-baselines,
+    stage `record` for the baseline file. `ratio` is None when a variant has no time."""
+
+    ratio: float | None
+    failure: str | None = None
+    skip: str | None = None
+    record: float | None = None
+
+
+class SpeedupGates:
+    """The gates of one run against the baseline file at `path`, read once when the run starts.
+
+    A gate's floor is the higher of its test's promise and the baseline less its tolerance. It fails
+    below the floor, naming the bound that failed, when the file has no entry for the gate, and when
+    either time is None (a variant that ran out of memory or errored gates nothing, so it cannot pass);
+    it is skipped, saying why, when the device has no baseline file. With `update` (--update-baselines) it
+    records the ratio instead: a broken promise is never recorded, one past tolerance below the baseline
+    only with `accept_regression`, and a lower one within tolerance leaves the recorded ratio as it was
+    (and gates against it) unless `accept_regression`.
+    """
+
+    def __init__(self, path: Path, update: bool = False, accept_regression: bool = False):
+        self.path = path
+        self.update = update
+        self.accept_regression = accept_regression
+        self._recorded = load_baselines(path)
+
+    def judge(self, name: str, slow_ms: float | None, fast_ms: float | None, promise: float,
+              note: str = "") -> Verdict:
+        """The verdict on `name`'s ratio slow_ms / fast_ms; `note` (the variants' statuses, say) is added
+        to a failure's message."""
+        noted = f" ({note})" if note else ""
+        if slow_ms is None or fast_ms is None:
+            unmeasured = [side for side, ms in (("slower", slow_ms), ("faster", fast_ms)) if ms is None]
+            if self.update or self.path.exists():
+                have = "variants have" if len(unmeasured) > 1 else "variant has"
+                return Verdict(None, failure=f"{name}: the {' and '.join(unmeasured)} {have} no time, so the gate "
+                                             f"cannot hold{noted}")
+            return Verdict(None, skip=no_baseline_file(self.path))
+        ratio = speedup_ratio(slow_ms, fast_ms)
+        result = check(name, ratio, self._recorded, promise)
+        if self.update:
+            if result.broke_promise:
+                return Verdict(ratio, failure=f"refusing to record {result.message(self.path)}{noted}")
+            if result.regressed and not self.accept_regression:
+                return Verdict(ratio, failure=f"refusing to record {result.message(self.path)}; pass "
+                                              "--accept-regression to record it")
+            return Verdict(ratio, record=ratio_to_record(result, self.accept_regression))
+        if not self.path.exists():
+            return Verdict(ratio, skip=no_baseline_file(self.path))
+        if not result.passed:
+            return Verdict(ratio, failure=result.message(self.path) + noted)
+        return Verdict(ratio)
+
+
 def update_baselines(path: Path, measured: dict[str, float], device: str) -> None:
     """Record `measured` ratios in `path`, keeping other entries and their tolerances."""
     baselines = load_baselines(path)

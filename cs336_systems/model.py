@@ -9,7 +9,6 @@ devices or precisions: wrappers and autocast are applied from outside.
 from __future__ import annotations
 
 import math
-import os
 from dataclasses import dataclass
 
 import torch
@@ -41,9 +40,6 @@ DEFAULT_SIZE_TABLE = "2026"
 TINY = dict(d_model=64, d_ff=256, num_layers=2, num_heads=4)
 # Sizes of both tables in increasing parameter count, for ordering rows.
 SIZE_ORDER = ("tiny", "small", "medium", "large", "xl", "2.7B", "10B")
-# The table in use lives in the environment, so processes started for distributed ranks or a fresh
-# benchmark process use the one their parent chose.
-SIZE_TABLE_ENV = "CS336_SIZE_TABLE"
 
 
 def _check_table(table: str) -> str:
@@ -52,19 +48,9 @@ def _check_table(table: str) -> str:
     return table
 
 
-def size_table() -> str:
-    """The size table in use: the one `use_size_table` chose, else the current handout's."""
-    return _check_table(os.environ.get(SIZE_TABLE_ENV, DEFAULT_SIZE_TABLE))
-
-
-def use_size_table(table: str) -> None:
-    """Make `table` the one model sizes are looked up in, here and in processes started from here."""
-    os.environ[SIZE_TABLE_ENV] = _check_table(table)
-
-
-def model_sizes(table: str | None = None) -> dict[str, dict[str, int]]:
-    """Size name -> d_model, d_ff, num_layers, num_heads, in `table` (default: the one in use)."""
-    return {"tiny": TINY, **SIZE_TABLES[_check_table(table or size_table())]}
+def model_sizes(table: str = DEFAULT_SIZE_TABLE) -> dict[str, dict[str, int]]:
+    """Size name -> d_model, d_ff, num_layers, num_heads, in `table`."""
+    return {"tiny": TINY, **SIZE_TABLES[_check_table(table)]}
 
 
 def size_order(size: str) -> int:
@@ -95,9 +81,9 @@ class ModelConfig:
 
     @classmethod
     def for_size(cls, size: str, context_length: int, vocab_size: int = VOCAB_SIZE,
-                 table: str | None = None) -> ModelConfig:
-        """The config of `size` in the size table `table` (default: the one in use)."""
-        table = table or size_table()
+                 table: str = DEFAULT_SIZE_TABLE) -> ModelConfig:
+        """The config of `size` in the size table `table`: a size name means different models in different
+        tables, so whatever keeps a size name keeps its table beside it."""
         sizes = model_sizes(table)
         if size not in sizes:
             elsewhere = [name for name in SIZE_TABLES if size in SIZE_TABLES[name]]

@@ -1,75 +1,22 @@
-"""pytest glue: options, markers, fixtures. The logic lives in the library; this only wires it.
-
-Loaded by the repository's root conftest.py. Works under pytest-xdist: report rows and measured
-ratios are staged per worker and merged by the controller when the session ends.
-"""
+"""pytest glue: options (each mirrored by an ini setting), markers, fixtures. The logic lives in the library
+(run_settings, interpretation, baselines, reports.staging); this only wires it. Loaded by the root conftest.py;
+works under pytest-xdist, whose workers stage rows that the controller merges when the session ends."""
 
 from __future__ import annotations
 
 import functools
-import json
 import os
-import shutil
-import tempfile
-import time
-from dataclasses import dataclass
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-MARKERS = {
-    "e2e": "end-to-end model benchmarks (benchmarking_script, mixed precision, compiled model)",
-    "profile": "kernel tables from torch.profiler and NVTX ranges (nsys_profile)",
-    "memory": "memory snapshots, peak tables and activation checkpointing",
-    "attention": "attention sweeps (pytorch_attention, torch_compile attention part)",
-    "flash": "FlashAttention-2 correctness and benchmarks",
-    "ddp": "distributed data parallel and the all-reduce benchmark",
-    "sharding": "optimizer-state sharding",
-    "fsdp": "fully sharded data parallel",
-    "accounting": "closed-form memory, FLOP and communication models",
-    "gpu": "needs a CUDA GPU; skipped when the run is on CPU",
-    "multigpu": "needs --world-size CUDA GPUs; skipped when fewer are present",
-    "slow": "takes more than a few seconds on a CPU",
-}
-DEFAULT_PRECISIONS = "fp32,bf16"
-DEFAULT_WORLD_SIZE = 2
-CPU_MODEL_SIZES = ("tiny",)
+from cs336_systems.run_settings import MARKERS, Settings
+
 _STAGING_KEY = "cs336_staging_dir"
-
-
-@dataclass(frozen=True)
-class Settings:
-    gpu_slug: str  # "cpu" when the run has no GPU
-    gpu_spec: Any  # cs336_systems.gpus.GpuSpec, or None for CPU and GPUs not in the table
-    precisions: tuple[str, ...]
-    world_size: int
-    report_root: Path
-    update_baselines: bool
-    accept_regression: bool  # --update-baselines may record a ratio below its baseline
-    model_sizes: tuple[str, ...]
-    size_table: str  # the handout whose model-size table the sizes name
-    staging_dir: Path
-    command: str
-    baseline_dir: Path
-    time_budget_s: float | None  # tests not started this long after the session began are skipped
-    started: float  # time.monotonic() when the session was configured
-
-    @property
-    def on_gpu(self) -> bool:
-        return self.gpu_slug != "cpu"
-
-    @property
-    def report_dir(self) -> Path:
-        return self.report_root / self.gpu_slug
-
-    @property
-    def baseline_path(self) -> Path:
-        return self.baseline_dir / f"{self.gpu_slug}.json"
-
-
 _settings_key = pytest.StashKey[Settings]()
-_interpret_key = pytest.StashKey[str | None]()
+_restore_interpretation_key = pytest.StashKey[Callable[[], None]]()
 
 
 def settings(config: pytest.Config) -> Settings:
@@ -77,120 +24,79 @@ def settings(config: pytest.Config) -> Settings:
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
+    from cs336_systems.model import DEFAULT_SIZE_TABLE, SIZE_TABLES
     from cs336_systems.precision import PRECISIONS
+    from cs336_systems.run_settings import CPU_MODEL_SIZES, DEFAULT_PRECISIONS, DEFAULT_WORLD_SIZE
 
     group = parser.getgroup("cs336", "cs336-systems")
-    group.addoption("--gpu", default="auto",
-                    help="auto (detect), none (CPU, Triton interpreter), or a GPU name from "
-                         "cs336_systems.gpus (a100, h100, h200, b200, ...): sets the spec used "
-                         "for MFU columns and the baseline file")
-    group.addoption("--world-size", type=int, default=DEFAULT_WORLD_SIZE,
-                    help=f"ranks for distributed benchmarks (default {DEFAULT_WORLD_SIZE})")
-    group.addoption("--precision", default=DEFAULT_PRECISIONS,
-                    help=f"comma-separated subset of {', '.join(PRECISIONS)}, or all (default {DEFAULT_PRECISIONS})")
-    group.addoption("--report-dir", default=None,
-                    help="where reports go; each GPU gets a subdirectory (default: reports/ in pytest's rootdir, "
-                         "the repository's root, from any folder)")
-    group.addoption("--update-baselines", action="store_true",
-                    help="write measured speed-up ratios to perf/baselines/<gpu>.json instead of gating")
-    group.addoption("--accept-regression", action="store_true",
-                    help="with --update-baselines: record ratios below the current baseline, even past its "
-                         "tolerance (otherwise a lower ratio leaves the baseline as it was, and one past "
-                         "tolerance is refused)")
-    group.addoption("--time-budget", type=float, default=None, metavar="SECONDS",
-                    help="skip the tests not started within SECONDS of the session's start; the ones "
-                         "measured so far still reach the reports (for sweeps on borrowed time)")
-    group.addoption("--model-sizes", default=None,
-                    help="comma-separated model sizes for the model benchmarks (default: every size of "
-                         f"the size table on a GPU, {','.join(CPU_MODEL_SIZES)} on CPU)")
-    group.addoption("--size-table", default=None, choices=("2026", "2025"),
-                    help="the handout whose model-size table sizes are looked up in: 2026 (xl = "
-                         "2560/10240/32/32, and 10B; the default) or 2025 (xl = 1600/6400/48/25, and 2.7B)")
+
+    def add(option: str, ini_default: Any, help: str, ini_type: str = "string", **kwargs: Any) -> None:
+        """--option, mirrored by the ini setting of its dest's name (as pytest-xdist's are): the command line wins."""
+        group.addoption(f"--{option}", default=None, help=help, **kwargs)
+        parser.addini(option.replace("-", "_"), f"the value of --{option} where the command line gives none",
+                      type=ini_type, default=ini_default)
+
+    add("gpu", "auto", "auto (detect), none (CPU, Triton interpreter), or a GPU name from cs336_systems.gpus "
+        "(a100, h100, h200, b200, ...): sets the spec used for MFU columns and the baseline file")
+    add("world-size", DEFAULT_WORLD_SIZE, f"ranks for distributed benchmarks (default {DEFAULT_WORLD_SIZE})", type=int)
+    add("precision", DEFAULT_PRECISIONS,
+        f"comma-separated subset of {', '.join(PRECISIONS)}, or all (default {DEFAULT_PRECISIONS})")
+    add("report-dir", None, "where reports go; each GPU gets a subdirectory (default: reports/ in pytest's rootdir, "
+        "the repository's root, from any folder; an ini setting is relative to the ini file's folder)")
+    add("update-baselines", False, "write measured speed-up ratios to perf/baselines/<gpu>.json instead of gating",
+        "bool", action="store_true")
+    add("accept-regression", False, "with --update-baselines: record ratios below the current baseline, even past "
+        "its tolerance (otherwise a lower ratio leaves the baseline as it was, and one past tolerance is refused)",
+        "bool", action="store_true")
+    add("time-budget", None, "skip the tests not started within SECONDS of the session's start; the ones measured "
+        "so far still reach the reports (for sweeps on borrowed time)", type=float, metavar="SECONDS")
+    add("model-sizes", None, "comma-separated model sizes for the model benchmarks (default: every size of the "
+        f"size table on a GPU, {','.join(CPU_MODEL_SIZES)} on CPU)")
+    add("size-table", DEFAULT_SIZE_TABLE, "the handout whose model-size table sizes are looked up in: 2026 (xl = "
+        "2560/10240/32/32, and 10B; the default) or 2025 (xl = 1600/6400/48/25, and 2.7B)", choices=tuple(SIZE_TABLES))
 
 
-def _parse_precisions(value: str) -> tuple[str, ...]:
-    from cs336_systems.precision import PRECISIONS
-
-    chosen = tuple(PRECISIONS) if value == "all" else tuple(p.strip() for p in value.split(",") if p.strip())
-    unknown = [p for p in chosen if p not in PRECISIONS]
-    if unknown or not chosen:
-        raise pytest.UsageError(f"--precision: unknown {', '.join(unknown) or repr(value)}; "
-                                f"use any of {', '.join(PRECISIONS)} (comma-separated), or all")
-    return chosen
-
-
-def _parse_sizes(value: str | None, on_gpu: bool) -> tuple[str, ...]:
-    from cs336_systems.model import model_sizes, size_table
-
-    table = model_sizes()
-    if value is None:
-        return tuple(s for s in table if s not in CPU_MODEL_SIZES) if on_gpu else CPU_MODEL_SIZES
-    sizes = tuple(s.strip() for s in value.split(",") if s.strip())
-    unknown = [s for s in sizes if s not in table]
-    if unknown or not sizes:
-        raise pytest.UsageError(f"--model-sizes: unknown {', '.join(unknown) or repr(value)} in the {size_table()} "
-                                f"size table; choose from {', '.join(table)} (--size-table picks the table)")
-    return sizes
+def _option(config: pytest.Config, name: str, convert: Callable[[str], Any] | None = None) -> Any:
+    """Option `name` (its dest) from the command line, else its ini setting's text, parsed by `convert`."""
+    value = config.getoption(name)
+    value = config.getini(name) if value is None else value
+    try:
+        return convert(value) if convert and isinstance(value, str) else value
+    except ValueError:
+        raise pytest.UsageError(f"the {name} ini setting: invalid {convert.__name__} value: {value!r}") from None
 
 
 def pytest_configure(config: pytest.Config) -> None:
     for name, description in MARKERS.items():
         config.addinivalue_line("markers", f"{name}: {description}")
-    from cs336_systems.gpus import resolve_gpu
+    from cs336_systems.interpretation import interpret_kernels
+    from cs336_systems.run_settings import choose_settings
 
-    try:
-        gpu_slug, gpu_spec = resolve_gpu(config.getoption("--gpu"))
-    except ValueError as error:
-        raise pytest.UsageError(f"--gpu: {error}") from None
-    if gpu_slug == "cpu":
-        # Triton reads this when a kernel is decorated, so it must be set before kernels are imported;
-        # pytest_unconfigure puts back what the process had, for a run inside another (pytester).
-        config.stash[_interpret_key] = os.environ.get("TRITON_INTERPRET")
-        os.environ["TRITON_INTERPRET"] = "1"
-    world_size = config.getoption("--world-size")
-    if world_size < 1:
-        raise pytest.UsageError(f"--world-size must be at least 1, got {world_size}")
-    time_budget_s = config.getoption("--time-budget")
-    if time_budget_s is not None and time_budget_s < 0:
-        raise pytest.UsageError(f"--time-budget must be at least 0 seconds, got {time_budget_s:g}")
-    if config.getoption("--accept-regression") and not config.getoption("--update-baselines"):
-        raise pytest.UsageError("--accept-regression only applies with --update-baselines")
-    from cs336_systems.model import size_table, use_size_table
-
-    if config.getoption("--size-table"):
-        use_size_table(config.getoption("--size-table"))
-    precisions = _parse_precisions(config.getoption("--precision"))
-    model_sizes = _parse_sizes(config.getoption("--model-sizes"), gpu_slug != "cpu")
-    # Staged only once every option is known to be good: a usage error leaves nothing behind.
     worker_input = getattr(config, "workerinput", None)
-    staging = Path(worker_input[_STAGING_KEY] if worker_input else tempfile.mkdtemp(prefix="cs336-report-rows-"))
-    config.stash[_settings_key] = Settings(
-        gpu_slug=gpu_slug,
-        gpu_spec=gpu_spec,
-        precisions=precisions,
-        world_size=world_size,
-        report_root=_report_root(config),
-        update_baselines=config.getoption("--update-baselines"),
-        accept_regression=config.getoption("--accept-regression"),
-        model_sizes=model_sizes,
-        size_table=size_table(),
-        staging_dir=staging,
-        command=" ".join(["pytest", *config.invocation_params.args]),
-        baseline_dir=config.rootpath / "perf" / "baselines",
-        time_budget_s=time_budget_s,
-        started=time.monotonic(),
-    )
+    options = {name: _option(config, name) for name in ("gpu", "precision", "model_sizes", "size_table",
+                                                         "update_baselines", "accept_regression")}
+    try:
+        run = choose_settings(**options, world_size=_option(config, "world_size", int),
+                              time_budget_s=_option(config, "time_budget", float), report_root=_report_root(config),
+                              command=" ".join(["pytest", *config.invocation_params.args]),
+                              baseline_dir=config.rootpath / "perf" / "baselines",
+                              staging_dir=Path(worker_input[_STAGING_KEY]) if worker_input else None)
+    except ValueError as error:
+        raise pytest.UsageError(str(error)) from None
+    config.stash[_settings_key] = run
+    # Before any test module imports the kernels (cs336_systems.interpretation says why it must be then).
+    config.stash[_restore_interpretation_key] = interpret_kernels(run.on_gpu)
 
 
 def _report_root(config: pytest.Config) -> Path:
-    """--report-dir, relative to the folder pytest was started in; by default `reports/` in the rootdir, so a run
-    from a subfolder (`cd perf && pytest test_e2e.py`) writes where a run from the root does."""
+    """--report-dir from the folder pytest started in (its ini setting from the ini file's); by default reports/ in
+    the rootdir, so a run from a subfolder (`cd perf && pytest test_e2e.py`) writes where one from the root does."""
     from cs336_systems.reports import REPORTS_DIR_NAME
 
-    chosen = config.getoption("--report-dir")
+    chosen, relative_to = config.getoption("report_dir"), config.invocation_params.dir
     if chosen is None:
-        return config.rootpath / REPORTS_DIR_NAME
-    return (config.invocation_params.dir / chosen).resolve()
+        chosen, relative_to = config.getini("report_dir"), config.inipath.parent if config.inipath else config.rootpath
+    return config.rootpath / REPORTS_DIR_NAME if chosen is None else (relative_to / chosen).resolve()
 
 
 @pytest.hookimpl(optionalhook=True)
@@ -200,30 +106,18 @@ def pytest_configure_node(node) -> None:
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    import torch
-
-    run = settings(config)
-    gpus = torch.cuda.device_count() if run.on_gpu else 0
     for item in items:
-        if "gpu" in item.keywords and not run.on_gpu:
-            item.add_marker(pytest.mark.skip(reason="needs a CUDA GPU (run is on CPU)"))
-        if "multigpu" in item.keywords and gpus < run.world_size:
-            item.add_marker(pytest.mark.skip(reason=f"needs {run.world_size} CUDA GPUs, {gpus} present"))
+        for reason in settings(config).unmet_needs(item.keywords):
+            item.add_marker(pytest.mark.skip(reason=reason))
 
 
 def pytest_runtest_setup(item: pytest.Item) -> None:
-    run = settings(item.config)
-    if run.time_budget_s is not None and time.monotonic() - run.started > run.time_budget_s:
-        pytest.skip(f"--time-budget {run.time_budget_s:g} s was spent before this test started")
+    if spent := settings(item.config).budget_spent():
+        pytest.skip(spent)
 
 
 def pytest_unconfigure(config: pytest.Config) -> None:
-    if _interpret_key in config.stash:
-        before = config.stash[_interpret_key]
-        if before is None:
-            os.environ.pop("TRITON_INTERPRET", None)
-        else:
-            os.environ["TRITON_INTERPRET"] = before
+    config.stash.get(_restore_interpretation_key, lambda: None)()
 
 
 def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
@@ -233,9 +127,8 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
     if "model_size" in metafunc.fixturenames and "model_size" not in _parametrized(metafunc):
         metafunc.parametrize("model_size", run.model_sizes)
     if "distributed_device" in metafunc.fixturenames:
-        # Where a distributed benchmark's ranks run: one GPU each over NCCL (skipped without
-        # --world-size GPUs), or CPU processes over gloo. Module scope, so a module fixture that
-        # launches the ranks once can take it.
+        # Where a distributed benchmark's ranks run: one GPU each over NCCL (skipped without --world-size GPUs),
+        # or CPU processes over gloo. Module scope, so a module fixture that launches the ranks once can take it.
         device = pytest.param("cuda", marks=pytest.mark.multigpu) if run.on_gpu else "cpu"
         metafunc.parametrize("distributed_device", [device], scope="module")
 
@@ -289,163 +182,69 @@ def spawn(device):
     return functools.partial(launch, device=device.type)
 
 
-class ProblemReport:
-    """Rows for one problem's report, staged on disk as they arrive so a crash keeps them.
-
-    Files that go with the report (plots) are staged too: nothing reaches the report directory
-    until the session ends and its reports are written.
-    """
-
-    def __init__(self, problem: str, staging_dir: Path, worker: str):
-        self.problem = problem
-        self._staging_dir = staging_dir
-        self._file = staging_dir / f"{problem}.{worker}.jsonl"
-
-    def add(self, row: dict[str, Any] | None = None, **fields: Any) -> None:
-        from cs336_systems.model import size_table
-
-        record = {**(row or {}), **fields}
-        if "size" in record:
-            # A size name means different models in different tables: the row says which it measured.
-            record.setdefault("size_table", size_table())
-        with self._file.open("a") as f:
-            f.write(json.dumps(record, default=str) + "\n")
-
-    def asset_path(self, file_name: str) -> Path:
-        """Where a file that goes with this report (a PNG, a trace) should be written."""
-        assets = self._staging_dir / _ASSETS_DIR
-        assets.mkdir(exist_ok=True)
-        return assets / file_name
-
-
-_ASSETS_DIR = "assets"
-
-
 @pytest.fixture(scope="session")
 def report(run_settings):
     """report("<problem>") -> a writer whose .add(row) lands in reports/<gpu>/<problem>.md and .csv."""
-    worker = os.environ.get("PYTEST_XDIST_WORKER", "main")
-    return functools.cache(lambda problem: ProblemReport(problem, run_settings.staging_dir, worker))
+    from cs336_systems.reports.staging import ProblemReport
+
+    return functools.cache(lambda problem: ProblemReport(problem, run_settings.staging_dir, _worker(),
+                                                         run_settings.size_table))
+
+
+def _worker() -> str:
+    """This process's name among pytest-xdist's workers ("main" without xdist): its staged files carry it."""
+    return os.environ.get("PYTEST_XDIST_WORKER", "main")
 
 
 @pytest.fixture(scope="session")
 def speedup_gate(run_settings):
-    """speedup_gate(name, slow_ms, fast_ms, *, promise, note=""): the ratio slow/fast against its floor.
+    """speedup_gate(name, slow_ms, fast_ms, *, promise, note=""): the ratio slow/fast against its floor, the higher
+    of `promise` (the least ratio the calling test guarantees) and the baseline less its tolerance; fails, skips
+    or records it (--update-baselines, when the session ends) as cs336_systems.baselines.SpeedupGates says."""
+    from cs336_systems.baselines import SpeedupGates
+    from cs336_systems.reports.staging import stage_ratio
 
-    `promise` is the least ratio the calling test guarantees (cs336_systems.baselines); the floor is the
-    higher of the promise and the baseline less its tolerance. Fails below the floor, naming the bound
-    that failed, when the baseline file has no entry for `name`, and when either time is None (a variant
-    that ran out of memory or errored gates nothing, so it cannot pass). Skips, saying why, when this
-    device has no baseline file. With --update-baselines it records the ratio instead: a broken promise
-    is never recorded, one past tolerance below the baseline only with --accept-regression, and a lower
-    one within tolerance leaves the recorded ratio as it was (and gates against it) unless
-    --accept-regression is given. `note` (the variants' statuses, say) is added to a failure's message.
-    """
-    from cs336_systems import baselines
-
-    path = run_settings.baseline_path
-    recorded = baselines.load_baselines(path)
+    gates = SpeedupGates(run_settings.baseline_path, run_settings.update_baselines, run_settings.accept_regression)
 
     def gate(name: str, slow_ms: float | None, fast_ms: float | None, *, promise: float, note: str = "") -> float:
-        noted = f" ({note})" if note else ""
-        if slow_ms is None or fast_ms is None:
-            unmeasured = [side for side, ms in (("slower", slow_ms), ("faster", fast_ms)) if ms is None]
-            if run_settings.update_baselines or path.exists():
-                have = "variants have" if len(unmeasured) > 1 else "variant has"
-                pytest.fail(f"{name}: the {' and '.join(unmeasured)} {have} no time, so the gate cannot hold{noted}")
-            pytest.skip(baselines.no_baseline_file(path))
-        ratio = baselines.speedup_ratio(slow_ms, fast_ms)
-        result = baselines.check(name, ratio, recorded, promise)
-        if run_settings.update_baselines:
-            if result.broke_promise:
-                pytest.fail(f"refusing to record {result.message(path)}{noted}")
-            if result.regressed and not run_settings.accept_regression:
-                pytest.fail(f"refusing to record {result.message(path)}; pass --accept-regression to record it")
-            worker = os.environ.get("PYTEST_XDIST_WORKER", "main")
-            with (run_settings.staging_dir / f"{_BASELINES_STAGE}.{worker}.jsonl").open("a") as f:
-                record = baselines.ratio_to_record(result, run_settings.accept_regression)
-                f.write(json.dumps({"name": name, "ratio": record}) + "\n")
-            return ratio
-        if not path.exists():
-            pytest.skip(baselines.no_baseline_file(path))
-        if not result.passed:
-            pytest.fail(result.message(path) + noted)
-        return ratio
+        verdict = gates.judge(name, slow_ms, fast_ms, promise, note)
+        if verdict.failure:
+            pytest.fail(verdict.failure)
+        if verdict.skip:
+            pytest.skip(verdict.skip)
+        if verdict.record is not None:
+            stage_ratio(run_settings.staging_dir, _worker(), name, verdict.record)
+        return verdict.ratio
 
     return gate
-
-
-_BASELINES_STAGE = "baselines"
 
 
 # ------------------------------------------------------------------------------------ session end
 
 def pytest_sessionfinish(session: pytest.Session) -> None:
-    """Write the staged rows into reports, the reports' index, and the staged ratios into the
-    baseline file.
-
-    Never raises: a report that cannot be written is named in the summary and fails the session,
-    and the others are still written.
-    """
+    """Write the staged rows into reports, the reports' index, and the staged ratios into the baseline
+    file (cs336_systems.reports.staging.publish); a report that cannot be written fails the session."""
     config = session.config
     if hasattr(config, "workerinput") or _settings_key not in config.stash:
         return  # xdist workers leave merging to the controller
-    run = settings(config)
-    if not run.staging_dir.exists():
-        return
-    from cs336_systems import baselines, reports
-    from cs336_systems.reports import problems
-    from cs336_systems.reports.index import index_path, write_index
+    from cs336_systems.reports.staging import publish
 
-    written, errors = [], []
-    staged = sorted(run.staging_dir.glob("*.jsonl"))
-    names = sorted({f.name.split(".")[0] for f in staged} - {_BASELINES_STAGE})
-    for problem in names:
-        try:
-            rows = [json.loads(line) for f in staged if f.name.split(".")[0] == problem
-                    for line in f.read_text().splitlines()]
-            markdown = reports.write_report(problems.report(problem), rows, run.report_dir, run.command,
-                                            "cuda" if run.on_gpu else "cpu")
-            written += [markdown, *reports.shown_figures(markdown)]
-        except Exception as error:  # one report's failure must not lose the others
-            errors.append(f"{problem}: {type(error).__name__}: {error}")
-    for asset in sorted((run.staging_dir / _ASSETS_DIR).glob("*")):
-        run.report_dir.mkdir(parents=True, exist_ok=True)
-        written.append(Path(shutil.move(asset, run.report_dir / asset.name)))
-    written = list(dict.fromkeys(written))  # a staged plot that a kept report already showed is listed once
-    if written:  # the index of this run's kind of device answers from its reports, this run's included
-        try:
-            written.append(write_index(run.report_root, cpu=not run.on_gpu))
-        except Exception as error:
-            errors.append(f"{index_path(run.report_root, cpu=not run.on_gpu)}: "
-                          f"{type(error).__name__}: {error}")
-    ratios = {r["name"]: r["ratio"] for f in staged if f.name.startswith(f"{_BASELINES_STAGE}.")
-              for r in map(json.loads, f.read_text().splitlines())}
-    if ratios:
-        try:
-            baselines.update_baselines(run.baseline_path, ratios,
-                                       reports.device_description("cuda" if run.on_gpu else "cpu"))
-            written.append(run.baseline_path)
-        except Exception as error:
-            errors.append(f"{run.baseline_path}: {type(error).__name__}: {error}")
-    config.stash[_written_key] = written
-    config.stash[_errors_key] = errors
+    run = settings(config)
+    written, errors = publish(run.staging_dir, run.report_dir, run.report_root, run.on_gpu, run.command,
+                              run.baseline_path)
+    config.stash[_published_key] = written, errors
     if errors and session.exitstatus == pytest.ExitCode.OK:
         session.exitstatus = pytest.ExitCode.TESTS_FAILED
-    shutil.rmtree(run.staging_dir, ignore_errors=True)
 
 
-_written_key = pytest.StashKey[list]()
-_errors_key = pytest.StashKey[list]()
+_published_key = pytest.StashKey[tuple[list, list]]()
 
 
 def pytest_terminal_summary(terminalreporter, config: pytest.Config) -> None:
-    written, errors = config.stash.get(_written_key, []), config.stash.get(_errors_key, [])
-    if written:
-        terminalreporter.section("cs336-systems reports")
-        for path in written:
-            terminalreporter.write_line(str(path))
-    if errors:
-        terminalreporter.section("cs336-systems reports not written", red=True)
-        for error in errors:
-            terminalreporter.write_line(error)
+    written, errors = config.stash.get(_published_key, ([], []))
+    for title, lines, red in (("cs336-systems reports", written, False),
+                              ("cs336-systems reports not written", errors, True)):
+        if lines:
+            terminalreporter.section(title, red=red)
+            for line in lines:
+                terminalreporter.write_line(str(line))

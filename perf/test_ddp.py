@@ -9,6 +9,7 @@ uses 2). On CPU: the tiny model over gloo, a smoke run of the same code in secon
 
 import math
 import re
+from dataclasses import replace
 
 import pytest
 
@@ -62,10 +63,10 @@ def _file_name(variant: str) -> str:
 
 
 @pytest.fixture(scope="module")
-def ddp_benchmark(distributed_device, world_size, report):
+def ddp_benchmark(distributed_device, world_size, run_settings, report):
     """One launch measures every variant; its rows go to the four benchmarking reports. Returns the
     rows (the all-reduce probe, one step row per variant, the timelines' files) and the config."""
-    cfg = GPU_CONFIG if distributed_device == "cuda" else CPU_CONFIG
+    cfg = replace(GPU_CONFIG if distributed_device == "cuda" else CPU_CONFIG, size_table=run_settings.size_table)
     result = launch(benchmark_ddp, world_size, cfg, device=distributed_device, timeout_s=LAUNCH_TIMEOUT_S)[0]
     rows = result["rows"]
     for variant, intervals in result["timelines"].items():

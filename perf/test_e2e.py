@@ -60,7 +60,7 @@ def _smallest_size(run_settings) -> str:
 def test_model_step(model_size, context_length, precision, variant, compiled, device, gpu_spec, run_settings, report):
     attention, optimizer = variant
     cfg = E2EConfig(size=model_size, context_length=context_length, precision=precision, compile=compiled,
-                    attention=attention, optimizer=optimizer)
+                    attention=attention, optimizer=optimizer, size_table=run_settings.size_table)
     profiled = compiled and context_length == _reference_context(run_settings)
     rows = benchmark_model(cfg, device, gpu_spec.peak_flops(precision) if gpu_spec else None,
                            profiled_steps=PROFILED_STEPS if profiled else 0)
@@ -87,7 +87,8 @@ def test_reference_step(model_size, precision, device, gpu_spec, run_settings, r
     # The torch-native LM of the same architecture, compiled whole, at one context per size and
     # precision: the torch_compile report sets the project's compiled step beside it.
     cfg = E2EConfig(size=model_size, context_length=_reference_context(run_settings), precision=precision,
-                    compile=True, attention=FAST_VARIANT[0], optimizer=FAST_VARIANT[1])
+                    compile=True, attention=FAST_VARIANT[0], optimizer=FAST_VARIANT[1],
+                    size_table=run_settings.size_table)
     rows = benchmark_model(cfg, device, gpu_spec.peak_flops(precision) if gpu_spec else None, reference=True,
                            profiled_steps=PROFILED_STEPS)
     steps, breakdown = split_breakdown(rows)
@@ -128,10 +129,10 @@ def _check_breakdown(breakdown, steps, expected, device):
 
 
 @pytest.mark.parametrize("warmup", WARMUP_STEPS_STUDIED)
-def test_warmup_study(model_size, warmup, device, run_settings, report):
+def test_warmup_study(model_size, warmup, device, gpu_spec, run_settings, report):
     context = GPU_WARMUP_STUDY_CONTEXT if run_settings.on_gpu else CPU_WARMUP_STUDY_CONTEXT
-    cfg = E2EConfig(size=model_size, context_length=context, warmup=warmup)
-    rows = benchmark_in_fresh_process(cfg, device)
+    cfg = E2EConfig(size=model_size, context_length=context, warmup=warmup, size_table=run_settings.size_table)
+    rows = benchmark_in_fresh_process(cfg, device, gpu_spec.peak_flops(cfg.precision) if gpu_spec else None)
     for row in rows:
         report("benchmarking_script").add(row, table="warmup")
     assert [r["phase"] for r in rows] == list(PHASES["train"])

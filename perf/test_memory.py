@@ -26,7 +26,6 @@ from cs336_systems.benchmarks.memory_profiling import (
     memory_profile,
 )
 from cs336_systems.cells import require_some_ran, unmeasured
-from cs336_systems.model import ModelConfig
 from cs336_systems.reports.memory_profiling import render_snapshot_timelines, timeline_file_name
 from cs336_systems.rows import OOM
 
@@ -41,7 +40,7 @@ pytestmark = pytest.mark.memory
 
 def test_memory_profile(device, run_settings, report):
     fields = HANDOUT_MEMORY_CONFIG[run_settings.size_table] if run_settings.on_gpu else CPU_MEMORY_CONFIG
-    cfg = MemoryProfileConfig(precisions=run_settings.precisions, **fields)
+    cfg = MemoryProfileConfig(precisions=run_settings.precisions, size_table=run_settings.size_table, **fields)
     snapshot_dir = None
     if run_settings.on_gpu:  # beside the report, whose Markdown links them for memory_viz
         snapshot_dir = run_settings.report_dir
@@ -60,7 +59,7 @@ def test_memory_profile(device, run_settings, report):
     assert [r["precision"] for r in residual] == list(cfg.precisions)
     assert all(r["measured_bytes"] == r["computed_bytes"] for r in residual), residual
     # Part (f): every block of the model, in each precision, unless that precision ran out of memory.
-    num_layers = ModelConfig.for_size(cfg.size, cfg.shown_context).num_layers
+    num_layers = cfg.model_config(cfg.shown_context).num_layers
     for precision in cfg.precisions:
         mine = [r for r in rows if r["table"] == "block" and r["precision"] == precision]
         assert [r["status"] for r in mine] in (["ok"] * num_layers, [OOM]), mine
@@ -78,7 +77,8 @@ def test_memory_profile(device, run_settings, report):
 
 
 def test_checkpoint_sweep(device, run_settings, report):
-    cfg = CheckpointSweepConfig(**({} if run_settings.on_gpu else CPU_CHECKPOINT_CONFIG))
+    cfg = CheckpointSweepConfig(size_table=run_settings.size_table,
+                                **({} if run_settings.on_gpu else CPU_CHECKPOINT_CONFIG))
     rows = checkpoint_sweep(cfg, device)
     for row in rows:
         report("gradient_checkpointing").add(row)

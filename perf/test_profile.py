@@ -10,6 +10,7 @@ On CPU: the tiny model at contexts 16 and 32, in seconds.
 """
 
 import shlex
+from dataclasses import replace
 
 import pytest
 
@@ -46,7 +47,7 @@ def _cells(config) -> list[tuple[str, int, tuple]]:
     capacity = torch.cuda.get_device_properties(0).total_memory
     cells = []
     for size in [s for s in run.model_sizes if s in GPU_SIZES] or run.model_sizes:
-        *fitting, beyond = profiled_contexts(size, capacity)
+        *fitting, beyond = profiled_contexts(size, capacity, size_table=run.size_table)
         cells += [(size, context, COURSE_VARIANT) for context in (*fitting, beyond)]
         if fitting:
             cells.append((size, fitting[-1], FAST_VARIANT))
@@ -63,9 +64,10 @@ def test_kernel_tables(profiled_cell, device, run_settings, report, pytestconfig
     """Each cell is profiled or runs out of memory, and the smallest size at its shortest context runs:
     where it cannot, no cell of the sweep can."""
     size, context_length, (attention, optimizer) = profiled_cell
-    cfg = ProfileConfig(size, context_length, attention=attention, optimizer=optimizer)
+    cfg = ProfileConfig(size, context_length, attention=attention, optimizer=optimizer,
+                        size_table=run_settings.size_table)
     if not run_settings.on_gpu:
-        cfg = ProfileConfig(size, context_length, batch_size=2, timed_steps=2, attention=attention, optimizer=optimizer)
+        cfg = replace(cfg, batch_size=2, timed_steps=2)
     rows = profile_training_step(cfg, device)
     for row in rows:
         report("nsys_profile").add(row)

@@ -6,6 +6,8 @@ On GPUs: the XL model, context 512, batch 4 per rank, fp32, NCCL on --world-size
 uses 2). On CPU: the tiny model over gloo, a smoke run of the same code in seconds.
 """
 
+from dataclasses import replace
+
 import pytest
 
 from cs336_systems.baselines import at_world_size, within
@@ -31,8 +33,8 @@ pytestmark = pytest.mark.sharding
 
 
 @pytest.fixture(scope="module")
-def rows(distributed_device, world_size, report):
-    cfg = GPU_CONFIG if distributed_device == "cuda" else CPU_CONFIG
+def rows(distributed_device, world_size, run_settings, report):
+    cfg = replace(GPU_CONFIG if distributed_device == "cuda" else CPU_CONFIG, size_table=run_settings.size_table)
     measured = launch(optimizer_sharding_problems, world_size, cfg, device=distributed_device,
                       timeout_s=LAUNCH_TIMEOUT_S)[0]
     for problem in PROBLEMS:

@@ -101,3 +101,45 @@ def test_a_distributed_gate_keeps_a_baseline_per_world_size():
     two, four = baselines.at_world_size("fsdp_vs_torch_fsdp", 2), baselines.at_world_size("fsdp_vs_torch_fsdp", 4)
     assert (two, four) == ("fsdp_vs_torch_fsdp/world_size=2", "fsdp_vs_torch_fsdp/world_size=4")
     assert not baselines.check(four, 1.0, {two: Baseline(1.0)}, promise=0.9).passed  # no baseline at 4 ranks
+
+
+def _gates(tmp_path, recorded: dict[str, float] | None, update=False, accept_regression=False):
+    path = tmp_path / "h100.json"
+    if recorded is not None:
+        baselines.update_baselines(path, recorded, "test device")
+    return baselines.SpeedupGates(path, update, accept_regression)
+
+
+@pytest.mark.parametrize(("recorded", "update", "verdict"), [
+    ({"g": 1.0}, False, "fail"),  # a baseline to hold, and nothing to hold it with
+    ({}, True, "fail"),  # nothing to record
+    (None, False, "skip"),  # a device that never recorded baselines gates nothing
+])
+def test_a_gate_whose_variant_did_not_run_cannot_pass(tmp_path, recorded, update, verdict):
+    judged = _gates(tmp_path, recorded, update).judge("g", None, 2.0, promise=1.0, note="naive: OOM")
+    assert judged.ratio is None and judged.record is None
+    if verdict == "fail":
+        assert judged.failure == "g: the slower variant has no time, so the gate cannot hold (naive: OOM)"
+    else:
+        assert judged.failure is None and judged.skip.startswith("speed-up gate not run: no baseline file")
+
+
+def test_a_gate_passes_fails_or_is_skipped_by_its_floor_and_the_baseline_file(tmp_path):
+    gates = _gates(tmp_path, {"g": 5.0})
+    assert gates.judge("g", 10.0, 2.0, promise=1.0) == baselines.Verdict(5.0)
+    assert gates.judge("g", 10.0, 4.0, promise=1.0).failure.startswith("REGRESSION: g ratio 2.5")
+    assert gates.judge("new", 10.0, 2.0, promise=1.0).failure.startswith("NO BASELINE: new ratio 5")
+    assert _gates(tmp_path / "elsewhere", None).judge("g", 10.0, 2.0, promise=1.0).skip is not None
+
+
+@pytest.mark.parametrize(("accept_regression", "failure", "record"), [
+    (False, "refusing to record REGRESSION", None),
+    (True, None, 2.5),
+])
+def test_updating_records_a_regression_only_when_it_is_accepted(tmp_path, accept_regression, failure, record):
+    judged = _gates(tmp_path, {"g": 5.0}, update=True, accept_regression=accept_regression).judge(
+        "g", 10.0, 4.0, promise=1.0)
+    assert judged.record == record
+    assert judged.failure is None if failure is None else judged.failure.startswith(failure)
+    broken = _gates(tmp_path, {"g": 5.0}, update=True, accept_regression=True).judge("g", 1.0, 2.0, promise=1.0)
+    assert broken.failure.startswith("refusing to record BROKEN PROMISE") and broken.record is None

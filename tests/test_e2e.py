@@ -224,9 +224,12 @@ def test_command_prints_rows(capsys):
     assert "| tiny" in capsys.readouterr().out
 
 
-def test_fresh_process_benchmark_returns_rows():
-    rows = e2e.benchmark_in_fresh_process(E2EConfig("tiny", 8, batch_size=1, mode="forward", warmup=0, steps=1), "cpu")
+def test_fresh_process_benchmark_returns_rows_of_the_config_it_was_given():
+    # Not the default size table: a process that rebuilt the config from its common fields would lose it.
+    cfg = E2EConfig("tiny", 8, batch_size=1, mode="forward", warmup=0, steps=1, size_table="2025")
+    rows = e2e.benchmark_in_fresh_process(cfg, "cpu")
     assert [r["phase"] for r in rows] == ["forward"] and rows[0]["status"] == "ok"
+    assert rows[0]["size_table"] == "2025"
 
 
 def test_command_without_arguments_lists_the_commands():

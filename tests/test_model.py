@@ -8,7 +8,6 @@ import torch
 from cs336_systems.accounting.activations import parameter_count
 from cs336_systems.model import (
     DEFAULT_SIZE_TABLE,
-    SIZE_TABLE_ENV,
     SIZE_TABLES,
     Embedding,
     Linear,
@@ -18,8 +17,6 @@ from cs336_systems.model import (
     TransformerLM,
     count_parameters,
     model_sizes,
-    size_table,
-    use_size_table,
 )
 
 # The parameter counts of the course's model sizes (vocabulary 10,000, untied LM head, SwiGLU, RMSNorm
@@ -49,17 +46,14 @@ def test_parameter_count_matches_the_size_table(table, size):
     assert count_parameters(model) == parameter_count(config) == EXPECTED_PARAMETERS[(table, size)]
 
 
-def test_the_2026_table_is_the_default_and_the_2025_one_is_selectable(monkeypatch):
-    monkeypatch.setenv(SIZE_TABLE_ENV, DEFAULT_SIZE_TABLE)  # undone after the test, with use_size_table's change
-    monkeypatch.delenv(SIZE_TABLE_ENV)
-    assert size_table() == DEFAULT_SIZE_TABLE == "2026"
-    assert ModelConfig.for_size("xl", 128).d_model == 2560
-    use_size_table("2025")
-    assert size_table() == "2025" and ModelConfig.for_size("xl", 128).d_model == 1600
+def test_the_2026_table_is_the_default_and_the_2025_one_is_selectable():
+    assert DEFAULT_SIZE_TABLE == "2026" and ModelConfig.for_size("xl", 128).d_model == 2560
+    assert ModelConfig.for_size("xl", 128, table="2025").d_model == 1600
+    assert model_sizes() == model_sizes("2026") != model_sizes("2025")
     with pytest.raises(ValueError, match="select the 2026 table"):
-        ModelConfig.for_size("10B", 128)
-    with pytest.raises(ValueError, match="unknown size table"):
-        use_size_table("2024")
+        ModelConfig.for_size("10B", 128, table="2025")
+    with pytest.raises(ValueError, match="unknown size table '2024'; choose one of 2026, 2025"):
+        ModelConfig.for_size("xl", 128, table="2024")
 
 
 def tiny_model(attention="naive", context_length=32, seed=0) -> TransformerLM:

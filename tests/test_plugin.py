@@ -11,7 +11,6 @@ from pathlib import Path
 
 import pytest
 
-from cs336_systems.model import SIZE_TABLE_ENV
 from cs336_systems.reports import read_rows
 
 PLUGIN = ["-p", "cs336_systems.pytest_plugin", "-p", "no:cacheprovider"]
@@ -268,19 +267,17 @@ def test_report_rows_from_xdist_workers_are_merged_into_one_report(pytester):
     ((), 2560, ("small", "medium", "large", "xl", "10B")),
     (("--size-table", "2025"), 1600, ("small", "medium", "large", "xl", "2.7B")),
 ])
-def test_size_table_option_picks_the_sizes_and_report_rows_name_it(pytester, monkeypatch, option, xl_d_model,
-                                                                   default_gpu_sizes):
+def test_size_table_option_picks_the_sizes_and_report_rows_name_it(pytester, option, xl_d_model, default_gpu_sizes):
     pytester.makepyfile(f"""
         from cs336_systems.model import ModelConfig
-        from cs336_systems.pytest_plugin import _parse_sizes
+        from cs336_systems.run_settings import parse_model_sizes
         def test_sizes(report, run_settings):
-            assert ModelConfig.for_size("xl", 16).d_model == {xl_d_model}
-            assert _parse_sizes(None, on_gpu=True) == {default_gpu_sizes!r}
+            assert ModelConfig.for_size("xl", 16, table=run_settings.size_table).d_model == {xl_d_model}
+            assert parse_model_sizes(None, True, run_settings.size_table) == {default_gpu_sizes!r}
             report("_plugin_sizes").add(size="xl", ms=1.0)
             report("_plugin_sizes").add(name="no model", ms=2.0)
     """)
     report_dir = pytester.path / "out"
-    monkeypatch.delenv(SIZE_TABLE_ENV, raising=False)
     run(pytester, *option, "--report-dir", str(report_dir), subprocess=True).assert_outcomes(passed=1)
     table = option[1] if option else "2026"
     rows = read_rows(report_dir / "cpu" / "_plugin_sizes.csv")
@@ -289,8 +286,41 @@ def test_size_table_option_picks_the_sizes_and_report_rows_name_it(pytester, mon
     assert f"- model sizes: the {table} size table, xl {xl_d_model}/" in markdown
 
 
-def test_size_missing_from_the_table_is_a_usage_error(pytester, monkeypatch):
-    monkeypatch.setenv(SIZE_TABLE_ENV, "2026")  # the in-process runs below change it; this undoes that
+def test_ini_settings_mirror_the_options_and_the_command_line_wins(pytester):
+    pytester.makeini("""
+        [pytest]
+        world_size = 3
+        precision = bf16
+        size_table = 2025
+        report_dir = ini-reports
+    """)
+    pytester.makepyfile("""
+        def test_settings(run_settings):
+            assert (run_settings.world_size, run_settings.precisions, run_settings.size_table) == (3, ("bf16",), "2025")
+            assert run_settings.report_root.name == "ini-reports"
+    """)
+    run(pytester).assert_outcomes(passed=1)
+    pytester.makepyfile("""
+        def test_settings(run_settings):
+            assert (run_settings.world_size, run_settings.precisions, run_settings.size_table) == (4, ("fp32",), "2025")
+    """)
+    run(pytester, "--world-size", "4", "--precision", "fp32").assert_outcomes(passed=1)
+
+
+@pytest.mark.parametrize("setting, message", [
+    ("world_size = two", "the world_size ini setting: invalid int value: 'two'"),
+    ("world_size = 0", "--world-size must be at least 1, got 0"),
+    ("size_table = 2024", "--size-table: unknown size table '2024'; choose one of 2026, 2025"),
+])
+def test_a_bad_ini_setting_is_a_usage_error(pytester, setting, message):
+    pytester.makeini(f"[pytest]\n{setting}\n")
+    pytester.makepyfile("def test_x(): pass")
+    result = run(pytester)
+    assert result.ret == pytest.ExitCode.USAGE_ERROR
+    result.stderr.fnmatch_lines([f"*{message}*"])
+
+
+def test_size_missing_from_the_table_is_a_usage_error(pytester):
     pytester.makepyfile("def test_x(): pass")
     result = run(pytester, "--model-sizes", "2.7B")
     assert result.ret == pytest.ExitCode.USAGE_ERROR

@@ -59,7 +59,7 @@ from cs336_systems.distributed.ddp import BucketedDDP, FlatDDP, NaiveDDP, Overla
 from cs336_systems.distributed.launch import rank_device
 from cs336_systems.gpus import GIB
 from cs336_systems.memory_guard import check_memory_on_every_rank
-from cs336_systems.model import ModelConfig
+from cs336_systems.model import DEFAULT_SIZE_TABLE, ModelConfig
 from cs336_systems.profiling.kernels import device_profile
 from cs336_systems.profiling.timeline import COMPUTE, CPU_COMPUTE_ROW, communication_summary, load_intervals
 from cs336_systems.rows import OOM, Row
@@ -85,6 +85,7 @@ class DDPBenchmarkConfig:
     bucket_sizes_mb: tuple[float, ...] = (1, 10, 100, 1000)
     attention: str = "sdpa"
     probe_large_bytes: int = 10**9
+    size_table: str = DEFAULT_SIZE_TABLE  # the handout whose size table `size` names
 
     def __post_init__(self):
         if self.warmup < 0 or self.steps < 1:
@@ -93,7 +94,10 @@ class DDPBenchmarkConfig:
             raise ValueError(f"batch size per rank must be >= 1, got {self.batch_size}")
         if any(not b > 0 for b in self.bucket_sizes_mb):
             raise ValueError(f"bucket sizes must be positive, got {self.bucket_sizes_mb}")
-        ModelConfig.for_size(self.size, self.context_length)  # validates size and context
+        self.model_config()  # validates size and context
+
+    def model_config(self) -> ModelConfig:
+        return ModelConfig.for_size(self.size, self.context_length, table=self.size_table)
 
     def variants(self) -> list[tuple[str, float | None]]:
         return [("local", None), ("naive", None), ("flat", None), ("overlap_individual", None),
@@ -132,7 +136,7 @@ def _all_reduces_per_step(method: str, module: torch.nn.Module, model: torch.nn.
 
 def _measure_variant(method: str, bucket_size_mb: float | None, cfg: DDPBenchmarkConfig, rank: int,
                      device: torch.device, profile: bool) -> tuple[dict, list | None]:
-    config = ModelConfig.for_size(cfg.size, cfg.context_length)
+    config = cfg.model_config()
     # A different initial model on every rank: the wrappers must broadcast.
     model = build_model(config, device, cfg.attention, seed=rank)
     trainable_bytes = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
@@ -222,7 +226,7 @@ def _row(method: str, bucket_size_mb: float | None, per_rank: list[dict], summar
 def _estimated_peak_bytes(method: str, cfg: DDPBenchmarkConfig, world_size: int) -> int:
     """One rank's peak from the memory model: the flat and bucketed wrappers and torch DDP (without
     gradient_as_bucket_view) keep a second, flattened copy of the gradients."""
-    return training_memory(ModelConfig.for_size(cfg.size, cfg.context_length), cfg.batch_size, cfg.context_length,
+    return training_memory(cfg.model_config(), cfg.batch_size, cfg.context_length,
                            attention=cfg.attention, world_size=world_size,
                            ddp_buckets=method in ("flat", "bucketed", "torch_ddp")).peak
 

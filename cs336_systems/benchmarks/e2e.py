@@ -16,15 +16,12 @@ power limit or by heat, the median SM clock and the highest temperature.
 
 from __future__ import annotations
 
-import json
-import os
+import multiprocessing
 import statistics
-import subprocess
-import sys
 import time
 from collections.abc import Callable
+from concurrent.futures import ProcessPoolExecutor
 from dataclasses import asdict, dataclass, replace
-from pathlib import Path
 
 import torch
 
@@ -48,7 +45,7 @@ from cs336_systems.benchmarks.harness import (
 from cs336_systems.benchmarks.reference_lm import build_reference
 from cs336_systems.clocks import ClockSample, clock_columns
 from cs336_systems.memory_guard import MemoryCheck, check_memory
-from cs336_systems.model import ModelConfig
+from cs336_systems.model import DEFAULT_SIZE_TABLE, ModelConfig
 from cs336_systems.precision import check_precision
 from cs336_systems.profiling.kernels import device_profile, device_timeline, is_fused_attention, kernel_tables
 from cs336_systems.profiling.ranges import annotate
@@ -83,6 +80,7 @@ class E2EConfig:
     steps: int = DEFAULT_STEPS
     # The model's maximum context; None means the benchmark's context length.
     model_context_length: int | None = None
+    size_table: str = DEFAULT_SIZE_TABLE  # the handout whose size table `size` names
 
     def __post_init__(self):
         if self.mode not in MODES:
@@ -105,7 +103,7 @@ class E2EConfig:
                              f"{model.context_length}")
 
     def model_config(self) -> ModelConfig:
-        return ModelConfig.for_size(self.size, self.model_context_length or self.context_length)
+        return ModelConfig.for_size(self.size, self.model_context_length or self.context_length, table=self.size_table)
 
 
 def memory_model_attention(attention: str) -> str:
@@ -227,23 +225,14 @@ def breakdown_rows(base: Row, profile: Profile, device_type: str) -> list[Row]:
     return rows
 
 
-def benchmark_in_fresh_process(cfg: E2EConfig, device: torch.device | str) -> list[Row]:
+def benchmark_in_fresh_process(cfg: E2EConfig, device: torch.device | str,
+                               peak_flops: float | None = None) -> list[Row]:
     """`benchmark_model` in a new Python process, so that nothing is warm from earlier work
-    (CUDA context, loaded kernels, allocator pool, compile caches): what the warm-up study needs."""
-    args = [sys.executable, "-m", "cs336_systems", "e2e", "--json", "--device", torch.device(device).type,
-            "--size", cfg.size, "--context", str(cfg.context_length), "--batch-size", str(cfg.batch_size),
-            "--mode", cfg.mode, "--precision", cfg.precision, "--attention", cfg.attention,
-            "--optimizer", cfg.optimizer, "--warmup", str(cfg.warmup), "--steps", str(cfg.steps)]
-    if cfg.compile:
-        args.append("--compile")
-    if cfg.model_context_length:
-        args += ["--model-context", str(cfg.model_context_length)]
-    package_root = str(Path(__file__).resolve().parents[2])
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [package_root, os.environ.get("PYTHONPATH")]))}
-    result = subprocess.run(args, capture_output=True, text=True, env=env)
-    if result.returncode != 0:
-        raise RuntimeError(f"benchmark process failed ({result.returncode}): {result.stderr.strip()[-2000:]}")
-    return [json.loads(line) for line in result.stdout.splitlines() if line.startswith("{")]
+    (CUDA context, loaded kernels, allocator pool, compile caches): what the warm-up study needs. The
+    process is spawned, not forked (a fork starts with this one's state), and gets `cfg` pickled; an
+    error in it is raised here."""
+    with ProcessPoolExecutor(max_workers=1, mp_context=multiprocessing.get_context("spawn")) as fresh:
+        return fresh.submit(benchmark_model, cfg, torch.device(device), peak_flops).result()
 
 
 # The memory model's name for each benchmark mode.

@@ -24,7 +24,7 @@ from cs336_systems.accounting.activations import (
 )
 from cs336_systems.benchmarks.e2e import DEFAULT_BATCH_SIZE
 from cs336_systems.benchmarks.harness import autocast, build_model, guarded_cell, lm_loss, random_batch, release_memory
-from cs336_systems.model import ModelConfig
+from cs336_systems.model import DEFAULT_SIZE_TABLE, ModelConfig
 from cs336_systems.precision import check_precision
 from cs336_systems.profiling.checkpointing import (
     apply_checkpointing,
@@ -68,12 +68,16 @@ class CheckpointSweepConfig:
     # recomputed is about half a minute on an H100, and twice the context more than doubles it; naive attention
     # does not fit past 4,096 on 80 GB).
     longest_context_run_limit: int = 4_096
+    size_table: str = DEFAULT_SIZE_TABLE  # the handout whose size table `size` names
 
     def __post_init__(self):
         check_precision(self.precision)
         if any(k is not None and k < 1 for k in self.ks):
             raise ValueError(f"checkpoint every k blocks needs k >= 1, got {self.ks}")
-        ModelConfig.for_size(self.size, self.context_length)
+        self.model_config(self.context_length)  # validates the size
+
+    def model_config(self, context_length: int) -> ModelConfig:
+        return ModelConfig.for_size(self.size, context_length, table=self.size_table)
 
 
 @dataclass(frozen=True)
@@ -87,7 +91,7 @@ class _Sizes:
 
 
 def _sizes(cfg: CheckpointSweepConfig, context: int, device_type: str) -> _Sizes:
-    config = ModelConfig.for_size(cfg.size, context)
+    config = cfg.model_config(context)
     args = (config, cfg.batch_size, context, cfg.precision)
     return _Sizes(sum(block_saved_bytes(*args, cfg.attention, device_type).values()),
                   residual_stream_bytes(config, cfg.batch_size, context), sum(head_saved_bytes(*args).values()),
@@ -126,7 +130,7 @@ def checkpoint_sweep(cfg: CheckpointSweepConfig, device: torch.device | str) -> 
     device = torch.device(device)
     on_gpu = device.type == "cuda"
     model_context = max(cfg.context_length, cfg.longest_context_run_limit if on_gpu else 0)
-    config = ModelConfig.for_size(cfg.size, model_context)
+    config = cfg.model_config(model_context)
     release_memory(device)
     model = build_model(config, device, cfg.attention)
     sizes = _sizes(cfg, cfg.context_length, device.type)

@@ -35,7 +35,7 @@ from cs336_systems.benchmarks.harness import (
     training_step,
 )
 from cs336_systems.gpus import GIB, MIB
-from cs336_systems.model import ModelConfig
+from cs336_systems.model import DEFAULT_SIZE_TABLE, ModelConfig
 from cs336_systems.precision import PRECISIONS
 from cs336_systems.profiling.memory import (
     active_memory_timeline,
@@ -76,6 +76,7 @@ class MemoryProfileConfig:
     # The context whose timelines and per-block residuals the report shows; None: the shortest, where a
     # training step fits if any does. Snapshots are kept for every cell of the first precision.
     detail_context: int | None = None
+    size_table: str = DEFAULT_SIZE_TABLE  # the handout whose size table `size` names
 
     def __post_init__(self):
         unknown = [p for p in self.precisions if p not in PRECISIONS]
@@ -85,7 +86,10 @@ class MemoryProfileConfig:
             raise ValueError(f"need positive context lengths, got {self.contexts}")
         if self.detail_context is not None and self.detail_context not in self.contexts:
             raise ValueError(f"detail_context {self.detail_context} is not one of the contexts {self.contexts}")
-        ModelConfig.for_size(self.size, max(self.contexts))
+        self.model_config(max(self.contexts))  # validates the size
+
+    def model_config(self, context_length: int) -> ModelConfig:
+        return ModelConfig.for_size(self.size, context_length, table=self.size_table)
 
     @property
     def shown_context(self) -> int:
@@ -105,7 +109,7 @@ def memory_profile(cfg: MemoryProfileConfig, device: torch.device | str, snapsho
     AdamW's state. AdamW is the course's (MEMORY_ADAMW).
     """
     device = torch.device(device)
-    config = ModelConfig.for_size(cfg.size, max(cfg.contexts))
+    config = cfg.model_config(max(cfg.contexts))
     release_memory(device)
     model = build_model(config, device, cfg.attention)
     rows = [_residual_row(cfg, model, precision, device) for precision in cfg.precisions]
@@ -144,7 +148,7 @@ def _residual_row(cfg: MemoryProfileConfig, model, precision: str, device: torch
             model(inputs)
     finally:
         handle.remove()
-    config = ModelConfig.for_size(cfg.size, context)
+    config = cfg.model_config(context)
     return _memory_base(cfg, device, table="residual", precision=precision, context_length=context,
                         d_model=config.d_model, computed_bytes=residual_stream_bytes(config, cfg.batch_size, context),
                         **captured)
@@ -154,7 +158,7 @@ def _memory_cell(cfg, mode, precision, context, model, optimizer, device, snapsh
     base = _memory_base(cfg, device, mode=mode, precision=precision, context_length=context)
     if mode == "train_step":
         base["adamw"] = MEMORY_ADAMW
-    config = ModelConfig.for_size(cfg.size, context)
+    config = cfg.model_config(context)
     # The predictor follows CUDA's autocast rules: on a CPU it only bounds what the cell may need.
     prediction = predict_peak_memory(config, cfg.batch_size, context, precision, memory_model_attention(cfg.attention),
                                      mode, adamw=MEMORY_ADAMW)
@@ -262,7 +266,7 @@ def _block_rows(cfg: MemoryProfileConfig, model, precision: str, device: torch.d
     """Part (f) at the shown context: each block's residuals and, on CUDA, its gradients' memory."""
     context = cfg.shown_context
     base = _memory_base(cfg, device, precision=precision, context_length=context)
-    config = ModelConfig.for_size(cfg.size, context)
+    config = cfg.model_config(context)
     inputs, targets = random_batch(model.config, cfg.batch_size, context, device)
 
     def loss():

@@ -36,7 +36,7 @@ from cs336_systems.benchmarks.harness import (
     training_step,
 )
 from cs336_systems.memory_guard import FIT_SHARE
-from cs336_systems.model import ModelConfig
+from cs336_systems.model import DEFAULT_SIZE_TABLE, ModelConfig
 from cs336_systems.precision import check_precision
 from cs336_systems.profiling.kernels import device_profile, kernel_tables, merge_tables
 from cs336_systems.profiling.ranges import annotate
@@ -71,6 +71,7 @@ class ProfileConfig:
     optimizer: str = "course"  # an AdamW implementation of harness.adamw
     warmup: int = 1  # untimed steps first: one-time costs (cuBLAS handles, AdamW state) stay out
     timed_steps: int = 3  # steps timed as the end-to-end benchmark times them, for comparison
+    size_table: str = DEFAULT_SIZE_TABLE  # the handout whose size table `size` names
 
     def __post_init__(self):
         check_precision(self.precision)
@@ -79,11 +80,14 @@ class ProfileConfig:
         if self.optimizer not in ADAMW_IMPLEMENTATIONS:
             raise ValueError(f"unknown AdamW implementation {self.optimizer!r}; choose one of "
                              f"{', '.join(ADAMW_IMPLEMENTATIONS)}")
-        ModelConfig.for_size(self.size, self.context_length)  # validates size and context
+        self.model_config()  # validates size and context
+
+    def model_config(self) -> ModelConfig:
+        return ModelConfig.for_size(self.size, self.context_length, table=self.size_table)
 
     def estimate(self):
         """The step's predicted peak memory (cs336_systems.accounting.activations)."""
-        return predict_peak_memory(ModelConfig.for_size(self.size, self.context_length), self.batch_size,
+        return predict_peak_memory(self.model_config(), self.batch_size,
                                    self.context_length, self.precision, memory_model_attention(self.attention),
                                    adamw=self.optimizer)
 
@@ -103,7 +107,7 @@ def profile_training_step(cfg: ProfileConfig, device: torch.device | str) -> lis
     """Rows for one cell: the timer's phase means ("cell"), each range's totals ("range") and its
     kernel table ("kernel"); one "cell" row with status OOM when the cell does not fit."""
     device = torch.device(device)
-    config = ModelConfig.for_size(cfg.size, cfg.context_length)
+    config = cfg.model_config()
     base: Row = {"size": cfg.size, "context_length": cfg.context_length, "batch_size": cfg.batch_size,
                  "precision": cfg.precision, "attention": cfg.attention, "optimizer": cfg.optimizer,
                  "device": device.type, "d_head": config.d_head, "num_layers": config.num_layers}

@@ -46,7 +46,7 @@ from cs336_systems.benchmarks.harness import (
 from cs336_systems.distributed.launch import rank_device
 from cs336_systems.distributed.sharded_optimizer import SYNC_METHODS, ShardedOptimizer
 from cs336_systems.memory_guard import check_memory_on_every_rank
-from cs336_systems.model import ModelConfig
+from cs336_systems.model import DEFAULT_SIZE_TABLE, ModelConfig
 from cs336_systems.profiling.ranges import annotate
 from cs336_systems.rows import OOM, Row
 from cs336_systems.timing import STEP_TIMER, synchronize
@@ -59,6 +59,7 @@ class ShardingBenchmarkConfig:
     warmup: int = 2
     steps: int = 5
     attention: str = "sdpa"
+    size_table: str = DEFAULT_SIZE_TABLE  # the handout whose size table `size` names
 
     def __post_init__(self):
         if self.warmup < 1 or self.steps < 1:
@@ -66,10 +67,10 @@ class ShardingBenchmarkConfig:
             raise ValueError(f"need warmup >= 1 and steps >= 1, got {self.warmup} and {self.steps}")
         if self.batch_size < 1:
             raise ValueError(f"batch size per rank must be >= 1, got {self.batch_size}")
-        ModelConfig.for_size(self.size, self.context_length)  # validates size and context
+        self.model_config()  # validates size and context
 
     def model_config(self) -> ModelConfig:
-        return ModelConfig.for_size(self.size, self.context_length)
+        return ModelConfig.for_size(self.size, self.context_length, table=self.size_table)
 
 
 @dataclass

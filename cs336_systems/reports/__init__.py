@@ -360,6 +360,11 @@ CPU_NOTE = ("- note: a CPU run. Triton kernels ran in the Triton interpreter, wh
 UNRECORDED_SIZE_TABLE = "2025"
 
 
+def size_table_of(row: Row) -> str:
+    """The size table whose model the row's `size` names."""
+    return str(row.get("size_table") or UNRECORDED_SIZE_TABLE)
+
+
 def model_size_lines(rows: Iterable[Row]) -> list[str]:
     """"- model sizes: ..." lines naming the size table, shape and parameter count of each model size
     the rows measured."""
@@ -369,7 +374,7 @@ def model_size_lines(rows: Iterable[Row]) -> list[str]:
     used: dict[str, set[str]] = {}
     for row in rows:
         if row.get("size"):
-            used.setdefault(str(row.get("size_table") or UNRECORDED_SIZE_TABLE), set()).add(row["size"])
+            used.setdefault(size_table_of(row), set()).add(row["size"])
     lines = []
     for table, sizes in sorted(used.items(), reverse=True):
         shapes = model_sizes(table)

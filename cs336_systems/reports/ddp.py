@@ -26,6 +26,7 @@ from cs336_systems.reports import (
     mean_std,
     not_in_report,
     select,
+    size_table_of,
 )
 from cs336_systems.rows import OOM, Row, ok_rows
 
@@ -190,17 +191,17 @@ def _bucket_trend(bucketed: list[Row]) -> str:
 
 
 @functools.cache
-def _gradient_sizes_bytes(size: str, context_length: int) -> tuple[int, ...]:
+def _gradient_sizes_bytes(size: str, table: str, context_length: int) -> tuple[int, ...]:
     """The LM's trainable parameter sizes in registration order, from a model built on the meta
     device (shapes only: no memory, no initialisation)."""
     with torch.device("meta"):
-        model = TransformerLM(ModelConfig.for_size(size, context_length))
+        model = TransformerLM(ModelConfig.for_size(size, context_length, table=table))
     return tuple(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
 
 
 def _bucket_bytes(row: Row) -> list[int]:
     """The sizes of the buckets BucketedDDP built in the run `row` describes, in launch order."""
-    sizes = _gradient_sizes_bytes(row["size"], row["context_length"])
+    sizes = _gradient_sizes_bytes(row["size"], size_table_of(row), row["context_length"])
     return [sum(sizes[i] for i in bucket) for bucket in assign_buckets(sizes, row["bucket_size_mb"] * BYTES_PER_MB)]
 
 

@@ -33,7 +33,6 @@ from cs336_systems.model import model_sizes, size_order
 from cs336_systems.reports.problems import PROBLEMS, Problem
 from cs336_systems.reports import (
     ANALYSIS_COMMAND,
-    UNRECORDED_SIZE_TABLE,
     Metadata,
     Report,
     Reports,
@@ -42,6 +41,7 @@ from cs336_systems.reports import (
     metadata_path,
     read_rows,
     shown_figures,
+    size_table_of,
 )
 from cs336_systems.rows import Row
 
@@ -209,7 +209,7 @@ def _model_sizes(measured: dict[str, Reports]) -> dict[str, list[str]]:
         for rows in reports.values():
             for r in rows:
                 if r.get("size"):
-                    tables.setdefault(str(r.get("size_table") or UNRECORDED_SIZE_TABLE), set()).add(r["size"])
+                    tables.setdefault(size_table_of(r), set()).add(r["size"])
     return {table: sorted(sizes, key=size_order) for table, sizes in sorted(tables.items(), reverse=True)}
 
 

@@ -15,7 +15,6 @@ from cs336_systems.gpus import GIB, MIB
 from cs336_systems.model import ModelConfig
 from cs336_systems.profiling.memory import active_memory_layout, load_snapshot, plot_active_memory
 from cs336_systems.reports import (
-    UNRECORDED_SIZE_TABLE,
     Rendered,
     Reports,
     format_bytes,
@@ -24,6 +23,7 @@ from cs336_systems.reports import (
     markdown_table,
     not_in_report,
     select,
+    size_table_of,
 )
 from cs336_systems.rows import OOM, Row, ok_rows
 
@@ -46,7 +46,7 @@ def _memory_setup(peaks: list[Row]) -> str:
             f"precisions {precisions} (bf16: autocast over fp32 parameters). Forward only runs under no_grad; the "
             f"training step (forward, backward, {optimizer} step, zero_grad) is measured after an unmeasured one.")
     if adamw == "course":
-        config = ModelConfig.for_size(r["size"], 1, table=train.get("size_table") or UNRECORDED_SIZE_TABLE)
+        config = ModelConfig.for_size(r["size"], 1, table=size_table_of(train))
         text += (f" The course's AdamW takes sqrt(v) one parameter at a time "
                  f"(+{format_bytes(adamw_step_temporary_bytes(config, 'course'))} at its step); torch's default "
                  f"foreach AdamW takes it of every parameter at once "
