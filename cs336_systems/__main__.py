@@ -77,13 +77,25 @@ def _print_rows(rows, as_json: bool, columns=None) -> None:
 
 
 def _cmd_e2e(args) -> None:
+    from cs336_systems.interpretation import interpret_kernels
+
+    device = _device(args.device)
+    # Before the benchmark imports the kernels; the environment is put back for whatever this process
+    # starts afterwards (the command may run inside another program).
+    restore = interpret_kernels(on_gpu=device.type == "cuda")
+    try:
+        _e2e(args, device)
+    finally:
+        restore()
+
+
+def _e2e(args, device) -> None:
     from cs336_systems.benchmarks.e2e import E2EConfig, benchmark_model, split_breakdown
     from cs336_systems.clocks import CLOCK_COLUMNS
     from cs336_systems.gpus import resolve_gpu
     from cs336_systems.reports import oom_note, oom_text
     from cs336_systems.rows import OOM
 
-    device = _device(args.device)
     _, spec = resolve_gpu("auto" if device.type == "cuda" else "none")
     cells = [
         E2EConfig(size=size, context_length=context, batch_size=args.batch_size, mode=args.mode,

@@ -1,6 +1,7 @@
 """The end-to-end benchmark library and command, on a tiny CPU model."""
 
 import gc
+import os
 import statistics
 import subprocess
 import sys
@@ -222,6 +223,16 @@ def test_command_prints_rows(capsys):
     assert main(["e2e", "--size", "tiny", "--context", "8", "--batch-size", "1", "--warmup", "0",
                  "--steps", "1", "--mode", "forward", "--device", "cpu"]) == 0
     assert "| tiny" in capsys.readouterr().out
+
+
+def test_command_runs_the_triton_kernels_interpreted_on_a_cpu():
+    # A fresh process, as a user runs it: nothing has set TRITON_INTERPRET before the kernels are imported.
+    environment = {name: value for name, value in os.environ.items() if name != "TRITON_INTERPRET"}
+    result = subprocess.run([sys.executable, "-m", "cs336_systems", "e2e", "--size", "tiny", "--context", "16",
+                             "--batch-size", "1", "--warmup", "0", "--steps", "1", "--attention", "flash_triton",
+                             "--device", "cpu"], capture_output=True, text=True, env=environment)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert sum(line.startswith("| tiny") and "| ok " in line for line in result.stdout.splitlines()) == 5, result.stdout
 
 
 def test_fresh_process_benchmark_returns_rows_of_the_config_it_was_given():
