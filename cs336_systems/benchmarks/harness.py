@@ -36,7 +36,7 @@ from cs336_systems.model import ModelConfig, TransformerLM
 from cs336_systems.optimizer import AdamW
 from cs336_systems.precision import Precision
 from cs336_systems.profiling.ranges import annotate
-from cs336_systems.reports import Row
+from cs336_systems.rows import Row
 from cs336_systems.timing import StepTimer
 
 LEARNING_RATE = 1e-4
