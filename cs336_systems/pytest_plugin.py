@@ -17,6 +17,7 @@ from cs336_systems.run_settings import MARKERS, Settings
 _STAGING_KEY = "cs336_staging_dir"
 _settings_key = pytest.StashKey[Settings]()
 _restore_interpretation_key = pytest.StashKey[Callable[[], None]]()
+_published_key = pytest.StashKey[tuple[list, list]]()  # the lines the session's end wrote, and its errors
 
 
 def settings(config: pytest.Config) -> Settings:
@@ -235,9 +236,6 @@ def pytest_sessionfinish(session: pytest.Session) -> None:
     config.stash[_published_key] = written, errors
     if errors and session.exitstatus == pytest.ExitCode.OK:
         session.exitstatus = pytest.ExitCode.TESTS_FAILED
-
-
-_published_key = pytest.StashKey[tuple[list, list]]()
 
 
 def pytest_terminal_summary(terminalreporter, config: pytest.Config) -> None:
