@@ -162,7 +162,7 @@ def _variation_summary(rows: list[Row]) -> str:
 
 def _oom_listing(rows: list[Row]) -> str:
     """The cells that did not fit, per size and precision: their contexts, the memory model's estimate of
-    the step, whether they were run (a cell whose estimate exceeds the free memory is not), and which smaller
+    the step, whether they were run (cs336_systems.memory_guard says where a cell is not), and which smaller
     mode ran in their place, if one did."""
     groups: dict[tuple, list[Row]] = {}
     for r in sorted((r for r in rows if r.get("status") == OOM), key=_cell_order):
