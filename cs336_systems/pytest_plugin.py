@@ -50,7 +50,7 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         "its tolerance (otherwise a lower ratio leaves the baseline as it was, and one past tolerance is refused)",
         "bool", action="store_true")
     add("time-budget", None, "skip the tests not started within SECONDS of the session's start; the ones measured "
-        "so far still reach the reports (for sweeps on borrowed time)", type=float, metavar="SECONDS")
+        "so far still reach the reports (for a sweep with a deadline)", type=float, metavar="SECONDS")
     add("model-sizes", None, "comma-separated model sizes for the model benchmarks (default: every size of the "
         f"size table on a GPU, {','.join(CPU_MODEL_SIZES)} on CPU)")
     add("size-table", DEFAULT_SIZE_TABLE, "the handout whose model-size table sizes are looked up in: 2026 (xl = "
