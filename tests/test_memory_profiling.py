@@ -25,7 +25,7 @@ from cs336_systems.profiling.memory import (
     source_frame,
     write_snapshot,
 )
-from cs336_systems.reports import memory_profiling, problems
+from cs336_systems.reports import PREDICTED_OOM, gradient_checkpointing, memory_profiling, problems
 from cs336_systems.rows import OOM
 
 # ---------------------------------------------------------------------------------------- snapshots
@@ -230,6 +230,8 @@ def _gpu_memory_rows() -> list[dict]:
         rows.append({**base, "table": "allocation", "mode": mode, "precision": "fp32", "rank": 1, "size_mib": 400.0,
                      "count": 32, "source": "cs336_systems/model.py:77 (forward)", "innermost": "torch/x.py:1 (f)"})
     rows.append({**base, "table": "peak", "mode": "train_step", "precision": "bf16", "status": OOM})
+    rows.append({**base, "context_length": 2048, "table": "peak", "mode": "train_step", "precision": "fp32",
+                 "status": OOM, "oom_predicted": True, "predicted_peak_bytes": 171.8 * gib})
     return rows
 
 
@@ -241,7 +243,8 @@ def test_memory_report_from_gpu_rows():
     # The miss is explained from the rows: 10 GiB above the prediction, closest in size to the
     # predicted parameters (12.7 GiB).
     assert "+10.00 GiB, parameters (12.70 GiB)" in body
-    assert OOM in body
+    # A cell run out of memory and one the estimate refused read differently.
+    assert f"| {OOM} " in body and f"| {PREDICTED_OOM} " in body
     assert "Largest allocations" in body and "cs336_systems/model.py:77 (forward)" in body
 
 
@@ -294,6 +297,16 @@ def test_checkpoint_report_from_gpu_rows():
     assert '"""' not in body
     assert "Run at context 16384 (every 1 block): peak 58.00 GiB, predicted 60.00 GiB" in body
 
+
+def test_checkpoint_report_says_which_plans_were_predicted_out_of_memory():
+    rows = _gpu_checkpoint_rows()
+    unchecked = next(r for r in rows if r.get("k") == "none")
+    unchecked.update(status=OOM, oom_predicted=True, measured_peak_bytes=None, measured_kept_bytes=None, step_ms=None)
+    body = problems.report("gradient_checkpointing").render(rows).body
+    (line,) = [line for line in body.splitlines() if line.startswith("| no checkpointing ")]
+    assert line.count(PREDICTED_OOM) == 2  # kept after forward, and the peak
+    answer = " ".join(gradient_checkpointing.answer_gradient_checkpointing({"gradient_checkpointing": rows}))
+    assert "out of memory at this context: no checkpointing (predicted, not run)" in answer
 
 
 def test_checkpoint_plot_y_labels_do_not_overlap_and_reach_the_lowest_line():

@@ -21,6 +21,7 @@ from cs336_systems.reports import (
     listing,
     markdown_table,
     not_in_report,
+    oom_text,
     plural,
     select,
     span,
@@ -93,9 +94,9 @@ def _sweep_section(sweep: list[Row]) -> str:
     on_gpu = r0["device"] == "cuda"
     a, b, layers = r0["block_bytes"], r0["boundary_bytes"], r0["num_layers"]
     table = [{"plan": _plan_label(r), "recomputed blocks": r["recomputed_blocks"],
-              "kept after forward": format_bytes(r.get("measured_kept_bytes")) if r["status"] == "ok" else OOM,
+              "kept after forward": format_bytes(r.get("measured_kept_bytes")) if r["status"] == "ok" else oom_text(r),
               "predicted kept": format_bytes(r["predicted_kept_bytes"]),
-              "peak": format_bytes(r["measured_peak_bytes"]) if r["status"] == "ok" else OOM,
+              "peak": format_bytes(r["measured_peak_bytes"]) if r["status"] == "ok" else oom_text(r),
               "predicted peak": format_bytes(r["predicted_peak_bytes"]),
               "step (ms)": r.get("step_ms") if r["status"] == "ok" else None} for r in sweep]
     split = (f" (attention sublayer {format_bytes(r0['attention_sublayer_bytes'])}, feed-forward "
@@ -211,7 +212,8 @@ def answer_gradient_checkpointing(reports: Reports) -> list[str]:
         + (f", {r0['attention']} attention" if r0.get("attention") else "") + f": peak activation memory is {baseline}"
         f"{format_bytes(best['measured_peak_bytes'], 'bytes')} at the best single level ({_plan_phrase(best)})"
         + (f", against {listing(others)}." if others else ".")]
-    ooms = [_plan_phrase(r) for r in sweep if r["status"] == OOM]
+    ooms = [_plan_phrase(r) + (" (predicted, not run)" if r.get("oom_predicted") else "") for r in sweep
+            if r["status"] == OOM]
     sentences.append(
         f"The sqrt(L) rule (k = sqrt({layers}) = {math.sqrt(layers):.1f}) assumes a block keeps what a checkpoint "
         f"keeps; here it keeps {a / b:.0f}x as much, which moves the optimum to sqrt(L b / a) = "

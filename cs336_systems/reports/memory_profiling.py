@@ -22,6 +22,7 @@ from cs336_systems.reports import (
     listing,
     markdown_table,
     not_in_report,
+    oom_text,
     select,
     size_table_of,
 )
@@ -62,7 +63,7 @@ def _peak_section(peaks: list[Row]) -> str:
                                           r["context_length"])):
         entry = {"mode": MODE_LABELS[r["mode"]], "precision": r["precision"], "context": r["context_length"]}
         if r["status"] == OOM:
-            entry["peak"] = OOM
+            entry["peak"] = oom_text(r)
             entry["predicted"] = format_bytes(r.get("predicted_peak_bytes"))
         elif on_gpu:
             entry.update({"start": format_bytes(r["start_bytes"]), "peak": format_bytes(r["peak_bytes"]),
@@ -302,9 +303,9 @@ def answer_memory_profiling(reports: Reports) -> list[str]:
             cells = sorted(select(peaks, mode=mode, precision=precision), key=lambda r: r["context_length"])
             if not cells:
                 continue
-            values = [format_bytes(r[column], "bytes") if r["status"] == "ok" else OOM for r in cells]
+            values = [format_bytes(r[column], "bytes") if r["status"] == "ok" else oom_text(r) for r in cells]
             contexts = " / ".join(str(r["context_length"]) for r in cells)
-            shown = (f"out of memory at every context ({contexts})" if set(values) == {OOM} else
+            shown = (f"out of memory at every context ({contexts})" if all(r["status"] == OOM for r in cells) else
                      f"{' / '.join(values)} at context {contexts}")
             groups.append(f"{label} in {precision}: {shown}")
     training_phases = {r["predicted_phase"] for r in ok_rows(select(peaks, mode="train_step"))
