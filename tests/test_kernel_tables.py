@@ -2,6 +2,7 @@
 for the kernel path (launch calls and kernels by correlation id, ranges on another thread)."""
 
 import itertools
+from pathlib import Path
 
 import pytest
 import torch
@@ -23,7 +24,7 @@ from cs336_systems.profiling.kernels import (
     short_name,
 )
 from cs336_systems.profiling.ranges import annotate
-from cs336_systems.reports import problems
+from cs336_systems.reports import problems, read_rows
 from cs336_systems.rows import OOM
 
 # The tiny model: 2 blocks of 7 Linears each, plus the LM head.
@@ -229,6 +230,7 @@ def test_profile_cell_rows_and_report():
     for heading in ("(a) Forward time", "(b) The top forward kernel", "(d) Matmul share", "(e) Softmax"):
         assert heading in body
     assert "Each kernel counts once" in body and "adds up to no more than the step's" in body
+    assert "the profiler's overhead included" in body
     # Rows of a run from before the attribution was fixed have no self work: the report says so.
     old = [{k: v for k, v in r.items() if k != "self_work_ms"} for r in rows]
     assert "measured before kernels were attributed once" in problems.report("nsys_profile").render(old).body
@@ -326,3 +328,16 @@ def test_report_says_nsight_cannot_make_reports_and_sets_variants_side_by_side()
     assert "naive attention, the course's AdamW, fp32" in body  # the sections answer from the course's model
     assert "## Beside SDPA + fused AdamW" in body and "| SDPA + fused: step (ms)" in body
     assert "Nsight Systems cannot make reports on the measuring machine (nsys profile exited 1: no permission)" in body
+
+
+def test_gpu_profiled_range_is_read_as_host_time():
+    """On a GPU the forward range ends once its kernels are queued: the committed H100 ranges are shorter than the
+    timer's forward, and the report says why instead of calling the difference profiler overhead."""
+    rows = read_rows(Path(__file__).resolve().parents[1] / "reports" / "h100" / "nsys_profile.csv")
+    cells = {(r["size"], r["context_length"]): r["timer_forward_ms"] for r in rows if r["table"] == "cell"
+             and r["status"] == "ok"}
+    ranges = [r for r in rows if r["table"] == "range" and r["range"] == "forward"]
+    assert ranges and all(r["wall_ms"] < cells[r["size"], r["context_length"]] for r in ranges)
+    body = problems.report("nsys_profile").render(rows).body
+    assert "The profiled range is host time, ending once the kernels are queued" in body
+    assert "profiler's overhead" not in body

@@ -78,13 +78,21 @@ def _forward_time_section(cells: dict, device: str) -> str:
                       "profiled forward range (ms)": forward["wall_ms"], "forward work (ms)": forward["work_ms"],
                       "work / timer": f"{forward['work_ms'] / cell['timer_forward_ms']:.0%}"})
     work = "GPU kernel time" if device == "cuda" else "operator CPU time"
-    gap = "the GPU waited for the CPU to launch kernels" if device == "cuda" else "Python and the dispatcher ran"
+    gap = "the GPU waited for kernel launches" if device == "cuda" else "Python and the dispatcher ran"
     sample = next(iter(cells.values()))["cell"]
     return ("## (a) Forward time: profiler against the end-to-end timer\n\n"
-            f"Timer: the end-to-end benchmark's ({_timer(sample)}), {sample['timed_steps']} steps after "
+            f"Timer: {_timer(sample)}, {sample['timed_steps']} steps after "
             f"{sample['warmup']} warm-up; then one profiled step. Forward work: its {work}.\n\n" + markdown_table(table)
-            + f"\nThe profiled range adds the profiler's overhead ({_span(wall)} of the timer's mean); beyond forward "
-            f"work, {gap}.\n")
+            + f"\n{_range_note(device, wall)}. Beyond forward work, {gap}.\n")
+
+
+def _range_note(device: str, range_over_timer: list[float]) -> str:
+    """What the profiled range's wall time is beside the timer's: on a GPU host time, which ends once the host has
+    queued the forward's kernels, not when they finish; on a CPU the work itself, with the profiler's overhead."""
+    share = f"{_span(range_over_timer)} of the timer's mean"
+    if device == "cuda":
+        return f"The profiled range is host time, ending once the kernels are queued: {share}"
+    return f"The profiled range spans {share}, the profiler's overhead included"
 
 
 def _top_kernel_section(cells: dict) -> str:
@@ -159,8 +167,8 @@ def _attention_section(cells: dict) -> str:
             "subtract, exp, sum, divide).\n\n"
             + markdown_table(table) +
             f"\nSoftmax's time is {_span(excess, '{:.0f}x')} its FLOP share" + (
-                ": at under 1 FLOP per byte it is paced by memory traffic, while the matmuls reuse "
-                "q and k tiles (about d_head / 2 FLOPs per byte) and are paced by arithmetic.\n"
+                ": under 1 FLOP per byte, it waits on memory; the matmuls, at about d_head / 2, on "
+                "arithmetic.\n"
                 if min(excess) > 1 else "; in some cells no more.\n"))
 
 
