@@ -156,6 +156,16 @@ def test_the_report_and_the_index_quote_one_median_variation_of_the_cells():
             "step, 30.0%); 1 of them varies by more than 20% and is marked noisy.") in answer
 
 
+def test_the_index_says_whether_a_step_out_of_memory_was_run():
+    gib = 2**30
+    refused = _sweep_cell(512, "train_step", None, None, status=OOM, oom_predicted=True,
+                          estimated_peak_bytes=191.2 * gib, available_bytes=79.2 * gib)
+    answer = " ".join(answer_benchmarking_script({"benchmarking_script": [refused]}))
+    assert "the small step was not run (estimated 191.20 GiB against 79.20 GiB free)" in answer
+    ran_out = {**refused, "oom_predicted": False}
+    assert "small ran out of memory" in " ".join(answer_benchmarking_script({"benchmarking_script": [ran_out]}))
+
+
 def test_the_report_and_the_index_quote_one_compiled_speed_up_and_leave_out_noisy_cells():
     rows = []
     for context, eager_ms, compiled_ms, std_ms in ((128, 30.0, 20.0, 0.1), (256, 40.0, 20.0, 0.1),

@@ -18,6 +18,7 @@ from cs336_systems.reports import (
     Reports,
     SpeedUps,
     find,
+    format_bytes,
     format_ms,
     format_ratio,
     format_share,
@@ -471,6 +472,14 @@ def _headline_cells(sweep: list[Row]) -> tuple[list[str], int]:
     return [largest["size"]], largest["context_length"]
 
 
+def _step_out_of_memory(step: Row) -> str:
+    """An OOM training step in the index's words: refused by the memory estimate, or run out of memory."""
+    if step.get("oom_predicted"):
+        return (f"the {step['size']} step was not run (estimated {format_bytes(step['estimated_peak_bytes'])} "
+                f"against {format_bytes(step['available_bytes'])} free)")
+    return f"{step['size']} ran out of memory"
+
+
 def answer_benchmarking_script(reports: Reports) -> list[str]:
     rows = reports["benchmarking_script"]
     main, sweep, extra = split_variants(select(rows, table="sweep"))
@@ -479,7 +488,7 @@ def answer_benchmarking_script(reports: Reports) -> list[str]:
     for size in sizes:
         step = find(sweep, size=size, context_length=context, phase="train_step", precision="fp32", compile=False)
         if step is None or step["status"] != "ok":
-            steps.append(f"the {size} step is not in the report" if step is None else f"{size} ran out of memory")
+            steps.append(f"the {size} step is not in the report" if step is None else _step_out_of_memory(step))
             continue
         batch_sizes.add(step["batch_size"])
         phases = [(p, _e2e_step(sweep, size, context, p)) for p in ("forward", "backward", "optimizer")]
