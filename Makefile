@@ -27,7 +27,7 @@ gpu-check: $(GPU_SETUP)
 
 # On one GPU, the reports of pytorch_attention (eager), nsys_profile, memory_profiling (with its memory_viz
 # snapshots and their timelines) and gradient_checkpointing, on the 2026 handout's model and settings (xl at
-# contexts 128 and 2048); 3.5 minutes on an H100 80GB HBM3.
+# contexts 128 and 2048); 3 minutes 40 seconds on an H100 80GB HBM3.
 single-gpu-reports: $(GPU_SETUP)
 	$(PYTHON) -m pytest perf/test_attention.py perf/test_profile.py perf/test_memory.py \
 		-m "attention or profile or memory" -k "not compiled" --gpu auto -p no:cacheprovider -q
