@@ -42,7 +42,8 @@ from cs336_systems.rows import LONG_COLUMNS, OOM, Row, from_long, to_long
 
 Reports = dict[str, list[Row]]  # report name -> its rows, for the reports of a problem that exist
 # A cell the memory model said would not fit was never started: tables say so, not just OOM.
-PREDICTED_OOM = "OOM (predicted, not run)"
+NOT_RUN = "predicted, not run"
+PREDICTED_OOM = f"OOM ({NOT_RUN})"
 # A cell whose std is above this share of its mean varied too much between repetitions to be read as
 # one number; its table cell says so.
 NOISY_RELATIVE_STD = 0.20

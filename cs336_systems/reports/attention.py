@@ -11,6 +11,7 @@ import math
 from cs336_systems.accounting.attention import naive_attention_memory
 from cs336_systems.gpus import GIB
 from cs336_systems.reports import (
+    NOT_RUN,
     Rendered,
     Reports,
     SpeedUps,
@@ -38,7 +39,7 @@ def _ms(row: Row, phase: str) -> str:
 
 def oom_when(row: Row) -> str:
     """When a cell ran out of memory: predicted (and not run), or the stage that ran out."""
-    return "predicted, not run" if row.get("oom_predicted") else f"during {row['oom_during']}"
+    return NOT_RUN if row.get("oom_predicted") else f"during {row['oom_during']}"
 
 
 def _gib_cell(value) -> str:

@@ -13,6 +13,7 @@ from cs336_systems.benchmarks.gradient_checkpointing import HANDOUT_CHECKPOINT_C
 from cs336_systems.gpus import GIB, MIB
 from cs336_systems.profiling.checkpointing import checkpoint_chain, describe, optimal_plan
 from cs336_systems.reports import (
+    NOT_RUN,
     Rendered,
     Reports,
     find,
@@ -212,7 +213,7 @@ def answer_gradient_checkpointing(reports: Reports) -> list[str]:
         + (f", {r0['attention']} attention" if r0.get("attention") else "") + f": peak activation memory is {baseline}"
         f"{format_bytes(best['measured_peak_bytes'], 'bytes')} at the best single level ({_plan_phrase(best)})"
         + (f", against {listing(others)}." if others else ".")]
-    ooms = [_plan_phrase(r) + (" (predicted, not run)" if r.get("oom_predicted") else "") for r in sweep
+    ooms = [_plan_phrase(r) + (f" ({NOT_RUN})" if r.get("oom_predicted") else "") for r in sweep
             if r["status"] == OOM]
     sentences.append(
         f"The sqrt(L) rule (k = sqrt({layers}) = {math.sqrt(layers):.1f}) assumes a block keeps what a checkpoint "
