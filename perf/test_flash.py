@@ -26,6 +26,7 @@ from cs336_systems.benchmarks.flash import (
 )
 from cs336_systems.benchmarks.flash_in_training import (
     ATTENTIONS,
+    KERNEL_MODES,
     KERNEL_PROVIDERS,
     TrainingCell,
     attention_kernels,
@@ -136,7 +137,7 @@ def test_flash_in_training(cell, device, report):
     assert list(steps) == list(ATTENTIONS)
     assert steps["flash_triton"] == "ok" or steps["flash_triton"] == steps["sdpa"] == OOM, steps
     kernels = [r for r in rows if r["table"] == "kernels"]
-    assert [(r["provider"], r["mode"]) for r in kernels] == [(p, mode) for p in KERNEL_PROVIDERS for mode in MODES]
+    assert [(r["provider"], r["mode"]) for r in kernels] == [(p, m) for p in KERNEL_PROVIDERS for m in KERNEL_MODES]
     assert all(r["status"] in ("ok", UNSUPPORTED) for r in kernels), kernels
     require_some_ran(rows, f"the {cell.size} cell at context {cell.context_length}")
     assert not unmeasured(rows, "median_ms")

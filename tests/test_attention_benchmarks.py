@@ -6,12 +6,14 @@ Expected accounting values are worked by hand in the comments, independently of 
 
 from __future__ import annotations
 
+from contextlib import nullcontext
 from pathlib import Path
 
 import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from torch.nn.attention import sdpa_kernel
 
 from cs336_systems.accounting.attention import attention_flops, naive_attention_memory
 from cs336_systems.attention.flash_triton import INTERPRETED
@@ -222,6 +224,26 @@ def test_backward_timing_leaves_no_gradient_behind():
     assert stats["p20_ms"] <= stats["median_ms"] <= stats["p80_ms"]
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("provider", ["flash_triton", "sdpa_cudnn"])
+def test_a_captured_forward_backward_writes_the_eager_gradients_on_every_replay(provider, device):
+    cell = FlashCell(256, 80, "bf16", batch_size=2, n_heads=2)
+    inputs, grad_out = flash_bench._inputs(cell, device)
+    forward, backend = flash_bench._provider(provider, *inputs, cell.is_causal)
+    if forward is None:
+        pytest.skip(f"{provider} refuses these inputs on this GPU")
+    with sdpa_kernel(backend) if backend is not None else nullcontext():
+        forward().backward(grad_out)
+        eager = [t.grad.clone() for t in inputs]
+        graph = flash_bench._captured(lambda: forward().backward(grad_out), inputs, device)
+    for _ in range(2):
+        for t in inputs:
+            t.grad.zero_()
+        graph.replay()
+        torch.cuda.synchronize(device)
+        assert all(torch.equal(t.grad, expected) for t, expected in zip(inputs, eager, strict=True))
+
+
 def test_sdpa_backend_that_refuses_the_inputs_is_recorded_unsupported():
     rows = benchmark_flash_cell(FlashCell(16, 16, "fp32"), ("sdpa_cudnn",), "cpu", ("forward",), TINY_BENCH)
     assert [(r["status"], r["backend"], r["median_ms"]) for r in rows] == [(UNSUPPORTED, "CUDNN_ATTENTION", None)]
@@ -254,6 +276,8 @@ def test_out_of_memory_in_one_mode_leaves_the_others_measured(monkeypatch):
     (lambda: benchmark_flash_cell(FlashCell(16, 16, "fp32"), ("naive",), "cpu", ("fwd",)), "unknown mode 'fwd'"),
     (lambda: benchmark_flash_cell(FlashCell(16, 16, "fp32"), ("flash_triton_compiled",), "cpu"),
      "backward alone cannot be timed"),
+    (lambda: benchmark_flash_cell(FlashCell(16, 16, "fp32"), ("naive",), "cpu", (flash_bench.GRAPHED_MODE,)),
+     "captures a CUDA graph and needs a CUDA device, got cpu"),
     (lambda: FlashCell(0, 16, "fp32"), "seq_len must be >= 1"),
     (lambda: FlashCell(16, 16, "int8"), "unknown precision 'int8'"),
 ])

@@ -16,7 +16,9 @@ do_bench's CUDA events do not exist, the host clock times a few calls (cs336_sys
 Backward is timed alone: the closure calls o.backward(dO, retain_graph=True) on the output of one
 forward run beforehand, so each sample holds exactly the backward's kernels (the gradients are
 reset to None between samples, outside the timed region, so none accumulates). Forward+backward
-times a closure that runs both.
+times a closure that runs both. GRAPHED_MODE captures that closure in a CUDA graph and times its
+replay: the kernels alone, no host time in the sample (the inputs' gradients are the graph's own
+buffers, written on every replay).
 
 Naive attention materialises N x N matrices: before running it, its predicted peak
 (cs336_systems.accounting.attention) is compared with the free device memory, and a cell that
@@ -59,6 +61,9 @@ SEQ_LENS = tuple(2**p for p in range(7, 17))  # 128 ... 65536
 HEAD_DIMS = (16, 32, 64, 128)
 PRECISIONS = ("bf16", "fp32")
 MODES = ("forward", "backward", "forward_backward")
+GRAPHED_MODE = "forward_backward_graphed"
+MODE_LABELS = {"forward": "forward", "backward": "backward", "forward_backward": "forward+backward",
+               GRAPHED_MODE: "forward+backward, CUDA graph"}
 PROVIDERS = ("flash_triton", "naive", "sdpa")
 UNSUPPORTED = "unsupported"
 SDPA_BACKEND_ORDER = (SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH)
@@ -91,7 +96,8 @@ class FlashCell:
         return (self.batch_size, self.n_heads, self.seq_len, self.head_dim)
 
     def flops(self, mode: str) -> float:
-        return attention_flops(self.batch_size * self.n_heads, self.seq_len, self.head_dim, self.is_causal, mode)
+        phase = "forward_backward" if mode == GRAPHED_MODE else mode
+        return attention_flops(self.batch_size * self.n_heads, self.seq_len, self.head_dim, self.is_causal, phase)
 
 
 # The 2025 leaderboard's attention configuration and what it is compared with: one kernel cell on one GPU. Its
@@ -181,7 +187,33 @@ def _bench_mode(mode: str, forward: Callable[[], torch.Tensor], inputs: tuple[to
         return _bench(lambda: out.backward(grad_out, retain_graph=True), inputs, device, settings)
     if mode == "forward_backward":
         return _bench(lambda: forward().backward(grad_out), inputs, device, settings)
-    raise ValueError(f"unknown mode {mode!r}; choose one of {', '.join(MODES)}")
+    if mode == GRAPHED_MODE:
+        graph = _captured(lambda: forward().backward(grad_out), inputs, device)
+        return _bench(graph.replay, (), device, settings)
+    raise ValueError(f"unknown mode {mode!r}; choose one of {', '.join(MODE_LABELS)}")
+
+
+# Untimed calls on a side stream before a capture: kernels compiled, the allocator's blocks cached.
+CAPTURE_WARMUP = 3
+
+
+def _captured(fn: Callable[[], object], inputs: tuple[torch.Tensor, ...], device: torch.device):
+    """`fn` captured in a CUDA graph, the inputs' gradients None at capture so that the graph allocates and
+    writes them itself."""
+    side = torch.cuda.Stream(device)
+    side.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(side):
+        for _ in range(CAPTURE_WARMUP):
+            for t in inputs:
+                t.grad = None
+            fn()
+    torch.cuda.current_stream(device).wait_stream(side)
+    for t in inputs:
+        t.grad = None
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return graph
 
 
 def _naive_fits(cell: FlashCell, device: torch.device) -> tuple[bool, int, int]:
@@ -221,8 +253,10 @@ def benchmark_flash_cell(cell: FlashCell, providers=PROVIDERS, device: torch.dev
     """One row per (provider, mode): status ok / OOM / unsupported, times, TFLOP/s."""
     device = torch.device(device)
     for mode in modes:
-        if mode not in MODES:
-            raise ValueError(f"unknown mode {mode!r}; choose one of {', '.join(MODES)}")
+        if mode not in MODE_LABELS:
+            raise ValueError(f"unknown mode {mode!r}; choose one of {', '.join(MODE_LABELS)}")
+    if GRAPHED_MODE in modes and device.type != "cuda":
+        raise ValueError(f"{GRAPHED_MODE} captures a CUDA graph and needs a CUDA device, got {device}")
     for provider in providers:
         if provider not in PROVIDER_LABELS:
             raise ValueError(f"unknown provider {provider!r}; choose one of {', '.join(PROVIDER_LABELS)}")

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import torch
 
 from cs336_systems.accounting.flops import step_flops
-from cs336_systems.benchmarks.flash import BenchSettings, FlashCell, benchmark_flash_cell
+from cs336_systems.benchmarks.flash import GRAPHED_MODE, MODES, BenchSettings, FlashCell, benchmark_flash_cell
 from cs336_systems.benchmarks.harness import (
     LEARNING_RATE,
     adamw,
@@ -36,6 +36,9 @@ from cs336_systems.timing import STEP_TIMER, time_fn
 
 ATTENTIONS = ("sdpa", "flash_triton")
 KERNEL_PROVIDERS = ("flash_triton", "sdpa_cudnn", "sdpa_flash")
+# Each mode timed eagerly (host time shows where it exceeds the GPU's), and forward+backward replayed from
+# a CUDA graph (the kernels alone).
+KERNEL_MODES = (*MODES, GRAPHED_MODE)
 DEFAULT_WARMUP = 5
 DEFAULT_STEPS = 20
 
@@ -112,7 +115,7 @@ def training_steps(cell: TrainingCell, device: torch.device | str = "cuda", atte
 
 def attention_kernels(cell: FlashCell, device: torch.device | str = "cuda",
                       settings: BenchSettings = BenchSettings()) -> list[Row]:
-    """Forward, backward and forward+backward of the Triton kernels and SDPA's cuDNN and FA2 backends at
-    `cell`'s shape, timed by do_bench."""
-    rows = benchmark_flash_cell(cell, KERNEL_PROVIDERS, device, settings=settings)
+    """Forward, backward and forward+backward (eagerly, then from a CUDA graph) of the Triton kernels and
+    SDPA's cuDNN and FA2 backends at `cell`'s shape, timed by do_bench."""
+    rows = benchmark_flash_cell(cell, KERNEL_PROVIDERS, device, KERNEL_MODES, settings)
     return [{**row, "table": "kernels"} for row in rows]
