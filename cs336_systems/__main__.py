@@ -77,9 +77,11 @@ def _print_rows(rows, as_json: bool, columns=None) -> None:
 
 
 def _cmd_e2e(args) -> None:
-    from cs336_systems.interpretation import interpret_kernels
+    from cs336_systems.interpretation import interpret_kernels, interpreter_problem
 
     device = _device(args.device)
+    if device.type != "cuda" and args.attention == "flash_triton" and (problem := interpreter_problem()):
+        raise SystemExit(f"e2e --attention flash_triton on {device}: {problem}")
     # Before the benchmark imports the kernels; the environment is put back for whatever this process
     # starts afterwards (the command may run inside another program).
     restore = interpret_kernels(on_gpu=device.type == "cuda")

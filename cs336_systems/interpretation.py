@@ -14,14 +14,38 @@ decision must be made before that import and holds for the rest of the process: 
 nothing already imported. Processes started afterwards (distributed ranks, a fresh benchmark process)
 inherit the environment, and so the decision. What actually happened is read from the kernels
 themselves: cs336_systems.attention.flash_triton.launch.INTERPRETED.
+
+Not every install's interpreter can run them: `interpreter_problem()` names the one known to fail.
 """
 
 from __future__ import annotations
 
 import os
 from collections.abc import Callable
+from importlib import metadata
 
 INTERPRET_VARIABLE = "TRITON_INTERPRET"
+# Triton before 3.9 turns a loop bound computed in a kernel into a Python int by int() of a one-element
+# array, which numpy 2.4 refuses ("only 0-dimensional arrays can be converted to Python scalars").
+FIRST_TRITON_FOR_NUMPY_2_4 = (3, 9)
+
+
+def _major_minor(version: str) -> tuple[int, int]:
+    major, minor = version.split(".")[:2]
+    return int(major), int("".join(c for c in minor if c.isdigit()) or 0)
+
+
+def interpreter_problem(triton_version: str | None = None, numpy_version: str | None = None) -> str | None:
+    """Why Triton's interpreter cannot run the FlashAttention kernels with these versions (the installed
+    ones by default, read from the package metadata: importing triton would settle its mode before
+    interpret_kernels can), or None where it can."""
+    triton_version = triton_version or metadata.version("triton")
+    numpy_version = numpy_version or metadata.version("numpy")
+    if _major_minor(triton_version) < FIRST_TRITON_FOR_NUMPY_2_4 and _major_minor(numpy_version) >= (2, 4):
+        return (f"Triton {triton_version}'s interpreter cannot run the FlashAttention kernels with numpy "
+                f"{numpy_version}: a loop bound computed in a kernel fails to convert to an int; install "
+                "numpy<2.4 or triton>=3.9")
+    return None
 
 
 def interpret_kernels(on_gpu: bool) -> Callable[[], None]:

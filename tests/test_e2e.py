@@ -16,6 +16,7 @@ from cs336_systems.benchmarks import e2e, harness
 from cs336_systems.benchmarks.e2e import E2EConfig, benchmark_model
 from cs336_systems.benchmarks.harness import timed_step
 from cs336_systems.cells import unmeasured
+from cs336_systems.interpretation import interpreter_problem
 from cs336_systems.memory_guard import MemoryCheck
 from cs336_systems.reports import format_bytes
 from cs336_systems.reports.e2e import (
@@ -241,6 +242,9 @@ def test_command_runs_the_triton_kernels_interpreted_on_a_cpu():
     result = subprocess.run([sys.executable, "-m", "cs336_systems", "e2e", "--size", "tiny", "--context", "16",
                              "--batch-size", "1", "--warmup", "0", "--steps", "1", "--attention", "flash_triton",
                              "--device", "cpu"], capture_output=True, text=True, env=environment)
+    if problem := interpreter_problem():  # an install whose interpreter cannot run the kernels is told so
+        assert result.returncode == 1 and result.stderr.strip().endswith(problem), result.stderr[-2000:]
+        return
     assert result.returncode == 0, result.stderr[-2000:]
     assert sum(line.startswith("| tiny") and "| ok " in line for line in result.stdout.splitlines()) == 5, result.stdout
 
