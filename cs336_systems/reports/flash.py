@@ -11,6 +11,7 @@ from collections import defaultdict
 from cs336_systems.benchmarks.flash import (
     GATE_CELL,
     GATED_PROVIDERS,
+    MODE_LABELS,
     MODES,
     PRECISIONS,
     PROVIDER_LABELS,
@@ -30,7 +31,6 @@ from cs336_systems.reports import (
 )
 from cs336_systems.rows import OOM, Row, ok_rows, ran
 
-MODE_LABELS = {"forward": "forward", "backward": "backward", "forward_backward": "forward+backward"}
 RATIO_PAIRS = (("naive", "flash_triton"), ("sdpa", "flash_triton"))
 
 
