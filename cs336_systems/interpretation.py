@@ -21,6 +21,7 @@ Not every install's interpreter can run them: `interpreter_problem()` names the 
 from __future__ import annotations
 
 import os
+import re
 from collections.abc import Callable
 from importlib import metadata
 
@@ -31,8 +32,9 @@ FIRST_TRITON_FOR_NUMPY_2_4 = (3, 9)
 
 
 def _major_minor(version: str) -> tuple[int, int]:
+    """(major, minor) of a version string, whatever follows the minor's digits ("2.0rc1" is (2, 0))."""
     major, minor = version.split(".")[:2]
-    return int(major), int("".join(c for c in minor if c.isdigit()) or 0)
+    return int(major), int(re.match(r"\d*", minor).group() or 0)
 
 
 def interpreter_problem(triton_version: str | None = None, numpy_version: str | None = None) -> str | None:

@@ -22,7 +22,7 @@ def test_a_run_without_a_gpu_interprets_the_kernels_until_it_restores_the_enviro
 
 @pytest.mark.parametrize(("triton_version", "numpy_version", "fails"), [
     ("3.6.0", "2.4.6", True), ("3.6.0", "2.3.5", False), ("3.9.0", "2.4.0", False), ("3.10.1", "2.5.0", False),
-    ("3.5.1+git1a2b", "2.4.0rc1", True)])
+    ("3.5.1+git1a2b", "2.4.0rc1", True), ("3.6.0", "2.3rc4", False)])
 def test_the_interpreter_known_to_fail_is_named_with_its_versions(triton_version, numpy_version, fails):
     problem = interpreter_problem(triton_version, numpy_version)
     if fails:

@@ -49,9 +49,9 @@ def _kernels_section(rows: list[Row]) -> str:
         for mode in KERNEL_MODES:
             cell = {r["provider"]: r for r in rows
                     if (r["batch_size"], r["n_heads"], r["seq_len"], r["head_dim"], r["mode"]) == (*shape, mode)}
-            ours = cell.get("flash_triton")
             if not cell:
                 continue
+            ours = cell.get("flash_triton")
             entry = {"batch x heads x N x d": " x ".join(map(str, shape)), "mode": MODE_LABELS[mode]}
             for provider, r in cell.items():
                 entry[f"{provider} ms"] = f"{r['median_ms']:.4g}" if r["status"] == "ok" else r["status"]
