@@ -29,7 +29,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from cs336_systems.attention.flash_triton import FlashAttentionTriton
 from cs336_systems.attention.flash_triton import launch as ft
-from cs336_systems.attention.flash_triton.tiles import Tiles, tiles_for
+from cs336_systems.attention.flash_triton.tiles import Tiles, head_dim_chunks, tiles_for
 from cs336_systems.precision import Precision
 
 KERNELS = ("forward", "dkdv", "dq")
@@ -53,8 +53,8 @@ def candidates(kernel: str, head_dim: int, dtype: torch.dtype) -> list[Tiles]:
     element_bytes = torch.finfo(dtype).bits // 8
     shapes = []
     for (owned, stepped), stages in itertools.product(OWNED_STEPPED[element_bytes], STAGES):
-        if head_dim > 64 and owned * stepped > 128 * 64:
-            continue  # two d=128 fp32 accumulators of this size spill registers
+        if sum(head_dim_chunks(head_dim)) > 96 and owned * stepped > 128 * 64:
+            continue  # two fp32 accumulators 128 columns wide of this size spill registers
         for warps in WARPS[owned]:
             if kernel == "dkdv":
                 shapes.append(Tiles(block_m=stepped, block_n=owned, num_warps=warps, num_stages=stages))

@@ -103,6 +103,22 @@ def test_split_forward_runs_are_a_quarter_of_the_longest_tile_in_query_tile_mult
     assert split(tile_shape, 64, 64, is_causal=True) is None  # one run: the whole forward
 
 
+@pytest.mark.parametrize(("head_dim", "chunks"), [
+    (8, (16, 0)), (16, (16, 0)), (24, (32, 0)), (32, (32, 0)), (40, (32, 16)), (48, (32, 16)), (64, (64, 0)),
+    (72, (64, 16)), (80, (64, 16)), (96, (64, 32)), (100, (128, 0)), (112, (128, 0)), (128, (128, 0))])
+def test_a_head_dim_is_one_chunk_or_a_chunk_and_a_tail_whichever_pads_less(head_dim, chunks):
+    assert tiles.head_dim_chunks(head_dim) == chunks
+    block_d, tail_d = chunks
+    assert block_d + tail_d >= head_dim and (tail_d == 0 or block_d < head_dim)
+
+
+@pytest.mark.parametrize(("head_dim", "dtype", "table_key"), [
+    (64, torch.bfloat16, (64, 2)), (72, torch.bfloat16, (80, 2)), (80, torch.bfloat16, (80, 2)),
+    (96, torch.bfloat16, (128, 2)), (80, torch.float32, (128, 4)), (40, torch.float32, (64, 4))])
+def test_a_head_dim_takes_the_tiles_of_the_least_class_that_holds_its_columns(head_dim, dtype, table_key):
+    assert tiles.tiles_for(head_dim, dtype) is tiles.TILE_TABLE[table_key]
+
+
 @pytest.mark.parametrize("is_causal", [False, True])
 @pytest.mark.parametrize("path", PATHS)
 def test_path_cases_take_their_path_on_an_h100_sized_gpu(path, is_causal, monkeypatch):

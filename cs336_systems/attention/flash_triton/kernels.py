@@ -2,8 +2,11 @@
 small to fill the GPU), dQ over query tiles (which also writes D = rowsum(dO * O)), then dK/dV over
 key tiles, so that no kernel needs atomics on its outputs.
 
-Every kernel takes (batch, heads, n, d) tensors by stride, rows of d contiguous elements, and pads
-head dims that are no power of two (or below 16, what tl.dot needs) with masked columns on chip.
+Every kernel takes (batch, heads, n, d) tensors by stride, rows of d contiguous elements. On chip a
+row is one chunk of BLOCK_D columns, or, where that would pad much (d 80 in 128), a chunk of BLOCK_D
+and a tail of TAIL_D (d 80 = 64 + 16): every dot over the head dim is then two dots into one
+accumulator, and every output over it two tiles. Columns past the head dim (in BLOCK_D + TAIL_D, or in
+the one chunk for small or odd head dims; tl.dot needs 16) are masked, read as zero.
 
 Speed structure:
   - Scores are kept in base 2: S * log2(e) = q k^T * (log2(e) / sqrt(d)), one multiply, then exp2.
@@ -34,15 +37,16 @@ _SIZE_ARGS = ["n_heads", "n_queries", "n_keys"]
 
 
 @triton.jit
-def _load_rows(ptrs, rows, n_rows, offs_d, CHECK_ROWS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr):
-    """A (rows, BLOCK_D) tile; rows past n_rows and columns past HEAD_DIM read as zero."""
+def _load_rows(ptrs, rows, n_rows, offs_d, CHECK_ROWS: tl.constexpr, HEAD_DIM: tl.constexpr, COLS_END: tl.constexpr):
+    """A (rows, columns offs_d) tile, the columns ending at COLS_END; rows past n_rows and columns past
+    HEAD_DIM read as zero (columns are masked only for a chunk that ends past HEAD_DIM)."""
     if CHECK_ROWS:
-        if BLOCK_D == HEAD_DIM:
+        if COLS_END <= HEAD_DIM:
             tile = tl.load(ptrs, mask=rows[:, None] < n_rows, other=0.0)
         else:
             tile = tl.load(ptrs, mask=(rows[:, None] < n_rows) & (offs_d[None, :] < HEAD_DIM), other=0.0)
     else:
-        if BLOCK_D == HEAD_DIM:
+        if COLS_END <= HEAD_DIM:
             tile = tl.load(ptrs)
         else:
             tile = tl.load(ptrs, mask=offs_d[None, :] < HEAD_DIM, other=0.0)
@@ -75,30 +79,75 @@ def _program_tile(n_rows, n_heads, BLOCK: tl.constexpr, HEADS_FASTEST: tl.conste
 
 @triton.jit
 def _tile_ptrs(base, batch, head, stride_b, stride_h, stride_n, rows, offs_d):
-    """Pointers to the (rows, BLOCK_D) tile of one (batch, head) of a (batch, heads, n, d) tensor."""
+    """Pointers to the (rows, columns offs_d) tile of one (batch, head) of a (batch, heads, n, d) tensor."""
     return base + batch * stride_b + head * stride_h + rows[:, None] * stride_n + offs_d[None, :]
 
 
 @triton.jit
-def _store_rows(ptrs, tile, rows, n_rows, offs_d, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr):
-    if BLOCK_D == HEAD_DIM:
+def _store_rows(ptrs, tile, rows, n_rows, offs_d, HEAD_DIM: tl.constexpr, COLS_END: tl.constexpr):
+    """Store a (rows, columns offs_d) tile, the columns ending at COLS_END, as far as n_rows and HEAD_DIM."""
+    if COLS_END <= HEAD_DIM:
         tl.store(ptrs, tile, mask=rows[:, None] < n_rows)
     else:
         tl.store(ptrs, tile, mask=(rows[:, None] < n_rows) & (offs_d[None, :] < HEAD_DIM))
 
 
 @triton.jit
-def _forward_key_loop(acc, l_i, m_i, q, k_base, v_base, stride_kn, stride_vn, key_start, key_end,
-                      offs_m, offs_n, offs_d, n_keys, qk_scale,
+def _tail_columns(offs_d, BLOCK_D: tl.constexpr, TAIL_D: tl.constexpr):
+    """The tail chunk's columns, BLOCK_D to BLOCK_D + TAIL_D; without a tail, offs_d as a placeholder that no
+    kernel reads (every use of the tail sits under `if TAIL_D > 0`)."""
+    if TAIL_D > 0:
+        offs_t = BLOCK_D + tl.arange(0, TAIL_D)
+    else:
+        offs_t = offs_d
+    return offs_t
+
+
+@triton.jit
+def _load_row_chunks(base, stride_n, rows, n_rows, offs_d, offs_t, CHECK_ROWS: tl.constexpr,
+                     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, TAIL_D: tl.constexpr):
+    """(chunk, tail) of the rows of one (batch, head) at base; without a tail, the chunk twice."""
+    tile = _load_rows(base + rows[:, None] * stride_n + offs_d[None, :], rows, n_rows, offs_d, CHECK_ROWS,
+                      HEAD_DIM, BLOCK_D)
+    if TAIL_D > 0:
+        tail = _load_rows(base + rows[:, None] * stride_n + offs_t[None, :], rows, n_rows, offs_t, CHECK_ROWS,
+                          HEAD_DIM, BLOCK_D + TAIL_D)
+    else:
+        tail = tile
+    return tile, tail
+
+
+@triton.jit
+def _store_row_chunks(base, stride_n, tile, tail, rows, n_rows, offs_d, offs_t,
+                      HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, TAIL_D: tl.constexpr):
+    """Store (chunk, tail) as the rows of one (batch, head) at base, converted to its element type."""
+    _store_rows(base + rows[:, None] * stride_n + offs_d[None, :], tile.to(base.dtype.element_ty), rows, n_rows,
+                offs_d, HEAD_DIM, BLOCK_D)
+    if TAIL_D > 0:
+        _store_rows(base + rows[:, None] * stride_n + offs_t[None, :], tail.to(base.dtype.element_ty), rows, n_rows,
+                    offs_t, HEAD_DIM, BLOCK_D + TAIL_D)
+
+
+@triton.jit
+def _dot_rows(a, b, a_t, b_t, TAIL_D: tl.constexpr):
+    """a b^T over the head dim, chunk and tail: (rows of a, rows of b) fp32."""
+    product = tl.dot(a, tl.trans(b))
+    if TAIL_D > 0:
+        product = tl.dot(a_t, tl.trans(b_t), product)
+    return product
+
+
+@triton.jit
+def _forward_key_loop(acc, acc_t, l_i, m_i, q, q_t, k_base, v_base, stride_kn, stride_vn, key_start, key_end,
+                      offs_m, offs_n, offs_d, offs_t, n_keys, qk_scale,
                       MASKED: tl.constexpr, IS_CAUSAL: tl.constexpr,
-                      HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr):
-    """Online softmax over key tiles [key_start, key_end), into acc; MASKED
+                      HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, TAIL_D: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Online softmax over key tiles [key_start, key_end), into acc (and acc_t, the tail's columns); MASKED
     applies the key-bound and causal masks, for tiles on the diagonal or past the end of the keys."""
     for start_n in range(key_start, key_end, BLOCK_N):
         cols = start_n + offs_n
-        k = _load_rows(k_base + cols[:, None] * stride_kn + offs_d[None, :], cols, n_keys, offs_d,
-                       MASKED, HEAD_DIM, BLOCK_D)
-        qk = tl.dot(q, tl.trans(k))
+        k, k_t = _load_row_chunks(k_base, stride_kn, cols, n_keys, offs_d, offs_t, MASKED, HEAD_DIM, BLOCK_D, TAIL_D)
+        qk = _dot_rows(q, k, q_t, k_t, TAIL_D)
         if MASKED:
             s = qk * qk_scale  # scores in base-2 units
             if IS_CAUSAL:
@@ -113,11 +162,12 @@ def _forward_key_loop(acc, l_i, m_i, q, k_base, v_base, stride_kn, stride_vn, ke
             p = tl.math.exp2(qk * qk_scale - m_new[:, None])
         correction = tl.math.exp2(m_i - m_new)
         l_i = l_i * correction + tl.sum(p, 1)
-        v = _load_rows(v_base + cols[:, None] * stride_vn + offs_d[None, :], cols, n_keys, offs_d,
-                       MASKED, HEAD_DIM, BLOCK_D)
+        v, v_t = _load_row_chunks(v_base, stride_vn, cols, n_keys, offs_d, offs_t, MASKED, HEAD_DIM, BLOCK_D, TAIL_D)
         acc = tl.dot(p.to(v.dtype), v, acc * correction[:, None])
+        if TAIL_D > 0:
+            acc_t = tl.dot(p.to(v_t.dtype), v_t, acc_t * correction[:, None])
         m_i = m_new
-    return acc, l_i, m_i
+    return acc, acc_t, l_i, m_i
 
 
 @triton.jit
@@ -134,20 +184,25 @@ def _keys_seen_end(q_start, n_keys, IS_CAUSAL: tl.constexpr, BLOCK_M: tl.constex
 @triton.jit
 def _attend_key_range(Q, K, V, batch, head, stride_qb, stride_qh, stride_qn, stride_kb, stride_kh, stride_kn,
                       stride_vb, stride_vh, stride_vn, q_start, key_lo, key_hi, n_queries, n_keys, qk_scale,
-                      IS_CAUSAL: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+                      IS_CAUSAL: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, TAIL_D: tl.constexpr,
                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-    """(normalised output, base-2 log-sum-exp) of the BLOCK_M queries from q_start over the keys in
-    [key_lo, key_hi), both multiples of BLOCK_N or key_hi the end of the keys seen."""
+    """(normalised output, its tail columns, base-2 log-sum-exp) of the BLOCK_M queries from q_start over
+    the keys in [key_lo, key_hi), both multiples of BLOCK_N or key_hi the end of the keys seen."""
     offs_m = q_start + tl.arange(0, BLOCK_M)
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
+    offs_t = _tail_columns(offs_d, BLOCK_D, TAIL_D)
     k_base = K + batch * stride_kb + head * stride_kh
     v_base = V + batch * stride_vb + head * stride_vh
-    q = _load_rows(_tile_ptrs(Q, batch, head, stride_qb, stride_qh, stride_qn, offs_m, offs_d),
-                   offs_m, n_queries, offs_d, True, HEAD_DIM, BLOCK_D)
+    q, q_t = _load_row_chunks(Q + batch * stride_qb + head * stride_qh, stride_qn, offs_m, n_queries, offs_d, offs_t,
+                              True, HEAD_DIM, BLOCK_D, TAIL_D)
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    if TAIL_D > 0:
+        acc_t = tl.zeros([BLOCK_M, TAIL_D], dtype=tl.float32)
+    else:
+        acc_t = acc  # a placeholder the loop passes through unread
     full_keys_end = (n_keys // BLOCK_N) * BLOCK_N  # key tiles before this need no bound mask
     if IS_CAUSAL:
         # Tiles before the query tile are wholly below the diagonal (BLOCK_M is a multiple of
@@ -155,13 +210,13 @@ def _attend_key_range(Q, K, V, batch, head, stride_qb, stride_qh, stride_qn, str
         masked_start = tl.minimum(q_start, full_keys_end)
     else:
         masked_start = full_keys_end
-    acc, l_i, m_i = _forward_key_loop(acc, l_i, m_i, q, k_base, v_base, stride_kn, stride_vn,
-                                      key_lo, tl.minimum(key_hi, masked_start), offs_m, offs_n, offs_d,
-                                      n_keys, qk_scale, False, IS_CAUSAL, HEAD_DIM, BLOCK_D, BLOCK_N)
-    acc, l_i, m_i = _forward_key_loop(acc, l_i, m_i, q, k_base, v_base, stride_kn, stride_vn,
-                                      tl.maximum(key_lo, masked_start), key_hi, offs_m, offs_n, offs_d,
-                                      n_keys, qk_scale, True, IS_CAUSAL, HEAD_DIM, BLOCK_D, BLOCK_N)
-    return acc / l_i[:, None], m_i + tl.math.log2(l_i)
+    acc, acc_t, l_i, m_i = _forward_key_loop(acc, acc_t, l_i, m_i, q, q_t, k_base, v_base, stride_kn, stride_vn,
+                                             key_lo, tl.minimum(key_hi, masked_start), offs_m, offs_n, offs_d, offs_t,
+                                             n_keys, qk_scale, False, IS_CAUSAL, HEAD_DIM, BLOCK_D, TAIL_D, BLOCK_N)
+    acc, acc_t, l_i, m_i = _forward_key_loop(acc, acc_t, l_i, m_i, q, q_t, k_base, v_base, stride_kn, stride_vn,
+                                             tl.maximum(key_lo, masked_start), key_hi, offs_m, offs_n, offs_d, offs_t,
+                                             n_keys, qk_scale, True, IS_CAUSAL, HEAD_DIM, BLOCK_D, TAIL_D, BLOCK_N)
+    return acc / l_i[:, None], acc_t / l_i[:, None], m_i + tl.math.log2(l_i)
 
 
 @triton.jit(do_not_specialize=_SIZE_ARGS)
@@ -171,7 +226,7 @@ def forward_kernel(Q, K, V, O, L,
                    stride_vb, stride_vh, stride_vn,
                    stride_ob, stride_oh, stride_on,
                    n_heads, n_queries, n_keys, qk_scale,
-                   IS_CAUSAL: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+                   IS_CAUSAL: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, TAIL_D: tl.constexpr,
                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     """One program per (batch x head, query tile): o and L for BLOCK_M queries."""
     # A float argument is fp32 when Triton's own launcher passes it and fp64 when torch.compile's does:
@@ -179,20 +234,22 @@ def forward_kernel(Q, K, V, O, L,
     qk_scale = tl.cast(qk_scale, tl.float32)
     pid_bh, batch, head, pid_m = _program_tile(n_queries, n_heads, BLOCK_M, True)
     q_start = pid_m * BLOCK_M
-    o, lse2 = _attend_key_range(Q, K, V, batch, head, stride_qb, stride_qh, stride_qn, stride_kb, stride_kh, stride_kn,
-                                stride_vb, stride_vh, stride_vn, q_start, 0,
-                                _keys_seen_end(q_start, n_keys, IS_CAUSAL, BLOCK_M), n_queries, n_keys, qk_scale,
-                                IS_CAUSAL, HEAD_DIM, BLOCK_D, BLOCK_M, BLOCK_N)
-    _store_output(O, L, pid_bh, batch, head, stride_ob, stride_oh, stride_on, o, lse2,
-                  q_start + tl.arange(0, BLOCK_M), tl.arange(0, BLOCK_D), n_queries, HEAD_DIM, BLOCK_D)
+    o, o_t, lse2 = _attend_key_range(Q, K, V, batch, head, stride_qb, stride_qh, stride_qn, stride_kb, stride_kh,
+                                     stride_kn, stride_vb, stride_vh, stride_vn, q_start, 0,
+                                     _keys_seen_end(q_start, n_keys, IS_CAUSAL, BLOCK_M), n_queries, n_keys, qk_scale,
+                                     IS_CAUSAL, HEAD_DIM, BLOCK_D, TAIL_D, BLOCK_M, BLOCK_N)
+    _store_output(O, L, pid_bh, batch, head, stride_ob, stride_oh, stride_on, o, o_t, lse2,
+                  q_start + tl.arange(0, BLOCK_M), n_queries, HEAD_DIM, BLOCK_D, TAIL_D)
 
 
 @triton.jit
-def _store_output(O, L, pid_bh, batch, head, stride_ob, stride_oh, stride_on, o, lse2, offs_m, offs_d, n_queries,
-                  HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr):
-    """Store a query tile's output and its log-sum-exp, given in base 2 (L is stored in natural log units)."""
-    _store_rows(_tile_ptrs(O, batch, head, stride_ob, stride_oh, stride_on, offs_m, offs_d),
-                o.to(O.dtype.element_ty), offs_m, n_queries, offs_d, HEAD_DIM, BLOCK_D)
+def _store_output(O, L, pid_bh, batch, head, stride_ob, stride_oh, stride_on, o, o_t, lse2, offs_m, n_queries,
+                  HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, TAIL_D: tl.constexpr):
+    """Store a query tile's output (chunk and tail) and its log-sum-exp, given in base 2 (L is stored in
+    natural log units)."""
+    offs_d = tl.arange(0, BLOCK_D)
+    _store_row_chunks(O + batch * stride_ob + head * stride_oh, stride_on, o, o_t, offs_m, n_queries, offs_d,
+                      _tail_columns(offs_d, BLOCK_D, TAIL_D), HEAD_DIM, BLOCK_D, TAIL_D)
     _store_lse(L, pid_bh, lse2, offs_m, n_queries)
 
 
@@ -210,6 +267,22 @@ def _run_lse(lse_base, run, rows, n_splits, BLOCK_M: tl.constexpr):
                    cache_modifier=".cg")
 
 
+@triton.jit
+def _merge_runs(out_base, lse_base, lse2, rows, columns, n_splits, N_COLUMNS: tl.constexpr, ROW_WIDTH: tl.constexpr,
+                RUNS: tl.constexpr, BLOCK_M: tl.constexpr):
+    """The split forward's output in `columns` (N_COLUMNS of them): every run's partial output (rows of
+    ROW_WIDTH in its slot) weighted by 2^(lse_run - lse2), summed over the runs this tile has. All loads of
+    a column chunk are in flight at once; .cg reads at L2, where the other programs' stores are, past this
+    SM's L1."""
+    merged = tl.zeros([BLOCK_M, N_COLUMNS], dtype=tl.float32)
+    for run in tl.static_range(RUNS):
+        weight = tl.math.exp2(_run_lse(lse_base, run, rows, n_splits, BLOCK_M) - lse2)
+        out_run = tl.load(out_base + run * (BLOCK_M * ROW_WIDTH) + rows[:, None] * ROW_WIDTH + columns[None, :],
+                          mask=(rows[:, None] < BLOCK_M) & (run < n_splits), other=0.0, cache_modifier=".cg")
+        merged += out_run * weight[:, None]
+    return merged
+
+
 @triton.jit(do_not_specialize=_SIZE_ARGS + ["split_keys"])
 def split_forward_kernel(Q, K, V, O, L, Partial, Arrivals,
                          stride_qb, stride_qh, stride_qn,
@@ -217,7 +290,7 @@ def split_forward_kernel(Q, K, V, O, L, Partial, Arrivals,
                          stride_vb, stride_vh, stride_vn,
                          stride_ob, stride_oh, stride_on,
                          n_heads, n_queries, n_keys, split_keys, qk_scale,
-                         IS_CAUSAL: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+                         IS_CAUSAL: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, TAIL_D: tl.constexpr,
                          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                          RUNS: tl.constexpr, MERGE_COLUMNS: tl.constexpr):
     """The forward for grids too small to fill the GPU, where one program walking all of a long
@@ -230,8 +303,8 @@ def split_forward_kernel(Q, K, V, O, L, Partial, Arrivals,
     2^(lse_s - lse)) and stores o and L.
 
     The merge reads every run's lse first, so that the weights are known, then merges MERGE_COLUMNS
-    columns at a time over all RUNS (the grid's runs, unrolled, masked past this tile's): a chunk's
-    loads are all in flight at once, within the registers a chunk needs.
+    columns of the chunk at a time, then the tail, over all RUNS (the grid's runs, unrolled, masked past
+    this tile's): a chunk's loads are all in flight at once, within the registers a chunk needs.
     """
     # fp32 scales, whichever launcher passed them (see forward_kernel).
     qk_scale = tl.cast(qk_scale, tl.float32)
@@ -242,29 +315,32 @@ def split_forward_kernel(Q, K, V, O, L, Partial, Arrivals,
     n_splits = tl.cdiv(keys_end, split_keys)
     if split < n_splits:
         key_lo = split * split_keys
-        o, lse2 = _attend_key_range(Q, K, V, batch, head, stride_qb, stride_qh, stride_qn, stride_kb, stride_kh,
-                                    stride_kn, stride_vb, stride_vh, stride_vn, q_start, key_lo,
-                                    tl.minimum(key_lo + split_keys, keys_end), n_queries, n_keys, qk_scale,
-                                    IS_CAUSAL, HEAD_DIM, BLOCK_D, BLOCK_M, BLOCK_N)
+        o, o_t, lse2 = _attend_key_range(Q, K, V, batch, head, stride_qb, stride_qh, stride_qn, stride_kb, stride_kh,
+                                         stride_kn, stride_vb, stride_vh, stride_vn, q_start, key_lo,
+                                         tl.minimum(key_lo + split_keys, keys_end), n_queries, n_keys, qk_scale,
+                                         IS_CAUSAL, HEAD_DIM, BLOCK_D, TAIL_D, BLOCK_M, BLOCK_N)
         offs_m = q_start + tl.arange(0, BLOCK_M)
         if n_splits == 1:
-            _store_output(O, L, pid_bh, batch, head, stride_ob, stride_oh, stride_on, o, lse2, offs_m,
-                          tl.arange(0, BLOCK_D), n_queries, HEAD_DIM, BLOCK_D)
+            _store_output(O, L, pid_bh, batch, head, stride_ob, stride_oh, stride_on, o, o_t, lse2, offs_m,
+                          n_queries, HEAD_DIM, BLOCK_D, TAIL_D)
         else:
-            # Partial: per (tile, run) slot, BLOCK_M x BLOCK_D outputs; after all slots, BLOCK_M lse each.
+            # Partial: per (tile, run) slot, BLOCK_M rows of BLOCK_D + TAIL_D outputs; after all slots,
+            # BLOCK_M lse each.
+            row_width: tl.constexpr = BLOCK_D + TAIL_D
             tile_slot = pid_bh.to(tl.int64) * tl.cdiv(n_queries, BLOCK_M) + pid_m
             n_slots = tl.num_programs(0).to(tl.int64) * RUNS
             rows = tl.arange(0, BLOCK_M)
             offs_d = tl.arange(0, BLOCK_D)
-            out_base = Partial + tile_slot * RUNS * (BLOCK_M * BLOCK_D)
-            lse_base = Partial + n_slots * (BLOCK_M * BLOCK_D) + tile_slot * RUNS * BLOCK_M
-            tl.store(out_base + split * (BLOCK_M * BLOCK_D) + rows[:, None] * BLOCK_D + offs_d[None, :], o)
+            offs_t = _tail_columns(offs_d, BLOCK_D, TAIL_D)
+            out_base = Partial + tile_slot * RUNS * (BLOCK_M * row_width)
+            lse_base = Partial + n_slots * (BLOCK_M * row_width) + tile_slot * RUNS * BLOCK_M
+            _store_row_chunks(out_base + split * (BLOCK_M * row_width), row_width, o, o_t, rows, BLOCK_M, offs_d,
+                              offs_t, row_width, BLOCK_D, TAIL_D)
             tl.store(lse_base + split * BLOCK_M + rows, lse2)
             # Every warp's stores come before the count (one thread's release, as a semaphore does).
             tl.debug_barrier()
             arrived = tl.atomic_add(Arrivals + tile_slot, 1, sem="acq_rel", scope="gpu")
             if arrived == n_splits - 1:
-                # .cg reads at L2, where the other programs' stores are, past this SM's L1.
                 lse_max = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
                 for run in tl.static_range(RUNS):
                     lse_max = tl.maximum(lse_max, _run_lse(lse_base, run, rows, n_splits, BLOCK_M))
@@ -272,53 +348,56 @@ def split_forward_kernel(Q, K, V, O, L, Partial, Arrivals,
                 for run in tl.static_range(RUNS):
                     weight_sum += tl.math.exp2(_run_lse(lse_base, run, rows, n_splits, BLOCK_M) - lse_max)
                 lse2 = lse_max + tl.math.log2(weight_sum)
-                columns = tl.arange(0, MERGE_COLUMNS)
+                o_base = O + batch * stride_ob + head * stride_oh
                 for first in tl.static_range(0, BLOCK_D, MERGE_COLUMNS):
-                    merged = tl.zeros([BLOCK_M, MERGE_COLUMNS], dtype=tl.float32)
-                    for run in tl.static_range(RUNS):
-                        weight = tl.math.exp2(_run_lse(lse_base, run, rows, n_splits, BLOCK_M) - lse2)
-                        out_run = tl.load(out_base + run * (BLOCK_M * BLOCK_D) + rows[:, None] * BLOCK_D
-                                          + (first + columns)[None, :],
-                                          mask=(rows[:, None] < BLOCK_M) & (run < n_splits), other=0.0,
-                                          cache_modifier=".cg")
-                        merged += out_run * weight[:, None]
-                    out_columns = first + columns
-                    _store_rows(_tile_ptrs(O, batch, head, stride_ob, stride_oh, stride_on, offs_m, out_columns),
-                                merged.to(O.dtype.element_ty), offs_m, n_queries, out_columns, HEAD_DIM, BLOCK_D)
+                    columns = first + tl.arange(0, MERGE_COLUMNS)
+                    merged = _merge_runs(out_base, lse_base, lse2, rows, columns, n_splits, MERGE_COLUMNS, row_width,
+                                         RUNS, BLOCK_M)
+                    _store_rows(o_base + offs_m[:, None] * stride_on + columns[None, :], merged.to(O.dtype.element_ty),
+                                offs_m, n_queries, columns, HEAD_DIM, BLOCK_D)
+                if TAIL_D > 0:
+                    merged = _merge_runs(out_base, lse_base, lse2, rows, offs_t, n_splits, TAIL_D, row_width, RUNS,
+                                         BLOCK_M)
+                    _store_rows(o_base + offs_m[:, None] * stride_on + offs_t[None, :], merged.to(O.dtype.element_ty),
+                                offs_m, n_queries, offs_t, HEAD_DIM, row_width)
                 _store_lse(L, pid_bh, lse2, offs_m, n_queries)
 
 
 @triton.jit
-def _dkdv_query_loop(dk, dv, k, v, q_base, do_base, l_base, delta_base, stride_qn, stride_don,
-                     query_start, query_end, cols, offs_m, offs_d, n_queries, qk_scale,
+def _dkdv_query_loop(dk, dv, dk_t, dv_t, k, v, k_t, v_t, q_base, do_base, l_base, delta_base, stride_qn, stride_don,
+                     query_start, query_end, cols, offs_m, offs_d, offs_t, n_queries, qk_scale,
                      CHECK_ROWS: tl.constexpr, CAUSAL_MASK: tl.constexpr,
-                     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr):
-    """Accumulate dK and dV of one key tile over query tiles [query_start, query_end).
+                     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, TAIL_D: tl.constexpr, BLOCK_M: tl.constexpr):
+    """Accumulate dK and dV of one key tile (and of its tail columns) over query tiles [query_start, query_end).
 
     Works on transposed tiles (keys x queries) so that dV = P^T dO and dK = dS^T Q are plain dots.
     Query rows past n_queries load as zero with L = +inf, so their P, and every term, is zero.
     """
     for start_m in range(query_start, query_end, BLOCK_M):
         rows = start_m + offs_m
-        q = _load_rows(q_base + rows[:, None] * stride_qn + offs_d[None, :], rows, n_queries, offs_d,
-                       CHECK_ROWS, HEAD_DIM, BLOCK_D)
-        do = _load_rows(do_base + rows[:, None] * stride_don + offs_d[None, :], rows, n_queries, offs_d,
-                        CHECK_ROWS, HEAD_DIM, BLOCK_D)
+        q, q_t = _load_row_chunks(q_base, stride_qn, rows, n_queries, offs_d, offs_t, CHECK_ROWS, HEAD_DIM, BLOCK_D,
+                                  TAIL_D)
+        do, do_t = _load_row_chunks(do_base, stride_don, rows, n_queries, offs_d, offs_t, CHECK_ROWS, HEAD_DIM,
+                                    BLOCK_D, TAIL_D)
         if CHECK_ROWS:
             lse = tl.load(l_base + rows, mask=rows < n_queries, other=float("inf"))
             delta = tl.load(delta_base + rows, mask=rows < n_queries, other=0.0)
         else:
             lse = tl.load(l_base + rows)
             delta = tl.load(delta_base + rows)
-        s_t = tl.dot(k, tl.trans(q)) * qk_scale
+        s_t = _dot_rows(k, q, k_t, q_t, TAIL_D) * qk_scale
         p_t = tl.math.exp2(s_t - lse[None, :] * _LOG2E)
         if CAUSAL_MASK:
             p_t = tl.where(rows[None, :] >= cols[:, None], p_t, 0.0)
         dv = tl.dot(p_t.to(do.dtype), do, dv)
-        dp_t = tl.dot(v, tl.trans(do))
+        if TAIL_D > 0:
+            dv_t = tl.dot(p_t.to(do_t.dtype), do_t, dv_t)
+        dp_t = _dot_rows(v, do, v_t, do_t, TAIL_D)
         ds_t = p_t * (dp_t - delta[None, :])
         dk = tl.dot(ds_t.to(q.dtype), q, dk)
-    return dk, dv
+        if TAIL_D > 0:
+            dk_t = tl.dot(ds_t.to(q_t.dtype), q_t, dk_t)
+    return dk, dv, dk_t, dv_t
 
 
 @triton.jit(do_not_specialize=_SIZE_ARGS)
@@ -330,7 +409,7 @@ def dkdv_kernel(Q, K, V, DO, L, Delta, DK, DV,
                 stride_dkb, stride_dkh, stride_dkn,
                 stride_dvb, stride_dvh, stride_dvn,
                 n_heads, n_queries, n_keys, qk_scale, sm_scale,
-                IS_CAUSAL: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+                IS_CAUSAL: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, TAIL_D: tl.constexpr,
                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     """One program per (batch x head, key tile): dK and dV for BLOCK_N keys, in one pass over
     the queries that can see them."""
@@ -342,11 +421,12 @@ def dkdv_kernel(Q, K, V, DO, L, Delta, DK, DV,
     cols = k_start + tl.arange(0, BLOCK_N)
     offs_m = tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
+    offs_t = _tail_columns(offs_d, BLOCK_D, TAIL_D)
     # Key rows past n_keys load as zero; their dK and dV rows are never stored.
-    k = _load_rows(_tile_ptrs(K, batch, head, stride_kb, stride_kh, stride_kn, cols, offs_d),
-                   cols, n_keys, offs_d, True, HEAD_DIM, BLOCK_D)
-    v = _load_rows(_tile_ptrs(V, batch, head, stride_vb, stride_vh, stride_vn, cols, offs_d),
-                   cols, n_keys, offs_d, True, HEAD_DIM, BLOCK_D)
+    k, k_t = _load_row_chunks(K + batch * stride_kb + head * stride_kh, stride_kn, cols, n_keys, offs_d, offs_t,
+                              True, HEAD_DIM, BLOCK_D, TAIL_D)
+    v, v_t = _load_row_chunks(V + batch * stride_vb + head * stride_vh, stride_vn, cols, n_keys, offs_d, offs_t,
+                              True, HEAD_DIM, BLOCK_D, TAIL_D)
     q_base = Q + batch * stride_qb + head * stride_qh
     do_base = DO + batch * stride_dob + head * stride_doh
     l_base = L + pid_bh.to(tl.int64) * n_queries
@@ -354,53 +434,61 @@ def dkdv_kernel(Q, K, V, DO, L, Delta, DK, DV,
 
     dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
     dv = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
+    if TAIL_D > 0:
+        dk_t = tl.zeros([BLOCK_N, TAIL_D], dtype=tl.float32)
+        dv_t = tl.zeros([BLOCK_N, TAIL_D], dtype=tl.float32)
+    else:
+        dk_t, dv_t = dk, dv  # placeholders the loops pass through unread
     full_queries_end = (n_queries // BLOCK_M) * BLOCK_M  # query tiles before this need no bound mask
     if IS_CAUSAL:
         # Queries before the key tile see none of its keys; the query tiles level with it straddle
         # the diagonal (BLOCK_N is a multiple of BLOCK_M); later ones see all of it.
         diagonal_end = tl.minimum(k_start + BLOCK_N, n_queries)
-        dk, dv = _dkdv_query_loop(dk, dv, k, v, q_base, do_base, l_base, delta_base, stride_qn, stride_don,
-                                  k_start, diagonal_end, cols, offs_m, offs_d, n_queries, qk_scale,
-                                  True, True, HEAD_DIM, BLOCK_D, BLOCK_M)
+        dk, dv, dk_t, dv_t = _dkdv_query_loop(dk, dv, dk_t, dv_t, k, v, k_t, v_t, q_base, do_base, l_base, delta_base,
+                                              stride_qn, stride_don, k_start, diagonal_end, cols, offs_m, offs_d,
+                                              offs_t, n_queries, qk_scale, True, True, HEAD_DIM, BLOCK_D, TAIL_D,
+                                              BLOCK_M)
         unmasked_start = k_start + BLOCK_N
     else:
         unmasked_start = 0
-    dk, dv = _dkdv_query_loop(dk, dv, k, v, q_base, do_base, l_base, delta_base, stride_qn, stride_don,
-                              unmasked_start, full_queries_end, cols, offs_m, offs_d, n_queries, qk_scale,
-                              False, False, HEAD_DIM, BLOCK_D, BLOCK_M)
-    dk, dv = _dkdv_query_loop(dk, dv, k, v, q_base, do_base, l_base, delta_base, stride_qn, stride_don,
-                              tl.maximum(unmasked_start, full_queries_end), n_queries, cols, offs_m, offs_d,
-                              n_queries, qk_scale, True, False, HEAD_DIM, BLOCK_D, BLOCK_M)
+    dk, dv, dk_t, dv_t = _dkdv_query_loop(dk, dv, dk_t, dv_t, k, v, k_t, v_t, q_base, do_base, l_base, delta_base,
+                                          stride_qn, stride_don, unmasked_start, full_queries_end, cols, offs_m,
+                                          offs_d, offs_t, n_queries, qk_scale, False, False, HEAD_DIM, BLOCK_D, TAIL_D,
+                                          BLOCK_M)
+    dk, dv, dk_t, dv_t = _dkdv_query_loop(dk, dv, dk_t, dv_t, k, v, k_t, v_t, q_base, do_base, l_base, delta_base,
+                                          stride_qn, stride_don, tl.maximum(unmasked_start, full_queries_end),
+                                          n_queries, cols, offs_m, offs_d, offs_t, n_queries, qk_scale, True, False,
+                                          HEAD_DIM, BLOCK_D, TAIL_D, BLOCK_M)
 
-    _store_rows(_tile_ptrs(DK, batch, head, stride_dkb, stride_dkh, stride_dkn, cols, offs_d),
-                (dk * sm_scale).to(DK.dtype.element_ty), cols, n_keys, offs_d, HEAD_DIM, BLOCK_D)
-    _store_rows(_tile_ptrs(DV, batch, head, stride_dvb, stride_dvh, stride_dvn, cols, offs_d),
-                dv.to(DV.dtype.element_ty), cols, n_keys, offs_d, HEAD_DIM, BLOCK_D)
+    _store_row_chunks(DK + batch * stride_dkb + head * stride_dkh, stride_dkn, dk * sm_scale, dk_t * sm_scale, cols,
+                      n_keys, offs_d, offs_t, HEAD_DIM, BLOCK_D, TAIL_D)
+    _store_row_chunks(DV + batch * stride_dvb + head * stride_dvh, stride_dvn, dv, dv_t, cols, n_keys, offs_d, offs_t,
+                      HEAD_DIM, BLOCK_D, TAIL_D)
 
 
 @triton.jit
-def _dq_key_loop(dq, q, do, lse, delta, k_base, v_base, stride_kn, stride_vn, key_start, key_end,
-                 offs_m, offs_n, offs_d, n_keys, qk_scale,
+def _dq_key_loop(dq, dq_t, q, q_t, do, do_t, lse, delta, k_base, v_base, stride_kn, stride_vn, key_start, key_end,
+                 offs_m, offs_n, offs_d, offs_t, n_keys, qk_scale,
                  MASKED: tl.constexpr, IS_CAUSAL: tl.constexpr,
-                 HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr):
-    """Accumulate dQ of one query tile over key tiles [key_start, key_end)."""
+                 HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, TAIL_D: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Accumulate dQ (and its tail columns) of one query tile over key tiles [key_start, key_end)."""
     for start_n in range(key_start, key_end, BLOCK_N):
         cols = start_n + offs_n
-        k = _load_rows(k_base + cols[:, None] * stride_kn + offs_d[None, :], cols, n_keys, offs_d,
-                       MASKED, HEAD_DIM, BLOCK_D)
-        v = _load_rows(v_base + cols[:, None] * stride_vn + offs_d[None, :], cols, n_keys, offs_d,
-                       MASKED, HEAD_DIM, BLOCK_D)
-        s = tl.dot(q, tl.trans(k)) * qk_scale
+        k, k_t = _load_row_chunks(k_base, stride_kn, cols, n_keys, offs_d, offs_t, MASKED, HEAD_DIM, BLOCK_D, TAIL_D)
+        v, v_t = _load_row_chunks(v_base, stride_vn, cols, n_keys, offs_d, offs_t, MASKED, HEAD_DIM, BLOCK_D, TAIL_D)
+        s = _dot_rows(q, k, q_t, k_t, TAIL_D) * qk_scale
         p = tl.math.exp2(s - lse[:, None])
         if MASKED:
             keep = cols[None, :] < n_keys
             if IS_CAUSAL:
                 keep = keep & (cols[None, :] <= offs_m[:, None])
             p = tl.where(keep, p, 0.0)
-        dp = tl.dot(do, tl.trans(v))
+        dp = _dot_rows(do, v, do_t, v_t, TAIL_D)
         ds = p * (dp - delta[:, None])
         dq = tl.dot(ds.to(k.dtype), k, dq)
-    return dq
+        if TAIL_D > 0:
+            dq_t = tl.dot(ds.to(k_t.dtype), k_t, dq_t)
+    return dq, dq_t
 
 
 @triton.jit(do_not_specialize=_SIZE_ARGS)
@@ -412,7 +500,7 @@ def dq_kernel(Q, K, V, O, DO, L, Delta, DQ,
               stride_dob, stride_doh, stride_don,
               stride_dqb, stride_dqh, stride_dqn,
               n_heads, n_queries, n_keys, qk_scale, sm_scale,
-              IS_CAUSAL: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+              IS_CAUSAL: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, TAIL_D: tl.constexpr,
               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     """One program per (batch x head, query tile): D = rowsum(dO * O) for its BLOCK_M queries,
     stored for the dK/dV kernel that runs next, then dQ, with the forward's loop structure
@@ -425,13 +513,16 @@ def dq_kernel(Q, K, V, O, DO, L, Delta, DQ,
     offs_m = q_start + tl.arange(0, BLOCK_M)
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
-    q = _load_rows(_tile_ptrs(Q, batch, head, stride_qb, stride_qh, stride_qn, offs_m, offs_d),
-                   offs_m, n_queries, offs_d, True, HEAD_DIM, BLOCK_D)
-    do = _load_rows(_tile_ptrs(DO, batch, head, stride_dob, stride_doh, stride_don, offs_m, offs_d),
-                    offs_m, n_queries, offs_d, True, HEAD_DIM, BLOCK_D)
-    o = _load_rows(_tile_ptrs(O, batch, head, stride_ob, stride_oh, stride_on, offs_m, offs_d),
-                   offs_m, n_queries, offs_d, True, HEAD_DIM, BLOCK_D)
+    offs_t = _tail_columns(offs_d, BLOCK_D, TAIL_D)
+    q, q_t = _load_row_chunks(Q + batch * stride_qb + head * stride_qh, stride_qn, offs_m, n_queries, offs_d, offs_t,
+                              True, HEAD_DIM, BLOCK_D, TAIL_D)
+    do, do_t = _load_row_chunks(DO + batch * stride_dob + head * stride_doh, stride_don, offs_m, n_queries, offs_d,
+                                offs_t, True, HEAD_DIM, BLOCK_D, TAIL_D)
+    o, o_t = _load_row_chunks(O + batch * stride_ob + head * stride_oh, stride_on, offs_m, n_queries, offs_d, offs_t,
+                              True, HEAD_DIM, BLOCK_D, TAIL_D)
     delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), 1)  # rows past n_queries load as zero: D = 0
+    if TAIL_D > 0:
+        delta += tl.sum(o_t.to(tl.float32) * do_t.to(tl.float32), 1)
     tl.store(Delta + pid_bh.to(tl.int64) * n_queries + offs_m, delta, mask=offs_m < n_queries)
     # Rows past n_queries get L = 0: finite, and their dQ is never stored.
     lse = tl.load(L + pid_bh.to(tl.int64) * n_queries + offs_m, mask=offs_m < n_queries, other=0.0) * _LOG2E
@@ -439,6 +530,10 @@ def dq_kernel(Q, K, V, O, DO, L, Delta, DQ,
     v_base = V + batch * stride_vb + head * stride_vh
 
     dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    if TAIL_D > 0:
+        dq_t = tl.zeros([BLOCK_M, TAIL_D], dtype=tl.float32)
+    else:
+        dq_t = dq  # a placeholder the loops pass through unread
     full_keys_end = (n_keys // BLOCK_N) * BLOCK_N
     if IS_CAUSAL:
         masked_start = tl.minimum(q_start, full_keys_end)
@@ -446,10 +541,11 @@ def dq_kernel(Q, K, V, O, DO, L, Delta, DQ,
     else:
         masked_start = full_keys_end
         masked_end = n_keys
-    dq = _dq_key_loop(dq, q, do, lse, delta, k_base, v_base, stride_kn, stride_vn, 0, masked_start,
-                      offs_m, offs_n, offs_d, n_keys, qk_scale, False, IS_CAUSAL, HEAD_DIM, BLOCK_D, BLOCK_N)
-    dq = _dq_key_loop(dq, q, do, lse, delta, k_base, v_base, stride_kn, stride_vn, masked_start, masked_end,
-                      offs_m, offs_n, offs_d, n_keys, qk_scale, True, IS_CAUSAL, HEAD_DIM, BLOCK_D, BLOCK_N)
-    _store_rows(_tile_ptrs(DQ, batch, head, stride_dqb, stride_dqh, stride_dqn, offs_m, offs_d),
-                (dq * sm_scale).to(DQ.dtype.element_ty), offs_m, n_queries, offs_d, HEAD_DIM, BLOCK_D)
-
+    dq, dq_t = _dq_key_loop(dq, dq_t, q, q_t, do, do_t, lse, delta, k_base, v_base, stride_kn, stride_vn, 0,
+                            masked_start, offs_m, offs_n, offs_d, offs_t, n_keys, qk_scale, False, IS_CAUSAL, HEAD_DIM,
+                            BLOCK_D, TAIL_D, BLOCK_N)
+    dq, dq_t = _dq_key_loop(dq, dq_t, q, q_t, do, do_t, lse, delta, k_base, v_base, stride_kn, stride_vn, masked_start,
+                            masked_end, offs_m, offs_n, offs_d, offs_t, n_keys, qk_scale, True, IS_CAUSAL, HEAD_DIM,
+                            BLOCK_D, TAIL_D, BLOCK_N)
+    _store_row_chunks(DQ + batch * stride_dqb + head * stride_dqh, stride_dqn, dq * sm_scale, dq_t * sm_scale, offs_m,
+                      n_queries, offs_d, offs_t, HEAD_DIM, BLOCK_D, TAIL_D)

@@ -47,14 +47,13 @@ from cs336_systems.attention.flash_triton.tiles import (
     Tiles,
     cdiv,
     forward_split_keys,
+    head_dim_chunks,
     kernel_tiles,
     longest_tile_keys,
     tiles_for,
 )
 
 INTERPRETED = not isinstance(forward_kernel, triton.runtime.JITFunction)
-# tl.dot needs every dimension to be at least 16; smaller head dims are zero-padded on chip.
-MIN_DOT_DIM = 16
 # Triton specialises a compilation on whether each pointer is a multiple of this many bytes, and
 # vectorises loads to that width only where it is: the widest load (16 bytes) and cp.async's.
 ALIGNMENT_BYTES = 16
@@ -189,10 +188,6 @@ def _head_dim(t4: torch.Tensor) -> int:
     return int(t4.shape[3])
 
 
-def _block_d(head_dim: int) -> int:
-    return max(MIN_DOT_DIM, triton.next_power_of_2(head_dim))
-
-
 def _merge_columns(block_d: int) -> int:
     """Columns the split forward's merge takes at a time: half of them from 64 columns up (measured fastest
     at d 64 and 128 on an H100, docs/flash_tuning.md v10), else all."""
@@ -231,7 +226,8 @@ def kernel_call(kernel: str, head_dim: int, is_causal: bool, tiles: Tiles, **ext
     """The KernelCall of KERNELS[kernel] on `tiles` for a head dim and causality; `extra` are the kernel's
     own constants (the split forward's RUNS and MERGE_COLUMNS)."""
     jit = KERNELS[kernel]
-    constants = dict(IS_CAUSAL=is_causal, HEAD_DIM=head_dim, BLOCK_D=_block_d(head_dim), BLOCK_M=tiles.block_m,
+    block_d, tail_d = head_dim_chunks(head_dim)
+    constants = dict(IS_CAUSAL=is_causal, HEAD_DIM=head_dim, BLOCK_D=block_d, TAIL_D=tail_d, BLOCK_M=tiles.block_m,
                      BLOCK_N=tiles.block_n, **extra)
     ordered = tuple((name, constants.pop(name)) for name in jit.arg_names if name in constants)
     if constants:
@@ -309,12 +305,13 @@ def launch_split_forward(q4, k4, v4, is_causal: bool, tiles: Tiles,
         raise ValueError(f"split_keys {split_keys} must be a positive multiple of the query tile, {tiles.block_m}")
     tiles_runs = (batch * heads * cdiv(n_queries, tiles.block_m),
                   cdiv(longest_tile_keys(tiles.block_m, n_queries, n_keys, is_causal), split_keys))
-    block_d = _block_d(head_dim)
+    block_d, tail_d = head_dim_chunks(head_dim)
     o4 = q4.new_empty(q4.shape)
     lse = q4.new_empty((batch, heads, n_queries), dtype=torch.float32)
-    # Per (tile, run): a tile of normalised outputs and its lse; per tile, a count of the runs done.
+    # Per (tile, run): a tile of normalised outputs (chunk and tail columns) and its lse; per tile, a count of
+    # the runs done.
     slots = tiles_runs[0] * tiles_runs[1]
-    partial = q4.new_empty(slots * tiles.block_m * (block_d + 1), dtype=torch.float32)
+    partial = q4.new_empty(slots * tiles.block_m * (block_d + tail_d + 1), dtype=torch.float32)
     arrivals = torch.zeros(tiles_runs[0], dtype=torch.int32, device=q4.device)
     call = kernel_call("split_forward", head_dim, is_causal, tiles, RUNS=int(tiles_runs[1]),
                        MERGE_COLUMNS=_merge_columns(block_d))

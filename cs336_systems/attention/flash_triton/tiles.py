@@ -1,6 +1,7 @@
-"""Launch shapes of the FlashAttention-2 kernels: which tiles, warps and pipeline stages each kernel
-takes per head dim and dtype (TILE_TABLE, measured by scripts/tune_flash.py), the narrower tiles of
-grids too small to fill the GPU, and how the split forward cuts a query tile's keys into runs."""
+"""Launch shapes of the FlashAttention-2 kernels: how a head dim's columns lie on chip (head_dim_chunks),
+which tiles, warps and pipeline stages each kernel takes per head dim and dtype (TILE_TABLE, measured by
+scripts/tune_flash.py), the narrower tiles of grids too small to fill the GPU, and how the split forward
+cuts a query tile's keys into runs."""
 
 from __future__ import annotations
 
@@ -13,6 +14,26 @@ import torch
 def cdiv(a: int, b: int) -> int:
     """Ceiling division of two ints."""
     return -(-a // b)
+
+
+# tl.dot needs every dimension to be at least 16; smaller head dims are zero-padded on chip.
+MIN_DOT_DIM = 16
+
+
+def _power_of_two_at_least(n: int) -> int:
+    return 1 << max(0, n - 1).bit_length()
+
+
+def head_dim_chunks(head_dim: int) -> tuple[int, int]:
+    """(BLOCK_D, TAIL_D): the columns of a row on chip, one power-of-two chunk of at least MIN_DOT_DIM,
+    and a tail chunk (0: none) where the two together pad less than one chunk would: d 80 is 64 + 16
+    rather than 128, d 96 64 + 32, d 40 32 + 16. Every dot over the head dim runs over those columns."""
+    whole = max(MIN_DOT_DIM, _power_of_two_at_least(head_dim))
+    chunk = whole // 2
+    if chunk < MIN_DOT_DIM:
+        return whole, 0
+    tail = max(MIN_DOT_DIM, _power_of_two_at_least(head_dim - chunk))
+    return (chunk, tail) if chunk + tail < whole else (whole, 0)
 
 
 @dataclass(frozen=True)
@@ -38,14 +59,20 @@ class TileSet:
     narrow_dq: Tiles | None = None
 
 
-# Measured on an H100 by scripts/tune_flash.py, keyed on (head dim class, bytes per element);
+# Measured on an H100 by scripts/tune_flash.py, keyed on (head dim class, bytes per element): the class is
+# the least key of that element size at or above the columns on chip (head_dim_chunks).
 # docs/flash_tuning.md has each version's figures. Wide tiles: causal, batch 1 x 16 heads, N 16384 in bf16 and 8192 in
-# fp32. Narrow tiles: the shape fastest over N 1024, 4096 and 16384 at batch 1 x 1 head.
+# fp32; the 80 class (d 72 to 80: 64 + 16 columns) at the 2026 xl's attention, batch 4 x 32 heads, N 512 and 2048.
+# Narrow tiles: the shape fastest over N 1024, 4096 and 16384 at batch 1 x 1 head (the 80 class takes the 128
+# class's, not tuned there).
 # Invariants the causal loop split relies on: forward/dq block_m % block_n == 0, dkdv block_n %
 # block_m == 0. fp32 runs tf32 dots on tiles of half the bf16 ones' bytes, within shared memory.
 TILE_TABLE: dict[tuple[int, int], TileSet] = {
     (64, 2): TileSet(forward=Tiles(128, 128, 4, 3), dkdv=Tiles(64, 64, 4, 3), dq=Tiles(128, 64, 4, 3),
                      narrow_forward=Tiles(64, 64, 4, 4), narrow_dq=Tiles(64, 64, 4, 4)),
+    (80, 2): TileSet(forward=Tiles(128, 64, 4, 3), dkdv=Tiles(64, 64, 4, 3), dq=Tiles(128, 32, 4, 3),
+                     narrow_forward=Tiles(64, 64, 4, 3), narrow_dkdv=Tiles(64, 64, 4, 3),
+                     narrow_dq=Tiles(64, 64, 4, 3)),
     (128, 2): TileSet(forward=Tiles(128, 64, 8, 4), dkdv=Tiles(64, 128, 8, 4), dq=Tiles(128, 64, 8, 4),
                       narrow_forward=Tiles(64, 64, 4, 3), narrow_dkdv=Tiles(64, 64, 4, 3),
                       narrow_dq=Tiles(64, 64, 4, 3)),
@@ -66,8 +93,10 @@ def tiles_for(head_dim: int, dtype: torch.dtype, interpreted: bool = False) -> T
     interpreter's."""
     if interpreted:
         return INTERPRETER_TILES
-    head_dim_class = 64 if head_dim <= 64 else 128
-    return TILE_TABLE[(head_dim_class, torch.finfo(dtype).bits // 8)]
+    element_bytes = torch.finfo(dtype).bits // 8
+    columns = sum(head_dim_chunks(head_dim))
+    head_dim_class = min(c for c, size in TILE_TABLE if size == element_bytes and c >= columns)
+    return TILE_TABLE[(head_dim_class, element_bytes)]
 
 
 # Below this many programs per SM a kernel's wide tiles leave the GPU short of work. Measured on an
