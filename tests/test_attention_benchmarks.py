@@ -451,11 +451,11 @@ def test_flash_report_tables_host_issue_times_in_microseconds_with_ratios_to_sdp
 def test_flash_report_calls_short_lengths_host_bound_only_when_time_stays_flat_while_work_grows():
     flat = [_flash_row("flash_triton", "forward_backward", n, ms) for n, ms in ((128, 0.5), (1024, 0.7), (4096, 0.9))]
     body = _flat(FLASH_REPORT.render(flat).body)
-    assert ("bf16: from N=128 to N=4096, Triton's forward+backward takes 0.5 to 0.9 ms at every d while the work "
-            "grows 1024x") in body
+    assert ("bf16: N=128 to 4096: Triton's forward+backward 0.5-0.9 ms at every d while the work grows 1024x: "
+            "host time, not kernel time") in body
     growing = [_flash_row("flash_triton", "forward_backward", n, ms) for n, ms in ((128, 0.01), (1024, 0.1),
                                                                                      (4096, 1.0))]
-    assert "the time is the host's" not in _flat(FLASH_REPORT.render(growing).body)
+    assert "host time, not kernel time" not in _flat(FLASH_REPORT.render(growing).body)
 
 
 def test_flash_report_names_the_source_each_run_measured():

@@ -114,9 +114,8 @@ def _host_bound_finding(rows: list[Row], precision: str) -> str | None:
     growth = (longest / shortest) ** 2
     if high / low > HOST_BOUND_MAX_SPREAD or growth < HOST_BOUND_MIN_WORK_GROWTH:
         return None
-    return (f"- {precision}: from N={shortest} to N={longest}, Triton's forward+backward takes {low:.3g} to "
-            f"{high:.3g} ms at every d while the work grows {growth:.0f}x: the time is the host's (launch "
-            "overhead; docs/flash_tuning.md), not the kernels'.")
+    return (f"- {precision}: N={shortest} to {longest}: Triton's forward+backward {low:.3g}-{high:.3g} ms at every d "
+            f"while the work grows {growth:.0f}x: host time, not kernel time (docs/flash_tuning.md).")
 
 
 def _findings(rows: list[Row]) -> list[str]:
