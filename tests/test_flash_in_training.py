@@ -13,13 +13,14 @@ def test_the_kernel_cell_is_the_attention_call_of_the_training_step():
     assert cell.precision == "bf16" and cell.is_causal
 
 
-def test_training_steps_need_a_cuda_device():
+@pytest.mark.parametrize("cuda_graphs", [False, True])
+def test_training_steps_need_a_cuda_device(cuda_graphs):
     with pytest.raises(ValueError, match="need a CUDA device, got cpu"):
-        training_steps(TrainingCell("tiny", 32), "cpu")
+        training_steps(TrainingCell("tiny", 32), "cpu", cuda_graphs=cuda_graphs)
 
 
-def _step(attention, median_ms, status="ok"):
-    row = {"table": "step", "size_table": "2025", "size": "xl", "d_model": 1600, "n_heads": 25, "head_dim": 64,
+def _step(attention, median_ms, status="ok", table="step"):
+    row = {"table": table, "size_table": "2025", "size": "xl", "d_model": 1600, "n_heads": 25, "head_dim": 64,
            "context_length": 512, "batch_size": 4, "attention": attention, "compile": "whole model, fullgraph", "precision": "bf16 autocast",
            "optimizer": "AdamW (fused)", "warmup": 5, "steps": 20, "status": status}
     if status == "ok":
@@ -33,3 +34,13 @@ def test_the_report_gives_each_step_against_sdpa_and_says_oom():
     assert "| xl (2025 table) " in body and "0.950x" in body and "1.000x" in body and "9.2103" in body
     body = render_flash_in_training([_step("sdpa", 100.0), _step("flash_triton", None, OOM)]).body
     assert OOM in body
+
+
+def test_graphed_steps_get_their_own_table_against_graphed_sdpa():
+    rows = [_step("sdpa", 100.0), _step("flash_triton", 95.0),
+            _step("sdpa", 90.0, table="graphed_step"), _step("flash_triton", 76.0, table="graphed_step")]
+    body = render_flash_in_training(rows).body
+    assert "## Training steps in CUDA graphs" in body
+    graphed = body.split("## Training steps in CUDA graphs")[1]
+    assert "0.844x" in graphed and "0.950x" not in graphed  # 76 / 90, the graphed SDPA step's
+    assert "## Training steps in CUDA graphs" not in render_flash_in_training(rows[:2]).body

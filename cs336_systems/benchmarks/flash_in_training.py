@@ -11,6 +11,11 @@ one process, one after the other, from the same initial weights and batch; whole
 cs336_systems.timing (CUDA events, one synchronisation per step, garbage collection off): the median
 and interquartile range, and the mean and std. The first step's loss is recorded so that the two attentions can be
 seen to compute the same function. cs336_systems.reports.flash_in_training renders them.
+
+With cuda_graphs, the model is compiled with mode "reduce-overhead": its forward and backward are captured
+in CUDA graphs and replayed (torch.compiler.cudagraph_mark_step_begin opens each step), the kernels of the
+flash op inside them; the loss and the optimizer step run eagerly between the replays. Those rows are
+table "graphed_step".
 """
 
 from __future__ import annotations
@@ -40,6 +45,9 @@ KERNEL_PROVIDERS = ("flash_triton", "sdpa_cudnn", "sdpa_flash")
 # a CUDA graph (the kernels alone).
 KERNEL_MODES = (*MODES, GRAPHED_MODE)
 DEFAULT_WARMUP = 5
+# The compile of each kind of step (the "compile" column) and its rows' table.
+COMPILE_LABELS = {False: "whole model, fullgraph", True: "whole model, fullgraph, CUDA graphs (mode reduce-overhead)"}
+STEP_TABLES = {False: "step", True: "graphed_step"}
 DEFAULT_STEPS = 20
 
 
@@ -68,14 +76,15 @@ def _no_range(name: str) -> nullcontext:
     return nullcontext()
 
 
-def _training_step_row(cell: TrainingCell, attention: str, device: torch.device, warmup: int, steps: int) -> Row:
+def _training_step_row(cell: TrainingCell, attention: str, device: torch.device, warmup: int, steps: int,
+                       cuda_graphs: bool) -> Row:
     from cs336_systems.attention.flash_triton import source_hash
 
     config = cell.model_config()
-    row: Row = {"table": "step", "size_table": cell.table, "size": cell.size, "d_model": config.d_model,
+    row: Row = {"table": STEP_TABLES[cuda_graphs], "size_table": cell.table, "size": cell.size, "d_model": config.d_model,
                 "n_heads": config.num_heads,
                 "head_dim": config.d_model // config.num_heads, "context_length": cell.context_length,
-                "batch_size": cell.batch_size, "attention": attention, "compile": "whole model, fullgraph",
+                "batch_size": cell.batch_size, "attention": attention, "compile": COMPILE_LABELS[cuda_graphs],
                 "precision": "bf16 autocast", "optimizer": "AdamW (fused)", "warmup": warmup,
                 "source_hash": source_hash()}
 
@@ -84,10 +93,12 @@ def _training_step_row(cell: TrainingCell, attention: str, device: torch.device,
         optimizer = adamw(model, LEARNING_RATE, "fused")
         inputs, targets = random_batch(config, cell.batch_size, cell.context_length, device)
         torch.compiler.reset()
-        compiled = torch.compile(model, fullgraph=True)
+        compiled = torch.compile(model, fullgraph=True, mode="reduce-overhead" if cuda_graphs else None)
         losses = []
 
         def step():
+            if cuda_graphs:  # the previous step's graph outputs (logits, activations) are done with
+                torch.compiler.cudagraph_mark_step_begin()
             loss = training_step(compiled, optimizer, inputs, targets, precision="bf16", phase=_no_range,
                                  keep_logits=True)
             if not losses:
@@ -105,12 +116,13 @@ def _training_step_row(cell: TrainingCell, attention: str, device: torch.device,
 
 
 def training_steps(cell: TrainingCell, device: torch.device | str = "cuda", attentions=ATTENTIONS,
-                   warmup: int = DEFAULT_WARMUP, steps: int = DEFAULT_STEPS) -> list[Row]:
-    """One row per attention: the compiled training step's time, TFLOP/s, peak memory and first loss."""
+                   warmup: int = DEFAULT_WARMUP, steps: int = DEFAULT_STEPS, cuda_graphs: bool = False) -> list[Row]:
+    """One row per attention: the compiled training step's time, TFLOP/s, peak memory and first loss; with
+    cuda_graphs, of the step whose forward and backward replay CUDA graphs."""
     device = torch.device(device)
     if device.type != "cuda":
         raise ValueError(f"training steps are timed with CUDA events and need a CUDA device, got {device}")
-    return [_training_step_row(cell, attention, device, warmup, steps) for attention in attentions]
+    return [_training_step_row(cell, attention, device, warmup, steps, cuda_graphs) for attention in attentions]
 
 
 def attention_kernels(cell: FlashCell, device: torch.device | str = "cuda",

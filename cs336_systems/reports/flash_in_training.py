@@ -17,29 +17,44 @@ def _time(row: Row) -> str:
     return f"{row['median_ms']:.4g} (IQR {row['iqr_ms']:.2g})"
 
 
-def _steps_section(rows: list[Row]) -> str:
-    table, text = [], []
-    for table_name, size, context in dict.fromkeys((r["size_table"], r["size"], r["context_length"]) for r in rows):
-        cell = {r["attention"]: r for r in rows
-                if (r["size_table"], r["size"], r["context_length"]) == (table_name, size, context)}
+def _cell_key(r: Row) -> tuple:
+    return r["size_table"], r["size"], r["context_length"]
+
+
+def _steps_table(rows: list[Row]) -> str:
+    """One line per (cell, attention): its step against SDPA's of the same kind."""
+    table = []
+    for key in dict.fromkeys(_cell_key(r) for r in rows):
+        cell = {r["attention"]: r for r in rows if _cell_key(r) == key}
         sdpa = cell.get("sdpa")
         for attention, r in cell.items():
             ok = r["status"] == "ok"
             ratio = r["median_ms"] / sdpa["median_ms"] if ok and sdpa and sdpa["status"] == "ok" else None
-            shape = f"{r['d_model']} / {r['n_heads']} / {r['head_dim']}"
-            table.append({"size": f"{size} ({table_name} table)", "d_model / heads / d_head": shape,
-                          "context": context, "attention": attention, "step ms, median (IQR)": _time(r),
+            table.append({"size": f"{key[1]} ({key[0]} table)",
+                          "d_model / heads / d_head": f"{r['d_model']} / {r['n_heads']} / {r['head_dim']}",
+                          "context": key[2], "attention": attention, "step ms, median (IQR)": _time(r),
                           "std / mean": f"{r['std_ms'] / r['mean_ms']:.1%}" if ok else "",
                           "vs SDPA": f"{ratio:.3f}x" if ratio else "",
                           "TFLOP/s": f"{r['tflops']:.0f}" if ok else "",
                           "peak GiB": f"{r['peak_memory_gib']:.1f}" if r.get("peak_memory_gib") else "",
                           "first loss": f"{r['first_loss']:.4f}" if ok else ""})
+    return markdown_table(table)
+
+
+def _steps_section(rows: list[Row]) -> str:
     sample = rows[0]
-    text.append(f"Batch {sample['batch_size']}, {sample['precision']}, {sample['optimizer']}, the whole model under "
-                f"torch.compile ({sample['compile']}), {sample['warmup']} warm-up steps then {sample['steps']} "
-                "timed whole steps (CUDA events, one synchronisation per step). TFLOP/s counts the step's matmul "
-                "FLOPs (accounting.flops.step_flops) over the median.\n")
-    return "## Training steps\n\n" + "\n".join(text) + "\n" + markdown_table(table)
+    return ("## Training steps\n\n"
+            f"Batch {sample['batch_size']}, {sample['precision']}, {sample['optimizer']}, the whole model under "
+            f"torch.compile ({sample['compile']}), {sample['warmup']} warm-up steps then {sample['steps']} "
+            "timed whole steps (CUDA events, one synchronisation per step). TFLOP/s counts the step's matmul "
+            "FLOPs (accounting.flops.step_flops) over the median.\n\n" + _steps_table(rows))
+
+
+def _graphed_steps_section(rows: list[Row]) -> str:
+    return ("## Training steps in CUDA graphs\n\n"
+            "The same steps compiled with mode \"reduce-overhead\": the forward and backward, the attention's "
+            "kernels inside them, replay CUDA graphs; the loss and the optimizer step run eagerly between them. "
+            "Warm-up, timing and TFLOP/s as above.\n\n" + _steps_table(rows))
 
 
 def _kernels_section(rows: list[Row]) -> str:
@@ -70,6 +85,8 @@ def _kernels_section(rows: list[Row]) -> str:
 
 def render_flash_in_training(rows: list[Row]) -> Rendered:
     steps = [r for r in rows if r.get("table") == "step"]
+    graphed = [r for r in rows if r.get("table") == "graphed_step"]
     kernels = [r for r in rows if r.get("table") == "kernels"]
-    parts = [_steps_section(steps) if steps else "", _kernels_section(kernels) if kernels else ""]
+    parts = [_steps_section(steps) if steps else "", _graphed_steps_section(graphed) if graphed else "",
+             _kernels_section(kernels) if kernels else ""]
     return Rendered("\n".join(p for p in parts if p))
