@@ -27,6 +27,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from cs336_systems.attention.flash_triton import launch as ft
 from cs336_systems.attention.flash_triton import plan_for
+from cs336_systems.attention.flash_triton.launch import LaunchPlan
 
 MATMULS = {"forward": 2, "dkdv": 4, "dq": 3}
 MATMUL_SIDE = 8192  # the ceiling's matmul: bf16, square, large enough to run at the tensor cores' pace
@@ -37,8 +38,8 @@ def _inputs(shape, dtype):
     return [torch.randn(shape, generator=generator, device="cuda", dtype=dtype) for _ in range(4)]
 
 
-def kernel_runs(q, k, v, do, is_causal: bool) -> dict:
-    """Per kernel, a call that launches it alone on the Function's plan for these inputs."""
+def kernel_runs(q, k, v, do, is_causal: bool) -> tuple[dict, LaunchPlan]:
+    """Per kernel, a call that launches it alone on the Function's plan for these inputs; and that plan."""
     plan = plan_for(q, k, is_causal)
     if plan.forward.split_keys is not None:
         raise SystemExit("this shape takes the split forward; profile a grid that fills the GPU")

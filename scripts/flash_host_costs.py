@@ -1,0 +1,117 @@
+"""Where the host's time to issue one FlashAttention forward+backward goes: the Triton Function and the
+torch.library op as shipped, the same with every kernel launch skipped (our Python and autograd alone), an
+autograd.Function that only allocates the outputs (what autograd charges any Python Function), and, on a
+GPU, SDPA's flash and cuDNN backends.
+
+    python scripts/flash_host_costs.py                      # on a GPU: 4 x 32 x 512 x 80, bf16
+    python scripts/flash_host_costs.py --shape 4 32 16 80   # without one: the launch-free rows only
+
+On a GPU every call is timed against a busy device (cs336_systems.timing.issue_times), as the flash
+report's host-issue table is; without one, with perf_counter and fp16 CPU tensors, and the kernels are
+never launched. Medians in us.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import gc
+import statistics
+import sys
+import time
+
+import torch
+import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+from cs336_systems.attention.flash_triton import launch
+from cs336_systems.attention.flash_triton.op import FlashAttentionTriton, flash_attention_forward
+from cs336_systems.timing import issue_times
+
+
+class AllocatingFunction(torch.autograd.Function):
+    """Allocates what the Function returns and saves what it saves, and launches nothing."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, is_causal):
+        ctx.save_for_backward(q, k, v)
+        return q.new_empty(q.shape)
+
+    @staticmethod
+    def backward(ctx, do):
+        q, k, v = ctx.saved_tensors
+        return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape), None
+
+
+@contextlib.contextmanager
+def launches_skipped():
+    """Every launch of launch.py skipped, and on a CPU its device checks too: what is left is the host
+    work around the kernels."""
+    saved = launch._launch, launch.check_device, launch._on_device
+    launch._launch = lambda call, grid, tensors, scalars: None
+    launch.check_device = lambda q: None
+    launch._on_device = lambda t: contextlib.nullcontext()
+    try:
+        yield
+    finally:
+        launch._launch, launch.check_device, launch._on_device = saved
+
+
+def host_us(fn, device: torch.device, warmup: int, samples: int) -> float:
+    if device.type == "cuda":
+        return statistics.median(issue_times(fn, warmup=warmup, samples=samples, device=device).samples_ms) * 1e3
+    for _ in range(warmup):
+        fn()
+    gc.disable()
+    try:
+        times = []
+        for _ in range(samples):
+            start = time.perf_counter_ns()
+            fn()
+            times.append((time.perf_counter_ns() - start) / 1e3)
+    finally:
+        gc.enable()
+    return statistics.median(times)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--shape", type=int, nargs=4, metavar=("BATCH", "HEADS", "N", "D"))
+    parser.add_argument("--warmup", type=int, default=50)
+    parser.add_argument("--samples", type=int, default=500)
+    args = parser.parse_args(argv)
+    if launch.INTERPRETED:
+        parser.error("unset TRITON_INTERPRET: the interpreter's launches are not what is measured here")
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    shape = tuple(args.shape or ((4, 32, 512, 80) if device.type == "cuda" else (4, 32, 16, 80)))
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float16
+    q, k, v = (torch.randn(shape, device=device, dtype=dtype, requires_grad=True) for _ in range(3))
+    do = torch.randn(shape, device=device, dtype=dtype)
+
+    def fwd_bwd(attend):
+        return lambda: torch.autograd.grad(attend(), (q, k, v), do)
+
+    function = fwd_bwd(lambda: FlashAttentionTriton.apply(q, k, v, True))
+    op = fwd_bwd(lambda: flash_attention_forward(q, k, v, True)[0])
+    rows = {}
+    if device.type == "cuda":
+        rows["Function"] = host_us(function, device, args.warmup, args.samples)
+        rows["op"] = host_us(op, device, args.warmup, args.samples)
+        for name, backend in (("SDPA flash", SDPBackend.FLASH_ATTENTION), ("SDPA cuDNN", SDPBackend.CUDNN_ATTENTION)):
+            with sdpa_kernel(backend):
+                rows[name] = host_us(fwd_bwd(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True)),
+                                     device, args.warmup, args.samples)
+    with launches_skipped():
+        rows["Function, launches skipped"] = host_us(function, device, args.warmup, args.samples)
+        rows["op, launches skipped"] = host_us(op, device, args.warmup, args.samples)
+    rows["autograd.Function that only allocates"] = host_us(fwd_bwd(lambda: AllocatingFunction.apply(q, k, v, True)),
+                                                            device, args.warmup, args.samples)
+    name = torch.cuda.get_device_name() if device.type == "cuda" else "CPU"
+    print(f"{name}, torch {torch.__version__}; host time per forward+backward, {shape}, {dtype}, causal (median us)")
+    for label, us in rows.items():
+        print(f"  {label}: {us:.1f}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
