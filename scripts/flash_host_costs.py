@@ -7,18 +7,15 @@ GPU, SDPA's flash and cuDNN backends.
     python scripts/flash_host_costs.py --shape 4 32 16 80   # without one: the launch-free rows only
 
 On a GPU every call is timed against a busy device (cs336_systems.timing.issue_times), as the flash
-report's host-issue table is; without one, with perf_counter and fp16 CPU tensors, and the kernels are
-never launched. Medians in us.
+report's host-issue table is; without one, each whole call by cs336_systems.timing.time_fn on fp16 CPU
+tensors, and the kernels are never launched. Medians in us.
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
-import gc
-import statistics
 import sys
-import time
 
 import torch
 import torch.nn.functional as F
@@ -26,7 +23,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from cs336_systems.attention.flash_triton import launch
 from cs336_systems.attention.flash_triton.op import FlashAttentionTriton, flash_attention_forward
-from cs336_systems.timing import issue_times
+from cs336_systems.timing import issue_times, time_fn
 
 
 class AllocatingFunction(torch.autograd.Function):
@@ -58,20 +55,10 @@ def launches_skipped():
 
 
 def host_us(fn, device: torch.device, warmup: int, samples: int) -> float:
+    """Median host time of one call of `fn`, in us: against a busy GPU, or on a CPU the whole call."""
     if device.type == "cuda":
-        return statistics.median(issue_times(fn, warmup=warmup, samples=samples, device=device).samples_ms) * 1e3
-    for _ in range(warmup):
-        fn()
-    gc.disable()
-    try:
-        times = []
-        for _ in range(samples):
-            start = time.perf_counter_ns()
-            fn()
-            times.append((time.perf_counter_ns() - start) / 1e3)
-    finally:
-        gc.enable()
-    return statistics.median(times)
+        return issue_times(fn, warmup=warmup, samples=samples, device=device).median_ms * 1e3
+    return time_fn(fn, warmup=warmup, steps=samples, device=device).median_ms * 1e3
 
 
 def main(argv=None) -> int:
