@@ -45,10 +45,10 @@ KERNEL_PROVIDERS = ("flash_triton", "sdpa_cudnn", "sdpa_flash")
 # a CUDA graph (the kernels alone).
 KERNEL_MODES = (*MODES, GRAPHED_MODE)
 DEFAULT_WARMUP = 5
-# The compile of each kind of step (the "compile" column) and its rows' table.
+DEFAULT_STEPS = 20
+# Per kind of step, uncaptured (False) or in CUDA graphs (True): its "compile" column and its rows' table.
 COMPILE_LABELS = {False: "whole model, fullgraph", True: "whole model, fullgraph, CUDA graphs (mode reduce-overhead)"}
 STEP_TABLES = {False: "step", True: "graphed_step"}
-DEFAULT_STEPS = 20
 
 
 @dataclass(frozen=True)
@@ -81,8 +81,8 @@ def _training_step_row(cell: TrainingCell, attention: str, device: torch.device,
     from cs336_systems.attention.flash_triton import source_hash
 
     config = cell.model_config()
-    row: Row = {"table": STEP_TABLES[cuda_graphs], "size_table": cell.table, "size": cell.size, "d_model": config.d_model,
-                "n_heads": config.num_heads,
+    row: Row = {"table": STEP_TABLES[cuda_graphs], "size_table": cell.table, "size": cell.size,
+                "d_model": config.d_model, "n_heads": config.num_heads,
                 "head_dim": config.d_model // config.num_heads, "context_length": cell.context_length,
                 "batch_size": cell.batch_size, "attention": attention, "compile": COMPILE_LABELS[cuda_graphs],
                 "precision": "bf16 autocast", "optimizer": "AdamW (fused)", "warmup": warmup,
