@@ -12,8 +12,8 @@ slowed by the power limit or by heat says so.
 `Timings` gives the statistics every row reports: mean +- std, and median and interquartile range,
 which a few slow outliers do not move.
 
-`issue_times` times the host alone: how long a call takes to issue its device work, with the device
-kept busy beforehand so that the call never waits for it.
+`issue_times` times the host alone: how long calls take to issue their device work, with the device
+kept busy beforehand so that no call waits for it, the calls compared taking turns.
 
 Kernel-level micro-benchmarks use `triton.testing.do_bench` instead (CUDA events, median).
 """
@@ -23,8 +23,8 @@ from __future__ import annotations
 import gc
 import statistics
 import time
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass
 
 import torch
@@ -162,9 +162,9 @@ def time_fn(fn: Callable[[], object], *, warmup: int, steps: int, device: torch.
     return Timings(tuple(samples))
 
 
-# The device's queue is filled with a spin kernel this long before each issue is timed, doubled for a
-# sample whose issue outlasted it (up to the most), so that the host never waits for the device while
-# it issues: what is timed is the host's own work.
+# The device's queue is filled with a spin kernel this long before each round of issues is timed, doubled
+# for a round whose issue outlasted it (up to the most), so that the host never waits for the device
+# while it issues: what is timed is the host's own work.
 ISSUE_BUSY_MS = 5.0
 ISSUE_MAX_BUSY_MS = 2000.0
 # Cycles torch.cuda._sleep spins for the calibration: a few milliseconds on any GPU.
@@ -182,42 +182,60 @@ def _spin_cycles_per_ms(device: torch.device) -> float:
         return _CALIBRATION_CYCLES / start.elapsed_time(end)
 
 
-def issue_times(fn: Callable[[], object], *, warmup: int, samples: int, device: torch.device | str) -> Timings:
-    """How long the host takes to issue `fn`'s device work, in ms per call: host time only, the device kept
-    busy (ISSUE_BUSY_MS) so that no call waits for it. perf_counter times each call alone, garbage
-    collection off; a sample counts only if the spin kernel queued before it was still running when the
-    call returned, else it is taken again with a longer spin."""
+def issue_times(fns: Sequence[Callable[[], object]], *, warmup: int, samples: int, device: torch.device | str,
+                contexts: Sequence[Callable[[], AbstractContextManager]] | None = None) -> list[Timings]:
+    """How long the host takes to issue each of `fns`' device work, in ms per call: host time only, the
+    device kept busy so that no call waits for it. The calls take turns: each round queues one spin
+    kernel (ISSUE_BUSY_MS), then times one call of every fn with perf_counter, garbage collection off,
+    in an order rotated from round to round, so that paths compared in one run meet the same host (whose
+    speed drifts by hundreds of microseconds within minutes) and each takes the round's first, coldest
+    turn as often. `contexts`, one per fn, are entered around each call outside its timed region (an
+    SDPA backend pinned, say). A round counts only if its spin was still running when its last call
+    returned, else it is taken again with a longer spin."""
+    if warmup < 0 or samples < 1:
+        raise ValueError(f"need warmup >= 0 and samples >= 1, got warmup={warmup}, samples={samples}")
+    contexts = [nullcontext] * len(fns) if contexts is None else list(contexts)
+    if not fns or len(contexts) != len(fns):
+        raise ValueError(f"need at least one call and one context per call, got {len(fns)} calls and "
+                         f"{len(contexts)} contexts")
     device = torch.device(device)
     if device.type != "cuda":
         raise ValueError(f"issue time is measured against a busy GPU; {device} has no queue to keep busy")
-    if warmup < 0 or samples < 1:
-        raise ValueError(f"need warmup >= 0 and samples >= 1, got warmup={warmup}, samples={samples}")
-    for _ in range(warmup):
-        fn()
+    for fn, context in zip(fns, contexts):
+        with context():
+            for _ in range(warmup):
+                fn()
     cycles_per_ms = _spin_cycles_per_ms(device)
     busy_ms = ISSUE_BUSY_MS
-    issued_ms: list[float] = []
+    issued_ms: list[list[float]] = [[] for _ in fns]
     collecting = gc.isenabled()
     gc.disable()
     try:
-        while len(issued_ms) < samples:
+        while len(issued_ms[0]) < samples:
+            first = len(issued_ms[0]) % len(fns)
+            order = [*range(first, len(fns)), *range(first)]
+            round_ms = {}
             with torch.cuda.device(device):
                 torch.cuda._sleep(int(busy_ms * cycles_per_ms))
                 spun = torch.cuda.Event()
                 spun.record()
-                start = time.perf_counter()
-                fn()
-                elapsed_ms = (time.perf_counter() - start) * 1e3
+                for i in order:
+                    with contexts[i]():
+                        start = time.perf_counter()
+                        fns[i]()
+                        round_ms[i] = (time.perf_counter() - start) * 1e3
                 still_busy = not spun.query()
             synchronize(device)
             if still_busy:
-                issued_ms.append(elapsed_ms)
+                for i, elapsed_ms in round_ms.items():
+                    issued_ms[i].append(elapsed_ms)
             elif busy_ms < ISSUE_MAX_BUSY_MS:
                 busy_ms *= 2
             else:
-                raise RuntimeError(f"issuing one call outlasted a {busy_ms:.0f} ms spin kernel: the call waits for "
-                                   "the device (a synchronisation inside it), so its host time is not measurable")
+                raise RuntimeError(f"issuing one round of calls outlasted a {busy_ms:.0f} ms spin kernel: a call "
+                                   "waits for the device (a synchronisation inside it), so its host time is not "
+                                   "measurable")
     finally:
         if collecting:
             gc.enable()
-    return Timings(tuple(issued_ms))
+    return [Timings(tuple(ms)) for ms in issued_ms]

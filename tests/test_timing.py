@@ -1,3 +1,5 @@
+import contextlib
+import functools
 import gc
 import time
 
@@ -36,7 +38,42 @@ def test_time_fn_rejects_bad_counts(warmup, steps):
 
 def test_issue_times_need_a_gpu_queue_to_keep_busy():
     with pytest.raises(ValueError, match="cpu has no queue to keep busy"):
-        issue_times(lambda: None, warmup=0, samples=1, device="cpu")
+        issue_times([lambda: None], warmup=0, samples=1, device="cpu")
+
+
+@pytest.mark.parametrize("fns, contexts", [([], None), ([lambda: None] * 2, [contextlib.nullcontext])])
+def test_issue_times_need_a_call_and_a_context_for_each(fns, contexts):
+    with pytest.raises(ValueError, match=f"got {len(fns)} calls"):
+        issue_times(fns, warmup=0, samples=1, device="cpu", contexts=contexts)
+
+
+@pytest.mark.gpu
+def test_issued_calls_take_turns_each_within_its_context_and_keep_their_own_host_time():
+    calls, entered = [], []
+
+    @contextlib.contextmanager
+    def context(name):
+        entered.append(name)
+        yield
+        time.sleep(0.0005)  # outside the timed call: counted in no sample
+
+    def call(name, sleep_s):
+        def fn():
+            assert entered[-1] == name
+            calls.append(name)
+            time.sleep(sleep_s)
+        return fn
+
+    fns = [call("quick", 0.0), call("slow", 0.001), call("still", 0.0)]
+    timings = issue_times(fns, warmup=2, samples=6, device="cuda",
+                          contexts=[functools.partial(context, name) for name in ("quick", "slow", "still")])
+    assert calls[:6] == ["quick"] * 2 + ["slow"] * 2 + ["still"] * 2
+    order = ["quick", "slow", "still"]
+    rounds = [calls[i:i + 3] for i in range(6, len(calls), 3)]
+    assert all(r in (order, order[1:] + order[:1], order[2:] + order[:2]) for r in rounds)
+    assert {r[0] for r in rounds} == set(order)  # each takes the first turn
+    assert [len(t.samples_ms) for t in timings] == [6, 6, 6]
+    assert timings[1].median_ms >= 1.0 > timings[0].median_ms and timings[2].median_ms < 1.0
 
 
 def test_step_timer_sums_a_phase_entered_twice_and_restores_collection_after_an_error():

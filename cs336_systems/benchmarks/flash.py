@@ -28,7 +28,7 @@ anyway is recorded as OOM too, and the sweep goes on.
 Host issue time (`host_issue`): the host's time to issue one forward+backward (torch.autograd.grad of
 the output), the GPU kept busy beforehand so that nothing waits for it (cs336_systems.timing.issue_times),
 for the Triton Function, the torch.library op and SDPA's flash and cuDNN backends, by the same method in
-one run.
+one run: a cell's providers take turns, call by call, so that all of them meet the same host.
 
 SDPA runs under torch.nn.attention.sdpa_kernel with one backend pinned, named in the rows:
 "sdpa" takes the first of FLASH_ATTENTION, EFFICIENT_ATTENTION, MATH that accepts the inputs (flash
@@ -38,6 +38,7 @@ FLASH_ATTENTION and CUDNN_ATTENTION and are "unsupported" where that backend ref
 
 from __future__ import annotations
 
+import functools
 import statistics
 import warnings
 from collections.abc import Callable
@@ -336,34 +337,45 @@ HOST_ISSUE_CELLS = (FlashCell(512, 80, "bf16", batch_size=4, n_heads=32), FlashC
 HOST_ISSUE_PROVIDERS = ("flash_triton", "flash_triton_op", "sdpa_flash", "sdpa_cudnn")
 # Untimed calls first: kernels compiled and kept, the allocator's blocks cached.
 HOST_ISSUE_WARMUP = 20
-# Each sample waits out a spin of timing.ISSUE_BUSY_MS on the GPU: about a second per provider and cell.
+# Each round of a cell's providers waits out a spin of timing.ISSUE_BUSY_MS (or more) on the GPU: a second or
+# two per cell.
 HOST_ISSUE_SAMPLES = 200
 
 
 def host_issue(device: torch.device | str = "cuda", cells=HOST_ISSUE_CELLS, providers=HOST_ISSUE_PROVIDERS,
                warmup: int = HOST_ISSUE_WARMUP, samples: int = HOST_ISSUE_SAMPLES) -> list[Row]:
-    """One row per (cell, provider): the host's time to issue a forward+backward (median, p20, p80 in ms)."""
+    """One row per (cell, provider): the host's time to issue a forward+backward (median, p20, p80 in ms),
+    a cell's providers taking turns (timing.issue_times)."""
     device = torch.device(device)
     if device.type != "cuda":
         raise ValueError(f"host issue time is measured against a busy GPU and needs a CUDA device, got {device}")
     rows = []
     for cell in cells:
         inputs, grad_out = _inputs(cell, device)
+        timed, fns, contexts = [], [], []
         for provider in providers:
             row = {**_cell_row(cell, provider, "forward_backward", device), "table": "host_issue"}
             forward, backend = _provider(provider, *inputs, cell.is_causal)
             row["backend"] = None if backend is None else backend.name
-            if forward is None:
-                rows.append({**row, "status": UNSUPPORTED})
-                continue
-            with sdpa_kernel(backend) if backend is not None else nullcontext():
-                timings = issue_times(lambda: torch.autograd.grad(forward(), inputs, grad_out), warmup=warmup,
-                                      samples=samples, device=device)
-            rows.append({**row, **_spread(timings.samples_ms), "status": "ok",
-                         "timer": f"host issue ({warmup} warm-up, GPU kept busy)"})
-        del inputs, grad_out
+            row["status"] = UNSUPPORTED if forward is None else "ok"
+            rows.append(row)
+            if forward is not None:
+                timed.append(row)
+                fns.append(functools.partial(_forward_backward, forward, inputs, grad_out))
+                contexts.append(nullcontext if backend is None else functools.partial(sdpa_kernel, backend))
+        if fns:
+            timings = issue_times(fns, warmup=warmup, samples=samples, device=device, contexts=contexts)
+            for row, t in zip(timed, timings):
+                row.update(_spread(t.samples_ms), timer=f"host issue ({warmup} warm-up, GPU kept busy, providers "
+                                                         "taking turns)")
+        del inputs, grad_out, fns, forward
         release_memory(device)
     return rows
+
+
+def _forward_backward(forward: Callable[[], torch.Tensor], inputs: tuple[torch.Tensor, ...],
+                      grad_out: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    return torch.autograd.grad(forward(), inputs, grad_out)
 
 
 def gate_name(provider: str) -> str:
