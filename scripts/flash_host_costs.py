@@ -6,15 +6,17 @@ GPU, SDPA's flash and cuDNN backends.
     python scripts/flash_host_costs.py                      # on a GPU: 4 x 32 x 512 x 80, bf16
     python scripts/flash_host_costs.py --shape 4 32 16 80   # without one: the launch-free rows only
 
-On a GPU every call is timed against a busy device (cs336_systems.timing.issue_times), as the flash
-report's host-issue table is; without one, each whole call by cs336_systems.timing.time_fn on fp16 CPU
-tensors, and the kernels are never launched. Medians in us.
+On a GPU every path's calls are timed against a busy device, the paths taking turns
+(cs336_systems.timing.issue_times), as the flash report's host-issue table is; without one, each whole
+call by cs336_systems.timing.time_fn on fp16 CPU tensors, and the kernels are never launched. Medians
+in us.
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import sys
 
 import torch
@@ -54,13 +56,6 @@ def launches_skipped():
         launch._launch, launch.check_device, launch._on_device = saved
 
 
-def host_us(fn, device: torch.device, warmup: int, samples: int) -> float:
-    """Median host time of one call of `fn`, in us: against a busy GPU, or on a CPU the whole call."""
-    if device.type == "cuda":
-        return issue_times(fn, warmup=warmup, samples=samples, device=device).median_ms * 1e3
-    return time_fn(fn, warmup=warmup, steps=samples, device=device).median_ms * 1e3
-
-
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--shape", type=int, nargs=4, metavar=("BATCH", "HEADS", "N", "D"))
@@ -80,19 +75,26 @@ def main(argv=None) -> int:
 
     function = fwd_bwd(lambda: FlashAttentionTriton.apply(q, k, v, True))
     op = fwd_bwd(lambda: flash_attention_forward(q, k, v, True)[0])
-    rows = {}
+    sdpa = fwd_bwd(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True))
+    paths = {}  # label: (call, context it runs in)
     if device.type == "cuda":
-        rows["Function"] = host_us(function, device, args.warmup, args.samples)
-        rows["op"] = host_us(op, device, args.warmup, args.samples)
-        for name, backend in (("SDPA flash", SDPBackend.FLASH_ATTENTION), ("SDPA cuDNN", SDPBackend.CUDNN_ATTENTION)):
-            with sdpa_kernel(backend):
-                rows[name] = host_us(fwd_bwd(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True)),
-                                     device, args.warmup, args.samples)
-    with launches_skipped():
-        rows["Function, launches skipped"] = host_us(function, device, args.warmup, args.samples)
-        rows["op, launches skipped"] = host_us(op, device, args.warmup, args.samples)
-    rows["autograd.Function that only allocates"] = host_us(fwd_bwd(lambda: AllocatingFunction.apply(q, k, v, True)),
-                                                            device, args.warmup, args.samples)
+        paths["Function"] = function, contextlib.nullcontext
+        paths["op"] = op, contextlib.nullcontext
+        paths["SDPA flash"] = sdpa, functools.partial(sdpa_kernel, SDPBackend.FLASH_ATTENTION)
+        paths["SDPA cuDNN"] = sdpa, functools.partial(sdpa_kernel, SDPBackend.CUDNN_ATTENTION)
+    paths["Function, launches skipped"] = function, launches_skipped
+    paths["op, launches skipped"] = op, launches_skipped
+    paths["autograd.Function that only allocates"] = (fwd_bwd(lambda: AllocatingFunction.apply(q, k, v, True)),
+                                                      contextlib.nullcontext)
+    if device.type == "cuda":
+        timings = issue_times([call for call, _ in paths.values()], warmup=args.warmup, samples=args.samples,
+                              device=device, contexts=[context for _, context in paths.values()])
+    else:
+        timings = []
+        for call, context in paths.values():
+            with context():
+                timings.append(time_fn(call, warmup=args.warmup, steps=args.samples, device=device))
+    rows = {label: t.median_ms * 1e3 for label, t in zip(paths, timings)}
     name = torch.cuda.get_device_name() if device.type == "cuda" else "CPU"
     print(f"{name}, torch {torch.__version__}; host time per forward+backward, {shape}, {dtype}, causal (median us)")
     for label, us in rows.items():
