@@ -26,6 +26,7 @@ from cs336_systems.profiling.memory import peak_memory_increase
 from cs336_systems.reports import problems, read_rows, rerender, write_report
 from cs336_systems.reports.attention import answer_torch_compile
 from cs336_systems.rows import OOM
+from cs336_systems.timing import Timings
 
 FLASH_REPORT = problems.report("flash_benchmarking")
 
@@ -247,6 +248,26 @@ def test_a_captured_forward_backward_writes_the_eager_gradients_on_every_replay(
 def test_sdpa_backend_that_refuses_the_inputs_is_recorded_unsupported():
     rows = benchmark_flash_cell(FlashCell(16, 16, "fp32"), ("sdpa_cudnn",), "cpu", ("forward",), TINY_BENCH)
     assert [(r["status"], r["backend"], r["median_ms"]) for r in rows] == [(UNSUPPORTED, "CUDNN_ATTENTION", None)]
+
+
+def test_a_host_issue_cell_times_its_providers_in_one_run_each_in_its_backend_and_keeps_their_order(monkeypatch):
+    # issue_times needs a busy GPU; here it runs each call once, inside the context it was given.
+    backends = []
+
+    def one_call_each(fns, *, warmup, samples, device, contexts):
+        for i, (fn, context) in enumerate(zip(fns, contexts)):
+            with context():
+                backends.append(torch.backends.cuda.flash_sdp_enabled() and not torch.backends.cuda.math_sdp_enabled())
+                fn()
+        return [Timings((1.0 + i, 3.0 + i)) for i in range(len(fns))]
+
+    monkeypatch.setattr(flash_bench, "issue_times", one_call_each)
+    cell = FlashCell(16, 16, "fp32", batch_size=1, n_heads=2)
+    rows = flash_bench._host_issue_cell(cell, ("naive", "sdpa_cudnn", "sdpa_flash"), torch.device("cpu"), 0, 2)
+    assert [(r["provider"], r["status"], r["table"]) for r in rows] == [
+        ("naive", "ok", "host_issue"), ("sdpa_cudnn", UNSUPPORTED, "host_issue"), ("sdpa_flash", "ok", "host_issue")]
+    assert backends == [False, True]  # naive outside any pinned backend, SDPA flash inside its own
+    assert [r["median_ms"] for r in rows] == [2.0, None, 3.0]
 
 
 def test_naive_predicted_not_to_fit_is_recorded_oom_without_running(monkeypatch):

@@ -351,25 +351,30 @@ def host_issue(device: torch.device | str = "cuda", cells=HOST_ISSUE_CELLS, prov
         raise ValueError(f"host issue time is measured against a busy GPU and needs a CUDA device, got {device}")
     rows = []
     for cell in cells:
-        inputs, grad_out = _inputs(cell, device)
-        timed, fns, contexts = [], [], []
-        for provider in providers:
-            row = {**_cell_row(cell, provider, "forward_backward", device), "table": "host_issue"}
-            forward, backend = _provider(provider, *inputs, cell.is_causal)
-            row["backend"] = None if backend is None else backend.name
-            row["status"] = UNSUPPORTED if forward is None else "ok"
-            rows.append(row)
-            if forward is not None:
-                timed.append(row)
-                fns.append(functools.partial(_forward_backward, forward, inputs, grad_out))
-                contexts.append(nullcontext if backend is None else functools.partial(sdpa_kernel, backend))
-        if fns:
-            timings = issue_times(fns, warmup=warmup, samples=samples, device=device, contexts=contexts)
-            for row, t in zip(timed, timings):
-                row.update(_spread(t.samples_ms), timer=f"host issue ({warmup} warm-up, GPU kept busy, providers "
-                                                         "taking turns)")
-        del inputs, grad_out, fns, forward
-        release_memory(device)
+        rows += _host_issue_cell(cell, providers, device, warmup, samples)
+        release_memory(device)  # the cell's inputs went with its calls
+    return rows
+
+
+def _host_issue_cell(cell: FlashCell, providers, device: torch.device, warmup: int, samples: int) -> list[Row]:
+    """One cell's host-issue rows, its providers taking turns."""
+    inputs, grad_out = _inputs(cell, device)
+    rows, timed, fns, contexts = [], [], [], []
+    for provider in providers:
+        row = {**_cell_row(cell, provider, "forward_backward", device), "table": "host_issue"}
+        forward, backend = _provider(provider, *inputs, cell.is_causal)
+        row["backend"] = None if backend is None else backend.name
+        row["status"] = UNSUPPORTED if forward is None else "ok"
+        rows.append(row)
+        if forward is not None:
+            timed.append(row)
+            fns.append(functools.partial(_forward_backward, forward, inputs, grad_out))
+            contexts.append(nullcontext if backend is None else functools.partial(sdpa_kernel, backend))
+    if fns:
+        timings = issue_times(fns, warmup=warmup, samples=samples, device=device, contexts=contexts)
+        for row, t in zip(timed, timings):
+            row.update(_spread(t.samples_ms), timer=f"host issue ({warmup} warm-up, GPU kept busy, providers taking "
+                                                     "turns)")
     return rows
 
 
