@@ -44,3 +44,19 @@ def test_graphed_steps_get_their_own_table_against_graphed_sdpa():
     graphed = body.split("## Training steps in CUDA graphs")[1]
     assert "0.844x" in graphed and "0.950x" not in graphed  # 76 / 90, the graphed SDPA step's
     assert "## Training steps in CUDA graphs" not in render_flash_in_training(rows[:2]).body
+
+
+def _kernel_row(provider, median_ms, p20_ms, p80_ms):
+    return {"table": "kernels", "batch_size": 4, "n_heads": 32, "seq_len": 512, "head_dim": 80, "mode": "backward",
+            "provider": provider, "status": "ok", "median_ms": median_ms, "p20_ms": p20_ms, "p80_ms": p80_ms,
+            "tflops": 30.0}
+
+
+def test_a_kernel_time_spread_wide_is_marked_noisy_and_so_is_its_ratio():
+    rows = [_kernel_row("flash_triton", 0.42, 0.26, 0.84), _kernel_row("sdpa_cudnn", 0.117, 0.116, 0.118),
+            _kernel_row("sdpa_flash", 0.196, 0.195, 0.197)]
+    body = render_flash_in_training(rows).body
+    assert "| 0.42 (noisy) " in body and "| 0.117 " in body and "| 0.196 " in body
+    assert "3.59x (noisy)" in body and "2.14x (noisy)" in body
+    steady = render_flash_in_training([_kernel_row("flash_triton", 0.2, 0.19, 0.21), *rows[1:]]).body
+    assert "noisy" not in steady.split("no finding.")[1] and "1.71x" in steady

@@ -124,6 +124,12 @@ def is_noisy(mean: float, std: float) -> bool:
     return mean > 0 and std / mean > NOISY_RELATIVE_STD
 
 
+def percentiles_noisy(row: Row) -> bool:
+    """Whether a do_bench row's middle 60% of samples (p20 to p80) spans more than NOISY_RELATIVE_STD of its
+    median."""
+    return is_noisy(row["median_ms"], row["p80_ms"] - row["p20_ms"])
+
+
 def span(values: Sequence[float], fmt: Callable[[float], str]) -> str:
     """ "low to high", or one value where both read the same: never "X to X"."""
     low, high = fmt(min(values)), fmt(max(values))

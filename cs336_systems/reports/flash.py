@@ -23,10 +23,10 @@ from cs336_systems.reports import (
     Rendered,
     Reports,
     format_ms,
-    is_noisy,
     markdown_table,
     not_in_report,
     oom_text,
+    percentiles_noisy,
     select,
 )
 from cs336_systems.rows import OOM, Row, ok_rows, ran
@@ -41,9 +41,7 @@ def _time_cell(row: Row | None) -> str:
         return oom_text(row)
     if row["status"] != "ok":
         return row["status"]
-    # The middle 60% of the samples against the median: the spread do_bench's percentiles give.
-    noisy = is_noisy(row["median_ms"], row["p80_ms"] - row["p20_ms"])
-    return f"{row['median_ms']:.3g}" + (f" ({NOISY})" if noisy else "")
+    return f"{row['median_ms']:.3g}" + (f" ({NOISY})" if percentiles_noisy(row) else "")
 
 
 def _index(rows: list[Row]) -> dict[tuple, Row]:

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from cs336_systems.benchmarks.flash import MODE_LABELS
 from cs336_systems.benchmarks.flash_in_training import KERNEL_MODES
-from cs336_systems.reports import Rendered, markdown_table
+from cs336_systems.reports import NOISY, NOISY_RELATIVE_STD, Rendered, markdown_table, percentiles_noisy
 from cs336_systems.rows import Row
 
 
@@ -15,6 +15,16 @@ def _time(row: Row) -> str:
     if row["status"] != "ok":
         return row["status"]
     return f"{row['median_ms']:.4g} (IQR {row['iqr_ms']:.2g})"
+
+
+def _marked(text: str, noisy: bool) -> str:
+    return f"{text} ({NOISY})" if noisy else text
+
+
+def _kernel_time(row: Row) -> str:
+    if row["status"] != "ok":
+        return row["status"]
+    return _marked(f"{row['median_ms']:.4g}", percentiles_noisy(row))
 
 
 def _cell_key(r: Row) -> tuple:
@@ -69,18 +79,21 @@ def _kernels_section(rows: list[Row]) -> str:
             ours = cell.get("flash_triton")
             entry = {"batch x heads x N x d": " x ".join(map(str, shape)), "mode": MODE_LABELS[mode]}
             for provider, r in cell.items():
-                entry[f"{provider} ms"] = f"{r['median_ms']:.4g}" if r["status"] == "ok" else r["status"]
+                entry[f"{provider} ms"] = _kernel_time(r)
             for provider in ("sdpa_cudnn", "sdpa_flash"):
                 other = cell.get(provider)
                 if ours and other and ours["status"] == other["status"] == "ok":
-                    entry[f"triton / {provider}"] = f"{ours['median_ms'] / other['median_ms']:.2f}x"
+                    entry[f"triton / {provider}"] = _marked(f"{ours['median_ms'] / other['median_ms']:.2f}x",
+                                                            percentiles_noisy(ours) or percentiles_noisy(other))
             if ours and ours["status"] == "ok":
                 entry["triton TFLOP/s"] = f"{ours['tflops']:.0f}"
             table.append(entry)
     return ("## Attention kernels at the training shapes\n\nCausal, bf16, do_bench medians; a ratio above 1 "
             "means the Triton kernels are slower. Each mode is timed as called (where the host takes longer to "
             "issue a call than the GPU to run it, the host's time), and forward+backward also as the replay of a "
-            "CUDA graph that captured it (the kernels alone).\n\n" + markdown_table(table))
+            "CUDA graph that captured it (the kernels alone). A time is marked noisy where the middle 60% of its "
+            f"samples spans more than {NOISY_RELATIVE_STD:.0%} of its median, and so is a ratio that uses one: "
+            "no finding.\n\n" + markdown_table(table))
 
 
 def render_flash_in_training(rows: list[Row]) -> Rendered:
