@@ -102,7 +102,7 @@ def format_value(value: Any) -> str:
 def mean_std(mean: float, std: float, spec: str = ".1f", std_spec: str | None = None, unit: str = "") -> str:
     """ "mean ± std [unit]", flagged noisy when the std is above NOISY_RELATIVE_STD of the mean."""
     text = f"{mean:{spec}} ± {std:{std_spec or spec}}" + (f" {unit}" if unit else "")
-    return f"{text} ({NOISY})" if is_noisy(mean, std) else text
+    return noisy_marked(text, is_noisy(mean, std))
 
 
 def oom_text(row: Row) -> str:
@@ -122,6 +122,11 @@ def oom_note(row: Row) -> str:
 
 def is_noisy(mean: float, std: float) -> bool:
     return mean > 0 and std / mean > NOISY_RELATIVE_STD
+
+
+def noisy_marked(text: str, noisy: bool) -> str:
+    """`text`, followed by "(noisy)" where it is."""
+    return f"{text} ({NOISY})" if noisy else text
 
 
 def percentiles_noisy(row: Row) -> bool:
@@ -184,7 +189,7 @@ def _times_noisy(*rows: Row, prefix: str = "") -> bool:
 def speedup_text(slow: Row, fast: Row, prefix: str = "") -> str:
     """The ratio of two rows' mean times, "2.00x", marked noisy where either time is."""
     ratio = format_ratio(slow[f"{prefix}mean_ms"] / fast[f"{prefix}mean_ms"])
-    return ratio + (f" ({NOISY})" if _times_noisy(slow, fast, prefix=prefix) else "")
+    return noisy_marked(ratio, _times_noisy(slow, fast, prefix=prefix))
 
 
 @dataclass(frozen=True)

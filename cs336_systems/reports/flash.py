@@ -19,11 +19,11 @@ from cs336_systems.benchmarks.flash import (
     median_ratio,
 )
 from cs336_systems.reports import (
-    NOISY,
     Rendered,
     Reports,
     format_ms,
     markdown_table,
+    noisy_marked,
     not_in_report,
     oom_text,
     percentiles_noisy,
@@ -41,7 +41,7 @@ def _time_cell(row: Row | None) -> str:
         return oom_text(row)
     if row["status"] != "ok":
         return row["status"]
-    return f"{row['median_ms']:.3g}" + (f" ({NOISY})" if percentiles_noisy(row) else "")
+    return noisy_marked(f"{row['median_ms']:.3g}", percentiles_noisy(row))
 
 
 def _index(rows: list[Row]) -> dict[tuple, Row]:

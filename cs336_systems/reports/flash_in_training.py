@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from cs336_systems.benchmarks.flash import MODE_LABELS
 from cs336_systems.benchmarks.flash_in_training import KERNEL_MODES
-from cs336_systems.reports import NOISY, NOISY_RELATIVE_STD, Rendered, markdown_table, percentiles_noisy
+from cs336_systems.reports import NOISY_RELATIVE_STD, Rendered, markdown_table, noisy_marked, percentiles_noisy
 from cs336_systems.rows import Row
 
 
@@ -17,14 +17,10 @@ def _time(row: Row) -> str:
     return f"{row['median_ms']:.4g} (IQR {row['iqr_ms']:.2g})"
 
 
-def _marked(text: str, noisy: bool) -> str:
-    return f"{text} ({NOISY})" if noisy else text
-
-
 def _kernel_time(row: Row) -> str:
     if row["status"] != "ok":
         return row["status"]
-    return _marked(f"{row['median_ms']:.4g}", percentiles_noisy(row))
+    return noisy_marked(f"{row['median_ms']:.4g}", percentiles_noisy(row))
 
 
 def _cell_key(r: Row) -> tuple:
@@ -83,8 +79,8 @@ def _kernels_section(rows: list[Row]) -> str:
             for provider in ("sdpa_cudnn", "sdpa_flash"):
                 other = cell.get(provider)
                 if ours and other and ours["status"] == other["status"] == "ok":
-                    entry[f"triton / {provider}"] = _marked(f"{ours['median_ms'] / other['median_ms']:.2f}x",
-                                                            percentiles_noisy(ours) or percentiles_noisy(other))
+                    ratio = f"{ours['median_ms'] / other['median_ms']:.2f}x"
+                    entry[f"triton / {provider}"] = noisy_marked(ratio, percentiles_noisy(ours) or percentiles_noisy(other))
             if ours and ours["status"] == "ok":
                 entry["triton TFLOP/s"] = f"{ours['tflops']:.0f}"
             table.append(entry)
