@@ -44,16 +44,20 @@ class AllocatingFunction(torch.autograd.Function):
 
 @contextlib.contextmanager
 def launches_skipped():
-    """Every launch of launch.py skipped, and on a CPU its device checks too: what is left is the host
-    work around the kernels."""
-    saved = launch._launch, launch.check_device, launch._on_device
-    launch._launch = lambda call, grid, tensors, scalars: None
-    launch.check_device = lambda q: None
-    launch._on_device = lambda t: contextlib.nullcontext()
+    """Every kernel launch of launch.py skipped, what is left being the host work around the kernels. On
+    a GPU the kept launches are skipped (a call's first, which compiles, still runs); on a CPU, where
+    nothing is compiled, the whole path's launches and device checks too, each kept as a launch that is
+    never made."""
+    saved = launch.KeptLaunch.__call__, launch._launch, launch.check_device, launch._on_device
+    launch.KeptLaunch.__call__ = lambda self, *addresses: None
+    if not torch.cuda.is_available():
+        launch._launch = lambda call, grid, tensors, scalars, kept=None: kept.append(launch.KeptLaunch(None, grid, ()))
+        launch.check_device = lambda q: None
+        launch._on_device = lambda t: contextlib.nullcontext()
     try:
         yield
     finally:
-        launch._launch, launch.check_device, launch._on_device = saved
+        launch.KeptLaunch.__call__, launch._launch, launch.check_device, launch._on_device = saved
 
 
 def main(argv=None) -> int:

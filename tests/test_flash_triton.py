@@ -8,6 +8,7 @@ alignment, and every grid takes the wide path: the launch-path tests that matter
 run on a GPU with compute-sanitizer too (`make gpu-check`).
 """
 
+import contextlib
 import itertools
 
 import pytest
@@ -189,9 +190,78 @@ def test_every_launch_reuses_a_kept_kernel_only_where_triton_would_compile_the_s
     launch._launch(call, grid, (x.half(),), (16, 100))  # another element type: another compilation
     assert [entry[0] for entry in launches] == ["jit", "kept", "jit", "jit", "jit"]
     assert launches[0][3] == {"IS_CAUSAL": True, "BLOCK": 32, "num_warps": 4, "num_stages": 3}
-    assert launches[1][2] == (y, 16, 100, True, 32)  # a compiled kernel takes the constants last, in order
+    # A compiled kernel takes the tensors' addresses, and the constants last, in order.
+    assert launches[1][2] == (y.data_ptr(), 16, 100, True, 32)
     with pytest.raises(ValueError, match="off a 16-byte boundary"):
         launch._launch(call, grid, (torch.zeros(65)[1:],), (16, 100))
+
+
+class _Recorded:
+    """Stands in for a compiled kernel: records each kept launch's grid and addresses."""
+
+    def __init__(self, launches):
+        self.launches = launches
+
+    def __getitem__(self, grid):
+        return lambda *args: self.launches.append(("kept", grid, args))
+
+
+@pytest.fixture
+def launches_recorded(monkeypatch):
+    """Compiled launches without a GPU: the whole path's launches are recorded (and kept, as on a GPU),
+    and so are the kept launches of later calls; the kept signatures start empty."""
+    launches = []
+
+    def whole_path_launch(call, grid, tensors, scalars, kept=None):
+        launches.append(("whole", grid, tuple(t.data_ptr() for t in tensors)))
+        kept.append(launch.KeptLaunch(_Recorded(launches), grid, (*scalars, *call.constant_values)))
+
+    monkeypatch.setattr(launch, "INTERPRETED", False)
+    monkeypatch.setattr(launch, "_launch", whole_path_launch)
+    monkeypatch.setattr(launch, "check_device", lambda q: None)
+    monkeypatch.setattr(launch, "_on_device", lambda t: contextlib.nullcontext())
+    monkeypatch.setattr(launch, "_kept_forwards", {})
+    monkeypatch.setattr(launch, "_kept_backwards", {})
+    return launches
+
+
+@pytest.mark.parametrize("lead", [(2, 3), (3,)])
+def test_a_call_whose_signature_ran_before_launches_what_that_call_kept_with_its_own_addresses(lead,
+                                                                                               launches_recorded):
+    q, k, v, do = leaf_inputs(lead, 40, 24, 80, torch.float16, "cpu")
+    o, lse = launch.forward(q, k, v, True)
+    launch.backward(q, k, v, o, lse, do, True)
+    whole = list(launches_recorded)
+    assert [entry[0] for entry in whole] == ["whole"] * 3
+    launches_recorded.clear()
+    q2, k2, v2, do2 = leaf_inputs(lead, 40, 24, 80, torch.float16, "cpu", seed=1)
+    o2, lse2 = launch.forward(q2, k2, v2, True)
+    dq, dk, dv = launch.backward(q2, k2, v2, o2, lse2, do2, True)
+    assert (o2.shape, lse2.shape, lse2.dtype, dq.shape, dk.shape, dv.shape) == (
+        q.shape, q.shape[:-1], torch.float32, q.shape, k.shape, v.shape)
+    assert all(t.is_contiguous() for t in (o2, lse2, dq, dk, dv))
+    kept = list(launches_recorded)
+    assert [entry[0] for entry in kept] == ["kept"] * 3
+    assert [entry[1] for entry in kept] == [entry[1] for entry in whole]
+    # The addresses in the kernels' order (forward: q, k, v, o, L), then the whole path's ints, floats
+    # and constants.
+    assert kept[0][2][:5] == tuple(t.data_ptr() for t in (q2, k2, v2, o2, lse2))
+    assert kept[2][2][6:8] == (dk.data_ptr(), dv.data_ptr())
+    assert kept[0][2][5:] == launch._kept_forwards[launch._signature(True, q, k, v)].launch.arguments
+
+
+def test_a_call_is_worked_out_afresh_where_its_inputs_or_their_alignment_differ_from_a_kept_one(
+        launches_recorded):
+    q, k, v, do = leaf_inputs((2, 3), 40, 40, 80, torch.float16, "cpu")
+    launch.forward(q, k, v, True)
+    for args in ((misaligned(q), k, v, True),  # the same signature, off a 16-byte boundary: copied first
+                 (q.transpose(1, 2).contiguous().transpose(1, 2), k, v, True),  # other strides
+                 (q, k, v, False)):  # other causality
+        launches_recorded.clear()
+        launch.forward(*args)
+        assert [entry[0] for entry in launches_recorded] == ["whole"]
+    with pytest.raises(TypeError, match="is_causal must be a bool"):
+        launch.forward(q, k, v, 1)  # equal to True as a dict key, and still refused
 
 
 # ---------------------------------------------------------------------------------- every path
@@ -305,6 +375,28 @@ def test_calls_that_differ_in_rank_layout_or_alignment_each_match_the_reference(
         inputs = [make_tensor((2,), n, d, layout, dtype, device) for _ in range(4)]
         assert_matches_reference("triton", *inputs, is_causal=True)
         assert_matches_reference("triton", *(misaligned(t) for t in inputs), is_causal=True)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("path", PATHS)
+def test_calls_that_repeat_a_signature_through_its_kept_launches_match_the_reference(path, device):
+    # A signature's first call keeps its launches; later ones reuse them with their own tensors, in each
+    # layout, through the Function and through the op.
+    lead, n_queries, n_keys = path_case(path, device, is_causal=True)
+    for layout, through_op in zip(LAYOUTS, (False, True) * 2):
+        calls = [[make_tensor(lead, n, 40, layout, torch.bfloat16, device) for n in (n_queries, n_keys, n_keys)]
+                 for _ in range(3)]
+        for q, k, v in calls:
+            do = make_tensor(lead, n_queries, 40, "contiguous", torch.bfloat16, device)
+            if through_op:
+                inputs = [t.requires_grad_() for t in (q, k, v)]
+                o, lse = flash_attention_forward(*inputs, True)
+                got = (o, lse, *torch.autograd.grad(o, inputs, do))
+                assert_close_to_reference(got, *reference_attention(q, k, v, do, True), dtype=torch.bfloat16)
+            else:
+                assert_matches_reference("triton", q, k, v, do, is_causal=True)
+        if layout != "strided_features":  # copied first, so never kept
+            assert launch._signature(True, *calls[0]) in launch._kept_forwards
 
 
 @pytest.mark.parametrize("head_dim", [24, 80])  # padded on chip: masked columns in the merge too

@@ -4,6 +4,10 @@ the launch plan of each kernel (wide or narrow tiles, whole or split forward), a
     o, lse = forward(q, k, v, is_causal)
     dq, dk, dv = backward(q, k, v, o, lse, do, is_causal)
 
+An eager call on a GPU whose signature (shapes, strides, dtypes, devices, causality) ran before skips
+its checks, views, plan and launch arguments: it launches what that call kept (KeptForward,
+KeptBackward).
+
 Leading dims are viewed as (batch, heads) and addressed by stride, so transposed heads and views out
 of a fused QKV projection are read in place. A last dim with a stride other than 1, or data that does
 not start on a 16-byte boundary, is copied first (as_batch_heads says why), and every launch refuses a
@@ -11,9 +15,10 @@ tensor off a 16-byte boundary: the kernels are only ever compiled for aligned on
 
 A launch takes one of three routes (`_launch`):
   - plain tensors on a GPU: the compiled kernel kept for the launch's key (what Triton specialises a
-    compilation on: with every tensor on a 16-byte boundary, the int arguments) is called directly.
-    Triton's JIT launch binds, specialises and keys every argument on each call, most of a launch's
-    host time; it runs once per key, compiling or finding the kernel, which is then kept.
+    compilation on: with every tensor on a 16-byte boundary, the int arguments) is called directly,
+    with the tensors' addresses (KeptLaunch). Triton's JIT launch binds, specialises and keys every
+    argument on each call, most of a launch's host time; it runs once per key, compiling or finding
+    the kernel, which is then kept.
   - fake and functional tensors, while torch.compile traces the torch.library op: through
     torch.library.wrap_triton, so that each kernel becomes a node of the graph that the compiler
     launches itself.
@@ -259,10 +264,29 @@ def check_aligned(tensors: tuple[torch.Tensor, ...]) -> None:
                              f"{ALIGNMENT_BYTES}-byte boundary; as_batch_heads copies such inputs")
 
 
-def _launch(call: KernelCall, grid: tuple[int, int, int], tensors: tuple[torch.Tensor, ...], scalars: tuple) -> None:
+@dataclass(frozen=True, eq=False)
+class KeptLaunch:
+    """A compiled kernel with its grid and every argument after its pointers (ints and floats, then the
+    constants): a launch that takes only its tensors' addresses, in the kernel's order.
+
+    Addresses go to Triton's launcher as ints. Given a tensor it asks the driver whether each pointer is
+    a device one (cuPointerGetAttribute), a driver call per pointer per launch; what reaches a launch here
+    was checked before (check_device, one device for all, 16-byte boundaries), and the allocator made the
+    rest on that device."""
+
+    compiled: Any  # the CompiledKernel Triton's JIT launch returned
+    grid: tuple[int, int, int]
+    arguments: tuple
+
+    def __call__(self, *addresses: int) -> None:
+        self.compiled[self.grid](*addresses, *self.arguments)
+
+
+def _launch(call: KernelCall, grid: tuple[int, int, int], tensors: tuple[torch.Tensor, ...], scalars: tuple,
+            kept: list[KeptLaunch] | None = None) -> None:
     """Launch `call` on a three-dim `grid` (a compiled kernel takes no other) with its arguments, the
     tensors then the scalars (strides, sizes, scales) in order, by the route the module docstring
-    describes."""
+    describes. A compiled kernel's launch is appended to `kept`, where given."""
     if _traced(tensors[0]):
         wrap_triton(call.kernel)[grid](*tensors, *scalars, **call.options)
         return
@@ -272,30 +296,36 @@ def _launch(call: KernelCall, grid: tuple[int, int, int], tensors: tuple[torch.T
         return
     key = launch_key(call, tensors, scalars)
     compiled = _kept_kernels.get(key)
-    if compiled is None:
+    launched = compiled is None
+    if launched:
         # Triton's JIT launch, which compiles if need be and returns the compiled kernel.
         compiled = call.kernel[grid](*tensors, *scalars, **call.options)
         if len(_kept_kernels) >= LAUNCHES_KEPT:
             _kept_kernels.clear()
         _kept_kernels[key] = compiled
-    else:
-        compiled[grid](*tensors, *scalars, *call.constant_values)
+    launch = KeptLaunch(compiled, grid, (*scalars, *call.constant_values))
+    if not launched:
+        launch(*(t.data_ptr() for t in tensors))
+    if kept is not None:
+        kept.append(launch)
 
 
-def launch_forward(q4, k4, v4, is_causal: bool, tiles: Tiles) -> tuple[torch.Tensor, torch.Tensor]:
-    """The whole forward on (batch, heads, n, d) views: (o4 contiguous, L (batch, heads, n_queries) fp32)."""
+def launch_forward(q4, k4, v4, is_causal: bool, tiles: Tiles,
+                   kept: list[KeptLaunch] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The whole forward on (batch, heads, n, d) views: (o4 contiguous, L (batch, heads, n_queries) fp32).
+    Each launch_* function appends its compiled launch to `kept`, where given (_launch)."""
     batch, heads, n_queries, _ = q4.shape
     head_dim = _head_dim(q4)
     o4 = q4.new_empty(q4.shape)
     lse = q4.new_empty((batch, heads, n_queries), dtype=torch.float32)
     grid = (batch * heads * cdiv(n_queries, tiles.block_m), 1, 1)
     _launch(kernel_call("forward", head_dim, is_causal, tiles), grid, (q4, k4, v4, o4, lse),
-            (*_strides(q4, k4, v4, o4), heads, n_queries, k4.shape[2], _scales(head_dim)[0]))
+            (*_strides(q4, k4, v4, o4), heads, n_queries, k4.shape[2], _scales(head_dim)[0]), kept)
     return o4, lse
 
 
-def launch_split_forward(q4, k4, v4, is_causal: bool, tiles: Tiles,
-                         split_keys: int) -> tuple[torch.Tensor, torch.Tensor]:
+def launch_split_forward(q4, k4, v4, is_causal: bool, tiles: Tiles, split_keys: int,
+                         kept: list[KeptLaunch] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """The split forward, each query tile's keys in runs of `split_keys` (a multiple of tiles.block_m):
     returns like launch_forward."""
     batch, heads, n_queries, _ = q4.shape
@@ -308,19 +338,28 @@ def launch_split_forward(q4, k4, v4, is_causal: bool, tiles: Tiles,
     block_d, tail_d = head_dim_chunks(head_dim)
     o4 = q4.new_empty(q4.shape)
     lse = q4.new_empty((batch, heads, n_queries), dtype=torch.float32)
-    # Per (tile, run): a tile of normalised outputs (chunk and tail columns) and its lse; per tile, a count of
-    # the runs done.
-    slots = tiles_runs[0] * tiles_runs[1]
-    partial = q4.new_empty(slots * tiles.block_m * (block_d + tail_d + 1), dtype=torch.float32)
-    arrivals = torch.zeros(tiles_runs[0], dtype=torch.int32, device=q4.device)
+    partial, arrivals = _split_workspaces(q4, *_split_workspace_sizes(tiles_runs, tiles.block_m, head_dim))
     call = kernel_call("split_forward", head_dim, is_causal, tiles, RUNS=int(tiles_runs[1]),
                        MERGE_COLUMNS=_merge_columns(block_d))
     _launch(call, (*tiles_runs, 1), (q4, k4, v4, o4, lse, partial, arrivals),
-            (*_strides(q4, k4, v4, o4), heads, n_queries, n_keys, split_keys, _scales(head_dim)[0]))
+            (*_strides(q4, k4, v4, o4), heads, n_queries, n_keys, split_keys, _scales(head_dim)[0]), kept)
     return o4, lse
 
 
-def launch_dq(q4, k4, v4, o4, do4, lse, is_causal: bool, tiles: Tiles) -> tuple[torch.Tensor, torch.Tensor]:
+def _split_workspace_sizes(tiles_runs: tuple[int, int], block_m: int, head_dim: int) -> tuple[int, int]:
+    """Elements of the split forward's workspaces: per (query tile, run), a tile of normalised outputs
+    (chunk and tail columns) and its lse, fp32; per query tile, an int32 count of the runs done."""
+    return tiles_runs[0] * tiles_runs[1] * block_m * (sum(head_dim_chunks(head_dim)) + 1), tiles_runs[0]
+
+
+def _split_workspaces(like: torch.Tensor, partial_size: int, arrivals_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The split forward's partials and its zeroed arrival counts, on `like`'s device."""
+    return (like.new_empty(partial_size, dtype=torch.float32),
+            torch.zeros(arrivals_size, dtype=torch.int32, device=like.device))
+
+
+def launch_dq(q4, k4, v4, o4, do4, lse, is_causal: bool, tiles: Tiles,
+              kept: list[KeptLaunch] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """The dQ kernel: (dq4 contiguous, D = rowsum(dO * O) (batch, heads, n_queries) fp32)."""
     batch, heads, n_queries, _ = q4.shape
     head_dim = _head_dim(q4)
@@ -328,11 +367,12 @@ def launch_dq(q4, k4, v4, o4, do4, lse, is_causal: bool, tiles: Tiles) -> tuple[
     delta = q4.new_empty((batch, heads, n_queries), dtype=torch.float32)
     grid = (batch * heads * cdiv(n_queries, tiles.block_m), 1, 1)
     _launch(kernel_call("dq", head_dim, is_causal, tiles), grid, (q4, k4, v4, o4, do4, lse, delta, dq4),
-            (*_strides(q4, k4, v4, o4, do4, dq4), heads, n_queries, k4.shape[2], *_scales(head_dim)))
+            (*_strides(q4, k4, v4, o4, do4, dq4), heads, n_queries, k4.shape[2], *_scales(head_dim)), kept)
     return dq4, delta
 
 
-def launch_dkdv(q4, k4, v4, do4, lse, delta, is_causal: bool, tiles: Tiles) -> tuple[torch.Tensor, torch.Tensor]:
+def launch_dkdv(q4, k4, v4, do4, lse, delta, is_causal: bool, tiles: Tiles,
+                kept: list[KeptLaunch] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """The dK/dV kernel: (dk4, dv4), contiguous; lse and delta are (batch, heads, n_queries) fp32, contiguous."""
     batch, heads, n_queries, _ = q4.shape
     head_dim = _head_dim(q4)
@@ -340,24 +380,106 @@ def launch_dkdv(q4, k4, v4, do4, lse, delta, is_causal: bool, tiles: Tiles) -> t
     dk4, dv4 = k4.new_empty(k4.shape), v4.new_empty(v4.shape)
     grid = (batch * heads * cdiv(n_keys, tiles.block_n), 1, 1)
     _launch(kernel_call("dkdv", head_dim, is_causal, tiles), grid, (q4, k4, v4, do4, lse, delta, dk4, dv4),
-            (*_strides(q4, k4, v4, do4, dk4, dv4), heads, n_queries, n_keys, *_scales(head_dim)))
+            (*_strides(q4, k4, v4, do4, dk4, dv4), heads, n_queries, n_keys, *_scales(head_dim)), kept)
     return dk4, dv4
 
 
 # ------------------------------------------------------------------------------- forward, backward
+#
+# An eager call on a GPU is worked out once per signature: the input shapes, strides, dtypes and devices
+# and causality, all that its checks, views, plans and launch arguments depend on. Its first call takes
+# the whole path and keeps its compiled launches (a KeptForward or KeptBackward); a later call of that
+# signature whose inputs start on 16-byte boundaries allocates its outputs and launches them with its
+# own addresses. On an H100's host the whole path's Python was 30% of a forward+backward's host time at the
+# 2026 xl's attention (docs/flash_tuning.md, v16).
+
+@dataclass(frozen=True, eq=False)
+class KeptForward:
+    """The forward's launch for one signature, and the split forward's workspace sizes (None: whole)."""
+
+    launch: KeptLaunch
+    split_workspace_sizes: tuple[int, int] | None
+
+    def __call__(self, q, k, v) -> tuple[torch.Tensor, torch.Tensor]:
+        o = _empty_contiguous(q)
+        lse = q.new_empty(q.shape[:-1], dtype=torch.float32)
+        # Workspaces are held until the launch is queued: freed before it, their blocks could be handed out
+        # again and written first.
+        workspaces = () if self.split_workspace_sizes is None else _split_workspaces(q, *self.split_workspace_sizes)
+        with _on_device(q):
+            self.launch(q.data_ptr(), k.data_ptr(), v.data_ptr(), o.data_ptr(), lse.data_ptr(),
+                        *(t.data_ptr() for t in workspaces))
+        return o, lse
+
+
+@dataclass(frozen=True, eq=False)
+class KeptBackward:
+    """The dQ and dK/dV launches for one signature."""
+
+    dq: KeptLaunch
+    dkdv: KeptLaunch
+
+    def __call__(self, q, k, v, o, lse, do) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        dq, dk, dv = _empty_contiguous(q), _empty_contiguous(k), _empty_contiguous(v)
+        delta = q.new_empty(q.shape[:-1], dtype=torch.float32)
+        q_at, k_at, v_at, do_at, lse_at, delta_at = (t.data_ptr() for t in (q, k, v, do, lse, delta))
+        with _on_device(q):
+            self.dq(q_at, k_at, v_at, o.data_ptr(), do_at, lse_at, delta_at, dq.data_ptr())
+            self.dkdv(q_at, k_at, v_at, do_at, lse_at, delta_at, dk.data_ptr(), dv.data_ptr())
+        return dq, dk, dv
+
+
+def _empty_contiguous(like: torch.Tensor) -> torch.Tensor:
+    """A contiguous tensor shaped like `like`: new_empty(like.shape), in half its host time."""
+    return torch.empty_like(like, memory_format=torch.contiguous_format)
+
+
+# Bounded like LAUNCHES_KEPT: signatures hold sizes.
+SIGNATURES_KEPT = 1024
+_kept_forwards: dict[tuple, KeptForward] = {}
+_kept_backwards: dict[tuple, KeptBackward] = {}
+
+
+def _signature(is_causal: bool, *tensors: torch.Tensor) -> tuple | None:
+    """What an eager call's checks, views, plan and launch arguments depend on; None for calls that are
+    not kept: traced or interpreted ones, and tensor subclasses."""
+    if INTERPRETED or type(is_causal) is not bool or any(type(t) is not torch.Tensor for t in tensors):
+        return None
+    return is_causal, *((t.shape, t.stride(), t.dtype, t.device) for t in tensors)
+
+
+def _starts_in_place(views: tuple[torch.Tensor, ...], tensors: tuple[torch.Tensor, ...]) -> bool:
+    """Whether as_batch_heads viewed every tensor in place (a copy's strides are not the signature's)."""
+    return all(view.data_ptr() == t.data_ptr() for view, t in zip(views, tensors))
+
+
+def _keep(kept: dict[tuple, Any], signature: tuple, entry: Any) -> None:
+    if len(kept) >= SIGNATURES_KEPT:
+        kept.clear()
+    kept[signature] = entry
+
 
 def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """(o, L): o shaped like q (contiguous), L (..., n_queries) fp32. Raises naming the problem on inputs
     that break the contract (flash_pytorch.check_inputs)."""
+    signature = _signature(is_causal, q, k, v)
+    kept = _kept_forwards.get(signature) if signature is not None else None
+    if kept is not None and not (q.data_ptr() | k.data_ptr() | v.data_ptr()) % ALIGNMENT_BYTES:
+        return kept(q, k, v)
     check_inputs(q, k, v, is_causal)
     check_device(q)
     q4, k4, v4 = as_batch_heads(q), as_batch_heads(k), as_batch_heads(v)
     plan = plan_for(q, k, is_causal).forward
+    launches: list[KeptLaunch] = []
     with _on_device(q):
         if plan.split_keys is None:
-            o4, lse = launch_forward(q4, k4, v4, is_causal, plan.tiles)
+            o4, lse = launch_forward(q4, k4, v4, is_causal, plan.tiles, launches)
         else:
-            o4, lse = launch_split_forward(q4, k4, v4, is_causal, plan.tiles, plan.split_keys)
+            o4, lse = launch_split_forward(q4, k4, v4, is_causal, plan.tiles, plan.split_keys, launches)
+    if signature is not None and _starts_in_place((q4, k4, v4), (q, k, v)):
+        workspaces = None if plan.split_keys is None else _split_workspace_sizes(launches[0].grid[:2],
+                                                                                  plan.tiles.block_m, q.shape[-1])
+        _keep(_kept_forwards, signature, KeptForward(launches[0], workspaces))
     if q.dim() == 4:  # each view or reshape costs microseconds of host time: none where the shapes match
         return o4, lse
     return o4.view(q.shape), lse.view(q.shape[:-1])
@@ -366,14 +488,22 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool) 
 def backward(q, k, v, o, lse, do, is_causal: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """dq, dk, dv (shapes and dtypes of q, k, v, contiguous): dQ over query tiles (writing D on the way),
     then dK/dV over key tiles."""
+    signature = _signature(is_causal, q, k, v, o, lse, do)
+    kept = _kept_backwards.get(signature) if signature is not None else None
+    if kept is not None and not (q.data_ptr() | k.data_ptr() | v.data_ptr() | o.data_ptr() | lse.data_ptr()
+                                 | do.data_ptr()) % ALIGNMENT_BYTES:
+        return kept(q, k, v, o, lse, do)
     q4, k4, v4, o4, do4 = (as_batch_heads(t) for t in (q, k, v, o, do))
     lse4 = lse if lse.shape == q4.shape[:3] else lse.reshape(q4.shape[:3])
     if not (lse4.is_contiguous() and _starts_aligned(lse4)):  # the kernels index L by row; L as saved is so
         lse4 = lse4.clone(memory_format=torch.contiguous_format)
     plan = plan_for(q, k, is_causal)
+    launches: list[KeptLaunch] = []
     with _on_device(q):
-        dq4, delta = launch_dq(q4, k4, v4, o4, do4, lse4, is_causal, plan.dq)
-        dk4, dv4 = launch_dkdv(q4, k4, v4, do4, lse4, delta, is_causal, plan.dkdv)
+        dq4, delta = launch_dq(q4, k4, v4, o4, do4, lse4, is_causal, plan.dq, launches)
+        dk4, dv4 = launch_dkdv(q4, k4, v4, do4, lse4, delta, is_causal, plan.dkdv, launches)
+    if signature is not None and _starts_in_place((q4, k4, v4, o4, do4, lse4), (q, k, v, o, do, lse)):
+        _keep(_kept_backwards, signature, KeptBackward(*launches))
     if q.dim() == 4:
         return dq4, dk4, dv4
     return dq4.view(q.shape), dk4.view(k.shape), dv4.view(v.shape)

@@ -13,7 +13,8 @@ which a traced graph cannot hand them.
 Eager calls skip the op: torch.library's Python dispatch and autograd nearly double a forward+backward's
 host time against the Function's (both launching the same kernels), and at training shapes that host
 time is already longer than the kernels take. So eager calls of either entry point launch through the
-Function, and only traced calls go through the op.
+Function, and only traced calls go through the op. The op called eagerly launches its backward
+directly too: the backward op is there for the compiler's graph.
 """
 
 from __future__ import annotations
@@ -70,7 +71,10 @@ def _setup_context(ctx, inputs, output) -> None:
 
 def _backward(ctx, do, _dlse):
     q, k, v, o, lse = ctx.saved_tensors
-    dq, dk, dv = flash_attention_backward(do, q, k, v, o, lse, ctx.is_causal)
+    if all(type(t) is torch.Tensor for t in (do, q, k, v, o, lse)):  # eager: launched directly, as the Function's
+        dq, dk, dv = launch.backward(q, k, v, o, lse, do, ctx.is_causal)
+    else:  # traced (fake or functional tensors): the backward op, which the compiler keeps in its graph
+        dq, dk, dv = flash_attention_backward(do, q, k, v, o, lse, ctx.is_causal)
     return dq, dk, dv, None
 
 
