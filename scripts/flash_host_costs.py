@@ -4,12 +4,15 @@ autograd.Function that only allocates the outputs (what autograd charges any Pyt
 GPU, SDPA's flash and cuDNN backends.
 
     python scripts/flash_host_costs.py                      # on a GPU: 4 x 32 x 512 x 80, bf16
+    python scripts/flash_host_costs.py --back-to-back       # on a GPU: 1 x 1 x 16 x 80, calls back to back
     python scripts/flash_host_costs.py --shape 4 32 16 80   # without one: the launch-free rows only
 
 On a GPU every path's calls are timed against a busy device, the paths taking turns
-(cs336_systems.timing.issue_times), as the flash report's host-issue table is; without one, each whole
-call by cs336_systems.timing.time_fn on fp16 CPU tensors, and the kernels are never launched. Medians
-in us.
+(cs336_systems.timing.issue_times), as the flash report's host-issue table is: medians in us. With
+--back-to-back, each path's calls run back to back instead, as in a training loop, timed by the host
+clock (timeit: the best of BACK_TO_BACK_RUNS runs of --samples calls, us per call), on a shape whose
+kernels take less time than the host does. Without a GPU, each whole call is timed by
+cs336_systems.timing.time_fn on fp16 CPU tensors, and the kernels are never launched: medians in us.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ import argparse
 import contextlib
 import functools
 import sys
+import timeit
 
 import torch
 import torch.nn.functional as F
@@ -60,16 +64,35 @@ def launches_skipped():
         launch.KeptLaunch.__call__, launch._launch, launch.check_device, launch._on_device = saved
 
 
+# timeit's habit: the best of a few runs is the run least disturbed by the rest of the machine.
+BACK_TO_BACK_RUNS = 5
+
+
+def back_to_back_us(call, context, warmup: int, calls: int) -> float:
+    """Host time per call of `call` made `calls` times back to back inside `context`, in us (best run)."""
+    with context():
+        for _ in range(warmup):
+            call()
+        torch.cuda.synchronize()
+        best_s = min(timeit.repeat(call, number=calls, repeat=BACK_TO_BACK_RUNS))
+        torch.cuda.synchronize()
+    return best_s / calls * 1e6
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--shape", type=int, nargs=4, metavar=("BATCH", "HEADS", "N", "D"))
     parser.add_argument("--warmup", type=int, default=50)
     parser.add_argument("--samples", type=int, default=500)
+    parser.add_argument("--back-to-back", action="store_true", help="time each path's calls back to back")
     args = parser.parse_args(argv)
     if launch.INTERPRETED:
         parser.error("unset TRITON_INTERPRET: the interpreter's launches are not what is measured here")
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    shape = tuple(args.shape or ((4, 32, 512, 80) if device.type == "cuda" else (4, 32, 16, 80)))
+    if args.back_to_back and device.type != "cuda":
+        parser.error("--back-to-back times calls that launch kernels: it needs a GPU")
+    gpu_shape = (1, 1, 16, 80) if args.back_to_back else (4, 32, 512, 80)
+    shape = tuple(args.shape or (gpu_shape if device.type == "cuda" else (4, 32, 16, 80)))
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float16
     q, k, v = (torch.randn(shape, device=device, dtype=dtype, requires_grad=True) for _ in range(3))
     do = torch.randn(shape, device=device, dtype=dtype)
@@ -90,19 +113,22 @@ def main(argv=None) -> int:
     paths["op, launches skipped"] = op, launches_skipped
     paths["autograd.Function that only allocates"] = (fwd_bwd(lambda: AllocatingFunction.apply(q, k, v, True)),
                                                       contextlib.nullcontext)
-    if device.type == "cuda":
-        timings = issue_times([call for call, _ in paths.values()], warmup=args.warmup, samples=args.samples,
-                              device=device, contexts=[context for _, context in paths.values()])
+    calls, contexts = [call for call, _ in paths.values()], [context for _, context in paths.values()]
+    if args.back_to_back:
+        us = [back_to_back_us(call, context, args.warmup, args.samples) for call, context in zip(calls, contexts)]
+    elif device.type == "cuda":
+        timings = issue_times(calls, warmup=args.warmup, samples=args.samples, device=device, contexts=contexts)
+        us = [t.median_ms * 1e3 for t in timings]
     else:
-        timings = []
-        for call, context in paths.values():
+        us = []
+        for call, context in zip(calls, contexts):
             with context():
-                timings.append(time_fn(call, warmup=args.warmup, steps=args.samples, device=device))
-    rows = {label: t.median_ms * 1e3 for label, t in zip(paths, timings)}
+                us.append(time_fn(call, warmup=args.warmup, steps=args.samples, device=device).median_ms * 1e3)
     name = torch.cuda.get_device_name() if device.type == "cuda" else "CPU"
-    print(f"{name}, torch {torch.__version__}; host time per forward+backward, {shape}, {dtype}, causal (median us)")
-    for label, us in rows.items():
-        print(f"  {label}: {us:.1f}")
+    how = "back to back, best run" if args.back_to_back else "median"
+    print(f"{name}, torch {torch.__version__}; host time per forward+backward, {shape}, {dtype}, causal ({how}, us)")
+    for label, path_us in zip(paths, us):
+        print(f"  {label}: {path_us:.1f}")
     return 0
 
 
