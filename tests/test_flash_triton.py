@@ -213,8 +213,9 @@ def launches_recorded(monkeypatch):
     launches = []
 
     def whole_path_launch(call, grid, tensors, scalars, kept=None):
-        launches.append(("whole", grid, tuple(t.data_ptr() for t in tensors)))
-        kept.append(launch.KeptLaunch(_Recorded(launches), grid, (*scalars, *call.constant_values)))
+        arguments = (*scalars, *call.constant_values)
+        launches.append(("whole", grid, (*(t.data_ptr() for t in tensors), *arguments)))
+        kept.append(launch.KeptLaunch(_Recorded(launches), grid, arguments))
 
     monkeypatch.setattr(launch, "INTERPRETED", False)
     monkeypatch.setattr(launch, "_launch", whole_path_launch)
@@ -247,7 +248,42 @@ def test_a_call_whose_signature_ran_before_launches_what_that_call_kept_with_its
     # and constants.
     assert kept[0][2][:5] == tuple(t.data_ptr() for t in (q2, k2, v2, o2, lse2))
     assert kept[2][2][6:8] == (dk.data_ptr(), dv.data_ptr())
-    assert kept[0][2][5:] == launch._kept_forwards[launch._signature(True, q, k, v)].launch.arguments
+    assert kept[0][2][5:] == whole[0][2][5:]  # the whole path's ints, floats and constants
+
+
+# Where each launch of a forward+backward takes the caller's tensors (q, k, v, dO), and where it takes the
+# outputs of an earlier launch of the same forward+backward, by pointer position: forward (q, k, v, o, L),
+# dQ (q, k, v, o, dO, L, D, dQ), dK/dV (q, k, v, dO, L, D, dK, dV).
+CALLER_POINTERS = ((0, 1, 2), (0, 1, 2, 4), (0, 1, 2, 3))
+POINTERS = (5, 8, 8)  # the rest of a launch's arguments are ints, floats and constants
+WIRING = {"o": ((0, 3), (1, 3)), "L": ((0, 4), (1, 5), (2, 4)), "D": ((1, 6), (2, 5))}
+
+
+@pytest.mark.parametrize("is_causal", [False, True])
+@pytest.mark.parametrize("lead", [(), (3,), (2, 3), (2, 2, 1)], ids=["2-D", "3-D", "4-D", "5-D"])
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_a_kept_call_launches_what_the_whole_path_launches_for_the_same_inputs(layout, lead, is_causal,
+                                                                                launches_recorded):
+    q, k, v = (make_tensor(lead, n, 40, layout, torch.float16, "cpu") for n in (33, 50, 50))
+    do = make_tensor(lead, 33, 40, layout, torch.float16, "cpu")
+    # Inputs copied first (a strided last dim) are never kept: their copies' strides are not the inputs'.
+    copied = q.stride(-1) != 1
+    calls = []
+    for _ in range(2):
+        launches_recorded.clear()
+        o, lse = launch.forward(q, k, v, is_causal)
+        launch.backward(q, k, v, o, lse, do, is_causal)
+        calls.append([entry[2] for entry in launches_recorded])
+        kept = not copied and len(calls) == 2
+        assert [entry[0] for entry in launches_recorded] == ["kept" if kept else "whole"] * 3
+    whole, again = calls
+    for first, second, caller, pointers in zip(whole, again, CALLER_POINTERS, POINTERS, strict=True):
+        assert second[pointers:] == first[pointers:], "ints, floats and constants"
+        if not copied:
+            assert [second[i] for i in caller] == [first[i] for i in caller], "the caller's tensors"
+    for launches in calls:
+        for name, uses in WIRING.items():
+            assert len({launches[kernel][position] for kernel, position in uses}) == 1, name
 
 
 def test_a_call_is_worked_out_afresh_where_its_inputs_or_their_alignment_differ_from_a_kept_one(
