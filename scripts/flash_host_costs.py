@@ -1,7 +1,8 @@
 """Where the host's time to issue one FlashAttention forward+backward goes: the Triton Function and the
-torch.library op as shipped, the same with every kernel launch skipped (our Python and autograd alone), an
-autograd.Function that only allocates the outputs (what autograd charges any Python Function), and, on a
-GPU, SDPA's flash and cuDNN backends.
+torch.library op as shipped (kept calls launched from C++), the Function with its kept calls launched from
+Python, the same with every kernel launch skipped (our Python and autograd alone), an autograd.Function
+that only allocates the outputs (what autograd charges any Python Function), and, on a GPU, SDPA's flash
+and cuDNN backends.
 
     python scripts/flash_host_costs.py                      # on a GPU: 4 x 32 x 512 x 80, bf16
     python scripts/flash_host_costs.py --back-to-back       # on a GPU: 1 x 1 x 16 x 80, calls back to back
@@ -47,11 +48,22 @@ class AllocatingFunction(torch.autograd.Function):
 
 
 @contextlib.contextmanager
+def python_launches():
+    """Kept calls launched from Python (KeptForward, KeptBackward), as where the C++ extension is not built."""
+    saved = launch._native, launch._keep_native
+    launch._native, launch._keep_native = None, lambda *args: None
+    try:
+        yield
+    finally:
+        launch._native, launch._keep_native = saved
+
+
+@contextlib.contextmanager
 def launches_skipped():
-    """Every kernel launch of launch.py skipped, what is left being the host work around the kernels. On
-    a GPU the kept launches are skipped (a call's first, which compiles, still runs); on a CPU, where
-    nothing is compiled, the whole path's launches and device checks too, each kept as a launch that is
-    never made."""
+    """Every kernel launch of launch.py skipped, what is left being the host work around the kernels, on
+    the Python path. On a GPU the kept launches are skipped (a call's first, which compiles, still runs);
+    on a CPU, where nothing is compiled, the whole path's launches and device checks too, each kept as a
+    launch that is never made."""
     saved = launch.KeptLaunch.__call__, launch._launch, launch.check_device, launch._on_device
     launch.KeptLaunch.__call__ = lambda self, *addresses: None
     if not torch.cuda.is_available():
@@ -59,7 +71,8 @@ def launches_skipped():
         launch.check_device = lambda q: None
         launch._on_device = lambda t: contextlib.nullcontext()
     try:
-        yield
+        with python_launches():
+            yield
     finally:
         launch.KeptLaunch.__call__, launch._launch, launch.check_device, launch._on_device = saved
 
@@ -107,6 +120,7 @@ def main(argv=None) -> int:
     if device.type == "cuda":
         paths["Function"] = function, contextlib.nullcontext
         paths["op"] = op, contextlib.nullcontext
+        paths["Function, kept calls launched from Python"] = function, python_launches
         paths["SDPA flash"] = sdpa, functools.partial(sdpa_kernel, SDPBackend.FLASH_ATTENTION)
         paths["SDPA cuDNN"] = sdpa, functools.partial(sdpa_kernel, SDPBackend.CUDNN_ATTENTION)
     paths["Function, launches skipped"] = function, launches_skipped

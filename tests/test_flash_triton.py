@@ -10,6 +10,9 @@ run on a GPU with compute-sanitizer too (`make gpu-check`).
 
 import contextlib
 import itertools
+import os
+import shutil
+import struct
 
 import pytest
 import torch
@@ -23,7 +26,7 @@ from cs336_systems.attention.flash_triton import (
     flash_attention_triton,
     plan_for,
 )
-from cs336_systems.attention.flash_triton import launch, op, tiles
+from cs336_systems.attention.flash_triton import launch, native, op, tiles
 from cs336_systems.model import ModelConfig, TransformerLM
 from cs336_systems.precision import PRECISIONS
 from tests.flash_reference import (
@@ -223,6 +226,8 @@ def launches_recorded(monkeypatch):
     monkeypatch.setattr(launch, "_on_device", lambda t: contextlib.nullcontext())
     monkeypatch.setattr(launch, "_kept_forwards", {})
     monkeypatch.setattr(launch, "_kept_backwards", {})
+    monkeypatch.setattr(native, "module", lambda: None)  # stand-in kernels: nothing to launch from C++
+    monkeypatch.setattr(launch, "_native", None)
     return launches
 
 
@@ -298,6 +303,138 @@ def test_a_call_is_worked_out_afresh_where_its_inputs_or_their_alignment_differ_
         assert [entry[0] for entry in launches_recorded] == ["whole"]
     with pytest.raises(TypeError, match="is_causal must be a bool"):
         launch.forward(q, k, v, 1)  # equal to True as a dict key, and still refused
+
+
+# ------------------------------------------------------------------------------ launches from C++
+
+def _extension():
+    """The C++ extension of kept launches, built; skipped where it is switched off or no C++ compiler is on
+    the PATH (such a machine launches kept calls from Python)."""
+    if os.environ.get(native.SWITCH) == "0":
+        pytest.skip(f"{native.SWITCH}=0")
+    if shutil.which(os.environ.get("CXX", "c++")) is None:
+        pytest.skip("no C++ compiler on the PATH")
+    extension = native.module()
+    assert extension is not None, f"{native.SOURCE.name} did not build: see the warning"
+    return extension
+
+
+def test_native_parameters_follow_the_compiled_signature_and_skip_what_was_compiled_in():
+    # Pointers by their position in the call's addresses, ints as Triton typed them, floats; constants
+    # and ints specialised on (constexpr in the compiled signature) are not passed.
+    signature = {"Q": "*bf16", "L": "*fp32", "stride": "i32", "heads": "constexpr", "offset": "i64",
+                 "scale": "fp32", "IS_CAUSAL": "constexpr"}
+    found = native.parameters(signature, (0, 1, 64, 1, 2**40, 0.125, True), n_addresses=2)
+    assert found == ([0, 0, 1, 2, 3], [0, 1, 64, 2**40, 0], [0.0, 0.0, 0.0, 0.0, 0.125])
+    # Launched from Python instead: a pointer past the addresses, a scalar among them, a type without a
+    # native kind.
+    assert native.parameters({"Q": "*bf16", "K": "*bf16"}, (0, 1), n_addresses=1) is None
+    assert native.parameters({"Q": "*bf16", "n": "i32"}, (0, 5), n_addresses=2) is None
+    assert native.parameters({"Q": "*bf16", "flag": "i1"}, (0, True), n_addresses=1) is None
+    with pytest.raises(ValueError, match="signature of 2 arguments for 3 values"):
+        native.parameters({"Q": "*bf16", "n": "i32"}, (0, 5, 6), n_addresses=1)
+
+
+def test_a_native_launch_packs_each_parameter_in_an_8_byte_slot_as_cuLaunchKernel_reads_it():
+    extension = _extension()
+    kernel = extension.Launch(function=1, grid=[3, 2, 1], threads=128, shared_bytes=1024, null_pointers=2,
+                              kinds=[0, 0, 1, 2, 3], integers=[1, 0, -7, 2**40, 0], reals=[0, 0, 0, 0, 0.1])
+    # Address 1, address 0, an i32, an i64, an f32, then Triton's two null scratch pointers.
+    assert kernel.packed([0x1000, 0x2000]) == struct.pack("<QQi4xqf4xQQ", 0x2000, 0x1000, -7, 2**40, 0.1, 0, 0)
+    with pytest.raises(ValueError, match="takes address 1 of 1"):
+        kernel.packed([0x1000])
+
+
+@pytest.mark.parametrize(("change", "message"), [
+    ({"function": 0}, "needs a loaded kernel"),
+    ({"grid": [1, 0, 1]}, "grid dim 1 is 0"),
+    ({"grid": [1, 1]}, "grid has 3 dims"),
+    ({"threads": 100}, "a block of 100 threads"),
+    ({"kinds": [1], "integers": [2**31], "reals": [0.0]}, "i32 but 2147483648 does not fit"),
+    ({"kinds": [0], "integers": [8], "reals": [0.0]}, "takes address 8"),
+    ({"kinds": [7], "integers": [0], "reals": [0.0]}, "has kind 7"),
+    ({"kinds": [1] * 63, "integers": [0] * 63, "reals": [0.0] * 63}, "more than 64"),
+])
+def test_a_native_launch_refuses_what_no_kernel_launch_takes_naming_it(change, message):
+    extension = _extension()
+    arguments = dict(function=1, grid=[1, 1, 1], threads=128, shared_bytes=0, null_pointers=2, kinds=[],
+                     integers=[], reals=[]) | change
+    with pytest.raises(ValueError, match=message):
+        extension.Launch(**arguments)
+
+
+def test_the_extension_keeps_only_cuda_calls_and_finds_no_call_it_did_not_keep():
+    extension = _extension()
+    q = torch.randn(2, 8, 16)
+    assert extension.forward(q, q, q, True) is None
+    assert extension.backward(q, q, q, q, q[..., 0], q, True) is None
+    kernel = extension.Launch(function=1, grid=[1, 1, 1], threads=128, shared_bytes=0, null_pointers=2, kinds=[],
+                              integers=[], reals=[])
+    with pytest.raises(ValueError, match="only dense CUDA tensors"):
+        extension.keep_forward(q, q, q, True, kernel, -1, 0, launch.SIGNATURES_KEPT)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("dtype", ["bf16", "fp32"])
+@pytest.mark.parametrize("path", PATHS)
+def test_kept_launches_from_cpp_give_what_the_whole_path_gives(path, dtype, layout, device, monkeypatch):
+    # A signature's first call takes the whole path and hands its launches to the extension; later calls
+    # are the extension's alone, and give the whole path's outputs bit for bit (the kernels are
+    # deterministic). Inputs of the signature off a 16-byte boundary, and layouts that are copied first,
+    # take the Python path again.
+    extension = _extension()
+    monkeypatch.setattr(launch, "_kept_forwards", {})  # nothing kept, so that the first call is the whole path
+    monkeypatch.setattr(launch, "_kept_backwards", {})
+    extension.clear()
+    lead, n_queries, n_keys = path_case(path, device, is_causal=True)
+    q, k, v, do = (make_tensor(lead, n, 40, layout, GPU_DTYPES[dtype], device)
+                   for n in (n_queries, n_keys, n_keys, n_queries))
+    whole = launch.forward(q, k, v, True)
+    whole += launch.backward(q, k, v, *whole, do, True)
+    kept = extension.forward(q, k, v, True)
+    if layout == "strided_features":  # copied first, so never kept
+        assert kept is None
+        return
+    assert kept is not None and launch._native is extension
+    kept += extension.backward(q, k, v, *kept, do, True)
+    for name, got, expected in zip(("o", "L", "dq", "dk", "dv"), kept, whole, strict=True):
+        assert got.shape == expected.shape and got.is_contiguous(), name
+        torch.testing.assert_close(got, expected, rtol=0, atol=0, msg=name)
+    # Through launch.forward and launch.backward, the Python kept launches are not reached.
+    with monkeypatch.context() as python_launches:
+        python_launches.setattr(launch.KeptForward, "__call__", lambda *args: pytest.fail("launched from Python"))
+        python_launches.setattr(launch.KeptBackward, "__call__", lambda *args: pytest.fail("launched from Python"))
+        again = launch.forward(q, k, v, True)
+        again += launch.backward(q, k, v, *again, do, True)
+    for name, got, expected in zip(("o", "L", "dq", "dk", "dv"), again, whole, strict=True):
+        torch.testing.assert_close(got, expected, rtol=0, atol=0, msg=name)
+    if layout == "contiguous":  # the same signature, one element past a 16-byte boundary: copied, not kept
+        shifted_inputs = [misaligned(t) for t in (q, k, v)]
+        assert extension.forward(*shifted_inputs, True) is None
+        for name, got, expected in zip(("o", "L"), launch.forward(*shifted_inputs, True), whole):
+            torch.testing.assert_close(got, expected, rtol=0, atol=0, msg=name)
+
+
+@pytest.mark.gpu
+def test_a_kept_call_from_cpp_that_runs_out_of_memory_raises_torch_out_of_memory_error(device):
+    # A benchmark records an out-of-memory cell and goes on: the extension's allocations must raise
+    # torch.OutOfMemoryError like the Python path's, not end the process.
+    extension = _extension()
+    q, k, v, _ = leaf_inputs((4, 16), 512, 512, 64, torch.bfloat16, device)  # 4 MiB each
+    launch.forward(q, k, v, True)
+    torch.cuda.synchronize(device)
+    torch.cuda.empty_cache()
+    index = q.device.index  # a tensor's device always has its index
+    total = torch.cuda.get_device_properties(index).total_memory
+    limit = torch.cuda.memory_reserved(index) + (1 << 20)  # 1 MiB to spare: no room for o
+    torch.cuda.set_per_process_memory_fraction(limit / total, index)
+    try:
+        with pytest.raises(torch.OutOfMemoryError):
+            extension.forward(q, k, v, True)
+    finally:
+        torch.cuda.set_per_process_memory_fraction(1.0, index)
+    assert extension.forward(q, k, v, True) is not None
 
 
 # ---------------------------------------------------------------------------------- every path

@@ -107,11 +107,12 @@ def test_the_import_walk_finds_every_form_of_import_within_the_package(tmp_path)
 
 
 def test_the_gpu_source_hash_covers_the_kernels_and_every_package_module_they_import():
-    """GPU_SOURCES is this package's modules (kernels, tiles, launch, op) and everything they import from
-    cs336_systems, transitively: an edit to any of them changes what runs on the GPU."""
+    """GPU_SOURCES is this package's modules (kernels, tiles, launch, native, op), its C++ source, and
+    everything they import from cs336_systems, transitively: an edit to any of them changes what runs on
+    the GPU."""
     hashed = {PACKAGE_ROOT / name for name in GPU_SOURCES}
     assert all(path.is_file() for path in hashed), sorted(map(str, hashed))
-    needed, queue = set(), [path for path in FLASH_TRITON.glob("*.py") if path.name != "__init__.py"]
+    needed, queue = set(FLASH_TRITON.glob("*.cpp")), [path for path in FLASH_TRITON.glob("*.py") if path.name != "__init__.py"]
     while queue:
         path = queue.pop()
         if path not in needed:

@@ -5,7 +5,8 @@ the launch plan of each kernel (wide or narrow tiles, whole or split forward), a
     dq, dk, dv = backward(q, k, v, o, lse, do, is_causal)
 
 An eager call on a GPU whose signature (shapes, strides, dtypes, devices, causality) ran before skips
-its checks, views, plan and launch arguments: it launches what that call kept (KeptForward,
+its checks, views, plan and launch arguments: it launches what that call kept, from C++ where the
+extension in native.py is built (one call from Python to the driver), else from Python (KeptForward,
 KeptBackward).
 
 Leading dims are viewed as (batch, heads) and addressed by stride, so transposed heads and views out
@@ -41,6 +42,7 @@ from torch._subclasses.fake_tensor import is_fake
 from torch.library import wrap_triton
 
 from cs336_systems.attention.flash_pytorch import check_inputs
+from cs336_systems.attention.flash_triton import native
 from cs336_systems.attention.flash_triton.kernels import (
     LOG2E,
     dkdv_kernel,
@@ -388,10 +390,18 @@ def launch_dkdv(q4, k4, v4, do4, lse, delta, is_causal: bool, tiles: Tiles,
 #
 # An eager call on a GPU is worked out once per signature: the input shapes, strides, dtypes and devices
 # and causality, all that its checks, views, plans and launch arguments depend on. Its first call takes
-# the whole path and keeps its compiled launches (a KeptForward or KeptBackward); a later call of that
-# signature whose inputs start on 16-byte boundaries allocates its outputs and launches them with its
-# own addresses. On an H100's host the whole path's Python was 30% of a forward+backward's host time at the
-# 2026 xl's attention (docs/flash_tuning.md, v16).
+# the whole path and keeps its compiled launches (a KeptForward or KeptBackward), and hands them to the
+# C++ extension (native.py); a later call of that signature whose inputs start on 16-byte boundaries
+# allocates its outputs and launches them with its own addresses, in C++ where the extension took them.
+# On an H100's host the whole path's Python was 30% of a forward+backward's host time at the 2026 xl's
+# attention, and the kept path's Python and Triton's launcher most of the rest beyond autograd's own
+# (docs/flash_tuning.md, v16 and v17).
+
+# Pointers each kernel takes, first among its arguments, in the order KeptForward and KeptBackward (and
+# native.cpp's forward and backward) pass them: the forward's q, k, v, o, L (and the split forward's
+# partials and arrival counts); dQ's q, k, v, o, dO, L, D, dQ; dK/dV's q, k, v, dO, L, D, dK, dV.
+FORWARD_ADDRESSES, SPLIT_FORWARD_ADDRESSES, BACKWARD_ADDRESSES = 5, 7, (8, 8)
+
 
 @dataclass(frozen=True, eq=False)
 class KeptForward:
@@ -438,12 +448,35 @@ def _empty_contiguous(like: torch.Tensor) -> torch.Tensor:
 SIGNATURES_KEPT = 1024
 _kept_forwards: dict[tuple, KeptForward] = {}
 _kept_backwards: dict[tuple, KeptBackward] = {}
+# The C++ extension once it keeps a launch (native.py); until then every call takes the Python path.
+_native: Any = None
+
+
+def _plain(is_causal, *tensors: torch.Tensor) -> bool:
+    """Whether a call may be kept at all: plain tensors (not traced or subclassed) and a bool."""
+    return type(is_causal) is bool and all(type(t) is torch.Tensor for t in tensors)
+
+
+def _keep_native(keep: str, tensors: tuple[torch.Tensor, ...], is_causal: bool, launches: list[KeptLaunch],
+                 n_addresses: tuple[int, ...], *extra: int) -> None:
+    """Hand a call's kept launches to the extension's `keep` (keep_forward or keep_backward), each launch
+    taking n_addresses pointers; a launch the extension cannot make leaves the call to KeptForward or
+    KeptBackward."""
+    global _native
+    extension = native.module()
+    if extension is None:
+        return
+    native_launches = [native.as_launch(extension, kept, n) for kept, n in zip(launches, n_addresses, strict=True)]
+    if None in native_launches:
+        return
+    getattr(extension, keep)(*tensors, is_causal, *native_launches, *extra, SIGNATURES_KEPT)
+    _native = extension
 
 
 def _signature(is_causal: bool, *tensors: torch.Tensor) -> tuple | None:
     """What an eager call's checks, views, plan and launch arguments depend on; None for calls that are
     not kept: traced or interpreted ones, and tensor subclasses."""
-    if INTERPRETED or type(is_causal) is not bool or any(type(t) is not torch.Tensor for t in tensors):
+    if INTERPRETED or not _plain(is_causal, *tensors):
         return None
     return is_causal, *((t.shape, t.stride(), t.dtype, t.device) for t in tensors)
 
@@ -462,6 +495,10 @@ def _keep(kept: dict[tuple, Any], signature: tuple, entry: Any) -> None:
 def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """(o, L): o shaped like q (contiguous), L (..., n_queries) fp32. Raises naming the problem on inputs
     that break the contract (flash_pytorch.check_inputs)."""
+    if _native is not None and _plain(is_causal, q, k, v):
+        found = _native.forward(q, k, v, is_causal)
+        if found is not None:
+            return found
     signature = _signature(is_causal, q, k, v)
     kept = _kept_forwards.get(signature) if signature is not None else None
     if kept is not None and not (q.data_ptr() | k.data_ptr() | v.data_ptr()) % ALIGNMENT_BYTES:
@@ -480,6 +517,8 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool) 
         workspaces = None if plan.split_keys is None else _split_workspace_sizes(launches[0].grid[:2],
                                                                                   plan.tiles.block_m, q.shape[-1])
         _keep(_kept_forwards, signature, KeptForward(launches[0], workspaces))
+        n_addresses = FORWARD_ADDRESSES if workspaces is None else SPLIT_FORWARD_ADDRESSES
+        _keep_native("keep_forward", (q, k, v), is_causal, launches, (n_addresses,), *(workspaces or (-1, 0)))
     if q.dim() == 4:  # each view or reshape costs microseconds of host time: none where the shapes match
         return o4, lse
     return o4.view(q.shape), lse.view(q.shape[:-1])
@@ -488,6 +527,10 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool) 
 def backward(q, k, v, o, lse, do, is_causal: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """dq, dk, dv (shapes and dtypes of q, k, v, contiguous): dQ over query tiles (writing D on the way),
     then dK/dV over key tiles."""
+    if _native is not None and _plain(is_causal, q, k, v, o, lse, do):
+        found = _native.backward(q, k, v, o, lse, do, is_causal)
+        if found is not None:
+            return found
     signature = _signature(is_causal, q, k, v, o, lse, do)
     kept = _kept_backwards.get(signature) if signature is not None else None
     if kept is not None and not (q.data_ptr() | k.data_ptr() | v.data_ptr() | o.data_ptr() | lse.data_ptr()
@@ -504,6 +547,7 @@ def backward(q, k, v, o, lse, do, is_causal: bool) -> tuple[torch.Tensor, torch.
         dk4, dv4 = launch_dkdv(q4, k4, v4, do4, lse4, delta, is_causal, plan.dkdv, launches)
     if signature is not None and _starts_in_place((q4, k4, v4, o4, do4, lse4), (q, k, v, o, do, lse)):
         _keep(_kept_backwards, signature, KeptBackward(*launches))
+        _keep_native("keep_backward", (q, k, v, o, lse, do), is_causal, launches, BACKWARD_ADDRESSES)
     if q.dim() == 4:
         return dq4, dk4, dv4
     return dq4.view(q.shape), dk4.view(k.shape), dv4.view(v.shape)
