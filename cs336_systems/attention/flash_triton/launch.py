@@ -39,6 +39,7 @@ from typing import Any
 import torch
 import triton
 from torch._subclasses.fake_tensor import is_fake
+from triton import knobs
 from torch.library import wrap_triton
 
 from cs336_systems.attention.flash_pytorch import check_inputs
@@ -457,6 +458,14 @@ def _plain(is_causal, *tensors: torch.Tensor) -> bool:
     return type(is_causal) is bool and all(type(t) is torch.Tensor for t in tensors)
 
 
+def _launches_hooked() -> bool:
+    """Whether something hooks Triton's launches (a profiler such as Proton): then kept calls launch
+    through Triton's launcher, which calls the hooks, and not from C++, which would pass them by. A hook
+    chain is truthy by the hooks it holds."""
+    runtime = knobs.runtime
+    return any(getattr(hook, "calls", hook) for hook in (runtime.launch_enter_hook, runtime.launch_exit_hook))
+
+
 def _keep_native(keep: str, tensors: tuple[torch.Tensor, ...], is_causal: bool, launches: list[KeptLaunch],
                  n_addresses: tuple[int, ...], *extra: int) -> None:
     """Hand a call's kept launches to the extension's `keep` (keep_forward or keep_backward), each launch
@@ -495,7 +504,7 @@ def _keep(kept: dict[tuple, Any], signature: tuple, entry: Any) -> None:
 def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """(o, L): o shaped like q (contiguous), L (..., n_queries) fp32. Raises naming the problem on inputs
     that break the contract (flash_pytorch.check_inputs)."""
-    if _native is not None and _plain(is_causal, q, k, v):
+    if _native is not None and _plain(is_causal, q, k, v) and not _launches_hooked():
         found = _native.forward(q, k, v, is_causal)
         if found is not None:
             return found
@@ -527,7 +536,7 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool) 
 def backward(q, k, v, o, lse, do, is_causal: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """dq, dk, dv (shapes and dtypes of q, k, v, contiguous): dQ over query tiles (writing D on the way),
     then dK/dV over key tiles."""
-    if _native is not None and _plain(is_causal, q, k, v, o, lse, do):
+    if _native is not None and _plain(is_causal, q, k, v, o, lse, do) and not _launches_hooked():
         found = _native.backward(q, k, v, o, lse, do, is_causal)
         if found is not None:
             return found
