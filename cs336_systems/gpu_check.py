@@ -8,7 +8,7 @@ device, versions, date, command, counts and the hash of the GPU source that was 
     python -m cs336_systems.gpu_check --parts memcheck,racecheck
     python -m cs336_systems.gpu_check --parts tests:1/2,tests:2/2  # the one-process suite as two runs
 
-Most of a cold run is compiling kernels (a few hundred, seconds each): each part's tests first run in
+Most of a cold run is compiling kernels (a few hundred, seconds each): the parts' tests first run in
 parallel, which fills Triton's on-disk cache, and then the one-process runs (the suite or its shards, and
 each sanitizer) run side by side.
 
@@ -172,10 +172,8 @@ def run_checks(parts: tuple[str, ...] = PARTS, earlier: dict[str, Any] | None = 
         if log_dir is not None:
             log_dir.mkdir(parents=True, exist_ok=True)
         scratch = log_dir or Path(temporary)
-        for part in parts:
-            # Compiling is most of a cold run and each run is one process: the same tests in parallel
-            # first leave every kernel in Triton's cache (what they find is not the record's).
-            _pytest((*_part_arguments(part), "-n", "auto"), scratch / f"{_part_stem(part)}-warm-up.xml")
+        for number, arguments in enumerate(warm_ups(parts), 1):
+            _pytest((*arguments, "-n", "auto"), scratch / f"warm-up-{number}.xml")
         # Each of these runs is one process on one core, so they run side by side; on one GPU, which
         # changes no result (no test asserts a time).
         # Each part is saved as it ends, so that a run stopped from outside keeps the parts that ended.
@@ -187,24 +185,24 @@ def run_checks(parts: tuple[str, ...] = PARTS, earlier: dict[str, Any] | None = 
     return record
 
 
-def _part_arguments(part: str) -> tuple[str, ...]:
-    """pytest's arguments for the tests of `part`: the suite, a shard's files or a sanitizer's subset."""
-    if part == "tests":
-        return TESTS
-    if part in SANITIZER_TOOLS:
-        return SANITIZER_TOOLS[part]
-    return shard_files(*shard(part))
-
-
-def _part_stem(part: str) -> str:
-    """A file name for `part`'s logs: "tests:7/8" -> "tests-7-of-8"."""
-    found = shard(part)
-    return part if found is None else f"tests-{found[0]}-of-{found[1]}"
+def warm_ups(parts: tuple[str, ...]) -> list[tuple[str, ...]]:
+    """The test selections run in parallel before `parts`: compiling is most of a cold run and each of the
+    parts is one process, so the same tests on every core first leave their kernels in Triton's cache (what
+    the warm-ups find is not the record's). One run takes every test file of the suite's parts, and one
+    each sanitizer's subset where those files leave it out."""
+    files = sorted({name for part in parts if part not in SANITIZER_TOOLS
+                    for name in shard_files(*(shard(part) or (1, 1)))})
+    subsets = [SANITIZER_TOOLS[part] for part in parts
+               if part in SANITIZER_TOOLS and SANITIZER_TOOLS[part][0] not in files]
+    return ([tuple(files)] if files else []) + subsets
 
 
 def _one_process_run(part: str, scratch: Path) -> tuple[str, dict[str, Any]]:
+    if part == "tests":
+        return "tests", _pytest(TESTS, scratch / "tests.xml")[0]
     if part not in SANITIZER_TOOLS:
-        return part, _pytest(_part_arguments(part), scratch / f"{_part_stem(part)}.xml")[0]
+        k, n = shard(part)
+        return part, _pytest(shard_files(k, n), scratch / f"tests-{k}-of-{n}.xml")[0]
     run, output = _pytest(SANITIZER_TOOLS[part], scratch / f"{part}.xml", ("compute-sanitizer", "--tool", part))
     return part, run | {"command": f"compute-sanitizer --tool {part} {run['command']}",
                         "sanitizer_errors": sanitizer_error_count(output, part)}

@@ -119,6 +119,21 @@ def test_shards_deal_every_test_file_but_the_evidence_tests_into_exactly_one_run
     assert [gpu_check.shard(part) for part in ("tests:0/2", "tests:3/2", "tests", "memcheck")] == [None] * 4
 
 
+def test_one_warm_up_takes_the_files_of_every_suite_part_and_a_sanitizer_subset_only_where_they_miss_it(
+        monkeypatch):
+    monkeypatch.chdir(Path(__file__).parent.parent)  # gpu_check runs from the repository root
+    flash = gpu_check.MEMCHECK_TESTS[0]
+    holder = next(f"tests:{k}/8" for k in range(1, 9) if flash in gpu_check.shard_files(k, 8))
+    other = next(f"tests:{k}/8" for k in range(1, 9) if flash not in gpu_check.shard_files(k, 8))
+    files = {part: gpu_check.shard_files(*gpu_check.shard(part)) for part in (holder, other)}
+
+    assert gpu_check.warm_ups((holder, other, "memcheck", "racecheck")) == [
+        tuple(sorted(files[holder] + files[other]))]
+    assert gpu_check.warm_ups((other, "memcheck")) == [files[other], gpu_check.MEMCHECK_TESTS]
+    assert gpu_check.warm_ups(("racecheck",)) == [gpu_check.RACECHECK_TESTS]
+    assert gpu_check.warm_ups(gpu_check.PARTS) == [gpu_check.shard_files(1, 1)]
+
+
 def test_the_whole_suite_run_leaves_out_the_tests_of_the_record_it_replaces():
     assert gpu_check.TESTS[:3] == ("tests/", "--ignore", f"tests/{gpu_check.EVIDENCE_TESTS}")
 
