@@ -18,6 +18,6 @@ out=${OUT:-out}; mkdir -p "$out"
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader 2>/dev/null
 python3 -c "import torch, triton, pytest; print('torch', torch.__version__, 'triton', triton.__version__, 'pytest', pytest.__version__)"
-timeout -s INT -k 45 "$((limit_s - END_S))" python3 -m pytest -p no:cacheprovider -q -rfE \
+timeout -s INT -k 45 "$((limit_s - END_S))" python3 -m pytest -p no:cacheprovider -q -rfE --durations=15 \
     --time-budget "$((limit_s - END_S - GRACE_S))" "$@" 2>&1 | tee -a "$out/perf.log"
 tar czf "$out/reports.tgz" reports perf/baselines
