@@ -112,7 +112,8 @@ def test_the_gpu_source_hash_covers_the_kernels_and_every_package_module_they_im
     the GPU."""
     hashed = {PACKAGE_ROOT / name for name in GPU_SOURCES}
     assert all(path.is_file() for path in hashed), sorted(map(str, hashed))
-    needed, queue = set(FLASH_TRITON.glob("*.cpp")), [path for path in FLASH_TRITON.glob("*.py") if path.name != "__init__.py"]
+    needed = set(FLASH_TRITON.glob("*.cpp"))
+    queue = [path for path in FLASH_TRITON.glob("*.py") if path.name != "__init__.py"]
     while queue:
         path = queue.pop()
         if path not in needed:

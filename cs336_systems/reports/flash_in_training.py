@@ -80,7 +80,8 @@ def _kernels_section(rows: list[Row]) -> str:
                 other = cell.get(provider)
                 if ours and other and ours["status"] == other["status"] == "ok":
                     ratio = f"{ours['median_ms'] / other['median_ms']:.2f}x"
-                    entry[f"triton / {provider}"] = noisy_marked(ratio, percentiles_noisy(ours) or percentiles_noisy(other))
+                    noisy = percentiles_noisy(ours) or percentiles_noisy(other)
+                    entry[f"triton / {provider}"] = noisy_marked(ratio, noisy)
             if ours and ours["status"] == "ok":
                 entry["triton TFLOP/s"] = f"{ours['tflops']:.0f}"
             table.append(entry)

@@ -17,7 +17,8 @@ from cs336_systems.provenance import PACKAGE_ROOT, source_digest
 # The package's files whose code runs on the GPU or decides what runs there: this package's kernels, tiles,
 # launch code (native.cpp's C++ too) and op, and every package module they import (flash_pytorch: the
 # masking bias the kernels add, the input checks and head-dim limit their launch applies);
-# tests/test_gpu_evidence.py derives that set from the imports and the package's C++ sources. Their hash names the code a GPU test run or a benchmark measured.
+# tests/test_gpu_evidence.py derives that set from the imports and the package's C++ sources. Their hash
+# names the code a GPU test run or a benchmark measured.
 GPU_SOURCES = ("attention/flash_pytorch.py", "attention/flash_triton/kernels.py", "attention/flash_triton/launch.py",
                "attention/flash_triton/native.cpp", "attention/flash_triton/native.py", "attention/flash_triton/op.py",
                "attention/flash_triton/tiles.py")
