@@ -73,9 +73,11 @@ def path_case(path: str, device: torch.device, is_causal: bool) -> tuple[tuple[i
 def test_every_tile_set_keeps_the_divisibility_the_causal_loop_split_relies_on(key):
     tile_set = tiles.INTERPRETER_TILES if key == "interpreter" else tiles.TILE_TABLE[key]
     # A program that owns a query tile steps over key tiles, and the other way round for dK/dV.
-    query_owners = [tile_set.forward, tile_set.dq, tile_set.narrow_forward, tile_set.narrow_dq]
+    query_owners = [tile_set.forward, tile_set.dq, tile_set.narrow_forward, tile_set.narrow_dq, tile_set.tma_forward,
+                    tile_set.tma_dq]
     assert all(t.block_m % t.block_n == 0 for t in query_owners if t is not None)
-    assert all(t.block_n % t.block_m == 0 for t in (tile_set.dkdv, tile_set.narrow_dkdv) if t is not None)
+    key_owners = (tile_set.dkdv, tile_set.narrow_dkdv, tile_set.tma_dkdv)
+    assert all(t.block_n % t.block_m == 0 for t in key_owners if t is not None)
 
 
 @pytest.mark.parametrize(("kernel", "owned"), [("forward", "block_m"), ("dq", "block_m"), ("dkdv", "block_n")])

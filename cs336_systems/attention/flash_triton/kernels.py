@@ -137,6 +137,20 @@ def _load_described_rows(desc, desc_t, batch, head, start, BLOCK: tl.constexpr, 
 
 
 @triton.jit
+def _load_streamed_rows(desc, desc_t, base, stride_n, rows, n_rows, offs_d, offs_t, batch, head, start,
+                        CHECK_ROWS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+                        TAIL_D: tl.constexpr, BLOCK: tl.constexpr, DESCRIPTORS: tl.constexpr):
+    """(chunk, tail) of the BLOCK rows `rows` (from `start`) a kernel's loop streams: through the descriptors
+    where DESCRIPTORS is set, else through pointers from base (_load_row_chunks)."""
+    if DESCRIPTORS:
+        tile, tail = _load_described_rows(desc, desc_t, batch, head, start, BLOCK, BLOCK_D, TAIL_D)
+    else:
+        tile, tail = _load_row_chunks(base, stride_n, rows, n_rows, offs_d, offs_t, CHECK_ROWS, HEAD_DIM, BLOCK_D,
+                                      TAIL_D)
+    return tile, tail
+
+
+@triton.jit
 def _store_row_chunks(base, stride_n, tile, tail, rows, n_rows, offs_d, offs_t,
                       HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, TAIL_D: tl.constexpr):
     """Store (chunk, tail) as the rows of one (batch, head) at base, converted to its element type."""
@@ -167,11 +181,8 @@ def _forward_key_loop(acc, acc_t, l_i, m_i, q, q_t, k_base, v_base, stride_kn, s
     come through their descriptors (KD, KT, VD, VT) where DESCRIPTORS is set."""
     for start_n in range(key_start, key_end, BLOCK_N):
         cols = start_n + offs_n
-        if DESCRIPTORS:
-            k, k_t = _load_described_rows(KD, KT, batch, head, start_n, BLOCK_N, BLOCK_D, TAIL_D)
-        else:
-            k, k_t = _load_row_chunks(k_base, stride_kn, cols, n_keys, offs_d, offs_t, MASKED, HEAD_DIM, BLOCK_D,
-                                      TAIL_D)
+        k, k_t = _load_streamed_rows(KD, KT, k_base, stride_kn, cols, n_keys, offs_d, offs_t, batch, head, start_n,
+                                     MASKED, HEAD_DIM, BLOCK_D, TAIL_D, BLOCK_N, DESCRIPTORS)
         qk = _dot_rows(q, k, q_t, k_t, TAIL_D)
         if MASKED:
             s = qk * qk_scale  # scores in base-2 units
@@ -187,11 +198,8 @@ def _forward_key_loop(acc, acc_t, l_i, m_i, q, q_t, k_base, v_base, stride_kn, s
             p = tl.math.exp2(qk * qk_scale - m_new[:, None])
         correction = tl.math.exp2(m_i - m_new)
         l_i = l_i * correction + tl.sum(p, 1)
-        if DESCRIPTORS:
-            v, v_t = _load_described_rows(VD, VT, batch, head, start_n, BLOCK_N, BLOCK_D, TAIL_D)
-        else:
-            v, v_t = _load_row_chunks(v_base, stride_vn, cols, n_keys, offs_d, offs_t, MASKED, HEAD_DIM, BLOCK_D,
-                                      TAIL_D)
+        v, v_t = _load_streamed_rows(VD, VT, v_base, stride_vn, cols, n_keys, offs_d, offs_t, batch, head, start_n,
+                                     MASKED, HEAD_DIM, BLOCK_D, TAIL_D, BLOCK_N, DESCRIPTORS)
         acc = tl.dot(p.to(v.dtype), v, acc * correction[:, None])
         if TAIL_D > 0:
             acc_t = tl.dot(p.to(v_t.dtype), v_t, acc_t * correction[:, None])
@@ -413,14 +421,10 @@ def _dkdv_query_loop(dk, dv, dk_t, dv_t, k, v, k_t, v_t, q_base, do_base, l_base
     """
     for start_m in range(query_start, query_end, BLOCK_M):
         rows = start_m + offs_m
-        if DESCRIPTORS:
-            q, q_t = _load_described_rows(QD, QT, batch, head, start_m, BLOCK_M, BLOCK_D, TAIL_D)
-            do, do_t = _load_described_rows(DOD, DOT, batch, head, start_m, BLOCK_M, BLOCK_D, TAIL_D)
-        else:
-            q, q_t = _load_row_chunks(q_base, stride_qn, rows, n_queries, offs_d, offs_t, CHECK_ROWS, HEAD_DIM,
-                                      BLOCK_D, TAIL_D)
-            do, do_t = _load_row_chunks(do_base, stride_don, rows, n_queries, offs_d, offs_t, CHECK_ROWS, HEAD_DIM,
-                                        BLOCK_D, TAIL_D)
+        q, q_t = _load_streamed_rows(QD, QT, q_base, stride_qn, rows, n_queries, offs_d, offs_t, batch, head,
+                                     start_m, CHECK_ROWS, HEAD_DIM, BLOCK_D, TAIL_D, BLOCK_M, DESCRIPTORS)
+        do, do_t = _load_streamed_rows(DOD, DOT, do_base, stride_don, rows, n_queries, offs_d, offs_t, batch, head,
+                                       start_m, CHECK_ROWS, HEAD_DIM, BLOCK_D, TAIL_D, BLOCK_M, DESCRIPTORS)
         if CHECK_ROWS:
             lse = tl.load(l_base + rows, mask=rows < n_queries, other=float("inf"))
             delta = tl.load(delta_base + rows, mask=rows < n_queries, other=0.0)
@@ -524,14 +528,10 @@ def _dq_key_loop(dq, dq_t, q, q_t, do, do_t, lse, delta, k_base, v_base, stride_
     through their descriptors where DESCRIPTORS is set."""
     for start_n in range(key_start, key_end, BLOCK_N):
         cols = start_n + offs_n
-        if DESCRIPTORS:
-            k, k_t = _load_described_rows(KD, KT, batch, head, start_n, BLOCK_N, BLOCK_D, TAIL_D)
-            v, v_t = _load_described_rows(VD, VT, batch, head, start_n, BLOCK_N, BLOCK_D, TAIL_D)
-        else:
-            k, k_t = _load_row_chunks(k_base, stride_kn, cols, n_keys, offs_d, offs_t, MASKED, HEAD_DIM, BLOCK_D,
-                                      TAIL_D)
-            v, v_t = _load_row_chunks(v_base, stride_vn, cols, n_keys, offs_d, offs_t, MASKED, HEAD_DIM, BLOCK_D,
-                                      TAIL_D)
+        k, k_t = _load_streamed_rows(KD, KT, k_base, stride_kn, cols, n_keys, offs_d, offs_t, batch, head, start_n,
+                                     MASKED, HEAD_DIM, BLOCK_D, TAIL_D, BLOCK_N, DESCRIPTORS)
+        v, v_t = _load_streamed_rows(VD, VT, v_base, stride_vn, cols, n_keys, offs_d, offs_t, batch, head, start_n,
+                                     MASKED, HEAD_DIM, BLOCK_D, TAIL_D, BLOCK_N, DESCRIPTORS)
         s = _dot_rows(q, k, q_t, k_t, TAIL_D) * qk_scale
         p = tl.math.exp2(s - lse[:, None])
         if MASKED:

@@ -10,12 +10,13 @@ extension in native.py is built (one call from Python to the driver), else from 
 KeptBackward).
 
 Leading dims are viewed as (batch, heads) and addressed by stride, so transposed heads and views out
-of a fused QKV projection are read in place. Where a kernel takes its wide tiles and its tile set has
-TMA tiles, it streams its looped tiles through tensor descriptors over those views (`_described`),
-provided every stride is a multiple of 16 bytes (what TMA needs) and the GPU has TMA (Hopper on); the
-pointer loads serve every other case, and every traced call. A last dim with a stride other than 1, or data that does
+of a fused QKV projection are read in place. A last dim with a stride other than 1, or data that does
 not start on a 16-byte boundary, is copied first (as_batch_heads says why), and every launch refuses a
 tensor off a 16-byte boundary: the kernels are only ever compiled for aligned ones.
+
+Where a kernel takes its wide tiles and its tile set has TMA tiles, it streams its loop's tiles through
+tensor descriptors over those views (`_streamed`), provided every stride is a multiple of 16 bytes (what
+TMA needs) and the GPU has TMA (Hopper on); pointer loads serve every other case, and every traced call.
 
 A launch takes one of three routes (`_launch`):
   - plain tensors on a GPU: the compiled kernel kept for the launch's key (what Triton specialises a
@@ -336,6 +337,16 @@ def _describable(*tensors: torch.Tensor) -> bool:
                for t in tensors)
 
 
+def _streamed(tiles: Tiles, tma: Tiles | None, placed: tuple[tuple[int, torch.Tensor], ...], rows: str,
+              head_dim: int) -> tuple[Tiles, tuple[Described, ...] | None]:
+    """(tiles, descriptors) of a launch: the `tma` tiles and the descriptors of the views in `placed` (as
+    _described, `rows` naming the tile dim a block spans), where `tma` is given and every view allows; else
+    `tiles` and None (pointer loads)."""
+    if tma is None or not _describable(*(t for _, t in placed)):
+        return tiles, None
+    return tma, _described(placed, getattr(tma, rows), head_dim)
+
+
 def _described(placed: tuple[tuple[int, torch.Tensor], ...], rows: int, head_dim: int) -> tuple[Described, ...]:
     """For each (position, view) in `placed`, the descriptors of its chunk's and its tail's columns (the
     chunk's twice without a tail), `rows` rows a block."""
@@ -386,7 +397,6 @@ def _launch(call: KernelCall, grid: tuple[int, int, int], tensors: tuple[torch.T
         return
     check_aligned(tensors)
     descriptors = call.no_descriptors if described is None else described
-    addresses = tuple(t.data_ptr() for t in tensors)
     if INTERPRETED:
         call.kernel[grid](*tensors, *scalars, *_descriptor_arguments(descriptors, tensors), **call.options)
         return
@@ -401,7 +411,7 @@ def _launch(call: KernelCall, grid: tuple[int, int, int], tensors: tuple[torch.T
         _kept_kernels[key] = compiled
     launch = KeptLaunch(compiled, grid, scalars, descriptors, call.constant_values)
     if not launched:
-        launch(*addresses)
+        launch(*(t.data_ptr() for t in tensors))
     if kept is not None:
         kept.append(launch)
 
@@ -429,9 +439,7 @@ def launch_forward(q4, k4, v4, is_causal: bool, tiles: Tiles, kept: list[KeptLau
     loop's tiles through descriptors on the `tma` tiles, where given and the views allow."""
     batch, heads, n_queries, _ = q4.shape
     head_dim = _head_dim(q4)
-    described = None
-    if tma is not None and _describable(k4, v4):
-        tiles, described = tma, _described(((1, k4), (2, v4)), tma.block_n, head_dim)
+    tiles, described = _streamed(tiles, tma, ((1, k4), (2, v4)), "block_n", head_dim)
     o4 = q4.new_empty(q4.shape)
     lse = q4.new_empty((batch, heads, n_queries), dtype=torch.float32)
     grid = (batch * heads * cdiv(n_queries, tiles.block_m), 1, 1)
@@ -480,9 +488,7 @@ def launch_dq(q4, k4, v4, o4, do4, lse, is_causal: bool, tiles: Tiles, kept: lis
     """The dQ kernel: (dq4 contiguous, D = rowsum(dO * O) (batch, heads, n_queries) fp32)."""
     batch, heads, n_queries, _ = q4.shape
     head_dim = _head_dim(q4)
-    described = None
-    if tma is not None and _describable(k4, v4):
-        tiles, described = tma, _described(((1, k4), (2, v4)), tma.block_n, head_dim)
+    tiles, described = _streamed(tiles, tma, ((1, k4), (2, v4)), "block_n", head_dim)
     dq4 = q4.new_empty(q4.shape)
     delta = q4.new_empty((batch, heads, n_queries), dtype=torch.float32)
     grid = (batch * heads * cdiv(n_queries, tiles.block_m), 1, 1)
@@ -498,9 +504,7 @@ def launch_dkdv(q4, k4, v4, do4, lse, delta, is_causal: bool, tiles: Tiles, kept
     batch, heads, n_queries, _ = q4.shape
     head_dim = _head_dim(q4)
     n_keys = k4.shape[2]
-    described = None
-    if tma is not None and _describable(q4, do4):
-        tiles, described = tma, _described(((0, q4), (3, do4)), tma.block_m, head_dim)
+    tiles, described = _streamed(tiles, tma, ((0, q4), (3, do4)), "block_m", head_dim)
     dk4, dv4 = k4.new_empty(k4.shape), v4.new_empty(v4.shape)
     grid = (batch * heads * cdiv(n_keys, tiles.block_n), 1, 1)
     _launch(kernel_call("dkdv", head_dim, is_causal, tiles, DESCRIPTORS=described is not None), grid,

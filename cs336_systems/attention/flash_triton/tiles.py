@@ -70,7 +70,7 @@ class TileSet:
 # fp32; the 80 class (d 72 to 80: 64 + 16 columns) at the 2026 xl's attention, batch 4 x 32 heads, N 512 and 2048.
 # Narrow tiles: the shape fastest over N 1024, 4096 and 16384 at batch 1 x 1 head (the 80 class takes the 128
 # class's, not tuned there). TMA tiles: the fastest of those tried with descriptor loads at the 2026 xl's
-# attention, N 2048 (docs/flash_tuning.md v18).
+# attention, N 2048 (docs/flash_tuning.md v18 and v19).
 # Invariants the causal loop split relies on: forward/dq block_m % block_n == 0, dkdv block_n %
 # block_m == 0. fp32 runs tf32 dots on tiles of half the bf16 ones' bytes, within shared memory.
 TILE_TABLE: dict[tuple[int, int], TileSet] = {
