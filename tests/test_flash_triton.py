@@ -13,6 +13,7 @@ import itertools
 import os
 import shutil
 import struct
+import threading
 
 import pytest
 import torch
@@ -221,7 +222,7 @@ def launches_recorded(monkeypatch):
         descriptors = call.no_descriptors if described is None else described
         launches.append(("whole", grid, (*(t.data_ptr() for t in tensors), *scalars, *descriptors,
                                          *call.constant_values)))
-        kept.append(launch.KeptLaunch(_Recorded(launches), grid, scalars, descriptors, call.constant_values))
+        kept.append(launch.KeptLaunch(_Recorded(launches), grid, scalars, descriptors, call.constant_values, 0))
 
     monkeypatch.setattr(launch, "INTERPRETED", False)
     monkeypatch.setattr(launch, "_launch", whole_path_launch)
@@ -538,6 +539,62 @@ def test_kept_calls_launch_through_triton_while_its_launches_are_hooked(device, 
     assert len(seen) == 1 and not launch._launches_hooked()
 
 
+def _on_a_new_thread(call):
+    """call() on a thread that has done no CUDA work (checked: no current context), its result or its error."""
+    outcome = {}
+
+    def run():
+        try:
+            outcome["had_context"] = launch.context_current()
+            outcome["result"] = call()
+        except BaseException as error:  # raised again on the caller's thread
+            outcome["error"] = error
+
+    thread = threading.Thread(target=run)
+    thread.start()
+    thread.join()
+    if "error" in outcome:
+        raise outcome["error"]
+    assert not outcome["had_context"], "the new thread had a context: the test shows nothing"
+    return outcome["result"]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("head_dim", [64, 80])  # bf16 d 80's wide kernels load through descriptors
+@pytest.mark.parametrize("route", ["whole", "cpp", "python"])
+def test_calls_from_a_thread_that_has_done_no_cuda_work_give_what_the_caller_s_thread_gives(route, head_dim, device,
+                                                                                           monkeypatch):
+    # Autograd runs the backward on a thread of its own, and callers run threads of theirs: until such a
+    # thread does CUDA work the runtime has made no context current there, and the driver refuses to encode
+    # a tensor map or launch without one. `whole`: a signature's first call, through Triton's launcher;
+    # `cpp` and `python`: a kept signature's calls, launched from C++ or from Python.
+    monkeypatch.setattr(launch, "_kept_forwards", {})
+    monkeypatch.setattr(launch, "_kept_backwards", {})
+    if route == "cpp":
+        _extension().clear()
+    else:
+        monkeypatch.setattr(native, "module", lambda: None)
+        monkeypatch.setattr(launch, "_native", None)
+    lead, n_queries, n_keys = path_case("wide", device, is_causal=True)
+    q, k, v, do = (make_tensor(lead, n, head_dim, "contiguous", torch.bfloat16, device)
+                   for n in (n_queries, n_keys, n_keys, n_queries))
+
+    def call():
+        o, lse = launch.forward(q, k, v, True)
+        return (o, lse, *launch.backward(q, k, v, o, lse, do, True))
+
+    if route == "whole":
+        monkeypatch.setattr(launch, "_kept_kernels", {})  # Triton's JIT launch, not a kept kernel's
+        got = _on_a_new_thread(call)
+        expected = call()
+    else:
+        expected = call()  # the whole path, which keeps the signature
+        assert (launch._native is not None) == (route == "cpp")
+        got = _on_a_new_thread(call)
+    for name, a, b in zip(("o", "L", "dq", "dk", "dv"), got, expected, strict=True):
+        torch.testing.assert_close(a, b, rtol=0, atol=0, msg=name)
+
+
 # ---------------------------------------------------------------------------------- every path
 
 @pytest.mark.skipif(not INTERPRETED, reason="the Triton interpreter is not in use")
@@ -695,6 +752,20 @@ def test_descriptor_loads_and_pointer_loads_both_match_the_float64_reference(n_q
         dq, delta = launch.launch_dq(q4, k4, v4, o, do4, lse, is_causal, tile_set.dq, tma=tma["dq"])
         dk, dv = launch.launch_dkdv(q4, k4, v4, do4, lse, delta, is_causal, tile_set.dkdv, tma=tma["dkdv"])
         assert_close_to_reference((o, lse, dq, dk, dv), *expected, dtype=dtype)
+
+
+@pytest.mark.parametrize("head_dim", [16, 80])
+@pytest.mark.parametrize("is_causal", [False, True])
+def test_scores_that_grow_along_the_keys_match_the_float64_reference(is_causal, head_dim, device):
+    # The forward's online softmax rescales a row's output and sum whenever a key tile raises its max. Keys
+    # scaled up along the sequence (to 12 times the first one's size) raise every row's max by far, tile
+    # after tile, where random ones barely move it after the first tile.
+    # On a GPU, enough heads for the wide kernels, which at bf16 d 80 load through descriptors.
+    lead, dtype = ((2, 3), torch.float32) if device.type == "cpu" else (path_case("wide", device, is_causal)[0],
+                                                                        torch.bfloat16)
+    q, k, v, do = leaf_inputs(lead, 200, 200, head_dim, dtype, device)
+    k = k * torch.linspace(1.0, 12.0, k.shape[-2], device=device, dtype=dtype)[:, None]
+    assert_matches_reference("triton", q, k, v, do, is_causal)
 
 
 @pytest.mark.parametrize("head_dim", [24, 80])  # padded on chip: masked columns in the merge too

@@ -35,6 +35,7 @@ A launch takes one of three routes (`_launch`):
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import functools
 import math
 from dataclasses import dataclass
@@ -204,6 +205,38 @@ def _on_device(t: torch.Tensor):
     if INTERPRETED or _traced(t) or t.device.index == torch.cuda.current_device():
         return contextlib.nullcontext()
     return torch.cuda.device(t.device)
+
+
+@functools.cache
+def _driver() -> ctypes.CDLL:
+    return ctypes.CDLL("libcuda.so.1")
+
+
+def _driver_call(name: str, *arguments) -> None:
+    result = getattr(_driver(), name)(*arguments)
+    if result:
+        raise RuntimeError(f"{name} failed with CUDA driver error {result}")
+
+
+def context_current() -> bool:
+    """Whether this thread has a current CUDA context. The runtime makes one current only when a thread
+    first does CUDA work, so a thread that has done none (autograd's backward thread, a caller's own) has
+    none, though torch reports a current device there."""
+    context = ctypes.c_void_p()
+    _driver_call("cuCtxGetCurrent", ctypes.byref(context))
+    return context.value is not None
+
+
+def _bind_context(device_index: int) -> None:
+    """Make the device's primary context (the one torch and Triton's kernels use) current on this thread
+    where none is: Triton encodes a launch's tensor maps before its launcher binds a context, and the
+    driver refuses to encode them without one."""
+    if context_current():
+        return
+    device, context = ctypes.c_int(), ctypes.c_void_p()
+    _driver_call("cuDeviceGet", ctypes.byref(device), device_index)
+    _driver_call("cuDevicePrimaryCtxRetain", ctypes.byref(context), device)
+    _driver_call("cuCtxSetCurrent", context)
 
 
 def _scales(head_dim: int) -> tuple[float, float]:
@@ -376,13 +409,17 @@ class KeptLaunch:
     scalars: tuple
     descriptors: tuple[Described | None, ...]  # None each where the kernel loads through pointers
     constants: tuple
+    device_index: int
 
     @functools.cached_property
     def described(self) -> bool:
         return any(d is not None for d in self.descriptors)
 
     def __call__(self, *addresses: int) -> None:
-        descriptors = (tuple(d.at(addresses) for d in self.descriptors) if self.described else self.descriptors)
+        descriptors = self.descriptors
+        if self.described:
+            _bind_context(self.device_index)
+            descriptors = tuple(d.at(addresses) for d in self.descriptors)
         self.compiled[self.grid](*addresses, *self.scalars, *descriptors, *self.constants)
 
 
@@ -404,12 +441,14 @@ def _launch(call: KernelCall, grid: tuple[int, int, int], tensors: tuple[torch.T
     compiled = _kept_kernels.get(key)
     launched = compiled is None
     if launched:
+        if described is not None:
+            _bind_context(tensors[0].device.index)
         # Triton's JIT launch, which compiles if need be and returns the compiled kernel.
         compiled = call.kernel[grid](*tensors, *scalars, *_descriptor_arguments(descriptors, tensors), **call.options)
         if len(_kept_kernels) >= LAUNCHES_KEPT:
             _kept_kernels.clear()
         _kept_kernels[key] = compiled
-    launch = KeptLaunch(compiled, grid, scalars, descriptors, call.constant_values)
+    launch = KeptLaunch(compiled, grid, scalars, descriptors, call.constant_values, tensors[0].device.index)
     if not launched:
         launch(*(t.data_ptr() for t in tensors))
     if kept is not None:

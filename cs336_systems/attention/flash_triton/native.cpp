@@ -260,11 +260,19 @@ struct Driver {
   using LaunchKernel = CUresult (*)(CUfunction, unsigned, unsigned, unsigned, unsigned, unsigned, unsigned,
                                     unsigned, CUstream, void**, void**);
   using ErrorName = CUresult (*)(CUresult, const char**);
+  using CtxGetCurrent = CUresult (*)(CUcontext*);
+  using DeviceGet = CUresult (*)(CUdevice*, int);
+  using PrimaryCtxRetain = CUresult (*)(CUcontext*, CUdevice);
+  using CtxSetCurrent = CUresult (*)(CUcontext);
   using EncodeTiled = CUresult (*)(CUtensorMap*, CUtensorMapDataType, cuuint32_t, void*, const cuuint64_t*,
                                    const cuuint64_t*, const cuuint32_t*, const cuuint32_t*, CUtensorMapInterleave,
                                    CUtensorMapSwizzle, CUtensorMapL2promotion, CUtensorMapFloatOOBfill);
   LaunchKernel launch_kernel = nullptr;
   ErrorName error_name = nullptr;
+  CtxGetCurrent ctx_get_current = nullptr;
+  DeviceGet device_get = nullptr;
+  PrimaryCtxRetain primary_ctx_retain = nullptr;
+  CtxSetCurrent ctx_set_current = nullptr;
   EncodeTiled encode_tiled = nullptr;  // absent before CUDA 12: then no kernel has tensor maps
 };
 
@@ -278,8 +286,13 @@ const Driver& driver() {
     d.launch_kernel = reinterpret_cast<Driver::LaunchKernel>(dlsym(library, "cuLaunchKernel"));
     d.error_name = reinterpret_cast<Driver::ErrorName>(dlsym(library, "cuGetErrorName"));
     d.encode_tiled = reinterpret_cast<Driver::EncodeTiled>(dlsym(library, "cuTensorMapEncodeTiled"));
-    if (d.launch_kernel == nullptr || d.error_name == nullptr) {
-      throw std::runtime_error("libcuda.so.1 has no cuLaunchKernel or cuGetErrorName");
+    d.ctx_get_current = reinterpret_cast<Driver::CtxGetCurrent>(dlsym(library, "cuCtxGetCurrent"));
+    d.device_get = reinterpret_cast<Driver::DeviceGet>(dlsym(library, "cuDeviceGet"));
+    d.primary_ctx_retain = reinterpret_cast<Driver::PrimaryCtxRetain>(dlsym(library, "cuDevicePrimaryCtxRetain"));
+    d.ctx_set_current = reinterpret_cast<Driver::CtxSetCurrent>(dlsym(library, "cuCtxSetCurrent"));
+    if (d.launch_kernel == nullptr || d.error_name == nullptr || d.ctx_get_current == nullptr ||
+        d.device_get == nullptr || d.primary_ctx_retain == nullptr || d.ctx_set_current == nullptr) {
+      throw std::runtime_error("libcuda.so.1 lacks one of the driver calls the kept launches make");
     }
     return d;
   }();
@@ -290,6 +303,23 @@ const Driver& driver() {
   const char* name = "unknown";
   driver().error_name(result, &name);
   throw std::runtime_error(text(what, " failed: ", name));
+}
+
+// Make the device's primary context (torch's, which Triton loaded the kernels into) current on this thread
+// where none is: the runtime binds one only when a thread first does CUDA work, so a thread that has done
+// none (autograd's backward thread, a caller's own) has none, and the driver calls below would refuse.
+void bind_context(const c10::Device& device) {
+  const Driver& d = driver();
+  CUcontext context = nullptr;
+  CUresult result = d.ctx_get_current(&context);
+  if (result != CUDA_SUCCESS) driver_failed("cuCtxGetCurrent", result);
+  if (context != nullptr) return;
+  CUdevice handle = 0;
+  if ((result = d.device_get(&handle, device.index())) != CUDA_SUCCESS) driver_failed("cuDeviceGet", result);
+  if ((result = d.primary_ctx_retain(&context, handle)) != CUDA_SUCCESS) {
+    driver_failed("cuDevicePrimaryCtxRetain", result);
+  }
+  if ((result = d.ctx_set_current(context)) != CUDA_SUCCESS) driver_failed("cuCtxSetCurrent", result);
 }
 
 void Launch::encode_maps(const uint64_t* addresses, std::array<CUtensorMap, kMaxTensorMaps>& maps) const {
@@ -426,6 +456,7 @@ std::optional<std::tuple<at::Tensor, at::Tensor>> forward(const at::Tensor& q, c
   if (found == kept_forwards.end() || !all_aligned(inputs)) return std::nullopt;
   const KeptForward& kept = found->second;
   const c10::DeviceGuard on_device(q.device());
+  bind_context(q.device());
   at::Tensor o = empty_contiguous(q);
   at::Tensor lse = row_statistic(q);
   // Workspaces live until the launch is queued: freed before it, their blocks could be handed out again.
@@ -452,6 +483,7 @@ std::optional<std::tuple<at::Tensor, at::Tensor, at::Tensor>> backward(const at:
   if (found == kept_backwards.end() || !all_aligned(inputs)) return std::nullopt;
   const KeptBackward& kept = found->second;
   const c10::DeviceGuard on_device(q.device());
+  bind_context(q.device());
   at::Tensor dq = empty_contiguous(q), dk = empty_contiguous(k), dv = empty_contiguous(v);
   at::Tensor delta = row_statistic(q);
   const CUstream stream = current_stream(q.device());
