@@ -7,6 +7,7 @@ device, versions, date, command, counts and the hash of the GPU source that was 
     python -m cs336_systems.gpu_check                        # or: make gpu-check
     python -m cs336_systems.gpu_check --parts memcheck,racecheck
     python -m cs336_systems.gpu_check --parts tests:1/2,tests:2/2  # the one-process suite as two runs
+    python -m cs336_systems.gpu_check --no-warm-up  # Triton's cache is warm from an earlier run here
 
 Most of a cold run is compiling kernels (a few hundred, seconds each): the parts' tests first run in
 parallel, which fills Triton's on-disk cache, and then the one-process runs (the suite or its shards, and
@@ -149,10 +150,11 @@ def shard_files(k: int, n: int, tests_dir: Path = Path("tests")) -> tuple[str, .
 
 
 def run_checks(parts: tuple[str, ...] = PARTS, earlier: dict[str, Any] | None = None,
-               save=lambda record: None, log_dir: Path | None = None) -> dict[str, Any]:
+               save=lambda record: None, log_dir: Path | None = None, warm_up: bool = True) -> dict[str, Any]:
     """Run `parts` here (the suite in one process, whole or a shard, each sanitizer on its subset); the record
     (see module docstring), handed to `save` after each part, keeping the parts of `earlier` not run
-    again when it tested the same source on the same device."""
+    again when it tested the same source on the same device. Without `warm_up`, the parts start at once,
+    on the kernels an earlier run left in Triton's cache."""
     import torch
 
     from cs336_systems.attention.flash_triton import source_hash
@@ -173,7 +175,7 @@ def run_checks(parts: tuple[str, ...] = PARTS, earlier: dict[str, Any] | None = 
         if log_dir is not None:
             log_dir.mkdir(parents=True, exist_ok=True)
         scratch = log_dir or Path(temporary)
-        for number, arguments in enumerate(warm_ups(parts), 1):
+        for number, arguments in enumerate(warm_ups(parts) if warm_up else [], 1):
             _pytest((*arguments, "-n", "auto"), scratch / f"warm-up-{number}.xml")
         # Each of these runs is one process on one core, so they run side by side; on one GPU, which
         # changes no result (no test asserts a time).
@@ -308,6 +310,9 @@ def main(argv: list[str] | None = None) -> int:
                              "K-th of N one-process runs that share the test files; a record of the same source "
                              "keeps the parts not run again")
     parser.add_argument("--log-dir", type=Path, help="keep each run's output (PART.log) and JUnit XML here")
+    parser.add_argument("--no-warm-up", action="store_true",
+                        help="start the parts at once: an earlier run on this machine left their kernels in "
+                             "Triton's cache (a cold warm-up of the whole suite takes minutes)")
     args = parser.parse_args(argv)
     parts = tuple(p.strip() for p in args.parts.split(",") if p.strip())
     if not parts or any(part not in PARTS and shard(part) is None for part in parts):
@@ -320,7 +325,7 @@ def main(argv: list[str] | None = None) -> int:
         (out / f"{RECORD_NAME}.json").write_text(json.dumps(record, indent=1) + "\n")
         (out / f"{RECORD_NAME}.md").write_text(render(record))
 
-    record = run_checks(parts, load_record(out), save, args.log_dir)
+    record = run_checks(parts, load_record(out), save, args.log_dir, warm_up=not args.no_warm_up)
     found = problems(record, record["source_hash"])
     print(f"wrote {out / RECORD_NAME}.json and .md" + "".join(f"\n  problem: {p}" for p in found))
     return 1 if found else 0

@@ -179,3 +179,20 @@ def test_parts_are_checked_before_anything_runs():
     for parts in ("tests:3/2", "unit", ""):
         with pytest.raises(SystemExit):
             gpu_check.main(["--parts", parts])
+
+
+@pytest.mark.parametrize("warm_up", [True, False])
+def test_the_parts_start_at_once_where_the_warm_up_is_left_out(warm_up, monkeypatch):
+    import torch
+
+    from cs336_systems import reports
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(reports, "device_description", lambda device: "a GPU")
+    monkeypatch.setattr(gpu_check, "_driver_version", lambda: "1")
+    warmed = []
+    monkeypatch.setattr(gpu_check, "_pytest", lambda arguments, junit, prefix=(): warmed.append(arguments))
+    monkeypatch.setattr(gpu_check, "_one_process_run", lambda part, scratch: (part, _run()))
+    record = gpu_check.run_checks(("tests:1/2",), warm_up=warm_up)
+    assert record["runs"] == {"tests:1/2": _run()}
+    assert warmed == ([(*gpu_check.shard_files(1, 2), "-n", "auto")] if warm_up else [])
