@@ -45,10 +45,10 @@ _EVIDENCE_TEST_ID = f"tests.{EVIDENCE_TESTS.removesuffix('.py')}::"  # as JUnit 
 ONE_THREAD_PER_WORKER = {"OMP_NUM_THREADS": "1", "TORCHINDUCTOR_COMPILE_THREADS": "1"}
 TESTS = WHOLE_SUITE
 # Every launch path on every head dim and alignment, the split forward against the whole, misaligned
-# inputs, kept calls launched from C++: small explicit shapes (not the drawn examples), so that the
-# sanitizer's slowdown stays in minutes.
+# inputs, kept calls launched from C++ (tensor maps included), every kernel's descriptor and pointer loads:
+# small explicit shapes (not the drawn examples), so that the sanitizer's slowdown stays in minutes.
 MEMCHECK_TESTS = ("tests/test_flash_triton.py", "-k",
-                  "(every_launch_path or split_forward or misaligned or from_cpp) and not drawn")
+                  "(every_launch_path or split_forward or misaligned or from_cpp or descriptor_loads) and not drawn")
 # racecheck tracks shared memory hazards within a program, far slower than memcheck: the split
 # forward (its merge reads what other programs stored) on one dtype, every head dim and alignment.
 RACECHECK_TESTS = ("tests/test_flash_triton.py", "-k", "every_launch_path and split and bf16 and not drawn")

@@ -67,7 +67,8 @@ def launches_skipped():
     saved = launch.KeptLaunch.__call__, launch._launch, launch.check_device, launch._on_device
     launch.KeptLaunch.__call__ = lambda self, *addresses: None
     if not torch.cuda.is_available():
-        launch._launch = lambda call, grid, tensors, scalars, kept=None: kept.append(launch.KeptLaunch(None, grid, ()))
+        launch._launch = (lambda call, grid, tensors, scalars, kept=None, described=None:
+                          kept.append(launch.KeptLaunch(None, grid, (), (), (), 0)))
         launch.check_device = lambda q: None
         launch._on_device = lambda t: contextlib.nullcontext()
     try:

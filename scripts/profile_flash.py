@@ -39,15 +39,17 @@ def _inputs(shape, dtype):
 
 
 def kernel_runs(q, k, v, do, is_causal: bool) -> tuple[dict, LaunchPlan]:
-    """Per kernel, a call that launches it alone on the Function's plan for these inputs; and that plan."""
+    """Per kernel, a call that launches it alone on the Function's plan for these inputs (its TMA tiles and
+    descriptor loads where the plan has them: these inputs are contiguous); and that plan."""
     plan = plan_for(q, k, is_causal)
     if plan.forward.split_keys is not None:
         raise SystemExit("this shape takes the split forward; profile a grid that fills the GPU")
-    o, lse = ft.launch_forward(q, k, v, is_causal, plan.forward.tiles)
-    _, delta = ft.launch_dq(q, k, v, o, do, lse, is_causal, plan.dq)
-    return {"forward": lambda: ft.launch_forward(q, k, v, is_causal, plan.forward.tiles),
-            "dq": lambda: ft.launch_dq(q, k, v, o, do, lse, is_causal, plan.dq),
-            "dkdv": lambda: ft.launch_dkdv(q, k, v, do, lse, delta, is_causal, plan.dkdv)}, plan
+    tma = plan.tma
+    o, lse = ft.launch_forward(q, k, v, is_causal, plan.forward.tiles, tma=tma["forward"])
+    _, delta = ft.launch_dq(q, k, v, o, do, lse, is_causal, plan.dq, tma=tma["dq"])
+    return {"forward": lambda: ft.launch_forward(q, k, v, is_causal, plan.forward.tiles, tma=tma["forward"]),
+            "dq": lambda: ft.launch_dq(q, k, v, o, do, lse, is_causal, plan.dq, tma=tma["dq"]),
+            "dkdv": lambda: ft.launch_dkdv(q, k, v, do, lse, delta, is_causal, plan.dkdv, tma=tma["dkdv"])}, plan
 
 
 def cudnn_forward_backward(q, k, v, do, is_causal: bool):
@@ -118,8 +120,9 @@ def main(argv=None) -> int:
             ms = triton.testing.do_bench(run, warmup=25, rep=args.rep_ms, return_mode="median")
             total += ms
             tflops = 2 * MATMULS[name] * scores * args.head_dim / ms / 1e9
-            tiles = plan.forward.tiles if name == "forward" else getattr(plan, name)
-            print(f"  {name}: {tiles.block_m}x{tiles.block_n} w{tiles.num_warps} s{tiles.num_stages}, "
+            tiles = plan.tma[name] or (plan.forward.tiles if name == "forward" else getattr(plan, name))
+            loads = "descriptors" if plan.tma[name] else "pointers"
+            print(f"  {name}: {tiles.block_m}x{tiles.block_n} w{tiles.num_warps} s{tiles.num_stages} ({loads}), "
                   f"{ms:.4f} ms, {tflops:.0f} TFLOP/s ({tflops / ceiling:.0%} of the matmul's); "
                   f"{describe(compiled[name])}")
         cudnn_ms = triton.testing.do_bench(cudnn, warmup=25, rep=args.rep_ms, return_mode="median")

@@ -4,6 +4,11 @@ every candidate launch shape of each kernel (forward, dK/dV, dQ) alone with trit
 entry of TILE_TABLE; then time the whole Function with those tiles against SDPA flash and cuDNN.
 
     python scripts/tune_flash.py --head-dims 64 --precisions bf16 --json tune.json
+    python scripts/tune_flash.py --head-dims 80 --precisions bf16 --batch 4 --heads 32 --seq-len 2048 --descriptors
+
+With --descriptors the candidates are each kernel's TMA tiles: its loop's tiles streamed through tensor
+descriptors (the inputs here are contiguous, which descriptors can always stream), against the table's TMA
+entry where it has one.
 
 The space is bounded (about 30 shapes per kernel) and compiled ahead of the timing in worker
 processes that share Triton's on-disk cache, so a class takes a minute or two on an H100.
@@ -68,13 +73,15 @@ def _inputs(shape, dtype, seed=0):
     return [torch.randn(shape, generator=generator, device="cuda", dtype=dtype) for _ in range(4)]
 
 
-def _run_kernel(kernel: str, tiles: Tiles, q, k, v, do, is_causal: bool, prepared=None):
+def _run_kernel(kernel: str, tiles: Tiles, q, k, v, do, is_causal: bool, prepared=None, descriptors: bool = False):
+    """A call of one kernel alone on `tiles`: through pointer loads, or as TMA tiles (descriptor loads)."""
+    tma = tiles if descriptors else None
     if kernel == "forward":
-        return lambda: ft.launch_forward(q, k, v, is_causal, tiles)
+        return lambda: ft.launch_forward(q, k, v, is_causal, tiles, tma=tma)
     o, lse, delta = prepared
     if kernel == "dkdv":
-        return lambda: ft.launch_dkdv(q, k, v, do, lse, delta, is_causal, tiles)
-    return lambda: ft.launch_dq(q, k, v, o, do, lse, is_causal, tiles)
+        return lambda: ft.launch_dkdv(q, k, v, do, lse, delta, is_causal, tiles, tma=tma)
+    return lambda: ft.launch_dq(q, k, v, o, do, lse, is_causal, tiles, tma=tma)
 
 
 def _prepare(q, k, v, do, is_causal):
@@ -85,17 +92,17 @@ def _prepare(q, k, v, do, is_causal):
 
 def _compile_one(job) -> str | None:
     """Compile (and run once at a short length) one candidate; an error message if it cannot run."""
-    kernel, tiles, head_dim, precision, is_causal = job
+    kernel, tiles, head_dim, precision, is_causal, descriptors = job
     q, k, v, do = _inputs((1, 1, COMPILE_SEQ_LEN, head_dim), Precision.named(precision).dtype)
     try:
-        _run_kernel(kernel, tiles, q, k, v, do, is_causal, _prepare(q, k, v, do, is_causal))()
+        _run_kernel(kernel, tiles, q, k, v, do, is_causal, _prepare(q, k, v, do, is_causal), descriptors)()
         torch.cuda.synchronize()
     except Exception as error:  # out of shared memory or registers: the shape is dropped
         return f"{type(error).__name__}: {str(error).splitlines()[0][:120]}"
     return None
 
 
-def tune_class(head_dim, precision, shape, is_causal, pool, rep_ms) -> dict:
+def tune_class(head_dim, precision, shape, is_causal, pool, rep_ms, descriptors=False) -> dict:
     dtype = Precision.named(precision).dtype
     batch_heads = shape[0] * shape[1]
     n = shape[2]
@@ -106,11 +113,12 @@ def tune_class(head_dim, precision, shape, is_causal, pool, rep_ms) -> dict:
     reference = {name: _run_kernel(name, getattr(current, name), q, k, v, do, is_causal, prepared)()
                  for name in KERNELS}
     result = {"head_dim": head_dim, "precision": precision, "shape": list(shape), "is_causal": is_causal,
-              "kernels": {}}
+              "descriptors": descriptors, "kernels": {}}
     for kernel in KERNELS:
         shapes = candidates(kernel, head_dim, dtype)
         started = time.perf_counter()
-        errors = list(pool.map(_compile_one, [(kernel, t, head_dim, precision, is_causal) for t in shapes]))
+        jobs = [(kernel, t, head_dim, precision, is_causal, descriptors) for t in shapes]
+        errors = list(pool.map(_compile_one, jobs))
         compile_s = time.perf_counter() - started
         timed = []
         for tiles, error in zip(shapes, errors):
@@ -118,7 +126,7 @@ def tune_class(head_dim, precision, shape, is_causal, pool, rep_ms) -> dict:
             if error:
                 timed.append(entry | {"error": error})
                 continue
-            fn = _run_kernel(kernel, tiles, q, k, v, do, is_causal, prepared)
+            fn = _run_kernel(kernel, tiles, q, k, v, do, is_causal, prepared, descriptors)
             got = fn()
             mismatch = max((a.float() - b.float()).abs().max().item()
                            for a, b in zip(got if isinstance(got, tuple) else (got,),
@@ -129,7 +137,8 @@ def tune_class(head_dim, precision, shape, is_causal, pool, rep_ms) -> dict:
             timed.append(entry | {"ms": ms, "tflops": flops / ms / 1e9, "max_diff": mismatch,
                                   "matches": mismatch <= CHECK_TOLERANCE[dtype]})
         ok = sorted((t for t in timed if "ms" in t and t["matches"]), key=lambda t: t["ms"])
-        now = next((t for t in timed if t["tiles"] == vars(getattr(current, kernel))), None)
+        table_entry = getattr(current, f"tma_{kernel}" if descriptors else kernel)
+        now = next((t for t in timed if table_entry is not None and t["tiles"] == vars(table_entry)), None)
         result["kernels"][kernel] = {"compile_s": compile_s, "current": now, "best": ok[:5], "all": timed}
         print(f"  {kernel}: {len(shapes)} shapes compiled in {compile_s:.0f} s; "
               f"current {_fmt(now)}; best {_fmt(ok[0] if ok else None)}", flush=True)
@@ -219,6 +228,8 @@ def main(argv=None) -> int:
     parser.add_argument("--skip-whole", action="store_true", help="only time the kernels, not the Function")
     parser.add_argument("--split-keys", type=int, nargs="+",
                         help="time only the forward, whole and split into runs of these many keys")
+    parser.add_argument("--descriptors", action="store_true",
+                        help="tune each kernel's TMA tiles (descriptor loads) instead of its pointer-load tiles")
     parser.add_argument("--json", help="write every measurement here")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
@@ -236,7 +247,7 @@ def main(argv=None) -> int:
                     results.append(time_splits(head_dim, precision, shape, is_causal, args.split_keys, args.rep_ms))
                     continue
                 entry = {} if args.skip_tuning else tune_class(head_dim, precision, shape, is_causal, pool,
-                                                               args.rep_ms)
+                                                               args.rep_ms, args.descriptors)
                 if not args.skip_whole:
                     entry["whole"] = compare_whole(head_dim, precision, shape, is_causal, args.rep_ms)
                 results.append(entry)

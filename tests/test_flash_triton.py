@@ -13,6 +13,7 @@ import itertools
 import os
 import shutil
 import struct
+import threading
 
 import pytest
 import torch
@@ -73,9 +74,11 @@ def path_case(path: str, device: torch.device, is_causal: bool) -> tuple[tuple[i
 def test_every_tile_set_keeps_the_divisibility_the_causal_loop_split_relies_on(key):
     tile_set = tiles.INTERPRETER_TILES if key == "interpreter" else tiles.TILE_TABLE[key]
     # A program that owns a query tile steps over key tiles, and the other way round for dK/dV.
-    query_owners = [tile_set.forward, tile_set.dq, tile_set.narrow_forward, tile_set.narrow_dq]
+    query_owners = [tile_set.forward, tile_set.dq, tile_set.narrow_forward, tile_set.narrow_dq, tile_set.tma_forward,
+                    tile_set.tma_dq]
     assert all(t.block_m % t.block_n == 0 for t in query_owners if t is not None)
-    assert all(t.block_n % t.block_m == 0 for t in (tile_set.dkdv, tile_set.narrow_dkdv) if t is not None)
+    key_owners = (tile_set.dkdv, tile_set.narrow_dkdv, tile_set.tma_dkdv)
+    assert all(t.block_n % t.block_m == 0 for t in key_owners if t is not None)
 
 
 @pytest.mark.parametrize(("kernel", "owned"), [("forward", "block_m"), ("dq", "block_m"), ("dkdv", "block_n")])
@@ -215,10 +218,11 @@ def launches_recorded(monkeypatch):
     and so are the kept launches of later calls; the kept signatures start empty."""
     launches = []
 
-    def whole_path_launch(call, grid, tensors, scalars, kept=None):
-        arguments = (*scalars, *call.constant_values)
-        launches.append(("whole", grid, (*(t.data_ptr() for t in tensors), *arguments)))
-        kept.append(launch.KeptLaunch(_Recorded(launches), grid, arguments))
+    def whole_path_launch(call, grid, tensors, scalars, kept=None, described=None):
+        descriptors = call.no_descriptors if described is None else described
+        launches.append(("whole", grid, (*(t.data_ptr() for t in tensors), *scalars, *descriptors,
+                                         *call.constant_values)))
+        kept.append(launch.KeptLaunch(_Recorded(launches), grid, scalars, descriptors, call.constant_values, 0))
 
     monkeypatch.setattr(launch, "INTERPRETED", False)
     monkeypatch.setattr(launch, "_launch", whole_path_launch)
@@ -325,7 +329,7 @@ def test_native_parameters_follow_the_compiled_signature_and_skip_what_was_compi
     signature = {"Q": "*bf16", "L": "*fp32", "stride": "i32", "heads": "constexpr", "offset": "i64",
                  "scale": "fp32", "IS_CAUSAL": "constexpr"}
     found = native.parameters(signature, (0, 1, 64, 1, 2**40, 0.125, True), n_addresses=2)
-    assert found == ([0, 0, 1, 2, 3], [0, 1, 64, 2**40, 0], [0.0, 0.0, 0.0, 0.0, 0.125])
+    assert found == ([0, 0, 1, 2, 3], [0, 1, 64, 2**40, 0], [0.0, 0.0, 0.0, 0.0, 0.125], [])
     # Launched from Python instead: a pointer past the addresses, a scalar among them, a type without a
     # native kind.
     assert native.parameters({"Q": "*bf16", "K": "*bf16"}, (0, 1), n_addresses=1) is None
@@ -333,6 +337,24 @@ def test_native_parameters_follow_the_compiled_signature_and_skip_what_was_compi
     assert native.parameters({"Q": "*bf16", "flag": "i1"}, (0, True), n_addresses=1) is None
     with pytest.raises(ValueError, match="signature of 2 arguments for 3 values"):
         native.parameters({"Q": "*bf16", "n": "i32"}, (0, 5, 6), n_addresses=1)
+
+
+def test_native_parameters_pass_a_descriptor_as_a_tensor_map_then_its_shape_and_strides():
+    # As Triton's launcher passes a descriptor it lowered to a CUtensorMap: the map (encoded per call over
+    # the address it names), then the shape as i32s and the strides as i64s. A descriptor compiled in
+    # (None: pointer loads) is not passed.
+    tail = launch.Described(position=1, offset_bytes=128, dtype=torch.bfloat16, shape=(2, 3, 50, 16),
+                            strides=(12000, 80, 240, 1), block=(1, 1, 64, 16))
+    meta = {"swizzle": 1, "elem_size": 2, "elem_type": 10, "block_size": [1, 1, 64, 16], "fp4_padded": False}
+    signature = {"Q": "*bf16", "K": "*bf16", "n": "i32", "KT": "tensordesc<bf16[1, 1, 64, 16]>", "VD": "constexpr"}
+    kinds, ints, floats, maps = native.parameters(signature, (0, 1, 50, tail, None), 2, [meta])
+    assert kinds == [0, 0, 1, native.TENSOR_MAP] + [1] * 4 + [2] * 4
+    assert ints == [0, 1, 50, 0, 2, 3, 50, 16, 12000, 80, 240, 1]
+    assert floats == [0.0] * 12
+    from triton.backends.nvidia.driver import TMA_DTYPE_DEVICE_TO_HOST
+    assert maps == [[1, 128, TMA_DTYPE_DEVICE_TO_HOST[10], 4, 1, 2, 2, 3, 50, 16, 12000, 80, 240, 1, 1, 1, 64, 16]]
+    # A descriptor lowered without a CUtensorMap is launched from Python.
+    assert native.parameters(signature, (0, 1, 50, tail, None), 2, None) is None
 
 
 def test_a_native_launch_packs_each_parameter_in_an_8_byte_slot_as_cuLaunchKernel_reads_it():
@@ -343,6 +365,12 @@ def test_a_native_launch_packs_each_parameter_in_an_8_byte_slot_as_cuLaunchKerne
     assert kernel.packed([0x1000, 0x2000]) == struct.pack("<QQi4xqf4xQQ", 0x2000, 0x1000, -7, 2**40, 0.1, 0, 0)
     with pytest.raises(ValueError, match="takes address 1 of 1"):
         kernel.packed([0x1000])
+    # A tensor map is encoded by the driver at each launch: no packing without it.
+    described = extension.Launch(function=1, grid=[1, 1, 1], threads=128, shared_bytes=0, null_pointers=2,
+                                 kinds=[4], integers=[0], reals=[0.0],
+                                 tensor_maps=[[0, 0, 10, 2, 1, 2, 8, 64, 64, 1, 8, 64]])
+    with pytest.raises(ValueError, match="packs only where the driver encodes them"):
+        described.packed([0x1000])
 
 
 @pytest.mark.parametrize(("change", "message"), [
@@ -353,7 +381,14 @@ def test_a_native_launch_packs_each_parameter_in_an_8_byte_slot_as_cuLaunchKerne
     ({"kinds": [1], "integers": [2**31], "reals": [0.0]}, "i32 but 2147483648 does not fit"),
     ({"kinds": [0], "integers": [8], "reals": [0.0]}, "takes address 8"),
     ({"kinds": [7], "integers": [0], "reals": [0.0]}, "has kind 7"),
-    ({"kinds": [1] * 63, "integers": [0] * 63, "reals": [0.0] * 63}, "more than 64"),
+    ({"kinds": [1] * 95, "integers": [0] * 95, "reals": [0.0] * 95}, "more than 96"),
+    ({"kinds": [4], "integers": [0], "reals": [0.0]}, "takes tensor map 0 of 0"),
+    ({"tensor_maps": [[0, 0, 10, 6, 1, 2]]}, "has rank 6"),
+    ({"tensor_maps": [[0, 8, 10, 1, 1, 2, 64, 1, 64]]}, "starts 8 bytes in"),
+    ({"tensor_maps": [[9, 0, 10, 1, 1, 2, 64, 1, 64]]}, "over address 9"),
+    ({"tensor_maps": [[0, 0, 10, 2, 1, 2, 8, 64, 36, 1, 8, 64]]}, "stride of 36 elements in dim 0"),
+    ({"tensor_maps": [[0, 0, 10, 2, 1, 2, 8, 64, 64, 1, 8, 512]]}, "block dim 1 of 512"),
+    ({"tensor_maps": [[0, 0, 10, 2, 1, 2, 8, 64, 64, 2, 8, 64]]}, "innermost stride is 2"),
 ])
 def test_a_native_launch_refuses_what_no_kernel_launch_takes_naming_it(change, message):
     extension = _extension()
@@ -375,10 +410,11 @@ def test_the_extension_keeps_only_cuda_calls_and_finds_no_call_it_did_not_keep()
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("head_dim", [40, 80])  # bf16 d 80's wide kernels load through descriptors: tensor maps
 @pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("dtype", ["bf16", "fp32"])
 @pytest.mark.parametrize("path", PATHS)
-def test_kept_launches_from_cpp_give_what_the_whole_path_gives(path, dtype, layout, device, monkeypatch):
+def test_kept_launches_from_cpp_give_what_the_whole_path_gives(path, dtype, layout, head_dim, device, monkeypatch):
     # A signature's first call takes the whole path and hands its launches to the extension; later calls
     # are the extension's alone, and give the whole path's outputs bit for bit (the kernels are
     # deterministic). Inputs of the signature off a 16-byte boundary, and layouts that are copied first,
@@ -388,7 +424,7 @@ def test_kept_launches_from_cpp_give_what_the_whole_path_gives(path, dtype, layo
     monkeypatch.setattr(launch, "_kept_backwards", {})
     extension.clear()
     lead, n_queries, n_keys = path_case(path, device, is_causal=True)
-    q, k, v, do = (make_tensor(lead, n, 40, layout, GPU_DTYPES[dtype], device)
+    q, k, v, do = (make_tensor(lead, n, head_dim, layout, GPU_DTYPES[dtype], device)
                    for n in (n_queries, n_keys, n_keys, n_queries))
     whole = launch.forward(q, k, v, True)
     whole += launch.backward(q, k, v, *whole, do, True)
@@ -414,6 +450,42 @@ def test_kept_launches_from_cpp_give_what_the_whole_path_gives(path, dtype, layo
         assert extension.forward(*shifted_inputs, True) is None
         for name, got, expected in zip(("o", "L"), launch.forward(*shifted_inputs, True), whole):
             torch.testing.assert_close(got, expected, rtol=0, atol=0, msg=name)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("layout", ["contiguous", "heads_transposed"])
+def test_kept_launches_from_python_make_their_descriptors_again_over_each_call_s_tensors(layout, device,
+                                                                                       monkeypatch):
+    # Without the extension a kept call launches from Python: its descriptors are made again over the new
+    # call's addresses, and its outputs are the whole path's for those inputs, bit for bit.
+    monkeypatch.setattr(native, "module", lambda: None)
+    monkeypatch.setattr(launch, "_native", None)
+    monkeypatch.setattr(launch, "_kept_forwards", {})
+    monkeypatch.setattr(launch, "_kept_backwards", {})
+    lead, n_queries, n_keys = path_case("wide", device, is_causal=True)
+    calls = [[make_tensor(lead, n, 80, layout, torch.bfloat16, device) for n in (n_queries, n_keys, n_keys, n_queries)]
+             for _ in range(2)]
+    outputs = []
+    for q, k, v, do in calls:
+        o, lse = launch.forward(q, k, v, True)
+        outputs.append((o, lse, *launch.backward(q, k, v, o, lse, do, True)))
+    kept = launch._kept_forwards[launch._signature(True, *calls[0][:3])]
+    assert kept.launch.described
+    monkeypatch.setattr(launch, "_kept_forwards", {})  # the second inputs through the whole path
+    monkeypatch.setattr(launch, "_kept_backwards", {})
+    q, k, v, do = calls[1]
+    o, lse = launch.forward(q, k, v, True)
+    whole = (o, lse, *launch.backward(q, k, v, o, lse, do, True))
+    for name, got, expected in zip(("o", "L", "dq", "dk", "dv"), outputs[1], whole, strict=True):
+        torch.testing.assert_close(got, expected, rtol=0, atol=0, msg=name)
+
+
+def test_a_kept_descriptor_is_made_again_over_the_address_it_names():
+    tail = launch.Described(position=1, offset_bytes=128, dtype=torch.bfloat16, shape=(2, 3, 50, 16),
+                            strides=(12000, 80, 240, 1), block=(1, 1, 64, 16))
+    made = tail.at((0x10000, 0x20000))
+    assert made.base.data_ptr() == 0x20000 + 128 and made.base.dtype == torch.bfloat16
+    assert (made.shape, made.strides, made.block_shape) == ([2, 3, 50, 16], [12000, 80, 240, 1], [1, 1, 64, 16])
 
 
 @pytest.mark.gpu
@@ -465,6 +537,62 @@ def test_kept_calls_launch_through_triton_while_its_launches_are_hooked(device, 
     finally:
         knobs.runtime.launch_enter_hook.remove(seen.append)
     assert len(seen) == 1 and not launch._launches_hooked()
+
+
+def _on_a_new_thread(call):
+    """call() on a thread that has done no CUDA work (checked: no current context), its result or its error."""
+    outcome = {}
+
+    def run():
+        try:
+            outcome["had_context"] = launch.context_current()
+            outcome["result"] = call()
+        except BaseException as error:  # raised again on the caller's thread
+            outcome["error"] = error
+
+    thread = threading.Thread(target=run)
+    thread.start()
+    thread.join()
+    if "error" in outcome:
+        raise outcome["error"]
+    assert not outcome["had_context"], "the new thread had a context: the test shows nothing"
+    return outcome["result"]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("head_dim", [64, 80])  # bf16 d 80's wide kernels load through descriptors
+@pytest.mark.parametrize("route", ["whole", "cpp", "python"])
+def test_calls_from_a_thread_that_has_done_no_cuda_work_give_what_the_caller_s_thread_gives(route, head_dim, device,
+                                                                                           monkeypatch):
+    # Autograd runs the backward on a thread of its own, and callers run threads of theirs: until such a
+    # thread does CUDA work the runtime has made no context current there, and the driver refuses to encode
+    # a tensor map or launch without one. `whole`: a signature's first call, through Triton's launcher;
+    # `cpp` and `python`: a kept signature's calls, launched from C++ or from Python.
+    monkeypatch.setattr(launch, "_kept_forwards", {})
+    monkeypatch.setattr(launch, "_kept_backwards", {})
+    if route == "cpp":
+        _extension().clear()
+    else:
+        monkeypatch.setattr(native, "module", lambda: None)
+        monkeypatch.setattr(launch, "_native", None)
+    lead, n_queries, n_keys = path_case("wide", device, is_causal=True)
+    q, k, v, do = (make_tensor(lead, n, head_dim, "contiguous", torch.bfloat16, device)
+                   for n in (n_queries, n_keys, n_keys, n_queries))
+
+    def call():
+        o, lse = launch.forward(q, k, v, True)
+        return (o, lse, *launch.backward(q, k, v, o, lse, do, True))
+
+    if route == "whole":
+        monkeypatch.setattr(launch, "_kept_kernels", {})  # Triton's JIT launch, not a kept kernel's
+        got = _on_a_new_thread(call)
+        expected = call()
+    else:
+        expected = call()  # the whole path, which keeps the signature
+        assert (launch._native is not None) == (route == "cpp")
+        got = _on_a_new_thread(call)
+    for name, a, b in zip(("o", "L", "dq", "dk", "dv"), got, expected, strict=True):
+        torch.testing.assert_close(a, b, rtol=0, atol=0, msg=name)
 
 
 # ---------------------------------------------------------------------------------- every path
@@ -600,6 +728,44 @@ def test_calls_that_repeat_a_signature_through_its_kept_launches_match_the_refer
                 assert_matches_reference("triton", q, k, v, do, is_causal=True)
         if layout != "strided_features":  # copied first, so never kept
             assert launch._signature(True, *calls[0]) in launch._kept_forwards
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("head_dim", [8, 40, 64, 80, 128])  # one chunk padded, chunk and tail, whole chunks
+@pytest.mark.parametrize(("n_queries", "n_keys", "is_causal"), [(70, 50, True), (33, 90, False), (16, 16, True)])
+def test_descriptor_loads_and_pointer_loads_both_match_the_float64_reference(n_queries, n_keys, is_causal, head_dim,
+                                                                             layout, device):
+    # Each wide kernel both ways: its loop's tiles through tensor descriptors (rows past n and columns past
+    # the head dim read as zero by the copy, not masked) and through pointers. On a GPU, descriptors also
+    # run on tile sets that have no TMA tiles of their own, on their wide tiles.
+    dtype = torch.float32 if device.type == "cpu" else torch.bfloat16
+    q, k, v = (make_tensor((2, 3), n, head_dim, layout, dtype, device) for n in (n_queries, n_keys, n_keys))
+    do = make_tensor((2, 3), n_queries, head_dim, "contiguous", dtype, device)
+    q4, k4, v4, do4 = (launch.as_batch_heads(t) for t in (q, k, v, do))
+    assert launch._describable(q4, k4, v4, do4)
+    tile_set = tiles.tiles_for(head_dim, dtype, INTERPRETED)
+    expected = reference_attention(q, k, v, do, is_causal)
+    for described in (False, True):
+        tma = {kernel: (getattr(tile_set, f"tma_{kernel}") or getattr(tile_set, kernel)) if described else None
+               for kernel in ("forward", "dq", "dkdv")}
+        o, lse = launch.launch_forward(q4, k4, v4, is_causal, tile_set.forward, tma=tma["forward"])
+        dq, delta = launch.launch_dq(q4, k4, v4, o, do4, lse, is_causal, tile_set.dq, tma=tma["dq"])
+        dk, dv = launch.launch_dkdv(q4, k4, v4, do4, lse, delta, is_causal, tile_set.dkdv, tma=tma["dkdv"])
+        assert_close_to_reference((o, lse, dq, dk, dv), *expected, dtype=dtype)
+
+
+@pytest.mark.parametrize("head_dim", [16, 80])
+@pytest.mark.parametrize("is_causal", [False, True])
+def test_scores_that_grow_along_the_keys_match_the_float64_reference(is_causal, head_dim, device):
+    # The forward's online softmax rescales a row's output and sum whenever a key tile raises its max. Keys
+    # scaled up along the sequence (to 12 times the first one's size) raise every row's max by far, tile
+    # after tile, where random ones barely move it after the first tile.
+    # On a GPU, enough heads for the wide kernels, which at bf16 d 80 load through descriptors.
+    lead, dtype = ((2, 3), torch.float32) if device.type == "cpu" else (path_case("wide", device, is_causal)[0],
+                                                                        torch.bfloat16)
+    q, k, v, do = leaf_inputs(lead, 200, 200, head_dim, dtype, device)
+    k = k * torch.linspace(1.0, 12.0, k.shape[-2], device=device, dtype=dtype)[:, None]
+    assert_matches_reference("triton", q, k, v, do, is_causal)
 
 
 @pytest.mark.parametrize("head_dim", [24, 80])  # padded on chip: masked columns in the merge too

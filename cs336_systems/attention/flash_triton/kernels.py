@@ -15,6 +15,10 @@ Speed structure:
     partial tail tile) go through a masked copy of the loop, all other tiles through an unmasked one.
   - Launch order (_program_tile): the forward and dQ start the longest query tiles of every head
     first; dK/dV keeps a head's key tiles together so they share its queries in L2.
+  - DESCRIPTORS: the wide kernels can take the tiles their loop streams (K and V in the forward and dQ,
+    Q and dO in dK/dV) through tensor descriptors (TMA on Hopper): one copy per tile, no per-element
+    addresses, and rows past n read as zero by the hardware. Each such tensor comes as two descriptors
+    over (batch, heads, n, d), the chunk's columns and the tail's; without DESCRIPTORS they are None.
 """
 
 from __future__ import annotations
@@ -118,6 +122,35 @@ def _load_row_chunks(base, stride_n, rows, n_rows, offs_d, offs_t, CHECK_ROWS: t
 
 
 @triton.jit
+def _load_described_rows(desc, desc_t, batch, head, start, BLOCK: tl.constexpr, BLOCK_D: tl.constexpr,
+                         TAIL_D: tl.constexpr):
+    """(chunk, tail) of BLOCK rows from `start` of one (batch, head), through the chunk's and the tail's
+    descriptors; rows past n and columns past the head dim read as zero. Without a tail, the chunk twice."""
+    b = batch.to(tl.int32)
+    h = head.to(tl.int32)
+    tile = desc.load([b, h, start, 0]).reshape(BLOCK, BLOCK_D)
+    if TAIL_D > 0:
+        tail = desc_t.load([b, h, start, 0]).reshape(BLOCK, TAIL_D)
+    else:
+        tail = tile
+    return tile, tail
+
+
+@triton.jit
+def _load_streamed_rows(desc, desc_t, base, stride_n, rows, n_rows, offs_d, offs_t, batch, head, start,
+                        CHECK_ROWS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+                        TAIL_D: tl.constexpr, BLOCK: tl.constexpr, DESCRIPTORS: tl.constexpr):
+    """(chunk, tail) of the BLOCK rows `rows` (from `start`) a kernel's loop streams: through the descriptors
+    where DESCRIPTORS is set, else through pointers from base (_load_row_chunks)."""
+    if DESCRIPTORS:
+        tile, tail = _load_described_rows(desc, desc_t, batch, head, start, BLOCK, BLOCK_D, TAIL_D)
+    else:
+        tile, tail = _load_row_chunks(base, stride_n, rows, n_rows, offs_d, offs_t, CHECK_ROWS, HEAD_DIM, BLOCK_D,
+                                      TAIL_D)
+    return tile, tail
+
+
+@triton.jit
 def _store_row_chunks(base, stride_n, tile, tail, rows, n_rows, offs_d, offs_t,
                       HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, TAIL_D: tl.constexpr):
     """Store (chunk, tail) as the rows of one (batch, head) at base, converted to its element type."""
@@ -139,14 +172,17 @@ def _dot_rows(a, b, a_t, b_t, TAIL_D: tl.constexpr):
 
 @triton.jit
 def _forward_key_loop(acc, acc_t, l_i, m_i, q, q_t, k_base, v_base, stride_kn, stride_vn, key_start, key_end,
-                      offs_m, offs_n, offs_d, offs_t, n_keys, qk_scale,
+                      offs_m, offs_n, offs_d, offs_t, n_keys, qk_scale, KD, KT, VD, VT, batch, head,
                       MASKED: tl.constexpr, IS_CAUSAL: tl.constexpr,
-                      HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, TAIL_D: tl.constexpr, BLOCK_N: tl.constexpr):
+                      HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, TAIL_D: tl.constexpr, BLOCK_N: tl.constexpr,
+                      DESCRIPTORS: tl.constexpr):
     """Online softmax over key tiles [key_start, key_end), into acc (and acc_t, the tail's columns); MASKED
-    applies the key-bound and causal masks, for tiles on the diagonal or past the end of the keys."""
+    applies the key-bound and causal masks, for tiles on the diagonal or past the end of the keys. K and V
+    come through their descriptors (KD, KT, VD, VT) where DESCRIPTORS is set."""
     for start_n in range(key_start, key_end, BLOCK_N):
         cols = start_n + offs_n
-        k, k_t = _load_row_chunks(k_base, stride_kn, cols, n_keys, offs_d, offs_t, MASKED, HEAD_DIM, BLOCK_D, TAIL_D)
+        k, k_t = _load_streamed_rows(KD, KT, k_base, stride_kn, cols, n_keys, offs_d, offs_t, batch, head, start_n,
+                                     MASKED, HEAD_DIM, BLOCK_D, TAIL_D, BLOCK_N, DESCRIPTORS)
         qk = _dot_rows(q, k, q_t, k_t, TAIL_D)
         if MASKED:
             s = qk * qk_scale  # scores in base-2 units
@@ -162,7 +198,8 @@ def _forward_key_loop(acc, acc_t, l_i, m_i, q, q_t, k_base, v_base, stride_kn, s
             p = tl.math.exp2(qk * qk_scale - m_new[:, None])
         correction = tl.math.exp2(m_i - m_new)
         l_i = l_i * correction + tl.sum(p, 1)
-        v, v_t = _load_row_chunks(v_base, stride_vn, cols, n_keys, offs_d, offs_t, MASKED, HEAD_DIM, BLOCK_D, TAIL_D)
+        v, v_t = _load_streamed_rows(VD, VT, v_base, stride_vn, cols, n_keys, offs_d, offs_t, batch, head, start_n,
+                                     MASKED, HEAD_DIM, BLOCK_D, TAIL_D, BLOCK_N, DESCRIPTORS)
         acc = tl.dot(p.to(v.dtype), v, acc * correction[:, None])
         if TAIL_D > 0:
             acc_t = tl.dot(p.to(v_t.dtype), v_t, acc_t * correction[:, None])
@@ -184,8 +221,9 @@ def _keys_seen_end(q_start, n_keys, IS_CAUSAL: tl.constexpr, BLOCK_M: tl.constex
 @triton.jit
 def _attend_key_range(Q, K, V, batch, head, stride_qb, stride_qh, stride_qn, stride_kb, stride_kh, stride_kn,
                       stride_vb, stride_vh, stride_vn, q_start, key_lo, key_hi, n_queries, n_keys, qk_scale,
+                      KD, KT, VD, VT,
                       IS_CAUSAL: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, TAIL_D: tl.constexpr,
-                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DESCRIPTORS: tl.constexpr):
     """(normalised output, its tail columns, base-2 log-sum-exp) of the BLOCK_M queries from q_start over
     the keys in [key_lo, key_hi), both multiples of BLOCK_N or key_hi the end of the keys seen."""
     offs_m = q_start + tl.arange(0, BLOCK_M)
@@ -212,10 +250,12 @@ def _attend_key_range(Q, K, V, batch, head, stride_qb, stride_qh, stride_qn, str
         masked_start = full_keys_end
     acc, acc_t, l_i, m_i = _forward_key_loop(acc, acc_t, l_i, m_i, q, q_t, k_base, v_base, stride_kn, stride_vn,
                                              key_lo, tl.minimum(key_hi, masked_start), offs_m, offs_n, offs_d, offs_t,
-                                             n_keys, qk_scale, False, IS_CAUSAL, HEAD_DIM, BLOCK_D, TAIL_D, BLOCK_N)
+                                             n_keys, qk_scale, KD, KT, VD, VT, batch, head, False, IS_CAUSAL,
+                                             HEAD_DIM, BLOCK_D, TAIL_D, BLOCK_N, DESCRIPTORS)
     acc, acc_t, l_i, m_i = _forward_key_loop(acc, acc_t, l_i, m_i, q, q_t, k_base, v_base, stride_kn, stride_vn,
                                              tl.maximum(key_lo, masked_start), key_hi, offs_m, offs_n, offs_d, offs_t,
-                                             n_keys, qk_scale, True, IS_CAUSAL, HEAD_DIM, BLOCK_D, TAIL_D, BLOCK_N)
+                                             n_keys, qk_scale, KD, KT, VD, VT, batch, head, True, IS_CAUSAL,
+                                             HEAD_DIM, BLOCK_D, TAIL_D, BLOCK_N, DESCRIPTORS)
     return acc / l_i[:, None], acc_t / l_i[:, None], m_i + tl.math.log2(l_i)
 
 
@@ -226,9 +266,11 @@ def forward_kernel(Q, K, V, O, L,
                    stride_vb, stride_vh, stride_vn,
                    stride_ob, stride_oh, stride_on,
                    n_heads, n_queries, n_keys, qk_scale,
+                   KD, KT, VD, VT,
                    IS_CAUSAL: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, TAIL_D: tl.constexpr,
-                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-    """One program per (batch x head, query tile): o and L for BLOCK_M queries."""
+                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DESCRIPTORS: tl.constexpr):
+    """One program per (batch x head, query tile): o and L for BLOCK_M queries; K and V through the
+    descriptors KD, KT, VD and VT where DESCRIPTORS is set (else they are None)."""
     # A float argument is fp32 when Triton's own launcher passes it and fp64 when torch.compile's does:
     # fp64 would spread through the scores into tl.dot, which refuses it.
     qk_scale = tl.cast(qk_scale, tl.float32)
@@ -237,7 +279,8 @@ def forward_kernel(Q, K, V, O, L,
     o, o_t, lse2 = _attend_key_range(Q, K, V, batch, head, stride_qb, stride_qh, stride_qn, stride_kb, stride_kh,
                                      stride_kn, stride_vb, stride_vh, stride_vn, q_start, 0,
                                      _keys_seen_end(q_start, n_keys, IS_CAUSAL, BLOCK_M), n_queries, n_keys, qk_scale,
-                                     IS_CAUSAL, HEAD_DIM, BLOCK_D, TAIL_D, BLOCK_M, BLOCK_N)
+                                     KD, KT, VD, VT, IS_CAUSAL, HEAD_DIM, BLOCK_D, TAIL_D, BLOCK_M, BLOCK_N,
+                                     DESCRIPTORS)
     _store_output(O, L, pid_bh, batch, head, stride_ob, stride_oh, stride_on, o, o_t, lse2,
                   q_start + tl.arange(0, BLOCK_M), n_queries, HEAD_DIM, BLOCK_D, TAIL_D)
 
@@ -318,7 +361,8 @@ def split_forward_kernel(Q, K, V, O, L, Partial, Arrivals,
         o, o_t, lse2 = _attend_key_range(Q, K, V, batch, head, stride_qb, stride_qh, stride_qn, stride_kb, stride_kh,
                                          stride_kn, stride_vb, stride_vh, stride_vn, q_start, key_lo,
                                          tl.minimum(key_lo + split_keys, keys_end), n_queries, n_keys, qk_scale,
-                                         IS_CAUSAL, HEAD_DIM, BLOCK_D, TAIL_D, BLOCK_M, BLOCK_N)
+                                         None, None, None, None, IS_CAUSAL, HEAD_DIM, BLOCK_D, TAIL_D, BLOCK_M,
+                                         BLOCK_N, False)
         offs_m = q_start + tl.arange(0, BLOCK_M)
         if n_splits == 1:
             _store_output(O, L, pid_bh, batch, head, stride_ob, stride_oh, stride_on, o, o_t, lse2, offs_m,
@@ -365,20 +409,22 @@ def split_forward_kernel(Q, K, V, O, L, Partial, Arrivals,
 
 @triton.jit
 def _dkdv_query_loop(dk, dv, dk_t, dv_t, k, v, k_t, v_t, q_base, do_base, l_base, delta_base, stride_qn, stride_don,
-                     query_start, query_end, cols, offs_m, offs_d, offs_t, n_queries, qk_scale,
-                     CHECK_ROWS: tl.constexpr, CAUSAL_MASK: tl.constexpr,
-                     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, TAIL_D: tl.constexpr, BLOCK_M: tl.constexpr):
+                     query_start, query_end, cols, offs_m, offs_d, offs_t, n_queries, qk_scale, QD, QT, DOD, DOT,
+                     batch, head, CHECK_ROWS: tl.constexpr, CAUSAL_MASK: tl.constexpr,
+                     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, TAIL_D: tl.constexpr, BLOCK_M: tl.constexpr,
+                     DESCRIPTORS: tl.constexpr):
     """Accumulate dK and dV of one key tile (and of its tail columns) over query tiles [query_start, query_end).
 
     Works on transposed tiles (keys x queries) so that dV = P^T dO and dK = dS^T Q are plain dots.
-    Query rows past n_queries load as zero with L = +inf, so their P, and every term, is zero.
+    Query rows past n_queries load as zero with L = +inf, so their P, and every term, is zero. Q and dO
+    come through their descriptors (QD, QT, DOD, DOT) where DESCRIPTORS is set.
     """
     for start_m in range(query_start, query_end, BLOCK_M):
         rows = start_m + offs_m
-        q, q_t = _load_row_chunks(q_base, stride_qn, rows, n_queries, offs_d, offs_t, CHECK_ROWS, HEAD_DIM, BLOCK_D,
-                                  TAIL_D)
-        do, do_t = _load_row_chunks(do_base, stride_don, rows, n_queries, offs_d, offs_t, CHECK_ROWS, HEAD_DIM,
-                                    BLOCK_D, TAIL_D)
+        q, q_t = _load_streamed_rows(QD, QT, q_base, stride_qn, rows, n_queries, offs_d, offs_t, batch, head,
+                                     start_m, CHECK_ROWS, HEAD_DIM, BLOCK_D, TAIL_D, BLOCK_M, DESCRIPTORS)
+        do, do_t = _load_streamed_rows(DOD, DOT, do_base, stride_don, rows, n_queries, offs_d, offs_t, batch, head,
+                                       start_m, CHECK_ROWS, HEAD_DIM, BLOCK_D, TAIL_D, BLOCK_M, DESCRIPTORS)
         if CHECK_ROWS:
             lse = tl.load(l_base + rows, mask=rows < n_queries, other=float("inf"))
             delta = tl.load(delta_base + rows, mask=rows < n_queries, other=0.0)
@@ -409,10 +455,12 @@ def dkdv_kernel(Q, K, V, DO, L, Delta, DK, DV,
                 stride_dkb, stride_dkh, stride_dkn,
                 stride_dvb, stride_dvh, stride_dvn,
                 n_heads, n_queries, n_keys, qk_scale, sm_scale,
+                QD, QT, DOD, DOT,
                 IS_CAUSAL: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, TAIL_D: tl.constexpr,
-                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DESCRIPTORS: tl.constexpr):
     """One program per (batch x head, key tile): dK and dV for BLOCK_N keys, in one pass over
-    the queries that can see them."""
+    the queries that can see them; Q and dO through the descriptors QD, QT, DOD and DOT where
+    DESCRIPTORS is set (else they are None)."""
     # fp32 scales, whichever launcher passed them (see forward_kernel).
     qk_scale = tl.cast(qk_scale, tl.float32)
     sm_scale = tl.cast(sm_scale, tl.float32)
@@ -446,36 +494,44 @@ def dkdv_kernel(Q, K, V, DO, L, Delta, DK, DV,
         diagonal_end = tl.minimum(k_start + BLOCK_N, n_queries)
         dk, dv, dk_t, dv_t = _dkdv_query_loop(dk, dv, dk_t, dv_t, k, v, k_t, v_t, q_base, do_base, l_base, delta_base,
                                               stride_qn, stride_don, k_start, diagonal_end, cols, offs_m, offs_d,
-                                              offs_t, n_queries, qk_scale, True, True, HEAD_DIM, BLOCK_D, TAIL_D,
-                                              BLOCK_M)
+                                              offs_t, n_queries, qk_scale, QD, QT, DOD, DOT, batch, head, True,
+                                              True, HEAD_DIM, BLOCK_D, TAIL_D, BLOCK_M, DESCRIPTORS)
         unmasked_start = k_start + BLOCK_N
     else:
         unmasked_start = 0
     dk, dv, dk_t, dv_t = _dkdv_query_loop(dk, dv, dk_t, dv_t, k, v, k_t, v_t, q_base, do_base, l_base, delta_base,
                                           stride_qn, stride_don, unmasked_start, full_queries_end, cols, offs_m,
-                                          offs_d, offs_t, n_queries, qk_scale, False, False, HEAD_DIM, BLOCK_D, TAIL_D,
-                                          BLOCK_M)
+                                          offs_d, offs_t, n_queries, qk_scale, QD, QT, DOD, DOT, batch, head, False,
+                                          False, HEAD_DIM, BLOCK_D, TAIL_D, BLOCK_M, DESCRIPTORS)
     dk, dv, dk_t, dv_t = _dkdv_query_loop(dk, dv, dk_t, dv_t, k, v, k_t, v_t, q_base, do_base, l_base, delta_base,
                                           stride_qn, stride_don, tl.maximum(unmasked_start, full_queries_end),
-                                          n_queries, cols, offs_m, offs_d, offs_t, n_queries, qk_scale, True, False,
-                                          HEAD_DIM, BLOCK_D, TAIL_D, BLOCK_M)
+                                          n_queries, cols, offs_m, offs_d, offs_t, n_queries, qk_scale, QD, QT, DOD,
+                                          DOT, batch, head, True, False, HEAD_DIM, BLOCK_D, TAIL_D, BLOCK_M,
+                                          DESCRIPTORS)
 
+    # The columns again, rather than kept live through the loops, which descriptor loads do not need them in.
+    store_d = tl.arange(0, BLOCK_D)
+    store_t = _tail_columns(store_d, BLOCK_D, TAIL_D)
     _store_row_chunks(DK + batch * stride_dkb + head * stride_dkh, stride_dkn, dk * sm_scale, dk_t * sm_scale, cols,
-                      n_keys, offs_d, offs_t, HEAD_DIM, BLOCK_D, TAIL_D)
-    _store_row_chunks(DV + batch * stride_dvb + head * stride_dvh, stride_dvn, dv, dv_t, cols, n_keys, offs_d, offs_t,
+                      n_keys, store_d, store_t, HEAD_DIM, BLOCK_D, TAIL_D)
+    _store_row_chunks(DV + batch * stride_dvb + head * stride_dvh, stride_dvn, dv, dv_t, cols, n_keys, store_d, store_t,
                       HEAD_DIM, BLOCK_D, TAIL_D)
 
 
 @triton.jit
 def _dq_key_loop(dq, dq_t, q, q_t, do, do_t, lse, delta, k_base, v_base, stride_kn, stride_vn, key_start, key_end,
-                 offs_m, offs_n, offs_d, offs_t, n_keys, qk_scale,
+                 offs_m, offs_n, offs_d, offs_t, n_keys, qk_scale, KD, KT, VD, VT, batch, head,
                  MASKED: tl.constexpr, IS_CAUSAL: tl.constexpr,
-                 HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, TAIL_D: tl.constexpr, BLOCK_N: tl.constexpr):
-    """Accumulate dQ (and its tail columns) of one query tile over key tiles [key_start, key_end)."""
+                 HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, TAIL_D: tl.constexpr, BLOCK_N: tl.constexpr,
+                 DESCRIPTORS: tl.constexpr):
+    """Accumulate dQ (and its tail columns) of one query tile over key tiles [key_start, key_end); K and V
+    through their descriptors where DESCRIPTORS is set."""
     for start_n in range(key_start, key_end, BLOCK_N):
         cols = start_n + offs_n
-        k, k_t = _load_row_chunks(k_base, stride_kn, cols, n_keys, offs_d, offs_t, MASKED, HEAD_DIM, BLOCK_D, TAIL_D)
-        v, v_t = _load_row_chunks(v_base, stride_vn, cols, n_keys, offs_d, offs_t, MASKED, HEAD_DIM, BLOCK_D, TAIL_D)
+        k, k_t = _load_streamed_rows(KD, KT, k_base, stride_kn, cols, n_keys, offs_d, offs_t, batch, head, start_n,
+                                     MASKED, HEAD_DIM, BLOCK_D, TAIL_D, BLOCK_N, DESCRIPTORS)
+        v, v_t = _load_streamed_rows(VD, VT, v_base, stride_vn, cols, n_keys, offs_d, offs_t, batch, head, start_n,
+                                     MASKED, HEAD_DIM, BLOCK_D, TAIL_D, BLOCK_N, DESCRIPTORS)
         s = _dot_rows(q, k, q_t, k_t, TAIL_D) * qk_scale
         p = tl.math.exp2(s - lse[:, None])
         if MASKED:
@@ -500,8 +556,9 @@ def dq_kernel(Q, K, V, O, DO, L, Delta, DQ,
               stride_dob, stride_doh, stride_don,
               stride_dqb, stride_dqh, stride_dqn,
               n_heads, n_queries, n_keys, qk_scale, sm_scale,
+              KD, KT, VD, VT,
               IS_CAUSAL: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, TAIL_D: tl.constexpr,
-              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DESCRIPTORS: tl.constexpr):
     """One program per (batch x head, query tile): D = rowsum(dO * O) for its BLOCK_M queries,
     stored for the dK/dV kernel that runs next, then dQ, with the forward's loop structure
     (unmasked tiles below the diagonal, masked diagonal and tail tiles)."""
@@ -542,10 +599,11 @@ def dq_kernel(Q, K, V, O, DO, L, Delta, DQ,
         masked_start = full_keys_end
         masked_end = n_keys
     dq, dq_t = _dq_key_loop(dq, dq_t, q, q_t, do, do_t, lse, delta, k_base, v_base, stride_kn, stride_vn, 0,
-                            masked_start, offs_m, offs_n, offs_d, offs_t, n_keys, qk_scale, False, IS_CAUSAL, HEAD_DIM,
-                            BLOCK_D, TAIL_D, BLOCK_N)
+                            masked_start, offs_m, offs_n, offs_d, offs_t, n_keys, qk_scale, KD, KT, VD, VT, batch, head,
+                            False, IS_CAUSAL, HEAD_DIM, BLOCK_D, TAIL_D, BLOCK_N, DESCRIPTORS)
     dq, dq_t = _dq_key_loop(dq, dq_t, q, q_t, do, do_t, lse, delta, k_base, v_base, stride_kn, stride_vn, masked_start,
-                            masked_end, offs_m, offs_n, offs_d, offs_t, n_keys, qk_scale, True, IS_CAUSAL, HEAD_DIM,
-                            BLOCK_D, TAIL_D, BLOCK_N)
+                            masked_end, offs_m, offs_n, offs_d, offs_t, n_keys, qk_scale, KD, KT, VD, VT, batch, head,
+                            True, IS_CAUSAL, HEAD_DIM, BLOCK_D, TAIL_D, BLOCK_N, DESCRIPTORS)
+    store_d = tl.arange(0, BLOCK_D)  # as in dK/dV: not kept live through the loops
     _store_row_chunks(DQ + batch * stride_dqb + head * stride_dqh, stride_dqn, dq * sm_scale, dq_t * sm_scale, offs_m,
-                      n_queries, offs_d, offs_t, HEAD_DIM, BLOCK_D, TAIL_D)
+                      n_queries, store_d, _tail_columns(store_d, BLOCK_D, TAIL_D), HEAD_DIM, BLOCK_D, TAIL_D)

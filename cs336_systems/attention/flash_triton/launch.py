@@ -14,6 +14,10 @@ of a fused QKV projection are read in place. A last dim with a stride other than
 not start on a 16-byte boundary, is copied first (as_batch_heads says why), and every launch refuses a
 tensor off a 16-byte boundary: the kernels are only ever compiled for aligned ones.
 
+Where a kernel takes its wide tiles and its tile set has TMA tiles, it streams its loop's tiles through
+tensor descriptors over those views (`_streamed`), provided every stride is a multiple of 16 bytes (what
+TMA needs) and the GPU has TMA (Hopper on); pointer loads serve every other case, and every traced call.
+
 A launch takes one of three routes (`_launch`):
   - plain tensors on a GPU: the compiled kernel kept for the launch's key (what Triton specialises a
     compilation on: with every tensor on a 16-byte boundary, the int arguments) is called directly,
@@ -31,6 +35,7 @@ A launch takes one of three routes (`_launch`):
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import functools
 import math
 from dataclasses import dataclass
@@ -39,8 +44,9 @@ from typing import Any
 import torch
 import triton
 from torch._subclasses.fake_tensor import is_fake
-from triton import knobs
 from torch.library import wrap_triton
+from triton import knobs
+from triton.tools.tensor_descriptor import TensorDescriptor
 
 from cs336_systems.attention.flash_pytorch import check_inputs
 from cs336_systems.attention.flash_triton import native
@@ -59,12 +65,16 @@ from cs336_systems.attention.flash_triton.tiles import (
     kernel_tiles,
     longest_tile_keys,
     tiles_for,
+    tma_tiles,
 )
 
 INTERPRETED = not isinstance(forward_kernel, triton.runtime.JITFunction)
 # Triton specialises a compilation on whether each pointer is a multiple of this many bytes, and
-# vectorises loads to that width only where it is: the widest load (16 bytes) and cp.async's.
+# vectorises loads to that width only where it is: the widest load (16 bytes) and cp.async's. It is also
+# what a tensor descriptor needs of its base and of each stride but the last.
 ALIGNMENT_BYTES = 16
+# The first compute capability with the Tensor Memory Accelerator (Hopper).
+TMA_CAPABILITY = 9
 
 
 @dataclass(frozen=True)
@@ -84,6 +94,7 @@ class LaunchPlan:
     dq: Tiles
     dkdv: Tiles
     narrow: dict[str, bool]  # per kernel, whether it took its narrow tiles
+    tma: dict[str, Tiles | None]  # per kernel, its tiles with descriptor loads (None: pointer loads only)
 
     @property
     def paths(self) -> dict[str, str]:
@@ -104,7 +115,22 @@ def launch_plan(batch_heads: int, n_queries: int, n_keys: int, head_dim: int, dt
               "dkdv": kernel_tiles(tile_set, "dkdv", batch_heads, n_keys, device)}
     narrow = {kernel: tiles is not getattr(tile_set, kernel) for kernel, tiles in chosen.items()}
     split_keys = forward_split_keys(chosen["forward"], n_queries, n_keys, is_causal) if narrow["forward"] else None
-    return LaunchPlan(ForwardPlan(chosen["forward"], split_keys), chosen["dq"], chosen["dkdv"], narrow)
+    tma = {kernel: tma_tiles(tile_set, kernel, tiles) if _has_tma(device) else None
+           for kernel, tiles in chosen.items()}
+    return LaunchPlan(ForwardPlan(chosen["forward"], split_keys), chosen["dq"], chosen["dkdv"], narrow, tma)
+
+
+def _has_tma(device: torch.device) -> bool:
+    """Whether kernels on `device` can load through tensor descriptors: a GPU from Hopper on, or the
+    interpreter (which runs them on CPU tensors)."""
+    if INTERPRETED:
+        return True
+    return device.type == "cuda" and torch.cuda.is_available() and _capability(device.index or 0) >= TMA_CAPABILITY
+
+
+@functools.cache
+def _capability(device_index: int) -> int:
+    return torch.cuda.get_device_capability(device_index)[0]
 
 
 # A plan depends on the shape alone, so calls of one shape (every layer of a training step) share it.
@@ -181,6 +207,38 @@ def _on_device(t: torch.Tensor):
     return torch.cuda.device(t.device)
 
 
+@functools.cache
+def _driver() -> ctypes.CDLL:
+    return ctypes.CDLL("libcuda.so.1")
+
+
+def _driver_call(name: str, *arguments) -> None:
+    result = getattr(_driver(), name)(*arguments)
+    if result:
+        raise RuntimeError(f"{name} failed with CUDA driver error {result}")
+
+
+def context_current() -> bool:
+    """Whether this thread has a current CUDA context. The runtime makes one current only when a thread
+    first does CUDA work, so a thread that has done none (autograd's backward thread, a caller's own) has
+    none, though torch reports a current device there."""
+    context = ctypes.c_void_p()
+    _driver_call("cuCtxGetCurrent", ctypes.byref(context))
+    return context.value is not None
+
+
+def _bind_context(device_index: int) -> None:
+    """Make the device's primary context (the one torch and Triton's kernels use) current on this thread
+    where none is: Triton encodes a launch's tensor maps before its launcher binds a context, and the
+    driver refuses to encode them without one."""
+    if context_current():
+        return
+    device, context = ctypes.c_int(), ctypes.c_void_p()
+    _driver_call("cuDeviceGet", ctypes.byref(device), device_index)
+    _driver_call("cuDevicePrimaryCtxRetain", ctypes.byref(context), device)
+    _driver_call("cuCtxSetCurrent", context)
+
+
 def _scales(head_dim: int) -> tuple[float, float]:
     """(scale of q k^T in base-2 score units, softmax scale 1/sqrt(d))."""
     return LOG2E / math.sqrt(head_dim), 1.0 / math.sqrt(head_dim)
@@ -220,6 +278,11 @@ class KernelCall:
         return dict(self.constants, num_warps=self.num_warps, num_stages=self.num_stages)
 
     @functools.cached_property
+    def no_descriptors(self) -> tuple[None, ...]:
+        """What the kernel's descriptor arguments take where it loads through pointers: None each."""
+        return (None,) * sum(name in DESCRIPTOR_ARGS for name in self.kernel.arg_names)
+
+    @functools.cached_property
     def constant_values(self) -> tuple[int | bool, ...]:
         """The constants as a compiled kernel takes them: after the other arguments, in order."""
         return tuple(value for _, value in self.constants)
@@ -227,12 +290,15 @@ class KernelCall:
 
 # By name: a JITFunction's hash takes a lock, microseconds on every cache lookup keyed on it.
 KERNELS = {"forward": forward_kernel, "split_forward": split_forward_kernel, "dq": dq_kernel, "dkdv": dkdv_kernel}
+# The kernels' tensor-descriptor arguments, after their scalars: the forward's and dQ's K and V, dK/dV's Q
+# and dO, each as its chunk's and its tail's.
+DESCRIPTOR_ARGS = ("KD", "KT", "VD", "VT", "QD", "QT", "DOD", "DOT")
 
 
 @functools.cache
-def kernel_call(kernel: str, head_dim: int, is_causal: bool, tiles: Tiles, **extra: int) -> KernelCall:
+def kernel_call(kernel: str, head_dim: int, is_causal: bool, tiles: Tiles, **extra: int | bool) -> KernelCall:
     """The KernelCall of KERNELS[kernel] on `tiles` for a head dim and causality; `extra` are the kernel's
-    own constants (the split forward's RUNS and MERGE_COLUMNS)."""
+    own constants (DESCRIPTORS, or the split forward's RUNS and MERGE_COLUMNS)."""
     jit = KERNELS[kernel]
     block_d, tail_d = head_dim_chunks(head_dim)
     constants = dict(IS_CAUSAL=is_causal, HEAD_DIM=head_dim, BLOCK_D=block_d, TAIL_D=tail_d, BLOCK_M=tiles.block_m,
@@ -267,63 +333,158 @@ def check_aligned(tensors: tuple[torch.Tensor, ...]) -> None:
                              f"{ALIGNMENT_BYTES}-byte boundary; as_batch_heads copies such inputs")
 
 
+@dataclass(frozen=True)
+class Described:
+    """A tensor descriptor as a kept launch makes it again for each call: over the call's address at
+    `position` (in the launch's address list) plus `offset_bytes`, with the first call's shape, strides
+    (in elements) and block."""
+
+    position: int
+    offset_bytes: int
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    strides: tuple[int, ...]
+    block: tuple[int, ...]
+
+    def at(self, addresses: tuple[int, ...]) -> TensorDescriptor:
+        return TensorDescriptor(_Address(addresses[self.position] + self.offset_bytes, self.dtype), list(self.shape),
+                                list(self.strides), list(self.block))
+
+
+@dataclass(frozen=True)
+class _Address:
+    """What a TensorDescriptor reads of its base (its address and element type), for an address alone."""
+
+    address: int
+    dtype: torch.dtype
+
+    def data_ptr(self) -> int:
+        return self.address
+
+
+def _describable(*tensors: torch.Tensor) -> bool:
+    """Whether descriptors can stream these (batch, heads, n, d) views: eager tensors, none empty, every
+    stride but the last (which is 1) a multiple of 16 bytes. Their starts are aligned (as_batch_heads)."""
+    return all(not _traced(t) and t.numel() > 0 and t.stride(3) == 1
+               and not any(stride * t.element_size() % ALIGNMENT_BYTES for stride in t.stride()[:3])
+               for t in tensors)
+
+
+def _streamed(tiles: Tiles, tma: Tiles | None, placed: tuple[tuple[int, torch.Tensor], ...], rows: str,
+              head_dim: int) -> tuple[Tiles, tuple[Described, ...] | None]:
+    """(tiles, descriptors) of a launch: the `tma` tiles and the descriptors of the views in `placed` (as
+    _described, `rows` naming the tile dim a block spans), where `tma` is given and every view allows; else
+    `tiles` and None (pointer loads)."""
+    if tma is None or not _describable(*(t for _, t in placed)):
+        return tiles, None
+    return tma, _described(placed, getattr(tma, rows), head_dim)
+
+
+def _described(placed: tuple[tuple[int, torch.Tensor], ...], rows: int, head_dim: int) -> tuple[Described, ...]:
+    """For each (position, view) in `placed`, the descriptors of its chunk's and its tail's columns (the
+    chunk's twice without a tail), `rows` rows a block."""
+    block_d, tail_d = head_dim_chunks(head_dim)
+    found = []
+    for position, t in placed:
+        shape, strides = tuple(t.shape), tuple(t.stride())
+        chunk = Described(position, 0, t.dtype, shape, strides, (1, 1, rows, block_d))
+        tail = chunk if tail_d == 0 else Described(position, block_d * t.element_size(), t.dtype,
+                                                   (*shape[:3], head_dim - block_d), strides, (1, 1, rows, tail_d))
+        found += [chunk, tail]
+    return tuple(found)
+
+
 @dataclass(frozen=True, eq=False)
 class KeptLaunch:
-    """A compiled kernel with its grid and every argument after its pointers (ints and floats, then the
-    constants): a launch that takes only its tensors' addresses, in the kernel's order.
+    """A compiled kernel with its grid and every argument after its pointers (ints and floats, its
+    descriptors, then the constants): a launch that takes only its tensors' addresses, in the kernel's order.
 
     Addresses go to Triton's launcher as ints. Given a tensor it asks the driver whether each pointer is
     a device one (cuPointerGetAttribute), a driver call per pointer per launch; what reaches a launch here
     was checked before (check_device, one device for all, 16-byte boundaries), and the allocator made the
-    rest on that device."""
+    rest on that device. Descriptors are made again over each call's addresses."""
 
     compiled: Any  # the CompiledKernel Triton's JIT launch returned
     grid: tuple[int, int, int]
-    arguments: tuple
+    scalars: tuple
+    descriptors: tuple[Described | None, ...]  # None each where the kernel loads through pointers
+    constants: tuple
+    device_index: int
+
+    @functools.cached_property
+    def described(self) -> bool:
+        return any(d is not None for d in self.descriptors)
 
     def __call__(self, *addresses: int) -> None:
-        self.compiled[self.grid](*addresses, *self.arguments)
+        descriptors = self.descriptors
+        if self.described:
+            _bind_context(self.device_index)
+            descriptors = tuple(d.at(addresses) for d in self.descriptors)
+        self.compiled[self.grid](*addresses, *self.scalars, *descriptors, *self.constants)
 
 
 def _launch(call: KernelCall, grid: tuple[int, int, int], tensors: tuple[torch.Tensor, ...], scalars: tuple,
-            kept: list[KeptLaunch] | None = None) -> None:
+            kept: list[KeptLaunch] | None = None, described: tuple[Described, ...] | None = None) -> None:
     """Launch `call` on a three-dim `grid` (a compiled kernel takes no other) with its arguments, the
-    tensors then the scalars (strides, sizes, scales) in order, by the route the module docstring
-    describes. A compiled kernel's launch is appended to `kept`, where given."""
+    tensors then the scalars (strides, sizes, scales) and the descriptors (`described` over `tensors`, or
+    None each) in order, by the route the module docstring describes. A compiled kernel's launch is
+    appended to `kept`, where given."""
     if _traced(tensors[0]):
-        wrap_triton(call.kernel)[grid](*tensors, *scalars, **call.options)
+        wrap_triton(call.kernel)[grid](*tensors, *scalars, *call.no_descriptors, **call.options)
         return
     check_aligned(tensors)
+    descriptors = call.no_descriptors if described is None else described
     if INTERPRETED:
-        call.kernel[grid](*tensors, *scalars, **call.options)
+        call.kernel[grid](*tensors, *scalars, *_descriptor_arguments(descriptors, tensors), **call.options)
         return
     key = launch_key(call, tensors, scalars)
     compiled = _kept_kernels.get(key)
     launched = compiled is None
     if launched:
+        if described is not None:
+            _bind_context(tensors[0].device.index)
         # Triton's JIT launch, which compiles if need be and returns the compiled kernel.
-        compiled = call.kernel[grid](*tensors, *scalars, **call.options)
+        compiled = call.kernel[grid](*tensors, *scalars, *_descriptor_arguments(descriptors, tensors), **call.options)
         if len(_kept_kernels) >= LAUNCHES_KEPT:
             _kept_kernels.clear()
         _kept_kernels[key] = compiled
-    launch = KeptLaunch(compiled, grid, (*scalars, *call.constant_values))
+    launch = KeptLaunch(compiled, grid, scalars, descriptors, call.constant_values, tensors[0].device.index)
     if not launched:
         launch(*(t.data_ptr() for t in tensors))
     if kept is not None:
         kept.append(launch)
 
 
-def launch_forward(q4, k4, v4, is_causal: bool, tiles: Tiles,
-                   kept: list[KeptLaunch] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def _descriptor_arguments(descriptors: tuple[Described | None, ...],
+                          tensors: tuple[torch.Tensor, ...]) -> tuple[TensorDescriptor | None, ...]:
+    """A launch's descriptor arguments as Triton's JIT takes them: over the tensors themselves (whose
+    element type and device it reads), or None each."""
+    found = []
+    for d in descriptors:
+        if d is None:
+            found.append(None)
+            continue
+        base = tensors[d.position]
+        if d.offset_bytes:
+            base = base[..., d.offset_bytes // base.element_size():]
+        found.append(TensorDescriptor(base, list(d.shape), list(d.strides), list(d.block)))
+    return tuple(found)
+
+
+def launch_forward(q4, k4, v4, is_causal: bool, tiles: Tiles, kept: list[KeptLaunch] | None = None,
+                   tma: Tiles | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """The whole forward on (batch, heads, n, d) views: (o4 contiguous, L (batch, heads, n_queries) fp32).
-    Each launch_* function appends its compiled launch to `kept`, where given (_launch)."""
+    Each launch_* function appends its compiled launch to `kept`, where given (_launch), and streams its
+    loop's tiles through descriptors on the `tma` tiles, where given and the views allow."""
     batch, heads, n_queries, _ = q4.shape
     head_dim = _head_dim(q4)
+    tiles, described = _streamed(tiles, tma, ((1, k4), (2, v4)), "block_n", head_dim)
     o4 = q4.new_empty(q4.shape)
     lse = q4.new_empty((batch, heads, n_queries), dtype=torch.float32)
     grid = (batch * heads * cdiv(n_queries, tiles.block_m), 1, 1)
-    _launch(kernel_call("forward", head_dim, is_causal, tiles), grid, (q4, k4, v4, o4, lse),
-            (*_strides(q4, k4, v4, o4), heads, n_queries, k4.shape[2], _scales(head_dim)[0]), kept)
+    _launch(kernel_call("forward", head_dim, is_causal, tiles, DESCRIPTORS=described is not None), grid,
+            (q4, k4, v4, o4, lse), (*_strides(q4, k4, v4, o4), heads, n_queries, k4.shape[2], _scales(head_dim)[0]),
+            kept, described)
     return o4, lse
 
 
@@ -361,29 +522,33 @@ def _split_workspaces(like: torch.Tensor, partial_size: int, arrivals_size: int)
             torch.zeros(arrivals_size, dtype=torch.int32, device=like.device))
 
 
-def launch_dq(q4, k4, v4, o4, do4, lse, is_causal: bool, tiles: Tiles,
-              kept: list[KeptLaunch] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def launch_dq(q4, k4, v4, o4, do4, lse, is_causal: bool, tiles: Tiles, kept: list[KeptLaunch] | None = None,
+              tma: Tiles | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """The dQ kernel: (dq4 contiguous, D = rowsum(dO * O) (batch, heads, n_queries) fp32)."""
     batch, heads, n_queries, _ = q4.shape
     head_dim = _head_dim(q4)
+    tiles, described = _streamed(tiles, tma, ((1, k4), (2, v4)), "block_n", head_dim)
     dq4 = q4.new_empty(q4.shape)
     delta = q4.new_empty((batch, heads, n_queries), dtype=torch.float32)
     grid = (batch * heads * cdiv(n_queries, tiles.block_m), 1, 1)
-    _launch(kernel_call("dq", head_dim, is_causal, tiles), grid, (q4, k4, v4, o4, do4, lse, delta, dq4),
-            (*_strides(q4, k4, v4, o4, do4, dq4), heads, n_queries, k4.shape[2], *_scales(head_dim)), kept)
+    _launch(kernel_call("dq", head_dim, is_causal, tiles, DESCRIPTORS=described is not None), grid,
+            (q4, k4, v4, o4, do4, lse, delta, dq4),
+            (*_strides(q4, k4, v4, o4, do4, dq4), heads, n_queries, k4.shape[2], *_scales(head_dim)), kept, described)
     return dq4, delta
 
 
-def launch_dkdv(q4, k4, v4, do4, lse, delta, is_causal: bool, tiles: Tiles,
-                kept: list[KeptLaunch] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def launch_dkdv(q4, k4, v4, do4, lse, delta, is_causal: bool, tiles: Tiles, kept: list[KeptLaunch] | None = None,
+                tma: Tiles | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """The dK/dV kernel: (dk4, dv4), contiguous; lse and delta are (batch, heads, n_queries) fp32, contiguous."""
     batch, heads, n_queries, _ = q4.shape
     head_dim = _head_dim(q4)
     n_keys = k4.shape[2]
+    tiles, described = _streamed(tiles, tma, ((0, q4), (3, do4)), "block_m", head_dim)
     dk4, dv4 = k4.new_empty(k4.shape), v4.new_empty(v4.shape)
     grid = (batch * heads * cdiv(n_keys, tiles.block_n), 1, 1)
-    _launch(kernel_call("dkdv", head_dim, is_causal, tiles), grid, (q4, k4, v4, do4, lse, delta, dk4, dv4),
-            (*_strides(q4, k4, v4, do4, dk4, dv4), heads, n_queries, n_keys, *_scales(head_dim)), kept)
+    _launch(kernel_call("dkdv", head_dim, is_causal, tiles, DESCRIPTORS=described is not None), grid,
+            (q4, k4, v4, do4, lse, delta, dk4, dv4),
+            (*_strides(q4, k4, v4, do4, dk4, dv4), heads, n_queries, n_keys, *_scales(head_dim)), kept, described)
     return dk4, dv4
 
 
@@ -515,16 +680,17 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool) 
     check_inputs(q, k, v, is_causal)
     check_device(q)
     q4, k4, v4 = as_batch_heads(q), as_batch_heads(k), as_batch_heads(v)
-    plan = plan_for(q, k, is_causal).forward
+    plan = plan_for(q, k, is_causal)
+    tiles, split_keys = plan.forward.tiles, plan.forward.split_keys
     launches: list[KeptLaunch] = []
     with _on_device(q):
-        if plan.split_keys is None:
-            o4, lse = launch_forward(q4, k4, v4, is_causal, plan.tiles, launches)
+        if split_keys is None:
+            o4, lse = launch_forward(q4, k4, v4, is_causal, tiles, launches, plan.tma["forward"])
         else:
-            o4, lse = launch_split_forward(q4, k4, v4, is_causal, plan.tiles, plan.split_keys, launches)
+            o4, lse = launch_split_forward(q4, k4, v4, is_causal, tiles, split_keys, launches)
     if signature is not None and _starts_in_place((q4, k4, v4), (q, k, v)):
-        workspaces = None if plan.split_keys is None else _split_workspace_sizes(launches[0].grid[:2],
-                                                                                  plan.tiles.block_m, q.shape[-1])
+        workspaces = None if split_keys is None else _split_workspace_sizes(launches[0].grid[:2], tiles.block_m,
+                                                                             q.shape[-1])
         _keep(_kept_forwards, signature, KeptForward(launches[0], workspaces))
         n_addresses = FORWARD_ADDRESSES if workspaces is None else SPLIT_FORWARD_ADDRESSES
         _keep_native("keep_forward", (q, k, v), is_causal, launches, (n_addresses,), *(workspaces or (-1, 0)))
@@ -552,8 +718,8 @@ def backward(q, k, v, o, lse, do, is_causal: bool) -> tuple[torch.Tensor, torch.
     plan = plan_for(q, k, is_causal)
     launches: list[KeptLaunch] = []
     with _on_device(q):
-        dq4, delta = launch_dq(q4, k4, v4, o4, do4, lse4, is_causal, plan.dq, launches)
-        dk4, dv4 = launch_dkdv(q4, k4, v4, do4, lse4, delta, is_causal, plan.dkdv, launches)
+        dq4, delta = launch_dq(q4, k4, v4, o4, do4, lse4, is_causal, plan.dq, launches, plan.tma["dq"])
+        dk4, dv4 = launch_dkdv(q4, k4, v4, do4, lse4, delta, is_causal, plan.dkdv, launches, plan.tma["dkdv"])
     if signature is not None and _starts_in_place((q4, k4, v4, o4, do4, lse4), (q, k, v, o, do, lse)):
         _keep(_kept_backwards, signature, KeptBackward(*launches))
         _keep_native("keep_backward", (q, k, v, o, lse, do), is_causal, launches, BACKWARD_ADDRESSES)

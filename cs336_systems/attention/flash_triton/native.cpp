@@ -5,7 +5,9 @@
 // then costs one call from Python: this module finds the kept launches by the signature, allocates the
 // outputs through ATen's caching allocator and launches each compiled kernel with cuLaunchKernel on the
 // current stream, with the arguments Triton's own launcher would pass (native.py packs them from the
-// kernel's compiled signature). A call whose signature is not kept, or whose tensors start off a 16-byte
+// kernel's compiled signature). A kernel that loads through tensor descriptors gets a CUtensorMap for
+// each, encoded over the call's address as Triton's launcher encodes it (only the address changes
+// between calls of one signature). A call whose signature is not kept, or whose tensors start off a 16-byte
 // boundary, returns None and takes launch.py's path.
 //
 // It links against ATen and c10 alone (the stream comes through c10's device-guard interface, libcuda
@@ -55,19 +57,78 @@ void require(bool condition, const Parts&... message) {
 }
 
 constexpr int64_t kAlignmentBytes = 16;
-// Kernel parameters a launch may take: the widest kernel (the split forward) takes 31 with its two
-// scratch pointers.
-constexpr size_t kMaxParams = 64;
+// Kernel parameters a launch may take: the widest kernel (dK/dV with its four descriptors, each a
+// tensor map, 4 dims and 4 strides) takes 69 with its two scratch pointers.
+constexpr size_t kMaxParams = 96;
 // A pointer parameter names the launch's address by its position in the list each call site builds.
 constexpr int64_t kMaxAddresses = 8;
+// Tensor descriptors a launch may take (ours take 4) and the most dims of one (TMA's limit).
+constexpr size_t kMaxTensorMaps = 8;
+constexpr int64_t kMaxRank = 5;
 
-enum class Kind : int64_t { kAddress = 0, kI32 = 1, kI64 = 2, kF32 = 3 };
+enum class Kind : int64_t { kAddress = 0, kI32 = 1, kI64 = 2, kF32 = 3, kTensorMap = 4 };
 
 struct Param {
   Kind kind;
-  int64_t integer;  // the address's position, or the int's value
+  int64_t integer;  // the address's position, the int's value, or the tensor map's index
   double real;      // the float's value
 };
+
+// A tensor descriptor's CUtensorMap, all but its address fixed for a signature, in
+// cuTensorMapEncodeTiled's order: innermost dim first, strides in bytes (the innermost, 1 element, left
+// out), as Triton's fill_tma_descriptor passes them.
+struct TensorMapSpec {
+  int64_t position = 0;      // the address it is over
+  int64_t offset_bytes = 0;  // from that address (the tail's columns)
+  CUtensorMapDataType data_type{};
+  cuuint32_t rank = 0;
+  CUtensorMapSwizzle swizzle{};
+  std::array<cuuint64_t, kMaxRank> dims{};
+  std::array<cuuint64_t, kMaxRank> strides{};
+  std::array<cuuint32_t, kMaxRank> box{};
+  std::array<cuuint32_t, kMaxRank> element_strides{1, 1, 1, 1, 1};
+};
+
+// native.py's tensor_map list: position, offset, data type, rank, swizzle, element size, then the shape,
+// strides (elements) and block, outermost first.
+TensorMapSpec tensor_map_spec(const std::vector<int64_t>& fields, size_t index) {
+  require(fields.size() >= 6, "tensor map ", index, " has ", fields.size(), " fields, fewer than 6");
+  TensorMapSpec spec;
+  const int64_t rank = fields[3], element_bytes = fields[5];
+  require(rank >= 1 && rank <= kMaxRank, "tensor map ", index, " has rank ", rank, ": out of [1, ", kMaxRank, "]");
+  require(static_cast<int64_t>(fields.size()) == 6 + 3 * rank, "tensor map ", index, " of rank ", rank, " has ",
+          fields.size(), " fields, not ", 6 + 3 * rank);
+  require(fields[0] >= 0 && fields[0] < kMaxAddresses, "tensor map ", index, " is over address ", fields[0],
+          ": out of [0, ", kMaxAddresses, ")");
+  require(fields[1] >= 0 && fields[1] % kAlignmentBytes == 0, "tensor map ", index, " starts ", fields[1],
+          " bytes in: not a multiple of ", kAlignmentBytes);
+  require(element_bytes == 1 || element_bytes == 2 || element_bytes == 4 || element_bytes == 8, "tensor map ",
+          index, " has elements of ", element_bytes, " bytes");
+  spec.position = fields[0];
+  spec.offset_bytes = fields[1];
+  spec.data_type = static_cast<CUtensorMapDataType>(fields[2]);
+  spec.rank = static_cast<cuuint32_t>(rank);
+  spec.swizzle = static_cast<CUtensorMapSwizzle>(fields[4]);
+  const int64_t* shape = fields.data() + 6;
+  const int64_t* strides = shape + rank;
+  const int64_t* block = strides + rank;
+  require(strides[rank - 1] == 1, "tensor map ", index, "'s innermost stride is ", strides[rank - 1], ", not 1");
+  for (int64_t i = 0; i < rank; ++i) {
+    const int64_t inner = rank - 1 - i;  // the driver's order: innermost first
+    require(shape[i] >= 1, "tensor map ", index, " has dim ", i, " of ", shape[i]);
+    require(block[i] >= 1 && block[i] <= 256, "tensor map ", index, " has a block dim ", i, " of ", block[i],
+            ": out of [1, 256]");
+    spec.dims[inner] = static_cast<cuuint64_t>(shape[i]);
+    spec.box[inner] = static_cast<cuuint32_t>(block[i]);
+    if (i < rank - 1) {
+      require(strides[i] >= 1 && strides[i] * element_bytes % kAlignmentBytes == 0, "tensor map ", index,
+              " has a stride of ", strides[i], " elements in dim ", i, ": not a positive multiple of ",
+              kAlignmentBytes, " bytes");
+      spec.strides[rank - 2 - i] = static_cast<cuuint64_t>(strides[i] * element_bytes);
+    }
+  }
+  return spec;
+}
 
 // One compiled kernel's launch: its driver handle, grid and block, dynamic shared memory, and its
 // parameters in order, then `null_pointers` zero pointers (Triton's scratch buffers, unused by ours).
@@ -75,8 +136,10 @@ class Launch {
  public:
   Launch(int64_t function, std::vector<int64_t> grid, int64_t threads, int64_t shared_bytes,
          int64_t null_pointers, const std::vector<int64_t>& kinds, const std::vector<int64_t>& integers,
-         const std::vector<double>& reals)
+         const std::vector<double>& reals, const std::vector<std::vector<int64_t>>& tensor_maps)
       : function_(reinterpret_cast<CUfunction>(function)), null_pointers_(null_pointers) {
+    require(tensor_maps.size() <= kMaxTensorMaps, tensor_maps.size(), " tensor maps: more than ", kMaxTensorMaps);
+    for (size_t i = 0; i < tensor_maps.size(); ++i) tensor_maps_.push_back(tensor_map_spec(tensor_maps[i], i));
     require(function != 0, "a kept launch needs a loaded kernel's CUfunction, got 0");
     require(grid.size() == 3, "a kept launch's grid has 3 dims, got ", grid.size());
     for (size_t i = 0; i < 3; ++i) {
@@ -108,22 +171,32 @@ class Launch {
         case Kind::kI64:
         case Kind::kF32:
           break;
+        case Kind::kTensorMap:
+          require(integers[i] >= 0 && integers[i] < static_cast<int64_t>(tensor_maps_.size()), "parameter ", i,
+                  " takes tensor map ", integers[i], " of ", tensor_maps_.size());
+          break;
         default:
-          require(false, "parameter ", i, " has kind ", kinds[i], ": not 0 (address), 1 (i32), 2 (i64) or 3 (f32)");
+          require(false, "parameter ", i, " has kind ", kinds[i],
+                  ": not 0 (address), 1 (i32), 2 (i64), 3 (f32) or 4 (tensor map)");
       }
       params_.push_back(Param{kind, integers[i], reals[i]});
     }
   }
 
-  // The kernel's parameters as cuLaunchKernel reads them: each in an 8-byte slot, `pointers[i]` at slot i.
+  // The kernel's parameters as cuLaunchKernel reads them: each in an 8-byte slot, `pointers[i]` at slot i,
+  // but a tensor map, which `pointers[i]` finds in `maps` (encoded by encode_maps first).
   size_t pack(const uint64_t* addresses, std::array<uint64_t, kMaxParams>& slots,
-              std::array<void*, kMaxParams>& pointers) const {
+              std::array<void*, kMaxParams>& pointers, std::array<CUtensorMap, kMaxTensorMaps>& maps) const {
     size_t n = 0;
     for (const Param& param : params_) {
       slots[n] = 0;
+      pointers[n] = &slots[n];
       switch (param.kind) {
         case Kind::kAddress:
           slots[n] = addresses[param.integer];
+          break;
+        case Kind::kTensorMap:
+          pointers[n] = &maps[param.integer];
           break;
         case Kind::kI32: {
           const int32_t value = static_cast<int32_t>(param.integer);
@@ -139,7 +212,6 @@ class Launch {
           break;
         }
       }
-      pointers[n] = &slots[n];
       ++n;
     }
     for (int64_t i = 0; i < null_pointers_; ++i, ++n) {
@@ -149,8 +221,10 @@ class Launch {
     return n;
   }
 
-  // pack's slots as bytes, each parameter's 8-byte slot in order (what the tests compare).
+  // pack's slots as bytes, each parameter's 8-byte slot in order (what the tests compare). A launch with
+  // tensor maps is refused: encoding them takes the driver.
   py::bytes packed(const std::vector<int64_t>& addresses) const {
+    require(tensor_maps_.empty(), "a launch with tensor maps packs only where the driver encodes them");
     require(static_cast<int64_t>(addresses.size()) <= kMaxAddresses, "at most ", kMaxAddresses, " addresses");
     std::array<uint64_t, kMaxAddresses> given{};
     for (size_t i = 0; i < addresses.size(); ++i) given[i] = static_cast<uint64_t>(addresses[i]);
@@ -160,9 +234,13 @@ class Launch {
     }
     std::array<uint64_t, kMaxParams> slots;
     std::array<void*, kMaxParams> pointers;
-    const size_t n = pack(given.data(), slots, pointers);
+    std::array<CUtensorMap, kMaxTensorMaps> maps;
+    const size_t n = pack(given.data(), slots, pointers, maps);
     return py::bytes(reinterpret_cast<const char*>(slots.data()), n * sizeof(uint64_t));
   }
+
+  // Each tensor map over this call's addresses, into `maps` by index.
+  void encode_maps(const uint64_t* addresses, std::array<CUtensorMap, kMaxTensorMaps>& maps) const;
 
   void operator()(const uint64_t* addresses, CUstream stream) const;
 
@@ -172,6 +250,7 @@ class Launch {
   unsigned threads_ = 0;
   unsigned shared_bytes_ = 0;
   int64_t null_pointers_ = 0;
+  std::vector<TensorMapSpec> tensor_maps_;
   std::vector<Param> params_;
 };
 
@@ -181,8 +260,20 @@ struct Driver {
   using LaunchKernel = CUresult (*)(CUfunction, unsigned, unsigned, unsigned, unsigned, unsigned, unsigned,
                                     unsigned, CUstream, void**, void**);
   using ErrorName = CUresult (*)(CUresult, const char**);
+  using CtxGetCurrent = CUresult (*)(CUcontext*);
+  using DeviceGet = CUresult (*)(CUdevice*, int);
+  using PrimaryCtxRetain = CUresult (*)(CUcontext*, CUdevice);
+  using CtxSetCurrent = CUresult (*)(CUcontext);
+  using EncodeTiled = CUresult (*)(CUtensorMap*, CUtensorMapDataType, cuuint32_t, void*, const cuuint64_t*,
+                                   const cuuint64_t*, const cuuint32_t*, const cuuint32_t*, CUtensorMapInterleave,
+                                   CUtensorMapSwizzle, CUtensorMapL2promotion, CUtensorMapFloatOOBfill);
   LaunchKernel launch_kernel = nullptr;
   ErrorName error_name = nullptr;
+  CtxGetCurrent ctx_get_current = nullptr;
+  DeviceGet device_get = nullptr;
+  PrimaryCtxRetain primary_ctx_retain = nullptr;
+  CtxSetCurrent ctx_set_current = nullptr;
+  EncodeTiled encode_tiled = nullptr;  // absent before CUDA 12: then no kernel has tensor maps
 };
 
 const Driver& driver() {
@@ -194,26 +285,69 @@ const Driver& driver() {
     Driver d;
     d.launch_kernel = reinterpret_cast<Driver::LaunchKernel>(dlsym(library, "cuLaunchKernel"));
     d.error_name = reinterpret_cast<Driver::ErrorName>(dlsym(library, "cuGetErrorName"));
-    if (d.launch_kernel == nullptr || d.error_name == nullptr) {
-      throw std::runtime_error("libcuda.so.1 has no cuLaunchKernel or cuGetErrorName");
+    d.encode_tiled = reinterpret_cast<Driver::EncodeTiled>(dlsym(library, "cuTensorMapEncodeTiled"));
+    d.ctx_get_current = reinterpret_cast<Driver::CtxGetCurrent>(dlsym(library, "cuCtxGetCurrent"));
+    d.device_get = reinterpret_cast<Driver::DeviceGet>(dlsym(library, "cuDeviceGet"));
+    d.primary_ctx_retain = reinterpret_cast<Driver::PrimaryCtxRetain>(dlsym(library, "cuDevicePrimaryCtxRetain"));
+    d.ctx_set_current = reinterpret_cast<Driver::CtxSetCurrent>(dlsym(library, "cuCtxSetCurrent"));
+    if (d.launch_kernel == nullptr || d.error_name == nullptr || d.ctx_get_current == nullptr ||
+        d.device_get == nullptr || d.primary_ctx_retain == nullptr || d.ctx_set_current == nullptr) {
+      throw std::runtime_error("libcuda.so.1 lacks one of the driver calls the kept launches make");
     }
     return d;
   }();
   return found;
 }
 
+[[noreturn]] void driver_failed(const char* what, CUresult result) {
+  const char* name = "unknown";
+  driver().error_name(result, &name);
+  throw std::runtime_error(text(what, " failed: ", name));
+}
+
+// Make the device's primary context (torch's, which Triton loaded the kernels into) current on this thread
+// where none is: the runtime binds one only when a thread first does CUDA work, so a thread that has done
+// none (autograd's backward thread, a caller's own) has none, and the driver calls below would refuse.
+void bind_context(const c10::Device& device) {
+  const Driver& d = driver();
+  CUcontext context = nullptr;
+  CUresult result = d.ctx_get_current(&context);
+  if (result != CUDA_SUCCESS) driver_failed("cuCtxGetCurrent", result);
+  if (context != nullptr) return;
+  CUdevice handle = 0;
+  if ((result = d.device_get(&handle, device.index())) != CUDA_SUCCESS) driver_failed("cuDeviceGet", result);
+  if ((result = d.primary_ctx_retain(&context, handle)) != CUDA_SUCCESS) {
+    driver_failed("cuDevicePrimaryCtxRetain", result);
+  }
+  if ((result = d.ctx_set_current(context)) != CUDA_SUCCESS) driver_failed("cuCtxSetCurrent", result);
+}
+
+void Launch::encode_maps(const uint64_t* addresses, std::array<CUtensorMap, kMaxTensorMaps>& maps) const {
+  if (tensor_maps_.empty()) return;
+  const Driver& d = driver();
+  if (d.encode_tiled == nullptr) throw std::runtime_error("libcuda.so.1 has no cuTensorMapEncodeTiled");
+  for (size_t i = 0; i < tensor_maps_.size(); ++i) {
+    const TensorMapSpec& spec = tensor_maps_[i];
+    void* start = reinterpret_cast<void*>(addresses[spec.position] + static_cast<uint64_t>(spec.offset_bytes));
+    // Triton's launcher encodes with 128-byte L2 promotion and no fill value (rows past the end read zero).
+    const CUresult result = d.encode_tiled(&maps[i], spec.data_type, spec.rank, start, spec.dims.data(),
+                                           spec.strides.data(), spec.box.data(), spec.element_strides.data(),
+                                           CU_TENSOR_MAP_INTERLEAVE_NONE, spec.swizzle,
+                                           CU_TENSOR_MAP_L2_PROMOTION_L2_128B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+    if (result != CUDA_SUCCESS) driver_failed("cuTensorMapEncodeTiled for a kept FlashAttention kernel", result);
+  }
+}
+
 void Launch::operator()(const uint64_t* addresses, CUstream stream) const {
   std::array<uint64_t, kMaxParams> slots;
   std::array<void*, kMaxParams> pointers;
-  pack(addresses, slots, pointers);
+  std::array<CUtensorMap, kMaxTensorMaps> maps;
+  encode_maps(addresses, maps);
+  pack(addresses, slots, pointers, maps);
   const Driver& d = driver();
   const CUresult result = d.launch_kernel(function_, grid_[0], grid_[1], grid_[2], threads_, 1, 1, shared_bytes_,
                                           stream, pointers.data(), nullptr);
-  if (result != CUDA_SUCCESS) {
-    const char* name = "unknown";
-    d.error_name(result, &name);
-    throw std::runtime_error(text("cuLaunchKernel of a kept FlashAttention kernel failed: ", name));
-  }
+  if (result != CUDA_SUCCESS) driver_failed("cuLaunchKernel of a kept FlashAttention kernel", result);
 }
 
 CUstream current_stream(const c10::Device& device) {
@@ -322,6 +456,7 @@ std::optional<std::tuple<at::Tensor, at::Tensor>> forward(const at::Tensor& q, c
   if (found == kept_forwards.end() || !all_aligned(inputs)) return std::nullopt;
   const KeptForward& kept = found->second;
   const c10::DeviceGuard on_device(q.device());
+  bind_context(q.device());
   at::Tensor o = empty_contiguous(q);
   at::Tensor lse = row_statistic(q);
   // Workspaces live until the launch is queued: freed before it, their blocks could be handed out again.
@@ -348,6 +483,7 @@ std::optional<std::tuple<at::Tensor, at::Tensor, at::Tensor>> backward(const at:
   if (found == kept_backwards.end() || !all_aligned(inputs)) return std::nullopt;
   const KeptBackward& kept = found->second;
   const c10::DeviceGuard on_device(q.device());
+  bind_context(q.device());
   at::Tensor dq = empty_contiguous(q), dk = empty_contiguous(k), dv = empty_contiguous(v);
   at::Tensor delta = row_statistic(q);
   const CUstream stream = current_stream(q.device());
@@ -376,9 +512,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "Kept eager FlashAttention launches, looked up by signature and launched from C++";
   py::class_<Launch>(m, "Launch")
       .def(py::init<int64_t, std::vector<int64_t>, int64_t, int64_t, int64_t, const std::vector<int64_t>&,
-                    const std::vector<int64_t>&, const std::vector<double>&>(),
+                    const std::vector<int64_t>&, const std::vector<double>&,
+                    const std::vector<std::vector<int64_t>>&>(),
            py::arg("function"), py::arg("grid"), py::arg("threads"), py::arg("shared_bytes"),
-           py::arg("null_pointers"), py::arg("kinds"), py::arg("integers"), py::arg("reals"))
+           py::arg("null_pointers"), py::arg("kinds"), py::arg("integers"), py::arg("reals"),
+           py::arg("tensor_maps") = std::vector<std::vector<int64_t>>{})
       .def("packed", &Launch::packed, py::arg("addresses"));
   m.def("keep_forward", &keep_forward, py::arg("q"), py::arg("k"), py::arg("v"), py::arg("is_causal"),
         py::arg("launch"), py::arg("partial_elements"), py::arg("arrival_elements"), py::arg("limit"));

@@ -57,6 +57,11 @@ class TileSet:
     narrow_forward: Tiles | None = None
     narrow_dkdv: Tiles | None = None
     narrow_dq: Tiles | None = None
+    # Each wide kernel's tiles where it streams its looped tiles through tensor descriptors (TMA), which
+    # inputs whose strides allow take on a GPU that has TMA (launch.py). None where not measured faster.
+    tma_forward: Tiles | None = None
+    tma_dkdv: Tiles | None = None
+    tma_dq: Tiles | None = None
 
 
 # Measured on an H100 by scripts/tune_flash.py, keyed on (head dim class, bytes per element): the class is
@@ -64,7 +69,8 @@ class TileSet:
 # docs/flash_tuning.md has each version's figures. Wide tiles: causal, batch 1 x 16 heads, N 16384 in bf16 and 8192 in
 # fp32; the 80 class (d 72 to 80: 64 + 16 columns) at the 2026 xl's attention, batch 4 x 32 heads, N 512 and 2048.
 # Narrow tiles: the shape fastest over N 1024, 4096 and 16384 at batch 1 x 1 head (the 80 class takes the 128
-# class's, not tuned there).
+# class's, not tuned there). TMA tiles: the fastest of those tried with descriptor loads at the 2026 xl's
+# attention, N 2048 (docs/flash_tuning.md v18 and v19).
 # Invariants the causal loop split relies on: forward/dq block_m % block_n == 0, dkdv block_n %
 # block_m == 0. fp32 runs tf32 dots on tiles of half the bf16 ones' bytes, within shared memory.
 TILE_TABLE: dict[tuple[int, int], TileSet] = {
@@ -72,7 +78,8 @@ TILE_TABLE: dict[tuple[int, int], TileSet] = {
                      narrow_forward=Tiles(64, 64, 4, 4), narrow_dq=Tiles(64, 64, 4, 4)),
     (80, 2): TileSet(forward=Tiles(128, 64, 4, 3), dkdv=Tiles(64, 64, 4, 3), dq=Tiles(128, 32, 4, 3),
                      narrow_forward=Tiles(64, 64, 4, 3), narrow_dkdv=Tiles(64, 64, 4, 3),
-                     narrow_dq=Tiles(64, 64, 4, 3)),
+                     narrow_dq=Tiles(64, 64, 4, 3),
+                     tma_forward=Tiles(128, 64, 4, 3), tma_dkdv=Tiles(64, 64, 4, 3), tma_dq=Tiles(128, 64, 4, 3)),
     (128, 2): TileSet(forward=Tiles(128, 64, 8, 4), dkdv=Tiles(64, 128, 8, 4), dq=Tiles(128, 64, 8, 4),
                       narrow_forward=Tiles(64, 64, 4, 3), narrow_dkdv=Tiles(64, 64, 4, 3),
                       narrow_dq=Tiles(64, 64, 4, 3)),
@@ -84,8 +91,11 @@ TILE_TABLE: dict[tuple[int, int], TileSet] = {
                       narrow_dq=Tiles(32, 32, 4, 4)),
 }
 # The interpreter runs programs one after another in Python: tiles small enough that tests with
-# a few dozen tokens cover several tiles, unequal so the diagonal logic is exercised.
-INTERPRETER_TILES = TileSet(forward=Tiles(32, 16, 1, 1), dkdv=Tiles(16, 32, 1, 1), dq=Tiles(32, 16, 1, 1))
+# a few dozen tokens cover several tiles, unequal so the diagonal logic is exercised. It runs descriptor
+# loads too, on the same tiles, so that CPU tests cover both kinds of load.
+INTERPRETER_TILES = TileSet(forward=Tiles(32, 16, 1, 1), dkdv=Tiles(16, 32, 1, 1), dq=Tiles(32, 16, 1, 1),
+                            tma_forward=Tiles(32, 16, 1, 1), tma_dkdv=Tiles(16, 32, 1, 1),
+                            tma_dq=Tiles(32, 16, 1, 1))
 
 
 def tiles_for(head_dim: int, dtype: torch.dtype, interpreted: bool = False) -> TileSet:
@@ -108,6 +118,11 @@ NARROW_GRID_PROGRAMS_PER_SM = 1
 @functools.cache
 def sm_count(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def tma_tiles(tile_set: TileSet, kernel: str, tiles: Tiles) -> Tiles | None:
+    """A kernel's tiles with descriptor loads, where it takes its wide `tiles` and its tile set has them."""
+    return getattr(tile_set, f"tma_{kernel}") if tiles is getattr(tile_set, kernel) else None
 
 
 def kernel_tiles(tile_set: TileSet, kernel: str, batch_heads: int, n_rows: int, device: torch.device) -> Tiles:
