@@ -844,6 +844,22 @@ def test_the_op_gives_the_function_s_output_and_gradients(device):
         torch.testing.assert_close(got, want, rtol=0, atol=0)
 
 
+@pytest.mark.gpu
+def test_the_op_on_cuda_tensors_takes_its_own_autograd_and_without_autograd_its_body(device):
+    # The autograd register_autograd makes redispatches every call through torch.library's Python layers
+    # (op.py): CUDA tensors take the op's own, which launches as the Function does. Where autograd is off
+    # altogether (inference mode) the dispatcher goes past it, to the triton_op's body.
+    if INTERPRETED:
+        pytest.skip("the interpreter's CPU tensors take the autograd register_autograd makes")
+    q, k, v, _ = leaf_inputs((2, 3), 45, 70, 40, torch.bfloat16, device)
+    o, lse = flash_attention_forward(*(t.requires_grad_() for t in (q, k, v)), True)
+    assert type(o.grad_fn) is op._CudaAutograd._backward_cls
+    with torch.inference_mode():
+        inferred = flash_attention_forward(q, k, v, True)
+    for got, want in zip(inferred, (o, lse)):
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+
 def test_the_op_s_log_sum_exp_is_not_differentiable(device):
     q, k, v, _ = leaf_inputs((2,), 20, 20, 16, torch.float32, device)
     o, lse = flash_attention_forward(*(t.requires_grad_() for t in (q, k, v)), True)
