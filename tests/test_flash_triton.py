@@ -9,6 +9,7 @@ run on a GPU with compute-sanitizer too (`make gpu-check`).
 """
 
 import contextlib
+import ctypes
 import itertools
 import os
 import shutil
@@ -557,6 +558,14 @@ def _on_a_new_thread(call):
         raise outcome["error"]
     assert not outcome["had_context"], "the new thread had a context: the test shows nothing"
     return outcome["result"]
+
+
+@pytest.mark.gpu
+def test_a_failed_driver_call_names_the_call_and_the_driver_s_error(device):
+    if INTERPRETED:
+        pytest.skip("the interpreter makes no driver calls")
+    with pytest.raises(RuntimeError, match=r"cuDeviceGet failed: CUDA_ERROR_INVALID_DEVICE \(CUDA driver error 101\)"):
+        launch._driver_call("cuDeviceGet", ctypes.byref(ctypes.c_int()), torch.cuda.device_count())
 
 
 @pytest.mark.gpu
