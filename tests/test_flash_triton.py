@@ -564,6 +564,7 @@ def _on_a_new_thread(call):
 def test_a_failed_driver_call_names_the_call_and_the_driver_s_error(device):
     if INTERPRETED:
         pytest.skip("the interpreter makes no driver calls")
+    torch.cuda.init()  # the driver answers calls only once initialised
     with pytest.raises(RuntimeError, match=r"cuDeviceGet failed: CUDA_ERROR_INVALID_DEVICE \(CUDA driver error 101\)"):
         launch._driver_call("cuDeviceGet", ctypes.byref(ctypes.c_int()), torch.cuda.device_count())
 
