@@ -1,8 +1,9 @@
 """Where the host's time to issue one FlashAttention forward+backward goes: the Triton Function and the
 torch.library op as shipped (kept calls launched from C++), the Function with its kept calls launched from
-Python, the same with every kernel launch skipped (our Python and autograd alone), an autograd.Function
-that only allocates the outputs (what autograd charges any Python Function), and, on a GPU, SDPA's flash
-and cuDNN backends.
+Python, the same with every kernel launch skipped (our Python and autograd alone; for the op, also its
+CUDA autograd Function called past the dispatcher, since CPU tensors take the autograd register_autograd
+made), an autograd.Function that only allocates the outputs (what autograd charges any Python Function),
+and, on a GPU, SDPA's flash and cuDNN backends.
 
     python scripts/flash_host_costs.py                      # on a GPU: 4 x 32 x 512 x 80, bf16
     python scripts/flash_host_costs.py --back-to-back       # on a GPU: 1 x 1 x 16 x 80, calls back to back
@@ -29,7 +30,7 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from cs336_systems.attention.flash_triton import launch
-from cs336_systems.attention.flash_triton.op import FlashAttentionTriton, flash_attention_forward
+from cs336_systems.attention.flash_triton.op import FlashAttentionTriton, _CudaAutograd, flash_attention_forward
 from cs336_systems.timing import issue_times, time_fn
 
 
@@ -126,6 +127,8 @@ def main(argv=None) -> int:
         paths["SDPA cuDNN"] = sdpa, functools.partial(sdpa_kernel, SDPBackend.CUDNN_ATTENTION)
     paths["Function, launches skipped"] = function, launches_skipped
     paths["op, launches skipped"] = op, launches_skipped
+    paths["op's CUDA autograd Function, launches skipped"] = (fwd_bwd(lambda: _CudaAutograd.apply(q, k, v, True)[0]),
+                                                            launches_skipped)
     paths["autograd.Function that only allocates"] = (fwd_bwd(lambda: AllocatingFunction.apply(q, k, v, True)),
                                                       contextlib.nullcontext)
     calls, contexts = [call for call, _ in paths.values()], [context for _, context in paths.values()]

@@ -9,6 +9,7 @@ run on a GPU with compute-sanitizer too (`make gpu-check`).
 """
 
 import contextlib
+import ctypes
 import itertools
 import os
 import shutil
@@ -560,6 +561,15 @@ def _on_a_new_thread(call):
 
 
 @pytest.mark.gpu
+def test_a_failed_driver_call_names_the_call_and_the_driver_s_error(device):
+    if INTERPRETED:
+        pytest.skip("the interpreter makes no driver calls")
+    torch.cuda.init()  # the driver answers calls only once initialised
+    with pytest.raises(RuntimeError, match=r"cuDeviceGet failed: CUDA_ERROR_INVALID_DEVICE \(CUDA driver error 101\)"):
+        launch._driver_call("cuDeviceGet", ctypes.byref(ctypes.c_int()), torch.cuda.device_count())
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("head_dim", [64, 80])  # bf16 d 80's wide kernels load through descriptors
 @pytest.mark.parametrize("route", ["whole", "cpp", "python"])
 def test_calls_from_a_thread_that_has_done_no_cuda_work_give_what_the_caller_s_thread_gives(route, head_dim, device,
@@ -841,6 +851,22 @@ def test_the_op_gives_the_function_s_output_and_gradients(device):
         out = attend(*inputs, True)
         results.append((out, *torch.autograd.grad(out, inputs, do)))
     for got, want in zip(*results):
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+
+@pytest.mark.gpu
+def test_the_op_on_cuda_tensors_takes_its_own_autograd_and_without_autograd_its_body(device):
+    # The autograd register_autograd makes redispatches every call through torch.library's Python layers
+    # (op.py): CUDA tensors take the op's own, which launches as the Function does. Where autograd is off
+    # altogether (inference mode) the dispatcher goes past it, to the triton_op's body.
+    if INTERPRETED:
+        pytest.skip("the interpreter's CPU tensors take the autograd register_autograd makes")
+    q, k, v, _ = leaf_inputs((2, 3), 45, 70, 40, torch.bfloat16, device)
+    o, lse = flash_attention_forward(*(t.requires_grad_() for t in (q, k, v)), True)
+    assert type(o.grad_fn) is op._CudaAutograd._backward_cls
+    with torch.inference_mode():
+        inferred = flash_attention_forward(q, k, v, True)
+    for got, want in zip(inferred, (o, lse)):
         torch.testing.assert_close(got, want, rtol=0, atol=0)
 
 

@@ -215,7 +215,9 @@ def _driver() -> ctypes.CDLL:
 def _driver_call(name: str, *arguments) -> None:
     result = getattr(_driver(), name)(*arguments)
     if result:
-        raise RuntimeError(f"{name} failed with CUDA driver error {result}")
+        error = ctypes.c_char_p()
+        _driver().cuGetErrorName(result, ctypes.byref(error))
+        raise RuntimeError(f"{name} failed: {(error.value or b'unknown').decode()} (CUDA driver error {result})")
 
 
 def context_current() -> bool:

@@ -10,11 +10,12 @@ and launches the kernels from its own graph (their body is their fake implementa
 TRITON_INTERPRET=1 they are opaque custom ops: interpreted kernels run in Python on real CPU tensors,
 which a traced graph cannot hand them.
 
-Eager calls skip the op: torch.library's Python dispatch and autograd nearly double a forward+backward's
-host time against the Function's (both launching the same kernels), and at training shapes that host
-time is already longer than the kernels take. So eager calls of either entry point launch through the
-Function, and only traced calls go through the op. The op called eagerly launches its backward
-directly too: the backward op is there for the compiler's graph.
+On CUDA tensors the forward op's autograd is its own autograd.Function (_CudaAutograd), registered for
+AutogradCUDA: the one register_autograd makes redispatches every call below autograd through
+torch.library's Python layers, which nearly doubled an eager forward+backward's host time against the
+Function's, and at training shapes that host time is already longer than the kernels take. Called eagerly,
+either entry point launches the kernels directly, as does the op's backward: the backward op is there for
+the compiler's graph. flash_attention_triton takes the Function in eager, a few microseconds cheaper still.
 """
 
 from __future__ import annotations
@@ -67,6 +68,7 @@ def _setup_context(ctx, inputs, output) -> None:
     ctx.save_for_backward(q, k, v, o, lse)
     ctx.is_causal = is_causal
     ctx.mark_non_differentiable(lse)
+    ctx.set_materialize_grads(False)  # L's gradient, never used, is not made into zeros
 
 
 def _backward(ctx, do, _dlse):
@@ -79,6 +81,25 @@ def _backward(ctx, do, _dlse):
 
 
 flash_attention_forward.register_autograd(_backward, setup_context=_setup_context)
+
+
+class _CudaAutograd(torch.autograd.Function):
+    """The forward op's autograd on CUDA tensors (the module docstring says why): it launches as the
+    Function does; a traced call's kernels become graph nodes (launch.py), and its backward is the
+    backward op."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, is_causal):
+        output = launch.forward(q, k, v, is_causal)
+        _setup_context(ctx, (q, k, v, is_causal), output)
+        return output
+
+    backward = staticmethod(_backward)
+
+
+if not launch.INTERPRETED:  # the interpreter's CPU calls, opaque when traced, keep register_autograd's
+    _LIBRARY = torch.library.Library(FORWARD_OP.split("::")[0], "FRAGMENT")
+    torch.library.impl(FORWARD_OP, "AutogradCUDA", _CudaAutograd.apply, lib=_LIBRARY)
 
 
 def flash_attention_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool = False) -> torch.Tensor:
