@@ -18,6 +18,8 @@ import threading
 
 import pytest
 import torch
+import triton
+import triton.language as tl
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -28,7 +30,7 @@ from cs336_systems.attention.flash_triton import (
     flash_attention_triton,
     plan_for,
 )
-from cs336_systems.attention.flash_triton import launch, native, op, tiles
+from cs336_systems.attention.flash_triton import kernels, launch, native, op, tiles
 from cs336_systems.model import ModelConfig, TransformerLM
 from cs336_systems.precision import PRECISIONS
 from tests.flash_reference import (
@@ -109,6 +111,51 @@ def test_split_forward_runs_are_a_quarter_of_the_longest_tile_in_query_tile_mult
     assert split(tile_shape, 100, 8192, is_causal=True) == 64  # causal: the queries' last tile ends at 128
     assert split(tile_shape, 100, 8192, is_causal=False) == 2048
     assert split(tile_shape, 64, 64, is_causal=True) is None  # one run: the whole forward
+
+
+def test_a_head_group_spans_four_programs_per_sm_at_least_one_head_and_at_most_all(monkeypatch):
+    monkeypatch.setattr(tiles, "sm_count", lambda index: 132)
+    gpu = torch.device("cuda", 0)
+    group = tiles.head_group
+    # The 2026 xl's attention, batch 4 x 32 heads, d 80 (forward and dQ: 128-row tiles; dK/dV: 64).
+    assert group(128, 2048 // 128, gpu) == 33  # 528 programs over 16 tiles a head
+    assert group(128, 2048 // 64, gpu) == 17  # 528 over 32, rounded up
+    assert group(128, 512 // 128, gpu) == 128  # 132 heads' worth: all of them
+    assert group(128, 512 // 64, gpu) == 66
+    assert group(16, 16384 // 128, gpu) == 5  # the leaderboard's grid
+    assert group(3, 1000, gpu) == 1  # more tiles a head than the group's programs
+    assert group(5, 2, torch.device("cpu")) == 2  # the interpreter's four programs
+    assert group(5, 8, torch.device("cpu")) == 1
+
+
+@triton.jit
+def _launch_order(Out, n_rows, n_heads, group_heads, BLOCK: tl.constexpr, LONGEST_LAST: tl.constexpr):
+    """Each program's (batch x head, batch x heads + head, tile) as the kernels' _program_tile gives them."""
+    pid_bh, batch, head, tile = kernels._program_tile(n_rows, n_heads, group_heads, BLOCK, LONGEST_LAST)
+    pid = tl.program_id(0)
+    tl.store(Out + 3 * pid, pid_bh)
+    tl.store(Out + 3 * pid + 1, (batch * n_heads + head).to(tl.int32))
+    tl.store(Out + 3 * pid + 2, tile)
+
+
+@pytest.mark.parametrize("longest_last", [True, False])
+@pytest.mark.parametrize(("batch_heads", "n_tiles", "group_heads"), [(7, 3, 3), (6, 4, 2), (5, 2, 5), (4, 5, 1)])
+def test_the_launch_order_takes_every_tile_once_by_head_groups_longest_first(batch_heads, n_tiles, group_heads,
+                                                                              longest_last, device):
+    block, n_heads = 16, 2
+    out = torch.full((batch_heads * n_tiles, 3), -1, dtype=torch.int32, device=device)
+    # The last tile partial, as in a sequence that is not a multiple of the tile.
+    _launch_order[(batch_heads * n_tiles,)](out, n_tiles * block - 3, n_heads, group_heads, BLOCK=block,
+                                    LONGEST_LAST=longest_last)
+    launched = [tuple(row) for row in out.tolist()]
+    assert all(pid_bh == batch_head for pid_bh, batch_head, _ in launched)
+    expected = []
+    for first in range(0, batch_heads, group_heads):
+        heads = range(first, min(first + group_heads, batch_heads))
+        # Longest first: the last query tile for the forward and dQ, the first key tile for dK/dV.
+        ranked = reversed(range(n_tiles)) if longest_last else range(n_tiles)
+        expected += [(head, tile) for tile in ranked for head in heads]
+    assert [(pid_bh, tile) for pid_bh, _, tile in launched] == expected
 
 
 @pytest.mark.parametrize(("head_dim", "chunks"), [

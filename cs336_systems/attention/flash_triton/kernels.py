@@ -13,8 +13,8 @@ Speed structure:
     L is stored in natural-log units, as the contract says.
   - Causal: key tiles wholly above the diagonal are never visited; the tiles that straddle it (and a
     partial tail tile) go through a masked copy of the loop, all other tiles through an unmasked one.
-  - Launch order (_program_tile): the forward and dQ start the longest query tiles of every head
-    first; dK/dV keeps a head's key tiles together so they share its queries in L2.
+  - Launch order (_program_tile): heads in groups, each group's longest tiles first, so that the
+    heads in flight share what they stream in L2 and every group ends on short programs.
   - DESCRIPTORS: the wide kernels can take the tiles their loop streams (K and V in the forward and dQ,
     Q and dO in dK/dV) through tensor descriptors (TMA on Hopper): one copy per tile, no per-element
     addresses, and rows past n read as zero by the hardware. Each such tensor comes as two descriptors
@@ -37,7 +37,7 @@ _LN2 = tl.constexpr(math.log(2.0))
 _MASKED_SCORE_BIAS_LOG2 = tl.constexpr(MASKED_SCORE_BIAS * LOG2E)  # the bias in base-2 score units
 # Sizes are not specialised on (Triton would otherwise compile a variant for every length that is 1
 # or a multiple of 16); strides still are, since their alignment is what lets loads vectorise.
-_SIZE_ARGS = ["n_heads", "n_queries", "n_keys"]
+_SIZE_ARGS = ["n_heads", "group_heads", "n_queries", "n_keys"]
 
 
 @triton.jit
@@ -58,26 +58,28 @@ def _load_rows(ptrs, rows, n_rows, offs_d, CHECK_ROWS: tl.constexpr, HEAD_DIM: t
 
 
 @triton.jit
-def _program_tile(n_rows, n_heads, BLOCK: tl.constexpr, HEADS_FASTEST: tl.constexpr):
+def _program_tile(n_rows, n_heads, group_heads, BLOCK: tl.constexpr, LONGEST_LAST: tl.constexpr):
     """(batch x head, batch, head, tile index) of this program, in a 1-D grid of batch x heads x
     tiles; batch and head are int64, since batch offsets of long sequences pass 2^31.
 
-    Programs start roughly in launch order. HEADS_FASTEST gives every head's last tile first, then
-    every head's last but one, and so on: under a causal mask the forward's and dQ's last query
-    tiles see the most keys, so the longest programs start first and the final wave is short.
-    Otherwise a head's tiles run together, in order: dK/dV's first key tiles are its longest, and
-    its programs, which all stream the same head's queries, share them in L2 (measured faster
-    for dK/dV, slower for the forward and dQ; docs/flash_tuning.md).
+    Programs start roughly in launch order. The batch x heads are taken in groups of group_heads
+    (the last group may be smaller), a group's programs all before the next group's. Within a
+    group every head's longest tile comes first, then every head's next longest, and so on: under
+    a causal mask that is the last query tile for the forward and dQ (LONGEST_LAST), the first key
+    tile for dK/dV. So each group starts on its longest programs and ends on short ones, and the
+    heads in flight at once are few enough that their programs share the K and V (or Q and dO)
+    they all stream in L2 (tiles.head_group sizes the groups; docs/flash_tuning.md, v22).
     """
     n_tiles = tl.cdiv(n_rows, BLOCK)
+    n_batch_heads = tl.num_programs(0) // n_tiles
     pid = tl.program_id(0)
-    if HEADS_FASTEST:
-        n_batch_heads = tl.num_programs(0) // n_tiles
-        pid_bh = pid % n_batch_heads
-        tile = n_tiles - 1 - pid // n_batch_heads
-    else:
-        pid_bh = pid // n_tiles
-        tile = pid % n_tiles
+    group_programs = group_heads * n_tiles
+    first_head = pid // group_programs * group_heads
+    heads_here = tl.minimum(group_heads, n_batch_heads - first_head)
+    in_group = pid % group_programs
+    pid_bh = first_head + in_group % heads_here
+    rank = in_group // heads_here
+    tile = n_tiles - 1 - rank if LONGEST_LAST else rank
     return pid_bh, (pid_bh // n_heads).to(tl.int64), (pid_bh % n_heads).to(tl.int64), tile
 
 
@@ -265,7 +267,7 @@ def forward_kernel(Q, K, V, O, L,
                    stride_kb, stride_kh, stride_kn,
                    stride_vb, stride_vh, stride_vn,
                    stride_ob, stride_oh, stride_on,
-                   n_heads, n_queries, n_keys, qk_scale,
+                   n_heads, group_heads, n_queries, n_keys, qk_scale,
                    KD, KT, VD, VT,
                    IS_CAUSAL: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, TAIL_D: tl.constexpr,
                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DESCRIPTORS: tl.constexpr):
@@ -274,7 +276,7 @@ def forward_kernel(Q, K, V, O, L,
     # A float argument is fp32 when Triton's own launcher passes it and fp64 when torch.compile's does:
     # fp64 would spread through the scores into tl.dot, which refuses it.
     qk_scale = tl.cast(qk_scale, tl.float32)
-    pid_bh, batch, head, pid_m = _program_tile(n_queries, n_heads, BLOCK_M, True)
+    pid_bh, batch, head, pid_m = _program_tile(n_queries, n_heads, group_heads, BLOCK_M, True)
     q_start = pid_m * BLOCK_M
     o, o_t, lse2 = _attend_key_range(Q, K, V, batch, head, stride_qb, stride_qh, stride_qn, stride_kb, stride_kh,
                                      stride_kn, stride_vb, stride_vh, stride_vn, q_start, 0,
@@ -332,7 +334,7 @@ def split_forward_kernel(Q, K, V, O, L, Partial, Arrivals,
                          stride_kb, stride_kh, stride_kn,
                          stride_vb, stride_vh, stride_vn,
                          stride_ob, stride_oh, stride_on,
-                         n_heads, n_queries, n_keys, split_keys, qk_scale,
+                         n_heads, group_heads, n_queries, n_keys, split_keys, qk_scale,
                          IS_CAUSAL: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, TAIL_D: tl.constexpr,
                          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                          RUNS: tl.constexpr, MERGE_COLUMNS: tl.constexpr):
@@ -351,7 +353,7 @@ def split_forward_kernel(Q, K, V, O, L, Partial, Arrivals,
     """
     # fp32 scales, whichever launcher passed them (see forward_kernel).
     qk_scale = tl.cast(qk_scale, tl.float32)
-    pid_bh, batch, head, pid_m = _program_tile(n_queries, n_heads, BLOCK_M, True)
+    pid_bh, batch, head, pid_m = _program_tile(n_queries, n_heads, group_heads, BLOCK_M, True)
     split = tl.program_id(1)
     q_start = pid_m * BLOCK_M
     keys_end = _keys_seen_end(q_start, n_keys, IS_CAUSAL, BLOCK_M)
@@ -454,7 +456,7 @@ def dkdv_kernel(Q, K, V, DO, L, Delta, DK, DV,
                 stride_dob, stride_doh, stride_don,
                 stride_dkb, stride_dkh, stride_dkn,
                 stride_dvb, stride_dvh, stride_dvn,
-                n_heads, n_queries, n_keys, qk_scale, sm_scale,
+                n_heads, group_heads, n_queries, n_keys, qk_scale, sm_scale,
                 QD, QT, DOD, DOT,
                 IS_CAUSAL: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, TAIL_D: tl.constexpr,
                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DESCRIPTORS: tl.constexpr):
@@ -464,7 +466,7 @@ def dkdv_kernel(Q, K, V, DO, L, Delta, DK, DV,
     # fp32 scales, whichever launcher passed them (see forward_kernel).
     qk_scale = tl.cast(qk_scale, tl.float32)
     sm_scale = tl.cast(sm_scale, tl.float32)
-    pid_bh, batch, head, pid_n = _program_tile(n_keys, n_heads, BLOCK_N, False)
+    pid_bh, batch, head, pid_n = _program_tile(n_keys, n_heads, group_heads, BLOCK_N, False)
     k_start = pid_n * BLOCK_N
     cols = k_start + tl.arange(0, BLOCK_N)
     offs_m = tl.arange(0, BLOCK_M)
@@ -555,7 +557,7 @@ def dq_kernel(Q, K, V, O, DO, L, Delta, DQ,
               stride_ob, stride_oh, stride_on,
               stride_dob, stride_doh, stride_don,
               stride_dqb, stride_dqh, stride_dqn,
-              n_heads, n_queries, n_keys, qk_scale, sm_scale,
+              n_heads, group_heads, n_queries, n_keys, qk_scale, sm_scale,
               KD, KT, VD, VT,
               IS_CAUSAL: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, TAIL_D: tl.constexpr,
               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DESCRIPTORS: tl.constexpr):
@@ -565,7 +567,7 @@ def dq_kernel(Q, K, V, O, DO, L, Delta, DQ,
     # fp32 scales, whichever launcher passed them (see forward_kernel).
     qk_scale = tl.cast(qk_scale, tl.float32)
     sm_scale = tl.cast(sm_scale, tl.float32)
-    pid_bh, batch, head, pid_m = _program_tile(n_queries, n_heads, BLOCK_M, True)
+    pid_bh, batch, head, pid_m = _program_tile(n_queries, n_heads, group_heads, BLOCK_M, True)
     q_start = pid_m * BLOCK_M
     offs_m = q_start + tl.arange(0, BLOCK_M)
     offs_n = tl.arange(0, BLOCK_N)

@@ -62,6 +62,7 @@ from cs336_systems.attention.flash_triton.tiles import (
     cdiv,
     forward_split_keys,
     head_dim_chunks,
+    head_group,
     kernel_tiles,
     longest_tile_keys,
     tiles_for,
@@ -483,10 +484,11 @@ def launch_forward(q4, k4, v4, is_causal: bool, tiles: Tiles, kept: list[KeptLau
     tiles, described = _streamed(tiles, tma, ((1, k4), (2, v4)), "block_n", head_dim)
     o4 = q4.new_empty(q4.shape)
     lse = q4.new_empty((batch, heads, n_queries), dtype=torch.float32)
-    grid = (batch * heads * cdiv(n_queries, tiles.block_m), 1, 1)
-    _launch(kernel_call("forward", head_dim, is_causal, tiles, DESCRIPTORS=described is not None), grid,
-            (q4, k4, v4, o4, lse), (*_strides(q4, k4, v4, o4), heads, n_queries, k4.shape[2], _scales(head_dim)[0]),
-            kept, described)
+    n_tiles = cdiv(n_queries, tiles.block_m)
+    group = head_group(batch * heads, n_tiles, q4.device)
+    _launch(kernel_call("forward", head_dim, is_causal, tiles, DESCRIPTORS=described is not None),
+            (batch * heads * n_tiles, 1, 1), (q4, k4, v4, o4, lse),
+            (*_strides(q4, k4, v4, o4), heads, group, n_queries, k4.shape[2], _scales(head_dim)[0]), kept, described)
     return o4, lse
 
 
@@ -508,7 +510,8 @@ def launch_split_forward(q4, k4, v4, is_causal: bool, tiles: Tiles, split_keys: 
     call = kernel_call("split_forward", head_dim, is_causal, tiles, RUNS=int(tiles_runs[1]),
                        MERGE_COLUMNS=_merge_columns(block_d))
     _launch(call, (*tiles_runs, 1), (q4, k4, v4, o4, lse, partial, arrivals),
-            (*_strides(q4, k4, v4, o4), heads, n_queries, n_keys, split_keys, _scales(head_dim)[0]), kept)
+            (*_strides(q4, k4, v4, o4), heads, head_group(batch * heads, cdiv(n_queries, tiles.block_m), q4.device),
+             n_queries, n_keys, split_keys, _scales(head_dim)[0]), kept)
     return o4, lse
 
 
@@ -532,10 +535,12 @@ def launch_dq(q4, k4, v4, o4, do4, lse, is_causal: bool, tiles: Tiles, kept: lis
     tiles, described = _streamed(tiles, tma, ((1, k4), (2, v4)), "block_n", head_dim)
     dq4 = q4.new_empty(q4.shape)
     delta = q4.new_empty((batch, heads, n_queries), dtype=torch.float32)
-    grid = (batch * heads * cdiv(n_queries, tiles.block_m), 1, 1)
-    _launch(kernel_call("dq", head_dim, is_causal, tiles, DESCRIPTORS=described is not None), grid,
-            (q4, k4, v4, o4, do4, lse, delta, dq4),
-            (*_strides(q4, k4, v4, o4, do4, dq4), heads, n_queries, k4.shape[2], *_scales(head_dim)), kept, described)
+    n_tiles = cdiv(n_queries, tiles.block_m)
+    group = head_group(batch * heads, n_tiles, q4.device)
+    _launch(kernel_call("dq", head_dim, is_causal, tiles, DESCRIPTORS=described is not None),
+            (batch * heads * n_tiles, 1, 1), (q4, k4, v4, o4, do4, lse, delta, dq4),
+            (*_strides(q4, k4, v4, o4, do4, dq4), heads, group, n_queries, k4.shape[2], *_scales(head_dim)), kept,
+            described)
     return dq4, delta
 
 
@@ -547,10 +552,12 @@ def launch_dkdv(q4, k4, v4, do4, lse, delta, is_causal: bool, tiles: Tiles, kept
     n_keys = k4.shape[2]
     tiles, described = _streamed(tiles, tma, ((0, q4), (3, do4)), "block_m", head_dim)
     dk4, dv4 = k4.new_empty(k4.shape), v4.new_empty(v4.shape)
-    grid = (batch * heads * cdiv(n_keys, tiles.block_n), 1, 1)
-    _launch(kernel_call("dkdv", head_dim, is_causal, tiles, DESCRIPTORS=described is not None), grid,
-            (q4, k4, v4, do4, lse, delta, dk4, dv4),
-            (*_strides(q4, k4, v4, do4, dk4, dv4), heads, n_queries, n_keys, *_scales(head_dim)), kept, described)
+    n_tiles = cdiv(n_keys, tiles.block_n)
+    group = head_group(batch * heads, n_tiles, k4.device)
+    _launch(kernel_call("dkdv", head_dim, is_causal, tiles, DESCRIPTORS=described is not None),
+            (batch * heads * n_tiles, 1, 1), (q4, k4, v4, do4, lse, delta, dk4, dv4),
+            (*_strides(q4, k4, v4, do4, dk4, dv4), heads, group, n_queries, n_keys, *_scales(head_dim)), kept,
+            described)
     return dk4, dv4
 
 

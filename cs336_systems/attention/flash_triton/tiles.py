@@ -138,6 +138,29 @@ def kernel_tiles(tile_set: TileSet, kernel: str, batch_heads: int, n_rows: int, 
     return wide
 
 
+# The kernels take the batch x heads in groups (kernels._program_tile), a group's programs about this
+# many per SM: a group then spans about two waves of the wide tiles' programs (two resident per SM), few
+# enough heads that their programs share the K and V (or Q and dO) they stream in L2. Measured on an H100
+# at batch 4 x 32 heads, d 80, each kernel alone in a CUDA graph (docs/flash_tuning.md, v22): at N 2048,
+# groups of 16 to 33 heads took the forward from 0.276 to 0.253 ms, dQ from 0.332 to 0.311 and dK/dV from
+# 0.472 to 0.462 against every head in one group (the forward's and dQ's order before) and one head at a
+# time (dK/dV's); at N 512 all 128 heads in one group stayed the fastest for the forward and dQ.
+HEAD_GROUP_PROGRAMS_PER_SM = 4
+# The interpreter's group: a few programs, so that CPU tests run several groups and a partial last one.
+INTERPRETER_HEAD_GROUP_PROGRAMS = 4
+
+
+def head_group(batch_heads, n_tiles, device: torch.device):
+    """How many of the batch x heads a kernel takes together (kernels._program_tile), given each head's
+    tiles: enough for HEAD_GROUP_PROGRAMS_PER_SM programs per SM, at least one head and at most all.
+    Sizes may be symbolic under torch.compile."""
+    if device.type == "cuda":
+        programs = HEAD_GROUP_PROGRAMS_PER_SM * sm_count(device.index or 0)
+    else:
+        programs = INTERPRETER_HEAD_GROUP_PROGRAMS
+    return torch.sym_min(batch_heads, torch.sym_max(1, cdiv(programs, n_tiles)))
+
+
 # On grids that take the narrow tiles the forward also splits keys (split_forward_kernel): the longest
 # query tile's keys in this many runs. Measured on an H100 at batch x heads 1, causal, runs of 128 to
 # 4096 keys: a quarter of N was the fastest or within noise of it at N 1024 to 8192 (bf16 N 8192:
