@@ -146,7 +146,7 @@ def test_the_launch_order_takes_every_tile_once_by_head_groups_longest_first(bat
     out = torch.full((batch_heads * n_tiles, 3), -1, dtype=torch.int32, device=device)
     # The last tile partial, as in a sequence that is not a multiple of the tile.
     _launch_order[(batch_heads * n_tiles,)](out, n_tiles * block - 3, n_heads, group_heads, BLOCK=block,
-                                    LONGEST_LAST=longest_last)
+                                            LONGEST_LAST=longest_last)
     launched = [tuple(row) for row in out.tolist()]
     assert all(pid_bh == batch_head for pid_bh, batch_head, _ in launched)
     expected = []
