@@ -113,18 +113,19 @@ def test_split_forward_runs_are_a_quarter_of_the_longest_tile_in_query_tile_mult
     assert split(tile_shape, 64, 64, is_causal=True) is None  # one run: the whole forward
 
 
-def test_a_head_group_spans_four_programs_per_sm_at_least_one_head_and_at_most_all(monkeypatch):
+def test_head_groups_span_four_programs_per_sm_and_share_the_heads_evenly(monkeypatch):
     monkeypatch.setattr(tiles, "sm_count", lambda index: 132)
     gpu = torch.device("cuda", 0)
     group = tiles.head_group
     # The 2026 xl's attention, batch 4 x 32 heads, d 80 (forward and dQ: 128-row tiles; dK/dV: 64).
-    assert group(128, 2048 // 128, gpu) == 33  # 528 programs over 16 tiles a head
-    assert group(128, 2048 // 64, gpu) == 17  # 528 over 32, rounded up
+    assert group(128, 2048 // 128, gpu) == 43  # 528 programs over 16 tiles: 33 heads' worth; 43, 43, 42
+    assert group(128, 2048 // 64, gpu) == 19  # 528 over 32: 17 heads' worth; 7 groups, the last of 14
     assert group(128, 512 // 128, gpu) == 128  # 132 heads' worth: all of them
-    assert group(128, 512 // 64, gpu) == 66
-    assert group(16, 16384 // 128, gpu) == 5  # the leaderboard's grid
+    assert group(128, 512 // 64, gpu) == 128  # 66 heads' worth: one group, not 66 and a leftover 62
+    assert group(16, 16384 // 128, gpu) == 6  # the leaderboard's forward: 6, 6, 4, not 5, 5, 5, 1
+    assert group(16, 16384 // 64, gpu) == 4  # its dK/dV: 3 heads' worth; 4 groups of 4, not 3, 3, 3, 3, 3, 1
     assert group(3, 1000, gpu) == 1  # more tiles a head than the group's programs
-    assert group(5, 2, torch.device("cpu")) == 2  # the interpreter's four programs
+    assert group(5, 2, torch.device("cpu")) == 3  # the interpreter's four programs: 2 heads' worth, 3 and 2
     assert group(5, 8, torch.device("cpu")) == 1
 
 

@@ -501,7 +501,8 @@ def launch_split_forward(q4, k4, v4, is_causal: bool, tiles: Tiles, split_keys: 
     n_keys = k4.shape[2]
     if split_keys <= 0 or split_keys % tiles.block_m:
         raise ValueError(f"split_keys {split_keys} must be a positive multiple of the query tile, {tiles.block_m}")
-    tiles_runs = (batch * heads * cdiv(n_queries, tiles.block_m),
+    n_tiles = cdiv(n_queries, tiles.block_m)
+    tiles_runs = (batch * heads * n_tiles,
                   cdiv(longest_tile_keys(tiles.block_m, n_queries, n_keys, is_causal), split_keys))
     block_d, tail_d = head_dim_chunks(head_dim)
     o4 = q4.new_empty(q4.shape)
@@ -510,7 +511,7 @@ def launch_split_forward(q4, k4, v4, is_causal: bool, tiles: Tiles, split_keys: 
     call = kernel_call("split_forward", head_dim, is_causal, tiles, RUNS=int(tiles_runs[1]),
                        MERGE_COLUMNS=_merge_columns(block_d))
     _launch(call, (*tiles_runs, 1), (q4, k4, v4, o4, lse, partial, arrivals),
-            (*_strides(q4, k4, v4, o4), heads, head_group(batch * heads, cdiv(n_queries, tiles.block_m), q4.device),
+            (*_strides(q4, k4, v4, o4), heads, head_group(batch * heads, n_tiles, q4.device),
              n_queries, n_keys, split_keys, _scales(head_dim)[0]), kept)
     return o4, lse
 

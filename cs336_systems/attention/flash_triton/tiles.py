@@ -144,7 +144,10 @@ def kernel_tiles(tile_set: TileSet, kernel: str, batch_heads: int, n_rows: int, 
 # at batch 4 x 32 heads, d 80, each kernel alone in a CUDA graph (docs/flash_tuning.md, v22): at N 2048,
 # groups of 16 to 33 heads took the forward from 0.276 to 0.253 ms, dQ from 0.332 to 0.311 and dK/dV from
 # 0.472 to 0.462 against every head in one group (the forward's and dQ's order before) and one head at a
-# time (dK/dV's); at N 512 all 128 heads in one group stayed the fastest for the forward and dQ.
+# time (dK/dV's); at N 512 all 128 heads in one group stayed the fastest for the forward and dQ. The
+# heads are then shared evenly among the groups: at the leaderboard's 1 x 16 heads, N 16384, d 64, groups
+# of 5, 5, 5 and a leftover 1 left that head's longest programs to start last and set the tail (forward
+# 1.520 ms, dQ 1.603, dK/dV 2.510); groups of 6, 6 and 4 took 1.380, 1.446 and 2.433 (v23).
 HEAD_GROUP_PROGRAMS_PER_SM = 4
 # The interpreter's group: a few programs, so that CPU tests run several groups and a partial last one.
 INTERPRETER_HEAD_GROUP_PROGRAMS = 4
@@ -152,13 +155,15 @@ INTERPRETER_HEAD_GROUP_PROGRAMS = 4
 
 def head_group(batch_heads, n_tiles, device: torch.device):
     """How many of the batch x heads a kernel takes together (kernels._program_tile), given each head's
-    tiles: enough for HEAD_GROUP_PROGRAMS_PER_SM programs per SM, at least one head and at most all.
+    tiles: as many groups as hold HEAD_GROUP_PROGRAMS_PER_SM programs per SM each (at least one), the
+    heads shared among them as evenly as whole groups allow, so that no short group is left over.
     Sizes may be symbolic under torch.compile."""
     if device.type == "cuda":
         programs = HEAD_GROUP_PROGRAMS_PER_SM * sm_count(device.index or 0)
     else:
         programs = INTERPRETER_HEAD_GROUP_PROGRAMS
-    return torch.sym_min(batch_heads, torch.sym_max(1, cdiv(programs, n_tiles)))
+    fewest_heads = torch.sym_min(batch_heads, torch.sym_max(1, cdiv(programs, n_tiles)))
+    return cdiv(batch_heads, torch.sym_max(1, batch_heads // fewest_heads))
 
 
 # On grids that take the narrow tiles the forward also splits keys (split_forward_kernel): the longest
