@@ -144,6 +144,8 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("sin", angles.sin().float(), persistent=False)
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """x (..., d_head), rotated by the positions, which broadcast against x's dims before the last: (seq,)
+        for (..., seq, d_head), (seq, 1) for (batch, seq, heads, d_head)."""
         cos = self.cos[positions].to(x.dtype)
         sin = self.sin[positions].to(x.dtype)
         x_even, x_odd = x[..., 0::2], x[..., 1::2]
@@ -167,12 +169,17 @@ class CausalSelfAttention(nn.Module):
         batch, seq, d_model = x.shape
         positions = torch.arange(seq, device=x.device)
 
-        def heads(t: torch.Tensor) -> torch.Tensor:  # (batch, seq, d_model) -> (batch, heads, seq, d_head)
-            return t.view(batch, seq, self.num_heads, -1).transpose(1, 2)
+        def heads(t: torch.Tensor) -> torch.Tensor:  # (batch, seq, d_model) -> (batch, seq, heads, d_head)
+            return t.view(batch, seq, self.num_heads, -1)
 
-        q = self.rope(heads(self.q_proj(x)), positions)
-        k = self.rope(heads(self.k_proj(x)), positions)
-        out = self.attention(q, k, heads(self.v_proj(x)), is_causal=True)
+        # RoPE rotates q and k while the heads still follow the sequence, so its outputs keep that memory
+        # order once viewed as (batch, heads, seq, d_head): SDPA's backends and ours give o (and each
+        # gradient) in their input's order, and merging o's heads for the output projection is then a view,
+        # where a (batch, heads, seq, d_head) o would be copied.
+        at = positions[:, None]
+        q = self.rope(heads(self.q_proj(x)), at).transpose(1, 2)
+        k = self.rope(heads(self.k_proj(x)), at).transpose(1, 2)
+        out = self.attention(q, k, heads(self.v_proj(x)).transpose(1, 2), is_causal=True)
         return self.output_proj(out.transpose(1, 2).reshape(batch, seq, d_model))
 
 

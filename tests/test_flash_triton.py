@@ -207,6 +207,23 @@ def test_inputs_off_a_16_byte_boundary_are_copied_and_aligned_views_are_read_in_
         assert (t4.data_ptr() == t.data_ptr()) == in_place, (layout, aligned)
 
 
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_outputs_and_gradients_take_their_input_s_layout_where_the_kernels_read_it_in_place(layout, device):
+    # (batch, seq, heads, d) memory viewed as (batch, heads, seq, d), as a model's attention passes it: o comes
+    # back in that memory order, so that merging its heads for the output projection is a view, not a copy;
+    # so does each gradient, for the projection's backward. A slice of a fused projection is not dense, and
+    # a strided last dim is copied first (as_batch_heads): both give dense (batch, heads, seq, d) outputs.
+    dtype = torch.float32 if device.type == "cpu" else torch.bfloat16
+    q, k, v, do = (make_tensor((2, 3), n, 32, layout, dtype, device) for n in (40, 56, 56, 40))
+    o, lse = launch.forward(q, k, v, True)
+    dq, dk, dv = launch.backward(q, k, v, o, lse, do, True)
+    for out, t in ((o, q), (dq, q), (dk, k), (dv, v)):
+        assert (out.shape, out.dtype) == (t.shape, t.dtype)
+        assert out.stride() == (t.stride() if layout == "heads_transposed" else t.contiguous().stride()), layout
+    assert lse.is_contiguous()
+    assert o.transpose(1, 2).is_contiguous() == (layout == "heads_transposed")
+
+
 def test_a_kernel_launched_with_a_tensor_off_a_16_byte_boundary_is_refused(device):
     dtype = torch.float32 if device.type == "cpu" else torch.bfloat16
     q, k, v, _ = leaf_inputs((2, 3), 40, 40, 32, dtype, device)
@@ -326,15 +343,17 @@ def test_a_kept_call_launches_what_the_whole_path_launches_for_the_same_inputs(l
     do = make_tensor(lead, 33, 40, layout, torch.float16, "cpu")
     # Inputs copied first (a strided last dim) are never kept: their copies' strides are not the inputs'.
     copied = q.stride(-1) != 1
-    calls = []
+    calls, layouts = [], []
     for _ in range(2):
         launches_recorded.clear()
         o, lse = launch.forward(q, k, v, is_causal)
-        launch.backward(q, k, v, o, lse, do, is_causal)
+        gradients = launch.backward(q, k, v, o, lse, do, is_causal)
         calls.append([entry[2] for entry in launches_recorded])
+        layouts.append([t.stride() for t in (o, lse, *gradients)])
         kept = not copied and len(calls) == 2
         assert [entry[0] for entry in launches_recorded] == ["kept" if kept else "whole"] * 3
     whole, again = calls
+    assert layouts[1] == layouts[0], "a kept call lays its outputs out as the whole path did"
     for first, second, caller, pointers in zip(whole, again, CALLER_POINTERS, POINTERS, strict=True):
         assert second[pointers:] == first[pointers:], "ints, floats and constants"
         if not copied:
@@ -455,7 +474,7 @@ def test_the_extension_keeps_only_cuda_calls_and_finds_no_call_it_did_not_keep()
     kernel = extension.Launch(function=1, grid=[1, 1, 1], threads=128, shared_bytes=0, null_pointers=2, kinds=[],
                               integers=[], reals=[])
     with pytest.raises(ValueError, match="only dense CUDA tensors"):
-        extension.keep_forward(q, q, q, True, kernel, -1, 0, launch.SIGNATURES_KEPT)
+        extension.keep_forward(q, q, q, True, kernel, q.stride(), -1, 0, launch.SIGNATURES_KEPT)
 
 
 @pytest.mark.gpu
@@ -484,7 +503,7 @@ def test_kept_launches_from_cpp_give_what_the_whole_path_gives(path, dtype, layo
     assert kept is not None and launch._native is extension
     kept += extension.backward(q, k, v, *kept, do, True)
     for name, got, expected in zip(("o", "L", "dq", "dk", "dv"), kept, whole, strict=True):
-        assert got.shape == expected.shape and got.is_contiguous(), name
+        assert (got.shape, got.stride()) == (expected.shape, expected.stride()), name
         torch.testing.assert_close(got, expected, rtol=0, atol=0, msg=name)
     # Through launch.forward and launch.backward, the Python kept launches are not reached.
     with monkeypatch.context() as python_launches:

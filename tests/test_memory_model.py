@@ -11,6 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from cs336_systems.accounting.activations import (
+    DEVICE_TYPES,
     block_saved_bytes,
     head_saved_bytes,
     parameter_count,
@@ -174,31 +175,32 @@ def test_bad_model_arguments(kwargs, message):
 
 # Tiny, batch 2, sequence 16: T = 32 tokens, T d = 2,048 and T d_ff = 8,192 elements.
 #   fp32, SDPA: token ids 32 x 8 = 256; RMSNorm input and normed 5 norms x 2,048 x 4 = 40,960 each;
-#   rsqrt 5 x 32 x 4 = 640; q/k/v input, output-projection input, w1/w3 input 2 layers x 2,048 x 4
-#   = 16,384 each; RoPE tables 8 x (16 x 8) x 4 = 4,096; w1, silu, w3 outputs 6 x 8,192 x 4 =
+#   rsqrt 5 x 32 x 4 = 640; q/k/v input, w1/w3 input 2 layers x 2,048 x 4 = 16,384 each; RoPE tables 8 x (16 x 8) x 4 = 4,096; w1, silu, w3 outputs 6 x 8,192 x 4 =
 #   196,608; w2 input 2 x 8,192 x 4 = 65,536; final norm output 2,048 x 4 = 8,192; log-probs
 #   32 x 10,000 x 4 = 1,280,000; targets 256; normaliser 4; q, k, v 6 x 2,048 x 4 = 49,152;
-#   attention output 16,384; log-sum-exp 2 x (2 x 4 x 16) x 4 = 1,024. Sum: 1,753,220.
-#   naive instead of SDPA: no output (16,384) or log-sum-exp (1,024); probabilities
-#   2 x (2 x 4 x 16 x 16) x 4 = 16,384 and masks 2 x 256 = 512: 1,752,708.
+#   attention output 16,384 (the output projection's input, a view of it); log-sum-exp
+#   2 x (2 x 4 x 16) x 4 = 1,024. Sum: 1,736,836.
+#   naive instead of SDPA: no log-sum-exp (1,024), the output projection's input a copy (16,384);
+#   probabilities 2 x (2 x 4 x 16 x 16) x 4 = 16,384 and masks 2 x 256 = 512: 1,752,708.
 #   bf16 autocast (CPU), SDPA: norms' fp32 tensors as above (82,560 with rsqrt); q/k/v inputs cast
-#   three times 2 x 3 x 2,048 x 2 = 24,576; RoPE tables in bf16 2,048; output-projection input
-#   8,192; w1/w3 inputs cast twice 16,384; feed-forward 98,304 + 32,768; final norm output 4,096;
+#   three times 2 x 3 x 2,048 x 2 = 24,576; RoPE tables in bf16 2,048; w1/w3 inputs cast twice
+#   16,384; feed-forward 98,304 + 32,768; final norm output 4,096;
 #   log-probs (fp32) 1,280,000; ids, targets, normaliser 516; q, k, v 24,576; output 8,192;
-#   log-sum-exp 1,024; bf16 copies of the 771,072 Linear weights 1,542,144. Sum: 3,125,380.
+#   log-sum-exp 1,024; bf16 copies of the 771,072 Linear weights 1,542,144. Sum: 3,117,188.
 @pytest.mark.parametrize("precision, attention, expected", [
-    ("fp32", "sdpa", 1_753_220), ("fp32", "naive", 1_752_708), ("bf16", "sdpa", 3_125_380),
+    ("fp32", "sdpa", 1_736_836), ("fp32", "naive", 1_752_708), ("bf16", "sdpa", 3_117_188),
 ])
 def test_tiny_activation_bytes_worked_by_hand(precision, attention, expected):
     assert training_memory(TINY, 2, 16, precision, attention, device_type="cpu").activations == expected
 
 
-def test_sdpa_on_cuda_merges_heads_without_a_copy():
-    # CUDA's SDPA output is laid out (batch, seq, heads, d_head), so the output projection's input is
-    # a view of it: one (T, d) fp32 tensor less per layer, 2 x 2,048 x 4 = 16,384 bytes.
-    difference = (saved_activation_bytes(TINY, 2, 16, "fp32", "sdpa", device_type="cpu")
-                  - saved_activation_bytes(TINY, 2, 16, "fp32", "sdpa", device_type="cuda"))
-    assert difference == 16_384
+def test_sdpa_merges_heads_without_a_copy_on_either_device_and_naive_attention_copies_them():
+    # SDPA's output is laid out as q, (batch, seq, heads, d_head) in memory as the model passes it, so the
+    # output projection's input is a view of it on CPU as on CUDA; naive attention's P v is (batch, heads,
+    # seq, d_head) in memory, and merging its heads copies T x d: 2 x 16 x 64 x 4 = 8,192 fp32 bytes a block.
+    for device_type in DEVICE_TYPES:
+        assert "output_proj_input" not in block_saved_bytes(TINY, 2, 16, "fp32", "sdpa", device_type)
+        assert block_saved_bytes(TINY, 2, 16, "fp32", "naive", device_type)["output_proj_input"] == 8_192
 
 
 # XL, batch 4, context 512, SDPA on CUDA: T = 2,048, d 1,600, d_ff 6,400, 25 heads of 64,

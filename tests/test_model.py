@@ -9,6 +9,7 @@ from cs336_systems.accounting.activations import parameter_count
 from cs336_systems.model import (
     DEFAULT_SIZE_TABLE,
     SIZE_TABLES,
+    CausalSelfAttention,
     Embedding,
     Linear,
     ModelConfig,
@@ -91,6 +92,29 @@ def test_rope_scores_depend_only_on_relative_position():
     torch.testing.assert_close(score(5, 3), score(40, 38))
     torch.testing.assert_close(score(0, 0), (q @ k)[None, None])
     assert not torch.allclose(score(5, 3), score(5, 4))
+
+
+def test_rope_rotates_heads_laid_out_after_the_sequence_as_it_rotates_them_laid_out_before():
+    rope = RotaryEmbedding(d_head=8, context_length=16).double()
+    x = torch.randn(2, 16, 3, 8, dtype=torch.float64)  # (batch, seq, heads, d_head)
+    by_heads = rope(x.transpose(1, 2), torch.arange(16)).transpose(1, 2)
+    torch.testing.assert_close(rope(x, torch.arange(16)[:, None]), by_heads, rtol=0, atol=0)
+
+
+def test_attention_takes_q_k_v_and_gives_o_with_the_heads_after_the_sequence_in_memory():
+    # So merging o's heads for the output projection is a view, not a copy (CausalSelfAttention says why).
+    attention = CausalSelfAttention(ModelConfig(d_model=32, d_ff=64, num_layers=1, num_heads=4, context_length=16),
+                                    "sdpa")
+    seen = []
+
+    def recording(q, k, v, is_causal):
+        seen.extend((q, k, v))
+        return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=is_causal)
+
+    attention.attention = recording
+    attention(torch.randn(2, 16, 32))
+    assert [t.shape for t in seen] == [(2, 4, 16, 8)] * 3
+    assert all(t.transpose(1, 2).is_contiguous() for t in seen)
 
 
 def test_rope_preserves_norms():

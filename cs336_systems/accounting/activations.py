@@ -17,8 +17,9 @@ Saved activations are counted op by op from what autograd keeps for backward in
   that feeds the output projection. On CUDA, autocast runs softmax in fp32, so P is kept in fp32 and
   again as the bf16 copy P v casts it to: 6 bytes per score against 4 in fp32; CPU autocast runs
   softmax in bf16 (2 bytes).
-- SDPA keeps q, k, v, its output and a logsumexp (B h N fp32), no N^2 term. On CUDA the fused kernels
-  write the output as (B, N, h, d_head), so the head merge is a view; on CPU it is a copy.
+- SDPA keeps q, k, v, its output and a logsumexp (B h N fp32), no N^2 term. Its backends, on CUDA and on
+  CPU, lay the output out as q, whose heads follow the sequence in memory (the model rotates them in that
+  order), so the head merge is a view.
 - SwiGLU keeps w1's output (SiLU input), SiLU's output, w3's output and their product (w2's input):
   4 T f in the activation dtype.
 - The head keeps the final norm's three tensors, the LM head's input and the log-softmax output of the
@@ -126,7 +127,6 @@ def block_saved_bytes(config: ModelConfig, batch_size: int, seq_len: int, precis
     else:
         parts["attention_qkv"] = 4 * t * d * act  # q, k, v and the output
         parts["logsumexp"] = batch_size * h * n * FP32_BYTES
-        parts["output_proj_input"] = t * d * act if device_type == "cpu" else 0
     parts["ffn_norm"] = norm
     parts["ffn_inputs"] = 2 * t * d * act if low else t * d * FP32_BYTES
     parts["ffn_hidden"] = 4 * t * f * act

@@ -188,6 +188,12 @@ def as_batch_heads(t: torch.Tensor) -> torch.Tensor:
     return t.reshape(-1, *t.shape[-3:])
 
 
+def empty_output(t: torch.Tensor) -> torch.Tensor:
+    """An uninitialised tensor shaped like the input t and laid out as forward lays out o for q (and backward
+    each gradient for its input): as the kernels' view of t, dense."""
+    return torch.empty_like(as_batch_heads(t)).view(t.shape)
+
+
 def check_device(q: torch.Tensor) -> None:
     """Refuse inputs the compiled kernels (or the interpreter) cannot run, naming why."""
     if INTERPRETED:
@@ -476,13 +482,13 @@ def _descriptor_arguments(descriptors: tuple[Described | None, ...],
 
 def launch_forward(q4, k4, v4, is_causal: bool, tiles: Tiles, kept: list[KeptLaunch] | None = None,
                    tma: Tiles | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """The whole forward on (batch, heads, n, d) views: (o4 contiguous, L (batch, heads, n_queries) fp32).
+    """The whole forward on (batch, heads, n, d) views: (o4 laid out as q4, L (batch, heads, n_queries) fp32).
     Each launch_* function appends its compiled launch to `kept`, where given (_launch), and streams its
     loop's tiles through descriptors on the `tma` tiles, where given and the views allow."""
     batch, heads, n_queries, _ = q4.shape
     head_dim = _head_dim(q4)
     tiles, described = _streamed(tiles, tma, ((1, k4), (2, v4)), "block_n", head_dim)
-    o4 = q4.new_empty(q4.shape)
+    o4 = torch.empty_like(q4)
     lse = q4.new_empty((batch, heads, n_queries), dtype=torch.float32)
     n_tiles = cdiv(n_queries, tiles.block_m)
     group = head_group(batch * heads, n_tiles, q4.device)
@@ -505,7 +511,7 @@ def launch_split_forward(q4, k4, v4, is_causal: bool, tiles: Tiles, split_keys: 
     tiles_runs = (batch * heads * n_tiles,
                   cdiv(longest_tile_keys(tiles.block_m, n_queries, n_keys, is_causal), split_keys))
     block_d, tail_d = head_dim_chunks(head_dim)
-    o4 = q4.new_empty(q4.shape)
+    o4 = torch.empty_like(q4)
     lse = q4.new_empty((batch, heads, n_queries), dtype=torch.float32)
     partial, arrivals = _split_workspaces(q4, *_split_workspace_sizes(tiles_runs, tiles.block_m, head_dim))
     call = kernel_call("split_forward", head_dim, is_causal, tiles, RUNS=int(tiles_runs[1]),
@@ -530,11 +536,11 @@ def _split_workspaces(like: torch.Tensor, partial_size: int, arrivals_size: int)
 
 def launch_dq(q4, k4, v4, o4, do4, lse, is_causal: bool, tiles: Tiles, kept: list[KeptLaunch] | None = None,
               tma: Tiles | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """The dQ kernel: (dq4 contiguous, D = rowsum(dO * O) (batch, heads, n_queries) fp32)."""
+    """The dQ kernel: (dq4 laid out as q4, D = rowsum(dO * O) (batch, heads, n_queries) fp32)."""
     batch, heads, n_queries, _ = q4.shape
     head_dim = _head_dim(q4)
     tiles, described = _streamed(tiles, tma, ((1, k4), (2, v4)), "block_n", head_dim)
-    dq4 = q4.new_empty(q4.shape)
+    dq4 = torch.empty_like(q4)
     delta = q4.new_empty((batch, heads, n_queries), dtype=torch.float32)
     n_tiles = cdiv(n_queries, tiles.block_m)
     group = head_group(batch * heads, n_tiles, q4.device)
@@ -547,12 +553,13 @@ def launch_dq(q4, k4, v4, o4, do4, lse, is_causal: bool, tiles: Tiles, kept: lis
 
 def launch_dkdv(q4, k4, v4, do4, lse, delta, is_causal: bool, tiles: Tiles, kept: list[KeptLaunch] | None = None,
                 tma: Tiles | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """The dK/dV kernel: (dk4, dv4), contiguous; lse and delta are (batch, heads, n_queries) fp32, contiguous."""
+    """The dK/dV kernel: (dk4, dv4), laid out as k4 and v4; lse and delta are (batch, heads, n_queries) fp32,
+    contiguous."""
     batch, heads, n_queries, _ = q4.shape
     head_dim = _head_dim(q4)
     n_keys = k4.shape[2]
     tiles, described = _streamed(tiles, tma, ((0, q4), (3, do4)), "block_m", head_dim)
-    dk4, dv4 = k4.new_empty(k4.shape), v4.new_empty(v4.shape)
+    dk4, dv4 = torch.empty_like(k4), torch.empty_like(v4)
     n_tiles = cdiv(n_keys, tiles.block_n)
     group = head_group(batch * heads, n_tiles, k4.device)
     _launch(kernel_call("dkdv", head_dim, is_causal, tiles, DESCRIPTORS=described is not None),
@@ -581,13 +588,15 @@ FORWARD_ADDRESSES, SPLIT_FORWARD_ADDRESSES, BACKWARD_ADDRESSES = 5, 7, (8, 8)
 
 @dataclass(frozen=True, eq=False)
 class KeptForward:
-    """The forward's launch for one signature, and the split forward's workspace sizes (None: whole)."""
+    """The forward's launch for one signature, o's strides (as the first call laid it out) and the split
+    forward's workspace sizes (None: whole)."""
 
     launch: KeptLaunch
+    o_strides: tuple[int, ...]
     split_workspace_sizes: tuple[int, int] | None
 
     def __call__(self, q, k, v) -> tuple[torch.Tensor, torch.Tensor]:
-        o = _empty_contiguous(q)
+        o = _empty_laid_out(q, self.o_strides)
         lse = q.new_empty(q.shape[:-1], dtype=torch.float32)
         # Workspaces are held until the launch is queued: freed before it, their blocks could be handed out
         # again and written first.
@@ -600,13 +609,15 @@ class KeptForward:
 
 @dataclass(frozen=True, eq=False)
 class KeptBackward:
-    """The dQ and dK/dV launches for one signature."""
+    """The dQ and dK/dV launches for one signature, and the strides of dQ, dK and dV (as the first call
+    laid them out)."""
 
     dq: KeptLaunch
     dkdv: KeptLaunch
+    gradient_strides: tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]]
 
     def __call__(self, q, k, v, o, lse, do) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        dq, dk, dv = _empty_contiguous(q), _empty_contiguous(k), _empty_contiguous(v)
+        dq, dk, dv = (_empty_laid_out(t, strides) for t, strides in zip((q, k, v), self.gradient_strides))
         delta = q.new_empty(q.shape[:-1], dtype=torch.float32)
         q_at, k_at, v_at, do_at, lse_at, delta_at = (t.data_ptr() for t in (q, k, v, do, lse, delta))
         with _on_device(q):
@@ -615,9 +626,9 @@ class KeptBackward:
         return dq, dk, dv
 
 
-def _empty_contiguous(like: torch.Tensor) -> torch.Tensor:
-    """A contiguous tensor shaped like `like`: new_empty(like.shape), in half its host time."""
-    return torch.empty_like(like, memory_format=torch.contiguous_format)
+def _empty_laid_out(like: torch.Tensor, strides: tuple[int, ...]) -> torch.Tensor:
+    """An uninitialised tensor shaped like `like`, with these strides."""
+    return torch.empty_strided(like.shape, strides, dtype=like.dtype, device=like.device)
 
 
 # Bounded like LAUNCHES_KEPT: signatures hold sizes.
@@ -677,8 +688,9 @@ def _keep(kept: dict[tuple, Any], signature: tuple, entry: Any) -> None:
 
 
 def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """(o, L): o shaped like q (contiguous), L (..., n_queries) fp32. Raises naming the problem on inputs
-    that break the contract (flash_pytorch.check_inputs)."""
+    """(o, L): o shaped like q and laid out as the kernels' view of it (as_batch_heads: q's own layout
+    where that has rows of d contiguous elements, dense), L (..., n_queries) fp32, contiguous. Raises naming
+    the problem on inputs that break the contract (flash_pytorch.check_inputs)."""
     if _native is not None and _plain(is_causal, q, k, v) and not _launches_hooked():
         found = _native.forward(q, k, v, is_causal)
         if found is not None:
@@ -698,20 +710,21 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool) 
             o4, lse = launch_forward(q4, k4, v4, is_causal, tiles, launches, plan.tma["forward"])
         else:
             o4, lse = launch_split_forward(q4, k4, v4, is_causal, tiles, split_keys, launches)
+    # Each view or reshape costs microseconds of host time: none where the shapes match.
+    o, lse = (o4, lse) if q.dim() == 4 else (o4.view(q.shape), lse.view(q.shape[:-1]))
     if signature is not None and _starts_in_place((q4, k4, v4), (q, k, v)):
         workspaces = None if split_keys is None else _split_workspace_sizes(launches[0].grid[:2], tiles.block_m,
                                                                              q.shape[-1])
-        _keep(_kept_forwards, signature, KeptForward(launches[0], workspaces))
+        _keep(_kept_forwards, signature, KeptForward(launches[0], o.stride(), workspaces))
         n_addresses = FORWARD_ADDRESSES if workspaces is None else SPLIT_FORWARD_ADDRESSES
-        _keep_native("keep_forward", (q, k, v), is_causal, launches, (n_addresses,), *(workspaces or (-1, 0)))
-    if q.dim() == 4:  # each view or reshape costs microseconds of host time: none where the shapes match
-        return o4, lse
-    return o4.view(q.shape), lse.view(q.shape[:-1])
+        _keep_native("keep_forward", (q, k, v), is_causal, launches, (n_addresses,), o.stride(),
+                     *(workspaces or (-1, 0)))
+    return o, lse
 
 
 def backward(q, k, v, o, lse, do, is_causal: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """dq, dk, dv (shapes and dtypes of q, k, v, contiguous): dQ over query tiles (writing D on the way),
-    then dK/dV over key tiles."""
+    """dq, dk, dv (shapes and dtypes of q, k, v, each laid out as forward lays out o for its input): dQ over
+    query tiles (writing D on the way), then dK/dV over key tiles."""
     if _native is not None and _plain(is_causal, q, k, v, o, lse, do) and not _launches_hooked():
         found = _native.backward(q, k, v, o, lse, do, is_causal)
         if found is not None:
@@ -730,9 +743,9 @@ def backward(q, k, v, o, lse, do, is_causal: bool) -> tuple[torch.Tensor, torch.
     with _on_device(q):
         dq4, delta = launch_dq(q4, k4, v4, o4, do4, lse4, is_causal, plan.dq, launches, plan.tma["dq"])
         dk4, dv4 = launch_dkdv(q4, k4, v4, do4, lse4, delta, is_causal, plan.dkdv, launches, plan.tma["dkdv"])
+    gradients = (dq4, dk4, dv4) if q.dim() == 4 else (dq4.view(q.shape), dk4.view(k.shape), dv4.view(v.shape))
     if signature is not None and _starts_in_place((q4, k4, v4, o4, do4, lse4), (q, k, v, o, do, lse)):
-        _keep(_kept_backwards, signature, KeptBackward(*launches))
-        _keep_native("keep_backward", (q, k, v, o, lse, do), is_causal, launches, BACKWARD_ADDRESSES)
-    if q.dim() == 4:
-        return dq4, dk4, dv4
-    return dq4.view(q.shape), dk4.view(k.shape), dv4.view(v.shape)
+        strides = tuple(t.stride() for t in gradients)
+        _keep(_kept_backwards, signature, KeptBackward(*launches, strides))
+        _keep_native("keep_backward", (q, k, v, o, lse, do), is_causal, launches, BACKWARD_ADDRESSES, *strides)
+    return gradients

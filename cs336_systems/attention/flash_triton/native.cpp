@@ -403,7 +403,12 @@ void check_keepable(const std::array<const at::Tensor*, N>& tensors) {
 
 uint64_t address(const at::Tensor& t) { return reinterpret_cast<uint64_t>(t.data_ptr()); }
 
-at::Tensor empty_contiguous(const at::Tensor& like) { return at::empty_like(like, at::MemoryFormat::Contiguous); }
+using Strides = std::vector<int64_t>;
+
+// An output as launch.py's first call laid it out: shaped like `like`, with the strides it kept.
+at::Tensor empty_laid_out(const at::Tensor& like, const Strides& strides) {
+  return at::empty_strided(like.sizes(), strides, like.options());
+}
 
 at::Tensor row_statistic(const at::Tensor& like) {  // L or D: (..., n) fp32 for (..., n, d) inputs
   return at::empty(like.sizes().slice(0, like.dim() - 1), like.options().dtype(at::kFloat));
@@ -413,6 +418,7 @@ at::Tensor row_statistic(const at::Tensor& like) {  // L or D: (..., n) fp32 for
 
 struct KeptForward {
   Launch launch;
+  Strides o_strides;
   int64_t partial_elements;   // the split forward's fp32 partials; -1 for the whole forward
   int64_t arrival_elements;   // the split forward's zeroed int32 arrival counts
 };
@@ -420,6 +426,7 @@ struct KeptForward {
 struct KeptBackward {
   Launch dq;
   Launch dkdv;
+  Strides dq_strides, dk_strides, dv_strides;
 };
 
 std::unordered_map<Signature, KeptForward, SignatureHash> kept_forwards;
@@ -432,19 +439,26 @@ void keep(Map& kept, Signature signature, Entry entry, int64_t limit) {
 }
 
 void keep_forward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, bool is_causal, const Launch& launch,
-                  int64_t partial_elements, int64_t arrival_elements, int64_t limit) {
+                  Strides o_strides, int64_t partial_elements, int64_t arrival_elements, int64_t limit) {
   const std::array<const at::Tensor*, 3> inputs{&q, &k, &v};
   check_keepable(inputs);
+  require(o_strides.size() == static_cast<size_t>(q.dim()), "o's strides name ", o_strides.size(), " dims, q has ",
+          q.dim());
   require(partial_elements < 0 || arrival_elements > 0, "a split forward keeps arrival counts");
-  keep(kept_forwards, signature_of(is_causal, inputs), KeptForward{launch, partial_elements, arrival_elements}, limit);
+  keep(kept_forwards, signature_of(is_causal, inputs),
+       KeptForward{launch, std::move(o_strides), partial_elements, arrival_elements}, limit);
 }
 
 void keep_backward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& o,
                    const at::Tensor& lse, const at::Tensor& d_o, bool is_causal, const Launch& dq,
-                   const Launch& dkdv, int64_t limit) {
+                   const Launch& dkdv, Strides dq_strides, Strides dk_strides, Strides dv_strides, int64_t limit) {
   const std::array<const at::Tensor*, 6> inputs{&q, &k, &v, &o, &lse, &d_o};
   check_keepable(inputs);
-  keep(kept_backwards, signature_of(is_causal, inputs), KeptBackward{dq, dkdv}, limit);
+  require(dq_strides.size() == static_cast<size_t>(q.dim()) && dk_strides.size() == static_cast<size_t>(k.dim()) &&
+              dv_strides.size() == static_cast<size_t>(v.dim()),
+          "the gradients' strides name other dims than q, k and v have");
+  keep(kept_backwards, signature_of(is_causal, inputs),
+       KeptBackward{dq, dkdv, std::move(dq_strides), std::move(dk_strides), std::move(dv_strides)}, limit);
 }
 
 // (o, L) as launch.forward returns them, or None where this signature is not kept.
@@ -457,7 +471,7 @@ std::optional<std::tuple<at::Tensor, at::Tensor>> forward(const at::Tensor& q, c
   const KeptForward& kept = found->second;
   const c10::DeviceGuard on_device(q.device());
   bind_context(q.device());
-  at::Tensor o = empty_contiguous(q);
+  at::Tensor o = empty_laid_out(q, kept.o_strides);
   at::Tensor lse = row_statistic(q);
   // Workspaces live until the launch is queued: freed before it, their blocks could be handed out again.
   at::Tensor partial, arrivals;
@@ -484,7 +498,8 @@ std::optional<std::tuple<at::Tensor, at::Tensor, at::Tensor>> backward(const at:
   const KeptBackward& kept = found->second;
   const c10::DeviceGuard on_device(q.device());
   bind_context(q.device());
-  at::Tensor dq = empty_contiguous(q), dk = empty_contiguous(k), dv = empty_contiguous(v);
+  at::Tensor dq = empty_laid_out(q, kept.dq_strides), dk = empty_laid_out(k, kept.dk_strides),
+             dv = empty_laid_out(v, kept.dv_strides);
   at::Tensor delta = row_statistic(q);
   const CUstream stream = current_stream(q.device());
   // The kernels' pointer order: dQ (q, k, v, o, dO, L, D, dQ), then dK/dV (q, k, v, dO, L, D, dK, dV).
@@ -519,9 +534,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
            py::arg("tensor_maps") = std::vector<std::vector<int64_t>>{})
       .def("packed", &Launch::packed, py::arg("addresses"));
   m.def("keep_forward", &keep_forward, py::arg("q"), py::arg("k"), py::arg("v"), py::arg("is_causal"),
-        py::arg("launch"), py::arg("partial_elements"), py::arg("arrival_elements"), py::arg("limit"));
+        py::arg("launch"), py::arg("o_strides"), py::arg("partial_elements"), py::arg("arrival_elements"),
+        py::arg("limit"));
   m.def("keep_backward", &keep_backward, py::arg("q"), py::arg("k"), py::arg("v"), py::arg("o"), py::arg("lse"),
-        py::arg("do"), py::arg("is_causal"), py::arg("dq"), py::arg("dkdv"), py::arg("limit"));
+        py::arg("do"), py::arg("is_causal"), py::arg("dq"), py::arg("dkdv"), py::arg("dq_strides"),
+        py::arg("dk_strides"), py::arg("dv_strides"), py::arg("limit"));
   m.def("forward", &forward, py::arg("q"), py::arg("k"), py::arg("v"), py::arg("is_causal"));
   m.def("backward", &backward, py::arg("q"), py::arg("k"), py::arg("v"), py::arg("o"), py::arg("lse"),
         py::arg("do"), py::arg("is_causal"));

@@ -33,14 +33,15 @@ BACKWARD_OP = "cs336_systems::flash_attention_backward"
 @_define_op(FORWARD_OP, mutates_args=())
 def flash_attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                             is_causal: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """(o, L): o shaped like q (contiguous), L (..., n_queries) fp32, the row log-sum-exp."""
+    """(o, L): o shaped and laid out like q (launch.forward says how), L (..., n_queries) fp32, the row
+    log-sum-exp."""
     return launch.forward(q, k, v, is_causal)
 
 
 @_define_op(BACKWARD_OP, mutates_args=())
 def flash_attention_backward(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor,
                              lse: torch.Tensor, is_causal: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(dq, dk, dv) of the forward's output gradient `do`, contiguous, shaped like q, k, v."""
+    """(dq, dk, dv) of the forward's output gradient `do`, shaped and laid out like q, k, v."""
     return launch.backward(q, k, v, o, lse, do, is_causal)
 
 
@@ -55,11 +56,11 @@ else:
     @flash_attention_forward.register_fake
     def _forward_fake(q, k, v, is_causal):
         check_inputs(q, k, v, is_causal)  # a traced call with bad inputs fails where it is traced
-        return q.new_empty(q.shape), q.new_empty(q.shape[:-1], dtype=torch.float32)
+        return launch.empty_output(q), q.new_empty(q.shape[:-1], dtype=torch.float32)
 
     @flash_attention_backward.register_fake
     def _backward_fake(do, q, k, v, o, lse, is_causal):
-        return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
+        return launch.empty_output(q), launch.empty_output(k), launch.empty_output(v)
 
 
 def _setup_context(ctx, inputs, output) -> None:
