@@ -13,14 +13,14 @@ heads for the output projection is a view or a copy.
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
-from collections import defaultdict
 
 import torch
-from torch.profiler import ProfilerActivity, profile
 
 from cs336_systems.model import CausalSelfAttention, ModelConfig
+from cs336_systems.profiling.kernels import RangeTable, device_profile, kernel_tables
+from cs336_systems.profiling.ranges import annotate
+from cs336_systems.timing import time_fn
 
 ATTENTIONS = ("sdpa", "flash_triton")
 
@@ -40,30 +40,14 @@ def traced_layouts(module: CausalSelfAttention) -> list[str]:
     return seen
 
 
-def step_times(step, steps: int) -> list[float]:
-    times = []
-    for _ in range(steps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        step()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return times
-
-
-def kernel_table(step, steps: int) -> list[tuple[str, float, int]]:
-    """(kernel name, microseconds a step, launches a step), longest first."""
-    with profile(activities=[ProfilerActivity.CUDA]) as profiler:
+def kernel_table(step, steps: int) -> RangeTable:
+    """The kernels `steps` profiled steps ran, longest first (totals over all the steps)."""
+    with device_profile("cuda") as profiler:
         for _ in range(steps):
-            step()
+            with annotate("step"):
+                step()
         torch.cuda.synchronize()
-    total, count = defaultdict(float), defaultdict(int)
-    for event in profiler.events():
-        if event.device_type == torch.autograd.DeviceType.CUDA:
-            total[event.name] += event.device_time
-            count[event.name] += 1
-    return sorted(((name, total[name] / steps, count[name] // steps) for name in total), key=lambda row: -row[1])
+    return kernel_tables(profiler.events(), "cuda", ranges=["step"])["step"]
 
 
 def profile_one(size: str, batch: int, context: int, attention: str, steps: int) -> None:
@@ -78,16 +62,15 @@ def profile_one(size: str, batch: int, context: int, attention: str, steps: int)
     def step():
         compiled(x).backward(grad)
 
-    step_times(step, 5)  # compile and warm up
-    times = step_times(step, steps)
-    quartiles = statistics.quantiles(times, n=4)
-    print(f"\n## {size}, batch {batch}, context {context}, {attention}: {statistics.median(times):.3f} ms a step "
-          f"(IQR {quartiles[2] - quartiles[0]:.3f}, {steps} steps)")
+    timings = time_fn(step, warmup=5, steps=steps, device="cuda")  # the warm-up compiles
+    print(f"\n## {size}, batch {batch}, context {context}, {attention}: {timings.median_ms:.3f} ms a step "
+          f"(IQR {timings.iqr_ms:.3f}, {steps} steps)")
     print(f"traced: {layouts[0] if layouts else 'no call seen'}")
-    rows = kernel_table(step, 5)
-    print(f"kernels, us a step (sum {sum(row[1] for row in rows):.0f}):")
-    for name, us, launches in rows:
-        print(f"  {us:9.1f}  x{launches:<3d} {name[:150]}")
+    profiled = 5
+    table = kernel_table(step, profiled)
+    print(f"kernels, us a step (sum {table.work_us / profiled:.0f}):")
+    for k in table.kernels:
+        print(f"  {k.total_us / profiled:9.1f}  x{k.calls // profiled:<3d} {k.name[:150]}")
     torch.compiler.reset()
 
 

@@ -175,9 +175,10 @@ def test_bad_model_arguments(kwargs, message):
 
 # Tiny, batch 2, sequence 16: T = 32 tokens, T d = 2,048 and T d_ff = 8,192 elements.
 #   fp32, SDPA: token ids 32 x 8 = 256; RMSNorm input and normed 5 norms x 2,048 x 4 = 40,960 each;
-#   rsqrt 5 x 32 x 4 = 640; q/k/v input, w1/w3 input 2 layers x 2,048 x 4 = 16,384 each; RoPE tables 8 x (16 x 8) x 4 = 4,096; w1, silu, w3 outputs 6 x 8,192 x 4 =
-#   196,608; w2 input 2 x 8,192 x 4 = 65,536; final norm output 2,048 x 4 = 8,192; log-probs
-#   32 x 10,000 x 4 = 1,280,000; targets 256; normaliser 4; q, k, v 6 x 2,048 x 4 = 49,152;
+#   rsqrt 5 x 32 x 4 = 640; q/k/v input, w1/w3 input 2 layers x 2,048 x 4 = 16,384 each; RoPE
+#   tables 8 x (16 x 8) x 4 = 4,096; w1, silu, w3 outputs 6 x 8,192 x 4 = 196,608; w2 input
+#   2 x 8,192 x 4 = 65,536; final norm output 2,048 x 4 = 8,192; log-probs 32 x 10,000 x 4 =
+#   1,280,000; targets 256; normaliser 4; q, k, v 6 x 2,048 x 4 = 49,152;
 #   attention output 16,384 (the output projection's input, a view of it); log-sum-exp
 #   2 x (2 x 4 x 16) x 4 = 1,024. Sum: 1,736,836.
 #   naive instead of SDPA: no log-sum-exp (1,024), the output projection's input a copy (16,384);
