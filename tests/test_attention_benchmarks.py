@@ -245,6 +245,60 @@ def test_a_captured_forward_backward_writes_the_eager_gradients_on_every_replay(
         assert all(torch.equal(t.grad, expected) for t, expected in zip(inputs, eager, strict=True))
 
 
+def _recording_providers(monkeypatch, called: list[str], run_out_at: dict[str, int] | None = None) -> None:
+    """flash_bench._provider, each forward appending its provider's name to `called` (and raising
+    out-of-memory at its provider's run_out_at[name]-th call, counting from 1)."""
+    real = flash_bench._provider
+
+    def provider(name, *args):
+        forward, backend = real(name, *args)
+
+        def recorded():
+            called.append(name)
+            if (run_out_at or {}).get(name) == called.count(name):
+                raise torch.OutOfMemoryError("out of memory (stand-in)")
+            return forward()
+        return (None if forward is None else recorded), backend
+
+    monkeypatch.setattr(flash_bench, "_provider", provider)
+
+
+def test_providers_taking_turns_each_time_once_a_round_and_pool_their_rounds(monkeypatch):
+    called = []
+    _recording_providers(monkeypatch, called)
+    settings = BenchSettings(cpu_warmup=0, cpu_steps=2)
+    rows = flash_bench.benchmark_in_turns(FlashCell(16, 16, "fp32"), ("naive", "sdpa_cudnn", "sdpa"), "cpu", 3,
+                                          settings)
+    # Each round every provider once, for its (warm-up-free) timed calls, in an order of the round's own.
+    rounds = [called[i:i + 4] for i in range(0, 12, 4)]
+    assert len(called) == 12 and all(sorted(r) == ["naive", "naive", "sdpa", "sdpa"] for r in rounds)
+    assert all(r[0] == r[1] for r in rounds) and len({tuple(r) for r in rounds}) == 2
+    assert [(r["provider"], r["status"], r["mode"]) for r in rows] == [
+        ("naive", "ok", "forward_backward"), ("sdpa_cudnn", UNSUPPORTED, "forward_backward"),
+        ("sdpa", "ok", "forward_backward")]
+    for r in (rows[0], rows[2]):
+        assert r["samples"] == 6 and r["rounds"] == 3 and r["round_spread"] >= 0
+        assert r["p20_ms"] <= r["median_ms"] <= r["p80_ms"] and "taking turns, 3 rounds" in r["timer"]
+        assert "power_capped_share" not in r  # a CPU has no NVML clocks
+    assert rows[1]["median_ms"] is None
+
+
+def test_a_provider_that_runs_out_of_memory_in_its_turn_is_oom_and_sits_out_the_later_rounds(monkeypatch):
+    called = []
+    _recording_providers(monkeypatch, called, run_out_at={"sdpa": 2})
+    rows = flash_bench.benchmark_in_turns(FlashCell(16, 16, "fp32"), ("naive", "sdpa"), "cpu", 3, TINY_BENCH)
+    assert (called.count("naive"), called.count("sdpa")) == (3, 2)  # its second turn ran out; no third
+    assert [(r["provider"], r["status"], r["samples"]) for r in rows] == [("naive", "ok", 3), ("sdpa", OOM, None)]
+    assert rows[1]["oom_predicted"] is False
+
+
+def test_turns_refuse_an_unknown_provider_or_no_rounds():
+    with pytest.raises(ValueError, match="unknown provider 'flash'"):
+        flash_bench.benchmark_in_turns(FlashCell(16, 16, "fp32"), ("flash",), "cpu", 1, TINY_BENCH)
+    with pytest.raises(ValueError, match="rounds must be >= 1, got 0"):
+        flash_bench.benchmark_in_turns(FlashCell(16, 16, "fp32"), ("naive",), "cpu", 0, TINY_BENCH)
+
+
 def test_sdpa_backend_that_refuses_the_inputs_is_recorded_unsupported():
     rows = benchmark_flash_cell(FlashCell(16, 16, "fp32"), ("sdpa_cudnn",), "cpu", ("forward",), TINY_BENCH)
     assert [(r["status"], r["backend"], r["median_ms"]) for r in rows] == [(UNSUPPORTED, "CUDNN_ATTENTION", None)]
@@ -450,11 +504,29 @@ def test_flash_report_tables_ratios_oom_and_leaderboard(tmp_path):
     assert "| triton (compiled) | | 8 | 241 | 1x | 1.33x | 2x |" in body  # its time over each other provider's
     # Named for what it is: the 2025 leaderboard's attention cell on one GPU, not the 2026 leaderboard.
     assert "## The 2025 leaderboard's attention cell, one GPU" in body and "8B-class training step on two GPUs" in body
+    assert "forward+backward, one run;" in body and "power-capped" not in body
     assert set(rendered.figures) == {"flash_benchmarking_bf16.png"}
     write_report(FLASH_REPORT, rows + leaderboard, tmp_path, command="pytest perf/test_flash.py", device="cpu")
     assert len(read_rows(tmp_path / "flash_benchmarking.csv")) == len(rows) + 3
     text = (tmp_path / "flash_benchmarking.md").read_text()
     assert rerender(tmp_path, FLASH_REPORT).read_text() == text  # the CSV alone reproduces the report
+
+
+def test_the_leaderboard_taken_in_turns_says_so_with_each_provider_s_spread_and_power_capped_share(tmp_path):
+    turns = {"rounds": 5, "timer": "do_bench (warm-up 25 ms, repetition 100 ms), providers taking turns, 5 rounds"}
+    leaderboard = [
+        _flash_row("flash_triton", "forward_backward", 16384, 5.0, table="leaderboard", round_spread=0.031,
+                   power_capped_share=0.92, **turns),
+        _flash_row("sdpa_cudnn", "forward_backward", 16384, 4.0, table="leaderboard", round_spread=0.012,
+                   power_capped_share=0.875, **turns),
+        _flash_row("sdpa_flash", "forward_backward", 16384, None, status=OOM, table="leaderboard", oom_predicted=False)]
+    body = _flat(FLASH_REPORT.render(leaderboard).body)
+    assert "the providers taking turns, 5 rounds of one timing each" in body
+    assert "| triton | | 5 | 385 | 3.1% | 92% | 1x | 1.25x |" in body
+    assert "| sdpa cuDNN | FLASH_ATTENTION | 4 | 481 | 1.2% | 88% | 0.8x | 1x |" in body
+    write_report(FLASH_REPORT, leaderboard, tmp_path, command="pytest perf/test_flash.py", device="cpu")
+    text = (tmp_path / "flash_benchmarking.md").read_text()
+    assert rerender(tmp_path, FLASH_REPORT).read_text() == text
 
 
 def test_flash_report_tables_host_issue_times_in_microseconds_with_ratios_to_sdpa():

@@ -147,15 +147,26 @@ def _leaderboard_section(rows: list[Row]) -> str:
         return ""
     r = rows[0]
     measured = [x for x in rows if ran(x)]
+    in_turns = any(x.get("rounds") for x in measured)
+    clocked = any(x.get("power_capped_share") is not None for x in measured)
     table = [{"provider": PROVIDER_LABELS[x["provider"]], "backend": x.get("backend") or "",
               "median (ms)": _time_cell(x), "TFLOP/s": f"{x['tflops']:.3g}" if ran(x) else ""}
+             | ({"turns' medians spread": f"{x['round_spread']:.1%}" if ran(x) else ""} if in_turns else {})
+             | ({"power-capped": f"{x['power_capped_share']:.0%}" if ran(x) else ""} if clocked else {})
              | {f"time / {PROVIDER_LABELS[y['provider']]}": f"{x['median_ms'] / y['median_ms']:.3g}x"
                 if ran(x) else "" for y in measured}
              for x in rows]
+    how = (f"the providers taking turns, {max(x['rounds'] for x in measured)} rounds of one timing each (median of "
+           "all their samples), each round in its own order, so that each meets the GPU in like states" if in_turns
+           else "one run")
+    capped = (" Power-capped: the share of a provider's timed windows in which NVML counted the SM clock as held "
+              "down by the power limit; a GPU held there runs slower, so times compare at like shares." if clocked
+              else "")
     return "\n".join([
         f"## The 2025 leaderboard's attention cell, one GPU\n\nBatch {r['batch_size']}, {r['n_heads']} heads, d_head "
-        f"{r['head_dim']}, N {r['seq_len']}, {r['precision']}, causal, forward+backward, one run; triton (compiled) is "
-        "the Triton Function in torch.compile. (The 2026 leaderboard is a whole 8B-class training step on two GPUs.)\n",
+        f"{r['head_dim']}, N {r['seq_len']}, {r['precision']}, causal, forward+backward, {how}; triton (compiled) is "
+        "the Triton Function in torch.compile. (The 2026 leaderboard is a whole 8B-class training step on two GPUs.)"
+        f"{capped}\n",
         markdown_table(table),
     ])
 
