@@ -504,7 +504,7 @@ def test_flash_report_tables_ratios_oom_and_leaderboard(tmp_path):
     assert "| triton (compiled) | | 8 | 241 | 1x | 1.33x | 2x |" in body  # its time over each other provider's
     # Named for what it is: the 2025 leaderboard's attention cell on one GPU, not the 2026 leaderboard.
     assert "## The 2025 leaderboard's attention cell, one GPU" in body and "8B-class training step on two GPUs" in body
-    assert "forward+backward, one run;" in body and "power-capped" not in body
+    assert "forward+backward, one run;" in body and "power-capped" not in body and "shuffled" not in body
     assert set(rendered.figures) == {"flash_benchmarking_bf16.png"}
     write_report(FLASH_REPORT, rows + leaderboard, tmp_path, command="pytest perf/test_flash.py", device="cpu")
     assert len(read_rows(tmp_path / "flash_benchmarking.csv")) == len(rows) + 3
@@ -521,7 +521,7 @@ def test_the_leaderboard_taken_in_turns_says_so_with_each_provider_s_spread_and_
                    power_capped_share=0.875, **turns),
         _flash_row("sdpa_flash", "forward_backward", 16384, None, status=OOM, table="leaderboard", oom_predicted=False)]
     body = _flat(FLASH_REPORT.render(leaderboard).body)
-    assert "the providers taking turns, 5 rounds of one timing each" in body
+    assert "the providers in turns over 5 shuffled rounds (median of all samples)" in body
     assert "| triton | | 5 | 385 | 3.1% | 92% | 1x | 1.25x |" in body
     assert "| sdpa cuDNN | FLASH_ATTENTION | 4 | 481 | 1.2% | 88% | 0.8x | 1x |" in body
     write_report(FLASH_REPORT, leaderboard, tmp_path, command="pytest perf/test_flash.py", device="cpu")
@@ -559,3 +559,6 @@ def test_flash_report_names_the_source_each_run_measured():
     assert "FlashAttention GPU source measured: run 1: not recorded; run 2: 0123abcd." in body
     one_run = [{**row, "run": 1, "source_hash": "0123abcd"} for row in rows]
     assert "FlashAttention GPU source measured: 0123abcd." in _flat(FLASH_REPORT.render(one_run).body)
+    two_runs_one_source = [{**row, "source_hash": "0123abcd"} for row in rows]
+    assert ("FlashAttention GPU source measured: 0123abcd (all 2 runs)."
+            in _flat(FLASH_REPORT.render(two_runs_one_source).body))

@@ -152,21 +152,16 @@ def _leaderboard_section(rows: list[Row]) -> str:
     table = [{"provider": PROVIDER_LABELS[x["provider"]], "backend": x.get("backend") or "",
               "median (ms)": _time_cell(x), "TFLOP/s": f"{x['tflops']:.3g}" if ran(x) else ""}
              | ({"turns' medians spread": f"{x['round_spread']:.1%}" if ran(x) else ""} if in_turns else {})
-             | ({"power-capped": f"{x['power_capped_share']:.0%}" if ran(x) else ""} if clocked else {})
+             | ({"power-capped (NVML)": f"{x['power_capped_share']:.0%}" if ran(x) else ""} if clocked else {})
              | {f"time / {PROVIDER_LABELS[y['provider']]}": f"{x['median_ms'] / y['median_ms']:.3g}x"
                 if ran(x) else "" for y in measured}
              for x in rows]
-    how = (f"the providers taking turns, {max(x['rounds'] for x in measured)} rounds of one timing each (median of "
-           "all their samples), each round in its own order, so that each meets the GPU in like states" if in_turns
-           else "one run")
-    capped = (" Power-capped: the share of a provider's timed windows in which NVML counted the SM clock as held "
-              "down by the power limit; a GPU held there runs slower, so times compare at like shares." if clocked
-              else "")
+    how = (f"the providers in turns over {max(x['rounds'] for x in measured)} shuffled rounds (median of all samples)"
+           if in_turns else "one run")
     return "\n".join([
         f"## The 2025 leaderboard's attention cell, one GPU\n\nBatch {r['batch_size']}, {r['n_heads']} heads, d_head "
         f"{r['head_dim']}, N {r['seq_len']}, {r['precision']}, causal, forward+backward, {how}; triton (compiled) is "
-        "the Triton Function in torch.compile. (The 2026 leaderboard is a whole 8B-class training step on two GPUs.)"
-        f"{capped}\n",
+        "the Triton Function in torch.compile. (The 2026 leaderboard is a whole 8B-class training step on two GPUs.)\n",
         markdown_table(table),
     ])
 
@@ -241,13 +236,14 @@ def _gate_section(rows: list[Row]) -> str:
 
 def _sources(rows: list[Row]) -> str:
     """The FlashAttention source each run's rows measured (rows written before hashes were recorded
-    carry none)."""
+    carry none), named once where every run measured the same."""
     by_run: dict[int, set[str]] = defaultdict(set)
     for r in rows:
         by_run[int(r.get("run") or 1)].add(str(r.get("source_hash") or "not recorded"))
     runs = sorted(by_run.items())
-    if len(runs) == 1:
-        return f"FlashAttention GPU source measured: {', '.join(sorted(runs[0][1]))}.\n"
+    if all(hashes == runs[0][1] for _, hashes in runs):
+        every = f" (all {len(runs)} runs)" if len(runs) > 1 else ""
+        return f"FlashAttention GPU source measured: {', '.join(sorted(runs[0][1]))}{every}.\n"
     return ("FlashAttention GPU source measured: "
             + "; ".join(f"run {run}: {', '.join(sorted(hashes))}" for run, hashes in runs) + ".\n")
 
