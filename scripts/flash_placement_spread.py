@@ -28,7 +28,7 @@ PAGE = 2 << 20  # the GPU's large page
 PROVIDERS = ("flash_triton", "sdpa_cudnn")
 
 
-def _spread(values: list[float]) -> float:
+def _relative_range(values: list[float]) -> float:
     """(max - min) / median."""
     return (max(values) - min(values)) / statistics.median(values)
 
@@ -55,20 +55,19 @@ def main(argv=None) -> int:
         line = []
         for turn in (0, 1):
             for provider in PROVIDERS:
-                forward, backend = bench._provider(provider, *inputs, cell.is_causal)
-                before = clocks.read() if clocks else None
-                row = bench._guarded_mode(cell, {"mode": "forward_backward"}, forward, backend, inputs, grad_out,
-                                          device, settings)
-                capped = clock_columns([clocks.sample(before, clocks.read())])["power_capped_share"] if clocks else 0
-                medians[provider, turn].append(row["median_ms"])
-                line.append(f"{provider} {row['median_ms']:.3f} ({capped:.0%})")
+                taken = bench._Turns(*bench._provider(provider, *inputs, cell.is_causal))
+                taken.take(inputs, grad_out, device, settings, clocks)
+                median = statistics.median(taken.samples[0])
+                capped = clock_columns(taken.clocks).get("power_capped_share", 0)
+                medians[provider, turn].append(median)
+                line.append(f"{provider} {median:.3f} ({capped:.0%})")
         print(f"placement {placement} (offsets {offsets}): {', '.join(line)} ms (power-capped share)")
     for provider in PROVIDERS:
         first, again = medians[provider, 0], medians[provider, 1]
         repeat = max(abs(a - b) / a for a, b in zip(first, again))
         print(f"{provider}: medians {min(first + again):.3f}-{max(first + again):.3f} ms, between placements "
-              f"{_spread(first):.1%} (first timings) and {_spread(again):.1%} (second); one placement timed "
-              f"again moves by at most {repeat:.1%}")
+              f"{_relative_range(first):.1%} (first timings) and {_relative_range(again):.1%} (second); one "
+              f"placement timed again moves by at most {repeat:.1%}")
     return 0
 
 

@@ -152,6 +152,12 @@ def _provider(name: str, q, k, v, is_causal: bool) -> tuple[Callable[[], torch.T
     raise ValueError(f"unknown provider {name!r}; choose one of {', '.join(PROVIDER_LABELS)}")
 
 
+def _check_providers(providers) -> None:
+    for provider in providers:
+        if provider not in PROVIDER_LABELS:
+            raise ValueError(f"unknown provider {provider!r}; choose one of {', '.join(PROVIDER_LABELS)}")
+
+
 # ------------------------------------------------------------------------------------------- timing
 
 def _bench(fn: Callable[[], object], grads: tuple[torch.Tensor, ...], device: torch.device,
@@ -267,9 +273,8 @@ def benchmark_flash_cell(cell: FlashCell, providers=PROVIDERS, device: torch.dev
             raise ValueError(f"unknown mode {mode!r}; choose one of {', '.join(MODE_LABELS)}")
     if GRAPHED_MODE in modes and device.type != "cuda":
         raise ValueError(f"{GRAPHED_MODE} captures a CUDA graph and needs a CUDA device, got {device}")
+    _check_providers(providers)
     for provider in providers:
-        if provider not in PROVIDER_LABELS:
-            raise ValueError(f"unknown provider {provider!r}; choose one of {', '.join(PROVIDER_LABELS)}")
         if provider in COMPILED_PROVIDERS and "backward" in modes:
             raise ValueError(f"{provider}: backward alone cannot be timed; a compiled backward refuses "
                              "retain_graph=True (its buffers are donated), so time forward_backward")
@@ -335,7 +340,7 @@ class _Turns:
         return timer
 
 
-def benchmark_in_turns(cell: FlashCell, providers, device: torch.device | str = "cuda", rounds: int = 5,
+def benchmark_in_turns(cell: FlashCell, providers, device: torch.device | str, rounds: int,
                        settings: BenchSettings = BenchSettings()) -> list[Row]:
     """One forward+backward row per provider, the providers taking turns for `rounds` rounds, each turn a
     timing as benchmark_flash_cell's: the median and 20th/80th percentiles of all its turns' samples, the
@@ -346,9 +351,7 @@ def benchmark_in_turns(cell: FlashCell, providers, device: torch.device | str = 
     out of memory gets an OOM row and sits out the later rounds."""
     device = torch.device(device)
     check_positive_int(rounds=rounds)
-    for provider in providers:
-        if provider not in PROVIDER_LABELS:
-            raise ValueError(f"unknown provider {provider!r}; choose one of {', '.join(PROVIDER_LABELS)}")
+    _check_providers(providers)
     inputs, grad_out = _inputs(cell, device)
     clocks = GpuClocks.of(device)
     rows, turns = {}, {}
