@@ -28,11 +28,6 @@ PAGE = 2 << 20  # the GPU's large page
 PROVIDERS = ("flash_triton", "sdpa_cudnn")
 
 
-def _relative_range(values: list[float]) -> float:
-    """(max - min) / median."""
-    return (max(values) - min(values)) / statistics.median(values)
-
-
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--placements", type=int, default=10)
@@ -66,7 +61,7 @@ def main(argv=None) -> int:
         first, again = medians[provider, 0], medians[provider, 1]
         repeat = max(abs(a - b) / a for a, b in zip(first, again))
         print(f"{provider}: medians {min(first + again):.3f}-{max(first + again):.3f} ms, between placements "
-              f"{_relative_range(first):.1%} (first timings) and {_relative_range(again):.1%} (second); one "
+              f"{bench.relative_range(first):.1%} (first timings) and {bench.relative_range(again):.1%} (second); one "
               f"placement timed again moves by at most {repeat:.1%}")
     return 0
 

@@ -187,6 +187,17 @@ def _samples(fn: Callable[[], object], grads: tuple[torch.Tensor, ...], device: 
     return samples, timer
 
 
+def relative_range(values) -> float:
+    """(max - min) / median of values: how far apart timings of one thing lie."""
+    return (max(values) - min(values)) / statistics.median(values)
+
+
+def _drop_gradients(inputs: tuple[torch.Tensor, ...]) -> None:
+    """Drop the gradients a timing left on its inputs, so that the next starts without them."""
+    for t in inputs:
+        t.grad = None
+
+
 def _spread(samples) -> Row:
     """The median and 20th/80th percentiles of samples in ms, and their count."""
     series = torch.tensor(samples, dtype=torch.float64)
@@ -310,11 +321,8 @@ def _guarded_mode(cell: FlashCell, row: Row, forward: Callable[[], torch.Tensor]
         tflops = cell.flops(row["mode"]) / (stats["median_ms"] * 1e-3) / 1e12
         return {**row, **stats, "status": "ok", "tflops": tflops}
 
-    def drop_gradients() -> None:
-        for t in inputs:
-            t.grad = None
-
-    return guarded_cell(device, None, measure, oom=lambda columns: {**row, **columns}, let_go=drop_gradients)
+    return guarded_cell(device, None, measure, oom=lambda columns: {**row, **columns},
+                        let_go=functools.partial(_drop_gradients, inputs))
 
 
 @dataclass
@@ -364,10 +372,6 @@ def benchmark_in_turns(cell: FlashCell, providers, device: torch.device | str, r
         else:
             turns[provider] = _Turns(forward, backend)
 
-    def drop_gradients() -> None:
-        for t in inputs:
-            t.grad = None
-
     for round_index in range(rounds):
         order = list(turns)
         random.Random(round_index).shuffle(order)
@@ -375,7 +379,7 @@ def benchmark_in_turns(cell: FlashCell, providers, device: torch.device | str, r
             done = guarded_cell(device, None,
                                 lambda columns: {"timer": turns[provider].take(inputs, grad_out, device, settings,
                                                                                clocks)},
-                                oom=lambda columns: columns, let_go=drop_gradients)
+                                oom=lambda columns: columns, let_go=functools.partial(_drop_gradients, inputs))
             if "status" in done:  # ran out of memory
                 rows[provider] |= done
                 del turns[provider]
@@ -384,8 +388,7 @@ def benchmark_in_turns(cell: FlashCell, providers, device: torch.device | str, r
     for provider, taken in turns.items():
         medians = [statistics.median(samples) for samples in taken.samples]
         rows[provider] |= {**_spread([t for samples in taken.samples for t in samples]), "status": "ok",
-                           "rounds": rounds, "round_spread": (max(medians) - min(medians)) / statistics.median(medians),
-                           **clock_columns(taken.clocks)}
+                           "rounds": rounds, "round_spread": relative_range(medians), **clock_columns(taken.clocks)}
         rows[provider]["tflops"] = cell.flops("forward_backward") / (rows[provider]["median_ms"] * 1e-3) / 1e12
     return [rows[provider] for provider in providers]
 
