@@ -2,6 +2,8 @@
 for the kernel path (launch calls and kernels by correlation id, ranges on another thread)."""
 
 import itertools
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -341,3 +343,22 @@ def test_gpu_profiled_range_is_read_as_host_time():
     body = problems.report("nsys_profile").render(rows).body
     assert "The profiled range is host time, ending once the kernels are queued" in body
     assert "profiler's overhead" not in body
+
+
+@pytest.mark.gpu
+def test_a_process_whose_last_call_was_a_cuda_profile_exits():
+    """Kineto detaches CUPTI (TEARDOWN_CUPTI=1) in the next CUDA call's callback: a process that made none
+    after its last profile hung at exit until device_profile ended with one."""
+    script = ("import torch\n"
+              "from cs336_systems.profiling.kernels import device_profile\n"
+              "x = torch.randn(512, 512, device='cuda')\n"
+              "with device_profile('cuda') as profiler:\n"
+              "    (x @ x).sum().item()\n"
+              "print(len(profiler.events()))\n")
+    try:
+        result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=180,
+                                cwd=Path(__file__).resolve().parents[1])
+    except subprocess.TimeoutExpired as hung:
+        pytest.fail(f"the process had not exited 180 s after starting (its output: {hung.stdout!r})")
+    assert result.returncode == 0, result.stderr
+    assert int(result.stdout) > 0
