@@ -149,6 +149,11 @@ class Timings:
         return {"mean_ms": self.mean_ms, "std_ms": self.std_ms, "median_ms": self.median_ms, "iqr_ms": self.iqr_ms}
 
 
+def tflops(flops: float, ms: float) -> float:
+    """The rate, in TFLOP/s, of `flops` done in `ms` milliseconds."""
+    return flops / (ms * 1e-3) / 1e12
+
+
 def time_fn(fn: Callable[[], object], *, warmup: int, steps: int, device: torch.device | str) -> Timings:
     """Run `fn` `warmup` times untimed, then `steps` times, each timed on its own."""
     if warmup < 0 or steps < 1:

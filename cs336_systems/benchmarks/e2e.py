@@ -50,7 +50,7 @@ from cs336_systems.precision import check_precision
 from cs336_systems.profiling.kernels import device_profile, device_timeline, is_fused_attention, kernel_tables
 from cs336_systems.profiling.ranges import annotate
 from cs336_systems.rows import BREAKDOWN_PHASES, BREAKDOWN_TABLE, COURSE_VARIANT, REFERENCE_MODEL, Row
-from cs336_systems.timing import STEP_TIMER, StepTimer, Timings
+from cs336_systems.timing import STEP_TIMER, StepTimer, Timings, tflops
 
 MODES = ("forward", "forward_backward", "train")
 # The phases each mode reports, in order; the composite ones are sums of the measured phases.
@@ -325,7 +325,7 @@ def _measured_rows(cfg: E2EConfig, base: Row, measured: Measured, peak_memory: i
         flops = step_flops(cfg.model_config(), cfg.batch_size, cfg.context_length,
                            "forward" if cfg.mode == "forward" else phase)
         if flops is not None:
-            row["tflops"] = flops / (row["median_ms"] * 1e-3) / 1e12
+            row["tflops"] = tflops(flops, row["median_ms"])
             if peak_flops:
                 row["mfu"] = flops / (row["median_ms"] * 1e-3) / peak_flops
         rows.append(row)

@@ -58,7 +58,7 @@ from cs336_systems.clocks import ClockSample, GpuClocks, clock_columns
 from cs336_systems.memory_guard import check_memory, oom_columns
 from cs336_systems.precision import Precision, check_precision
 from cs336_systems.rows import Row, ran
-from cs336_systems.timing import issue_times, time_fn
+from cs336_systems.timing import issue_times, tflops, time_fn
 
 SEQ_LENS = tuple(2**p for p in range(7, 17))  # 128 ... 65536
 HEAD_DIMS = (16, 32, 64, 128)
@@ -318,8 +318,7 @@ def _guarded_mode(cell: FlashCell, row: Row, forward: Callable[[], torch.Tensor]
     def measure(columns: Row) -> Row:
         with sdpa_kernel(backend) if backend is not None else nullcontext():
             stats = _bench_mode(row["mode"], forward, inputs, grad_out, device, settings)
-        tflops = cell.flops(row["mode"]) / (stats["median_ms"] * 1e-3) / 1e12
-        return {**row, **stats, "status": "ok", "tflops": tflops}
+        return {**row, **stats, "status": "ok", "tflops": tflops(cell.flops(row["mode"]), stats["median_ms"])}
 
     return guarded_cell(device, None, measure, oom=lambda columns: {**row, **columns},
                         let_go=functools.partial(_drop_gradients, inputs))
@@ -389,7 +388,7 @@ def benchmark_in_turns(cell: FlashCell, providers, device: torch.device | str, r
         medians = [statistics.median(samples) for samples in taken.samples]
         rows[provider] |= {**_spread([t for samples in taken.samples for t in samples]), "status": "ok",
                            "rounds": rounds, "round_spread": relative_range(medians), **clock_columns(taken.clocks)}
-        rows[provider]["tflops"] = cell.flops("forward_backward") / (rows[provider]["median_ms"] * 1e-3) / 1e12
+        rows[provider]["tflops"] = tflops(cell.flops("forward_backward"), rows[provider]["median_ms"])
     return [rows[provider] for provider in providers]
 
 

@@ -37,7 +37,7 @@ from cs336_systems.benchmarks.harness import (
 )
 from cs336_systems.model import ModelConfig
 from cs336_systems.rows import Row
-from cs336_systems.timing import STEP_TIMER, time_fn
+from cs336_systems.timing import STEP_TIMER, tflops, time_fn
 
 ATTENTIONS = ("sdpa", "flash_triton")
 KERNEL_PROVIDERS = ("flash_triton", "sdpa_cudnn", "sdpa_flash")
@@ -109,7 +109,7 @@ def _training_step_row(cell: TrainingCell, attention: str, device: torch.device,
         timings = time_fn(step, warmup=warmup, steps=steps, device=device)
         stats = {**timings.summary(), "steps": steps, "timer": STEP_TIMER}
         flops = step_flops(config, cell.batch_size, cell.context_length, "train_step")
-        return {**row, "status": "ok", **stats, "tflops": flops / (stats["median_ms"] * 1e-3) / 1e12,
+        return {**row, "status": "ok", **stats, "tflops": tflops(flops, stats["median_ms"]),
                 "peak_memory_gib": torch.cuda.max_memory_allocated(device) / 2**30, "first_loss": losses[0]}
 
     return guarded_cell(device, None, measure, oom=lambda columns: {**row, **columns})
