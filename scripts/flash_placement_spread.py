@@ -44,13 +44,13 @@ def main(argv=None) -> int:
     for placement in range(args.placements):
         kept.append(torch.empty(pads.randrange(1, 64) * PAGE + pads.randrange(0, PAGE // 16) * 16,
                                 dtype=torch.uint8, device=device))
-        inputs, grad_out = bench._inputs(cell, device)  # the same values every time: the generator's seed
+        inputs, grad_out = bench.cell_inputs(cell, device)  # the same values every time: the generator's seed
         kept.append((inputs, grad_out))
         offsets = " ".join(f"{t.data_ptr() % PAGE >> 10}K" for t in (*inputs, grad_out))
         line = []
         for turn in (0, 1):
             for provider in PROVIDERS:
-                taken = bench._Turns(*bench._provider(provider, *inputs, cell.is_causal))
+                taken = bench.ProviderTurns(*bench.provider_call(provider, *inputs, cell.is_causal))
                 taken.take(inputs, grad_out, device, settings, clocks)
                 median = statistics.median(taken.samples[0])
                 capped = clock_columns(taken.clocks).get("power_capped_share", 0)

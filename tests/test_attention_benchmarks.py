@@ -218,7 +218,7 @@ def test_host_issue_time_needs_a_gpu_to_keep_busy():
 
 
 def test_backward_timing_leaves_no_gradient_behind():
-    inputs, grad_out = flash_bench._inputs(FlashCell(16, 16, "fp32"), torch.device("cpu"))
+    inputs, grad_out = flash_bench.cell_inputs(FlashCell(16, 16, "fp32"), torch.device("cpu"))
     stats = flash_bench._bench_mode("backward", lambda: naive_attention(*inputs, True), inputs, grad_out,
                                     torch.device("cpu"), TINY_BENCH)
     assert stats["median_ms"] > 0 and all(t.grad is not None for t in inputs)  # the last call's gradients
@@ -229,8 +229,8 @@ def test_backward_timing_leaves_no_gradient_behind():
 @pytest.mark.parametrize("provider", ["flash_triton", "sdpa_cudnn"])
 def test_a_captured_forward_backward_writes_the_eager_gradients_on_every_replay(provider, device):
     cell = FlashCell(256, 80, "bf16", batch_size=2, n_heads=2)
-    inputs, grad_out = flash_bench._inputs(cell, device)
-    forward, backend = flash_bench._provider(provider, *inputs, cell.is_causal)
+    inputs, grad_out = flash_bench.cell_inputs(cell, device)
+    forward, backend = flash_bench.provider_call(provider, *inputs, cell.is_causal)
     if forward is None:
         pytest.skip(f"{provider} refuses these inputs on this GPU")
     with sdpa_kernel(backend) if backend is not None else nullcontext():
@@ -246,9 +246,9 @@ def test_a_captured_forward_backward_writes_the_eager_gradients_on_every_replay(
 
 
 def _recording_providers(monkeypatch, called: list[str], run_out_at: dict[str, int] | None = None) -> None:
-    """flash_bench._provider, each forward appending its provider's name to `called` (and raising
+    """flash_bench.provider_call, each forward appending its provider's name to `called` (and raising
     out-of-memory at its provider's run_out_at[name]-th call, counting from 1)."""
-    real = flash_bench._provider
+    real = flash_bench.provider_call
 
     def provider(name, *args):
         forward, backend = real(name, *args)
@@ -260,7 +260,7 @@ def _recording_providers(monkeypatch, called: list[str], run_out_at: dict[str, i
             return forward()
         return (None if forward is None else recorded), backend
 
-    monkeypatch.setattr(flash_bench, "_provider", provider)
+    monkeypatch.setattr(flash_bench, "provider_call", provider)
 
 
 def test_providers_taking_turns_each_time_once_a_round_and_pool_their_rounds(monkeypatch):

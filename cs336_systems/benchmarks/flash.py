@@ -126,7 +126,7 @@ def _sdpa_runs(backend: SDPBackend, q, k, v, is_causal: bool) -> bool:
     return True
 
 
-def _provider(name: str, q, k, v, is_causal: bool) -> tuple[Callable[[], torch.Tensor] | None, SDPBackend | None]:
+def provider_call(name: str, q, k, v, is_causal: bool) -> tuple[Callable[[], torch.Tensor] | None, SDPBackend | None]:
     """(forward closure, SDPA backend to pin); a None closure means the SDPA backend refuses the inputs."""
     if name == "flash_triton":
         from cs336_systems.attention.flash_triton import FlashAttentionTriton
@@ -265,7 +265,7 @@ def _cell_row(cell: FlashCell, provider: str, mode: str, device: torch.device) -
             "source_hash": source_hash()}
 
 
-def _inputs(cell: FlashCell, device: torch.device) -> tuple[tuple[torch.Tensor, ...], torch.Tensor]:
+def cell_inputs(cell: FlashCell, device: torch.device) -> tuple[tuple[torch.Tensor, ...], torch.Tensor]:
     generator = torch.Generator(device=device).manual_seed(0)
 
     def randn(requires_grad: bool) -> torch.Tensor:
@@ -289,7 +289,7 @@ def benchmark_flash_cell(cell: FlashCell, providers=PROVIDERS, device: torch.dev
         if provider in COMPILED_PROVIDERS and "backward" in modes:
             raise ValueError(f"{provider}: backward alone cannot be timed; a compiled backward refuses "
                              "retain_graph=True (its buffers are donated), so time forward_backward")
-    inputs, grad_out = _inputs(cell, device)
+    inputs, grad_out = cell_inputs(cell, device)
     rows = []
     for provider in providers:
         base = [_cell_row(cell, provider, mode, device) for mode in modes]
@@ -300,7 +300,7 @@ def benchmark_flash_cell(cell: FlashCell, providers=PROVIDERS, device: torch.dev
             if not fits:
                 rows += [{**row, **oom_columns(True)} for row in base]
                 continue
-        forward, backend = _provider(provider, *inputs, cell.is_causal)
+        forward, backend = provider_call(provider, *inputs, cell.is_causal)
         for row in base:
             row["backend"] = None if backend is None else backend.name
         if forward is None:
@@ -325,7 +325,7 @@ def _guarded_mode(cell: FlashCell, row: Row, forward: Callable[[], torch.Tensor]
 
 
 @dataclass
-class _Turns:
+class ProviderTurns:
     """One provider's part in benchmark_in_turns: its call, its SDPA backend, and its turns' samples and
     clock samples."""
 
@@ -359,17 +359,17 @@ def benchmark_in_turns(cell: FlashCell, providers, device: torch.device | str, r
     device = torch.device(device)
     check_positive_int(rounds=rounds)
     _check_providers(providers)
-    inputs, grad_out = _inputs(cell, device)
+    inputs, grad_out = cell_inputs(cell, device)
     clocks = GpuClocks.of(device)
     rows, turns = {}, {}
     for provider in providers:
         rows[provider] = _cell_row(cell, provider, "forward_backward", device)
-        forward, backend = _provider(provider, *inputs, cell.is_causal)
+        forward, backend = provider_call(provider, *inputs, cell.is_causal)
         rows[provider]["backend"] = None if backend is None else backend.name
         if forward is None:
             rows[provider]["status"] = UNSUPPORTED
         else:
-            turns[provider] = _Turns(forward, backend)
+            turns[provider] = ProviderTurns(forward, backend)
 
     for round_index in range(rounds):
         order = list(turns)
@@ -454,11 +454,11 @@ def host_issue(device: torch.device | str = "cuda", cells=HOST_ISSUE_CELLS, prov
 
 def _host_issue_cell(cell: FlashCell, providers, device: torch.device, warmup: int, samples: int) -> list[Row]:
     """One cell's host-issue rows, its providers taking turns."""
-    inputs, grad_out = _inputs(cell, device)
+    inputs, grad_out = cell_inputs(cell, device)
     rows, timed, fns, contexts = [], [], [], []
     for provider in providers:
         row = {**_cell_row(cell, provider, "forward_backward", device), "table": "host_issue"}
-        forward, backend = _provider(provider, *inputs, cell.is_causal)
+        forward, backend = provider_call(provider, *inputs, cell.is_causal)
         row["backend"] = None if backend is None else backend.name
         row["status"] = UNSUPPORTED if forward is None else "ok"
         rows.append(row)
