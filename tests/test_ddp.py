@@ -204,6 +204,52 @@ def _dropped_wrapper_frees_the_model(rank: int, world_size: int, wrapper: str) -
     assert parameter() is None, f"{wrapper}: a parameter outlived its dropped wrapper and model"
 
 
+class _Widened(ToyModel):
+    """ToyModel with a parameter or a buffer that some ranks lack, or have in another shape or dtype."""
+
+    def __init__(self, extra: str | None):
+        super().__init__()
+        if extra == "parameter":
+            self.extra = nn.Parameter(torch.zeros(3))
+        elif extra == "buffer":
+            self.register_buffer("running", torch.zeros(3))
+        elif extra == "buffer_shape":
+            self.register_buffer("running", torch.zeros(4))
+        elif extra == "buffer_dtype":
+            self.register_buffer("running", torch.zeros(3, dtype=torch.float64))
+
+
+def _models_that_differ_between_ranks_raise(rank: int, world_size: int, wrapper: str) -> None:
+    """A model that differs on one rank is refused on every rank, naming the first difference,
+    where the broadcasts that follow would hang or abort in the backend."""
+    last = rank == world_size - 1
+    for mine, theirs, named in ((None, "parameter", "extra"), ("buffer", "buffer_shape", "running"),
+                                ("buffer", "buffer_dtype", "running"), ("buffer", None, "running")):
+        with pytest.raises(ValueError, match=rf"differs between ranks.*'{named}'"):
+            WRAPPERS[wrapper](_Widened(theirs if last else mine))
+    with pytest.raises(ValueError, match="differs between ranks.*'no_grad_fixed_param'.*float64"):
+        WRAPPERS[wrapper](_Widened(None).double() if last else _Widened(None))
+    WRAPPERS[wrapper](_Widened("buffer"))  # the same on every rank again: accepted
+
+
+def _buffers_are_rank_0_s(rank: int, world_size: int, wrapper: str) -> None:
+    torch.manual_seed(rank)
+    model = _Widened("buffer")
+    model.running.normal_()
+    ddp_model = WRAPPERS[wrapper](model)
+    everyone: list[torch.Tensor | None] = [None] * world_size
+    dist.all_gather_object(everyone, ddp_model.module.running)
+    assert all(torch.equal(other, everyone[0]) for other in everyone), everyone
+
+
+def _sparse_gradients_are_refused_by_the_flat_wrappers(rank: int, world_size: int, wrapper: str) -> None:
+    """Flat and bucketed pack gradients into dense buffers: a sparse gradient is a clear error."""
+    ddp_model = WRAPPERS[wrapper](nn.Embedding(10, 3, sparse=True))
+    with pytest.raises(TypeError, match="sparse.*weight|weight.*sparse"):
+        ddp_model(torch.tensor([[1, 2, 2]])).sum().backward()
+        ddp_model.finish_gradient_synchronization()
+
+
 CHECKS = {
     **{f"course_individual_parameters_{name}": functools.partial(
         course_ddp_check, model_class=cls, make_ddp=adapters.get_ddp_individual_parameters,
@@ -223,6 +269,12 @@ CHECKS = {
        for wrapper in OVERLAPPED},
     **{f"{wrapper}_dropped_wrapper_frees_the_model": functools.partial(_dropped_wrapper_frees_the_model,
                                                                      wrapper=wrapper) for wrapper in WRAPPERS},
+    **{f"{wrapper}_models_that_differ_between_ranks_raise": functools.partial(
+        _models_that_differ_between_ranks_raise, wrapper=wrapper) for wrapper in WRAPPERS},
+    **{f"{wrapper}_buffers_are_rank_0_s": functools.partial(_buffers_are_rank_0_s, wrapper=wrapper)
+       for wrapper in WRAPPERS},
+    **{f"{wrapper}_sparse_gradients_are_refused": functools.partial(
+        _sparse_gradients_are_refused_by_the_flat_wrappers, wrapper=wrapper) for wrapper in ("flat", "bucketed")},
 }
 
 

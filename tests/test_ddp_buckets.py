@@ -82,9 +82,11 @@ def test_bucket_assignment_rejects_bad_input():
         assign_buckets([4, 4], 10, kinds=["float32"])
 
 
-@pytest.mark.parametrize("bucket_size_mb", [0, -1.0, "10"])
-def test_bucketed_ddp_rejects_a_bad_bucket_size(bucket_size_mb):
-    with pytest.raises(ValueError, match="bucket_size_mb"):
+@pytest.mark.parametrize(("bucket_size_mb", "error"), [
+    (0, ValueError), (-1.0, ValueError), (math.inf, ValueError), (math.nan, ValueError),
+    ("10", TypeError), (None, TypeError), (True, TypeError)])
+def test_bucketed_ddp_rejects_a_bad_bucket_size(bucket_size_mb, error):
+    with pytest.raises(error, match="bucket_size_mb"):
         BucketedDDP(ToyModel(), bucket_size_mb=bucket_size_mb)
 
 

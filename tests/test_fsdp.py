@@ -364,6 +364,50 @@ def _prefetch_runs_at_most_two_layers_ahead(rank: int, world_size: int) -> None:
     assert next_call(backward_calls, "backward", end_of_forward + 1, len(log)) == expected
 
 
+def _forward_without_backward_leaves_no_stale_weights(rank: int, world_size: int) -> None:
+    """A forward with gradients on that no backward follows (a metric) gathers the first weights of
+    a backward that never comes; after the optimizer step the next forward must use the new shards."""
+    torch.manual_seed(0)
+    reference = ToyFSDPModel()
+    model = FSDP(deepcopy(reference))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
+    reference_optimizer = torch.optim.SGD(reference.parameters(), lr=0.5)
+    token_ids = torch.randint(0, 37, (4, SEQ_LEN), generator=torch.Generator().manual_seed(1))
+    reference(token_ids).pow(2).mean().backward()
+    reference_optimizer.step()
+    model(token_ids).pow(2).mean().backward()  # every rank on the same batch: the reference's gradient
+    model.finish_gradient_synchronization()
+    model(token_ids).mean()  # the metric: no backward
+    optimizer.step()
+    torch.testing.assert_close(model(token_ids), reference(token_ids), **FP32_TOLERANCE)
+
+
+class _WithBuffer(ToyFSDPModel):
+    def __init__(self, d_ff: int = 22):
+        super().__init__(d_ff=d_ff)
+        self.register_buffer("scale", torch.randn(10))
+
+    def forward(self, token_ids: torch.Tensor) -> torch.Tensor:
+        return super().forward(token_ids) * self.scale.sum()
+
+
+def _buffers_are_rank_0_s(rank: int, world_size: int) -> None:
+    torch.manual_seed(rank)
+    model = FSDP(_WithBuffer())
+    everyone: list[torch.Tensor | None] = [None] * world_size
+    dist.all_gather_object(everyone, model.module.scale)
+    assert all(torch.equal(other, everyone[0]) for other in everyone), everyone
+
+
+def _models_that_differ_between_ranks_raise(rank: int, world_size: int) -> None:
+    """Refused on every rank, naming the first difference, where the broadcasts would hang."""
+    last = rank == world_size - 1
+    with pytest.raises(ValueError, match=r"differs between ranks.*'linear1.weight', \(23, 10\)"):
+        FSDP(_WithBuffer(d_ff=23 if last else 22))
+    with pytest.raises(ValueError, match="differs between ranks.*'scale'.*nothing"):
+        FSDP(ToyFSDPModel() if last else _WithBuffer())
+
+
 def _bad_input_raises(rank: int, world_size: int) -> None:
     with pytest.raises(TypeError, match="torch.nn.Module"):
         FSDP(lambda x: x)
@@ -392,6 +436,9 @@ CHECKS = {
         _shards_are_a_world_size_share_and_gathered_weights_are_freed,
     "prefetch_runs_at_most_two_layers_ahead": _prefetch_runs_at_most_two_layers_ahead,
     "bad_input_raises": _bad_input_raises,
+    "forward_without_backward_leaves_no_stale_weights": _forward_without_backward_leaves_no_stale_weights,
+    "buffers_are_rank_0_s": _buffers_are_rank_0_s,
+    "models_that_differ_between_ranks_raise": _models_that_differ_between_ranks_raise,
 }
 
 

@@ -287,8 +287,21 @@ def _bad_arguments_raise(rank: int, world_size: int) -> None:
         ShardedOptimizer(params, nn.Linear)
     with pytest.raises(ValueError, match="carrier pigeon"):
         ShardedOptimizer(params, torch.optim.AdamW, sync="carrier pigeon")
-    with pytest.raises(ValueError, match="bucket_size_mb"):
-        ShardedOptimizer(params, torch.optim.AdamW, bucket_size_mb=0)
+    for bucket_size_mb, error in ((0, ValueError), (float("inf"), ValueError), ("1", TypeError), (None, TypeError)):
+        with pytest.raises(error, match="bucket_size_mb"):
+            ShardedOptimizer(params, torch.optim.AdamW, bucket_size_mb=bucket_size_mb)
+
+
+def _parameters_that_differ_between_ranks_raise(rank: int, world_size: int) -> None:
+    """Ranks adding parameters of other shapes are refused on every rank, where the first step's
+    broadcasts would hang; a refused group is not kept."""
+    last = rank == world_size - 1
+    with pytest.raises(ValueError, match=r"group 0 .*differs between ranks.*\(3,\)"):
+        ShardedOptimizer([torch.zeros(3 if last else 2, requires_grad=True)], torch.optim.AdamW)
+    optimizer = ShardedOptimizer([torch.zeros(2, requires_grad=True)], torch.optim.AdamW)
+    with pytest.raises(ValueError, match=r"group 1 .*rank 0 has 1 entries, rank \d 2"):
+        optimizer.add_param_group({"params": [torch.zeros(2, requires_grad=True) for _ in range(2 if last else 1)]})
+    assert len(optimizer.param_groups) == len(optimizer.local_optimizer.param_groups) == 1
 
 
 CHECKS = {
@@ -305,6 +318,7 @@ CHECKS = {
     "with_torch_ddp": _with_torch_ddp,
     "small_buckets_and_mixed_dtypes": _small_buckets_and_mixed_dtypes,
     "bad_arguments_raise": _bad_arguments_raise,
+    "parameters_that_differ_between_ranks_raise": _parameters_that_differ_between_ranks_raise,
 }
 
 

@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import functools
 import itertools
+import math
 import weakref
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
@@ -48,17 +49,36 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from cs336_systems.distributed.launch import require_process_group
+from cs336_systems.distributed.launch import require_process_group, require_same_on_every_rank
 
 # bucket_size_mb counts mebibytes, as torch DDP's bucket_cap_mb does.
 BYTES_PER_MB = 2**20
 
 
-def broadcast_from_rank0(module: nn.Module) -> None:
-    """Overwrite every parameter and buffer of `module` with rank 0's values."""
+def broadcast_from_rank0(module: nn.Module, what: str) -> None:
+    """Overwrite every parameter and buffer of `module` with rank 0's values, once every rank is
+    known to hold the same ones (by name, shape, dtype and requires_grad): `what`'s error otherwise."""
+    named = list(itertools.chain(module.named_parameters(), module.named_buffers()))
+    require_same_on_every_rank(f"{what}'s module (name, shape, dtype, requires_grad of each parameter and buffer)",
+                               [(name, tuple(t.shape), str(t.dtype), t.requires_grad) for name, t in named])
     with torch.no_grad():
-        for tensor in itertools.chain(module.parameters(), module.buffers()):
+        for _, tensor in named:
             dist.broadcast(tensor, src=0)
+
+
+def require_bucket_size_mb(bucket_size_mb: object) -> None:
+    """Refuse a bucket size that is not a positive, finite number of MiB."""
+    if isinstance(bucket_size_mb, bool) or not isinstance(bucket_size_mb, (int, float)):
+        raise TypeError(f"bucket_size_mb must be a number of MiB, got {bucket_size_mb!r}")
+    if not 0 < bucket_size_mb < math.inf:
+        raise ValueError(f"bucket_size_mb must be positive and finite, got {bucket_size_mb!r}")
+
+
+def require_dense_gradient(what: str, name: str, gradient: torch.Tensor) -> None:
+    """Refuse a sparse gradient where `what` packs gradients into one flat, dense tensor."""
+    if gradient.layout != torch.strided:
+        raise TypeError(f"{what} packs gradients into flat dense tensors, which the {gradient.layout} gradient of "
+                        f"{name} cannot join (an nn.Embedding(sparse=True)?); give that layer dense gradients")
 
 
 def batch_shard(batch_size: int, rank: int, world_size: int) -> slice:
@@ -139,14 +159,16 @@ class _DataParallel(nn.Module):
         self.world_size = dist.get_world_size()
         self._reduce_op = dist.ReduceOp.AVG if dist.get_backend() == "nccl" else dist.ReduceOp.SUM
         # parameters() yields a tied parameter once, so it is communicated once.
-        self._params = [p for p in module.parameters() if p.requires_grad]
+        trained = [(name, p) for name, p in module.named_parameters() if p.requires_grad]
+        self._names = [name for name, _ in trained]
+        self._params = [p for _, p in trained]
         if not self._params:
             raise ValueError(f"{type(self).__name__}: the module has no parameter with requires_grad=True")
         if dist.get_backend() == "nccl":
             off_gpu = sorted({str(p.device) for p in module.parameters() if p.device.type != "cuda"})
             if off_gpu:
                 raise ValueError(f"the NCCL backend needs the module on a CUDA device; found parameters on {off_gpu}")
-        broadcast_from_rank0(module)
+        broadcast_from_rank0(module, type(self).__name__)
 
     def forward(self, *args, **kwargs):
         return self.module(*args, **kwargs)
@@ -198,6 +220,8 @@ class FlatDDP(_DataParallel):
     def finish_gradient_synchronization(self) -> None:
         had_gradient = [p.grad is not None for p in self._params]
         grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in self._params]
+        for name, grad in zip(self._names, grads):
+            require_dense_gradient(type(self).__name__, name, grad)
         by_dtype: dict[torch.dtype, list[int]] = {}
         for index, grad in enumerate(grads):
             by_dtype.setdefault(grad.dtype, []).append(index)
@@ -321,8 +345,7 @@ class BucketedDDP(_OverlappedDataParallel):
     divided by the world size on its way back into .grad."""
 
     def __init__(self, module: nn.Module, bucket_size_mb: float):
-        if not (isinstance(bucket_size_mb, (int, float)) and bucket_size_mb > 0):
-            raise ValueError(f"bucket_size_mb must be a positive number, got {bucket_size_mb!r}")
+        require_bucket_size_mb(bucket_size_mb)
         super().__init__(module)
         # A sum on every backend: the division by the world size rides on the copy back into .grad, a
         # pass the buckets make anyway.
@@ -343,6 +366,7 @@ class BucketedDDP(_OverlappedDataParallel):
     def _gradient_ready(self, index: int) -> None:
         bucket, position = self._position[index]
         p = self._params[index]
+        require_dense_gradient(type(self).__name__, self._names[index], p.grad)
         self.buckets[bucket].slot(position, p).copy_(p.grad.reshape(-1))
 
     def _launch(self, unit: int) -> dist.Work:

@@ -12,7 +12,8 @@ the master weight), as a Parameter that takes the weight's place under the same 
 `module.named_parameters()` lists the shards, an optimizer built on `parameters()` updates them,
 and each rank holds ~1/world_size of those weights, their gradients and their optimizer state.
 Other parameters (RMSNorm weights) stay whole on every rank, their gradients averaged over ranks.
-Rank 0's parameters are broadcast first, so every rank shards the same model.
+Rank 0's parameters and buffers are broadcast first, so every rank shards the same model (a rank
+whose model differs in a parameter's or buffer's name, shape or dtype makes every rank raise).
 
 Forward. A sharded layer runs through an autograd Function that all-gathers its weight (each shard
 cast to `compute_dtype` before the all-gather, so the traffic is in the compute dtype), computes,
@@ -30,6 +31,8 @@ order the previous forward pass called the layers (module order for the first on
 starts its forward, the gathers of the next `prefetch_layers` layers are started, so a weight is
 gathered at most two layers ahead, and at most `prefetch_layers + 1` gathered weights are alive.
 Backward prefetches in the reverse order; the end of forward starts the first gathers of backward.
+A forward first drops the copies an earlier forward gathered for a backward that never came (a
+forward with gradients on, for a metric, say): an optimizer step may have changed their shards since.
 
 Mixed precision. With `compute_dtype`, a layer computes in that dtype (its input cast to it) while
 master weights, the gradients the optimizer sees and the updates stay in the weights' dtype.
@@ -51,7 +54,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from cs336_systems.distributed.ddp import write_back_gradient
+from cs336_systems.distributed.ddp import broadcast_from_rank0, require_dense_gradient, write_back_gradient
 from cs336_systems.distributed.launch import require_process_group
 from cs336_systems.model import Embedding, Linear
 from cs336_systems.profiling.ranges import annotate
@@ -275,9 +278,7 @@ class FSDP(nn.Module):
         layers = [(name, layer) for name, layer in module.named_modules(remove_duplicate=False)
                   if type(layer) in SHARDED_LAYER_TYPES]
         _check_not_shared(module, layers)
-        with torch.no_grad():
-            for p in module.parameters():
-                dist.broadcast(p, src=0)
+        broadcast_from_rank0(module, "FSDP")
         self.weights = [_ShardedWeight(name, layer, self.rank, self.world_size, compute_dtype)
                         for name, layer in layers]
         self.scheduler = _Scheduler(self.weights, self.world_size, compute_dtype, prefetch_layers)
@@ -286,9 +287,11 @@ class FSDP(nn.Module):
             function = _ShardedLinear if isinstance(weight.layer, Linear) else _ShardedEmbedding
             weight.layer.forward = _sharded_forward(function, weight, self.scheduler)
         sharded = {id(w.shard) for w in self.weights}
-        self.replicated = [p for p in module.parameters() if id(p) not in sharded]
+        self.replicated = {name: p for name, p in module.named_parameters() if id(p) not in sharded}
 
     def forward(self, *args, **kwargs):
+        for weight in self.weights:
+            weight.free()  # gathered by an earlier forward for a backward that did not follow
         self.scheduler.calls = []
         output = self.module(*args, **kwargs)
         self.scheduler.end_forward(torch.is_grad_enabled())
@@ -310,7 +313,9 @@ class FSDP(nn.Module):
         if self.world_size == 1:
             return
         by_dtype: dict[tuple, list[nn.Parameter]] = {}
-        for p in self.replicated:
+        for name, p in self.replicated.items():
+            if p.grad is not None:
+                require_dense_gradient("FSDP", name, p.grad)
             if p.requires_grad:
                 by_dtype.setdefault((p.dtype, p.device), []).append(p)
         for (dtype, device), params in by_dtype.items():

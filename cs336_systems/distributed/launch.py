@@ -87,6 +87,26 @@ def require_process_group(what: str) -> None:
         )
 
 
+def require_same_on_every_rank(what: str, entries: list[tuple]) -> None:
+    """Collective: raise on every rank, naming the first difference, unless every rank passes equal
+    `entries` (such as each parameter's name, shape and dtype).
+
+    Collectives pair up by their order alone, so ranks that go on to communicate tensors that differ
+    in number or shape hang, or abort inside the backend; this one small gather tells them first.
+    """
+    gathered: list[list[tuple] | None] = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, entries)
+    first = gathered[0]
+    for rank, other in enumerate(gathered):
+        if other == first:
+            continue
+        at = next((i for i, (a, b) in enumerate(zip(first, other)) if a != b), min(len(first), len(other)))
+        raise ValueError(
+            f"{what} differs between ranks: rank 0 has {len(first)} entries, rank {rank} {len(other)}; the first "
+            f"difference is entry {at}, {first[at] if at < len(first) else 'nothing'} on rank 0 against "
+            f"{other[at] if at < len(other) else 'nothing'} on rank {rank}")
+
+
 def launch_store() -> dist.Store:
     """The key-value store of the launch this rank runs in, with keys of its own launch only.
 

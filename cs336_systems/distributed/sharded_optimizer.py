@@ -46,7 +46,8 @@ import torch
 import torch.distributed as dist
 from torch.optim import Optimizer
 
-from cs336_systems.distributed.launch import require_process_group
+from cs336_systems.distributed.ddp import require_bucket_size_mb
+from cs336_systems.distributed.launch import require_process_group, require_same_on_every_rank
 
 SYNC_METHODS = ("broadcast", "bucketed")
 DEFAULT_SYNC = "bucketed"
@@ -86,8 +87,7 @@ class ShardedOptimizer(Optimizer):
             raise TypeError(f"optimizer_cls must be a torch.optim.Optimizer subclass, got {optimizer_cls!r}")
         if sync not in SYNC_METHODS:
             raise ValueError(f"unknown sync {sync!r}; choose one of {', '.join(SYNC_METHODS)}")
-        if not bucket_size_mb > 0:
-            raise ValueError(f"bucket_size_mb must be positive, got {bucket_size_mb}")
+        require_bucket_size_mb(bucket_size_mb)
         self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
         self.optimizer_cls = optimizer_cls
         self.sync = sync
@@ -107,6 +107,14 @@ class ShardedOptimizer(Optimizer):
         super().add_param_group(param_group)  # validates it and fills in the defaults
         group = self.param_groups[-1]
         params = group["params"]
+        # Owners follow from the sizes alone, so ranks adding other parameters would broadcast
+        # mismatched tensors at the first step and hang there.
+        try:
+            require_same_on_every_rank(f"ShardedOptimizer's parameter group {len(self.param_groups) - 1} (shape, "
+                                       "dtype of each parameter)", [(tuple(p.shape), str(p.dtype)) for p in params])
+        except ValueError:
+            self.param_groups.pop()  # refused on every rank alike
+            raise
         for p, owner in zip(params, assign_owners([_nbytes(p) for p in params], self.loads_bytes)):
             self.owner[p] = owner
         local_group = {**self._hyperparameters(group), "params": [p for p in params if self.owner[p] == self.rank]}
