@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from cs336_systems.attention import get_attention
+from cs336_systems.checks import check_positive, check_positive_int
 
 VOCAB_SIZE = 10_000
 ROPE_THETA = 10_000.0
@@ -68,12 +69,13 @@ class ModelConfig:
     rope_theta: float = ROPE_THETA
 
     def __post_init__(self):
+        check_positive_int(d_model=self.d_model, d_ff=self.d_ff, num_layers=self.num_layers, num_heads=self.num_heads,
+                           context_length=self.context_length, vocab_size=self.vocab_size)
+        check_positive(rope_theta=self.rope_theta)
         if self.d_model % self.num_heads:
             raise ValueError(f"d_model {self.d_model} is not divisible by num_heads {self.num_heads}")
         if (self.d_model // self.num_heads) % 2:
             raise ValueError(f"RoPE needs an even head dimension, got {self.d_model // self.num_heads}")
-        if self.context_length < 1:
-            raise ValueError(f"context_length must be positive, got {self.context_length}")
 
     @property
     def d_head(self) -> int:
@@ -225,8 +227,10 @@ class TransformerLM(nn.Module):
 
     def forward(self, token_ids: torch.Tensor) -> torch.Tensor:
         """token_ids (batch, seq) of integers -> logits (batch, seq, vocab_size)."""
-        if token_ids.dim() != 2:
-            raise ValueError(f"token_ids must be (batch, seq), got shape {tuple(token_ids.shape)}")
+        if token_ids.dim() != 2 or token_ids.numel() == 0:
+            raise ValueError(f"token_ids must be (batch, seq) with at least one token, got shape {tuple(token_ids.shape)}")
+        if token_ids.dtype.is_floating_point or token_ids.dtype.is_complex or token_ids.dtype == torch.bool:
+            raise TypeError(f"token_ids must be integers, got {token_ids.dtype}")
         if token_ids.shape[1] > self.config.context_length:
             raise ValueError(
                 f"sequence length {token_ids.shape[1]} exceeds the model's context length "

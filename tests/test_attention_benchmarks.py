@@ -140,6 +140,7 @@ def test_attention_flops_worked_example():
     (lambda: naive_attention_memory(8, 16, 16, 16, "fp64"), ValueError, "unknown precision 'fp64'"),
     (lambda: naive_attention_memory(8, 16.0, 16, 16, "fp32"), TypeError, "n_queries must be an int"),
     (lambda: attention_flops(1, 128, 64, True, "train"), ValueError, "unknown phase 'train'"),
+    (lambda: attention_flops(1, 128, 64, "no", "forward"), TypeError, "is_causal must be a bool"),
 ])
 def test_accounting_rejects_bad_input(call, error, message):
     with pytest.raises(error, match=message):

@@ -175,3 +175,9 @@ def test_overhead_model_rejects_nonsense():
         ddp_overhead_s(MODEL_BYTES, BANDWIDTH, PER_CALL_S, 0)
     with pytest.raises(ValueError, match="per_call_overhead_s"):
         optimal_num_buckets(MODEL_BYTES, BANDWIDTH, 0)
+    with pytest.raises(ValueError, match="per_call_overhead_s"):
+        ddp_overhead_s(MODEL_BYTES, BANDWIDTH, math.nan, 4)
+    with pytest.raises(ValueError, match=r"bucket_bytes\[1\]"):
+        pipelined_overhead_s([1e6, 0.0], 1e-3, BANDWIDTH, PER_CALL_S)
+    with pytest.raises(ValueError, match="per_call_overhead_s"):
+        pipelined_overhead_s([1e6], 1e-3, BANDWIDTH, -1.0)

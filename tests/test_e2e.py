@@ -12,12 +12,14 @@ import pytest
 import torch
 
 from cs336_systems.__main__ import main
+from cs336_systems.accounting.flops import step_flops
 from cs336_systems.benchmarks import e2e, harness
 from cs336_systems.benchmarks.e2e import E2EConfig, benchmark_model
 from cs336_systems.benchmarks.harness import timed_step
 from cs336_systems.cells import unmeasured
 from cs336_systems.interpretation import interpreter_problem
 from cs336_systems.memory_guard import MemoryCheck
+from cs336_systems.model import ModelConfig
 from cs336_systems.reports import format_bytes
 from cs336_systems.reports.e2e import (
     answer_benchmarking_script,
@@ -27,6 +29,28 @@ from cs336_systems.reports.e2e import (
     render_compiled_models,
 )
 from cs336_systems.rows import BREAKDOWN_PHASES, OOM
+
+
+def test_step_flops_worked_by_hand():
+    config = ModelConfig(d_model=64, d_ff=256, num_layers=2, num_heads=4, context_length=16, vocab_size=10_000)
+    # 32 tokens. Per layer: q, k, v, o 2 x 32 x 4 x 64^2 = 1,048,576; SwiGLU 2 x 32 x 3 x 64 x 256 = 3,145,728;
+    # scores and weights @ v 4 x 2 x 16^2 x 64 = 131,072. LM head 2 x 32 x 64 x 10,000 = 40,960,000.
+    forward = 2 * (1_048_576 + 3_145_728 + 131_072) + 40_960_000
+    assert step_flops(config, 2, 16, "forward") == forward == 49_610_752
+    assert step_flops(config, 2, 16, "backward") == 2 * forward
+    assert step_flops(config, 2, 16, "train_step") == step_flops(config, 2, 16, "forward_backward") == 3 * forward
+    assert step_flops(config, 2, 16, "optimizer") is None  # elementwise work, not counted
+
+
+@pytest.mark.parametrize("args, error, message", [
+    ((2, 16, "fwd"), ValueError, "unknown phase 'fwd'"),
+    ((-4, 16, "forward"), ValueError, "batch_size must be >= 1"),
+    ((2, 0, "forward"), ValueError, "seq_len must be >= 1"),
+    ((2, 16.0, "forward"), TypeError, "seq_len must be an int"),
+])
+def test_step_flops_refuses_bad_input(args, error, message):
+    with pytest.raises(error, match=message):
+        step_flops(ModelConfig.for_size("tiny", 16), *args)
 
 
 def test_train_mode_reports_every_phase():

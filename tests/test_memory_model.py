@@ -171,6 +171,17 @@ def test_bad_model_arguments(kwargs, message):
         predict_peak_memory(SMALL, 1, 4, mode="serve")
 
 
+@pytest.mark.parametrize("batch_size, seq_len, error, message", [
+    (-1, 16, ValueError, "batch_size"), (0, 16, ValueError, "batch_size"), (2, -16, ValueError, "seq_len"),
+    (2.0, 16, TypeError, "batch_size"),
+])
+def test_every_activation_model_refuses_a_bad_batch_or_sequence(batch_size, seq_len, error, message):
+    for model in (residual_stream_bytes, block_saved_bytes, head_saved_bytes, saved_activation_bytes,
+                  predict_peak_memory, training_memory):
+        with pytest.raises(error, match=message):
+            model(SMALL, batch_size, seq_len)
+
+
 # ------------------------------------------------------------------------- training memory per device
 
 # Tiny, batch 2, sequence 16: T = 32 tokens, T d = 2,048 and T d_ff = 8,192 elements.
@@ -266,6 +277,9 @@ def test_fsdp_keeps_no_autocast_weight_copies():
     (dict(world_size=0), ValueError, "world_size"),
     (dict(world_size=2.0), TypeError, "world_size"),
     (dict(strategy="fsdp", world_size=2, ddp_buckets=True), ValueError, "DDP buckets"),
+    (dict(strategy="fsdp", world_size=2, fsdp_gathered_weights=-3), ValueError, "fsdp_gathered_weights"),
+    (dict(strategy="fsdp", world_size=2, fsdp_reduce_scatters_in_flight=0), ValueError,
+     "fsdp_reduce_scatters_in_flight"),
 ])
 def test_bad_input_is_refused(kwargs, error, message):
     with pytest.raises(error, match=message):

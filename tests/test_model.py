@@ -172,12 +172,29 @@ def test_bad_input_gives_clear_errors():
         model(torch.zeros(1, 9, dtype=torch.long))
     with pytest.raises(ValueError, match=r"\(batch, seq\)"):
         model(torch.zeros(9, dtype=torch.long))
+    for empty in ((0, 4), (2, 0)):
+        with pytest.raises(ValueError, match="at least one token"):
+            model(torch.zeros(empty, dtype=torch.long))
+    for dtype in (torch.float32, torch.bool):
+        with pytest.raises(TypeError, match="integers"):
+            model(torch.zeros(1, 4, dtype=dtype))
     with pytest.raises(ValueError, match="unknown model size"):
         ModelConfig.for_size("huge", 16)
     with pytest.raises(ValueError, match="unknown attention"):
         TransformerLM(ModelConfig.for_size("tiny", 16), attention="fast")
     with pytest.raises(ValueError, match="divisible"):
         ModelConfig(d_model=30, d_ff=64, num_layers=1, num_heads=4, context_length=8)
+
+
+@pytest.mark.parametrize("field, value, error", [
+    ("d_model", -8, ValueError), ("d_ff", 0, ValueError), ("num_layers", -3, ValueError), ("num_heads", 0, ValueError),
+    ("context_length", 0, ValueError), ("vocab_size", -1, ValueError), ("rope_theta", 0.0, ValueError),
+    ("d_model", 64.0, TypeError), ("num_layers", True, TypeError),
+])
+def test_a_config_with_a_nonsense_size_is_refused_naming_it(field, value, error):
+    sizes = dict(d_model=64, d_ff=128, num_layers=2, num_heads=4, context_length=8)
+    with pytest.raises(error, match=field):
+        ModelConfig(**{**sizes, field: value})
 
 
 def test_size_tables_are_the_single_source_of_sizes():

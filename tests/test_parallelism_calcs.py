@@ -153,6 +153,17 @@ def test_flops_per_device_match_torch_counts_of_the_sharded_layer(n):
     assert grid_forward == ffn.flops_per_device(B, D, D_FF, 2 * n, "forward")
 
 
+def test_ffn_accounting_refuses_nonsense_sizes_naming_them():
+    with pytest.raises(ValueError, match="B must be positive"):
+        ffn.ffn_flops(-1, 4, 8, "forward")
+    with pytest.raises(TypeError, match="N must be an int"):
+        ffn.flops_per_device(16, 4, 8, 2.5, "forward")
+    with pytest.raises(ValueError, match="D must be positive"):
+        ffn.dp_backward_comm_s(-4, 8, 2, 1e9)
+    with pytest.raises(ValueError, match="B must be positive"):
+        ffn.tp_comm_s(0, 4, 2, 1e9)
+
+
 def test_tp_backward_equations_give_autograds_gradients():
     generator = torch.Generator().manual_seed(1)
     x, w1, w2, w3 = _layer(generator)

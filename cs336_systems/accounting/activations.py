@@ -32,7 +32,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from cs336_systems.checks import check_choice
+from cs336_systems.checks import check_choice, check_positive_int
 from cs336_systems.model import ModelConfig
 from cs336_systems.precision import Precision, check_precision
 
@@ -49,7 +49,8 @@ MODES = ("inference", "forward_backward", "train_step")
 ADAMW_IMPLEMENTATIONS = ("course", "foreach", "fused")
 
 
-def _check(precision: str, attention: str = "naive", device_type: str = "cuda") -> None:
+def _check(batch_size: int, seq_len: int, precision: str, attention: str = "naive", device_type: str = "cuda") -> None:
+    check_positive_int(batch_size=batch_size, seq_len=seq_len)
     check_precision(precision)
     if attention not in ATTENTIONS:
         raise ValueError(f"no activation model for attention {attention!r}; choose one of {', '.join(ATTENTIONS)}")
@@ -99,13 +100,14 @@ def matmul_weight_count(config: ModelConfig) -> int:
 def residual_stream_bytes(config: ModelConfig, batch_size: int, seq_len: int) -> int:
     """One residual-stream tensor (batch, seq, d_model). Always fp32: the embedding output is fp32 and
     adding a bf16 sublayer output to it promotes back to fp32, so autocast does not change it."""
+    check_positive_int(batch_size=batch_size, seq_len=seq_len)
     return batch_size * seq_len * config.d_model * FP32_BYTES
 
 
 def block_saved_bytes(config: ModelConfig, batch_size: int, seq_len: int, precision: str = "fp32",
                       attention: str = "naive", device_type: str = "cuda") -> dict[str, int]:
     """Bytes one Transformer block keeps for backward, by component (see the module docstring)."""
-    _check(precision, attention, device_type)
+    _check(batch_size, seq_len, precision, attention, device_type)
     act = _activation_bytes(precision)
     low = precision != "fp32"
     t, n = batch_size * seq_len, seq_len
@@ -155,7 +157,7 @@ def sublayer_saved_bytes(config: ModelConfig, batch_size: int, seq_len: int, pre
 
 def head_saved_bytes(config: ModelConfig, batch_size: int, seq_len: int, precision: str = "fp32") -> dict[str, int]:
     """Bytes the final norm, LM head and cross-entropy loss keep for backward."""
-    _check(precision)
+    _check(batch_size, seq_len, precision)
     act = _activation_bytes(precision)
     t, d, v = batch_size * seq_len, config.d_model, config.vocab_size
     parts = {
@@ -198,7 +200,7 @@ def inference_transient_bytes(config: ModelConfig, batch_size: int, seq_len: int
     for naive attention the masked scores beside the fp32 softmax output, with the fp32 copy softmax
     makes of bf16 scores), the SwiGLU stage (SiLU output, w3 output and their product), or the logits.
     """
-    _check(precision, attention)
+    _check(batch_size, seq_len, precision, attention)
     act = _activation_bytes(precision)
     t, d, f, v = batch_size * seq_len, config.d_model, config.d_ff, config.vocab_size
     carried = 2 * t * d * FP32_BYTES
@@ -219,7 +221,7 @@ def training_transient_bytes(config: ModelConfig, batch_size: int, seq_len: int,
     before and after masking in forward; the gradients of P and of the scores in backward), and the
     gradients of q, k and v in SDPA's backward.
     """
-    _check(precision, attention)
+    _check(batch_size, seq_len, precision, attention)
     act = _activation_bytes(precision)
     t, d, v = batch_size * seq_len, config.d_model, config.vocab_size
     loss_gradients = t * v * (2 * FP32_BYTES + (act if precision != "fp32" else 0))
@@ -265,7 +267,7 @@ def predict_peak_memory(config: ModelConfig, batch_size: int, seq_len: int, prec
     """
     check_choice("mode", mode, MODES)
     step_temporary = adamw_step_temporary_bytes(config, adamw)
-    _check(precision, attention)
+    _check(batch_size, seq_len, precision, attention)
     params = parameter_count(config) * FP32_BYTES
     cast_weights = matmul_weight_count(config) * _activation_bytes(precision) if precision != "fp32" else 0
     if mode == "inference":

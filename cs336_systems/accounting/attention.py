@@ -187,6 +187,8 @@ def attention_flops(batch: int, seq_len: int, head_dim: int, is_causal: bool, ph
     """Useful FLOPs of self-attention over `batch` (batch x heads) sequences, by the convention above."""
     check_positive_int(batch=batch, seq_len=seq_len, head_dim=head_dim)
     check_choice("phase", phase, PHASES)
+    if not isinstance(is_causal, bool):
+        raise TypeError(f"is_causal must be a bool, got {is_causal!r}")
     forward = 4 * batch * seq_len * seq_len * head_dim
     if is_causal:
         forward /= 2

@@ -28,15 +28,14 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 
-from cs336_systems.checks import check_positive
+from cs336_systems.checks import check_non_negative, check_positive
 
 
 def ddp_overhead_s(model_bytes: float, bandwidth_bytes_per_s: float, per_call_overhead_s: float,
                    num_buckets: float) -> float:
     """s / (n_b w) + n_b o: time after backward until the gradients are reduced (course's model)."""
     check_positive(model_bytes=model_bytes, bandwidth_bytes_per_s=bandwidth_bytes_per_s, num_buckets=num_buckets)
-    if per_call_overhead_s < 0:
-        raise ValueError(f"per_call_overhead_s must be >= 0, got {per_call_overhead_s}")
+    check_non_negative(per_call_overhead_s=per_call_overhead_s)
     return model_bytes / (num_buckets * bandwidth_bytes_per_s) + num_buckets * per_call_overhead_s
 
 
@@ -63,6 +62,8 @@ def pipelined_overhead_s(bucket_bytes: Sequence[float], backward_s: float, bandw
     if not bucket_bytes:
         raise ValueError("need at least one bucket")
     check_positive(backward_s=backward_s, bandwidth_bytes_per_s=bandwidth_bytes_per_s)
+    check_positive(**{f"bucket_bytes[{i}]": size for i, size in enumerate(bucket_bytes)})
+    check_non_negative(per_call_overhead_s=per_call_overhead_s)
     total = sum(bucket_bytes)
     produced = 0.0
     done_s = 0.0

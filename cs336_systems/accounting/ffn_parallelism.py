@@ -35,7 +35,7 @@ from dataclasses import dataclass
 import torch
 
 from cs336_systems.accounting.communication import all_gather_s, all_reduce_s, reduce_scatter_s
-from cs336_systems.checks import check_choice, check_positive
+from cs336_systems.checks import check_choice, check_positive, check_positive_int
 
 FP16_BYTES = 2
 MATMULS = {"forward": 3, "backward": 6}  # matmuls of 2 B D D_FF each
@@ -48,17 +48,19 @@ PHASES = tuple(MATMULS)
 def ffn_flops(B: float, D: int, D_FF: int, phase: str) -> float:
     """Matmul FLOPs of the whole FFN layer over B tokens: 6 B D D_FF forward, 12 B D D_FF backward."""
     check_choice("phase", phase, PHASES)
+    check_positive(B=B, D=D, D_FF=D_FF)
     return MATMULS[phase] * 2 * B * D * D_FF
 
 
 def flops_per_device(B: float, D: int, D_FF: int, N: int, phase: str) -> float:
     """Each of N devices does 1/N of the layer's matmuls (DP, FSDP and TP all split them evenly):
     6 B D D_FF / N forward, 12 B D D_FF / N backward."""
-    check_positive(N=N)
+    check_positive_int(N=N)
     return ffn_flops(B, D, D_FF, phase) / N
 
 
 def _weights_bytes(D: int, D_FF: int) -> float:
+    check_positive(D=D, D_FF=D_FF)
     return WEIGHT_MATRICES * FP16_BYTES * D * D_FF
 
 
@@ -100,6 +102,7 @@ def fsdp_max_devices(B: float, C: float, W: float, phase: str) -> float:
 
 def tp_comm_s(B: float, D: int, N_TP: int, W: float) -> float:
     """All-reduce of the (B, D) partial sums, y in the forward, dx in the backward: 4 (N - 1) B D / (N W)."""
+    check_positive(B=B, D=D)
     return all_reduce_s(FP16_BYTES * B * D, N_TP, W)
 
 

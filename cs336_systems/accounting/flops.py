@@ -7,11 +7,17 @@ elementwise work (norms, softmax, SwiGLU gating, RoPE) is left out; backward is 
 
 from __future__ import annotations
 
+from cs336_systems.checks import check_choice, check_positive_int
 from cs336_systems.model import ModelConfig
+
+# A benchmark phase's FLOPs as a multiple of one forward's; the optimizer step's few elementwise
+# FLOPs per parameter are not counted (None).
+PHASE_FORWARD_MULTIPLES = {"forward": 1, "backward": 2, "forward_backward": 3, "train_step": 3, "optimizer": None}
 
 
 def forward_flops(config: ModelConfig, batch_size: int, seq_len: int) -> float:
     """Matmul FLOPs of one forward pass of the LM over batch_size x seq_len tokens."""
+    check_positive_int(batch_size=batch_size, seq_len=seq_len)
     tokens = batch_size * seq_len
     d, d_ff = config.d_model, config.d_ff
     projections = 2 * tokens * 4 * d * d  # q, k, v, output
@@ -22,9 +28,8 @@ def forward_flops(config: ModelConfig, batch_size: int, seq_len: int) -> float:
 
 
 def step_flops(config: ModelConfig, batch_size: int, seq_len: int, phase: str) -> float | None:
-    """FLOPs of a benchmark phase: forward 1x, backward 2x, forward+backward and train step 3x.
-
-    The optimizer step's few elementwise FLOPs per parameter are not counted (None).
-    """
-    multiple = {"forward": 1, "backward": 2, "forward_backward": 3, "train_step": 3}.get(phase)
+    """FLOPs of a benchmark phase: forward 1x, backward 2x, forward+backward and train step 3x;
+    None for the optimizer step (see PHASE_FORWARD_MULTIPLES)."""
+    check_choice("phase", phase, PHASE_FORWARD_MULTIPLES)
+    multiple = PHASE_FORWARD_MULTIPLES[phase]
     return None if multiple is None else multiple * forward_flops(config, batch_size, seq_len)

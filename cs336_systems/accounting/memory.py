@@ -103,7 +103,9 @@ def training_memory(config: ModelConfig, batch_size: int, seq_len: int, precisio
     waiting to be reduce-scattered, each as large as the largest weight.
     """
     check_choice("strategy", strategy, STRATEGIES)
-    check_positive_int(batch_size=batch_size, seq_len=seq_len, world_size=world_size)
+    check_positive_int(batch_size=batch_size, seq_len=seq_len, world_size=world_size,
+                       fsdp_gathered_weights=fsdp_gathered_weights,
+                       fsdp_reduce_scatters_in_flight=fsdp_reduce_scatters_in_flight)
     activations = (saved_activation_bytes(config, batch_size, seq_len, precision, attention, device_type,
                                           weight_copies=strategy != "fsdp")
                    + 2 * batch_size * seq_len * INDEX_BYTES)
