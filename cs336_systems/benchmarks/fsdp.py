@@ -75,7 +75,7 @@ def _fsdp_collectives(model: FSDP) -> dict[str, int]:
     def gathered_bytes(weights) -> int:
         return sum(w.padded_numel * w.gather_dtype.itemsize for w in weights)
 
-    replicated = [p for p in model.replicated if p.requires_grad]
+    replicated = [p for p in model.replicated.values() if p.requires_grad]
     return {
         "all_gather (forward weights)": gathered_bytes(w for w, _ in calls),
         "all_gather (backward weights)": gathered_bytes(w for w, used in calls if used),
