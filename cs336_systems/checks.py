@@ -8,6 +8,7 @@ Keyword arguments carry the names the messages use, so a caller checks several v
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable
 
 
@@ -25,6 +26,15 @@ def check_positive(**values: float) -> None:
     for name, value in values.items():
         if not value > 0:
             raise ValueError(f"{name} must be positive, got {value}")
+
+
+def check_positive_finite(**values: float) -> None:
+    """Each value a number (an int or a float, not a bool), above zero and finite."""
+    for name, value in values.items():
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise TypeError(f"{name} must be a number, got {type(value).__name__}")
+        if not 0 < value < math.inf:
+            raise ValueError(f"{name} must be positive and finite, got {value}")
 
 
 def check_non_negative(**values: float) -> None:

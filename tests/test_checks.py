@@ -4,7 +4,13 @@ import math
 
 import pytest
 
-from cs336_systems.checks import check_choice, check_non_negative, check_positive, check_positive_int
+from cs336_systems.checks import (
+    check_choice,
+    check_non_negative,
+    check_positive,
+    check_positive_finite,
+    check_positive_int,
+)
 
 
 @pytest.mark.parametrize("check, values, error, message", [
@@ -13,6 +19,10 @@ from cs336_systems.checks import check_choice, check_non_negative, check_positiv
     (check_positive_int, dict(world_size=True), TypeError, "world_size must be an int, got bool"),
     (check_positive, dict(latency_s=0.0), ValueError, "latency_s must be positive, got 0.0"),
     (check_positive, dict(latency_s=math.nan), ValueError, "latency_s must be positive, got nan"),
+    (check_positive_finite, dict(size_mb=math.inf), ValueError, "size_mb must be positive and finite, got inf"),
+    (check_positive_finite, dict(size_mb=-1), ValueError, "size_mb must be positive and finite, got -1"),
+    (check_positive_finite, dict(size_mb="25"), TypeError, "size_mb must be a number, got str"),
+    (check_positive_finite, dict(size_mb=True), TypeError, "size_mb must be a number, got bool"),
     (check_non_negative, dict(tokens=-1), ValueError, "tokens must be >= 0, got -1"),
     (check_non_negative, dict(tokens=math.nan), ValueError, "tokens must be >= 0, got nan"),
 ])
@@ -24,6 +34,7 @@ def test_a_bad_value_is_refused_by_name(check, values, error, message):
 def test_every_value_is_checked_and_good_ones_pass():
     check_positive_int(batch_size=1, seq_len=2**20)
     check_positive(bandwidth_bytes_per_s=1e-9)
+    check_positive_finite(bucket_size_mb=1, bandwidth_bytes_per_s=0.5)
     check_non_negative(tokens=0)
     with pytest.raises(ValueError, match="seq_len"):
         check_positive_int(batch_size=4, seq_len=0)

@@ -40,7 +40,6 @@ from __future__ import annotations
 
 import functools
 import itertools
-import math
 import weakref
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
@@ -49,6 +48,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from cs336_systems.checks import check_positive_finite
 from cs336_systems.distributed.launch import require_process_group, require_same_on_every_rank
 
 # bucket_size_mb counts mebibytes, as torch DDP's bucket_cap_mb does.
@@ -64,14 +64,6 @@ def broadcast_from_rank0(module: nn.Module, what: str) -> None:
     with torch.no_grad():
         for _, tensor in named:
             dist.broadcast(tensor, src=0)
-
-
-def require_bucket_size_mb(bucket_size_mb: object) -> None:
-    """Refuse a bucket size that is not a positive, finite number of MiB."""
-    if isinstance(bucket_size_mb, bool) or not isinstance(bucket_size_mb, (int, float)):
-        raise TypeError(f"bucket_size_mb must be a number of MiB, got {bucket_size_mb!r}")
-    if not 0 < bucket_size_mb < math.inf:
-        raise ValueError(f"bucket_size_mb must be positive and finite, got {bucket_size_mb!r}")
 
 
 def require_dense_gradient(what: str, name: str, gradient: torch.Tensor) -> None:
@@ -345,7 +337,7 @@ class BucketedDDP(_OverlappedDataParallel):
     divided by the world size on its way back into .grad."""
 
     def __init__(self, module: nn.Module, bucket_size_mb: float):
-        require_bucket_size_mb(bucket_size_mb)
+        check_positive_finite(bucket_size_mb=bucket_size_mb)
         super().__init__(module)
         # A sum on every backend: the division by the world size rides on the copy back into .grad, a
         # pass the buckets make anyway.

@@ -46,7 +46,7 @@ import torch
 import torch.distributed as dist
 from torch.optim import Optimizer
 
-from cs336_systems.distributed.ddp import require_bucket_size_mb
+from cs336_systems.checks import check_positive_finite
 from cs336_systems.distributed.launch import require_process_group, require_same_on_every_rank
 
 SYNC_METHODS = ("broadcast", "bucketed")
@@ -87,7 +87,7 @@ class ShardedOptimizer(Optimizer):
             raise TypeError(f"optimizer_cls must be a torch.optim.Optimizer subclass, got {optimizer_cls!r}")
         if sync not in SYNC_METHODS:
             raise ValueError(f"unknown sync {sync!r}; choose one of {', '.join(SYNC_METHODS)}")
-        require_bucket_size_mb(bucket_size_mb)
+        check_positive_finite(bucket_size_mb=bucket_size_mb)
         self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
         self.optimizer_cls = optimizer_cls
         self.sync = sync
