@@ -5,11 +5,10 @@ measured every number it promises."""
 
 from __future__ import annotations
 
-import math
 from collections import Counter
 from collections.abc import Iterable
-from typing import Any
 
+from cs336_systems.checks import is_positive_finite
 from cs336_systems.rows import Row, ok_rows
 
 
@@ -28,8 +27,4 @@ def unmeasured(rows: Iterable[Row], *columns: str) -> list[str]:
     (a time or a size that was never measured, or measured wrongly), as "column = value in row".
     Empty when every ok row has them all; rows of any other status are not looked at."""
     return [f"{column} = {row.get(column)!r} in {row}" for row in ok_rows(rows)
-            for column in columns if not _positive_finite(row.get(column))]
-
-
-def _positive_finite(value: Any) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) and value > 0
+            for column in columns if not is_positive_finite(row.get(column))]

@@ -4,12 +4,25 @@
     check_choice("strategy", strategy, STRATEGIES)
 
 Keyword arguments carry the names the messages use, so a caller checks several values in one line.
+The predicates beneath them (is_number, is_positive_finite) serve code that judges values without
+raising, such as a benchmark row's measurements.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Iterable
+from typing import Any
+
+
+def is_number(value: Any) -> bool:
+    """An int or a float; not a bool, which Python counts as an int."""
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def is_positive_finite(value: Any) -> bool:
+    """A number above zero and below infinity (NaN is not)."""
+    return is_number(value) and 0 < value < math.inf
 
 
 def check_positive_int(**values: int) -> None:
@@ -31,9 +44,9 @@ def check_positive(**values: float) -> None:
 def check_positive_finite(**values: float) -> None:
     """Each value a number (an int or a float, not a bool), above zero and finite."""
     for name, value in values.items():
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
+        if not is_number(value):
             raise TypeError(f"{name} must be a number, got {type(value).__name__}")
-        if not 0 < value < math.inf:
+        if not is_positive_finite(value):
             raise ValueError(f"{name} must be positive and finite, got {value}")
 
 

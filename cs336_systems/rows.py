@@ -34,6 +34,8 @@ import json
 from collections.abc import Iterable, Sequence
 from typing import Any
 
+from cs336_systems.checks import is_number
+
 Row = dict[str, Any]  # a measured cell: column -> value
 LongRow = dict[str, str]  # LONG_COLUMNS -> the text of a CSV cell
 
@@ -152,7 +154,7 @@ def _cell_rows(cell: int, record: Row, valued: set[str], empty: dict[str, None])
     skipped = DTYPE_COLUMNS[:DTYPE_COLUMNS.index(dtype_column)] if dtype_column else ()
     shape = {c: v for c, v in record.items() if c in SHAPE_COLUMNS}
     # A statistic's name goes in a plain CSV cell.
-    statistics = {c: v for c, v in record.items() if _is_number(v) and c not in _NOT_STATISTICS and c.isprintable()}
+    statistics = {c: v for c, v in record.items() if is_number(v) and c not in _NOT_STATISTICS and c.isprintable()}
     variant = {c: None for c in skipped if c not in record}
     variant |= {c: v for c, v in record.items() if c not in shape and c not in statistics}
     common = {"cell": str(cell), "run": str(run), "device": device, "dtype": dtype,
@@ -209,10 +211,6 @@ def _is_text(value: Any) -> bool:
 
 def _is_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
-
-
-def _is_number(value: Any) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
 def _json(columns: Row) -> str:
