@@ -96,10 +96,43 @@ def test_its_step_allocates_the_largest_parameter_and_foreach_one_of_every_param
     (dict(betas=(0.9,)), "betas"),
     (dict(eps=0.0), "eps"),
     (dict(weight_decay=-0.1), "weight decay"),
+    (dict(lr=math.nan), "learning rate"),
+    (dict(lr=math.inf), "learning rate"),
+    (dict(eps=math.nan), "eps"),
+    (dict(weight_decay=math.nan), "weight decay"),
+    (dict(betas=(math.nan, 0.9)), "betas"),
 ])
 def test_bad_hyperparameters_are_refused(kwargs, message):
     with pytest.raises(ValueError, match=message):
         AdamW(_parameters(), **kwargs)
+
+
+def test_a_parameter_group_with_bad_hyperparameters_is_refused_and_not_kept():
+    parameters = _parameters()
+    with pytest.raises(ValueError, match="learning rate"):
+        AdamW([{"params": parameters[:1], "lr": -1.0}])
+    optimizer = AdamW(parameters[:1])
+    with pytest.raises(ValueError, match="betas"):
+        optimizer.add_param_group({"params": parameters[1:], "betas": (0.9, 1.5)})
+    assert len(optimizer.param_groups) == 1
+
+
+@pytest.mark.parametrize("case", ["sparse gradient", "complex parameter"])
+def test_what_the_update_cannot_do_is_refused_before_any_state_changes(case):
+    dense = torch.nn.Parameter(torch.randn(4))
+    if case == "sparse gradient":
+        embedding = torch.nn.Embedding(10, 3, sparse=True)
+        embedding(torch.tensor([1, 2])).sum().backward()
+        other, message = embedding.weight, "dense gradients"
+    else:
+        other = torch.nn.Parameter(torch.randn(5, dtype=torch.cfloat))
+        other.grad, message = torch.randn_like(other), "real parameters"
+    dense.grad = torch.randn_like(dense)
+    before = dense.detach().clone()
+    optimizer = AdamW([dense, other])
+    with pytest.raises(TypeError, match=message):
+        optimizer.step()
+    assert torch.equal(dense.detach(), before) and not optimizer.state
 
 
 def test_the_harness_builds_each_implementation_and_refuses_others():
