@@ -50,6 +50,15 @@ def check_positive_finite(**values: float) -> None:
             raise ValueError(f"{name} must be positive and finite, got {value}")
 
 
+def check_non_negative_finite(**values: float) -> None:
+    """Each value a number (an int or a float, not a bool), zero or above and finite."""
+    for name, value in values.items():
+        if not is_number(value):
+            raise TypeError(f"{name} must be a number, got {type(value).__name__}")
+        if not 0 <= value < math.inf:
+            raise ValueError(f"{name} must be >= 0 and finite, got {value}")
+
+
 def check_non_negative(**values: float) -> None:
     """Each value zero or above (NaN is not)."""
     for name, value in values.items():

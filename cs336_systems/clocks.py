@@ -57,7 +57,7 @@ class GpuClocks:
         """The device's clocks, or None where they cannot be read: not a CUDA device, no `pynvml`, or an
         NVML that fails (no driver, a device NVML does not expose)."""
         device = torch.device(device)
-        if device.type != "cuda":
+        if device.type != "cuda" or not torch.cuda.is_available():
             return None
         index = torch.cuda.current_device() if device.index is None else device.index
         return _clocks_of(index)

@@ -27,7 +27,9 @@ class GpuSpec:
     tf32_flops: float  # peak dense TF32 tensor-core FLOP/s
     memory_bandwidth_bytes_per_s: float
     memory_bytes: float
-    # Patterns matched against torch.cuda.get_device_name(), most specific first.
+    # Patterns matched against torch.cuda.get_device_name(), most specific first. The Hopper and
+    # Blackwell ones are anchored, so that a part with other figures under a similar name (a GH200 or GB200
+    # superchip, an H200 NVL, an H100 NVL) matches none.
     name_patterns: tuple[str, ...] = ()
 
     def peak_flops(self, precision: str) -> float:
@@ -49,13 +51,13 @@ GPU_SPECS: dict[str, GpuSpec] = {
         GpuSpec("a100-40gb", "NVIDIA A100-SXM4-40GB", 312 * TERA, 19.5 * TERA, 156 * TERA,
                 1.555e12, 40 * GB, (r"A100.*40GB", r"A100")),
         GpuSpec("h100", "NVIDIA H100 80GB HBM3", 989.4 * TERA, 66.9 * TERA, 494.7 * TERA,
-                3.35e12, 80 * GB, (r"H100 80GB HBM3", r"H100 SXM", r"H100$")),
+                3.35e12, 80 * GB, (r"\bH100 80GB HBM3", r"\bH100 SXM", r"\bH100$")),
         GpuSpec("h100-pcie", "NVIDIA H100 PCIe", 756 * TERA, 51.2 * TERA, 378 * TERA,
                 2.0e12, 80 * GB, (r"H100 PCIe",)),
         GpuSpec("h200", "NVIDIA H200", 989.4 * TERA, 66.9 * TERA, 494.7 * TERA,
-                4.8e12, 141 * GB, (r"H200",)),
+                4.8e12, 141 * GB, (r"\bH200$", r"\bH200 SXM")),
         GpuSpec("b200", "NVIDIA B200", 2250 * TERA, 75 * TERA, 1100 * TERA,
-                8.0e12, 180 * GB, (r"B200",)),
+                8.0e12, 180 * GB, (r"\bB200$",)),
     ]
 }
 

@@ -19,11 +19,13 @@ pieces together: check, release memory, measure, record OOM, release memory agai
 from __future__ import annotations
 
 import gc
+import math
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
+from cs336_systems.checks import check_positive_int, is_number
 from cs336_systems.rows import OOM, Row
 
 # The estimates leave out allocator rounding and fragmentation, library workspaces and the
@@ -53,12 +55,17 @@ def available_bytes(device: torch.device | str) -> int:
 
 
 def _available_ram_bytes() -> int:
-    """MemAvailable, or less where a cgroup (a container's memory limit) leaves less."""
+    """MemAvailable, or less where a cgroup (a container's memory limit) leaves less. A cgroup's usage
+    (memory.current) counts the page cache its files filled; the inactive part of it (inactive_file in
+    memory.stat) the kernel reclaims before the limit is met, so it is counted as free, as container
+    runtimes count a working set."""
     fields = dict(line.split(":", 1) for line in MEMINFO.read_text().splitlines() if ":" in line)
     available = int(fields["MemAvailable"].split()[0]) * 1024
-    limit, current = CGROUP / "memory.max", CGROUP / "memory.current"
+    limit, current, stat = CGROUP / "memory.max", CGROUP / "memory.current", CGROUP / "memory.stat"
     if limit.is_file() and current.is_file() and limit.read_text().strip() != "max":
-        available = min(available, int(limit.read_text()) - int(current.read_text()))
+        counters = dict(line.split() for line in stat.read_text().splitlines()) if stat.is_file() else {}
+        used = int(current.read_text()) - int(counters.get("inactive_file", 0))
+        available = min(available, int(limit.read_text()) - used)
     return available
 
 
@@ -88,8 +95,9 @@ def check_memory(estimated_bytes: int, device: torch.device | str, processes: in
                  in_collectives: bool = False) -> MemoryCheck:
     """Whether a cell of `estimated_bytes` per process starts on `device`: with a margin where running out
     cannot be recorded (host RAM, or ranks `in_collectives`), else wherever it could fit."""
-    if processes < 1:
-        raise ValueError(f"processes must be >= 1, got {processes}")
+    if not is_number(estimated_bytes) or not 0 <= estimated_bytes < math.inf:
+        raise ValueError(f"estimated_bytes must be a finite number of bytes >= 0, got {estimated_bytes!r}")
+    check_positive_int(processes=processes)
     recordable = torch.device(device).type == "cuda" and not in_collectives
     return MemoryCheck(int(estimated_bytes), available_bytes(device), processes,
                        GPU_TRY_SHARE if recordable else FIT_SHARE)

@@ -21,6 +21,7 @@ Kernel-level micro-benchmarks use `triton.testing.do_bench` instead (CUDA events
 from __future__ import annotations
 
 import gc
+import math
 import statistics
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -29,6 +30,7 @@ from dataclasses import dataclass
 
 import torch
 
+from cs336_systems.checks import check_positive_finite, is_number
 from cs336_systems.clocks import ClockSample, GpuClocks
 
 
@@ -125,6 +127,13 @@ def timed(device: torch.device | str, samples_ms: list[float]) -> Iterator[None]
 class Timings:
     samples_ms: tuple[float, ...]
 
+    def __post_init__(self):
+        if not self.samples_ms:
+            raise ValueError("samples_ms is empty: a timing needs at least one sample")
+        bad = [ms for ms in self.samples_ms if not (is_number(ms) and 0 <= ms < math.inf)]
+        if bad:
+            raise ValueError(f"samples_ms must be finite numbers of milliseconds >= 0; got {bad[:3]}")
+
     @property
     def mean_ms(self) -> float:
         return statistics.fmean(self.samples_ms)
@@ -151,6 +160,7 @@ class Timings:
 
 def tflops(flops: float, ms: float) -> float:
     """The rate, in TFLOP/s, of `flops` done in `ms` milliseconds."""
+    check_positive_finite(ms=ms)
     return flops / (ms * 1e-3) / 1e12
 
 

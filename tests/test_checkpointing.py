@@ -127,8 +127,25 @@ def test_optimal_plan_asymptotics_for_48_blocks():
 def test_optimal_plan_rejects_bad_sizes():
     with pytest.raises(ValueError, match="cannot be below"):
         optimal_plan(4, block_bytes=1.0, boundary_bytes=2.0)
-    with pytest.raises(ValueError, match="at least one block"):
+    with pytest.raises(ValueError, match="num_layers must be >= 1"):
         optimal_plan(0, 2.0, 1.0)
+
+
+@pytest.mark.parametrize("call, error, message", [
+    (lambda: optimal_plan(4.5, 10.0, 1.0), TypeError, "num_layers must be an int"),
+    (lambda: optimal_plan(4, -1.0, -2.0), ValueError, "block_bytes must be >= 0"),
+    (lambda: optimal_plan(4, math.nan, 1.0), ValueError, "block_bytes must be >= 0 and finite"),
+    (lambda: optimal_plan(4, 10.0, math.inf), ValueError, "boundary_bytes must be >= 0 and finite"),
+    (lambda: optimal_plan(4, 10.0, 1.0, 1.5), ValueError, "max_recomputations must be an int"),
+    (lambda: plan_cost((0, 0, 5), 10.0, 1.0), ValueError, "once each, in order"),
+    (lambda: plan_cost((0, 1), math.nan, 1.0), ValueError, "block_bytes must be >= 0 and finite"),
+    (lambda: every_k(-3, 2), ValueError, "num_layers must be >= 1"),
+    (lambda: every_k(4, 2.0), TypeError, "needs an int k"),
+    (lambda: every_sublayer(0), ValueError, "num_layers must be >= 1"),
+])
+def test_plans_and_their_costs_refuse_sizes_that_are_no_such_thing(call, error, message):
+    with pytest.raises(error, match=message):
+        call()
 
 
 def _loss_and_grads(model, inputs, targets):

@@ -7,6 +7,7 @@ import pytest
 from cs336_systems.checks import (
     check_choice,
     check_non_negative,
+    check_non_negative_finite,
     check_positive,
     check_positive_finite,
     check_positive_int,
@@ -25,6 +26,9 @@ from cs336_systems.checks import (
     (check_positive_finite, dict(size_mb=True), TypeError, "size_mb must be a number, got bool"),
     (check_non_negative, dict(tokens=-1), ValueError, "tokens must be >= 0, got -1"),
     (check_non_negative, dict(tokens=math.nan), ValueError, "tokens must be >= 0, got nan"),
+    (check_non_negative_finite, dict(block_bytes=math.inf), ValueError, "block_bytes must be >= 0 and finite, got inf"),
+    (check_non_negative_finite, dict(block_bytes=-1.0), ValueError, "block_bytes must be >= 0 and finite, got -1.0"),
+    (check_non_negative_finite, dict(block_bytes=None), TypeError, "block_bytes must be a number, got NoneType"),
 ])
 def test_a_bad_value_is_refused_by_name(check, values, error, message):
     with pytest.raises(error, match=f"^{message}$"):
@@ -36,6 +40,7 @@ def test_every_value_is_checked_and_good_ones_pass():
     check_positive(bandwidth_bytes_per_s=1e-9)
     check_positive_finite(bucket_size_mb=1, bandwidth_bytes_per_s=0.5)
     check_non_negative(tokens=0)
+    check_non_negative_finite(block_bytes=0, boundary_bytes=2.5)
     with pytest.raises(ValueError, match="seq_len"):
         check_positive_int(batch_size=4, seq_len=0)
 

@@ -40,6 +40,11 @@ def test_no_clocks_on_a_cpu():
     assert GpuClocks.of("cpu") is None
 
 
+def test_no_clocks_for_a_cuda_device_where_there_is_no_cuda(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert GpuClocks.of("cuda") is None and GpuClocks.of("cuda:1") is None
+
+
 def test_a_sample_is_the_difference_of_two_readings_in_milliseconds():
     clocks = GpuClocks(FakeNvml(capped_ns=3_000_000, thermal_ns=1_000_000), handle=None)
     before, after = clocks.read(), clocks.read()

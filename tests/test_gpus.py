@@ -16,8 +16,13 @@ def test_device_names_map_to_their_spec(device_name, slug):
     assert spec_for_device_name(device_name).slug == slug
 
 
-def test_unknown_gpu_gets_no_spec_and_a_path_safe_slug():
-    assert spec_for_device_name("NVIDIA L4") is None
+@pytest.mark.parametrize("device_name", ["NVIDIA L4", "NVIDIA GH200 480GB", "NVIDIA GH200 144G HBM3e",
+                                         "NVIDIA H200 NVL", "NVIDIA H100 NVL", "NVIDIA GB200"])
+def test_a_gpu_outside_the_table_gets_no_spec_even_where_its_name_holds_a_tabled_one(device_name):
+    assert spec_for_device_name(device_name) is None
+
+
+def test_unknown_gpu_gets_a_path_safe_slug():
     assert slugify("NVIDIA L4 (rev 2)") == "nvidia-l4-rev-2"
 
 

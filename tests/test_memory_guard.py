@@ -1,5 +1,6 @@
 """Benchmark cells that cannot fit are recorded as OOM, with their estimate, instead of being killed."""
 
+import math
 from dataclasses import replace
 from pathlib import Path
 
@@ -54,8 +55,25 @@ def test_available_ram_is_what_the_kernel_reports_and_no_more_than_the_cgroup_al
     (cgroup / "memory.current").write_text("3000000000\n")
     monkeypatch.setattr(memory_guard, "CGROUP", cgroup)
     assert memory_guard.available_bytes("cpu") == 5_000_000_000
+    # Inactive page cache counts in the cgroup's usage, and the kernel reclaims it before the limit.
+    (cgroup / "memory.stat").write_text("anon 1000000000\nfile 2000000000\ninactive_file 1500000000\n")
+    assert memory_guard.available_bytes("cpu") == 6_500_000_000
     (cgroup / "memory.max").write_text("max\n")
     assert memory_guard.available_bytes("cpu") == 20_000_000 * 1024
+
+
+@pytest.mark.parametrize("estimated_bytes, processes, error, message", [
+    (-5, 1, ValueError, "estimated_bytes"),
+    (math.nan, 1, ValueError, "estimated_bytes"),
+    (math.inf, 1, ValueError, "estimated_bytes"),
+    ("10", 1, ValueError, "estimated_bytes"),
+    (10, 0, ValueError, "processes"),
+    (10, 1.5, TypeError, "processes"),
+])
+def test_a_memory_check_refuses_an_estimate_or_a_process_count_that_is_no_such_thing(
+        estimated_bytes, processes, error, message):
+    with pytest.raises(error, match=message):
+        check_memory(estimated_bytes, "cpu", processes)
 
 
 def test_a_cell_fits_within_the_share_of_free_memory_its_processes_share(free_ram):

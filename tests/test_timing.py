@@ -1,11 +1,12 @@
 import contextlib
 import functools
 import gc
+import math
 import time
 
 import pytest
 
-from cs336_systems.timing import StepTimer, Timings, issue_times, time_fn
+from cs336_systems.timing import StepTimer, Timings, issue_times, tflops, time_fn
 
 
 def test_time_fn_runs_warmup_then_times_each_step():
@@ -28,6 +29,19 @@ def test_interquartile_range_is_the_spread_of_the_middle_half_and_ignores_an_out
     assert Timings((5.0,)).iqr_ms == 0.0
     assert Timings((1.0, 2.0, 6.0, 7.0)).summary() == {"mean_ms": 4.0, "std_ms": pytest.approx(2.9439203),
                                                        "median_ms": 4.0, "iqr_ms": 4.5}
+
+
+@pytest.mark.parametrize("samples", [(), (1.0, math.nan), (math.inf,), (-1.0, 2.0), ("3",)])
+def test_timings_refuse_no_samples_or_a_sample_that_is_no_time(samples):
+    with pytest.raises(ValueError, match="samples_ms"):
+        Timings(samples)
+
+
+@pytest.mark.parametrize("ms", [0.0, -1.0, math.nan])
+def test_a_rate_needs_a_positive_time(ms):
+    with pytest.raises(ValueError, match="ms must be positive"):
+        tflops(1e12, ms)
+    assert tflops(2e12, 1000.0) == 2.0
 
 
 @pytest.mark.parametrize("warmup, steps", [(-1, 1), (0, 0)])

@@ -206,7 +206,7 @@ class NaiveDDP(_DataParallel):
 class FlatDDP(_DataParallel):
     """After backward, one all-reduce of every gradient concatenated into a single flat tensor.
 
-    (One per dtype when the module mixes dtypes: a flat tensor holds one dtype.)
+    (One per dtype and device when the module mixes them: a flat tensor holds one dtype on one device.)
     """
 
     def finish_gradient_synchronization(self) -> None:
@@ -214,14 +214,14 @@ class FlatDDP(_DataParallel):
         grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in self._params]
         for name, grad in zip(self._names, grads):
             require_dense_gradient(type(self).__name__, name, grad)
-        by_dtype: dict[torch.dtype, list[int]] = {}
+        by_kind: dict[tuple[torch.dtype, torch.device], list[int]] = {}
         for index, grad in enumerate(grads):
-            by_dtype.setdefault(grad.dtype, []).append(index)
-        flats = [torch.cat([grads[i].reshape(-1) for i in indices]) for indices in by_dtype.values()]
+            by_kind.setdefault((grad.dtype, grad.device), []).append(index)
+        flats = [torch.cat([grads[i].reshape(-1) for i in indices]) for indices in by_kind.values()]
         for flat in flats:
             self._start_average(flat)
         used = self._used_anywhere(had_gradient, *self._start_gradient_count(had_gradient))
-        for indices, flat in zip(by_dtype.values(), flats):
+        for indices, flat in zip(by_kind.values(), flats):
             for i, chunk in zip(indices, flat.split([grads[i].numel() for i in indices])):
                 self._write_back(i, chunk.view_as(self._params[i]), had_gradient[i], used[i])
 

@@ -34,6 +34,8 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from cs336_systems.checks import check_non_negative_finite, check_positive_int
+
 
 @dataclass(frozen=True)
 class Checkpoint:
@@ -69,8 +71,11 @@ def validate_plan(plan: Plan, num_layers: int) -> None:
 
 def every_k(num_layers: int, k: int | None) -> Plan:
     """Checkpoint each run of k consecutive blocks (the last run may be shorter); None: no checkpoints."""
+    check_positive_int(num_layers=num_layers)
     if k is None:
         return tuple(range(num_layers))
+    if isinstance(k, bool) or not isinstance(k, int):
+        raise TypeError(f"checkpoint every k blocks needs an int k, got {type(k).__name__}")
     if not 1 <= k:
         raise ValueError(f"checkpoint every k blocks needs k >= 1, got {k}")
     return tuple(Checkpoint(tuple(range(start, min(start + k, num_layers))))
@@ -79,6 +84,7 @@ def every_k(num_layers: int, k: int | None) -> Plan:
 
 def every_sublayer(num_layers: int) -> Plan:
     """Checkpoint each block's attention and feed-forward sublayers one at a time."""
+    check_positive_int(num_layers=num_layers)
     return tuple(Sublayers(block) for block in range(num_layers))
 
 
@@ -134,6 +140,8 @@ def plan_cost(plan: Plan, block_bytes: float, boundary_bytes: float,
               sublayer_bytes: tuple[float, float] | None = None) -> PlanCost:
     """Peak and kept activation memory of a plan, and its recomputation, under the module's model;
     `sublayer_bytes` (a_attn, a_ffn, adding up to `block_bytes`) prices blocks split into sublayers."""
+    validate_plan(plan, len(blocks_of(plan)))
+    check_non_negative_finite(block_bytes=block_bytes, boundary_bytes=boundary_bytes)
     if block_bytes < boundary_bytes:
         raise ValueError(f"a block keeps its input, so block_bytes ({block_bytes}) cannot be below "
                          f"boundary_bytes ({boundary_bytes})")
@@ -165,13 +173,14 @@ def optimal_plan(num_layers: int, block_bytes: float, boundary_bytes: float,
       every k = sqrt(L b / a) blocks: peak about 2 sqrt(L a b), O(sqrt L)); r = log2 L gives the
       recursive halving of Chen et al. (2016): peak a + O(b log L) for O(L log L) recomputation.
     """
-    if num_layers < 1:
-        raise ValueError(f"need at least one block, got {num_layers}")
+    check_positive_int(num_layers=num_layers)
+    check_non_negative_finite(block_bytes=block_bytes, boundary_bytes=boundary_bytes)
     if block_bytes < boundary_bytes:
         raise ValueError(f"a block keeps its input, so block_bytes ({block_bytes}) cannot be below "
                          f"boundary_bytes ({boundary_bytes})")
-    if max_recomputations is not None and max_recomputations < 0:
-        raise ValueError(f"max_recomputations must be >= 0 or None, got {max_recomputations}")
+    if max_recomputations is not None and (isinstance(max_recomputations, bool)
+                                           or not isinstance(max_recomputations, int) or max_recomputations < 0):
+        raise ValueError(f"max_recomputations must be an int >= 0 or None, got {max_recomputations!r}")
     a, b = block_bytes, boundary_bytes
     # More levels than blocks can never help: each level needs a group of at least one block fewer.
     depth = num_layers if max_recomputations is None else min(max_recomputations, num_layers)
