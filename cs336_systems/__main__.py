@@ -17,6 +17,7 @@ import itertools
 import json
 import logging
 import sys
+from pathlib import Path
 
 log = logging.getLogger("cs336_systems")
 
@@ -50,8 +51,14 @@ def _int(text: str) -> int:
 
 
 def _list(item_type):
+    """Comma-separated values, spaces around each ignored; at least one, none twice."""
     def parse(text: str):
-        return [item_type(t) for t in text.split(",") if t]
+        values = [item_type(t.strip()) for t in text.split(",") if t.strip()]
+        if not values:
+            raise argparse.ArgumentTypeError(f"needs at least one value, got {text!r}")
+        if repeated := sorted({str(v) for v in values if values.count(v) > 1}):
+            raise argparse.ArgumentTypeError(f"{', '.join(repeated)} given more than once")
+        return values
 
     return parse
 
@@ -96,12 +103,15 @@ def _e2e(args, device) -> None:
     from cs336_systems.clocks import CLOCK_COLUMNS
     from cs336_systems.gpus import resolve_gpu
     from cs336_systems.reports import oom_note, oom_text
-    from cs336_systems.rows import OOM
+    from cs336_systems.rows import COURSE_VARIANT, OOM
 
     _, spec = resolve_gpu("auto" if device.type == "cuda" else "none")
+    if args.optimizer is not None and args.mode != "train":
+        raise ValueError(f"--optimizer: a {args.mode} step runs no optimizer; it applies to --mode train")
+    optimizer = args.optimizer or COURSE_VARIANT[1]
     cells = [
         E2EConfig(size=size, context_length=context, batch_size=args.batch_size, mode=args.mode,
-                  precision=precision, compile=args.compile, attention=args.attention, optimizer=args.optimizer,
+                  precision=precision, compile=args.compile, attention=args.attention, optimizer=optimizer,
                   warmup=args.warmup, steps=args.steps, model_context_length=args.model_context,
                   size_table=args.size_table)
         for size, context, precision in itertools.product(args.size, args.context, args.precision)
@@ -161,7 +171,7 @@ def _cmd_analysis(args) -> None:
     from cs336_systems.reports.communication_accounting import write_communication_accounting
     from cs336_systems.reports.parallelism_calcs import write_parallelism_calcs
 
-    reports_root, command = _reports_root(args, ANALYSIS_COMMAND)
+    reports_root, command = _reports_root(args, ANALYSIS_COMMAND, must_exist=False)
     for path in [write_communication_accounting(reports_root, command), *write_parallelism_calcs(reports_root, command)]:
         print(path)
 
@@ -169,18 +179,26 @@ def _cmd_analysis(args) -> None:
 def _cmd_index(args) -> None:
     from cs336_systems.reports.index import INDEX_COMMAND, write_indexes
 
-    for path in write_indexes(*_reports_root(args, INDEX_COMMAND)):
+    for path in write_indexes(*_reports_root(args, INDEX_COMMAND, must_exist=True)):
         print(path)
 
 
-def _reports_root(args, command: str):
+def _reports_root(args, command: str, must_exist: bool):
     """The reports' root a command writes to, and the command as its files record it: `--reports` only where it
-    was given (the default is the repository's `reports/`, from any folder)."""
+    was given (the default is the repository's `reports/`, from any folder). A given root must be a folder, or
+    where one can be made unless the command reads what is there (`must_exist`)."""
     from cs336_systems.reports import default_reports_root
 
     if args.reports is None:
         return default_reports_root(), command
-    return args.reports, f"{command} --reports {args.reports}"
+    root = Path(args.reports)
+    if not args.reports.strip():
+        raise ValueError("--reports is empty; name the reports' root folder")
+    if root.exists() and not root.is_dir():
+        raise ValueError(f"--reports {args.reports} is a file, not a folder")
+    if must_exist and not root.is_dir():
+        raise ValueError(f"--reports {args.reports}: no such folder")
+    return root, f"{command} --reports {args.reports}"
 
 
 REPORTS_ROOT_HELP = "reports/ in the repository's root, from any folder"
@@ -228,9 +246,9 @@ def build_parser() -> argparse.ArgumentParser:
                           "--attention sdpa)")
     e2e.add_argument("--attention", choices=ATTENTION_VARIANTS, default=COURSE_VARIANT[0],
                      help=f"(default: {COURSE_VARIANT[0]}, the course model's)")
-    e2e.add_argument("--optimizer", choices=ADAMW_IMPLEMENTATIONS, default=COURSE_VARIANT[1],
-                     help=f"the AdamW of train steps: the course model's own (one parameter at a time), torch's "
-                          f"fused kernel, or torch's multi-tensor one (default: {COURSE_VARIANT[1]})")
+    e2e.add_argument("--optimizer", choices=ADAMW_IMPLEMENTATIONS, default=None,
+                     help=f"the AdamW of train steps (--mode train only): the course model's own (one parameter at a "
+                          f"time), torch's fused kernel, or torch's multi-tensor one (default: {COURSE_VARIANT[1]})")
     e2e.add_argument("--warmup", type=_non_negative_int, default=DEFAULT_WARMUP,
                      help=f"untimed steps first (default: {DEFAULT_WARMUP})")
     e2e.add_argument("--steps", type=_positive_int, default=DEFAULT_STEPS,
@@ -241,8 +259,8 @@ def build_parser() -> argparse.ArgumentParser:
     common(e2e)
     e2e.set_defaults(run=_cmd_e2e)
 
-    accumulation = commands.add_parser("accumulation", help="fp32 / fp16 / mixed accumulation of 0.01")
-    common(accumulation)
+    accumulation = commands.add_parser("accumulation", help="fp32 / fp16 / mixed accumulation of 0.01, on the CPU")
+    accumulation.add_argument("--json", action="store_true", help="print rows as JSON lines")
     accumulation.set_defaults(run=_cmd_accumulation)
 
     dtypes = commands.add_parser("autocast-dtypes", help="dtypes inside a toy model under autocast")

@@ -60,7 +60,11 @@ def pytest_addoption(parser: pytest.Parser) -> None:
 def _option(config: pytest.Config, name: str, convert: Callable[[str], Any] | None = None) -> Any:
     """Option `name` (its dest) from the command line, else its ini setting's text, parsed by `convert`."""
     value = config.getoption(name)
-    value = config.getini(name) if value is None else value
+    if value is None:
+        try:
+            value = config.getini(name)
+        except (ValueError, pytest.UsageError) as error:  # a bool pytest cannot read: "invalid truth value 'maybe'"
+            raise pytest.UsageError(f"the {name} ini setting: {error}") from None
     try:
         return convert(value) if convert and isinstance(value, str) else value
     except ValueError:
@@ -94,9 +98,12 @@ def _report_root(config: pytest.Config) -> Path:
     the rootdir, so a run from a subfolder (`cd perf && pytest test_e2e.py`) writes where one from the root does."""
     from cs336_systems.reports import REPORTS_DIR_NAME
 
-    chosen, relative_to = config.getoption("report_dir"), config.invocation_params.dir
+    chosen, relative_to, source = config.getoption("report_dir"), config.invocation_params.dir, "--report-dir"
     if chosen is None:
         chosen, relative_to = config.getini("report_dir"), config.inipath.parent if config.inipath else config.rootpath
+        source = "the report_dir ini setting"
+    if chosen is not None and not chosen.strip():
+        raise ValueError(f"{source} is empty; name the folder reports go to")
     return config.rootpath / REPORTS_DIR_NAME if chosen is None else (relative_to / chosen).resolve()
 
 

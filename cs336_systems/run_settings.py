@@ -103,8 +103,10 @@ def choose_settings(*, gpu: str, precision: str, world_size: int, model_sizes: s
         raise ValueError(f"--gpu: {error}") from None
     if world_size < 1:
         raise ValueError(f"--world-size must be at least 1, got {world_size}")
-    if time_budget_s is not None and time_budget_s < 0:
+    if time_budget_s is not None and not time_budget_s >= 0:
         raise ValueError(f"--time-budget must be at least 0 seconds, got {time_budget_s:g}")
+    if report_root.exists() and not report_root.is_dir():
+        raise ValueError(f"--report-dir {report_root} is a file, not a folder")
     if accept_regression and not update_baselines:
         raise ValueError("--accept-regression only applies with --update-baselines")
     if size_table not in SIZE_TABLES:
@@ -130,6 +132,7 @@ def parse_precisions(value: str) -> tuple[str, ...]:
     if unknown or not chosen:
         raise ValueError(f"--precision: unknown {', '.join(unknown) or repr(value)}; "
                          f"use any of {', '.join(PRECISIONS)} (comma-separated), or all")
+    _refuse_repeats("--precision", chosen)
     return chosen
 
 
@@ -146,4 +149,11 @@ def parse_model_sizes(value: str | None, on_gpu: bool, size_table: str) -> tuple
     if unknown or not sizes:
         raise ValueError(f"--model-sizes: unknown {', '.join(unknown) or repr(value)} in the {size_table} "
                          f"size table; choose from {', '.join(table)} (--size-table picks the table)")
+    _refuse_repeats("--model-sizes", sizes)
     return sizes
+
+
+def _refuse_repeats(option: str, values: tuple[str, ...]) -> None:
+    """A value given twice would run every test of it twice, under two ids."""
+    if repeated := sorted({v for v in values if values.count(v) > 1}):
+        raise ValueError(f"{option}: {', '.join(repeated)} given more than once")

@@ -254,6 +254,28 @@ def test_command_bad_input_is_one_line(argv, message):
     assert message in result.stderr and len(result.stderr.strip().splitlines()) == 1, result.stderr
 
 
+@pytest.mark.parametrize("argv, message", [
+    (["--size", ",", "--context", "16"], "argument --size: needs at least one value, got ','"),
+    (["--size", "tiny,tiny", "--context", "16"], "argument --size: tiny given more than once"),
+    (["--size", "tiny", "--context", "16, 16"], "argument --context: 16 given more than once"),
+    (["--size", "tiny", "--context", "16", "--precision", "fp32,"], None),
+    (["--size", "tiny, huge", "--context", "16"], "unknown model size 'huge'"),
+    (["--size", "tiny", "--context", "16", "--mode", "forward", "--optimizer", "fused"],
+     "--optimizer: a forward step runs no optimizer; it applies to --mode train"),
+])
+def test_command_lists_are_trimmed_and_refuse_nothing_or_a_repeat_and_options_that_do_nothing(argv, message, capsys,
+                                                                                              monkeypatch):
+    monkeypatch.setattr("cs336_systems.benchmarks.e2e.benchmark_model", lambda cell, *args, **kwargs: [])
+    if message is None:  # a trailing comma is no value
+        assert main(["e2e", *argv, "--device", "cpu"]) == 0
+        return
+    try:
+        code = main(["e2e", *argv, "--device", "cpu"])
+    except SystemExit as exit_:  # argparse's errors
+        code = exit_.code
+    assert code == 2 and message in capsys.readouterr().err
+
+
 def test_command_prints_rows(capsys):
     assert main(["e2e", "--size", "tiny", "--context", "8", "--batch-size", "1", "--warmup", "0",
                  "--steps", "1", "--mode", "forward", "--device", "cpu"]) == 0

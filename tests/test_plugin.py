@@ -90,6 +90,21 @@ def test_negative_time_budget_is_a_usage_error(pytester):
     result.stderr.fnmatch_lines(["*--time-budget must be at least 0 seconds, got -1*"])
 
 
+@pytest.mark.parametrize("args, message", [
+    (["--time-budget", "nan"], "--time-budget must be at least 0 seconds, got nan"),
+    (["--precision", "fp32, fp32"], "--precision: fp32 given more than once"),
+    (["--model-sizes", "tiny,tiny"], "--model-sizes: tiny given more than once"),
+    (["--report-dir", ""], "--report-dir is empty"),
+    (["--report-dir", "a-file"], "is a file, not a folder"),
+])
+def test_an_option_that_would_run_nothing_or_twice_or_lose_the_reports_is_a_usage_error(pytester, args, message):
+    pytester.makepyfile(ROW_WRITING_TEST)
+    (pytester.path / "a-file").write_text("")
+    result = run(pytester, *args)
+    assert result.ret == pytest.ExitCode.USAGE_ERROR
+    result.stderr.fnmatch_lines([f"*{message}*"])
+
+
 def test_unknown_gpu_is_a_usage_error(pytester):
     pytester.makepyfile("def test_x(): pass")
     result = pytester.runpytest(*PLUGIN, "--gpu", "v100")
@@ -311,6 +326,8 @@ def test_ini_settings_mirror_the_options_and_the_command_line_wins(pytester):
     ("world_size = two", "the world_size ini setting: invalid int value: 'two'"),
     ("world_size = 0", "--world-size must be at least 1, got 0"),
     ("size_table = 2024", "--size-table: unknown size table '2024'; choose one of 2026, 2025"),
+    ("update_baselines = maybe", "the update_baselines ini setting: invalid truth value 'maybe'"),
+    ("report_dir =", "the report_dir ini setting is empty"),
 ])
 def test_a_bad_ini_setting_is_a_usage_error(pytester, setting, message):
     pytester.makeini(f"[pytest]\n{setting}\n")
