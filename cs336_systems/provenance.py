@@ -7,6 +7,11 @@ from pathlib import Path
 
 PACKAGE_ROOT = Path(__file__).parent
 
+# The package's source files by suffix: its Python and the C++ it builds (attention/flash_triton/native.cpp); not what
+# building or running them leaves beside them (bytecode, compiled extensions, object files).
+SOURCE_SUFFIXES = (".py", ".c", ".cc", ".cpp", ".cu", ".cuh", ".h", ".hpp")
+CACHE_DIRS = ("__pycache__",)
+
 
 def source_digest(root: Path, relative_paths: Iterable[str]) -> str:
     """A short hash of the named files' paths and bytes: any edit to them, comments included, changes it."""
@@ -16,8 +21,14 @@ def source_digest(root: Path, relative_paths: Iterable[str]) -> str:
     return digest.hexdigest()[:16]
 
 
+def source_files(root: Path) -> list[str]:
+    """The source files under `root` (SOURCE_SUFFIXES, outside CACHE_DIRS), as sorted paths relative to it."""
+    return sorted(path.relative_to(root).as_posix() for path in root.rglob("*")
+                  if path.suffix in SOURCE_SUFFIXES and path.is_file()
+                  and not any(part in CACHE_DIRS for part in path.relative_to(root).parts))
+
+
 @functools.cache  # one run measures with one source; its reports need not read it again each
 def package_source_hash() -> str:
-    """The hash of every Python file of the package: the code a report's run measured with."""
-    return source_digest(PACKAGE_ROOT, sorted(p.relative_to(PACKAGE_ROOT).as_posix()
-                                              for p in PACKAGE_ROOT.rglob("*.py")))
+    """The hash of every source file of the package, Python and C++: the code a report's run measured with."""
+    return source_digest(PACKAGE_ROOT, source_files(PACKAGE_ROOT))

@@ -395,7 +395,7 @@ def test_pytorch_attention_report_names_the_smallest_oom_and_validates_the_accou
     assert "| 16 | 16,384 | 1 ± 0.1 | OOM | 8.04 | 8.04 | during backward |" in body and "OOM" in body
     # The accounting of d=16, N=16384: P is 8 GiB.
     assert "the softmax output P, 8 GiB here" in body
-    assert "is 1.000x to 1.000x the prediction" in body
+    assert "is 1.000x the prediction, the backward peak 1.000x;" in body  # one value, never "1.000x to 1.000x"
     assert set(rendered.figures) == {"pytorch_attention_memory.png"}
 
 
@@ -460,6 +460,46 @@ def test_torch_compile_findings_and_answer_leave_out_noisy_attention_cells_and_q
             "cells left out), backward 1.50x to 2.00x (median 1.75x; 2 noisy cells left out).") in answer
     quoted = body[body.index("- forward:"):] + answer  # the findings after the table, and the index's answer
     assert "0.01x" not in quoted and "100.00x" not in quoted
+
+
+def test_torch_compile_compares_eager_and_compiled_attention_only_where_one_run_timed_both():
+    def pair(d, eager_ms, compiled_ms, eager_run, compiled_run):
+        eager = _attention_row(d, 1024, forward_ms=eager_ms, backward_ms=eager_ms)
+        compiled = _attention_row(d, 1024, compiled=True, forward_ms=compiled_ms, backward_ms=compiled_ms)
+        return [{**eager, "table": "attention", "run": eager_run},
+                {**compiled, "table": "attention", "run": compiled_run}]
+
+    # d=16: eager re-measured in run 2 beside run 1's compiled cell (4x apart, no speed-up); d=32 timed both in run 2.
+    rows = pair(16, 4.0, 1.0, 2, 1) + pair(32, 3.0, 2.0, 2, 2)
+    body = _flat(problems.report("torch_compile").render(rows).body)
+    unpaired = "none: different runs"
+    assert f"| 16 | 1024 | 4 ± 0.1 | 1 ± 0.1 | {unpaired} | 4 ± 0.2 | 1 ± 0.2 | {unpaired} |" in body
+    assert "| 32 | 1024 | 3 ± 0.1 | 2 ± 0.1 | 1.50x |" in body
+    assert "- forward: compiled runs 1.50x as fast as eager." in body and "4.00x" not in body
+    assert ("- 1 of the 2 cells timed both ways ran eager (run 2) and compiled (run 1) in different runs, so no "
+            "speed-up is read from them; `pytest perf/test_attention.py -m attention`, compiled included, times both "
+            "in one run.") in body
+    answer = " ".join(answer_torch_compile({"torch_compile": rows}))
+    assert ("Naive attention alone, compiled over eager (1 cell; 1 more ran eager and compiled in different runs and "
+            "are left out): forward 1.50x, backward 1.50x.") in answer
+    # Where no cell was timed both ways in one run, neither the report nor the answer quotes a speed-up.
+    rows = pair(16, 4.0, 1.0, 2, 1) + pair(32, 3.0, 2.0, 2, 1)
+    body = _flat(problems.report("torch_compile").render(rows).body)
+    assert "- Every cell ran eager (run 2) and compiled (run 1) in different runs" in body and "x as fast" not in body
+    answer = " ".join(answer_torch_compile({"torch_compile": rows}))
+    assert ("Naive attention alone: its 2 cells ran eager and compiled in different runs, so no speed-up is read from "
+            "them; `pytest perf/test_attention.py -m attention` times both in one run.") in answer
+
+
+def test_backward_over_forward_quotes_the_true_median_and_leaves_out_noisy_cells():
+    # Steady ratios 1.5, 2, 3 and 4: the median of an even count is 2.5, the mean of the middle two (not the
+    # upper one, 3). The N=16384 cell's forward is noisy (std 50% of the mean): its 10x is left out.
+    rows = [_attention_row(16, n, forward_ms=1.0, backward_ms=ratio)
+            for n, ratio in ((1024, 1.5), (2048, 2.0), (4096, 3.0), (8192, 4.0))]
+    rows.append({**_attention_row(16, 16384, forward_ms=1.0, backward_ms=10.0), "forward_std_ms": 0.5})
+    body = _flat(problems.report("pytorch_attention").render(rows).body)
+    assert "| 16 | 16,384 | 1 ± 0.5 (noisy) |" in body
+    assert "- Backward takes 1.5x to 4x the forward's time (median 2.5x, 4 cells; 1 noisy cell left out)." in body
 
 
 def test_a_cpu_flash_report_says_fp32_is_full_fp32_and_no_word_of_tf32():
@@ -563,3 +603,55 @@ def test_flash_report_names_the_source_each_run_measured():
     two_runs_one_source = [{**row, "source_hash": "0123abcd"} for row in rows]
     assert ("FlashAttention GPU source measured: 0123abcd (all 2 runs)."
             in _flat(FLASH_REPORT.render(two_runs_one_source).body))
+
+
+def _noisy(ms: float) -> dict:
+    """p20 and p80 of a time whose middle 60% of samples spans 50% of its median: noisy (over 20%)."""
+    return {"p20_ms": 0.75 * ms, "p80_ms": 1.25 * ms}
+
+
+def test_a_flash_ratio_is_marked_noisy_where_either_of_its_times_is():
+    rows = [_flash_row("flash_triton", "forward", 1024, 1.0, **_noisy(1.0)), _flash_row("naive", "forward", 1024, 4.0),
+            _flash_row("sdpa", "forward", 1024, 0.5),
+            _flash_row("flash_triton", "forward", 2048, 1.0), _flash_row("naive", "forward", 2048, 8.0),
+            _flash_row("sdpa", "forward", 2048, 2.0, **_noisy(2.0))]
+    body = _flat(FLASH_REPORT.render(rows).body)
+    assert "| 64 | 1024 | 1 (noisy) | 4 | 0.5 | 4x (noisy) | 0.5x (noisy) |" in body
+    assert "| 64 | 2048 | 1 | 8 | 2 (noisy) | 8x | 2x (noisy) |" in body
+
+
+def test_host_issue_times_and_their_ratios_are_marked_noisy_where_their_percentiles_spread():
+    timer = {"timer": "host issue (20 warm-up, GPU kept busy)"}
+    rows = [_flash_row("flash_triton", "forward_backward", 512, 0.2, table="host_issue", **timer, **_noisy(0.2)),
+            _flash_row("sdpa_cudnn", "forward_backward", 512, 0.16, table="host_issue", **timer)]
+    body = _flat(FLASH_REPORT.render(rows).body)
+    assert "| 1 x 1 x 512 x 64 | 200 [150-250] (noisy) | 160 [160-160] | 1.25x (noisy) |" in body
+
+
+def test_the_host_bound_finding_leaves_noisy_cells_out_and_says_when_too_few_steady_ones_remain():
+    steady = [_flash_row("flash_triton", "forward_backward", n, ms) for n, ms in ((128, 0.5), (4096, 0.9))]
+    # A noisy 0.05 ms at N=1024 would widen the range quoted: it is left out, and counted.
+    noisy = [_flash_row("flash_triton", "forward_backward", 1024, 0.05, **_noisy(0.05))]
+    body = _flat(FLASH_REPORT.render(steady + noisy).body)
+    assert ("bf16: N=128 to 4096: Triton's forward+backward 0.5-0.9 ms at every d while the work grows 1024x (1 noisy "
+            "cell left out): host time, not kernel time") in body
+    # Without the N=128 cell's steady time, the steady cells span no growth of the work to judge by.
+    noisy_short = [_flash_row("flash_triton", "forward_backward", 128, 0.5, **_noisy(0.5))]
+    body = _flat(FLASH_REPORT.render(steady[1:] + noisy + noisy_short).body)
+    assert "host time, not kernel time" not in body and "0.05" not in body.split("## Findings")[1]
+    assert ("bf16: N up to 4096: Triton's forward+backward is noisy in 2 of 3 cells, too few steady ones to tell host "
+            "time from kernel time.") in body
+
+
+def test_a_naive_oom_the_accounting_said_would_fit_is_a_disagreement_not_its_explanation():
+    def naive_oom(predicted_gib: float, free_gib: float) -> dict:
+        return _flash_row("naive", "forward_backward", 65536, None, status=OOM, oom_predicted=False,
+                          predicted_peak_bytes=predicted_gib * GIB, free_memory_bytes=free_gib * GIB)
+
+    ran = [_flash_row("naive", "forward_backward", 4096, 10.0)]
+    body = _flat(FLASH_REPORT.render(ran + [naive_oom(68, 78)]).body)
+    assert ("bf16: naive attention runs out of memory from N=65536 (d=64; measured). The accounting's peak disagrees "
+            "with the run: 68 GiB at d=64, within the 78 GiB free, yet it ran out.") in body
+    body = _flat(FLASH_REPORT.render(ran + [naive_oom(90, 78)]).body)
+    assert "(d=64; measured; the accounting puts its peak at 90 GiB against 78 GiB free at d=64)." in body
+    assert "disagrees" not in body

@@ -469,15 +469,19 @@ def test_benchmark_reports_answer_from_the_rows(gpu_like_rows):
     bucketed = render_bucketed_benchmarking(gpu_like_rows).body
     assert "| bucketed 1000 MB      |               | OOM" in bucketed
     assert "it falls, then rises, as expected" in bucketed  # 665, 648, 650 ms for 1, 10, 100 MB
-    # b* = sqrt(s w o) = sqrt(7.99e9 B * 300e9 B/s * 50e-6 s) = 3.46e8 B = 330.2 MiB
-    assert "b* = 330.2 MB" in bucketed
+    # b* = sqrt(s w o) = sqrt(7.99e9 B * 300e9 B/s * 50e-6 s) = 3.46e8 B = 330.2 MiB, in the MiB that bucket_size_mb
+    # counts (BYTES_PER_MB = 2^20), beside s in GB = 10^9 bytes: each named for what it is.
+    assert "s = 7.99 GB: n_b* = 23.1, b* = 330.2 MiB" in bucketed and "| bucket MiB " in bucketed
+    assert "torch DDP (25 MiB buckets)" in bucketed
     # The best bucketed step, 648 ms, against each torch DDP; 6 of 665 ms is under 10%, 14 is not.
     assert "bucketed 10 MB 648.0 ms against 655.0 ms (-1.1%) | yes" in bucketed
     assert "bucketed 10 MB 648.0 ms against 620.0 ms (+4.5%) | yes" in bucketed
     assert "14.00 of 665.0 ms (2.1%)" in bucketed
     # The index names the fastest and slowest bucket sizes, whose times the report's table holds.
     answer = " ".join(answer_ddp_overlap_bucketed({"ddp_bucketed_benchmarking": gpu_like_rows}))
-    assert "fastest bucket size is 10 MB (648.0 ms per step, 9 ms" in answer and "the slowest 1 MB (665.0 ms)" in answer
+    assert "fastest bucket size is 10 MiB (648.0 ms per step, 9 ms" in answer
+    assert "the slowest 1 MiB (665.0 ms)" in answer
+    assert "the optimal bucket at sqrt(s w o) = 330.2 MiB for s = 7.99 GB of gradients." in answer
 
 
 def test_equivalence_reports_say_whether_each_wrapper_matched():

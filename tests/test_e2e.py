@@ -6,6 +6,7 @@ import statistics
 import subprocess
 import sys
 import time
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -20,15 +21,22 @@ from cs336_systems.cells import unmeasured
 from cs336_systems.interpretation import interpreter_problem
 from cs336_systems.memory_guard import MemoryCheck
 from cs336_systems.model import ModelConfig
-from cs336_systems.reports import format_bytes
+from cs336_systems.reports import format_bytes, problems, read_rows, write_report
 from cs336_systems.reports.e2e import (
+    answer_benchmarking_mixed_precision,
     answer_benchmarking_script,
     answer_compiled_models,
+    cell_key,
+    latest_cells,
     mean_std,
+    render_benchmarking_mixed_precision,
     render_benchmarking_script,
     render_compiled_models,
 )
-from cs336_systems.rows import BREAKDOWN_PHASES, OOM
+from cs336_systems.reports.index import result_directories
+from cs336_systems.rows import BREAKDOWN_PHASES, E2E_KEY, MIXED_PRECISION_KEY, OOM, REFERENCE_MODEL, TORCH_COMPILE_KEY
+
+REPORTS = Path(__file__).resolve().parents[1] / "reports"
 
 
 def test_step_flops_worked_by_hand():
@@ -208,6 +216,121 @@ def test_the_report_and_the_index_quote_one_compiled_speed_up_and_leave_out_nois
 
 def _flat(markdown: str) -> str:
     return " ".join(markdown.split())
+
+
+def test_whole_model_eager_and_compiled_steps_of_different_runs_show_both_times_and_no_speed_up():
+    # Context 128 timed both ways in run 1 (1.5x); context 256 eager again in run 2, 9x its compiled step of run 1.
+    rows = [_sweep_cell(128, "train_step", 30.0, 0.1, run=1),
+            _sweep_cell(128, "train_step", 20.0, 0.1, compile=True, run=1),
+            _sweep_cell(256, "train_step", 90.0, 0.1, run=2),
+            _sweep_cell(256, "train_step", 10.0, 0.1, compile=True, run=1)]
+    body = _flat(render_compiled_models(rows).body)
+    assert "| small | 256 | fp32 | train step | 90.0 ± 0.1 | 10.0 ± 0.1 | none: different runs |" in body
+    assert "Compiled over eager by phase: train step: 1.50x. 1 cell ran both ways but in different runs" in body
+    assert "9.00x" not in body + " ".join(answer_compiled_models(rows))
+
+
+def _reference_rows(project_run: int, reference_run: int) -> list[dict]:
+    """A compiled small training step of the project and of the torch-native reference, at two contexts."""
+    rows = []
+    for context, project_ms, reference_ms in ((256, 40.0, 20.0), (512, 60.0, 50.0)):
+        step = _sweep_cell(context, "train_step", project_ms, 0.1, compile=True, median_ms=project_ms)
+        rows += [{**step, "run": project_run},
+                 {**step, "table": "reference", "model": REFERENCE_MODEL, "mean_ms": reference_ms,
+                  "median_ms": reference_ms, "run": reference_run}]
+    return rows
+
+
+def test_the_project_and_the_reference_are_compared_only_where_one_run_timed_both():
+    body = _flat(render_compiled_models(_reference_rows(2, 2)).body)
+    assert "timed the same way in the same run. Ratio of medians" in body
+    assert "| small | 512 | fp32 | 60.0 ± 0.1 | 50.0 ± 0.1 | 1.20x |" in body
+    answer = " ".join(answer_compiled_models(_reference_rows(2, 2)))
+    assert "takes 1.20x its time (medians 60.0 ms and 50.0 ms); over 2 cells the ratio is 1.20x to 2.00x." in answer
+
+    rows = _reference_rows(2, 3)
+    body = _flat(render_compiled_models(rows).body)
+    assert "in the same run" not in body and "Ratio of medians" not in body
+    assert ("timed the same way. The two steps of every cell ran in different runs (project: run 2; reference: "
+            "run 3), so no ratio is read; `pytest perf/test_e2e.py -k \"compiled or reference\"` times both in one "
+            "run.") in body
+    assert "| small | 512 | fp32 | 60.0 ± 0.1 | 50.0 ± 0.1 | none: different runs |" in body
+    answer = " ".join(answer_compiled_models(rows))
+    assert "1.20x" not in answer and "2.00x" not in answer
+    assert ("The torch-native reference's 2 training steps and the project's compiled steps of the same cells ran in "
+            "different runs, so no ratio is read from them") in answer
+    # One cell timed in one run is compared; the other is left out and said to be.
+    rows[-1]["run"] = 2
+    answer = " ".join(answer_compiled_models(rows))
+    assert ("takes 1.20x its time (medians 60.0 ms and 50.0 ms); 1 cell whose two steps ran in different runs is "
+            "left out.") in answer
+    assert "The two steps of 1 of the 2 cells ran in different runs" in _flat(render_compiled_models(rows).body)
+
+
+def test_bf16_is_answered_at_the_largest_size_trained_in_both_precisions_and_forwards_alone_are_summarised_apart():
+    rows = []
+    # xl trains 2x faster in bf16; 10B cannot train, and its forward alone (no autograd) runs 5x faster in bf16.
+    for precision, xl_forward_ms, xl_step_ms, ten_b_forward_ms in (("fp32", 40.0, 100.0, 1000.0),
+                                                                   ("bf16", 20.0, 50.0, 200.0)):
+        xl, ten_b = {"size": "xl", "precision": precision}, {"size": "10B", "precision": precision}
+        rows += [_sweep_cell(512, "forward", xl_forward_ms, 0.1, **xl),
+                 _sweep_cell(512, "train_step", xl_step_ms, 0.1, **xl),
+                 _sweep_cell(512, "forward", ten_b_forward_ms, 0.1, measured_mode="forward", **ten_b),
+                 _sweep_cell(512, "train_step", None, None, status=OOM, **ten_b)]
+    answer = " ".join(answer_benchmarking_mixed_precision({"benchmarking_mixed_precision": rows}))
+    assert "training step in both fp32 and bf16 is not in the report" not in answer
+    assert ("bf16 autocast over fp32, eager, for a training step of SDPA + fused AdamW at xl, the largest size whose "
+            "step ran in both precisions: 2.00x at context 512 (100.0 ms -> 50.0 ms).") in answer
+    body = render_benchmarking_mixed_precision(rows).body
+    assert ("bf16 speed-up over fp32 by phase: forward: 2.00x; train step: 2.00x; forward only (no autograd, where "
+            "training did not fit): 5.00x.") in body
+
+
+def _warmup_cell(size: str, warmup: int, median_ms: float, first_ms: float) -> dict:
+    return {**_sweep_cell(512, "train_step", median_ms, 0.1, size=size, warmup=warmup, median_ms=median_ms,
+                          first_ms=first_ms, max_ms=first_ms), "table": "warmup"}
+
+
+def test_the_warm_up_study_names_the_model_variant_and_precision_it_ran():
+    rows = [_warmup_cell("small", 0, 50.0, 250.0), _warmup_cell("small", 1, 50.0, 50.0),
+            _warmup_cell("small", 5, 50.0, 50.0)]
+    body = render_benchmarking_script(rows).body
+    assert ("One fresh process per cell: SDPA + fused AdamW, fp32, batch 4, context 512, 10 timed training steps after "
+            "0, 1, 5 warm-up steps.") in body
+    answer = " ".join(answer_benchmarking_script({"benchmarking_script": rows}))
+    assert ("In the warm-up study (SDPA + fused AdamW, fp32, batch 4, context 512), without warm-up the first timed "
+            "step takes 5.00x the median step") in answer
+
+
+def test_a_row_from_before_the_adamw_was_recorded_is_the_cell_of_a_newer_fused_row_which_replaces_it():
+    legacy = _sweep_cell(128, "forward", None, None, size="10B", status=OOM, run=2)  # no optimizer: ran fused AdamW
+    newer = _sweep_cell(128, "forward", 900.0, 1.0, size="10B", optimizer="fused", measured_mode="forward", run=4)
+    course = {**newer, "optimizer": "course", "attention": "naive"}
+    assert cell_key(legacy, E2E_KEY) == cell_key(newer, E2E_KEY) != cell_key(course, E2E_KEY)
+    # The latest run's row is kept, in whichever order the rows come.
+    assert latest_cells([newer, legacy, course], E2E_KEY) == [newer, course]
+    assert latest_cells([legacy, newer], E2E_KEY) == [newer]
+    body = render_benchmarking_script([newer, legacy]).body
+    assert "| 900.0 ± 1.0 (forward only) |" in body.replace("  ", "") and "OOM" not in body
+
+
+def test_a_run_that_measures_a_cell_again_replaces_its_row_from_before_the_adamw_was_recorded(tmp_path):
+    report = problems.report("benchmarking_script")
+    legacy = {**_sweep_cell(128, "forward", None, None, size="10B", status=OOM), "device": "cuda"}
+    newer = {**legacy, "status": "ok", "mean_ms": 900.0, "std_ms": 1.0, "optimizer": "fused"}
+    write_report(report, [legacy], tmp_path, "first run")
+    write_report(report, [newer], tmp_path, "second run")
+    assert [(r["optimizer"], r["status"]) for r in read_rows(tmp_path / "benchmarking_script.csv")] == [("fused", "ok")]
+
+
+@pytest.mark.parametrize("report, key", [("benchmarking_script", E2E_KEY),
+                                         ("benchmarking_mixed_precision", MIXED_PRECISION_KEY),
+                                         ("torch_compile", TORCH_COMPILE_KEY)])
+def test_each_committed_e2e_report_holds_one_row_per_cell(report, key):
+    for slug in result_directories(REPORTS):
+        if (REPORTS / slug / f"{report}.csv").exists():
+            rows = read_rows(REPORTS / slug / f"{report}.csv")
+            assert latest_cells(rows, key) == rows, f"reports/{slug}/{report}.csv holds a cell more than once"
 
 
 def test_report_lists_cells_out_of_memory_with_their_estimates():

@@ -362,3 +362,28 @@ def test_a_process_whose_last_call_was_a_cuda_profile_exits():
         pytest.fail(f"the process had not exited 180 s after starting (its output: {hung.stdout!r})")
     assert result.returncode == 0, result.stderr
     assert int(result.stdout) > 0
+
+
+def test_a_cell_without_attention_matmul_time_is_left_out_of_the_report_and_the_answer_alike():
+    """A zero attention-matmul time leaves no softmax-to-matmul ratio: the report's table marks the cell n/a, and
+    the report's finding and the index's answer leave it out and say so, never "nan" or "nanx"."""
+    from cs336_systems.reports.nsys_profile import answer_nsys_profile
+
+    def without_matmul(rows, size, context):
+        return [{**r, "matmul_ms": 0.0} if r.get("table") == "range" and r["range"].startswith("attention/")
+                and (r["size"], r["context_length"]) == (size, context) else r for r in rows]
+
+    committed = read_rows(Path(__file__).resolve().parents[1] / "reports" / "h100" / "nsys_profile.csv")
+    rows = without_matmul(committed, "small", 1024)
+    body = problems.report("nsys_profile").render(rows).body
+    answer = " ".join(answer_nsys_profile({"nsys_profile": rows}))
+    assert "nan" not in body and "nan" not in answer
+    assert "| small | 1024 | 64 | 0 |" in " ".join(body.split()) and "| n/a | 0.0195 | n/a |" in " ".join(body.split())
+    assert "its FLOP share (1 cell without matmul time in attention left out)" in body
+    assert "over the cells; 1 cell without matmul time in attention left out)" in answer
+    # The headline cell the answer quotes: both say it holds no matmul time.
+    rows = without_matmul(committed, "xl", 512)
+    answer = " ".join(answer_nsys_profile({"nsys_profile": rows}))
+    assert ("Inside attention at xl, context 512, the profile holds no matmul time: there is no ratio of softmax's "
+            "time to take.") in answer
+    assert "nan" not in problems.report("nsys_profile").render(rows).body

@@ -81,9 +81,37 @@ def test_software_versions_name_torch_and_triton():
     assert {"python", "torch", "triton", "cuda"} <= set(versions)
 
 
-@pytest.mark.parametrize("value, text", [(0.0, "0"), (float("nan"), ""), (3.14159, "3.14"), (True, "True")])
+@pytest.mark.parametrize("value, text", [(0.0, "0"), (None, ""), (3.14159, "3.14"), (True, "True"),
+                                         (float("inf"), "inf")])
 def test_format_value(value, text):
     assert reports.format_value(value) == text
+
+
+def test_nan_reads_as_not_measured_never_as_a_blank_or_a_number():
+    nan = float("nan")
+    assert reports.format_value(nan) == reports.NOT_A_NUMBER == "n/a"
+    assert "| n/a " in markdown_table([{"ms": nan}])
+    assert reports.mean_std(nan, nan) == "n/a" and reports.mean_std(nan, 1.0, unit="ms") == "n/a"
+    # A mean whose spread is not a number cannot be vouched for as one number: flagged, like a wide spread.
+    assert reports.mean_std(10.0, nan) == "10.0 ± n/a (noisy)"
+    assert reports.is_noisy(10.0, nan) and reports.is_noisy(nan, 1.0)
+    assert [reports.format_ms(nan), reports.format_ratio(nan), reports.format_share(nan)] == ["n/a"] * 3
+    assert reports.speedup_text({"mean_ms": nan, "std_ms": 0.1}, {"mean_ms": 1.0, "std_ms": 0.1}) == "n/a"
+
+
+def _timed(mean_ms: float, std_ms: float = 0.1) -> dict:
+    return {"mean_ms": mean_ms, "std_ms": std_ms}
+
+
+def test_speed_ups_leave_out_unmeasured_cells_and_say_so():
+    nan = float("nan")
+    pairs = [(_timed(2.0), _timed(1.0), "a"), (_timed(nan), _timed(1.0), "b"), (_timed(3.0), _timed(nan), "c"),
+             (_timed(4.0, 2.0), _timed(1.0), "d")]
+    speed_ups = reports.SpeedUps.of(pairs)
+    assert (speed_ups.ratios, speed_ups.noisy, speed_ups.unmeasured) == ((2.0,), 1, 2)
+    assert speed_ups.summary() == "2.00x (1 noisy cell and 2 unmeasured cells left out)"
+    assert reports.SpeedUps.of(pairs[1:3]).summary() == "no steady cell (2 unmeasured cells left out)"
+    assert "nan" not in reports.SpeedUps.of(pairs).summary()
 
 
 def _render_keyed(rows):
@@ -116,6 +144,12 @@ def test_a_cpu_report_says_its_times_are_cpu_times_and_triton_ran_in_the_interpr
     (10.0, 2.0, "10.0 ± 2.0"), (10.0, 2.1, "10.0 ± 2.1 (noisy)"), (0.0, 0.0, "0.0 ± 0.0")])
 def test_a_spread_above_a_fifth_of_the_mean_is_flagged_noisy(mean, std, text):
     assert reports.mean_std(mean, std) == text
+
+
+def test_one_sample_shows_that_it_has_no_spread_instead_of_a_std_of_zero():
+    assert reports.mean_std(10.0, 0.0, samples=1, unit="ms") == "10.0 (n=1) ms"
+    assert reports.mean_std(10.0, 0.0, samples=2) == "10.0 ± 0.0"
+    assert reports.mean_std(10.0, 0.0) == "10.0 ± 0.0"  # a row that does not say how many samples it pools
 
 
 def _render_broken(rows):
@@ -192,3 +226,23 @@ def test_an_oom_cell_says_whether_it_was_predicted_and_never_run_or_ran_out():
                                            "against 1.00 GiB available, so nothing ran")
     assert reports.oom_note(ran_out) == ("OOM: it ran out of memory (the memory model estimates a peak of 3.00 GiB "
                                          "against 1.00 GiB available)")
+
+
+def test_the_package_source_hash_covers_its_cpp_sources_and_leaves_out_build_products(tmp_path, monkeypatch):
+    from cs336_systems import provenance
+
+    assert "attention/flash_triton/native.cpp" in provenance.source_files(provenance.PACKAGE_ROOT)
+    (tmp_path / "ops" / "__pycache__").mkdir(parents=True)
+    (tmp_path / "model.py").write_text("X = 1\n")
+    (tmp_path / "ops" / "launcher.cpp").write_text("int x = 1;\n")
+    (tmp_path / "ops" / "__pycache__" / "model.cpython-312.pyc").write_bytes(b"\0")
+    (tmp_path / "ops" / "launcher.so").write_bytes(b"\0")
+    monkeypatch.setattr(provenance, "PACKAGE_ROOT", tmp_path)
+    assert provenance.source_files(tmp_path) == ["model.py", "ops/launcher.cpp"]
+    package_hash = provenance.package_source_hash.__wrapped__  # uncached: it reads the files each call
+    before = package_hash()
+    (tmp_path / "ops" / "launcher.so").write_bytes(b"\1")
+    (tmp_path / "ops" / "__pycache__" / "model.cpython-312.pyc").write_bytes(b"\1")
+    assert package_hash() == before
+    (tmp_path / "ops" / "launcher.cpp").write_text("int x = 2;\n")
+    assert package_hash() != before

@@ -37,6 +37,7 @@ from typing import Any
 import torch
 from tabulate import tabulate
 
+from cs336_systems.checks import is_number
 from cs336_systems.provenance import PACKAGE_ROOT, package_source_hash
 from cs336_systems.rows import LONG_COLUMNS, OOM, Row, from_long, to_long
 
@@ -48,6 +49,9 @@ PREDICTED_OOM = f"OOM ({NOT_RUN})"
 # one number; its table cell says so.
 NOISY_RELATIVE_STD = 0.20
 NOISY = "noisy"
+# What a table or sentence shows for a number that was not measured (NaN, or a time that is not finite): never a
+# blank, which reads as a column that does not apply, and never "nan" or "nanx", which read as numbers.
+NOT_A_NUMBER = "n/a"
 
 
 @dataclass
@@ -73,20 +77,33 @@ class Report:
     and the others stay, so a long sweep can be measured in parts; the header lists every run that
     still contributes rows. Without a key, each run replaces the whole report. The reports of the
     course's problems are listed in cs336_systems.reports.problems. `needs_gpu`: every perf test that writes it
-    is marked gpu, so a CPU run never does.
+    is marked gpu, so a CPU run never does. `cell_of(row, key)` reads a row's cell where its key's values alone
+    do not say it (a row from before a column was recorded).
     """
     name: str
     render: Renderer = plain_table
     key: tuple[str, ...] | None = None
     needs_gpu: bool = False
+    cell_of: Callable[[Row, tuple[str, ...]], tuple] | None = None
+
+    def cell(self, row: Row) -> tuple:
+        """The measured cell `row` belongs to: its values of `key`, as `cell_of` reads them where given."""
+        return self.cell_of(row, self.key) if self.cell_of else tuple(row.get(k) for k in self.key)
+
+
+def is_finite(value: Any) -> bool:
+    """A number that is neither NaN nor infinite."""
+    return is_number(value) and math.isfinite(value)
 
 
 def format_value(value: Any) -> str:
+    """A table cell's text: "" for None (no such value), NOT_A_NUMBER for NaN (not measured). An infinity is a
+    result, a float16 sum that overflowed say, and reads "inf"."""
     if isinstance(value, bool) or value is None:
         return "" if value is None else str(value)
     if isinstance(value, float):
         if math.isnan(value):
-            return ""
+            return NOT_A_NUMBER
         if value == 0:
             return "0"
         if abs(value) >= 1000:
@@ -99,10 +116,18 @@ def format_value(value: Any) -> str:
     return str(value)
 
 
-def mean_std(mean: float, std: float, spec: str = ".1f", std_spec: str | None = None, unit: str = "") -> str:
-    """ "mean ± std [unit]", flagged noisy when the std is above NOISY_RELATIVE_STD of the mean."""
-    text = f"{mean:{spec}} ± {std:{std_spec or spec}}" + (f" {unit}" if unit else "")
-    return noisy_marked(text, is_noisy(mean, std))
+def mean_std(mean: float, std: float, spec: str = ".1f", std_spec: str | None = None, unit: str = "",
+             samples: int | None = None) -> str:
+    """ "mean ± std [unit]", flagged noisy when the std is above NOISY_RELATIVE_STD of the mean or is not a finite
+    number. A mean that is not a finite number was not measured: NOT_A_NUMBER. Given the number of `samples`, one
+    sample shows as "mean (n=1)": it has no spread to show, and its std of 0 would read as a steady time."""
+    suffix = f" {unit}" if unit else ""
+    if not is_finite(mean):
+        return NOT_A_NUMBER
+    if samples == 1:
+        return f"{mean:{spec}} (n=1){suffix}"
+    spread = f"{std:{std_spec or spec}}" if is_finite(std) else NOT_A_NUMBER
+    return noisy_marked(f"{mean:{spec}} ± {spread}{suffix}", is_noisy(mean, std))
 
 
 def oom_text(row: Row) -> str:
@@ -121,6 +146,10 @@ def oom_note(row: Row) -> str:
 
 
 def is_noisy(mean: float, std: float) -> bool:
+    """Whether a time varied too much to be read as one number: its std above NOISY_RELATIVE_STD of its mean, or
+    either not a finite number, so that how much it varied cannot be told."""
+    if not (is_finite(mean) and is_finite(std)):
+        return True
     return mean > 0 and std / mean > NOISY_RELATIVE_STD
 
 
@@ -154,15 +183,17 @@ def format_bytes(num_bytes: float | None, byte_unit: str = "B") -> str:
 
 def format_ms(value: float) -> str:
     """A time as a sentence quotes it: one decimal from 10 ms, three significant digits below."""
+    if not is_finite(value):
+        return NOT_A_NUMBER
     return f"{value:,.1f} ms" if abs(value) >= 10 else f"{value:.3g} ms"
 
 
 def format_ratio(value: float) -> str:
-    return f"{value:.2f}x"
+    return f"{value:.2f}x" if is_finite(value) else NOT_A_NUMBER
 
 
 def format_share(value: float) -> str:
-    return f"{value:.0%}"
+    return f"{value:.0%}" if is_finite(value) else NOT_A_NUMBER
 
 
 def plural(count: int, noun: str, nouns: str | None = None) -> str:
@@ -186,8 +217,17 @@ def _times_noisy(*rows: Row, prefix: str = "") -> bool:
     return any(is_noisy(r[f"{prefix}mean_ms"], r[f"{prefix}std_ms"] or 0.0) for r in rows)
 
 
+def _times_measured(*rows: Row, prefix: str = "") -> bool:
+    """Whether each of these rows' mean times (`<prefix>mean_ms`) is a number above zero and finite: one that is
+    not was not measured, and no ratio can be taken of it."""
+    return all(is_finite(r[f"{prefix}mean_ms"]) and r[f"{prefix}mean_ms"] > 0 for r in rows)
+
+
 def speedup_text(slow: Row, fast: Row, prefix: str = "") -> str:
-    """The ratio of two rows' mean times, "2.00x", marked noisy where either time is."""
+    """The ratio of two rows' mean times, "2.00x", marked noisy where either time is; NOT_A_NUMBER where either
+    time was not measured."""
+    if not _times_measured(slow, fast, prefix=prefix):
+        return NOT_A_NUMBER
     ratio = format_ratio(slow[f"{prefix}mean_ms"] / fast[f"{prefix}mean_ms"])
     return noisy_marked(ratio, _times_noisy(slow, fast, prefix=prefix))
 
@@ -195,19 +235,22 @@ def speedup_text(slow: Row, fast: Row, prefix: str = "") -> str:
 @dataclass(frozen=True)
 class SpeedUps:
     """How much faster one variant ran than another over many cells, read only from the cells where both times
-    are steady: a ratio of two noisy means is no finding. A report's findings and the index's answer quote the
-    same SpeedUps, so they quote the same figures."""
+    were measured and are steady: a ratio of two noisy means is no finding, nor is one of a time that is not a
+    number. A report's findings and the index's answer quote the same SpeedUps, so they quote the same figures."""
     ratios: tuple[float, ...]  # the steady cells' slow mean over fast mean
     cells: tuple[str, ...]  # the cell of each ratio, as a finding names it
-    noisy: int  # cells left out
+    noisy: int  # measured cells left out
+    unmeasured: int = 0  # cells left out where a mean time is not a finite number above zero
 
     @classmethod
     def of(cls, pairs: Iterable[tuple[Row, Row, str]], prefix: str = "") -> SpeedUps:
         """From (slow row, fast row, cell name) triples whose rows hold `<prefix>mean_ms` and `<prefix>std_ms`."""
         pairs = list(pairs)
-        steady = [(slow[f"{prefix}mean_ms"] / fast[f"{prefix}mean_ms"], cell) for slow, fast, cell in pairs
+        measured = [(slow, fast, cell) for slow, fast, cell in pairs if _times_measured(slow, fast, prefix=prefix)]
+        steady = [(slow[f"{prefix}mean_ms"] / fast[f"{prefix}mean_ms"], cell) for slow, fast, cell in measured
                   if not _times_noisy(slow, fast, prefix=prefix)]
-        return cls(tuple(r for r, _ in steady), tuple(c for _, c in steady), len(pairs) - len(steady))
+        return cls(tuple(r for r, _ in steady), tuple(c for _, c in steady), len(measured) - len(steady),
+                   len(pairs) - len(measured))
 
     @property
     def median(self) -> float:
@@ -223,12 +266,16 @@ class SpeedUps:
     def details(self) -> str:
         """ "median 1.33x; 4 noisy cells left out", the parts that apply ("" for one steady cell and none left out)."""
         median = f"median {format_ratio(self.median)}" if len(self.ratios) > 1 else ""
-        left_out = f"{plural(self.noisy, 'noisy cell')} left out" if self.noisy else ""
-        return "; ".join(filter(None, (median, left_out)))
+        left_out = [plural(count, f"{kind} cell") for count, kind in ((self.noisy, "noisy"),
+                                                                      (self.unmeasured, "unmeasured")) if count]
+        return "; ".join(filter(None, (median, f"{listing(left_out)} left out" if left_out else "")))
 
     def summary(self) -> str:
-        """ "1.04x to 2.30x (median 1.33x; 4 noisy cells left out)", "noisy in every cell", or "" for no cell."""
+        """ "1.04x to 2.30x (median 1.33x; 4 noisy cells left out)", "noisy in every cell", "no steady cell (...)"
+        where some were not measured either, or "" for no cell."""
         if not self.ratios:
+            if self.unmeasured:
+                return f"no steady cell ({self.details()})"
             return "noisy in every cell" if self.noisy else ""
         details = self.details()
         return self.range_text() + (f" ({details})" if details else "")
@@ -481,8 +528,8 @@ def write_report(report: Report, rows: list[Row], report_dir: Path | str, comman
         kept: list[Row] = []
         earlier = Metadata.read(sidecar) if csv_path.exists() and sidecar.exists() else None
         if earlier is not None and earlier.device == metadata.device:
-            measured = {tuple(r.get(k) for k in key) for r in rows}
-            kept = [r for r in read_rows(csv_path) if tuple(r.get(k) for k in key) not in measured]
+            measured = {report.cell(r) for r in rows}
+            kept = [r for r in read_rows(csv_path) if report.cell(r) not in measured]
         rows, runs = _merge_runs(kept, earlier.runs if kept else (), rows, metadata.runs[0])
         metadata = replace(metadata, runs=runs)
     # Everything that can fail (rendering, the device query) happens before a file is written, so a

@@ -3,9 +3,22 @@ size and number of ranks, what they show, and the plot (cs336_systems.benchmarks
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 from cs336_systems.benchmarks.allreduce import GB, MAX_ITERATIONS, MIN_ITERATIONS, WARMUP
 from cs336_systems.gpus import MB
-from cs336_systems.reports import Rendered, Reports, format_ms, listing, markdown_table, not_in_report, pivot, select
+from cs336_systems.reports import (
+    NOT_RUN,
+    Rendered,
+    Reports,
+    format_ms,
+    listing,
+    markdown_table,
+    not_in_report,
+    oom_text,
+    pivot,
+    select,
+)
 from cs336_systems.rows import OOM, Row
 
 
@@ -13,29 +26,50 @@ def _size_label(size_bytes: float) -> str:
     return f"{size_bytes / GB:g} GB" if size_bytes >= GB else f"{size_bytes / MB:g} MB"
 
 
-# At the smallest size, a backend reaching under this share of its best bus bandwidth spends more than
-# half the time on its fixed per-call cost; the largest size this far short of the best is a decline.
-FIXED_COST_BOUND_SHARE = 0.5
+# The largest size this far short of the best bus bandwidth is a decline.
 DECLINE_SHARE = 0.9
 # Across world sizes, bus bandwidth within this share of the first is "flat": the ring's extra bytes
 # per link account for the extra time.
 FLAT_BUS_BANDWIDTH = 0.15
 
 
-def _size_findings(backend: str, n: int, line: list[Row]) -> str:
-    """How bandwidth changes with size for one backend and world size, read from its rows."""
+def _ran_out(ooms: list[Row], what: str) -> str:
+    """ "10 GB, the largest size, ran out of memory (predicted, not run)": the sizes of these OOM rows and `what`
+    they are, as a sentence names them."""
+    predicted = all(r.get("oom_predicted") for r in ooms)
+    return (f"{listing([_size_label(r['size_bytes']) for r in ooms])}, {what}, ran out of memory"
+            + (f" ({NOT_RUN})" if predicted else ""))
+
+
+def _largest(ooms: list[Row]) -> str:
+    return "the largest size" + ("s" if len(ooms) > 1 else "")
+
+
+def _size_findings(backend: str, n: int, line: list[Row], ooms: list[Row]) -> str:
+    """How bandwidth changes with size for one backend and world size, read from its measured rows (`line`) and its
+    OOM rows, by size.
+
+    At the smallest size, the share of the time beyond moving its bytes at the best bus bandwidth is the per-call
+    cost: the time at bus bandwidth b is bytes / b, so at a share s of the best, 1 - s of it is that cost."""
+    text = f"- {backend}, {n} ranks: "
+    if not line:
+        return text + _ran_out(ooms, "every size") + "."
     small, large = line[0], line[-1]
     best = max(line, key=lambda r: r["busbw_gbps"])
     share = small["busbw_gbps"] / best["busbw_gbps"]
-    text = (f"- {backend}, {n} ranks: at {_size_label(small['size_bytes'])}, {share:.0%} of the best bus bandwidth "
-            f"({best['busbw_gbps']:.3g} GB/s at {_size_label(best['size_bytes'])}): ")
-    if share < FIXED_COST_BOUND_SHARE:
-        text += "a fixed per-call cost takes more than half the time there"
+    if best is small:
+        text += (f"bus bandwidth is best at the smallest size, {best['busbw_gbps']:.3g} GB/s at "
+                 f"{_size_label(small['size_bytes'])}")
     else:
-        text += "the per-call cost is small beside the transfer at every size measured"
+        text += (f"at {_size_label(small['size_bytes'])}, {share:.0%} of the best bus bandwidth "
+                 f"({best['busbw_gbps']:.3g} GB/s at {_size_label(best['size_bytes'])}), so per-call cost takes about "
+                 f"{1 - share:.0%} of the time there")
     if best is not large and large["busbw_gbps"] < DECLINE_SHARE * best["busbw_gbps"]:
         text += (f", and past {_size_label(best['size_bytes'])} bandwidth falls "
                  f"({large['busbw_gbps'] / best['busbw_gbps']:.0%} of the best at {_size_label(large['size_bytes'])})")
+    larger = [r for r in ooms if r["size_bytes"] > large["size_bytes"]]
+    if larger:
+        text += "; " + _ran_out(larger, _largest(larger))
     return text + "."
 
 
@@ -53,18 +87,28 @@ def _rank_findings(backend: str, at_size: list[Row]) -> str:
     return text + f"{direction}: more ranks change more than the bytes per link."
 
 
+def _by_size(rows: Iterable[Row]) -> list[Row]:
+    return sorted(rows, key=lambda r: r["size_bytes"])
+
+
 def _findings(rows: list[Row]) -> list[str]:
+    """What the rows show, each backend's OOM rows among them: a size that ran out of memory is named, never taken
+    for one that was not in the sweep."""
     findings = []
     for backend in sorted({r["backend"] for r in rows}):
-        mine = [r for r in rows if r["backend"] == backend]
-        for n in sorted({r["world_size"] for r in mine}):
-            findings.append(_size_findings(backend, n, sorted((r for r in mine if r["world_size"] == n),
-                                                               key=lambda r: r["size_bytes"])))
+        mine = [r for r in rows if r["backend"] == backend and not _out_of_memory(r)]
+        ooms = [r for r in rows if r["backend"] == backend and _out_of_memory(r)]
+        for n in sorted({r["world_size"] for r in rows if r["backend"] == backend}):
+            findings.append(_size_findings(backend, n, _by_size(select(mine, world_size=n)),
+                                           _by_size(select(ooms, world_size=n))))
+        if not mine:
+            continue
         largest = max(r["size_bytes"] for r in mine)
         at_largest = sorted((r for r in mine if r["size_bytes"] == largest), key=lambda r: r["world_size"])
         if len(at_largest) > 1:
             findings.append(_rank_findings(backend, at_largest))
-    common = [(g, n) for g in rows if g["backend"] == "gloo" for n in rows
+    measured = [r for r in rows if not _out_of_memory(r)]
+    common = [(g, n) for g in measured if g["backend"] == "gloo" for n in measured
               if n["backend"] == "nccl" and (n["world_size"], n["size_bytes"]) == (g["world_size"], g["size_bytes"])]
     if common:
         gloo, nccl = max(common, key=lambda pair: (pair[0]["size_bytes"], pair[0]["world_size"]))
@@ -118,10 +162,12 @@ def render_allreduce(rows: list[Row]) -> Rendered:
     labelled = [{**r, "size": _size_label(r["size_bytes"])} for r in rows]
     devices = ", ".join(sorted({f"{r['backend']} on {r['device']}" for r in rows}))
     times = pivot(labelled, ["backend", "world_size"], "size", "mean_rank_median_ms",
-                  fmt=lambda r: OOM if _out_of_memory(r) else
+                  fmt=lambda r: oom_text(r) if _out_of_memory(r) else
                   f"{r['mean_rank_median_ms']:.3g} (max {r['max_rank_median_ms']:.3g})")
     bandwidths = pivot(labelled, ["backend", "world_size"], "size", "busbw_gbps",
-                       fmt=lambda r: OOM if _out_of_memory(r) else f"{r['busbw_gbps']:.3g} ({r['algbw_gbps']:.3g})")
+                       fmt=lambda r: oom_text(r) if _out_of_memory(r) else
+                       f"{r['busbw_gbps']:.3g} ({r['algbw_gbps']:.3g})")
+    findings = _findings(rows)
     rows = [r for r in rows if not _out_of_memory(r)]
     body = [
         f"float32 all-reduce (sum), {devices}; {WARMUP} warm-up, then {MIN_ITERATIONS}-{MAX_ITERATIONS} timed "
@@ -130,7 +176,7 @@ def render_allreduce(rows: list[Row]) -> Rendered:
         "## Time (ms)\n", markdown_table(times),
         "## Bus bandwidth, GB/s (algorithm bandwidth in brackets)\n", markdown_table(bandwidths),
         _nominal_comparison(rows),
-        "## Findings\n", "\n".join(_findings(rows)) + "\n",
+        "## Findings\n", "\n".join(findings) + "\n",
         "\n![bus bandwidth](allreduce_bus_bandwidth.png)\n",
     ]
     return Rendered("\n".join(body), figures={"allreduce_bus_bandwidth.png": _plot(rows)})
@@ -142,7 +188,11 @@ def answer_distributed_communication_single_node(reports: Reports) -> list[str]:
     rows = reports["distributed_communication_single_node"]
     sentences = []
     for backend, device in (("gloo", "CPU"), ("nccl", "GPUs")):
-        mine = [r for r in select(rows, backend=backend) if r.get("status") != OOM]
+        mine = [r for r in select(rows, backend=backend) if not _out_of_memory(r)]
+        ooms = _by_size(r for r in select(rows, backend=backend) if _out_of_memory(r))
+        if ooms and not mine:
+            sentences.append(f"{backend} on {device}: " + _ran_out(ooms, "every size") + ".")
+            continue
         if not mine:
             sentences.append(not_in_report(f"{backend} on {device}") if backend == "gloo" else
                              not_in_report("NCCL on GPUs (it needs 2 GPUs)"))
@@ -154,6 +204,10 @@ def answer_distributed_communication_single_node(reports: Reports) -> list[str]:
                 f"{_size_label(small['size_bytes'])} ({small['busbw_gbps']:.3g} GB/s bus bandwidth) and "
                 f"{format_ms(large['mean_rank_median_ms'])} for {_size_label(large['size_bytes'])} "
                 f"({large['busbw_gbps']:.3g} GB/s)")
+        larger = _by_size(r for r in select(rows, backend=backend, world_size=fewest)
+                          if _out_of_memory(r) and r["size_bytes"] > large["size_bytes"])
+        if larger:
+            text += "; " + _ran_out(larger, _largest(larger))
         at_size = sorted(select(mine, size_bytes=large["size_bytes"]), key=lambda r: r["world_size"])
         if len(at_size) > 1:
             text += (f"; at {_size_label(large['size_bytes'])} from {at_size[0]['world_size']} to "

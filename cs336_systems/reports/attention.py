@@ -7,6 +7,7 @@ cs336_systems.reports.e2e), with their answers. cs336_systems.benchmarks.attenti
 from __future__ import annotations
 
 import math
+import statistics
 
 from cs336_systems.accounting.attention import naive_attention_memory
 from cs336_systems.gpus import GIB
@@ -18,14 +19,17 @@ from cs336_systems.reports import (
     e2e,
     format_bytes,
     format_ms,
+    is_noisy,
     markdown_table,
     mean_std,
     not_in_report,
     plural,
     select,
+    span,
     speedup_text,
 )
-from cs336_systems.rows import OOM, Row, ok_rows
+from cs336_systems.reports.e2e import UNPAIRED, latest_cells, runs_text, same_run
+from cs336_systems.rows import OOM, TORCH_COMPILE_KEY, Row, ok_rows
 
 LOGSUMEXP_BYTES = 4  # FlashAttention keeps one fp32 logsumexp per query row
 COUNTS = {3: "three", 4: "four"}  # the score matrices at the backward's peak, as the accounting names them
@@ -124,10 +128,13 @@ def _scaling_findings(rows: list[Row]) -> list[str]:
         findings.append(f"- At N={n}, d={high} leaves {by_n[n][high] / by_n[n][low]:.3g}x d={low}'s memory: "
                         "the N x N matrix does not depend on d.")
     timed_rows = [r for r in rows if r.get("forward_mean_ms") and r.get("backward_mean_ms")]
-    if timed_rows:
-        ratios = sorted(r["backward_mean_ms"] / r["forward_mean_ms"] for r in timed_rows)
-        findings.append(f"- Backward takes {ratios[0]:.2g}x to {ratios[-1]:.2g}x the forward's time "
-                        f"(median {ratios[len(ratios) // 2]:.2g}x, {len(ratios)} cells).")
+    steady = [r for r in timed_rows if not _noisy(r)]
+    if steady:
+        ratios = [r["backward_mean_ms"] / r["forward_mean_ms"] for r in steady]
+        left_out = len(timed_rows) - len(steady)
+        findings.append(f"- Backward takes {min(ratios):.2g}x to {max(ratios):.2g}x the forward's time "
+                        f"(median {statistics.median(ratios):.2g}x, {plural(len(ratios), 'cell')}"
+                        + (f"; {plural(left_out, 'noisy cell')} left out)." if left_out else ")."))
         largest_d = max(r["head_dim"] for r in timed_rows)
         line = sorted((r for r in timed_rows if r["head_dim"] == largest_d), key=lambda r: r["seq_len"])
         if len(line) >= 2:
@@ -136,6 +143,12 @@ def _scaling_findings(rows: list[Row]) -> list[str]:
             findings.append(f"- Forward time at d={largest_d} grows as N to the power {exponent:.2f} "
                             f"(N={small['seq_len']} to {large['seq_len']}).")
     return findings
+
+
+def _noisy(row: Row) -> bool:
+    """Whether either of a cell's times is marked noisy in the table."""
+    return any(row.get(f"{phase}_mean_ms") is not None and is_noisy(row[f"{phase}_mean_ms"], row[f"{phase}_std_ms"])
+               for phase in ("forward", "backward"))
 
 
 def _memory_of(row: Row):
@@ -229,10 +242,9 @@ def _validation_section(rows: list[Row]) -> str:
         "## Accounting against measurement\n\nEach measured cell, above what was allocated before the forward "
         "(q, k, v, dO, cuBLAS workspaces; not in the closed form).\n",
         markdown_table(table),
-        f"At N={largest} the forward's added memory is {min(at_largest):.3f}x to "
-        f"{max(at_largest):.3f}x the prediction, the backward peak "
-        f"{min(ratio for n, ratio in backward_ratios if n == largest):.3f}x to "
-        f"{max(ratio for n, ratio in backward_ratios if n == largest):.3f}x; at small N, cuBLAS workspaces and "
+        f"At N={largest} the forward's added memory is {span(at_largest, '{:.3f}x'.format)} the prediction, the "
+        f"backward peak {span([ratio for n, ratio in backward_ratios if n == largest], '{:.3f}x'.format)}; at small "
+        "N, cuBLAS workspaces and "
         "allocator rounding weigh more than the score matrices.\n",
     ])
 
@@ -320,12 +332,31 @@ def _both_timed(eager: Row | None, compiled: Row | None, phase: str) -> bool:
     return bool(eager and compiled and eager.get(f"{phase}_mean_ms") and compiled.get(f"{phase}_mean_ms"))
 
 
+def _paired(eager: Row | None, compiled: Row | None, phase: str) -> bool:
+    """Whether a cell's eager and compiled times of `phase` are compared: both timed, in one run."""
+    return _both_timed(eager, compiled, phase) and same_run(eager, compiled)
+
+
+def _timed_both_ways(pair: dict[bool, Row]) -> bool:
+    """Whether a cell has an eager and a compiled time of either phase, in whichever runs."""
+    return any(_both_timed(pair.get(False), pair.get(True), phase) for phase in ("forward", "backward"))
+
+
+def _unpaired(pairs: dict[tuple[int, int], dict[bool, Row]]) -> list[dict[bool, Row]]:
+    """The cells timed both eager and compiled, but in different runs: no speed-up is read from them."""
+    return [pair for pair in pairs.values() if _timed_both_ways(pair) and not same_run(pair[False], pair[True])]
+
+
+# Times eager and compiled attention in one run, which pairs them.
+PAIRING_COMMAND = "pytest perf/test_attention.py -m attention"
+
+
 def compiled_attention_speedups(rows: list[Row]) -> dict[str, SpeedUps]:
-    """Phase -> how much faster compiled attention ran than eager, over the cells where both were timed: the
-    report's findings and the index's answer read this one computation."""
+    """Phase -> how much faster compiled attention ran than eager, over the cells where both were timed in one
+    run: the report's findings and the index's answer read this one computation."""
     pairs = _compiled_pairs(rows)
     return {phase: SpeedUps.of(((p[False], p[True], f"d={d}, N={n}") for (d, n), p in pairs.items()
-                                if _both_timed(p.get(False), p.get(True), phase)), prefix=f"{phase}_")
+                                if _paired(p.get(False), p.get(True), phase)), prefix=f"{phase}_")
             for phase in ("forward", "backward")}
 
 
@@ -339,7 +370,8 @@ def _compiled_attention_section(rows: list[Row]) -> str:
             entry[f"{phase} eager (ms)"] = _ms(eager, phase) if eager else ""
             entry[f"{phase} compiled (ms)"] = _ms(compiled, phase) if compiled else ""
             entry[f"{phase} speed-up"] = (speedup_text(eager, compiled, prefix=f"{phase}_")
-                                          if _both_timed(eager, compiled, phase) else "")
+                                          if _paired(eager, compiled, phase) else
+                                          UNPAIRED if _both_timed(eager, compiled, phase) else "")
         if _memory_measured(rows):
             for label, r in (("eager", eager), ("compiled", compiled)):
                 entry[f"before backward, {label} (GiB)"] = _gib_cell(r.get("memory_before_backward_bytes")) if r else ""
@@ -354,13 +386,20 @@ def _compiled_attention_section(rows: list[Row]) -> str:
                             + (f" ({details})." if details else "."))
         elif speedups.noisy:
             findings.append(f"- {phase}: every cell is noisy, so no speed-up is read from them.")
+    unpaired = _unpaired(pairs)
+    if unpaired:
+        timed = sum(map(_timed_both_ways, pairs.values()))
+        eager_runs, compiled_runs = (runs_text(pair[compiled] for pair in unpaired) for compiled in (False, True))
+        which = "Every cell" if len(unpaired) == len(pairs) else f"{len(unpaired)} of the {timed} cells timed both ways"
+        findings.append(f"- {which} ran eager ({eager_runs}) and compiled ({compiled_runs}) in different runs, so no "
+                        f"speed-up is read from them; `{PAIRING_COMMAND}`, compiled included, times both in one run.")
     for (d, n), pair in pairs.items():
         if len(pair) == 2 and {pair[False]["status"], pair[True]["status"]} == {"ok", OOM}:
             ran = "compiled" if pair[True]["status"] == "ok" else "eager"
             findings.append(f"- d={d}, N={n}: only {ran} attention fits in memory.")
     return "\n".join([
-        f"## Attention: eager against torch.compile\n\n{_setup(rows)} Compiled cells compile naive attention afresh "
-        "with static shapes; the compiling first passes are not timed. Speed-up: eager's mean over compiled's.\n",
+        f"## Attention: eager against torch.compile\n\n{_setup(rows)} Compiled cells compile afresh with static "
+        "shapes; compiling passes are untimed. Speed-up: eager's mean over compiled's.\n",
         markdown_table(table),
         "\n".join(findings) + "\n" if findings else "",
     ])
@@ -368,6 +407,7 @@ def _compiled_attention_section(rows: list[Row]) -> str:
 
 def render_torch_compile(rows: list[Row]) -> Rendered:
     """The attention sweep (rows with table "attention"), then the whole-model part rendered by e2e."""
+    rows = latest_cells(rows, TORCH_COMPILE_KEY)
     attention_rows = [r for r in rows if r.get("table") == "attention"]
     model = e2e.render_compiled_models(rows)
     parts = [_compiled_attention_section(attention_rows) if attention_rows else "", model.body]
@@ -377,14 +417,21 @@ def render_torch_compile(rows: list[Row]) -> Rendered:
 # ---------------------------------------------------------------------------------------------- answers
 
 def answer_torch_compile(reports: Reports) -> list[str]:
-    rows = reports["torch_compile"]
+    rows = latest_cells(reports["torch_compile"], TORCH_COMPILE_KEY)
     sentences = e2e.answer_compiled_models(rows)
     attention = [r for r in select(rows, table="attention") if r.get("status") == "ok"]
     speedups = compiled_attention_speedups(attention)
     parts = [f"{phase} {s.summary()}" for phase, s in speedups.items() if s.summary()]
+    pairs = _compiled_pairs(attention)
+    unpaired = len(_unpaired(pairs))
+    left_out = f"; {unpaired} more ran eager and compiled in different runs and are left out" if unpaired else ""
     if parts:
-        sentences.append(f"Naive attention alone, compiled over eager ({plural(len(_compiled_pairs(attention)), 'cell')}): "
+        paired = sum(map(_timed_both_ways, pairs.values())) - unpaired
+        sentences.append(f"Naive attention alone, compiled over eager ({plural(paired, 'cell')}{left_out}): "
                          + ", ".join(parts) + ".")
+    elif unpaired:
+        sentences.append(f"Naive attention alone: its {plural(unpaired, 'cell')} ran eager and compiled in different "
+                         f"runs, so no speed-up is read from them; `{PAIRING_COMMAND}` times both in one run.")
     else:
         sentences.append(not_in_report("The attention sweep compiled against eager (rows of table `attention`, "
                                         "which the `-m attention` perf run writes)"))

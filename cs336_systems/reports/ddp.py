@@ -30,6 +30,11 @@ from cs336_systems.reports import (
 )
 from cs336_systems.rows import OOM, Row, ok_rows
 
+# The unit of BucketedDDP's bucket_size_mb (BYTES_PER_MB bytes: mebibytes, as torch DDP's bucket_cap_mb counts), in
+# which the reports write bucket sizes; gradient bytes and bandwidths are in the package's decimal units (GB = 10^9
+# bytes, cs336_systems.gpus). Each size a report writes names its unit.
+BUCKET_UNIT = {2**20: "MiB", 10**6: "MB"}[BYTES_PER_MB]
+
 # What the bucketed wrapper should reach on two GPUs: a step within 5% of torch DDP's, and for the
 # overlapped wrappers less than 10% of the step spent on communication left after backward.
 TARGET_STEP_OVER_TORCH_DDP = 0.05
@@ -45,13 +50,18 @@ def _setup(rows: list[Row]) -> str:
     return (f"{r['size']} model, context {r['context_length']}, batch {r['batch_size']} per rank on "
             f"{r['world_size']} ranks ({r['backend']}), fp32, AdamW, {r['attention']} attention; {r['warmup']} warm-up "
             f"and {r['steps']} timed steps per variant; ms, means over ranks and steps. gradient_sync: communication "
-            "left after backward. Profiled: one extra step under torch.profiler, rank 0. torch DDP (25 MB buckets) "
+            "left after backward. Profiled: one extra step under torch.profiler, rank 0. torch DDP (25 MiB buckets) "
             "waits inside backward, so its backward holds its exposed communication.\n")
 
 
 def _local_step_ms(rows: list[Row]) -> float | None:
     local = ok_rows(_steps(rows, "local"))
     return local[0]["step_ms"] if local else None
+
+
+def _pooled_steps(row: Row) -> int | None:
+    """How many step times a step row's mean and std pool: each rank's timed steps (None for rows without them)."""
+    return row["steps"] * row["world_size"] if row.get("steps") and row.get("world_size") else None
 
 
 def _step_table(rows: list[Row], methods: tuple[str, ...]) -> str:
@@ -64,7 +74,7 @@ def _step_table(rows: list[Row], methods: tuple[str, ...]) -> str:
         communication = r.get("profiled_communication_ms")
         table.append({
             "variant": r["variant"], "all-reduces": r.get("all_reduces_per_step"),
-            "step": mean_std(r["step_ms"], r["step_std_ms"]),
+            "step": mean_std(r["step_ms"], r["step_std_ms"], samples=_pooled_steps(r)),
             "forward": r["forward_ms"], "backward": r["backward_ms"], "gradient_sync": r["gradient_sync_ms"],
             "optimizer": r["optimizer_ms"],
             "over local": None if local_ms is None else r["step_ms"] - local_ms,
@@ -218,7 +228,7 @@ def _model_section(rows: list[Row]) -> str:
     table = []
     for r in sorted(bucketed, key=lambda r: r["bucket_size_mb"]):
         buckets = r["all_reduces_per_step"]
-        entry = {"bucket MB": r["bucket_size_mb"], "buckets": buckets,
+        entry = {f"bucket {BUCKET_UNIT}": r["bucket_size_mb"], "buckets": buckets,
                  "course model (ms)": ddp_overhead_s(model_bytes, bandwidth, per_call_s, buckets) * 1e3}
         if local:
             entry["with measured backward (ms)"] = pipelined_overhead_s(
@@ -234,8 +244,8 @@ def _model_section(rows: list[Row]) -> str:
         f"Measured: o = {probe['per_call_overhead_ms']:.3g} ms ({probe['small_bytes']:,}-byte all-reduce), "
         f"w = {probe['algbw_gbps']:.3g} GB/s ({probe['large_bytes'] / 1e9:g} GB, o taken off), "
         f"s = {model_bytes / 1e9:.3g} GB: n_b* = {optimal_num_buckets(model_bytes, bandwidth, per_call_s):.3g}, "
-        f"b* = {best_bytes / BYTES_PER_MB:.4g} MB, overhead {best_overhead_s * 1e3:.3g} ms. The second column "
-        "spreads BucketedDDP's buckets over local's measured backward.\n",
+        f"b* = {best_bytes / BYTES_PER_MB:.4g} {BUCKET_UNIT}, overhead {best_overhead_s * 1e3:.3g} ms. The second "
+        "column spreads BucketedDDP's buckets over local's measured backward.\n",
         markdown_table(table),
     ]
     if local:
@@ -393,9 +403,9 @@ def answer_ddp_overlap_bucketed(reports: Reports) -> list[str]:
         return sentences + [not_in_report("A measured step of bucketed DDP")]
     best, worst = extremes
     torch_ddp = steps_by_variant(rows).get("torch_ddp")
-    sentences.append(f"{step_setup(best)}: the fastest bucket size is {best['bucket_size_mb']:g} MB "
+    sentences.append(f"{step_setup(best)}: the fastest bucket size is {best['bucket_size_mb']:g} {BUCKET_UNIT} "
                      f"({format_ms(best['step_ms'])} per step, {format_ms(best['gradient_sync_ms'])} after "
-                     f"backward), the slowest {worst['bucket_size_mb']:g} MB ({format_ms(worst['step_ms'])})"
+                     f"backward), the slowest {worst['bucket_size_mb']:g} {BUCKET_UNIT} ({format_ms(worst['step_ms'])})"
                      + (f"; torch DDP takes {format_ms(torch_ddp['step_ms'])}." if torch_ddp else "."))
     probe = find(rows, table="allreduce_probe")
     if probe:
@@ -403,7 +413,7 @@ def answer_ddp_overlap_bucketed(reports: Reports) -> list[str]:
         bucket_bytes = optimal_bucket_bytes(model_bytes, probe["algbw_gbps"] * GB, probe["per_call_overhead_ms"] * 1e-3)
         sentences.append(f"With the measured per-call cost o = {format_ms(probe['per_call_overhead_ms'])} and "
                          f"bandwidth w = {probe['algbw_gbps']:.3g} GB/s, the overhead model s / (n_b w) + n_b o puts "
-                         f"the optimal bucket at sqrt(s w o) = {bucket_bytes / BYTES_PER_MB:.4g} MB for s = "
+                         f"the optimal bucket at sqrt(s w o) = {bucket_bytes / BYTES_PER_MB:.4g} {BUCKET_UNIT} for s = "
                          f"{model_bytes / GB:.3g} GB of gradients.")
     else:
         sentences.append(not_in_report("The all-reduce probe that gives the overhead model its o and w"))

@@ -8,12 +8,14 @@ from __future__ import annotations
 
 import math
 import statistics
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 from cs336_systems import reports
 from cs336_systems.model import size_order
 from cs336_systems.reports import (
     NOISY_RELATIVE_STD,
+    RUN_COLUMN,
     Rendered,
     Reports,
     SpeedUps,
@@ -36,7 +38,9 @@ from cs336_systems.rows import (
     BREAKDOWN_PHASES,
     BREAKDOWN_TABLE,
     COURSE_VARIANT,
+    E2E_KEY,
     FAST_VARIANT,
+    MIXED_PRECISION_KEY,
     OOM,
     REFERENCE_MODEL,
     Row,
@@ -62,6 +66,41 @@ def mean_std(row: Row, unit: str = "") -> str:
 def variant(row: Row) -> tuple:
     """(attention, AdamW) of a row; rows from before the AdamW was recorded ran fused AdamW."""
     return row.get("attention"), row.get("optimizer") or "fused"
+
+
+def cell_key(row: Row, key: Sequence[str]) -> tuple:
+    """A row's values of a report's cell key (cs336_systems.reports.Report), its AdamW read as `variant` reads it:
+    a row from before the AdamW was recorded is the same cell as a newer row of the fused AdamW it ran."""
+    return tuple(variant(row)[1] if column == "optimizer" else row.get(column) for column in key)
+
+
+def latest_cells(rows: list[Row], key: Sequence[str]) -> list[Row]:
+    """`rows`, in their order, with one row per cell (`cell_key`): where runs measured a cell more than once,
+    the latest run's row, as a report's merge keeps it."""
+    latest: dict[tuple, Row] = {}
+    for row in rows:
+        cell = cell_key(row, key)
+        if cell not in latest or run_of(row) >= run_of(latest[cell]):
+            latest[cell] = row
+    kept = {id(row) for row in latest.values()}
+    return [row for row in rows if id(row) in kept]
+
+
+def run_of(row: Row) -> int:
+    """The number of the run that measured a row in its report (rows not merged into one yet are all one run)."""
+    return row.get(RUN_COLUMN) or 1
+
+
+def same_run(*rows: Row) -> bool:
+    """Whether the rows were measured in one run. Only such rows are set against each other: between runs the
+    clocks, the temperature, the machine's other work and the source itself may differ."""
+    return len({run_of(row) for row in rows}) == 1
+
+
+def runs_text(rows: Iterable[Row]) -> str:
+    """ "run 2", "runs 1 and 4": the runs that measured `rows`."""
+    runs = sorted({run_of(row) for row in rows})
+    return ("run " if len(runs) == 1 else "runs ") + listing([str(run) for run in runs])
 
 
 def split_variants(rows: list[Row]) -> tuple[tuple, list[Row], dict[tuple, list[Row]]]:
@@ -210,7 +249,7 @@ def _warmup_section(rows: list[Row]) -> str:
     table = [{"size": r["size"], "warm-up steps": r["warmup"], "phase": r["phase"],
               "mean ± std (ms)": mean_std(r), "median (ms)": r.get("median_ms"),
               "first timed step (ms)": r.get("first_ms"), "slowest step (ms)": r.get("max_ms")} for r in shown]
-    text = [f"## Warm-up study\n\nOne fresh process per cell: "
+    text = [f"## Warm-up study\n\nOne fresh process per cell: {_warmup_setup(rows)}, "
             f"context {rows[0]['context_length']}, {rows[0]['steps']} timed training steps after "
             f"{', '.join(str(w) for w in sorted({r['warmup'] for r in rows}))} warm-up steps.\n",
             markdown_table(table)]
@@ -229,7 +268,16 @@ def _warmup_section(rows: list[Row]) -> str:
     return "\n".join(text)
 
 
+def _warmup_setup(rows: list[Row]) -> str:
+    """The model variant, precision and batch the warm-up study ran, which need not be the sweep's."""
+    variants = listing(list(dict.fromkeys(variant_label(variant(r)) for r in rows)))
+    precisions = listing(list(dict.fromkeys(str(r.get("precision")) for r in rows)))
+    batch_sizes = listing(list(dict.fromkeys(str(r["batch_size"]) for r in rows)))
+    return f"{variants}, {precisions}, batch {batch_sizes}"
+
+
 def render_benchmarking_script(rows: list[Row]) -> Rendered:
+    rows = latest_cells(rows, E2E_KEY)
     _, sweep, extra = split_variants([r for r in rows if r.get("table") == "sweep"])
     parts = []
     if sweep:
@@ -258,17 +306,48 @@ def _both_ran(base: Row | None, other: Row | None) -> bool:
     return bool(base and other) and base.get("status") == other.get("status") == "ok"
 
 
-def phase_speedups(rows: list[Row], key: str, base_value, other_value, phase: str) -> SpeedUps:
+def _paired(base: Row | None, other: Row | None) -> bool:
+    """Whether a cell's two rows are compared: both ran, in one run."""
+    return _both_ran(base, other) and same_run(base, other)
+
+
+# A table's speed-up cell where both halves ran, but in different runs.
+UNPAIRED = "none: different runs"
+
+
+def _unpaired_note(variants: Iterable[list[Row]], key: str, base_value, other_value) -> str:
+    """A sentence on the cells, of each variant's rows, whose two halves ran in different runs, which no speed-up
+    compares ("" for none)."""
+    unpaired = sum(_both_ran(base, other) and not same_run(base, other) for rows in variants
+                   for base, other in _paired_cells(rows, key, base_value, other_value).values())
+    if not unpaired:
+        return ""
+    return (f" {plural(unpaired, 'cell')} ran both ways but in different runs, so no speed-up is read from "
+            f"{'it' if unpaired == 1 else 'them'}; `pytest perf/test_e2e.py -m e2e` measures both in one run.")
+
+
+def _forward_alone(row: Row) -> bool:
+    """Whether a row is a forward measured on its own (no autograd) where a training step did not fit."""
+    return row.get("measured_mode") == "forward"
+
+
+def phase_speedups(rows: list[Row], key: str, base_value, other_value, phase: str,
+                   forward_alone: bool = False) -> SpeedUps:
     """How much faster the rows with `key` = `other_value` ran than those with `base_value`, in one phase, over
-    the cells where both ran: the report's summary and the index's answer read this one computation."""
+    the cells where both ran in one run, timed the same way: within training steps, or with `forward_alone` the
+    forwards measured on their own. The report's summary and the index's answer read this one computation."""
     return SpeedUps.of((base, other, "") for base, other in _paired_cells(rows, key, base_value, other_value).values()
-                       if _both_ran(base, other) and base["phase"] == phase)
+                       if _paired(base, other) and base["phase"] == phase
+                       and _forward_alone(base) == _forward_alone(other) == forward_alone)
 
 
 def _speedup_summary(rows: list[Row], key: str, base_value, other_value) -> str:
-    """ "forward: 1.04x to 2.40x (median 1.44x; 4 noisy cells left out); backward: ...": the phases that ran."""
-    phases = ((PHASE_LABELS[phase], phase_speedups(rows, key, base_value, other_value, phase).summary())
-              for phase in ("forward", "backward", "train_step"))
+    """ "forward: 1.04x to 2.40x (median 1.44x; 4 noisy cells left out); backward: ...": the phases that ran, and
+    apart from them the forwards measured alone."""
+    phases = [(PHASE_LABELS[phase], phase_speedups(rows, key, base_value, other_value, phase).summary())
+              for phase in ("forward", "backward", "train_step")]
+    phases.append(("forward only (no autograd, where training did not fit)",
+                   phase_speedups(rows, key, base_value, other_value, "forward", forward_alone=True).summary()))
     return "; ".join(f"{label}: {summary}" for label, summary in phases if summary)
 
 
@@ -280,7 +359,8 @@ def _comparison_table(rows: list[Row], key: str, base_value, other_value, base_l
         entry["phase"] = PHASE_LABELS[entry["phase"]]
         entry[f"{base_label} (ms)"] = mean_std(base) if base else ""
         entry[f"{other_label} (ms)"] = mean_std(other) if other else ""
-        entry["speed-up"] = speedup_text(base, other) if _both_ran(base, other) else ""
+        entry["speed-up"] = (speedup_text(base, other) if _paired(base, other) else
+                             UNPAIRED if _both_ran(base, other) else "")
         for label, variant in ((base_label, base), (other_label, other)):
             if variant and variant.get("mfu") is not None:
                 entry[f"{label} MFU"] = f"{variant['mfu']:.1%}"
@@ -304,6 +384,7 @@ def _autocast_section(dtypes: list[Row]) -> str:
 
 
 def render_benchmarking_mixed_precision(rows: list[Row]) -> Rendered:
+    rows = latest_cells(rows, MIXED_PRECISION_KEY)
     parts = []
     dtypes = [r for r in rows if r.get("table") == "autocast_dtypes"]
     if dtypes:
@@ -331,7 +412,8 @@ def render_benchmarking_mixed_precision(rows: list[Row]) -> Rendered:
         parts += [f"## (c) fp32 against bf16 autocast\n\n{_sweep_setup(timings, extra)}; eager. Speed-up is the ratio "
                   "of means; MFU is against the device's dense peak for the precision (fp32 peak for fp32 cells, "
                   "bf16 tensor-core peak for bf16 cells).\n", markdown_table(table),
-                  f"bf16 speed-up over fp32 by phase: {summary}.\n" if summary else ""]
+                  (f"bf16 speed-up over fp32 by phase: {summary}." if summary else "")
+                  + _unpaired_note([timings, *extra.values()], "precision", "fp32", "bf16") + "\n"]
     return Rendered("\n".join(parts))
 
 
@@ -363,32 +445,47 @@ def render_compiled_models(rows: list[Row]) -> Rendered:
         "Transformer block (regional compilation); embedding, final norm, LM head and AdamW run eagerly. The "
         "compiling first warm-up step is not timed.\n",
         markdown_table(table),
-        f"Compiled over eager by phase: {summary}.{compile_note}\n" if summary else "",
+        (f"Compiled over eager by phase: {summary}.{compile_note}" if summary else "")
+        + _unpaired_note([model_rows], "compile", False, True) + "\n",
         _reference_section(rows)]))
+
+
+# Measures the project's compiled steps and the reference's in one run, which pairs them.
+REFERENCE_COMMAND = 'pytest perf/test_e2e.py -k "compiled or reference"'
 
 
 def _reference_section(rows: list[Row]) -> str:
     """The compiled training step against the torch-native reference of the same cell, and where the
     profiled steps of both spent their time."""
-    cells = _reference_cells(rows)
-    if not cells:
+    steps = _reference_steps(rows)
+    if not steps:
         return ""
     table = []
-    for cell, (ours, theirs) in cells.items():
+    for cell, (ours, theirs) in steps.items():
         entry = {"size": cell[0], "context": cell[1], "precision": cell[2],
                  "project (ms)": mean_std(ours), "torch reference (ms)": mean_std(theirs),
-                 "project / reference": format_ratio(ours["median_ms"] / theirs["median_ms"])}
+                 "project / reference": format_ratio(ours["median_ms"] / theirs["median_ms"])
+                 if same_run(ours, theirs) else UNPAIRED}
         if ours.get("host_ms") and theirs.get("host_ms"):
             entry["host issue / step: project; reference"] = (f"{format_share(ours['host_ms'] / ours['median_ms'])}; "
                                                               f"{format_share(theirs['host_ms'] / theirs['median_ms'])}")
         if "sm_clock_mhz" in ours and "sm_clock_mhz" in theirs:
             entry["GPU clock: project; reference"] = f"{clock_note(ours)}; {clock_note(theirs)}"
         table.append(entry)
+    unpaired = [pair for pair in steps.values() if not same_run(*pair)]
+    if not unpaired:
+        runs = " in the same run"
+    else:
+        cells = "every cell" if len(unpaired) == len(steps) else f"{len(unpaired)} of the {len(steps)} cells"
+        project_runs, reference_runs = (runs_text(half) for half in zip(*unpaired))
+        runs = (f". The two steps of {cells} ran in different runs (project: {project_runs}; reference: "
+                f"{reference_runs}), so no ratio is read; `{REFERENCE_COMMAND}` times both in one run")
+    ratio = (" Ratio of medians: above 1, the project's model and harness cost that much more."
+             if len(unpaired) < len(steps) else "")
     return ("## The compiled step against a torch-native reference\n\n"
             "The reference is the same architecture in torch's own modules "
             "(cs336_systems/benchmarks/reference_lm.py), compiled as one graph, with the same AdamW, timed the same "
-            "way in the same run. Ratio of medians: above 1, the project's model and harness cost that much more."
-            "\n\n" + markdown_table(table)
+            f"way{runs}.{ratio}\n\n" + markdown_table(table)
             + _breakdown_section(rows))
 
 
@@ -400,8 +497,9 @@ def clock_note(row: Row) -> str:
     return ", ".join([note, *limits])
 
 
-def _reference_cells(rows: list[Row]) -> dict[tuple, tuple[Row, Row]]:
-    """(size, context, precision) -> the project's compiled train step and the reference's, where both ran."""
+def _reference_steps(rows: list[Row]) -> dict[tuple, tuple[Row, Row]]:
+    """(size, context, precision) -> the project's compiled train step and the reference's, where both ran, in
+    whichever runs."""
     def steps(table: str) -> dict[tuple, Row]:
         return {(r["size"], r["context_length"], r["precision"]): r for r in ok_rows(rows)
                 if r.get("table") == table and r["compile"] and r["phase"] == "train_step"}
@@ -409,6 +507,11 @@ def _reference_cells(rows: list[Row]) -> dict[tuple, tuple[Row, Row]]:
     project, reference = steps("sweep"), steps("reference")
     cells = sorted(set(project) & set(reference), key=lambda cell: (size_order(cell[0]), cell[1], cell[2]))
     return {cell: (project[cell], reference[cell]) for cell in cells}
+
+
+def _reference_cells(rows: list[Row]) -> dict[tuple, tuple[Row, Row]]:
+    """The cells of `_reference_steps` whose two steps ran in one run: the only ones whose ratio is read."""
+    return {cell: pair for cell, pair in _reference_steps(rows).items() if same_run(*pair)}
 
 
 def _breakdown_section(rows: list[Row]) -> str:
@@ -481,7 +584,7 @@ def _step_out_of_memory(step: Row) -> str:
 
 
 def answer_benchmarking_script(reports: Reports) -> list[str]:
-    rows = reports["benchmarking_script"]
+    rows = latest_cells(reports["benchmarking_script"], E2E_KEY)
     main, sweep, extra = split_variants(select(rows, table="sweep"))
     sizes, context = _headline_cells(sweep)
     steps, batch_sizes = [], set()
@@ -518,8 +621,10 @@ def answer_benchmarking_script(reports: Reports) -> list[str]:
         first_step = (f"{format_ratio(_first_step_ratio(slowest))}" if mildest is slowest else
                       f"{format_ratio(_first_step_ratio(mildest))} ({mildest['size']}) to "
                       f"{format_ratio(_first_step_ratio(slowest))} ({slowest['size']})")
+        study = select(rows, table="warmup")
         sentences.append(
-            f"Without warm-up the first timed step takes {first_step} the median step, so {slowest['size']}'s "
+            f"In the warm-up study ({_warmup_setup(study)}, context {study[0]['context_length']}), without warm-up "
+            f"the first timed step takes {first_step} the median step, so {slowest['size']}'s "
             f"{slowest['steps']}-step mean is {_mean_std_ms(slowest)} against {_mean_std_ms(warmed)} after "
             f"{plural(warmed['warmup'], 'warm-up step')}; after 1 or 2 warm-up steps the first timed step is at most "
             f"{format_ratio(max(map(_first_step_ratio, warm)))} the median.")
@@ -529,7 +634,7 @@ def answer_benchmarking_script(reports: Reports) -> list[str]:
 
 
 def answer_benchmarking_mixed_precision(reports: Reports) -> list[str]:
-    rows = reports["benchmarking_mixed_precision"]
+    rows = latest_cells(reports["benchmarking_mixed_precision"], MIXED_PRECISION_KEY)
     main, main_sweep, _ = split_variants(select(rows, table="sweep"))
     clauses = []
     dtypes = select(rows, table="autocast_dtypes")
@@ -551,24 +656,26 @@ def answer_benchmarking_mixed_precision(reports: Reports) -> list[str]:
                        + f" in fp16 and is off by {bf16['relative_error']:.2%} in bf16")
     sentences = ["; ".join(clauses) + "."]
     sweep = ok_rows(main_sweep)
-    sizes = sorted({r["size"] for r in sweep}, key=size_order)
-    if not sizes:
-        sentences.append(not_in_report("The fp32 against bf16 timing sweep"))
+    # (size, context) -> its fp32 and bf16 training steps, where both ran in one run; a size too large to train
+    # (its forward alone measured) has none.
+    steps: dict[tuple[str, int], tuple[Row, Row]] = {}
+    cells = sorted({(r["size"], r["context_length"]) for r in sweep}, key=lambda cell: (size_order(cell[0]), cell[1]))
+    for size, context in cells:
+        fp32, bf16 = (_e2e_step(sweep, size, context, "train_step", p) for p in ("fp32", "bf16"))
+        if _paired(fp32, bf16):
+            steps[size, context] = fp32, bf16
+    if not steps:
+        sentences.append(not_in_report("A training step in both fp32 and bf16"))
         return sentences
+    sizes = sorted({size for size, _ in steps}, key=size_order)
     largest, smallest = sizes[-1], sizes[0]
-    speedups = []
-    for context in sorted({r["context_length"] for r in sweep if r["size"] == largest}):
-        fp32, bf16 = (_e2e_step(sweep, largest, context, "train_step", p) for p in ("fp32", "bf16"))
-        if fp32 and bf16:
-            speedups.append(f"{speedup_text(fp32, bf16)} at context {context} "
-                            f"({format_ms(fp32['mean_ms'])} -> {format_ms(bf16['mean_ms'])})")
-    if not speedups:
-        sentences.append(not_in_report(f"A {largest} training step in both fp32 and bf16"))
-        return sentences
-    text = f"bf16 autocast over fp32 for a {largest} training step of {variant_label(main)} (eager): " + ", ".join(speedups)
-    first_context = min(r["context_length"] for r in sweep if r["size"] == smallest)
-    fp32, bf16 = (_e2e_step(sweep, smallest, first_context, "train_step", p) for p in ("fp32", "bf16"))
-    if smallest != largest and fp32 and bf16:
+    speedups = [f"{speedup_text(fp32, bf16)} at context {context} ({format_ms(fp32['mean_ms'])} -> "
+                f"{format_ms(bf16['mean_ms'])})" for (size, context), (fp32, bf16) in steps.items() if size == largest]
+    text = (f"bf16 autocast over fp32, eager, for a training step of {variant_label(main)} at {largest}, the largest "
+            "size whose step ran in both precisions: " + ", ".join(speedups))
+    first_context = min(context for size, context in steps if size == smallest)
+    fp32, bf16 = steps[smallest, first_context]
+    if smallest != largest:
         text += (f"; at {smallest}, context {first_context}, it is {speedup_text(fp32, bf16)}"
                  + (" (bf16 slower)" if bf16["mean_ms"] > fp32["mean_ms"] else ""))
     sentences.append(text + ".")
@@ -577,21 +684,27 @@ def answer_benchmarking_mixed_precision(reports: Reports) -> list[str]:
 
 def _reference_answer(rows: list[Row]) -> list[str]:
     """The compiled step against the torch-native reference: the largest cell, where the ratio
-    ranges, and how busy the project's GPU was where the ratio is worst."""
-    cells = _reference_cells(rows)
+    ranges, and how busy the project's GPU was where the ratio is worst; only cells whose two steps ran in
+    one run are compared."""
+    steps, cells = _reference_steps(rows), _reference_cells(rows)
+    unpaired = len(steps) - len(cells)
     if not cells:
-        return []
+        return [f"The torch-native reference's {plural(unpaired, 'training step')} and the project's compiled steps "
+                f"of the same cells ran in different runs, so no ratio is read from them; `{REFERENCE_COMMAND}` times "
+                "both in one run."] if unpaired else []
     ratios = {cell: ours["median_ms"] / theirs["median_ms"] for cell, (ours, theirs) in cells.items()}
     (size, context, precision), (ours, theirs) = list(cells.items())[-1]
     sentences = [f"Against a torch-native LM of the same architecture compiled whole, the compiled {size} {precision} "
                  f"training step at context {context} takes {format_ratio(ratios[size, context, precision])} its "
                  f"time (medians {format_ms(ours['median_ms'])} and {format_ms(theirs['median_ms'])})"
-                 + (f"; over {plural(len(cells), 'cell')} the ratio is {span(ratios.values(), format_ratio)}."
-                    if len(cells) > 1 else ".")]
+                 + (f"; over {plural(len(cells), 'cell')} the ratio is {span(ratios.values(), format_ratio)}"
+                    if len(cells) > 1 else "")
+                 + (f"; {plural(unpaired, 'cell')} whose two steps ran in different runs "
+                    f"{'is' if unpaired == 1 else 'are'} left out." if unpaired else ".")]
     worst = max(ratios, key=ratios.get)
     busy = {model: find(rows, table=BREAKDOWN_TABLE, phase="step", size=worst[0], context_length=worst[1],
                         precision=worst[2], model=model) for model in (None, REFERENCE_MODEL)}
-    if all(row and row.get("busy_ms") is not None for row in busy.values()):
+    if all(row and row.get("busy_ms") is not None for row in busy.values()) and same_run(*busy.values()):
         project, reference = busy.values()
         extra_step = project["step_ms"] - reference["step_ms"]
         extra_busy = project["busy_ms"] - reference["busy_ms"]
@@ -609,11 +722,12 @@ def answer_compiled_models(rows: list[Row]) -> list[str]:
     """The whole-model part of the torch_compile answer (attention.answer_torch_compile gives it all): compiled
     against eager, then against the torch-native reference."""
     sweep = select(rows, table="sweep")
-    # (size, context, precision, phase) -> the eager and the compiled training step, where both ran.
+    # (size, context, precision, phase) -> the eager and the compiled training step, where both ran in one run.
     pairs = {index: (eager, compiled) for index, (eager, compiled) in _paired_cells(sweep, "compile", False, True).items()
-             if _both_ran(eager, compiled) and eager["phase"] == "train_step"}
+             if _paired(eager, compiled) and eager["phase"] == "train_step"}
     if not pairs:
-        return [not_in_report("A whole-model training step both eager and compiled"), *_reference_answer(rows)]
+        return [not_in_report("A whole-model training step both eager and compiled in one run"),
+                *_reference_answer(rows)]
     speedups = phase_speedups(sweep, "compile", False, True, "train_step")
     if speedups.ratios:
         details = speedups.details()

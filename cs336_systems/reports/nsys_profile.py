@@ -19,6 +19,7 @@ from cs336_systems.benchmarks.nsys_profile import (
 from cs336_systems.model import size_order
 from cs336_systems.profiling.kernels import short_name
 from cs336_systems.reports import (
+    NOT_A_NUMBER,
     Rendered,
     Reports,
     format_bytes,
@@ -74,7 +75,8 @@ def _forward_time_section(cells: dict, device: str) -> str:
         cell, forward = c["cell"], c["range"]["forward"]
         wall.append(forward["wall_ms"] / cell["timer_forward_ms"])
         table.append({"size": size, "context": context,
-                      "timer forward (ms)": mean_std(cell["timer_forward_ms"], cell["timer_forward_std_ms"], ".2f"),
+                      "timer forward (ms)": mean_std(cell["timer_forward_ms"], cell["timer_forward_std_ms"], ".2f",
+                                                     samples=cell.get("timed_steps")),
                       "profiled forward range (ms)": forward["wall_ms"], "forward work (ms)": forward["work_ms"],
                       "work / timer": f"{forward['work_ms'] / cell['timer_forward_ms']:.0%}"})
     work = "GPU kernel time" if device == "cuda" else "operator CPU time"
@@ -143,33 +145,59 @@ def _matmul_share_section(cells: dict) -> str:
             f"{_span(optimizer_shares)}: AdamW is elementwise.\n")
 
 
+def _ran_attention(cell: dict) -> bool:
+    """Whether a cell's profile holds the annotated naive attention's ranges."""
+    return all(name in cell["range"] for name in ATTENTION_RANGES)
+
+
+def _attention_matmul_ms(cell: dict) -> float:
+    return cell["range"]["attention/scores"]["matmul_ms"] + cell["range"]["attention/final_matmul"]["matmul_ms"]
+
+
+def _softmax_flop_ratio(cell: dict) -> float:
+    """Softmax's FLOPs over the attention matmuls': per score, SOFTMAX_FLOPS_PER_SCORE against 4 d_head."""
+    return SOFTMAX_FLOPS_PER_SCORE / (4 * cell["cell"]["d_head"])
+
+
+def _softmax_time_ratio(cell: dict) -> float | None:
+    """Softmax's time over the attention matmuls' in a cell that ran the annotated attention; None where its profile
+    holds no matmul time there, which leaves no ratio to take. The report and the index's answer both read it, so
+    they leave out the same cells."""
+    matmul_ms = _attention_matmul_ms(cell)
+    return cell["range"]["attention/softmax"]["work_ms"] / matmul_ms if matmul_ms > 0 else None
+
+
 def _attention_section(cells: dict) -> str:
-    table, excess = [], []
+    table, excess, without_matmul = [], [], 0
     for (size, context), c in cells.items():
-        ranges = c["range"]
-        if not all(name in ranges for name in ATTENTION_RANGES):
+        if not _ran_attention(c):
             continue
-        matmul = ranges["attention/scores"]["matmul_ms"] + ranges["attention/final_matmul"]["matmul_ms"]
-        softmax = ranges["attention/softmax"]["work_ms"]
-        d_head = c["cell"]["d_head"]
-        flop_ratio = SOFTMAX_FLOPS_PER_SCORE / (4 * d_head)
-        time_ratio = softmax / matmul if matmul else float("nan")
-        excess.append(time_ratio / flop_ratio)
-        table.append({"size": size, "context": context, "d_head": d_head, "matmul (ms)": matmul,
-                      "softmax (ms)": softmax,
+        ranges = c["range"]
+        time_ratio, flop_ratio = _softmax_time_ratio(c), _softmax_flop_ratio(c)
+        if time_ratio is None:
+            without_matmul += 1
+        else:
+            excess.append(time_ratio / flop_ratio)
+        table.append({"size": size, "context": context, "d_head": c["cell"]["d_head"],
+                      "matmul (ms)": _attention_matmul_ms(c), "softmax (ms)": ranges["attention/softmax"]["work_ms"],
                       "scale + mask (ms)": ranges["attention/scores"]["work_ms"] - ranges["attention/scores"]["matmul_ms"],
-                      "softmax / matmul time": f"{time_ratio:.2f}", "FLOP ratio": f"{flop_ratio:.4f}",
-                      "time ratio / FLOP ratio": f"{time_ratio / flop_ratio:.0f}x"})
+                      "softmax / matmul time": NOT_A_NUMBER if time_ratio is None else f"{time_ratio:.2f}",
+                      "FLOP ratio": f"{flop_ratio:.4f}",
+                      "time ratio / FLOP ratio": (NOT_A_NUMBER if time_ratio is None
+                                                  else f"{time_ratio / flop_ratio:.0f}x")})
     if not table:
         return "## (e) Softmax against matmul inside attention\n\nNo cell ran the annotated naive attention.\n"
+    left_out = (f" ({plural(without_matmul, 'cell')} without matmul time in attention left out)"
+                if without_matmul else "")
+    if not excess:
+        finding = "No cell's profile holds matmul time inside attention: there is no ratio to take.\n"
+    else:
+        finding = (f"Softmax's time is {_span(excess, '{:.0f}x')} its FLOP share{left_out}" + (
+            ": under 1 FLOP per byte, it waits on memory; the matmuls, at about d_head / 2, on arithmetic.\n"
+            if min(excess) > 1 else "; in some cells no more.\n"))
     return ("## (e) Softmax against matmul inside attention\n\n"
             f"FLOPs per score: 4 d_head in the matmuls (q k^T, P v), about {SOFTMAX_FLOPS_PER_SCORE} in softmax (max, "
-            "subtract, exp, sum, divide).\n\n"
-            + markdown_table(table) +
-            f"\nSoftmax's time is {_span(excess, '{:.0f}x')} its FLOP share" + (
-                ": under 1 FLOP per byte, it waits on memory; the matmuls, at about d_head / 2, on "
-                "arithmetic.\n"
-                if min(excess) > 1 else "; in some cells no more.\n"))
+            "subtract, exp, sum, divide).\n\n" + markdown_table(table) + "\n" + finding)
 
 
 def _kernel_tables_section(cells: dict) -> str:
@@ -221,7 +249,7 @@ def _variant_section(main: tuple, cells: dict, others: dict[tuple, list[Row]]) -
             entry = {"size": key[0], "context": key[1]}
             for label, cell in ((variant_column_label(main), ours), (variant_column_label(other), c)):
                 entry[f"{label}: step (ms)"] = mean_std(cell["cell"]["timer_step_ms"], cell["cell"]["timer_step_std_ms"],
-                                                        ".1f")
+                                                        ".1f", samples=cell["cell"].get("timed_steps"))
                 entry[f"{label}: optimizer (ms)"] = f"{cell['cell']['timer_optimizer_ms']:.1f}"
                 entry[f"{label}: forward matmul share"] = format_share(cell["range"]["forward"]["matmul_share"])
             table.append(entry)
@@ -337,21 +365,21 @@ def answer_nsys_profile(reports: Reports) -> list[str]:
         f"{plural(len(cells), 'profiled cell')})"
         + (f"; the optimizer's share is {format_share(shown['range']['optimizer']['matmul_share'])}."
            if "optimizer" in shown["range"] else "."))
-    excess = {}
-    for key, c in cells.items():
-        if all(name in c["range"] for name in ATTENTION_RANGES):
-            scores, softmax, final = (c["range"][name] for name in ATTENTION_RANGES)
-            matmul_ms = scores["matmul_ms"] + final["matmul_ms"]
-            if matmul_ms:
-                flop_ratio = SOFTMAX_FLOPS_PER_SCORE / (4 * c["cell"]["d_head"])
-                excess[key] = (softmax["work_ms"] / matmul_ms, flop_ratio)
+    attention = {key: c for key, c in cells.items() if _ran_attention(c)}
+    excess = {key: (time_ratio, _softmax_flop_ratio(c)) for key, c in attention.items()
+              if (time_ratio := _softmax_time_ratio(c)) is not None}
     if (size, context) in excess:
         time_ratio, flop_ratio = excess[(size, context)]
         over_cells = span([t / f for t, f in excess.values()], "{:.0f}x".format)
+        left_out = len(attention) - len(excess)
         sentences.append(
             f"Inside attention softmax takes {time_ratio:.2f}x the matmuls' time against {flop_ratio:.2%} of their "
-            f"FLOPs, {time_ratio / flop_ratio:.0f}x its FLOP share ({over_cells} over the cells): it is paced by "
-            "memory traffic, not arithmetic.")
+            f"FLOPs, {time_ratio / flop_ratio:.0f}x its FLOP share ({over_cells} over the cells"
+            + (f"; {plural(left_out, 'cell')} without matmul time in attention left out" if left_out else "")
+            + "): it is paced by memory traffic, not arithmetic.")
+    elif (size, context) in attention:
+        sentences.append(f"Inside attention at {size}, context {context}, the profile holds no matmul time: there is "
+                         "no ratio of softmax's time to take.")
     else:
         sentences.append(not_in_report(f"The attention ranges (scores, softmax, final matmul) of {size} at context "
                                         f"{context}"))

@@ -79,7 +79,8 @@ def _parallelism(name: str, answer: Answer) -> Problem:
 
 
 PROBLEMS: tuple[Problem, ...] = (
-    Problem("benchmarking_script", (Report("benchmarking_script", e2e.render_benchmarking_script, E2E_KEY),),
+    Problem("benchmarking_script",
+            (Report("benchmarking_script", e2e.render_benchmarking_script, E2E_KEY, cell_of=e2e.cell_key),),
             e2e.answer_benchmarking_script, "e2e", ("perf/test_e2e.py",)),
     Problem("nsys_profile", (Report("nsys_profile", nsys_profile.render_nsys_profile, NSYS_KEY),),
             nsys_profile.answer_nsys_profile, "profile", ("perf/test_profile.py",),
@@ -88,7 +89,8 @@ PROBLEMS: tuple[Problem, ...] = (
             (Report("mixed_precision_accumulation", mixed_precision.render_accumulation),),
             mixed_precision.answer_mixed_precision_accumulation, "e2e", ("perf/test_e2e.py",)),
     Problem("benchmarking_mixed_precision",
-            (Report("benchmarking_mixed_precision", e2e.render_benchmarking_mixed_precision, MIXED_PRECISION_KEY),),
+            (Report("benchmarking_mixed_precision", e2e.render_benchmarking_mixed_precision, MIXED_PRECISION_KEY,
+                    cell_of=e2e.cell_key),),
             e2e.answer_benchmarking_mixed_precision, "e2e", ("perf/test_e2e.py",)),
     Problem("memory_profiling", (Report("memory_profiling", memory_profiling.render_memory_profiling),),
             memory_profiling.answer_memory_profiling, "memory", ("perf/test_memory.py",),
@@ -100,7 +102,8 @@ PROBLEMS: tuple[Problem, ...] = (
     Problem("pytorch_attention",
             (Report("pytorch_attention", attention.render_pytorch_attention, ATTENTION_KEY),),
             attention.answer_pytorch_attention, "attention", ("perf/test_attention.py",)),
-    Problem("torch_compile", (Report("torch_compile", attention.render_torch_compile, TORCH_COMPILE_KEY),),
+    Problem("torch_compile",
+            (Report("torch_compile", attention.render_torch_compile, TORCH_COMPILE_KEY, cell_of=e2e.cell_key),),
             attention.answer_torch_compile, "e2e", ("perf/test_e2e.py", "perf/test_attention.py")),
     Problem("flash_forward / flash_backward", (), flash.answer_flash_forward_backward),
     Problem("flash_benchmarking",
