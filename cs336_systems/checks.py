@@ -4,7 +4,7 @@
     check_choice("strategy", strategy, STRATEGIES)
 
 Keyword arguments carry the names the messages use, so a caller checks several values in one line.
-The predicates beneath them (is_number, is_positive_finite) serve code that judges values without
+The predicates beneath them (is_number, is_finite and its signed forms) serve code that judges values without
 raising, such as a benchmark row's measurements.
 """
 
@@ -20,9 +20,19 @@ def is_number(value: Any) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
+def is_finite(value: Any) -> bool:
+    """A number that is neither NaN nor infinite (compared, not converted, so that any int is one)."""
+    return is_number(value) and -math.inf < value < math.inf
+
+
 def is_positive_finite(value: Any) -> bool:
-    """A number above zero and below infinity (NaN is not)."""
-    return is_number(value) and 0 < value < math.inf
+    """A finite number above zero."""
+    return is_finite(value) and value > 0
+
+
+def is_non_negative_finite(value: Any) -> bool:
+    """A finite number of zero or above."""
+    return is_finite(value) and value >= 0
 
 
 def check_positive_int(**values: int) -> None:
@@ -55,7 +65,7 @@ def check_non_negative_finite(**values: float) -> None:
     for name, value in values.items():
         if not is_number(value):
             raise TypeError(f"{name} must be a number, got {type(value).__name__}")
-        if not 0 <= value < math.inf:
+        if not is_non_negative_finite(value):
             raise ValueError(f"{name} must be >= 0 and finite, got {value}")
 
 

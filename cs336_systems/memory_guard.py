@@ -19,13 +19,12 @@ pieces together: check, release memory, measure, record OOM, release memory agai
 from __future__ import annotations
 
 import gc
-import math
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from cs336_systems.checks import check_positive_int, is_number
+from cs336_systems.checks import check_non_negative_finite, check_positive_int
 from cs336_systems.rows import OOM, Row
 
 # The estimates leave out allocator rounding and fragmentation, library workspaces and the
@@ -95,8 +94,7 @@ def check_memory(estimated_bytes: int, device: torch.device | str, processes: in
                  in_collectives: bool = False) -> MemoryCheck:
     """Whether a cell of `estimated_bytes` per process starts on `device`: with a margin where running out
     cannot be recorded (host RAM, or ranks `in_collectives`), else wherever it could fit."""
-    if not is_number(estimated_bytes) or not 0 <= estimated_bytes < math.inf:
-        raise ValueError(f"estimated_bytes must be a finite number of bytes >= 0, got {estimated_bytes!r}")
+    check_non_negative_finite(estimated_bytes=estimated_bytes)
     check_positive_int(processes=processes)
     recordable = torch.device(device).type == "cuda" and not in_collectives
     return MemoryCheck(int(estimated_bytes), available_bytes(device), processes,

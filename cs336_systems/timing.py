@@ -21,7 +21,6 @@ Kernel-level micro-benchmarks use `triton.testing.do_bench` instead (CUDA events
 from __future__ import annotations
 
 import gc
-import math
 import statistics
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -30,7 +29,7 @@ from dataclasses import dataclass
 
 import torch
 
-from cs336_systems.checks import check_positive_finite, is_number
+from cs336_systems.checks import check_positive_finite, is_non_negative_finite
 from cs336_systems.clocks import ClockSample, GpuClocks
 
 
@@ -130,7 +129,7 @@ class Timings:
     def __post_init__(self):
         if not self.samples_ms:
             raise ValueError("samples_ms is empty: a timing needs at least one sample")
-        bad = [ms for ms in self.samples_ms if not (is_number(ms) and 0 <= ms < math.inf)]
+        bad = [ms for ms in self.samples_ms if not is_non_negative_finite(ms)]
         if bad:
             raise ValueError(f"samples_ms must be finite numbers of milliseconds >= 0; got {bad[:3]}")
 

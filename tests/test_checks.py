@@ -11,6 +11,9 @@ from cs336_systems.checks import (
     check_positive,
     check_positive_finite,
     check_positive_int,
+    is_finite,
+    is_non_negative_finite,
+    is_positive_finite,
 )
 
 
@@ -49,3 +52,17 @@ def test_an_unknown_choice_is_refused_with_the_choices_listed():
     check_choice("phase", "forward", ("forward", "backward"))
     with pytest.raises(ValueError, match=r"^unknown phase 'sideways'; choose one of forward, backward$"):
         check_choice("phase", "sideways", {"forward": 1, "backward": 2})
+
+
+@pytest.mark.parametrize("value, finite, non_negative, positive", [
+    (1.5, True, True, True),
+    (0, True, True, False),
+    (-2, True, False, False),
+    (10**400, True, True, True),  # an int past a float's range is still a finite number
+    (math.inf, False, False, False),
+    (math.nan, False, False, False),
+    (True, False, False, False),  # a bool is no number here
+    ("3", False, False, False),
+])
+def test_the_number_predicates_judge_without_raising(value, finite, non_negative, positive):
+    assert (is_finite(value), is_non_negative_finite(value), is_positive_finite(value)) == (finite, non_negative, positive)

@@ -66,7 +66,7 @@ def test_available_ram_is_what_the_kernel_reports_and_no_more_than_the_cgroup_al
     (-5, 1, ValueError, "estimated_bytes"),
     (math.nan, 1, ValueError, "estimated_bytes"),
     (math.inf, 1, ValueError, "estimated_bytes"),
-    ("10", 1, ValueError, "estimated_bytes"),
+    ("10", 1, TypeError, "estimated_bytes"),
     (10, 0, ValueError, "processes"),
     (10, 1.5, TypeError, "processes"),
 ])

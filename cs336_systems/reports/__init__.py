@@ -37,7 +37,7 @@ from typing import Any
 import torch
 from tabulate import tabulate
 
-from cs336_systems.checks import is_number
+from cs336_systems.checks import is_finite, is_positive_finite
 from cs336_systems.provenance import PACKAGE_ROOT, package_source_hash
 from cs336_systems.rows import LONG_COLUMNS, OOM, Row, from_long, to_long
 
@@ -89,11 +89,6 @@ class Report:
     def cell(self, row: Row) -> tuple:
         """The measured cell `row` belongs to: its values of `key`, as `cell_of` reads them where given."""
         return self.cell_of(row, self.key) if self.cell_of else tuple(row.get(k) for k in self.key)
-
-
-def is_finite(value: Any) -> bool:
-    """A number that is neither NaN nor infinite."""
-    return is_number(value) and math.isfinite(value)
 
 
 def format_value(value: Any) -> str:
@@ -220,7 +215,7 @@ def _times_noisy(*rows: Row, prefix: str = "") -> bool:
 def _times_measured(*rows: Row, prefix: str = "") -> bool:
     """Whether each of these rows' mean times (`<prefix>mean_ms`) is a number above zero and finite: one that is
     not was not measured, and no ratio can be taken of it."""
-    return all(is_finite(r[f"{prefix}mean_ms"]) and r[f"{prefix}mean_ms"] > 0 for r in rows)
+    return all(is_positive_finite(r[f"{prefix}mean_ms"]) for r in rows)
 
 
 def speedup_text(slow: Row, fast: Row, prefix: str = "") -> str:
