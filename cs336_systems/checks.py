@@ -11,7 +11,7 @@ raising, such as a benchmark row's measurements.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 
@@ -53,20 +53,21 @@ def check_positive(**values: float) -> None:
 
 def check_positive_finite(**values: float) -> None:
     """Each value a number (an int or a float, not a bool), above zero and finite."""
-    for name, value in values.items():
-        if not is_number(value):
-            raise TypeError(f"{name} must be a number, got {type(value).__name__}")
-        if not is_positive_finite(value):
-            raise ValueError(f"{name} must be positive and finite, got {value}")
+    _check_numbers(values, is_positive_finite, "positive and finite")
 
 
 def check_non_negative_finite(**values: float) -> None:
     """Each value a number (an int or a float, not a bool), zero or above and finite."""
+    _check_numbers(values, is_non_negative_finite, ">= 0 and finite")
+
+
+def _check_numbers(values: dict[str, Any], good: Callable[[Any], bool], wanted: str) -> None:
+    """A TypeError for a value that is no number, a ValueError for one that is not `good` ("must be `wanted`")."""
     for name, value in values.items():
         if not is_number(value):
             raise TypeError(f"{name} must be a number, got {type(value).__name__}")
-        if not is_non_negative_finite(value):
-            raise ValueError(f"{name} must be >= 0 and finite, got {value}")
+        if not good(value):
+            raise ValueError(f"{name} must be {wanted}, got {value}")
 
 
 def check_non_negative(**values: float) -> None:
