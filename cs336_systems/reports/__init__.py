@@ -357,6 +357,25 @@ def default_reports_root() -> Path:
 
 RUN_COLUMN = "run"
 METADATA_SUFFIX = ".meta.json"
+# A table's comparison cell where both halves ran, but in different runs: no ratio is read from it.
+UNPAIRED = "none: different runs"
+
+
+def run_of(row: Row) -> int:
+    """The number of the run that measured a row in its report (rows not merged into one yet are all one run)."""
+    return row.get(RUN_COLUMN) or 1
+
+
+def same_run(*rows: Row) -> bool:
+    """Whether the rows were measured in one run. Only such rows are set against each other: between runs the
+    clocks, the temperature, the machine's other work and the source itself may differ."""
+    return len({run_of(row) for row in rows}) == 1
+
+
+def runs_text(rows: Iterable[Row]) -> str:
+    """ "run 2", "runs 1 and 4": the runs that measured `rows`."""
+    runs = sorted({run_of(row) for row in rows})
+    return ("run " if len(runs) == 1 else "runs ") + listing([str(run) for run in runs])
 
 
 def _now() -> str:
@@ -541,10 +560,10 @@ def write_report(report: Report, rows: list[Row], report_dir: Path | str, comman
 def _merge_runs(earlier: list[Row], earlier_runs: Sequence[RunRecord], rows: list[Row],
                 run: RunRecord) -> tuple[list[Row], tuple[RunRecord, ...]]:
     """Earlier rows then this run's, with run numbers renumbered over the runs that still have rows."""
-    used = sorted({r.get(RUN_COLUMN) or 1 for r in earlier})
+    used = sorted({run_of(r) for r in earlier})
     renumber = {old: new for new, old in enumerate(used, 1)}
     runs = tuple(earlier_runs[old - 1] for old in used) + (run,)
-    merged = [{**r, RUN_COLUMN: renumber[r.get(RUN_COLUMN) or 1]} for r in earlier]
+    merged = [{**r, RUN_COLUMN: renumber[run_of(r)]} for r in earlier]
     merged += [{**r, RUN_COLUMN: len(runs)} for r in rows]
     return merged, runs
 

@@ -13,6 +13,7 @@ from cs336_systems.accounting.attention import naive_attention_memory
 from cs336_systems.gpus import GIB
 from cs336_systems.reports import (
     NOT_RUN,
+    UNPAIRED,
     Rendered,
     Reports,
     SpeedUps,
@@ -24,11 +25,13 @@ from cs336_systems.reports import (
     mean_std,
     not_in_report,
     plural,
+    runs_text,
+    same_run,
     select,
     span,
     speedup_text,
 )
-from cs336_systems.reports.e2e import UNPAIRED, latest_cells, runs_text, same_run
+from cs336_systems.reports.e2e import latest_cells
 from cs336_systems.rows import OOM, TORCH_COMPILE_KEY, Row, ok_rows
 
 LOGSUMEXP_BYTES = 4  # FlashAttention keeps one fp32 logsumexp per query row

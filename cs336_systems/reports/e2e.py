@@ -15,7 +15,7 @@ from cs336_systems import reports
 from cs336_systems.model import size_order
 from cs336_systems.reports import (
     NOISY_RELATIVE_STD,
-    RUN_COLUMN,
+    UNPAIRED,
     Rendered,
     Reports,
     SpeedUps,
@@ -30,6 +30,9 @@ from cs336_systems.reports import (
     not_in_report,
     pivot,
     plural,
+    run_of,
+    runs_text,
+    same_run,
     select,
     span,
     speedup_text,
@@ -84,23 +87,6 @@ def latest_cells(rows: list[Row], key: Sequence[str]) -> list[Row]:
             latest[cell] = row
     kept = {id(row) for row in latest.values()}
     return [row for row in rows if id(row) in kept]
-
-
-def run_of(row: Row) -> int:
-    """The number of the run that measured a row in its report (rows not merged into one yet are all one run)."""
-    return row.get(RUN_COLUMN) or 1
-
-
-def same_run(*rows: Row) -> bool:
-    """Whether the rows were measured in one run. Only such rows are set against each other: between runs the
-    clocks, the temperature, the machine's other work and the source itself may differ."""
-    return len({run_of(row) for row in rows}) == 1
-
-
-def runs_text(rows: Iterable[Row]) -> str:
-    """ "run 2", "runs 1 and 4": the runs that measured `rows`."""
-    runs = sorted({run_of(row) for row in rows})
-    return ("run " if len(runs) == 1 else "runs ") + listing([str(run) for run in runs])
 
 
 def split_variants(rows: list[Row]) -> tuple[tuple, list[Row], dict[tuple, list[Row]]]:
@@ -309,10 +295,6 @@ def _both_ran(base: Row | None, other: Row | None) -> bool:
 def _paired(base: Row | None, other: Row | None) -> bool:
     """Whether a cell's two rows are compared: both ran, in one run."""
     return _both_ran(base, other) and same_run(base, other)
-
-
-# A table's speed-up cell where both halves ran, but in different runs.
-UNPAIRED = "none: different runs"
 
 
 def _unpaired_note(variants: Iterable[list[Row]], key: str, base_value, other_value) -> str:
