@@ -19,6 +19,8 @@ import logging
 import sys
 from pathlib import Path
 
+from cs336_systems.checks import repeated
+
 log = logging.getLogger("cs336_systems")
 
 
@@ -56,8 +58,8 @@ def _list(item_type):
         values = [item_type(t.strip()) for t in text.split(",") if t.strip()]
         if not values:
             raise argparse.ArgumentTypeError(f"needs at least one value, got {text!r}")
-        if repeated := sorted({str(v) for v in values if values.count(v) > 1}):
-            raise argparse.ArgumentTypeError(f"{', '.join(repeated)} given more than once")
+        if twice := repeated(values):
+            raise argparse.ArgumentTypeError(f"{', '.join(map(str, twice))} given more than once")
         return values
 
     return parse

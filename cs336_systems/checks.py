@@ -11,7 +11,7 @@ raising, such as a benchmark row's measurements.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 
@@ -75,6 +75,11 @@ def check_non_negative(**values: float) -> None:
     for name, value in values.items():
         if not value >= 0:
             raise ValueError(f"{name} must be >= 0, got {value}")
+
+
+def repeated(values: Sequence[Any]) -> list[Any]:
+    """The values given more than once, each named once, sorted: a list option's values that would run twice."""
+    return sorted({value for value in values if values.count(value) > 1})
 
 
 def check_choice(name: str, value: str, choices: Iterable[str]) -> None:

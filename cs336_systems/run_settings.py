@@ -155,5 +155,7 @@ def parse_model_sizes(value: str | None, on_gpu: bool, size_table: str) -> tuple
 
 def _refuse_repeats(option: str, values: tuple[str, ...]) -> None:
     """A value given twice would run every test of it twice, under two ids."""
-    if repeated := sorted({v for v in values if values.count(v) > 1}):
-        raise ValueError(f"{option}: {', '.join(repeated)} given more than once")
+    from cs336_systems.checks import repeated
+
+    if twice := repeated(values):
+        raise ValueError(f"{option}: {', '.join(twice)} given more than once")

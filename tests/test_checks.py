@@ -14,6 +14,7 @@ from cs336_systems.checks import (
     is_finite,
     is_non_negative_finite,
     is_positive_finite,
+    repeated,
 )
 
 
@@ -66,3 +67,7 @@ def test_an_unknown_choice_is_refused_with_the_choices_listed():
 ])
 def test_the_number_predicates_judge_without_raising(value, finite, non_negative, positive):
     assert (is_finite(value), is_non_negative_finite(value), is_positive_finite(value)) == (finite, non_negative, positive)
+
+
+def test_repeated_names_each_value_given_twice_once():
+    assert repeated([16, 32, 16, 16, 8, 8]) == [8, 16] and repeated(("fp32", "bf16")) == []
