@@ -37,6 +37,9 @@ SIZE_TABLES: dict[str, dict[str, dict[str, int]]] = {
              "2.7B": dict(d_model=2560, d_ff=10240, num_layers=32, num_heads=32)},
 }
 DEFAULT_SIZE_TABLE = "2026"
+# The Spring 2026 handout's leaderboard model, an 8B-class LM with its own vocabulary, timed at batch 2 x
+# 32,768 tokens (cs336_systems.benchmarks.leaderboard).
+LEADERBOARD = dict(d_model=4096, d_ff=11008, num_layers=34, num_heads=32, vocab_size=151_936, context_length=32_768)
 # "tiny" is ours, in every table: a size that runs in seconds on a CPU.
 TINY = dict(d_model=64, d_ff=256, num_layers=2, num_heads=4)
 # Sizes of both tables in increasing parameter count, for ordering rows.
@@ -227,6 +230,11 @@ class TransformerLM(nn.Module):
 
     def forward(self, token_ids: torch.Tensor) -> torch.Tensor:
         """token_ids (batch, seq) of integers -> logits (batch, seq, vocab_size)."""
+        return self.lm_head(self.final_hidden(token_ids))
+
+    def final_hidden(self, token_ids: torch.Tensor) -> torch.Tensor:
+        """token_ids (batch, seq) -> the normalised residual stream (batch, seq, d_model) that the LM head reads:
+        what a loss fused with the head (cs336_systems.linear_cross_entropy) takes in place of the logits."""
         if token_ids.dim() != 2 or token_ids.numel() == 0:
             raise ValueError(f"token_ids must be (batch, seq) with at least one token, got shape {tuple(token_ids.shape)}")
         if token_ids.dtype.is_floating_point or token_ids.dtype.is_complex or token_ids.dtype == torch.bool:
@@ -239,7 +247,7 @@ class TransformerLM(nn.Module):
         x = self.token_embeddings(token_ids)
         for layer in self.layers:
             x = layer(x)
-        return self.lm_head(self.ln_final(x))
+        return self.ln_final(x)
 
 
 def count_parameters(model: nn.Module) -> int:

@@ -27,6 +27,7 @@ MARKERS = {
     "ddp": "distributed data parallel and the all-reduce benchmark",
     "sharding": "optimizer-state sharding",
     "fsdp": "fully sharded data parallel",
+    "leaderboard": "the 2026 leaderboard's training step of the 8B-class model",
     "accounting": "closed-form memory, FLOP and communication models",
     "gpu": "needs a CUDA GPU; skipped when the run is on CPU",
     "multigpu": "needs --world-size CUDA GPUs; skipped when fewer are present",

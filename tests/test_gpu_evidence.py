@@ -31,8 +31,11 @@ def test_committed_gpu_check_record_is_a_clean_run_of_the_current_source(gpu):
                        + "; ".join(found))
 
 
-# The reports whose rows measured the FlashAttention kernels; every row names the GPU source it measured.
-FLASH_REPORTS = sorted(path.relative_to(REPO).as_posix() for problem in ("flash_benchmarking", "flash_in_training")
+# The reports whose rows measured the FlashAttention kernels, and the perf module that measures each; every row
+# names the GPU source it measured.
+FLASH_REPORT_MODULES = {"flash_benchmarking": "perf/test_flash.py", "flash_in_training": "perf/test_flash.py",
+                        "leaderboard": "perf/test_leaderboard.py"}
+FLASH_REPORTS = sorted(path.relative_to(REPO).as_posix() for problem in FLASH_REPORT_MODULES
                        for path in (REPO / "reports").glob(f"*/{problem}.csv"))
 
 
@@ -41,9 +44,10 @@ def test_every_committed_flash_row_measured_the_current_source(report):
     rows, current = read_rows(REPO / report), source_hash()
     sources = Counter(r.get("source_hash") or "none recorded" for r in rows)
     other = {source: count for source, count in sources.items() if source != current}
+    path = Path(report)
     assert not other, (f"{report}: {sum(other.values())} of {len(rows)} rows did not measure the current FlashAttention "
                        f"source {current} (rows by source: {other}); measure them again on that GPU: "
-                       f"`pytest perf/test_flash.py --gpu {Path(report).parent.name}`")
+                       f"`pytest {FLASH_REPORT_MODULES[path.stem]} --gpu {path.parent.name}`")
 
 
 # The GPUs whose committed flash_benchmarking rows hold the speed-up gates' cell, and a baseline file.

@@ -183,7 +183,7 @@ def test_index_states_its_command_and_answers_every_problem(reports_root):
 
 def test_index_without_device_reports_says_nothing_was_measured(tmp_path):
     index = render_index(tmp_path)
-    assert index.count("no device directory under the reports holds a report yet") == 16
+    assert index.count("no device directory under the reports holds a report yet") == 17
     assert "`communication_accounting.md` is absent" in index
 
 
@@ -259,7 +259,7 @@ def test_open_items_name_runs_that_need_more_gpus_and_parts_the_rows_lack(report
     assert _status_row(index, "gradient_checkpointing")[-1].endswith(
         "h100: the 2026 handout's (b) is xl at batch 4, context 2,048; this run measured context 1024 "
         "(`make single-gpu-reports` runs it)")
-    assert "not implemented" in _status_row(index, "leaderboard")[-1]
+    assert _status_row(index, "leaderboard (2026 handout only)")[-1] == "needs a machine with 2 GPUs: `pytest perf/ -m leaderboard --world-size 2`"
     # A problem the 2026 handout dropped is still indexed, and says which handout asks it.
     assert _status_row(index, "ddp_overlap_bucketed (2025 handout only)")
     assert "## 18. communication_accounting (2025 handout only)" in index

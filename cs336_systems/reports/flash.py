@@ -347,13 +347,3 @@ def answer_flash_benchmarking(reports: Reports) -> list[str]:
     else:
         sentences.append(not_in_report("The 2025 leaderboard's attention cell"))
     return sentences
-
-
-def answer_leaderboard(reports: Reports) -> list[str]:
-    return ["No report: no benchmark of the leaderboard's full training step (the 8B-class model, d_model 4096, "
-            "34 layers, vocabulary 151,936, batch 2 x 32,768 tokens, bf16, AdamW) exists in the project yet; it "
-            "needs two GPUs. flash_benchmarking measures the attention part of the 2025 leaderboard."]
-
-
-def open_items_leaderboard(reports: Reports) -> list[str]:
-    return ["the full training step of the 8B-class model on two GPUs: not implemented"]

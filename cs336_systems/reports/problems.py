@@ -26,6 +26,7 @@ from cs336_systems.reports import (
     flash_in_training,
     fsdp,
     gradient_checkpointing,
+    leaderboard,
     memory_profiling,
     mixed_precision,
     nsys_profile,
@@ -145,7 +146,9 @@ PROBLEMS: tuple[Problem, ...] = (
     _parallelism("fsdp_calcs", parallelism_calcs.answer_fsdp_calcs),
     _parallelism("tp_calcs", parallelism_calcs.answer_tp_calcs),
     _parallelism("fsdp_tp_calcs", parallelism_calcs.answer_fsdp_tp_calcs),
-    Problem("leaderboard", (), flash.answer_leaderboard, gpus=2, open_items=flash.open_items_leaderboard),
+    Problem("leaderboard", (Report("leaderboard", leaderboard.render_leaderboard),), leaderboard.answer_leaderboard,
+            "leaderboard", ("perf/test_leaderboard.py",), 2, open_items=leaderboard.open_items_leaderboard,
+            only_in_handout="2026"),
 )
 
 REPORTS: dict[str, Report] = {report.name: report for problem in PROBLEMS for report in problem.reports}

@@ -1,0 +1,377 @@
+"""Problem leaderboard (Spring 2026 handout): a full AdamW training step of the 8B-class model
+(cs336_systems.model.LEADERBOARD: d_model 4096, 34 layers, a 151,936-token vocabulary) at batch 2 x 32,768
+tokens, bf16 weights, causal, on two GPUs; cs336_systems.reports.leaderboard renders it.
+
+    rows = launch(leaderboard_problem, 2, LeaderboardConfig(), device="cuda")[0]
+
+Each rank trains on its share of the batch (one sequence of 32,768 tokens on each of two GPUs), from the
+same initial weights. Four variants run one after the other in the same ranks, from all the project's parts
+to all torch's, one part changed at a time (VARIANTS):
+- ours: the project's bucketed DDP, its Triton FlashAttention op, and the LM head fused with the loss
+  (cs336_systems.linear_cross_entropy), which never holds the (tokens, vocabulary) logits;
+- ours with SDPA; then torch FSDP in place of the DDP (torch with the fused loss);
+- torch: torch FSDP (fully_shard on every block and the root), SDPA, and the full logits through
+  cross-entropy; the strongest composition of torch's own parts that fits in memory: under torch DDP the
+  replicated weights, gradients and AdamW moments (61 GiB per GPU in bf16) beside the full-logits loss (46
+  GiB at its peak) do not fit in an H200's 141 GB.
+All checkpoint every block (the step's activations would take about 150 GB per GPU otherwise), use
+torch's fused AdamW on the bf16 weights, and, with `compile`, compile each block (regional compilation:
+one graph serves every block). On a GPU, rank 0 then times one block's attention alone in the Triton
+kernels and SDPA's FA2 and cuDNN backends.
+
+A step is timed as the handout's harness times it, the whole step from zero_grad to the optimizer step,
+with one synchronisation at its end (cs336_systems.timing); a rank's step ends when its optimizer step
+does, so each step's time is the slowest rank's. Rows give the median and spread of those, peak memory
+per rank and the estimate the memory guard ran the variant on.
+
+Correctness, in the same ranks: one step of each variant on a small model in fp32 against one process
+training the plain model (full logits, SDPA) on the whole batch: the loss and every gradient after the
+ranks synchronised them.
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from cs336_systems.accounting.activations import block_saved_bytes, parameter_count
+from cs336_systems.accounting.flops import step_flops
+from cs336_systems.accounting.memory import GIB
+from cs336_systems.attention.flash_triton import source_hash
+from cs336_systems.benchmarks.flash import MODES, FlashCell, benchmark_flash_cell
+from cs336_systems.benchmarks.harness import LEARNING_RATE, Phase, build_model, guarded_cell, lm_loss, random_batch, timed_step
+from cs336_systems.benchmarks.sharding import gather_rows
+from cs336_systems.checks import check_positive_int
+from cs336_systems.distributed.ddp import BucketedDDP, batch_shard
+from cs336_systems.distributed.launch import rank_device, report_progress
+from cs336_systems.linear_cross_entropy import DEFAULT_CHUNK_TOKENS, linear_cross_entropy
+from cs336_systems.memory_guard import check_memory_on_every_rank
+from cs336_systems.model import LEADERBOARD, ModelConfig, TransformerLM
+from cs336_systems.profiling.checkpointing import apply_checkpointing, every_k
+from cs336_systems.profiling.ranges import annotate
+from cs336_systems.rows import OOM, Row
+from cs336_systems.timing import STEP_TIMER, Timings, synchronize, tflops
+
+DDP, FSDP = "bucketed DDP", "torch FSDP (fully_shard per block)"
+PARALLELISMS = (DDP, FSDP)
+ATTENTION_LABELS = {"flash_triton": "Triton FlashAttention", "sdpa": "SDPA"}
+FUSED, FULL_LOGITS = "LM head fused with the loss", "full logits and cross-entropy"
+
+
+@dataclass(frozen=True)
+class Variant:
+    """One way to train the model: how the ranks share the work, the attention, and the loss."""
+
+    parallelism: str  # one of PARALLELISMS
+    attention: str  # a key of ATTENTION_LABELS
+    fused_loss: bool
+
+    @property
+    def setup(self) -> str:
+        return f"{self.parallelism}, {ATTENTION_LABELS[self.attention]}, {FUSED if self.fused_loss else FULL_LOGITS}"
+
+
+OURS, OURS_SDPA, TORCH_FUSED_LOSS, TORCH = "ours", "ours with SDPA", "torch with the fused loss", "torch"
+# From all the project's parts to all torch's, one part at a time: each neighbouring pair differs in one.
+VARIANTS = {
+    OURS: Variant(DDP, "flash_triton", fused_loss=True),
+    OURS_SDPA: Variant(DDP, "sdpa", fused_loss=True),
+    TORCH_FUSED_LOSS: Variant(FSDP, "sdpa", fused_loss=True),
+    TORCH: Variant(FSDP, "sdpa", fused_loss=False),
+}
+# The attention kernels timed alone at one rank's shape.
+KERNEL_PROVIDERS = ("flash_triton", "sdpa_flash", "sdpa_cudnn")
+DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
+# DDP buckets of 100 MB: 330 all-reduces of a 16 GB gradient, each long enough to run at NVLink's full
+# bandwidth, the last ready soon after backward's last block (the ddp_overlap_bucketed sweep).
+BUCKET_SIZE_MB = 100.0
+# Bytes per logit of the full-logits loss (lm_loss) at its two largest moments: in forward the bf16 logits, their
+# fp32 copy and its log-softmax; at backward's start the log-softmax kept, its fp32 gradient and the logits' bf16
+# gradient. Two H200s' measured peak of torch's variant confirms it within 1%.
+FULL_LOGITS_BYTES = 10
+# Beyond the model's own tensors: the CUDA context and allocator rounding, kernel workspaces, NCCL buffers.
+OVERHEAD_BYTES = 3 * GIB
+
+
+@dataclass(frozen=True)
+class LeaderboardConfig:
+    model: ModelConfig = field(default_factory=lambda: ModelConfig(**LEADERBOARD))
+    batch_size: int = 2  # the whole step's sequences, shared out over the ranks
+    dtype: str = "bf16"  # of the weights, and so of every matmul
+    warmup: int = 2  # compiles, creates AdamW's state
+    steps: int = 5
+    compile: bool = True
+    loss_chunk_tokens: int = DEFAULT_CHUNK_TOKENS
+
+    def __post_init__(self):
+        check_positive_int(batch_size=self.batch_size, warmup=self.warmup, steps=self.steps,
+                           loss_chunk_tokens=self.loss_chunk_tokens)
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return DTYPES[self.dtype]
+
+    def per_rank_batch(self, world_size: int) -> int:
+        if self.batch_size % world_size:
+            raise ValueError(f"batch size {self.batch_size} does not split evenly over world size {world_size}")
+        return self.batch_size // world_size
+
+
+@dataclass
+class Trainer:
+    """What one variant trains: the loss of a batch, the optimizer, what runs between backward and the
+    optimizer step."""
+
+    model: LossModel
+    loss: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+    optimizer: torch.optim.Optimizer
+    after_backward: Callable[[], None] | None = None
+
+
+def _adamw(module: nn.Module) -> torch.optim.Optimizer:
+    # torch's fused kernel on CUDA: one pass over weights, gradients and both moments (bf16, as the weights).
+    return torch.optim.AdamW(module.parameters(), lr=LEARNING_RATE, fused=True if next(module.parameters()).is_cuda
+                             else None)
+
+
+class LossModel(nn.Module):
+    """The LM and its loss as one module, (inputs, targets) -> mean cross-entropy, so that a wrapper's forward
+    hooks (FSDP's gathering of the root's weights) run around the loss too: with `fused_loss` the head's
+    matmul runs inside linear_cross_entropy, never making the whole logits."""
+
+    def __init__(self, lm: TransformerLM, fused_loss: bool, chunk_tokens: int):
+        super().__init__()
+        self.lm, self.fused_loss, self.chunk_tokens = lm, fused_loss, chunk_tokens
+
+    def forward(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        if not self.fused_loss:
+            return lm_loss(self.lm(inputs), targets)
+        return linear_cross_entropy(self.lm.final_hidden(inputs), self.lm.lm_head.weight, targets,
+                                    chunk_tokens=self.chunk_tokens)
+
+
+def build(variant: Variant, config: ModelConfig, device: torch.device, dtype: torch.dtype, compile: bool,
+          chunk_tokens: int, seed: int = 0) -> Trainer:
+    """The trainer of `variant`: the model (every block checkpointed, in `dtype`, the same weights for every
+    seed) wrapped for its parallelism, with fused AdamW."""
+    lm = build_model(config, device, variant.attention, dtype=dtype, seed=seed, compile=compile)
+    apply_checkpointing(lm, every_k(config.num_layers, 1))
+    model = LossModel(lm, variant.fused_loss, chunk_tokens)
+    if variant.parallelism == DDP:
+        ddp = BucketedDDP(model, bucket_size_mb=BUCKET_SIZE_MB)
+
+        def loss(inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+            ddp.on_train_batch_start()
+            return ddp(inputs, targets)
+
+        return Trainer(model, loss, _adamw(model), ddp.finish_gradient_synchronization)
+    from torch.distributed.fsdp import fully_shard
+
+    for block in lm.layers.blocks():
+        fully_shard(block)
+    fully_shard(model)
+    return Trainer(model, model, _adamw(model))
+
+
+def train_step(trainer: Trainer, inputs: torch.Tensor, targets: torch.Tensor, phase: Phase = annotate) -> torch.Tensor:
+    """The handout's step: zero_grad, forward and loss, backward, (gradient synchronisation), AdamW."""
+    trainer.optimizer.zero_grad(set_to_none=True)
+    with phase("forward"):
+        loss = trainer.loss(inputs, targets)
+    with phase("backward"):
+        loss.backward()
+        if trainer.after_backward is not None:
+            trainer.after_backward()
+    with phase("optimizer"):
+        trainer.optimizer.step()
+    return loss.detach()
+
+
+def estimated_peak_bytes(variant: Variant, cfg: LeaderboardConfig, world_size: int) -> int:
+    """One rank's peak: what stays through the step, plus the most of three moments. Forward's end holds every
+    block's input (kept by checkpointing) and the loss at its largest; backward's start those inputs, one
+    block recomputed and what the loss kept for backward; backward's end the gradients. On two H200s it was 0.5%
+    to 4% off the measured peaks, above them but for torch's."""
+    config, batch = cfg.model, cfg.per_rank_batch(world_size)
+    element = cfg.torch_dtype.itemsize
+    weights = parameter_count(config) * element
+    head = config.vocab_size * config.d_model * element  # the embedding's size, and the LM head's
+    tokens = batch * config.context_length
+    hidden = tokens * config.d_model * element
+    precision = "fp32" if cfg.torch_dtype == torch.float32 else "bf16"
+    block = sum(size for name, size in block_saved_bytes(config, batch, config.context_length, precision,
+                                                         "sdpa").items() if name != "weight_casts")
+    residuals = config.num_layers * hidden
+    if variant.parallelism == DDP:
+        # Whole on every rank: the weights, AdamW's two moments and the buckets; then the gradients, and a copy
+        # of the largest while the buckets are written back.
+        persistent, backward_end = 4 * weights, weights + head
+    else:
+        # Shards of the weights and moments; the root's embedding and head gathered for the whole step, two
+        # blocks' weights at a time; then the gradients' shards.
+        block_weights = (weights - 2 * head) / config.num_layers
+        persistent, backward_end = 3 * weights / world_size + 2 * head + 2 * block_weights, weights / world_size
+    if variant.fused_loss:
+        # A chunk's fp32 logits beside their low-precision product (or gradient), the weight's fp32 gradient and
+        # the hidden states' gradient. Backward keeps the two gradients.
+        chunk = min(cfg.loss_chunk_tokens, tokens) * config.vocab_size
+        loss_forward = chunk * (4 + element) + head * 4 // element + hidden
+        loss_backward = head + hidden
+    else:
+        loss_forward = loss_backward = tokens * config.vocab_size * FULL_LOGITS_BYTES
+    moments = (residuals + max(block, loss_forward), residuals + block + loss_backward, backward_end)
+    return int(persistent + max(moments) + OVERHEAD_BYTES)
+
+
+def _measure(variant: Variant, cfg: LeaderboardConfig, rank: int, world_size: int, device: torch.device) -> dict:
+    trainer = build(variant, cfg.model, device, cfg.torch_dtype, cfg.compile, cfg.loss_chunk_tokens)
+    batch = cfg.per_rank_batch(world_size)
+    inputs, targets = random_batch(cfg.model, batch, cfg.model.context_length, device, seed=rank)
+    losses = []
+    for _ in range(cfg.warmup):
+        losses.append(train_step(trainer, inputs, targets).item())
+        report_progress()
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    samples: dict[str, list[float]] = {}
+    for _ in range(cfg.steps):
+        with timed_step(device, samples) as phase:
+            loss = train_step(trainer, inputs, targets, phase)
+        losses.append(loss.item())
+        report_progress()
+    peak = torch.cuda.max_memory_allocated(device) / GIB if device.type == "cuda" else None
+    del trainer
+    return {"status": "ok", "samples": samples, "peak_gib": peak, "losses": losses}
+
+
+def _step_row(name: str, per_rank: list[dict], cfg: LeaderboardConfig, world_size: int) -> Row:
+    config, variant = cfg.model, VARIANTS[name]
+    row: Row = {"table": "step", "variant": name, "setup": variant.setup, "world_size": world_size,
+                "backend": dist.get_backend(), **_config_columns(cfg), "source_hash": source_hash(),
+                "model_peak_gib": estimated_peak_bytes(variant, cfg, world_size) / GIB}
+    oom = next((stats for stats in per_rank if stats["status"] == OOM), None)
+    if oom is not None:
+        return {**row, **oom}
+    # A step ends when its slowest rank's does.
+    step_ms = [max(values) for values in zip(*(stats["samples"]["step"] for stats in per_rank))]
+    timings = Timings(tuple(step_ms))
+    flops = step_flops(config, cfg.batch_size, config.context_length, "train_step")
+    row.update(status="ok", timer=STEP_TIMER, steps=len(step_ms), **timings.summary(),
+               min_ms=min(step_ms), max_ms=max(step_ms),
+               **{f"{phase}_ms": statistics.median(max(values) for values in zip(*(s["samples"][phase]
+                                                                                  for s in per_rank)))
+                  for phase in ("forward", "backward", "optimizer")},
+               tflops=tflops(flops, timings.median_ms),
+               tflops_per_gpu=tflops(flops, timings.median_ms) / world_size,
+               tokens_per_s=cfg.batch_size * config.context_length / (timings.median_ms / 1e3),
+               first_loss=per_rank[0]["losses"][0], last_loss=per_rank[0]["losses"][-1])
+    peaks = [stats["peak_gib"] for stats in per_rank]
+    if all(peak is not None for peak in peaks):
+        row["peak_gib"] = max(peaks)
+    return row
+
+
+def _config_columns(cfg: LeaderboardConfig) -> Row:
+    columns = {key: value for key, value in asdict(cfg).items() if key != "model"}
+    model = cfg.model
+    return {**columns, "d_model": model.d_model, "d_ff": model.d_ff, "num_layers": model.num_layers,
+            "num_heads": model.num_heads, "vocab_size": model.vocab_size, "seq_len": model.context_length,
+            "parameters": parameter_count(model)}
+
+
+def benchmark_leaderboard(rank: int, world_size: int, cfg: LeaderboardConfig) -> list[Row]:
+    """Run under launch: every variant's step row (rank 0 returns them)."""
+    device = rank_device()
+    rows = []
+    for name, variant in VARIANTS.items():
+        estimate = estimated_peak_bytes(variant, cfg, world_size)
+        stats = guarded_cell(device, lambda: check_memory_on_every_rank(estimate, device, world_size),
+                             measure=lambda columns: _measure(variant, cfg, rank, world_size, device) | columns,
+                             oom=lambda columns: columns, record_running_out=False)
+        rows.append(_step_row(name, gather_rows(stats, world_size), cfg, world_size))
+    return rows if rank == 0 else []
+
+
+def attention_kernels(rank: int, world_size: int, cfg: LeaderboardConfig) -> list[Row]:
+    """Run under launch: on a GPU, rank 0 times the attention of one rank's step alone (forward, backward and
+    both; do_bench) in the Triton kernels and SDPA's FA2 and cuDNN backends, while the other ranks wait."""
+    device = rank_device()
+    rows = []
+    if rank == 0 and device.type == "cuda":
+        config = cfg.model
+        cell = FlashCell(config.context_length, config.d_head, cfg.dtype, batch_size=cfg.per_rank_batch(world_size),
+                         n_heads=config.num_heads)
+        rows = [{**row, "table": "kernels"} for row in benchmark_flash_cell(cell, KERNEL_PROVIDERS, device, MODES)]
+    dist.barrier()
+    return rows
+
+
+def leaderboard_problem(rank: int, world_size: int, cfg: LeaderboardConfig) -> list[Row]:
+    """Run under launch: the correctness rows, then the benchmark's and the attention kernels'."""
+    return (leaderboard_equivalence(rank, world_size) + benchmark_leaderboard(rank, world_size, cfg)
+            + attention_kernels(rank, world_size, cfg))
+
+
+# ------------------------------------------------------------------------------------ correctness
+
+# A small model in fp32 with a vocabulary larger than a loss chunk, so that the fused loss runs in chunks.
+EQUIVALENCE_CONFIG = ModelConfig(d_model=64, d_ff=176, num_layers=2, num_heads=4, context_length=32, vocab_size=300)
+EQUIVALENCE_BATCH_PER_RANK = 1
+EQUIVALENCE_CHUNK_TOKENS = 24
+# By device, relative to each gradient's largest magnitude (and to the loss). On a CPU everything is fp32: the
+# ranks' gradients differ from one process's in summation order, FlashAttention's in the order of its online
+# softmax. On a GPU the FlashAttention kernels' fp32 dots run in tf32 (10 mantissa bits, a relative error of
+# up to 2^-11 a product), SDPA's in fp32.
+EQUIVALENCE_TOLERANCES = {"cpu": 1e-4, "cuda": 5e-3}
+
+
+def leaderboard_equivalence(rank: int, world_size: int) -> list[Row]:
+    """One step of each variant against one process training the plain model (SDPA, full logits) on the
+    whole batch: the difference in the loss, relative to it, and the largest difference in any gradient,
+    relative to that gradient's largest magnitude."""
+    device = rank_device()
+    config = EQUIVALENCE_CONFIG
+    inputs, targets = random_batch(config, EQUIVALENCE_BATCH_PER_RANK * world_size, config.context_length, device)
+    reference = build_model(config, device, "sdpa", seed=0)
+    reference_loss = lm_loss(reference(inputs), targets)
+    reference_loss.backward()
+    expected = {name: p.grad for name, p in reference.named_parameters()}
+    mine = batch_shard(len(inputs), rank, world_size)
+    rows = []
+    for name, variant in VARIANTS.items():
+        trainer = build(variant, config, device, torch.float32, compile=False,
+                               chunk_tokens=EQUIVALENCE_CHUNK_TOKENS)
+        loss = trainer.loss(inputs[mine], targets[mine])
+        loss.backward()
+        if trainer.after_backward is not None:
+            trainer.after_backward()
+        losses = [torch.zeros((), device=device) for _ in range(world_size)]
+        dist.all_gather(losses, loss.detach())
+        worst = 0.0
+        for parameter_name, p in trainer.model.lm.named_parameters():
+            grad = p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad
+            reference_grad = expected[parameter_name]  # checkpointing keeps the blocks' names
+            worst = max(worst, ((grad - reference_grad).abs().max() / reference_grad.abs().max()).item())
+        loss_difference = abs(statistics.fmean(x.item() for x in losses) - reference_loss.item())
+        tolerance = EQUIVALENCE_TOLERANCES[device.type]
+        rows.append({"table": "equivalence", "variant": name, "setup": variant.setup, "source_hash": source_hash(),
+                     "world_size": world_size, "backend": dist.get_backend(), "model": _model_text(config),
+                     "relative_loss_difference": loss_difference / abs(reference_loss.item()),
+                     "max_relative_gradient_difference": worst, "tolerance": tolerance})
+        del trainer
+    for row in rows:
+        row["matches"] = max(row["relative_loss_difference"], row["max_relative_gradient_difference"]) <= row["tolerance"]
+    synchronize(device)
+    return rows if rank == 0 else []
+
+
+def _model_text(config: ModelConfig) -> str:
+    return (f"d_model {config.d_model}, {config.num_layers} layers, vocabulary {config.vocab_size}, "
+            f"context {config.context_length}, fp32")
