@@ -2,7 +2,7 @@
 (cs336_systems.model.LEADERBOARD: d_model 4096, 34 layers, a 151,936-token vocabulary) at batch 2 x 32,768
 tokens, bf16 weights, causal, on two GPUs; cs336_systems.reports.leaderboard renders it.
 
-    rows = launch(leaderboard_problem, 2, LeaderboardConfig(), device="cuda")[0]
+    rows = run_leaderboard(2, LeaderboardConfig(), device="cuda", timeout_s=600)
 
 Each rank trains on its share of the batch (one sequence of 32,768 tokens on each of two GPUs), from the
 same initial weights. Four variants run one after the other in the same ranks, from all the project's parts
@@ -14,9 +14,10 @@ to all torch's, one part changed at a time (VARIANTS):
   cross-entropy; the strongest composition of torch's own parts that fits in memory: under torch DDP the
   replicated weights, gradients and AdamW moments (61 GiB per GPU in bf16) beside the full-logits loss (46
   GiB at its peak) do not fit in an H200's 141 GB.
-All checkpoint every block (the step's activations would take about 150 GB per GPU otherwise), use
-torch's fused AdamW on the bf16 weights, and, with `compile`, compile each block (regional compilation:
-one graph serves every block). On a GPU, rank 0 then times one block's attention alone in the Triton
+Each checkpoints the fewest blocks with which its memory estimate fits on every rank (the step's activations
+would take about 150 GB per GPU otherwise), so that memory a part saves is recomputation it saves; all use
+torch's fused AdamW on the bf16 weights and, with `compile`, compile each block (regional compilation: one
+graph serves every block). The ranks' allocator grows its segments (ALLOCATOR_ENVIRONMENT). On a GPU, rank 0 then times one block's attention alone in the Triton
 kernels and SDPA's FA2 and cuDNN backends.
 
 A step is timed as the handout's harness times it, the whole step from zero_grad to the optimizer step,
@@ -31,6 +32,7 @@ ranks synchronised them.
 
 from __future__ import annotations
 
+import os
 import statistics
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
@@ -42,23 +44,30 @@ from torch import nn
 from cs336_systems.accounting.activations import block_saved_bytes, parameter_count
 from cs336_systems.accounting.flops import step_flops
 from cs336_systems.accounting.memory import GIB
-from cs336_systems.attention.flash_triton import source_hash
 from cs336_systems.benchmarks.flash import MODES, FlashCell, benchmark_flash_cell
-from cs336_systems.benchmarks.harness import LEARNING_RATE, Phase, build_model, guarded_cell, lm_loss, random_batch, timed_step
+from cs336_systems.benchmarks.harness import (
+    LEARNING_RATE,
+    Phase,
+    build_model,
+    guarded_cell,
+    lm_loss,
+    random_batch,
+    release_memory,
+    timed_step,
+)
 from cs336_systems.benchmarks.sharding import gather_rows
 from cs336_systems.checks import check_positive_int
 from cs336_systems.distributed.ddp import BucketedDDP, batch_shard
-from cs336_systems.distributed.launch import rank_device, report_progress
+from cs336_systems.distributed.launch import launch, rank_device, report_progress
 from cs336_systems.linear_cross_entropy import DEFAULT_CHUNK_TOKENS, linear_cross_entropy
-from cs336_systems.memory_guard import check_memory_on_every_rank
+from cs336_systems.memory_guard import MemoryCheck, check_memory_on_every_rank
 from cs336_systems.model import LEADERBOARD, ModelConfig, TransformerLM
-from cs336_systems.profiling.checkpointing import apply_checkpointing, every_k
+from cs336_systems.profiling.checkpointing import Checkpoint, Plan, apply_checkpointing
 from cs336_systems.profiling.ranges import annotate
 from cs336_systems.rows import OOM, Row
 from cs336_systems.timing import STEP_TIMER, Timings, synchronize, tflops
 
 DDP, FSDP = "bucketed DDP", "torch FSDP (fully_shard per block)"
-PARALLELISMS = (DDP, FSDP)
 ATTENTION_LABELS = {"flash_triton": "Triton FlashAttention", "sdpa": "SDPA"}
 FUSED, FULL_LOGITS = "LM head fused with the loss", "full logits and cross-entropy"
 
@@ -67,7 +76,7 @@ FUSED, FULL_LOGITS = "LM head fused with the loss", "full logits and cross-entro
 class Variant:
     """One way to train the model: how the ranks share the work, the attention, and the loss."""
 
-    parallelism: str  # one of PARALLELISMS
+    parallelism: str  # DDP or FSDP
     attention: str  # a key of ATTENTION_LABELS
     fused_loss: bool
 
@@ -87,13 +96,23 @@ VARIANTS = {
 # The attention kernels timed alone at one rank's shape.
 KERNEL_PROVIDERS = ("flash_triton", "sdpa_flash", "sdpa_cudnn")
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
-# DDP buckets of 100 MB: 330 all-reduces of a 16 GB gradient, each long enough to run at NVLink's full
-# bandwidth, the last ready soon after backward's last block (the ddp_overlap_bucketed sweep).
+# DDP buckets of 100 MiB: about 160 all-reduces of the 16 GB gradient, each large enough for most of NVLink's
+# bandwidth, the last ready soon after backward's last block.
 BUCKET_SIZE_MB = 100.0
-# Bytes per logit of the full-logits loss (lm_loss) at its two largest moments: in forward the bf16 logits, their
-# fp32 copy and its log-softmax; at backward's start the log-softmax kept, its fp32 gradient and the logits' bf16
-# gradient. Two H200s' measured peak of torch's variant confirms it within 1%.
-FULL_LOGITS_BYTES = 10
+# Bytes per logit of the full-logits loss (lm_loss): in forward the bf16 logits, their fp32 copy and its
+# log-softmax; at backward's start the log-softmax kept, its fp32 gradient and the logits' bf16 gradient, with
+# the head's gradients and workspaces beside them: 11, as an H200 measured (91.1 GiB, every block checkpointed).
+FULL_LOGITS_FORWARD_BYTES = 10
+FULL_LOGITS_BACKWARD_BYTES = 11
+# A block's backward works in this share of what it kept, beyond it (an H200: 1.0 GiB over 4.02).
+BACKWARD_WORK_SHARE = 0.25
+# Left free beside the estimate when choosing how many blocks to checkpoint: the allocator's cache
+# fragments among the step's many large tensors (the run that chose plans with none ran out beside 20 GiB
+# reserved but unusable, before ALLOCATOR_ENVIRONMENT).
+PLAN_HEADROOM_BYTES = 6 * GIB
+# The ranks' caching allocator maps memory in segments that grow: a 19 GB gradient of the logits then fits
+# in what freed tensors left, where fixed segments would need one block that large.
+ALLOCATOR_ENVIRONMENT = {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}
 # Beyond the model's own tensors: the CUDA context and allocator rounding, kernel workspaces, NCCL buffers.
 OVERHEAD_BYTES = 3 * GIB
 
@@ -107,12 +126,21 @@ class LeaderboardConfig:
     steps: int = 5
     compile: bool = True
     loss_chunk_tokens: int = DEFAULT_CHUNK_TOKENS
+    # Blocks run under activation checkpointing (the first ones); None: the fewest with which the step's
+    # estimate fits on every rank, so that each variant recomputes only what its memory makes it.
+    checkpointed_blocks: int | None = None
 
     def __post_init__(self):
         check_positive_int(batch_size=self.batch_size, warmup=self.warmup, steps=self.steps,
                            loss_chunk_tokens=self.loss_chunk_tokens)
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
+        blocks = self.checkpointed_blocks
+        if blocks is not None and (isinstance(blocks, bool) or not isinstance(blocks, int)):
+            raise TypeError(f"checkpointed_blocks must be an int or None, got {type(blocks).__name__}")
+        if blocks is not None and not 0 <= blocks <= self.model.num_layers:
+            raise ValueError(f"checkpointed_blocks must be from 0 to the model's {self.model.num_layers} blocks, "
+                             f"got {blocks}")
 
     @property
     def torch_dtype(self) -> torch.dtype:
@@ -157,12 +185,18 @@ class LossModel(nn.Module):
                                     chunk_tokens=self.chunk_tokens)
 
 
+def checkpoint_plan(num_layers: int, checkpointed_blocks: int) -> Plan:
+    """The first `checkpointed_blocks` blocks checkpointed one at a time, the rest run plainly: backward meets the
+    plain blocks first and frees their activations before it recomputes any checkpointed block."""
+    return (*(Checkpoint((block,)) for block in range(checkpointed_blocks)), *range(checkpointed_blocks, num_layers))
+
+
 def build(variant: Variant, config: ModelConfig, device: torch.device, dtype: torch.dtype, compile: bool,
-          chunk_tokens: int, seed: int = 0) -> Trainer:
-    """The trainer of `variant`: the model (every block checkpointed, in `dtype`, the same weights for every
-    seed) wrapped for its parallelism, with fused AdamW."""
+          chunk_tokens: int, checkpointed_blocks: int, seed: int = 0) -> Trainer:
+    """The trainer of `variant`: the model (in `dtype`, the same weights for every seed, its first
+    `checkpointed_blocks` blocks checkpointed) wrapped for its parallelism, with fused AdamW."""
     lm = build_model(config, device, variant.attention, dtype=dtype, seed=seed, compile=compile)
-    apply_checkpointing(lm, every_k(config.num_layers, 1))
+    apply_checkpointing(lm, checkpoint_plan(config.num_layers, checkpointed_blocks))
     model = LossModel(lm, variant.fused_loss, chunk_tokens)
     if variant.parallelism == DDP:
         ddp = BucketedDDP(model, bucket_size_mb=BUCKET_SIZE_MB)
@@ -194,21 +228,41 @@ def train_step(trainer: Trainer, inputs: torch.Tensor, targets: torch.Tensor, ph
     return loss.detach()
 
 
-def estimated_peak_bytes(variant: Variant, cfg: LeaderboardConfig, world_size: int) -> int:
-    """One rank's peak: what stays through the step, plus the most of three moments. Forward's end holds every
-    block's input (kept by checkpointing) and the loss at its largest; backward's start those inputs, one
-    block recomputed and what the loss kept for backward; backward's end the gradients. On two H200s it was 0.5%
-    to 4% off the measured peaks, above them but for torch's."""
+def block_kept_bytes(cfg: LeaderboardConfig, batch: int) -> int:
+    """What one plain block keeps for backward at `batch` sequences, its output (the next block's input)
+    included. Compiled, with the weights in the activations' dtype: the two norms' outputs, q, k, v, attention's
+    output, the residual between the sublayers and the output, three d_ff-wide tensors (w1's and w3's outputs,
+    their gated product), the norms' and attention's per-token fp32 statistics; 4.02 GiB at the leaderboard's
+    shape, as an H200 measured. Eager: the activation model of the autocast block (8% above the 6.46 GiB an
+    eager bf16 block measured there)."""
+    config = cfg.model
+    tokens = batch * config.context_length
+    element = cfg.torch_dtype.itemsize
+    if cfg.compile:
+        return (8 * tokens * config.d_model * element + 3 * tokens * config.d_ff * element
+                + (2 + config.num_heads) * tokens * 4)
+    precision = "fp32" if cfg.torch_dtype == torch.float32 else "bf16"
+    return sum(size for name, size in block_saved_bytes(config, batch, config.context_length, precision,
+                                                        "sdpa").items() if name != "weight_casts")
+
+
+def estimated_peak_bytes(variant: Variant, cfg: LeaderboardConfig, world_size: int, checkpointed_blocks: int) -> int:
+    """One rank's peak: what stays through the step, plus the most of three moments. Forward's end holds the
+    checkpointed blocks' inputs, the plain blocks' activations and the loss at its largest; backward's start those
+    blocks' memory, what the loss kept and the first block's backward work; backward's end the gradients. On two
+    H200s it was 1.4% to 1.8% above the measured peaks, and 1.4% below torch's."""
     config, batch = cfg.model, cfg.per_rank_batch(world_size)
     element = cfg.torch_dtype.itemsize
     weights = parameter_count(config) * element
     head = config.vocab_size * config.d_model * element  # the embedding's size, and the LM head's
     tokens = batch * config.context_length
     hidden = tokens * config.d_model * element
-    precision = "fp32" if cfg.torch_dtype == torch.float32 else "bf16"
-    block = sum(size for name, size in block_saved_bytes(config, batch, config.context_length, precision,
-                                                         "sdpa").items() if name != "weight_casts")
-    residuals = config.num_layers * hidden
+    kept = block_kept_bytes(cfg, batch)
+    plain = config.num_layers - checkpointed_blocks
+    # A checkpointed block keeps its input; a plain one its activations and output, the first its input too.
+    residuals = checkpointed_blocks * hidden + plain * kept + (hidden if plain else 0)
+    # Backward's work in a block beyond what it kept; a checkpointed block first recomputes what it keeps.
+    backward_work = kept * (BACKWARD_WORK_SHARE + (0 if plain else 1))
     if variant.parallelism == DDP:
         # Whole on every rank: the weights, AdamW's two moments and the buckets; then the gradients, and a copy
         # of the largest while the buckets are written back.
@@ -225,13 +279,28 @@ def estimated_peak_bytes(variant: Variant, cfg: LeaderboardConfig, world_size: i
         loss_forward = chunk * (4 + element) + head * 4 // element + hidden
         loss_backward = head + hidden
     else:
-        loss_forward = loss_backward = tokens * config.vocab_size * FULL_LOGITS_BYTES
-    moments = (residuals + max(block, loss_forward), residuals + block + loss_backward, backward_end)
+        loss_forward = tokens * config.vocab_size * FULL_LOGITS_FORWARD_BYTES
+        loss_backward = tokens * config.vocab_size * FULL_LOGITS_BACKWARD_BYTES
+    checkpointed_forward = kept if checkpointed_blocks else 0  # a checkpointed block's activations, until it ends
+    moments = (residuals + max(checkpointed_forward, loss_forward), residuals + loss_backward + backward_work,
+               backward_end)
     return int(persistent + max(moments) + OVERHEAD_BYTES)
 
 
-def _measure(variant: Variant, cfg: LeaderboardConfig, rank: int, world_size: int, device: torch.device) -> dict:
-    trainer = build(variant, cfg.model, device, cfg.torch_dtype, cfg.compile, cfg.loss_chunk_tokens)
+def fewest_checkpoints(variant: Variant, cfg: LeaderboardConfig, world_size: int,
+                       fits: Callable[[int], bool]) -> int:
+    """The fewest blocks to checkpoint for the estimate to pass `fits` (the memory guard's check on every rank);
+    every block where none does, for the guard to refuse."""
+    for checkpointed in range(cfg.model.num_layers + 1):
+        if fits(estimated_peak_bytes(variant, cfg, world_size, checkpointed)):
+            return checkpointed
+    return cfg.model.num_layers
+
+
+def _measure(variant: Variant, cfg: LeaderboardConfig, checkpointed_blocks: int, rank: int, world_size: int,
+             device: torch.device) -> dict:
+    trainer = build(variant, cfg.model, device, cfg.torch_dtype, cfg.compile, cfg.loss_chunk_tokens,
+                    checkpointed_blocks)
     batch = cfg.per_rank_batch(world_size)
     inputs, targets = random_batch(cfg.model, batch, cfg.model.context_length, device, seed=rank)
     losses = []
@@ -251,11 +320,13 @@ def _measure(variant: Variant, cfg: LeaderboardConfig, rank: int, world_size: in
     return {"status": "ok", "samples": samples, "peak_gib": peak, "losses": losses}
 
 
-def _step_row(name: str, per_rank: list[dict], cfg: LeaderboardConfig, world_size: int) -> Row:
+def _step_row(name: str, per_rank: list[dict], cfg: LeaderboardConfig, world_size: int,
+              checkpointed_blocks: int) -> Row:
     config, variant = cfg.model, VARIANTS[name]
     row: Row = {"table": "step", "variant": name, "setup": variant.setup, "world_size": world_size,
-                "backend": dist.get_backend(), **_config_columns(cfg), "source_hash": source_hash(),
-                "model_peak_gib": estimated_peak_bytes(variant, cfg, world_size) / GIB}
+                "backend": dist.get_backend(), **_config_columns(cfg), "source_hash": _flash_source(),
+                "checkpointed_blocks": checkpointed_blocks,
+                "model_peak_gib": estimated_peak_bytes(variant, cfg, world_size, checkpointed_blocks) / GIB}
     oom = next((stats for stats in per_rank if stats["status"] == OOM), None)
     if oom is not None:
         return {**row, **oom}
@@ -278,8 +349,16 @@ def _step_row(name: str, per_rank: list[dict], cfg: LeaderboardConfig, world_siz
     return row
 
 
+def _flash_source() -> str:
+    """The FlashAttention GPU source the rows measured. Imported here, not with the module: the kernels must not
+    be imported before a run decides whether they are interpreted (cs336_systems.interpretation)."""
+    from cs336_systems.attention.flash_triton import source_hash
+
+    return source_hash()
+
+
 def _config_columns(cfg: LeaderboardConfig) -> Row:
-    columns = {key: value for key, value in asdict(cfg).items() if key != "model"}
+    columns = {key: value for key, value in asdict(cfg).items() if key not in ("model", "checkpointed_blocks")}
     model = cfg.model
     return {**columns, "d_model": model.d_model, "d_ff": model.d_ff, "num_layers": model.num_layers,
             "num_heads": model.num_heads, "vocab_size": model.vocab_size, "seq_len": model.context_length,
@@ -291,11 +370,21 @@ def benchmark_leaderboard(rank: int, world_size: int, cfg: LeaderboardConfig) ->
     device = rank_device()
     rows = []
     for name, variant in VARIANTS.items():
-        estimate = estimated_peak_bytes(variant, cfg, world_size)
-        stats = guarded_cell(device, lambda: check_memory_on_every_rank(estimate, device, world_size),
-                             measure=lambda columns: _measure(variant, cfg, rank, world_size, device) | columns,
+        release_memory(device)  # what the variant before left, before the plan is fitted to what is free
+
+        def check(estimate: int) -> MemoryCheck:
+            return check_memory_on_every_rank(estimate, device, world_size)
+
+        checkpointed = cfg.checkpointed_blocks
+        if checkpointed is None:
+            checkpointed = fewest_checkpoints(variant, cfg, world_size,
+                                              lambda estimate: check(estimate + PLAN_HEADROOM_BYTES).fits)
+        estimate = estimated_peak_bytes(variant, cfg, world_size, checkpointed)
+        stats = guarded_cell(device, lambda: check(estimate),
+                             measure=lambda columns: _measure(variant, cfg, checkpointed, rank, world_size,
+                                                              device) | columns,
                              oom=lambda columns: columns, record_running_out=False)
-        rows.append(_step_row(name, gather_rows(stats, world_size), cfg, world_size))
+        rows.append(_step_row(name, gather_rows(stats, world_size), cfg, world_size, checkpointed))
     return rows if rank == 0 else []
 
 
@@ -313,6 +402,21 @@ def attention_kernels(rank: int, world_size: int, cfg: LeaderboardConfig) -> lis
     return rows
 
 
+def run_leaderboard(world_size: int, cfg: LeaderboardConfig, device: str, timeout_s: float) -> list[Row]:
+    """Launch `leaderboard_problem` on `world_size` ranks, its ranks' allocator set up as ALLOCATOR_ENVIRONMENT
+    (the environment as it was afterwards); rank 0's rows."""
+    before = {name: os.environ.get(name) for name in ALLOCATOR_ENVIRONMENT}
+    os.environ.update(ALLOCATOR_ENVIRONMENT)
+    try:
+        return launch(leaderboard_problem, world_size, cfg, device=device, timeout_s=timeout_s)[0]
+    finally:
+        for name, value in before.items():
+            if value is None:
+                os.environ.pop(name)
+            else:
+                os.environ[name] = value
+
+
 def leaderboard_problem(rank: int, world_size: int, cfg: LeaderboardConfig) -> list[Row]:
     """Run under launch: the correctness rows, then the benchmark's and the attention kernels'."""
     return (leaderboard_equivalence(rank, world_size) + benchmark_leaderboard(rank, world_size, cfg)
@@ -325,6 +429,7 @@ def leaderboard_problem(rank: int, world_size: int, cfg: LeaderboardConfig) -> l
 EQUIVALENCE_CONFIG = ModelConfig(d_model=64, d_ff=176, num_layers=2, num_heads=4, context_length=32, vocab_size=300)
 EQUIVALENCE_BATCH_PER_RANK = 1
 EQUIVALENCE_CHUNK_TOKENS = 24
+EQUIVALENCE_CHECKPOINTED_BLOCKS = 1  # of 2: one block recomputed in backward, one run plainly
 # By device, relative to each gradient's largest magnitude (and to the loss). On a CPU everything is fp32: the
 # ranks' gradients differ from one process's in summation order, FlashAttention's in the order of its online
 # softmax. On a GPU the FlashAttention kernels' fp32 dots run in tf32 (10 mantissa bits, a relative error of
@@ -346,8 +451,8 @@ def leaderboard_equivalence(rank: int, world_size: int) -> list[Row]:
     mine = batch_shard(len(inputs), rank, world_size)
     rows = []
     for name, variant in VARIANTS.items():
-        trainer = build(variant, config, device, torch.float32, compile=False,
-                               chunk_tokens=EQUIVALENCE_CHUNK_TOKENS)
+        trainer = build(variant, config, device, torch.float32, compile=False, chunk_tokens=EQUIVALENCE_CHUNK_TOKENS,
+                        checkpointed_blocks=EQUIVALENCE_CHECKPOINTED_BLOCKS)
         loss = trainer.loss(inputs[mine], targets[mine])
         loss.backward()
         if trainer.after_backward is not None:
@@ -361,7 +466,7 @@ def leaderboard_equivalence(rank: int, world_size: int) -> list[Row]:
             worst = max(worst, ((grad - reference_grad).abs().max() / reference_grad.abs().max()).item())
         loss_difference = abs(statistics.fmean(x.item() for x in losses) - reference_loss.item())
         tolerance = EQUIVALENCE_TOLERANCES[device.type]
-        rows.append({"table": "equivalence", "variant": name, "setup": variant.setup, "source_hash": source_hash(),
+        rows.append({"table": "equivalence", "variant": name, "setup": variant.setup, "source_hash": _flash_source(),
                      "world_size": world_size, "backend": dist.get_backend(), "model": _model_text(config),
                      "relative_loss_difference": loss_difference / abs(reference_loss.item()),
                      "max_relative_gradient_difference": worst, "tolerance": tolerance})

@@ -33,18 +33,22 @@ def _steps(rows: list[Row]) -> dict[str, Row]:
 
 
 def _setup_sentence(step: Row) -> str:
-    return (f"A full training step (zero_grad to AdamW) of the {step['parameters'] / 1e9:.2f}B-parameter model "
+    parameters = step["parameters"]
+    size = f"{parameters / 1e9:.2f}B" if parameters >= 1e9 else f"{parameters / 1e6:.2f}M"
+    return (f"A full training step (zero_grad to AdamW) of the {size}-parameter model "
             f"(d_model {step['d_model']}, d_ff {step['d_ff']}, {step['num_layers']} layers, {step['num_heads']} heads, "
             f"vocabulary {step['vocab_size']:,}), {step['dtype']} weights, batch {step['batch_size']} x "
             f"{step['seq_len']:,} tokens, causal, {step['world_size']} ranks ({step['backend']}) sharing the batch; "
-            "every block checkpointed" + (" and compiled" if step["compile"] else "")
-            + f"; {step['warmup']} warm-up and {step['steps']} timed steps, each the slowest rank's time.")
+            "every block " + ("compiled" if step["compile"] else "eager")
+            + "; each variant checkpoints the fewest blocks its memory estimate allows; "
+            f"{step['warmup']} warm-up and {step['steps']} timed steps (the slowest rank's).")
 
 
 def _step_table(steps: dict[str, Row]) -> str:
     table = []
     for variant, r in steps.items():
-        line = {"variant": variant, "setup": r["setup"]}
+        line = {"variant": variant, "setup": r["setup"],
+                "checkpointed blocks": f"{r['checkpointed_blocks']} of {r['num_layers']}"}
         if r["status"] != "ok":
             line["step (ms)"] = oom_text(r)
         else:
@@ -52,7 +56,7 @@ def _step_table(steps: dict[str, Row]) -> str:
                          "min to max (ms)": f"{format_ms(r['min_ms'])} to {format_ms(r['max_ms'])}",
                          "forward": format_ms(r["forward_ms"]), "backward": format_ms(r["backward_ms"]),
                          "optimizer": format_ms(r["optimizer_ms"]), "tokens/s": f"{r['tokens_per_s']:,.0f}",
-                         "model TFLOP/s per GPU": f"{r['tflops_per_gpu']:.0f}"})
+                         "model TFLOP/s per GPU": f"{r['tflops_per_gpu']:.3g}"})
             if r.get("peak_gib") is not None:
                 line["peak per rank (GiB)"] = f"{r['peak_gib']:.1f}"
         line["estimate (GiB)"] = f"{r['model_peak_gib']:.1f}"
@@ -97,7 +101,8 @@ def _parts_section(steps: dict[str, Row]) -> str:
         lines.append(text + ".")
     if not lines:
         return ""
-    return "## What each part costs\n\nVariants next to each other in the table differ in one part:\n\n" + "\n".join(lines) + "\n"
+    return ("## What each part costs\n\nVariants next to each other in the table differ in one part; memory a part "
+            "saves lets its variant recompute fewer blocks:\n\n" + "\n".join(lines) + "\n")
 
 
 def _kernel_section(rows: list[Row], steps: dict[str, Row]) -> str:
@@ -114,23 +119,25 @@ def _kernel_section(rows: list[Row], steps: dict[str, Row]) -> str:
 
 
 def _attention_per_step(kernels: list[Row], steps: dict[str, Row]) -> str:
-    """Each kernel's share of a step: forward twice (once more when backward recomputes the checkpointed block)
-    and backward once per block; the gap between ours and ours with SDPA set against their differences."""
+    """Each kernel's share of a step, forward+backward in every block and a forward more in each checkpointed
+    one (recomputed in backward); the gap between ours and ours with SDPA set against their differences."""
     ours, sdpa = steps.get(OURS), steps.get(OURS_SDPA)
-    if not (ours and sdpa and ok_rows([ours, sdpa]) == [ours, sdpa] and same_run(ours, sdpa, *kernels)):
+    if not (ours and sdpa and ok_rows([ours, sdpa]) == [ours, sdpa] and same_run(ours, sdpa, *kernels)
+            and ours["checkpointed_blocks"] == sdpa["checkpointed_blocks"]):
         return ""
+    layers, recomputed = ours["num_layers"], ours["checkpointed_blocks"]
     per_step = {}
     for provider in {r["provider"] for r in kernels}:
         times = {r["mode"]: r["median_ms"] for r in kernels if r["provider"] == provider}
         if {"forward", "forward_backward"} <= times.keys():
-            per_step[provider] = ours["num_layers"] * (times["forward_backward"] + times["forward"])
+            per_step[provider] = layers * times["forward_backward"] + recomputed * times["forward"]
     triton = per_step.pop("flash_triton", None)
     if triton is None or not per_step:
         return ""
     gap = ours["median_ms"] - sdpa["median_ms"]
-    return ("\nPer step (forward+backward and a recomputed forward, x " + f"{ours['num_layers']} blocks) the Triton "
-            f"kernels take {format_ms(triton)}, " + ", ".join(f"{PROVIDER_LABELS.get(p, p)} {format_ms(t)}"
-                                                           for p, t in sorted(per_step.items()))
+    return (f"\nPer step ({layers} forward+backward, {recomputed} forward recomputed) the Triton kernels take "
+            f"{format_ms(triton)}, " + ", ".join(f"{PROVIDER_LABELS.get(p, p)} {format_ms(t)}"
+                                                 for p, t in sorted(per_step.items()))
             + f". Ours took {format_ms(gap)} longer than ours with SDPA; the kernels alone account for "
             + ", ".join(f"{format_ms(triton - t)} if SDPA ran {PROVIDER_LABELS.get(p, p)}"
                         for p, t in sorted(per_step.items())) + ".\n")
@@ -170,8 +177,7 @@ def _baseline_sentence(steps: dict[str, Row]) -> str:
     ours = steps.get(OURS)
     if not (ours and ours["status"] == "ok"):
         return ""
-    return (f"The handout's naive baseline takes {HANDOUT_BASELINE_S:.0f} s on two B200s; ours "
-            f"{ours['median_ms'] / 1e3:.2f} s here.")
+    return f"The handout's naive baseline: {HANDOUT_BASELINE_S:.0f} s on two B200s."
 
 
 def answer_leaderboard(reports: Reports) -> list[str]:
@@ -184,10 +190,10 @@ def answer_leaderboard(reports: Reports) -> list[str]:
         return [not_in_report("A measured step of ours")]
     sentence = (f"The 8B-class model's full training step at batch {ours['batch_size']} x {ours['seq_len']:,} tokens, "
                 f"{ours['dtype']}, on {ours['world_size']} GPUs ({ours['setup']}): {ours['median_ms'] / 1e3:.2f} s "
-                f"(median of {ours['steps']}), {ours['tflops_per_gpu']:.0f} model TFLOP/s per GPU")
+                f"(median of {ours['steps']}), {ours['tflops_per_gpu']:.3g} model TFLOP/s per GPU")
     if ours.get("peak_gib") is not None:
         sentence += f", peak {ours['peak_gib']:.1f} GiB per GPU"
-    return [sentence + ". " + comparison(steps)]
+    return [" ".join(filter(None, (sentence + ".", comparison(steps), _fastest_sentence(steps))))]
 
 
 def open_items_leaderboard(reports: Reports) -> list[str]:
