@@ -14,6 +14,7 @@ from cs336_systems.attention.flash_triton import GPU_SOURCES, source_hash
 from cs336_systems.benchmarks.flash import GATE_PROMISES, GATED_PROVIDERS, gate_name, gate_ratios
 from cs336_systems.provenance import PACKAGE_ROOT
 from cs336_systems.reports import read_rows
+from cs336_systems.reports.problems import PROBLEMS
 
 REPO = Path(__file__).resolve().parents[1]
 FLASH_TRITON = PACKAGE_ROOT / "attention" / "flash_triton"
@@ -31,11 +32,12 @@ def test_committed_gpu_check_record_is_a_clean_run_of_the_current_source(gpu):
                        + "; ".join(found))
 
 
-# The reports whose rows measured the FlashAttention kernels, and the perf module that measures each; every row
-# names the GPU source it measured.
-FLASH_REPORT_MODULES = {"flash_benchmarking": "perf/test_flash.py", "flash_in_training": "perf/test_flash.py",
-                        "leaderboard": "perf/test_leaderboard.py"}
-FLASH_REPORTS = sorted(path.relative_to(REPO).as_posix() for problem in FLASH_REPORT_MODULES
+# The reports whose rows measured the FlashAttention kernels; every row names the GPU source it measured. The
+# perf module that measures each, from the problems table.
+FLASH_MEASURING_REPORTS = ("flash_benchmarking", "flash_in_training", "leaderboard")
+MEASURED_BY = {name: " ".join(problem.measured_by) for problem in PROBLEMS for name in problem.report_names
+               if name in FLASH_MEASURING_REPORTS}
+FLASH_REPORTS = sorted(path.relative_to(REPO).as_posix() for problem in FLASH_MEASURING_REPORTS
                        for path in (REPO / "reports").glob(f"*/{problem}.csv"))
 
 
@@ -47,7 +49,7 @@ def test_every_committed_flash_row_measured_the_current_source(report):
     path = Path(report)
     assert not other, (f"{report}: {sum(other.values())} of {len(rows)} rows did not measure the current FlashAttention "
                        f"source {current} (rows by source: {other}); measure them again on that GPU: "
-                       f"`pytest {FLASH_REPORT_MODULES[path.stem]} --gpu {path.parent.name}`")
+                       f"`pytest {MEASURED_BY[path.stem]} --gpu {path.parent.name}`")
 
 
 # The GPUs whose committed flash_benchmarking rows hold the speed-up gates' cell, and a baseline file.

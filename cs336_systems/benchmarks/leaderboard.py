@@ -48,6 +48,7 @@ from cs336_systems.benchmarks.flash import MODES, FlashCell, benchmark_flash_cel
 from cs336_systems.benchmarks.harness import (
     LEARNING_RATE,
     Phase,
+    adamw,
     build_model,
     guarded_cell,
     lm_loss,
@@ -163,12 +164,6 @@ class Trainer:
     after_backward: Callable[[], None] | None = None
 
 
-def _adamw(module: nn.Module) -> torch.optim.Optimizer:
-    # torch's fused kernel on CUDA: one pass over weights, gradients and both moments (bf16, as the weights).
-    return torch.optim.AdamW(module.parameters(), lr=LEARNING_RATE, fused=True if next(module.parameters()).is_cuda
-                             else None)
-
-
 class LossModel(nn.Module):
     """The LM and its loss as one module, (inputs, targets) -> mean cross-entropy, so that a wrapper's forward
     hooks (FSDP's gathering of the root's weights) run around the loss too: with `fused_loss` the head's
@@ -205,13 +200,13 @@ def build(variant: Variant, config: ModelConfig, device: torch.device, dtype: to
             ddp.on_train_batch_start()
             return ddp(inputs, targets)
 
-        return Trainer(model, loss, _adamw(model), ddp.finish_gradient_synchronization)
+        return Trainer(model, loss, adamw(model, LEARNING_RATE, "fused"), ddp.finish_gradient_synchronization)
     from torch.distributed.fsdp import fully_shard
 
     for block in lm.layers.blocks():
         fully_shard(block)
     fully_shard(model)
-    return Trainer(model, model, _adamw(model))
+    return Trainer(model, model, adamw(model, LEARNING_RATE, "fused"))
 
 
 def train_step(trainer: Trainer, inputs: torch.Tensor, targets: torch.Tensor, phase: Phase = annotate) -> torch.Tensor:
