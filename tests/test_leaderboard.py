@@ -145,14 +145,14 @@ def test_the_estimate_is_within_a_few_percent_of_each_committed_measured_peak(ro
     assert abs(estimate / row["peak_gib"] - 1) <= ESTIMATE_TOLERANCE, (estimate, row["peak_gib"])
 
 
-def _step(variant: str, median_ms: float, run: int = 1, status: str = "ok") -> dict:
+def _step(variant: str, median_ms: float, run: int = 1, status: str = "ok", std_share: float = 0.01) -> dict:
     config = {"batch_size": 2, "seq_len": 32768, "d_model": 4096, "d_ff": 11008, "num_layers": 34, "num_heads": 32,
               "vocab_size": 151936, "parameters": 8_125_698_048, "dtype": "bf16", "world_size": 2,
               "backend": "nccl", "compile": True, "warmup": 2, "steps": 5}
     row = {"table": "step", "variant": variant, "setup": VARIANTS[variant].setup, "run": run, "status": status,
            "model_peak_gib": 85.0, "checkpointed_blocks": 20, **config}
     if status == "ok":
-        row.update(median_ms=median_ms, iqr_ms=5.0, min_ms=median_ms - 5, max_ms=median_ms + 5, forward_ms=1.0,
+        row.update(median_ms=median_ms, mean_ms=median_ms, std_ms=median_ms * std_share, iqr_ms=5.0, min_ms=median_ms - 5, max_ms=median_ms + 5, forward_ms=1.0,
                    backward_ms=2.0, optimizer_ms=3.0, tokens_per_s=1e4, tflops_per_gpu=500.0, peak_gib=84.0)
     else:
         row.update(oom_predicted=True)
@@ -173,3 +173,9 @@ def test_the_report_and_answer_say_when_a_variant_did_not_fit():
     answer = answer_leaderboard({"leaderboard": rows})[0]
     assert answer.startswith("The 8B-class model's full training step at batch 2 x 32,768 tokens, bf16, on 2 GPUs")
     assert "6.40 s" in answer
+
+
+def test_a_step_time_that_varied_by_more_than_a_fifth_is_marked_noisy_and_so_are_its_ratios():
+    body = render_leaderboard([_step(OURS, 6400.0, std_share=0.3), _step(TORCH, 5800.0)]).body
+    assert "6,400.0 ms (IQR 5 ms) (noisy)" in body
+    assert "Ours takes 1.10x (noisy) torch's time per step" in body

@@ -13,7 +13,9 @@ from cs336_systems.reports import (
     Reports,
     format_ms,
     format_ratio,
+    is_noisy,
     markdown_table,
+    noisy_marked,
     not_in_report,
     oom_text,
     same_run,
@@ -30,6 +32,15 @@ FLOPS_NOTE = ("Model FLOPs: every matmul once, causal attention in full (cs336_s
 
 def _steps(rows: list[Row]) -> dict[str, Row]:
     return {r["variant"]: r for r in select(rows, table="step")}
+
+
+def _noisy(step: Row) -> bool:
+    return is_noisy(step["mean_ms"], step["std_ms"])
+
+
+def _ratio(slow: Row, fast: Row) -> str:
+    """The ratio of two steps' medians, marked noisy where either step's time is."""
+    return noisy_marked(format_ratio(slow["median_ms"] / fast["median_ms"]), _noisy(slow) or _noisy(fast))
 
 
 def _setup_sentence(step: Row) -> str:
@@ -52,7 +63,8 @@ def _step_table(steps: dict[str, Row]) -> str:
         if r["status"] != "ok":
             line["step (ms)"] = oom_text(r)
         else:
-            line.update({"step (ms)": f"{format_ms(r['median_ms'])} (IQR {format_ms(r['iqr_ms'])})",
+            line.update({"step (ms)": noisy_marked(f"{format_ms(r['median_ms'])} (IQR {format_ms(r['iqr_ms'])})",
+                                                   _noisy(r)),
                          "min to max (ms)": f"{format_ms(r['min_ms'])} to {format_ms(r['max_ms'])}",
                          "forward": format_ms(r["forward_ms"]), "backward": format_ms(r["backward_ms"]),
                          "optimizer": format_ms(r["optimizer_ms"]), "tokens/s": f"{r['tokens_per_s']:,.0f}",
@@ -74,8 +86,7 @@ def comparison(steps: dict[str, Row]) -> str:
                f"{oom_text(theirs) if theirs['status'] != 'ok' else 'ran'}."
     if not same_run(ours, theirs):
         return f"No comparison: {UNPAIRED}."
-    ratio = ours["median_ms"] / theirs["median_ms"]
-    return (f"Ours takes {format_ratio(ratio)} torch's time per step ({format_ms(ours['median_ms'])} against "
+    return (f"Ours takes {_ratio(ours, theirs)} torch's time per step ({format_ms(ours['median_ms'])} against "
             f"{format_ms(theirs['median_ms'])}, medians of one run).")
 
 
@@ -94,7 +105,7 @@ def _parts_section(steps: dict[str, Row]) -> str:
         if a["status"] != "ok" or b["status"] != "ok" or not same_run(a, b):
             lines.append(f"- {part}: no comparison ({'not both measured' if same_run(a, b) else UNPAIRED}).")
             continue
-        text = (f"- {part}: {format_ratio(a['median_ms'] / b['median_ms'])}, {format_ms(a['median_ms'])} against "
+        text = (f"- {part}: {_ratio(a, b)}, {format_ms(a['median_ms'])} against "
                 f"{format_ms(b['median_ms'])}")
         if a.get("peak_gib") is not None and b.get("peak_gib") is not None:
             text += f"; peak {a['peak_gib']:.1f} against {b['peak_gib']:.1f} GiB"
