@@ -2,8 +2,11 @@
 for the kernel path (launch calls and kernels by correlation id, ranges on another thread)."""
 
 import itertools
+import logging
+import os
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import pytest
@@ -14,9 +17,11 @@ from torch.autograd.profiler_util import FunctionEvent
 
 from cs336_systems.benchmarks.nsys_profile import ATTENTION_RANGES, ProfileConfig, profile_training_step
 from cs336_systems.model import ModelConfig, TransformerLM
+from cs336_systems.profiling import kernels
 from cs336_systems.profiling.kernels import (
     Work,
     activity,
+    call_until_finished,
     device_timeline,
     device_work,
     is_matmul,
@@ -24,6 +29,7 @@ from cs336_systems.profiling.kernels import (
     merge_tables,
     profiler_activities,
     short_name,
+    thread_ids,
 )
 from cs336_systems.profiling.ranges import annotate
 from cs336_systems.reports import problems, read_rows
@@ -346,22 +352,65 @@ def test_gpu_profiled_range_is_read_as_host_time():
 
 
 @pytest.mark.gpu
-def test_a_process_whose_last_call_was_a_cuda_profile_exits():
-    """Kineto detaches CUPTI (TEARDOWN_CUPTI=1) in the next CUDA call's callback: a process that made none
-    after its last profile hung at exit until device_profile ended with one."""
+def test_a_process_whose_last_call_was_a_cuda_profile_exits_with_every_core_busy():
+    """Kineto detaches CUPTI (TEARDOWN_CUPTI=1) from a thread of its own, in the exit callback of a CUDA call
+    made once that thread is ready. A process that made none after its last profile hung at exit; so, on an
+    H200 with twice as many busy processes as cores, did every one of six whose profile ended with a single
+    synchronisation, made before the thread was ready."""
     script = ("import torch\n"
               "from cs336_systems.profiling.kernels import device_profile\n"
               "x = torch.randn(512, 512, device='cuda')\n"
               "with device_profile('cuda') as profiler:\n"
               "    (x @ x).sum().item()\n"
               "print(len(profiler.events()))\n")
+    spinners = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(2 * os.cpu_count())]
     try:
         result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=180,
                                 cwd=Path(__file__).resolve().parents[1])
     except subprocess.TimeoutExpired as hung:
         pytest.fail(f"the process had not exited 180 s after starting (its output: {hung.stdout!r})")
+    finally:
+        for spinner in spinners:
+            spinner.kill()
+            spinner.wait()
     assert result.returncode == 0, result.stderr
     assert int(result.stdout) > 0
+
+
+def test_call_until_finished_calls_until_the_threads_it_watches_have_ended():
+    release = threading.Event()
+    worker = threading.Thread(target=release.wait)
+    before = thread_ids()
+    worker.start()
+    started = thread_ids() - before
+    assert started == {worker.native_id}
+    calls = []
+
+    def call():  # the third call lets the thread end, as a runtime call lets Kineto's teardown finish
+        calls.append(len(calls))
+        if len(calls) == 3:
+            release.set()
+            worker.join()
+
+    call_until_finished(started, call)
+    assert len(calls) == 3
+    call_until_finished(started, call)  # threads already gone: one call, then done
+    assert len(calls) == 4
+
+
+def test_call_until_finished_gives_up_with_a_warning_past_its_timeout(monkeypatch, caplog):
+    release = threading.Event()
+    worker = threading.Thread(target=release.wait)
+    worker.start()
+    monkeypatch.setattr(kernels, "CUPTI_TEARDOWN_TIMEOUT_S", 0.0)
+    calls = []
+    try:
+        with caplog.at_level(logging.WARNING, logger=kernels.__name__):
+            call_until_finished({worker.native_id}, lambda: calls.append(1))
+    finally:
+        release.set()
+        worker.join()
+    assert calls and "1 thread(s) the profiler started still run" in caplog.text
 
 
 def test_a_cell_without_attention_matmul_time_is_left_out_of_the_report_and_the_answer_alike():

@@ -26,10 +26,12 @@ that can equal an operator's, so the same kernel can be listed twice.
 from __future__ import annotations
 
 import bisect
+import logging
 import os
 import re
+import time
 from collections import defaultdict
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 
@@ -65,6 +67,17 @@ def is_fused_attention(name: str) -> bool:
     return bool(_FUSED_ATTENTION.search(name))
 
 
+# Kineto tears CUPTI down on a thread of its own, which flushes CUPTI's buffers and then waits for the exit
+# callback of some CUDA runtime call to detach it. A profile on a loaded machine (the test suite on every core)
+# ended with its one synchronisation before that thread was ready, and the process hung at exit (torch 2.11,
+# H200): so device_profile calls the runtime until the thread has gone, polling this often, for at most this
+# long (it took milliseconds).
+CUPTI_TEARDOWN_POLL_S = 0.001
+CUPTI_TEARDOWN_TIMEOUT_S = 60.0
+
+log = logging.getLogger(__name__)
+
+
 @contextmanager
 def device_profile(device: torch.device | str) -> Iterator[torch.profiler.profile]:
     """torch.profiler over the host and, on CUDA, the device's kernels. On CUDA, CUPTI is torn down
@@ -72,18 +85,46 @@ def device_profile(device: torch.device | str) -> Iterator[torch.profiler.profil
     slows every kernel launch after it in the process, which made host-bound training steps measured
     after a profile up to 1.36x slower (large, bf16, context 512, on an H100).
 
-    Kineto detaches CUPTI in the exit callback of the next CUDA runtime or driver call, so the profile
-    ends with one (a device synchronisation), also when its body raised. Without it, a process whose
-    last profile was followed by no CUDA call hung at exit (torch 2.11, H100)."""
+    Kineto detaches CUPTI from a thread it starts as the profile stops, in the exit callback of the first
+    CUDA runtime call made once that thread is ready. A process whose last profile was followed by no such
+    call hung at exit (torch 2.11, H100), and so did one whose single synchronisation came before the thread
+    was ready (on a loaded H200): the profile ends, also when its body raised, only once the threads that
+    stopping it started have finished, making a runtime call (a device synchronisation) each time it looks."""
     cuda = torch.device(device).type == "cuda"
     if cuda:
         os.environ.setdefault("TEARDOWN_CUPTI", "1")
+    profiler = torch.profiler.profile(activities=profiler_activities(device))
+    profiler.start()
     try:
-        with torch.profiler.profile(activities=profiler_activities(device)) as profiler:
-            yield profiler
+        yield profiler
     finally:
+        running = thread_ids()
+        profiler.stop()
         if cuda:
-            torch.cuda.synchronize(device)
+            call_until_finished(thread_ids() - running, lambda: torch.cuda.synchronize(device))
+
+
+def thread_ids() -> set[int]:
+    """The ids of this process's threads (Linux's /proc/self/task); empty where the system does not list them."""
+    try:
+        return {int(name) for name in os.listdir("/proc/self/task")}
+    except OSError:
+        return set()
+
+
+def call_until_finished(started: set[int], call: Callable[[], object]) -> None:
+    """`call` until none of the threads `started` is running, or CUPTI_TEARDOWN_TIMEOUT_S has passed (logged)."""
+    deadline = time.monotonic() + CUPTI_TEARDOWN_TIMEOUT_S
+    while True:
+        call()
+        running = started & thread_ids()
+        if not running:
+            return
+        if time.monotonic() >= deadline:
+            log.warning("%d thread(s) the profiler started still run %g s after it stopped; CUPTI may still be "
+                        "attached", len(running), CUPTI_TEARDOWN_TIMEOUT_S)
+            return
+        time.sleep(CUPTI_TEARDOWN_POLL_S)
 
 
 def profiler_activities(device: torch.device | str) -> list[torch.profiler.ProfilerActivity]:
