@@ -118,7 +118,16 @@ class Embedding(nn.Module):
         nn.init.trunc_normal_(self.weight, std=1.0, a=-3.0, b=3.0)
 
     def forward(self, token_ids: torch.Tensor) -> torch.Tensor:
-        return self.weight[token_ids]
+        # F.embedding, not self.weight[token_ids]: indexing wraps a negative id round to the vocabulary's end,
+        # a silent wrong answer, where F.embedding refuses every id outside [0, num_embeddings). On a CPU the
+        # ids are checked here first, to name the problem; on a GPU that check would wait for the device every
+        # step, and the kernel's own bounds check stops the process instead.
+        if token_ids.device.type == "cpu" and not torch.compiler.is_compiling():
+            low, high = token_ids.min().item(), token_ids.max().item()
+            if low < 0 or high >= self.weight.shape[0]:
+                raise ValueError(f"token ids must lie in [0, {self.weight.shape[0]}), the vocabulary; "
+                                 f"got ids from {low} to {high}")
+        return F.embedding(token_ids, self.weight)
 
 
 class RMSNorm(nn.Module):

@@ -178,6 +178,10 @@ def test_bad_input_gives_clear_errors():
     for dtype in (torch.float32, torch.bool):
         with pytest.raises(TypeError, match="integers"):
             model(torch.zeros(1, 4, dtype=dtype))
+    vocab = model.config.vocab_size
+    for bad_id in (-1, -vocab, vocab):
+        with pytest.raises(ValueError, match=rf"token ids must lie in \[0, {vocab}\).* {bad_id}"):
+            model(torch.tensor([[0, bad_id, 1]]))
     with pytest.raises(ValueError, match="unknown model size"):
         ModelConfig.for_size("huge", 16)
     with pytest.raises(ValueError, match="unknown attention"):
