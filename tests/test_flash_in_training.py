@@ -3,7 +3,7 @@
 import pytest
 
 from cs336_systems.benchmarks.flash_in_training import TrainingCell, kernel_cell_of, training_steps
-from cs336_systems.reports.flash_in_training import render_flash_in_training
+from cs336_systems.reports.flash_in_training import answer_flash_in_training, render_flash_in_training
 from cs336_systems.rows import OOM
 
 
@@ -44,6 +44,17 @@ def test_graphed_steps_get_their_own_table_against_graphed_sdpa():
     graphed = body.split("## Training steps in CUDA graphs")[1]
     assert "0.844x" in graphed and "0.950x" not in graphed  # 76 / 90, the graphed SDPA step's
     assert "## Training steps in CUDA graphs" not in render_flash_in_training(rows[:2]).body
+
+
+def test_the_answer_gives_the_uncaptured_step_against_sdpa_at_each_context_that_ran_both():
+    at_2048 = [r | {"context_length": 2048} for r in (_step("sdpa", 300.0), _step("flash_triton", 306.0))]
+    noisy_sdpa = _step("sdpa", 100.0) | {"std_ms": 30.0}
+    rows = at_2048 + [noisy_sdpa, _step("flash_triton", 95.0), _step("flash_triton", 70.0, table="graphed_step")]
+    (sentence,) = answer_flash_in_training(rows)
+    assert sentence.endswith("over the SDPA step: 0.950x (noisy) at context 512 and 1.020x at context 2048.")
+    assert "xl (2025 table; batch 4, bf16 autocast)" in sentence
+    (sentence,) = answer_flash_in_training([_step("sdpa", 100.0), _step("flash_triton", None, OOM)])
+    assert sentence == "A compiled training step where both the Triton op and SDPA ran is not in the report."
 
 
 def _kernel_row(provider, median_ms, p20_ms, p80_ms):

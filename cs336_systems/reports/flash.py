@@ -29,6 +29,7 @@ from cs336_systems.reports import (
     plural,
     select,
 )
+from cs336_systems.reports.flash_in_training import answer_flash_in_training
 from cs336_systems.rows import OOM, Row, ok_rows, ran
 
 RATIO_PAIRS = (("naive", "flash_triton"), ("sdpa", "flash_triton"))
@@ -314,7 +315,14 @@ def answer_flash_forward_backward(reports: Reports) -> list[str]:
 
 
 def answer_flash_benchmarking(reports: Reports) -> list[str]:
-    rows = reports["flash_benchmarking"]
+    """The index's answer from whichever of the problem's two reports a device has."""
+    sentences = _answer_sweep(reports["flash_benchmarking"]) if "flash_benchmarking" in reports else []
+    if "flash_in_training" in reports:
+        sentences += answer_flash_in_training(reports["flash_in_training"])
+    return sentences
+
+
+def _answer_sweep(rows: list[Row]) -> list[str]:
     sweep = select(rows, table="sweep")
     sentences = []
     index = {(r["precision"], r["mode"], r["head_dim"], r["seq_len"], r["provider"]): r for r in ok_rows(sweep)}

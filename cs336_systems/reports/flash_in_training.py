@@ -7,7 +7,16 @@ from __future__ import annotations
 
 from cs336_systems.benchmarks.flash import MODE_LABELS
 from cs336_systems.benchmarks.flash_in_training import KERNEL_MODES
-from cs336_systems.reports import NOISY_RELATIVE_STD, Rendered, markdown_table, noisy_marked, percentiles_noisy
+from cs336_systems.reports import (
+    NOISY_RELATIVE_STD,
+    Rendered,
+    is_noisy,
+    listing,
+    markdown_table,
+    noisy_marked,
+    not_in_report,
+    percentiles_noisy,
+)
 from cs336_systems.rows import Row
 
 
@@ -100,3 +109,23 @@ def render_flash_in_training(rows: list[Row]) -> Rendered:
     parts = [_steps_section(steps) if steps else "", _graphed_steps_section(graphed) if graphed else "",
              _kernels_section(kernels) if kernels else ""]
     return Rendered("\n".join(p for p in parts if p))
+
+
+def answer_flash_in_training(rows: list[Row]) -> list[str]:
+    """The index's sentence: the compiled step with the Triton op against SDPA's, at each cell where both ran
+    (the two steps of a cell are measured in one run), marked noisy where either step's time was."""
+    steps = [r for r in rows if r.get("table") == "step"]
+    ratios = []
+    for key in sorted(dict.fromkeys(_cell_key(r) for r in steps), key=lambda k: k[2]):
+        cell = {r["attention"]: r for r in steps if _cell_key(r) == key}
+        flash, sdpa = cell.get("flash_triton"), cell.get("sdpa")
+        if flash and sdpa and flash["status"] == sdpa["status"] == "ok":
+            noisy = any(is_noisy(r["mean_ms"], r["std_ms"]) for r in (flash, sdpa))
+            ratios.append(noisy_marked(f"{flash['median_ms'] / sdpa['median_ms']:.3f}x", noisy)
+                          + f" at context {key[2]}")
+    if not ratios:
+        return [not_in_report("A compiled training step where both the Triton op and SDPA ran")]
+    sample = steps[0]
+    return [f"In the compiled training step of {sample['size']} ({sample['size_table']} table; batch "
+            f"{sample['batch_size']}, {sample['precision']}), the step with the Triton FlashAttention op over the SDPA "
+            f"step: {listing(ratios)}."]
