@@ -104,6 +104,7 @@ def _e2e(args, device) -> None:
     from cs336_systems.benchmarks.e2e import E2EConfig, benchmark_model, split_breakdown
     from cs336_systems.clocks import CLOCK_COLUMNS
     from cs336_systems.gpus import resolve_gpu
+    from cs336_systems.model import size_name
     from cs336_systems.reports import oom_note, oom_text
     from cs336_systems.rows import COURSE_VARIANT, OOM
 
@@ -111,12 +112,15 @@ def _e2e(args, device) -> None:
     if args.optimizer is not None and args.mode != "train":
         raise ValueError(f"--optimizer: a {args.mode} step runs no optimizer; it applies to --mode train")
     optimizer = args.optimizer or COURSE_VARIANT[1]
+    sizes = [size_name(size, args.size_table) for size in args.size]
+    if twice := repeated(sizes):
+        raise ValueError(f"--size: {', '.join(twice)} given more than once")
     cells = [
         E2EConfig(size=size, context_length=context, batch_size=args.batch_size, mode=args.mode,
                   precision=precision, compile=args.compile, attention=args.attention, optimizer=optimizer,
                   warmup=args.warmup, steps=args.steps, model_context_length=args.model_context,
                   size_table=args.size_table)
-        for size, context, precision in itertools.product(args.size, args.context, args.precision)
+        for size, context, precision in itertools.product(sizes, args.context, args.precision)
     ]  # built first, so bad input fails before anything runs
     if args.reference and args.attention != "sdpa":
         raise ValueError(f"--reference: the torch reference uses SDPA attention; got --attention {args.attention}")
@@ -225,8 +229,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     e2e = commands.add_parser("e2e", help="time forward / backward / optimizer steps of the LM")
     e2e.add_argument("--size", type=_list(str), required=True,
-                     help=f"model size(s), comma-separated: any of {', '.join(SIZE_TABLES[DEFAULT_SIZE_TABLE])} "
-                          "or tiny")
+                     help="model size(s), comma-separated, in any case: any of "
+                          f"{', '.join(SIZE_TABLES[DEFAULT_SIZE_TABLE])} or tiny")
     e2e.add_argument("--size-table", choices=tuple(SIZE_TABLES), default=DEFAULT_SIZE_TABLE,
                      help=f"the handout whose size table --size names (default: {DEFAULT_SIZE_TABLE}; 2025 has "
                           "xl = 1600/6400/48/25 and 2.7B)")

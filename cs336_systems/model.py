@@ -57,6 +57,12 @@ def model_sizes(table: str = DEFAULT_SIZE_TABLE) -> dict[str, dict[str, int]]:
     return {"tiny": TINY, **SIZE_TABLES[_check_table(table)]}
 
 
+def size_name(name: str, table: str = DEFAULT_SIZE_TABLE) -> str:
+    """The name `table` gives the size `name` spells in any case ("10b" -> "10B", "XL" -> "xl"), so that rows and
+    reports carry one spelling; `name` itself where no size of the table matches, for the caller to refuse."""
+    return {size.lower(): size for size in model_sizes(table)}.get(name.lower(), name)
+
+
 def size_order(size: str) -> int:
     return SIZE_ORDER.index(size) if size in SIZE_ORDER else len(SIZE_ORDER)
 

@@ -51,8 +51,8 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         "bool", action="store_true")
     add("time-budget", None, "skip the tests not started within SECONDS of the session's start; the ones measured "
         "so far still reach the reports (for a sweep with a deadline)", type=float, metavar="SECONDS")
-    add("model-sizes", None, "comma-separated model sizes for the model benchmarks (default: every size of the "
-        f"size table on a GPU, {','.join(CPU_MODEL_SIZES)} on CPU)")
+    add("model-sizes", None, "comma-separated model sizes for the model benchmarks, in any case (default: every "
+        f"size of the size table on a GPU, {','.join(CPU_MODEL_SIZES)} on CPU)")
     add("size-table", DEFAULT_SIZE_TABLE, "the handout whose model-size table sizes are looked up in: 2026 (xl = "
         "2560/10240/32/32, and 10B; the default) or 2025 (xl = 1600/6400/48/25, and 2.7B)", choices=tuple(SIZE_TABLES))
 

@@ -138,14 +138,14 @@ def parse_precisions(value: str) -> tuple[str, ...]:
 
 
 def parse_model_sizes(value: str | None, on_gpu: bool, size_table: str) -> tuple[str, ...]:
-    """--model-sizes: comma-separated sizes of `size_table`; None: every size of it on a GPU, CPU_MODEL_SIZES
-    on a CPU."""
-    from cs336_systems.model import model_sizes
+    """--model-sizes: comma-separated sizes of `size_table`, in any case; None: every size of it on a GPU,
+    CPU_MODEL_SIZES on a CPU."""
+    from cs336_systems.model import model_sizes, size_name
 
     table = model_sizes(size_table)
     if value is None:
         return tuple(s for s in table if s not in CPU_MODEL_SIZES) if on_gpu else CPU_MODEL_SIZES
-    sizes = tuple(s.strip() for s in value.split(",") if s.strip())
+    sizes = tuple(size_name(s.strip(), size_table) for s in value.split(",") if s.strip())
     unknown = [s for s in sizes if s not in table]
     if unknown or not sizes:
         raise ValueError(f"--model-sizes: unknown {', '.join(unknown) or repr(value)} in the {size_table} "

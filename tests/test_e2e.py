@@ -383,6 +383,7 @@ def test_command_bad_input_is_one_line(argv, message):
     (["--size", "tiny", "--context", "16, 16"], "argument --context: 16 given more than once"),
     (["--size", "tiny", "--context", "16", "--precision", "fp32,"], None),
     (["--size", "tiny, huge", "--context", "16"], "unknown model size 'huge'"),
+    (["--size", "tiny,TINY", "--context", "16"], "--size: tiny given more than once"),
     (["--size", "tiny", "--context", "16", "--mode", "forward", "--optimizer", "fused"],
      "--optimizer: a forward step runs no optimizer; it applies to --mode train"),
 ])
@@ -399,8 +400,8 @@ def test_command_lists_are_trimmed_and_refuse_nothing_or_a_repeat_and_options_th
     assert code == 2 and message in capsys.readouterr().err
 
 
-def test_command_prints_rows(capsys):
-    assert main(["e2e", "--size", "tiny", "--context", "8", "--batch-size", "1", "--warmup", "0",
+def test_command_prints_rows_naming_a_size_as_its_table_does_in_whatever_case_it_was_given(capsys):
+    assert main(["e2e", "--size", "TINY", "--context", "8", "--batch-size", "1", "--warmup", "0",
                  "--steps", "1", "--mode", "forward", "--device", "cpu"]) == 0
     assert "| tiny" in capsys.readouterr().out
 

@@ -337,6 +337,16 @@ def test_a_bad_ini_setting_is_a_usage_error(pytester, setting, message):
     result.stderr.fnmatch_lines([f"*{message}*"])
 
 
+def test_model_sizes_are_named_in_any_case_and_kept_as_their_table_spells_them():
+    from cs336_systems.run_settings import parse_model_sizes
+
+    assert parse_model_sizes("10b, XL", True, "2026") == ("10B", "xl")
+    with pytest.raises(ValueError, match="--model-sizes: xl given more than once"):
+        parse_model_sizes("xl,XL", True, "2026")
+    with pytest.raises(ValueError, match="unknown 2.7b in the 2026 size table"):
+        parse_model_sizes("2.7b", True, "2026")
+
+
 def test_size_missing_from_the_table_is_a_usage_error(pytester):
     pytester.makepyfile("def test_x(): pass")
     result = run(pytester, "--model-sizes", "2.7B")
