@@ -393,9 +393,12 @@ def test_call_until_finished_calls_until_the_threads_it_watches_have_ended():
             worker.join()
 
     call_until_finished(started, call)
-    assert len(calls) == 3
+    # Not before the third call; after it, as long as the system still lists the thread (join returns as
+    # Python's thread ends, a moment before the system's does).
+    assert len(calls) >= 3 and not started & thread_ids()
+    made = len(calls)
     call_until_finished(started, call)  # threads already gone: one call, then done
-    assert len(calls) == 4
+    assert len(calls) == made + 1
 
 
 def test_call_until_finished_gives_up_with_a_warning_past_its_timeout(monkeypatch, caplog):
