@@ -484,3 +484,27 @@ def test_a_10b_step_is_not_run_on_80_gb_but_its_forward_alone_is(monkeypatch):
                                                                                                   "forward", 905.0)
     assert forward["estimated_peak_bytes"] < 0.9 * 80e9
     assert mean_std(forward) == "905.0 ± 7.1 (forward only)"
+
+
+def test_a_profiled_cell_whose_step_does_not_fit_breaks_down_the_forward_and_backward_that_ran(monkeypatch):
+    # The compiled 10B reference on a 141 GB GPU: its training step does not fit, its forward+backward does. The
+    # breakdown of the steps that ran names phases too, and must not take the place of their timed rows.
+    checks = []
+
+    def train_step_does_not_fit(estimate, device):
+        checks.append(estimate.peak_bytes)
+        return MemoryCheck(estimate.peak_bytes, 0 if len(checks) == 1 else 2 * estimate.peak_bytes)
+
+    monkeypatch.setattr(e2e, "model_memory_check", train_step_does_not_fit)
+    cfg = E2EConfig("tiny", 16, batch_size=1, warmup=1, steps=2, attention="sdpa", optimizer="fused")
+    timed, profiled = e2e.split_breakdown(benchmark_model(cfg, "cpu", profiled_steps=2))
+    assert len(checks) == 2
+    assert [(r["phase"], r["status"]) for r in timed] == [("forward", "ok"), ("backward", "ok"), ("optimizer", OOM),
+                                                          ("forward_backward", "ok"), ("train_step", OOM)]
+    assert [r["phase"] for r in profiled] == ["forward", "backward", "step"]
+    assert {(r["mode"], r["measured_mode"]) for r in timed + profiled if r["status"] == "ok"} == {
+        ("train", "forward_backward")}
+    assert all(r["work_ms"] > 0 for r in profiled[:2]) and profiled[2]["step_ms"] > 0
+    # The report says whose step the breakdown timed.
+    body = _flat(render_compiled_models(_reference_rows(2, 2) + profiled).body)
+    assert "| project | tiny | 16 | fp32 | step (forward+backward only) |" in body

@@ -269,15 +269,22 @@ def benchmark_model(cfg: E2EConfig, device: torch.device | str, peak_flops: floa
     out of memory stops; both give rows with status "OOM" and the estimate (cs336_systems.memory_guard).
     Then the next smaller mode (SMALLER_MODE) is estimated and measured in its place, down to forward
     only: each phase's row comes from the smallest mode that has it, measured or OOM with that mode's
-    estimate, in `measured_mode` (a 10B forward fits where its training step does not).
+    estimate, in `measured_mode` (a 10B forward fits where its training step does not). A profiled cell's
+    breakdown rows are then those of the mode that ran, after the phases' rows.
     """
     rows = _benchmark_mode(cfg, device, peak_flops, reference, profiled_steps)
     smaller = SMALLER_MODE.get(cfg.mode)
     if smaller is None or any(r.get("status") == "ok" for r in rows):
         return rows
-    by_phase = {r["phase"]: {**r, "mode": cfg.mode, "measured_mode": r.get("measured_mode", r["mode"])}
-                for r in benchmark_model(replace(cfg, mode=smaller), device, peak_flops, reference, profiled_steps)}
-    return [by_phase.get(r["phase"], r) for r in rows]
+
+    def in_this_mode(row: Row) -> Row:
+        return {**row, "mode": cfg.mode, "measured_mode": row.get("measured_mode", row["mode"])}
+
+    # The breakdown names phases too: kept apart, so that its rows never stand in for the timed ones.
+    timed, breakdown = split_breakdown(benchmark_model(replace(cfg, mode=smaller), device, peak_flops, reference,
+                                                       profiled_steps))
+    by_phase = {r["phase"]: in_this_mode(r) for r in timed}
+    return [by_phase.get(r["phase"], r) for r in rows] + [in_this_mode(r) for r in breakdown]
 
 
 def _benchmark_mode(cfg: E2EConfig, device: torch.device | str, peak_flops: float | None, reference: bool,

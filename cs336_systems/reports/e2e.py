@@ -505,6 +505,10 @@ def _breakdown_section(rows: list[Row]) -> str:
                                              r.get("model") or "", (*BREAKDOWN_PHASES, "step").index(r["phase"]))):
         entry = {"model": r.get("model") or "project", "size": r["size"], "context": r["context_length"],
                  "precision": r["precision"], "phase": r["phase"]}
+        measured_mode = r.get("measured_mode")
+        if r["phase"] == "step" and measured_mode not in (None, r.get("mode")):
+            # The cell's own step did not fit: what was profiled is the smaller mode that ran.
+            entry["phase"] = f"step ({PHASE_LABELS[measured_mode]} only)"
         if r["phase"] == "step":
             busy = r.get("busy_ms")
             entry.update({"step (ms)": f"{r['step_ms']:.1f}",
