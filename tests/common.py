@@ -3,8 +3,10 @@
 The toy models have the shapes the course's tests rely on (10 features in, 5 out; a frozen bias;
 a frozen parameter named no_grad_fixed_param; two layers sharing one weight), so those tests and
 the fixtures in tests/fixtures run unchanged. `course_ddp_check` is the course's DDP test procedure,
-for running inside ranks this project starts with launch. `run_checks` runs a file's checks in one
-launch, and `assert_passed_on_every_rank` reports each check as a test of its own.
+for running inside ranks this project starts with launch. The `assert_step_*` checks hold any wrapper
+with finish_gradient_synchronization() (the DDP wrappers, FSDP) to the optimizer-step guard.
+`run_checks` runs a file's checks in one launch, and `assert_passed_on_every_rank` reports each
+check as a test of its own.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ from __future__ import annotations
 import os
 import pathlib
 import traceback
+from collections.abc import Callable
 from copy import deepcopy
 from dataclasses import dataclass
 
@@ -158,6 +161,62 @@ def course_ddp_check(rank: int, world_size: int, model_class, make_ddp, after_ba
         all_x, all_y = all_x[permutation], all_y[permutation]
     validate_ddp_net_equivalence(ddp_model)
     assert not problems, "\n".join(problems)
+
+
+def _parameters_changed(module: nn.Module, before: list[torch.Tensor]) -> list[bool]:
+    return [not torch.equal(p, old) for p, old in zip(module.parameters(), before)]
+
+
+def assert_step_before_finish_raises(wrapper: nn.Module, optimizer: optim.Optimizer,
+                                     loss: Callable[[], torch.Tensor]) -> None:
+    """After `loss().backward()`, an optimizer step before finish_gradient_synchronization() is
+    refused, naming the wrapper and the call it misses, and changes no parameter; after finish the
+    same step updates them. Run on every rank."""
+    loss().backward()
+    before = [p.detach().clone() for p in wrapper.parameters()]
+    # try/except rather than pytest.raises: its failure is not an Exception, which run_checks would
+    # not catch, so the rank would end where its peers still wait.
+    try:
+        optimizer.step()
+    except RuntimeError as error:
+        expected = (f"{type(wrapper).__name__}: optimizer.step() after a backward whose gradients were not "
+                    "synchronised; call finish_gradient_synchronization()")
+        assert str(error).startswith(expected), str(error)
+    else:
+        raise AssertionError("an optimizer step before finish_gradient_synchronization() was accepted")
+    assert not any(_parameters_changed(wrapper, before)), "the refused step changed parameters"
+    wrapper.finish_gradient_synchronization()
+    optimizer.step()
+    assert any(_parameters_changed(wrapper, before)), "the step after finish changed no parameter"
+
+
+def assert_step_of_another_model_is_unaffected(wrapper: nn.Module, loss: Callable[[], torch.Tensor]) -> None:
+    """While `wrapper` waits for finish_gradient_synchronization(), an optimizer over another model's
+    parameters in the same process steps as usual. Run on every rank."""
+    loss().backward()
+    assert wrapper.has_unsynchronised_gradients
+    other = nn.Linear(3, 2)
+    other_optimizer = optim.SGD(other.parameters(), lr=0.1)
+    other(torch.ones(3)).sum().backward()
+    before = [p.detach().clone() for p in other.parameters()]
+    other_optimizer.step()
+    assert all(_parameters_changed(other, before)), "the other model's step changed nothing"
+    wrapper.finish_gradient_synchronization()
+
+
+def assert_step_after_forward_alone_is_allowed(wrapper: nn.Module, optimizer: optim.Optimizer,
+                                               forward: Callable[[], torch.Tensor]) -> None:
+    """A forward with gradients enabled produces no gradient, so a step after it is no error: on a
+    new wrapper, and after a finished step (a metric computed between finish and the step). Run on
+    every rank."""
+    forward()
+    optimizer.step()  # no gradients yet: a step that changes nothing
+    forward().sum().backward()
+    wrapper.finish_gradient_synchronization()
+    forward()  # a metric, no backward
+    before = [p.detach().clone() for p in wrapper.parameters()]
+    optimizer.step()
+    assert any(_parameters_changed(wrapper, before)), "the step after finish changed no parameter"
 
 
 @dataclass(frozen=True)

@@ -28,6 +28,7 @@ from cs336_systems.distributed.ddp import (
     write_back_gradient,
 )
 from cs336_systems.distributed.launch import launch
+from cs336_systems.distributed.sharded_optimizer import ShardedOptimizer
 from cs336_systems.profiling.timeline import (
     MIN_BAR_WIDTH_SHARE,
     Interval,
@@ -51,6 +52,9 @@ from tests.common import (
     ToyModel,
     ToyModelWithTiedWeights,
     assert_passed_on_every_rank,
+    assert_step_after_forward_alone_is_allowed,
+    assert_step_before_finish_raises,
+    assert_step_of_another_model_is_unaffected,
     course_ddp_check,
     run_checks,
 )
@@ -204,6 +208,64 @@ def _dropped_wrapper_frees_the_model(rank: int, world_size: int, wrapper: str) -
     assert parameter() is None, f"{wrapper}: a parameter outlived its dropped wrapper and model"
 
 
+def _gradient_accumulation(rank: int, world_size: int, wrapper: str) -> None:
+    """Two backwards, then one finish_gradient_synchronization() and the step: the accumulated
+    gradients are averaged, as one process's over both micro-batches."""
+    torch.manual_seed(rank)
+    ddp_model = WRAPPERS[wrapper](ToyModel().double())
+    reference = deepcopy(ddp_model.module)
+    ddp_optimizer = torch.optim.SGD(ddp_model.parameters(), lr=0.1)
+    reference_optimizer = torch.optim.SGD(reference.parameters(), lr=0.1)
+    shard = batch_shard(EXAMPLES, rank, world_size)
+    for micro_batch in range(2):
+        x, y = _random_batch(EXAMPLES, 10, 5, seed=micro_batch)
+        nn.functional.mse_loss(reference(x), y).backward()
+        nn.functional.mse_loss(ddp_model(x[shard]), y[shard]).backward()
+    ddp_model.finish_gradient_synchronization()
+    ddp_optimizer.step()
+    reference_optimizer.step()
+    _assert_same_parameters(reference, ddp_model, f"{wrapper} after two accumulated micro-batches")
+
+
+def _toy_wrapper_and_loss(rank: int, wrapper: str):
+    ddp_model = WRAPPERS[wrapper](ToyModel().double())
+    x, _ = _random_batch(4, 10, 5, seed=rank)
+    return ddp_model, lambda: ddp_model(x).sum()
+
+
+def _step_before_finish_raises(rank: int, world_size: int, wrapper: str) -> None:
+    ddp_model, loss = _toy_wrapper_and_loss(rank, wrapper)
+    assert_step_before_finish_raises(ddp_model, torch.optim.SGD(ddp_model.parameters(), lr=0.1), loss)
+
+
+def _sharded_optimizer_step_before_finish_raises(rank: int, world_size: int) -> None:
+    """The guard holds for an Optimizer subclass whose step communicates: every rank refuses the step
+    before any broadcast starts, so none is left waiting in one."""
+    ddp_model, loss = _toy_wrapper_and_loss(rank, "bucketed")
+    optimizer = ShardedOptimizer(ddp_model.parameters(), torch.optim.SGD, lr=0.1)
+    assert_step_before_finish_raises(ddp_model, optimizer, loss)
+
+
+def _step_of_another_model_is_unaffected(rank: int, world_size: int, wrapper: str) -> None:
+    assert_step_of_another_model_is_unaffected(*_toy_wrapper_and_loss(rank, wrapper))
+
+
+def _step_after_forward_alone_is_allowed(rank: int, world_size: int, wrapper: str) -> None:
+    ddp_model, loss = _toy_wrapper_and_loss(rank, wrapper)
+    assert_step_after_forward_alone_is_allowed(ddp_model, torch.optim.SGD(ddp_model.parameters(), lr=0.1), loss)
+
+
+def _step_guard_keeps_no_dropped_wrapper_alive(rank: int, world_size: int, wrapper: str) -> None:
+    """The step guard's registry holds wrappers weakly: a wrapper dropped while it waits for
+    finish_gradient_synchronization() is freed, its parameters with it."""
+    ddp_model, loss = _toy_wrapper_and_loss(rank, wrapper)
+    loss().backward()
+    dropped, parameter = weakref.ref(ddp_model), weakref.ref(next(ddp_model.module.parameters()))
+    del ddp_model, loss
+    gc.collect()
+    assert dropped() is None and parameter() is None, f"{wrapper}: an unfinished wrapper outlived being dropped"
+
+
 class _Widened(ToyModel):
     """ToyModel with a parameter or a buffer that some ranks lack, or have in another shape or dtype."""
 
@@ -269,6 +331,17 @@ CHECKS = {
        for wrapper in OVERLAPPED},
     **{f"{wrapper}_dropped_wrapper_frees_the_model": functools.partial(_dropped_wrapper_frees_the_model,
                                                                      wrapper=wrapper) for wrapper in WRAPPERS},
+    **{f"{wrapper}_two_backwards_then_finish_accumulate": functools.partial(_gradient_accumulation, wrapper=wrapper)
+       for wrapper in WRAPPERS if wrapper not in OVERLAPPED},
+    **{f"{wrapper}_step_before_finish_raises_and_changes_nothing": functools.partial(
+        _step_before_finish_raises, wrapper=wrapper) for wrapper in WRAPPERS},
+    "sharded_optimizer_step_before_finish_raises_on_every_rank": _sharded_optimizer_step_before_finish_raises,
+    **{f"{wrapper}_step_of_another_model_is_unaffected_while_unfinished": functools.partial(
+        _step_of_another_model_is_unaffected, wrapper=wrapper) for wrapper in WRAPPERS},
+    **{f"{wrapper}_step_after_forward_alone_is_allowed": functools.partial(
+        _step_after_forward_alone_is_allowed, wrapper=wrapper) for wrapper in WRAPPERS},
+    **{f"{wrapper}_step_guard_keeps_no_dropped_wrapper_alive": functools.partial(
+        _step_guard_keeps_no_dropped_wrapper_alive, wrapper=wrapper) for wrapper in WRAPPERS},
     **{f"{wrapper}_models_that_differ_between_ranks_raise": functools.partial(
         _models_that_differ_between_ranks_raise, wrapper=wrapper) for wrapper in WRAPPERS},
     **{f"{wrapper}_buffers_are_rank_0_s": functools.partial(_buffers_are_rank_0_s, wrapper=wrapper)

@@ -13,7 +13,9 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import gc
 import warnings
+import weakref
 from copy import deepcopy
 
 import pytest
@@ -29,7 +31,14 @@ from cs336_systems.distributed.fsdp import FSDP
 from cs336_systems.distributed.launch import launch
 from cs336_systems.model import ModelConfig, TransformerLM
 from tests import adapters
-from tests.common import CheckOutcome, assert_passed_on_every_rank, run_checks
+from tests.common import (
+    CheckOutcome,
+    assert_passed_on_every_rank,
+    assert_step_after_forward_alone_is_allowed,
+    assert_step_before_finish_raises,
+    assert_step_of_another_model_is_unaffected,
+    run_checks,
+)
 
 WORLD_SIZES = (2, 3)
 # Generous, since ranks import torch on a busy machine; a hang still ends here, not in CI's timeout.
@@ -382,6 +391,48 @@ def _forward_without_backward_leaves_no_stale_weights(rank: int, world_size: int
     torch.testing.assert_close(model(token_ids), reference(token_ids), **FP32_TOLERANCE)
 
 
+def _toy_fsdp_and_loss(rank: int, frozen_sharded: bool = False):
+    """FSDP of the toy model and a loss on this rank's tokens; with `frozen_sharded` the Linear and
+    Embedding weights do not train, so backward produces replicated gradients only."""
+    torch.manual_seed(0)
+    module = ToyFSDPModel()
+    if frozen_sharded:
+        for name, p in module.named_parameters():
+            p.requires_grad_(name not in _sharded_kinds(module))
+    model = FSDP(module)
+    token_ids = torch.randint(0, 37, (4, SEQ_LEN), generator=torch.Generator().manual_seed(rank))
+    return model, lambda: model(token_ids).pow(2).mean()
+
+
+def _step_before_finish_raises(rank: int, world_size: int, frozen_sharded: bool) -> None:
+    """Reduce-scatters still in flight, and replicated gradients each rank's own: the step raises
+    before finish_gradient_synchronization(), whichever of the two backward produced."""
+    model, loss = _toy_fsdp_and_loss(rank, frozen_sharded)
+    if frozen_sharded:
+        assert not any(w.shard.requires_grad for w in model.weights)
+    assert_step_before_finish_raises(model, torch.optim.SGD(model.parameters(), lr=0.5), loss)
+
+
+def _step_of_another_model_is_unaffected(rank: int, world_size: int) -> None:
+    assert_step_of_another_model_is_unaffected(*_toy_fsdp_and_loss(rank))
+
+
+def _step_after_forward_alone_is_allowed(rank: int, world_size: int) -> None:
+    model, loss = _toy_fsdp_and_loss(rank)
+    assert_step_after_forward_alone_is_allowed(model, torch.optim.SGD(model.parameters(), lr=0.5), loss)
+
+
+def _step_guard_keeps_no_dropped_wrapper_alive(rank: int, world_size: int) -> None:
+    """The step guard's registry holds wrappers weakly: an FSDP dropped while it waits for
+    finish_gradient_synchronization() is freed, its shards with it."""
+    model, loss = _toy_fsdp_and_loss(rank)
+    loss().backward()
+    dropped, shard = weakref.ref(model), weakref.ref(model.weights[0].shard)
+    del model, loss
+    gc.collect()
+    assert dropped() is None and shard() is None, "an unfinished FSDP outlived being dropped"
+
+
 class _WithBuffer(ToyFSDPModel):
     def __init__(self, d_ff: int = 22):
         super().__init__(d_ff=d_ff)
@@ -439,6 +490,13 @@ CHECKS = {
     "forward_without_backward_leaves_no_stale_weights": _forward_without_backward_leaves_no_stale_weights,
     "buffers_are_rank_0_s": _buffers_are_rank_0_s,
     "models_that_differ_between_ranks_raise": _models_that_differ_between_ranks_raise,
+    "step_before_finish_raises_and_changes_nothing": functools.partial(_step_before_finish_raises,
+                                                                       frozen_sharded=False),
+    "step_after_replicated_gradients_alone_raises_before_finish": functools.partial(_step_before_finish_raises,
+                                                                                    frozen_sharded=True),
+    "step_of_another_model_is_unaffected_while_unfinished": _step_of_another_model_is_unaffected,
+    "step_after_forward_alone_is_allowed": _step_after_forward_alone_is_allowed,
+    "step_guard_keeps_no_dropped_wrapper_alive": _step_guard_keeps_no_dropped_wrapper_alive,
 }
 
 

@@ -7,6 +7,10 @@
         model.finish_gradient_synchronization()   # gradients are now averaged over ranks
         optimizer.step(); optimizer.zero_grad()
 
+An optimizer step over the model's parameters after a backward and before
+finish_gradient_synchronization() raises (see `guard_optimizer_steps`): it would use each rank's own
+gradients, or gradients with an all-reduce still in flight on them.
+
 Each rank trains on its own rows of the step's batch, batch[batch_shard(len(batch), rank, world_size)]:
 averaging the ranks' gradients then gives the whole batch's.
 
@@ -47,12 +51,19 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.optim.optimizer import register_optimizer_step_pre_hook
+from torch.utils.hooks import RemovableHandle
 
 from cs336_systems.checks import check_positive_finite
 from cs336_systems.distributed.launch import require_process_group, require_same_on_every_rank
 
 # bucket_size_mb counts mebibytes, as torch DDP's bucket_cap_mb does.
 BYTES_PER_MB = 2**20
+
+# The live wrappers every optimizer step is checked against (`guard_optimizer_steps`). Weak: the
+# registry must never keep a wrapper, its module or its gradients alive.
+_GUARDED_WRAPPERS: weakref.WeakSet = weakref.WeakSet()
+_step_pre_hook: RemovableHandle | None = None  # registered with the first wrapper, not at import
 
 
 def broadcast_from_rank0(module: nn.Module, what: str) -> None:
@@ -64,6 +75,36 @@ def broadcast_from_rank0(module: nn.Module, what: str) -> None:
     with torch.no_grad():
         for _, tensor in named:
             dist.broadcast(tensor, src=0)
+
+
+def guard_optimizer_steps(wrapper: nn.Module) -> None:
+    """Make an optimizer step over any of `wrapper`'s parameters raise while
+    `wrapper.has_unsynchronised_gradients` is true: a backward produced gradients that
+    finish_gradient_synchronization() has not averaged yet.
+
+    Forgetting finish would otherwise be a silent wrong answer: the step would use each rank's own
+    gradients (the ranks' models drift apart), or gradients that a collective is still writing. At
+    forward time a missing finish cannot be told from gradient accumulation (backward, backward,
+    finish); at the step it is unambiguous. One global optimizer step pre-hook checks every wrapper;
+    an optimizer over other parameters (another model in the process) is left alone.
+    """
+    global _step_pre_hook
+    if _step_pre_hook is None:
+        _step_pre_hook = register_optimizer_step_pre_hook(_refuse_unsynchronised_step)
+    _GUARDED_WRAPPERS.add(wrapper)
+
+
+def _refuse_unsynchronised_step(optimizer: torch.optim.Optimizer, args: tuple, kwargs: dict) -> None:
+    # The usual step finds every wrapper synchronised: a flag per live wrapper, nothing more.
+    unsynchronised = [wrapper for wrapper in _GUARDED_WRAPPERS if wrapper.has_unsynchronised_gradients]
+    if not unsynchronised:
+        return
+    stepped = {id(p) for group in optimizer.param_groups for p in group["params"]}
+    for wrapper in unsynchronised:
+        if any(id(p) in stepped for p in wrapper.parameters()):
+            raise RuntimeError(
+                f"{type(wrapper).__name__}: optimizer.step() after a backward whose gradients were not "
+                "synchronised; call finish_gradient_synchronization() after backward and before the step")
 
 
 def require_dense_gradient(what: str, name: str, gradient: torch.Tensor) -> None:
@@ -139,8 +180,15 @@ def assign_buckets(sizes_bytes: Sequence[int], bucket_size_bytes: float,
     return buckets
 
 
+def _gradient_ready_hook(wrapper: weakref.ref, index: int, param: torch.Tensor) -> None:
+    alive = wrapper()
+    if alive is not None:
+        alive._on_gradient_ready(index, param)
+
+
 class _DataParallel(nn.Module):
-    """What the four wrappers share: construction, forward, and the gradient-count bookkeeping."""
+    """What the four wrappers share: construction, forward, a post-accumulate-grad hook per trained
+    parameter, the optimizer-step guard, and the gradient-count bookkeeping."""
 
     def __init__(self, module: nn.Module):
         if not isinstance(module, nn.Module):
@@ -161,9 +209,22 @@ class _DataParallel(nn.Module):
             if off_gpu:
                 raise ValueError(f"the NCCL backend needs the module on a CUDA device; found parameters on {off_gpu}")
         broadcast_from_rank0(module, type(self).__name__)
+        # Set as backward accumulates any gradient, cleared once finish_gradient_synchronization()
+        # has averaged them all; an optimizer step in between raises (guard_optimizer_steps).
+        self.has_unsynchronised_gradients = False
+        # A parameter keeps its hooks where the garbage collector cannot see them, so a hook that
+        # held the wrapper would keep the wrapper, the module and its gradients alive forever.
+        wrapper = weakref.ref(self)
+        for index, p in enumerate(self._params):
+            p.register_post_accumulate_grad_hook(functools.partial(_gradient_ready_hook, wrapper, index))
+        guard_optimizer_steps(self)
 
     def forward(self, *args, **kwargs):
         return self.module(*args, **kwargs)
+
+    def _on_gradient_ready(self, index: int, param: torch.Tensor) -> None:
+        """Called once backward has accumulated parameter `index`'s gradient."""
+        self.has_unsynchronised_gradients = True
 
     def _start_average(self, tensor: torch.Tensor, async_op: bool = False) -> dist.Work | None:
         """All-reduce `tensor` towards its average over ranks; `_write_back` completes it."""
@@ -201,6 +262,7 @@ class NaiveDDP(_DataParallel):
         used = self._used_anywhere(had_gradient, *self._start_gradient_count(had_gradient))
         for index, grad in enumerate(reduced):
             self._write_back(index, grad, had_gradient[index], used[index])
+        self.has_unsynchronised_gradients = False
 
 
 class FlatDDP(_DataParallel):
@@ -224,6 +286,7 @@ class FlatDDP(_DataParallel):
         for indices, flat in zip(by_kind.values(), flats):
             for i, chunk in zip(indices, flat.split([grads[i].numel() for i in indices])):
                 self._write_back(i, chunk.view_as(self._params[i]), had_gradient[i], used[i])
+        self.has_unsynchronised_gradients = False
 
 
 class _OverlappedDataParallel(_DataParallel):
@@ -231,23 +294,19 @@ class _OverlappedDataParallel(_DataParallel):
     asynchronously as soon as all its gradients are ready, in the same order on every rank."""
 
     def _track(self, units: list[list[int]]) -> None:
-        """Register a post-accumulate-grad hook per parameter; `units` lists parameter indices in launch order."""
+        """Launch gradients by units as their hooks fire; `units` lists parameter indices in launch order."""
         self._units = units
         self._unit_of = {i: u for u, unit in enumerate(units) for i in unit}
         self._ready = [False] * len(self._params)
         self._waiting_in_unit = [len(unit) for unit in units]
         self._works: list[dist.Work] = []  # async all-reduce of each launched unit, in unit order
-        # A parameter keeps its hooks where the garbage collector cannot see them, so a hook that
-        # held the wrapper would keep the wrapper, the module and its gradients alive forever.
-        wrapper = weakref.ref(self)
-        for index, p in enumerate(self._params):
-            p.register_post_accumulate_grad_hook(functools.partial(_gradient_ready_hook, wrapper, index))
 
     def _on_gradient_ready(self, index: int, param: torch.Tensor) -> None:
         if self._ready[index]:
             raise RuntimeError(
                 f"{type(self).__name__}: a parameter's gradient was produced twice before "
                 "finish_gradient_synchronization(); call it after every backward")
+        super()._on_gradient_ready(index, param)
         self._ready[index] = True
         self._gradient_ready(index)
         unit = self._unit_of[index]
@@ -258,7 +317,7 @@ class _OverlappedDataParallel(_DataParallel):
 
     def on_train_batch_start(self) -> None:
         """Check that the previous step's communication was finished before a new step begins."""
-        if self._works or any(self._ready):
+        if self.has_unsynchronised_gradients:
             raise RuntimeError(
                 f"{type(self).__name__}: the previous backward was not followed by "
                 "finish_gradient_synchronization()")
@@ -276,6 +335,7 @@ class _OverlappedDataParallel(_DataParallel):
         self._works.clear()
         self._ready = [False] * len(self._params)
         self._waiting_in_unit = [len(unit) for unit in self._units]
+        self.has_unsynchronised_gradients = False
 
     def _gradient_ready(self, index: int) -> None:
         """Called in the hook, before launching: a chance to stage the gradient."""
@@ -285,12 +345,6 @@ class _OverlappedDataParallel(_DataParallel):
 
     def _write_back_units(self, had_gradient: list[bool], used_anywhere: list[bool]) -> None:
         raise NotImplementedError
-
-
-def _gradient_ready_hook(wrapper: weakref.ref, index: int, param: torch.Tensor) -> None:
-    alive = wrapper()
-    if alive is not None:
-        alive._on_gradient_ready(index, param)
 
 
 class OverlapIndividualDDP(_OverlappedDataParallel):

@@ -3,7 +3,7 @@
     model = FSDP(TransformerLM(config).to(device), compute_dtype=torch.bfloat16)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)    # updates the fp32 shards
     loss_fn(model(batch), targets).backward()
-    model.finish_gradient_synchronization()
+    model.finish_gradient_synchronization()   # before the step, or the step raises
     optimizer.step()
 
 Sharding. Every `Linear` and `Embedding` weight is flattened, padded with zeros to a multiple of
@@ -24,7 +24,9 @@ input and weight gradients and drops the weight; the weight gradient, cast to th
 (fp32), is reduce-scattered asynchronously so that each rank receives the sum of its shard, which
 is divided by the world size. At most `REDUCE_SCATTERS_IN_FLIGHT` of them are left running, so full-size gradients do not
 pile up; `finish_gradient_synchronization()` waits for the rest, averages the replicated
-gradients and must run before the optimizer step.
+gradients and must run before the optimizer step: a step over the model's parameters between a
+backward and finish raises (`guard_optimizer_steps`), where it would use shards whose gradient is
+missing or stale, and replicated gradients that are each rank's own.
 
 Prefetch. All-gathers run ahead of the layers that need them, to overlap with compute, in the
 order the previous forward pass called the layers (module order for the first one): when a layer
@@ -46,7 +48,9 @@ might compute differently), and a weight may not be shared between layers.
 
 from __future__ import annotations
 
+import functools
 import math
+import weakref
 from collections import deque
 
 import torch
@@ -54,7 +58,12 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from cs336_systems.distributed.ddp import broadcast_from_rank0, require_dense_gradient, write_back_gradient
+from cs336_systems.distributed.ddp import (
+    broadcast_from_rank0,
+    guard_optimizer_steps,
+    require_dense_gradient,
+    write_back_gradient,
+)
 from cs336_systems.distributed.launch import require_process_group
 from cs336_systems.model import Embedding, Linear
 from cs336_systems.profiling.ranges import annotate
@@ -137,6 +146,9 @@ class _Scheduler:
         self.forward_order = list(weights)  # the previous forward's calls; module order at first
         self.calls: list[tuple[_ShardedWeight, bool]] = []  # this forward's: (weight, used in backward)
         self.reductions: deque = deque()
+        # Set by a backward that produced any gradient (a reduce-scatter started, or a replicated
+        # gradient accumulated); cleared by FSDP.finish_gradient_synchronization().
+        self.has_unsynchronised_gradients = False
 
     def matmul_dtype(self, device_type: str) -> torch.dtype | None:
         if self.compute_dtype is not None:
@@ -173,6 +185,7 @@ class _Scheduler:
 
     def reduce_scatter(self, weight: _ShardedWeight, gradient: torch.Tensor) -> None:
         """Start summing this rank's shard of `gradient` (the full weight's) over ranks."""
+        self.has_unsynchronised_gradients = True
         flat = gradient.reshape(-1).to(weight.shard.dtype)  # no copy for an fp32 gradient
         if weight.padded_numel > weight.numel:
             flat = torch.cat([flat, flat.new_zeros(weight.padded_numel - weight.numel)])
@@ -288,6 +301,20 @@ class FSDP(nn.Module):
             weight.layer.forward = _sharded_forward(function, weight, self.scheduler)
         sharded = {id(w.shard) for w in self.weights}
         self.replicated = {name: p for name, p in module.named_parameters() if id(p) not in sharded}
+        # The shards' gradients bypass autograd's accumulation (the reduce-scatters mark them), the
+        # replicated ones do not: a hook marks those, so that a backward that produced only replicated
+        # gradients counts too. Weak, as in DDP: a parameter's hooks must not keep the wrapper alive.
+        wrapper = weakref.ref(self)
+        for p in self.replicated.values():
+            if p.requires_grad:
+                p.register_post_accumulate_grad_hook(functools.partial(_replicated_gradient_hook, wrapper))
+        guard_optimizer_steps(self)
+
+    @property
+    def has_unsynchronised_gradients(self) -> bool:
+        """Whether a backward produced gradients that finish_gradient_synchronization() has not
+        synchronised yet; an optimizer step over the model's parameters raises while it is true."""
+        return self.scheduler.has_unsynchronised_gradients
 
     def forward(self, *args, **kwargs):
         for weight in self.weights:
@@ -305,6 +332,7 @@ class FSDP(nn.Module):
         self._average_replicated_gradients()
         for weight in self.weights:
             weight.free()
+        self.scheduler.has_unsynchronised_gradients = False
 
     @torch.no_grad()
     def _average_replicated_gradients(self) -> None:
@@ -344,6 +372,12 @@ class FSDP(nn.Module):
             _all_gather(buffer, p.detach())
             full[name] = buffer[:weight.numel].view(weight.shape)
         return full
+
+
+def _replicated_gradient_hook(wrapper: weakref.ref, param: torch.Tensor) -> None:
+    alive = wrapper()
+    if alive is not None:
+        alive.scheduler.has_unsynchronised_gradients = True
 
 
 def _check_not_shared(module: nn.Module, layers: list[tuple[str, nn.Module]]) -> None:
