@@ -134,6 +134,21 @@ def test_keyed_report_accumulates_runs_and_drops_runs_left_without_rows(tmp_path
     assert len(read_rows(tmp_path / "_test_keyed.csv")) == 3
 
 
+def test_a_later_run_adds_its_lines_and_leaves_the_earlier_runs_lines_as_they_were(tmp_path):
+    # Each run's records name their columns in an order of their own; a committed CSV's diff is then its new rows.
+    csv_path = tmp_path / "_test_keyed.csv"
+    write_report(KEYED_REPORT, [{"cell": "a", "batch_size": 4, "size": "xl", "ms": 1.5, "mode": "train"}],
+                 tmp_path, "first", "cpu")
+    write_report(KEYED_REPORT, [{"size": "xl", "mode": "eval", "cell": "b", "ms": 2.5, "batch_size": 8, "gib": 3}],
+                 tmp_path, "second", "cpu")
+    earlier = csv_path.read_text().splitlines()
+    write_report(KEYED_REPORT, [{"ms": 3.5, "cell": "c", "mode": "train", "batch_size": 2, "size": "xl"}],
+                 tmp_path, "third", "cpu")
+    later = csv_path.read_text().splitlines()
+    assert later[:len(earlier)] == earlier and len(later) > len(earlier)
+    assert _render_keyed(read_rows(csv_path)).body == "a=1.5@1 b=2.5@2 c=3.5@3"
+
+
 def test_a_cpu_report_says_its_times_are_cpu_times_and_triton_ran_in_the_interpreter(tmp_path):
     text = write_report(TEST_REPORT, [{"x": 1}], tmp_path, command="c", device="cpu").read_text()
     header = text.split("\n\n")[1]

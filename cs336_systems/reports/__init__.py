@@ -546,6 +546,9 @@ def write_report(report: Report, rows: list[Row], report_dir: Path | str, comman
             kept = [r for r in read_rows(csv_path) if report.cell(r) not in measured]
         rows, runs = _merge_runs(kept, earlier.runs if kept else (), rows, metadata.runs[0])
         metadata = replace(metadata, runs=runs)
+        # In the column order reading the CSV gives (every record in its file's order of columns), so that
+        # the next run writes this run's lines as they are now: a later run's diff is its own rows.
+        rows = from_long(to_long(rows))
     # Everything that can fail (rendering, the device query) happens before a file is written, so a
     # failure leaves no report directory, CSV without Markdown, or half a file behind.
     head = header(metadata, rows)
