@@ -25,6 +25,7 @@ from cs336_systems.benchmarks.flash import UNSUPPORTED, BenchSettings, FlashCell
 from cs336_systems.profiling.memory import peak_memory_increase
 from cs336_systems.reports import problems, read_rows, rerender, write_report
 from cs336_systems.reports.attention import answer_torch_compile
+from cs336_systems.reports.flash import answer_flash_benchmarking
 from cs336_systems.rows import OOM
 from cs336_systems.timing import Timings
 
@@ -603,6 +604,21 @@ def test_flash_report_names_the_source_each_run_measured():
     two_runs_one_source = [{**row, "source_hash": "0123abcd"} for row in rows]
     assert ("FlashAttention GPU source measured: 0123abcd (all 2 runs)."
             in _flat(FLASH_REPORT.render(two_runs_one_source).body))
+
+
+def test_a_partial_gpu_sweep_names_the_cells_no_run_measured_in_the_report_and_the_answer():
+    grid = [(d, n) for d in flash_bench.HEAD_DIMS for n in flash_bench.SEQ_LENS]
+    measured = [(d, n) for d, n in grid if d < 64 or (d == 64 and n <= 8192 and n != 1024)]
+    rows = [_flash_row(provider, "forward_backward", n, 1.0, d=d) for d, n in measured
+            for provider in ("flash_triton", "naive")]
+    missing = "bf16 d 64 N 1,024, 16,384-65,536 and d 128"
+    assert f"Not measured: {missing}." in _flat(FLASH_REPORT.render(rows).body)
+    answer = " ".join(answer_flash_benchmarking({"flash_benchmarking": rows}))
+    assert f"Not measured in the sweep, so not among the cells above: {missing}." in answer
+    whole = [_flash_row("flash_triton", "forward_backward", n, 1.0, d=d) for d, n in grid]
+    assert "Not measured" not in FLASH_REPORT.render(whole).body
+    cpu = [{**row, "device": "cpu"} for row in rows]  # a CPU run sweeps a grid of its own
+    assert "Not measured" not in FLASH_REPORT.render(cpu).body
 
 
 def _noisy(ms: float) -> dict:

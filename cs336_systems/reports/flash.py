@@ -11,10 +11,12 @@ from collections import defaultdict
 from cs336_systems.benchmarks.flash import (
     GATE_CELL,
     GATED_PROVIDERS,
+    HEAD_DIMS,
     MODE_LABELS,
     MODES,
     PRECISIONS,
     PROVIDER_LABELS,
+    SEQ_LENS,
     median_ratio,
 )
 from cs336_systems.reports import (
@@ -82,7 +84,7 @@ def _timer(rows: list[Row]) -> str:
 
 def _setup(rows: list[Row]) -> str:
     r = rows[0]
-    reset_note = " outside do_bench's timed region" if _timer(rows).startswith("do_bench") else ""
+    reset_note = " outside the timed region" if _timer(rows).startswith("do_bench") else ""
     backends = sorted({(x["precision"], x["backend"]) for x in rows if x["provider"] == "sdpa" and x.get("backend")})
     backend_text = "; ".join(f"{p}: {b}" for p, b in backends) or "not measured"
     fp32_note = ""
@@ -94,10 +96,10 @@ def _setup(rows: list[Row]) -> str:
         matmul = sorted({x["fp32_matmul_precision"] for x in fp32})
         fp32_note = (" In fp32, Triton's tl.dot defaults to TF32 tensor cores on NVIDIA GPUs; PyTorch's matmuls "
                      f"used float32_matmul_precision {', '.join(matmul)} ('highest' is full fp32).")
-    return (f"Causal attention on q, k, v of shape ({r['batch_size']}, {r['n_heads']}, N, d), random normal; the "
-            "median, in ms. Backward is timed alone, on a forward run beforehand, gradients reset"
-            f"{reset_note}. Ratios are a provider's time over Triton's: above 1, Triton is faster. Naive is the "
-            "annotated reference, eager. A ratio is marked noisy where either time is. SDPA backend: "
+    return (f"Causal attention on q, k, v of shape ({r['batch_size']}, {r['n_heads']}, N, d), random normal; "
+            "medians in ms. Backward is timed alone, gradients reset"
+            f"{reset_note}. Ratios are a provider's time over Triton's (above 1: Triton faster). Naive: the "
+            "annotated reference, eager. A ratio is noisy where either time is. SDPA backend: "
             f"{backend_text}.{fp32_note}\n\nTFLOP/s counts useful FLOPs: forward 2·N²·d per head (causal: half of "
             "4·N²·d), backward 2.5x that, forward+backward 3.5x.\n")
 
@@ -159,6 +161,34 @@ def _naive_oom_finding(precision: str, ooms: list[Row]) -> str:
     if worst.get("free_memory_bytes"):
         need += f" against {worst['free_memory_bytes'] / 2**30:.3g} GiB free"
     return text + f"{need} at d={worst['head_dim']})."
+
+
+def _lengths_text(lengths: list[int]) -> str:
+    """Sequence lengths of the sweep, each unbroken run of SEQ_LENS as one range: "N 16,384-65,536",
+    "N 128, 1,024-2,048"."""
+    runs: list[list[int]] = []
+    for n in lengths:
+        if runs and SEQ_LENS.index(n) == SEQ_LENS.index(runs[-1][-1]) + 1:
+            runs[-1].append(n)
+        else:
+            runs.append([n])
+    return "N " + ", ".join(f"{run[0]:,}" if len(run) == 1 else f"{run[0]:,}-{run[-1]:,}" for run in runs)
+
+
+def unmeasured_cells_text(sweep: list[Row]) -> str | None:
+    """The cells of a GPU sweep's grid (HEAD_DIMS x SEQ_LENS, for each precision it swept) that no run measured,
+    "bf16 d 64 N 16,384-65,536 and d 128" (a head dim alone: every N of it); None where every cell was measured, or the rows are a CPU
+    run's, which sweeps a smaller grid of its own."""
+    if not sweep or any(r.get("device") == "cpu" for r in sweep):
+        return None
+    measured = {(r["precision"], r["head_dim"], r["seq_len"]) for r in sweep}
+    parts = []
+    for precision in [p for p in PRECISIONS if any(r["precision"] == p for r in sweep)]:
+        missing = [f"d {d}" if lengths == list(SEQ_LENS) else f"d {d} {_lengths_text(lengths)}" for d in HEAD_DIMS
+                   if (lengths := [n for n in SEQ_LENS if (precision, d, n) not in measured])]
+        if missing:
+            parts.append(f"{precision} {' and '.join(missing)}")
+    return "; ".join(parts) or None
 
 
 def _findings(rows: list[Row]) -> list[str]:
@@ -252,7 +282,7 @@ def _host_issue_section(rows: list[Row]) -> str:
         table.append(entry)
     r = rows[0]
     return (f"## Host time to issue forward+backward\n\n{r['precision']}, causal; the host's time per call, median "
-            f"[p20-p80] in us, the GPU kept busy so that no call waits for it ({r['timer']}).\n\n"
+            f"[p20-p80] in us, the GPU kept busy, so no call waits ({r['timer']}).\n\n"
             + markdown_table(table))
 
 
@@ -266,7 +296,7 @@ def _gate_section(rows: list[Row]) -> str:
     ratios = "; ".join(f"{provider} / triton " + (_ratio_cell(measured.get(provider), measured.get("flash_triton"))
                                                   or "did not run") for provider in GATED_PROVIDERS)
     return (f"## Speed-up gates\n\nBatch 1, 1 head, N {cell.seq_len}, d {cell.head_dim}, {cell.precision}, causal, "
-            "forward+backward. The perf suite and the CPU tests check these ratios against perf/baselines/<gpu>.json: "
+            "forward+backward, gated against perf/baselines/<gpu>.json: "
             f"{ratios}.\n\n" + markdown_table(table))
 
 
@@ -289,6 +319,9 @@ def render_flash_benchmarking(rows: list[Row]) -> Rendered:
     parts, figures = [_sources(rows)], {}
     if sweep:
         parts.append(f"## Sweep\n\n{_setup(sweep)}")
+        unmeasured = unmeasured_cells_text(sweep)
+        if unmeasured:
+            parts.append(f"Not measured: {unmeasured}.\n")
         for precision in [p for p in PRECISIONS if any(r["precision"] == p for r in sweep)]:
             for mode in MODES:
                 if any(r["precision"] == precision and r["mode"] == mode for r in sweep):
@@ -343,6 +376,9 @@ def _answer_sweep(rows: list[Row]) -> list[str]:
             + (f"; naive runs out of memory from N={min(ooms)}." if ooms else "."))
     if not sentences:
         sentences.append(not_in_report("A forward+backward cell where both Triton and naive attention ran"))
+    unmeasured = unmeasured_cells_text(sweep)
+    if unmeasured:
+        sentences.append(f"Not measured in the sweep, so not among the cells above: {unmeasured}.")
     leaderboard = ok_rows(select(rows, table="leaderboard"))
     if leaderboard:
         r0 = leaderboard[0]
