@@ -175,15 +175,20 @@ def _lengths_text(lengths: list[int]) -> str:
     return "N " + ", ".join(f"{run[0]:,}" if len(run) == 1 else f"{run[0]:,}-{run[-1]:,}" for run in runs)
 
 
-def unmeasured_cells_text(sweep: list[Row]) -> str | None:
+def _precisions_in(rows: list[Row]) -> list[str]:
+    """The precisions of PRECISIONS that `rows` measured, in that order."""
+    return [p for p in PRECISIONS if any(r["precision"] == p for r in rows)]
+
+
+def _unmeasured_cells(sweep: list[Row]) -> str | None:
     """The cells of a GPU sweep's grid (HEAD_DIMS x SEQ_LENS, for each precision it swept) that no run measured,
-    "bf16 d 64 N 16,384-65,536 and d 128" (a head dim alone: every N of it); None where every cell was measured, or the rows are a CPU
-    run's, which sweeps a smaller grid of its own."""
+    "bf16 d 64 N 16,384-65,536 and d 128" (a head dim alone: every N of it); None where every cell was measured,
+    or the rows are a CPU run's, which sweeps a smaller grid of its own."""
     if not sweep or any(r.get("device") == "cpu" for r in sweep):
         return None
     measured = {(r["precision"], r["head_dim"], r["seq_len"]) for r in sweep}
     parts = []
-    for precision in [p for p in PRECISIONS if any(r["precision"] == p for r in sweep)]:
+    for precision in _precisions_in(sweep):
         missing = [f"d {d}" if lengths == list(SEQ_LENS) else f"d {d} {_lengths_text(lengths)}" for d in HEAD_DIMS
                    if (lengths := [n for n in SEQ_LENS if (precision, d, n) not in measured])]
         if missing:
@@ -193,7 +198,7 @@ def unmeasured_cells_text(sweep: list[Row]) -> str | None:
 
 def _findings(rows: list[Row]) -> list[str]:
     findings = []
-    for precision in [p for p in PRECISIONS if any(r["precision"] == p for r in rows)]:
+    for precision in _precisions_in(rows):
         mine = [r for r in rows if r["precision"] == precision]
         host_bound = _host_bound_finding(mine, precision)
         if host_bound:
@@ -319,10 +324,10 @@ def render_flash_benchmarking(rows: list[Row]) -> Rendered:
     parts, figures = [_sources(rows)], {}
     if sweep:
         parts.append(f"## Sweep\n\n{_setup(sweep)}")
-        unmeasured = unmeasured_cells_text(sweep)
+        unmeasured = _unmeasured_cells(sweep)
         if unmeasured:
             parts.append(f"Not measured: {unmeasured}.\n")
-        for precision in [p for p in PRECISIONS if any(r["precision"] == p for r in sweep)]:
+        for precision in _precisions_in(sweep):
             for mode in MODES:
                 if any(r["precision"] == precision and r["mode"] == mode for r in sweep):
                     parts += [f"### {precision}, {MODE_LABELS[mode]}\n", _sweep_table(sweep, precision, mode)]
@@ -376,7 +381,7 @@ def _answer_sweep(rows: list[Row]) -> list[str]:
             + (f"; naive runs out of memory from N={min(ooms)}." if ooms else "."))
     if not sentences:
         sentences.append(not_in_report("A forward+backward cell where both Triton and naive attention ran"))
-    unmeasured = unmeasured_cells_text(sweep)
+    unmeasured = _unmeasured_cells(sweep)
     if unmeasured:
         sentences.append(f"Not measured in the sweep, so not among the cells above: {unmeasured}.")
     leaderboard = ok_rows(select(rows, table="leaderboard"))
