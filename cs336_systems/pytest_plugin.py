@@ -1,6 +1,8 @@
 """pytest glue: options (each mirrored by an ini setting), markers, fixtures. The logic lives in the library
-(run_settings, interpretation, baselines, reports.staging); this only wires it. Loaded by the root conftest.py;
-works under pytest-xdist, whose workers stage rows that the controller merges when the session ends."""
+(run_settings, interpretation, baselines, reports.staging, conformance.contract); this only wires it. Registered
+through the package's pytest11 entry point wherever it is installed, and by this repository's root conftest.py
+where it is not (under the entry point's name, so never twice); works under pytest-xdist, whose workers stage
+rows that the controller merges when the session ends."""
 
 from __future__ import annotations
 
@@ -18,6 +20,7 @@ _STAGING_KEY = "cs336_staging_dir"
 _settings_key = pytest.StashKey[Settings]()
 _restore_interpretation_key = pytest.StashKey[Callable[[], None]]()
 _published_key = pytest.StashKey[tuple[list, list]]()  # the lines the session's end wrote, and its errors
+_adapters_key = pytest.StashKey[Any]()  # the implementation under test: a conformance.contract.Adapters
 
 
 def settings(config: pytest.Config) -> Settings:
@@ -55,6 +58,9 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         f"size of the size table on a GPU, {','.join(CPU_MODEL_SIZES)} on CPU)")
     add("size-table", DEFAULT_SIZE_TABLE, "the handout whose model-size table sizes are looked up in: 2026 (xl = "
         "2560/10240/32/32, and 10B; the default) or 2025 (xl = 1600/6400/48/25, and 2.7B)", choices=tuple(SIZE_TABLES))
+    add("adapters", None, "the implementation under test: a module name or a .py file implementing the course's "
+        "adapter functions (tests/adapters.py of a course repository); default: this project's own "
+        "(cs336_systems.adapters)", metavar="MODULE_OR_FILE")
 
 
 def _option(config: pytest.Config, name: str, convert: Callable[[str], Any] | None = None) -> Any:
@@ -91,6 +97,21 @@ def pytest_configure(config: pytest.Config) -> None:
     config.stash[_settings_key] = run
     # Before any test module imports the kernels (cs336_systems.interpretation says why it must be then).
     config.stash[_restore_interpretation_key] = interpret_kernels(run.on_gpu)
+    config.stash[_adapters_key] = _adapters(config)
+
+
+def _adapters(config: pytest.Config):
+    """--adapters (its ini setting read from the ini file's folder), imported now: a module that cannot be
+    imported is a usage error before any test runs."""
+    from cs336_systems.conformance.contract import AdaptersImportError, load_adapters
+
+    chosen, relative_to = config.getoption("adapters"), config.invocation_params.dir
+    if chosen is None and (chosen := config.getini("adapters")) is not None:
+        relative_to = config.inipath.parent if config.inipath else config.rootpath
+    try:
+        return load_adapters(chosen, relative_to)
+    except AdaptersImportError as error:
+        raise pytest.UsageError(str(error)) from None
 
 
 def _report_root(config: pytest.Config) -> Path:
@@ -113,9 +134,17 @@ def pytest_configure_node(node) -> None:
     node.workerinput[_STAGING_KEY] = str(settings(node.config).staging_dir)
 
 
+def pytest_report_header(config: pytest.Config) -> str | None:
+    adapters = config.stash.get(_adapters_key, None)
+    return None if adapters is None else f"cs336-systems: implementation under test: {adapters.label}"
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    adapters = config.stash[_adapters_key]
     for item in items:
-        for reason in settings(config).unmet_needs(item.keywords):
+        reasons = settings(config).unmet_needs(item.keywords)
+        reasons += [reason for marker in item.iter_markers("adapters") if (reason := adapters.why_missing(*marker.args))]
+        for reason in reasons:
             item.add_marker(pytest.mark.skip(reason=reason))
 
 
@@ -152,6 +181,14 @@ def _parametrized(metafunc: pytest.Metafunc) -> set[str]:
 def run_settings(pytestconfig) -> Settings:
     """Everything the command line chose: GPU, precisions, world size, report and baseline paths."""
     return settings(pytestconfig)
+
+
+@pytest.fixture(scope="session")
+def adapters(pytestconfig):
+    """The implementation under test (--adapters; this project's own by default), a
+    cs336_systems.conformance.contract.Adapters: `.function(name)`, and `.spec` for ranks to import it again.
+    Mark a test `@pytest.mark.adapters("get_ddp", ...)` to skip it, naming them, where the module lacks one."""
+    return pytestconfig.stash[_adapters_key]
 
 
 @pytest.fixture(scope="session")

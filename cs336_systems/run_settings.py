@@ -32,6 +32,8 @@ MARKERS = {
     "gpu": "needs a CUDA GPU; skipped when the run is on CPU",
     "multigpu": "needs --world-size CUDA GPUs; skipped when fewer are present",
     "slow": "takes more than a few seconds on a CPU",
+    "adapters": "adapters(name, ...): needs these adapter functions of the implementation under test; skipped, "
+                "naming them, where it lacks one",
 }
 DEFAULT_PRECISIONS = "fp32,bf16"
 DEFAULT_WORLD_SIZE = 2

@@ -1,0 +1,201 @@
+"""--adapters: the implementation under test, chosen by module name or file, and the plugin's entry point that
+makes the option exist wherever the package is installed (pytester runs, and pytest in a folder of its own)."""
+
+import os
+import subprocess
+import sys
+import textwrap
+from importlib.metadata import entry_points
+from pathlib import Path
+
+import pytest
+
+from cs336_systems.conformance.contract import (
+    ADAPTER_FUNCTIONS,
+    OWN_ADAPTERS,
+    AdaptersImportError,
+    MissingAdapter,
+    is_unimplemented,
+    load_adapters,
+)
+
+PLUGIN = ["-p", "cs336_systems.pytest_plugin", "-p", "no:cacheprovider", "--gpu", "none"]
+REPO_ROOT = Path(__file__).resolve().parents[1]
+
+# A module implementing two of the interface's functions, a third as the course's skeleton leaves it.
+PARTIAL_ADAPTERS = '''
+    def get_ddp(module):
+        return module
+
+    def ddp_on_after_backward(ddp_model, optimizer):
+        pass
+
+    def get_fsdp(module, compute_dtype=None):
+        """Returns the FSDP container."""
+        raise NotImplementedError
+'''
+NEEDS = '''
+    import pytest
+
+    @pytest.mark.adapters("get_ddp", "ddp_on_after_backward")
+    def test_ddp(adapters):
+        assert adapters.function("get_ddp")(3) == 3
+
+    @pytest.mark.adapters("get_ddp", "get_fsdp")
+    def test_fsdp(adapters):
+        raise AssertionError("must be skipped: get_fsdp is the skeleton's")
+
+    @pytest.mark.adapters("get_sharded_optimizer")
+    def test_sharded(adapters):
+        raise AssertionError("must be skipped: no get_sharded_optimizer")
+'''
+
+
+def _write(path: Path, text: str) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(textwrap.dedent(text))
+    return path
+
+
+def test_the_plugin_is_a_pytest11_entry_point_of_the_installed_package_named_as_the_conftest_names_it():
+    plugins = {point.name: point.value for point in entry_points(group="pytest11")}
+    assert plugins.get("cs336_systems.pytest_plugin") == "cs336_systems.pytest_plugin"
+    conftest = (REPO_ROOT / "conftest.py").read_text()
+    assert '"cs336_systems.pytest_plugin"' in conftest  # the same name: registered once, by whichever comes first
+
+
+def test_pytest_in_another_project_lists_the_options(tmp_path):
+    """No conftest, no PYTHONPATH: only the installed package's entry point can add the options."""
+    _write(tmp_path / "pyproject.toml", "[project]\nname = 'elsewhere'\n")
+    environment = {key: value for key, value in os.environ.items() if key != "PYTHONPATH"}
+    result = subprocess.run([sys.executable, "-m", "pytest", "--help"], cwd=tmp_path, env=environment,
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    for option in ("--adapters=MODULE_OR_FILE", "--gpu=GPU", "--world-size=WORLD_SIZE", "--report-dir"):
+        assert option in result.stdout
+
+
+def test_this_repository_registers_the_plugin_once(pytester):
+    pytester.makeconftest('pytest_plugins = ["cs336_systems.pytest_plugin"]')
+    pytester.makepyfile("""
+        def test_once(request):
+            import cs336_systems.pytest_plugin as plugin
+            registered = [p for p in request.config.pluginmanager.get_plugins() if p is plugin]
+            assert len(registered) == 1
+    """)
+    pytester.runpytest("-p", "no:cacheprovider", "--gpu", "none").assert_outcomes(passed=1)
+
+
+def test_tests_needing_a_function_the_module_lacks_are_skipped_naming_it(pytester):
+    _write(pytester.path / "mine" / "adapters.py", PARTIAL_ADAPTERS)
+    pytester.makepyfile(NEEDS)
+    result = pytester.runpytest(*PLUGIN, "--adapters", "mine/adapters.py", "-rs")
+    result.assert_outcomes(passed=1, skipped=2)
+    result.stdout.fnmatch_lines(["*implementation under test: adapters mine/adapters.py*",
+                                 "*adapters mine/adapters.py does not implement get_fsdp",
+                                 "*adapters mine/adapters.py does not implement get_sharded_optimizer"])
+
+
+def test_the_ini_setting_names_the_module_relative_to_the_ini_file(pytester, monkeypatch):
+    _write(pytester.path / "mine" / "adapters.py", PARTIAL_ADAPTERS)
+    pytester.makeini("[pytest]\nadapters = mine/adapters.py\n")
+    _write(pytester.path / "sub" / "test_needs.py", NEEDS)
+    monkeypatch.chdir(pytester.path / "sub")
+    pytester.runpytest(*PLUGIN, "test_needs.py").assert_outcomes(passed=1, skipped=2)
+
+
+def test_without_the_option_the_implementation_under_test_is_this_projects_own(pytester):
+    pytester.makepyfile("""
+        def test_own(adapters):
+            assert adapters.spec == "cs336_systems.adapters" and adapters.is_own
+            assert not adapters.missing(*adapters.implemented)
+    """)
+    pytester.runpytest(*PLUGIN).assert_outcomes(passed=1)
+    assert load_adapters().implemented == frozenset(ADAPTER_FUNCTIONS)
+
+
+@pytest.mark.parametrize("content, message", [
+    ("import no_such_package_anywhere\n", "--adapters broken.py (*broken.py, imported as broken) failed to import: "
+                                          "ModuleNotFoundError: No module named 'no_such_package_anywhere'"),
+    ("raise SystemExit(3)\n", "failed to import: SystemExit: 3"),
+    ("def something_else():\n    pass\n", "defines none of the course's adapter functions"),
+])
+def test_a_module_that_cannot_serve_is_a_usage_error_before_any_test_runs(pytester, content, message):
+    _write(pytester.path / "broken.py", content)
+    pytester.makepyfile("def test_x():\n    raise AssertionError('no test may run')\n")
+    result = pytester.runpytest(*PLUGIN, "--adapters", "broken.py")
+    assert result.ret == pytest.ExitCode.USAGE_ERROR
+    result.stderr.fnmatch_lines([f"ERROR: *{message}*"])
+
+
+@pytest.mark.parametrize("spec, message", [
+    ("missing/adapters.py", "no such file or folder"),
+    ("no_such_module_for_adapters", "failed to import: ModuleNotFoundError"),
+    ("  ", "--adapters is empty"),
+])
+def test_a_module_that_does_not_exist_is_a_usage_error(pytester, spec, message):
+    pytester.makepyfile("def test_x():\n    pass\n")
+    result = pytester.runpytest(*PLUGIN, "--adapters", spec)
+    assert result.ret == pytest.ExitCode.USAGE_ERROR
+    result.stderr.fnmatch_lines([f"ERROR: *{message}*"])
+
+
+def test_a_file_inside_packages_is_imported_under_its_dotted_name_so_relative_imports_work(tmp_path):
+    _write(tmp_path / "course" / "__init__.py", "")
+    _write(tmp_path / "course" / "tests" / "__init__.py", "")
+    _write(tmp_path / "course" / "tests" / "helpers.py", "def wrap(module):\n    return ('wrapped', module)\n")
+    _write(tmp_path / "course" / "tests" / "adapters.py", """
+        from .helpers import wrap
+
+        def get_ddp(module):
+            return wrap(module)
+    """)
+    adapters = load_adapters("course/tests/adapters.py", relative_to=tmp_path)
+    assert adapters.module.__name__ == "course.tests.adapters"
+    assert adapters.function("get_ddp")(1) == ("wrapped", 1)
+    assert adapters.spec == str(tmp_path / "course" / "tests" / "adapters.py")
+    assert load_adapters(adapters.spec).module is adapters.module  # what a rank passes imports the same module
+    with pytest.raises(MissingAdapter, match="does not implement get_fsdp"):
+        adapters.function("get_fsdp")
+
+
+def test_a_repository_with_its_own_cs336_systems_is_told_why_it_cannot_be_imported_here(tmp_path):
+    """The course's repository names its package cs336_systems, as this harness does."""
+    _write(tmp_path / "repo" / "cs336_systems" / "__init__.py", "")
+    _write(tmp_path / "repo" / "cs336_systems" / "flash.py", "Function = object\n")
+    _write(tmp_path / "repo" / "tests" / "adapters.py", """
+        from cs336_systems.flash import Function
+
+        def get_flashattention_autograd_function_pytorch():
+            return Function
+    """)
+    with pytest.raises(AdaptersImportError) as raised:
+        load_adapters("repo/tests/adapters.py", relative_to=tmp_path)
+    message = str(raised.value)
+    assert "No module named 'cs336_systems.flash'" in message
+    assert f"{tmp_path / 'repo' / 'cs336_systems'} is a package named cs336_systems, as this harness's own is" in message
+
+
+def test_only_a_body_that_just_raises_not_implemented_counts_as_unimplemented():
+    def skeleton():
+        """Docstring."""
+        raise NotImplementedError
+
+    def skeleton_with_message():
+        raise NotImplementedError("implement me")
+
+    def guarded(x):
+        if x:
+            raise NotImplementedError
+        return x
+
+    def other_error():
+        raise ValueError
+
+    assert is_unimplemented(skeleton) and is_unimplemented(skeleton_with_message)
+    assert not is_unimplemented(guarded) and not is_unimplemented(other_error) and not is_unimplemented(len)
+
+
+def test_asking_for_a_name_outside_the_interface_is_an_error():
+    with pytest.raises(ValueError, match="not adapter functions of the course's interface: get_ddp_flat"):
+        load_adapters(OWN_ADAPTERS).missing("get_ddp", "get_ddp_flat")
