@@ -105,8 +105,8 @@ def _e2e(args, device) -> None:
     from cs336_systems.clocks import CLOCK_COLUMNS
     from cs336_systems.gpus import resolve_gpu
     from cs336_systems.model import size_name
-    from cs336_systems.reports import oom_note, oom_text
-    from cs336_systems.rows import COURSE_VARIANT, OOM
+    from cs336_systems.reports.e2e import command_status, nothing_measured_note
+    from cs336_systems.rows import COURSE_VARIANT, REFERENCE_MODEL
 
     _, spec = resolve_gpu("auto" if device.type == "cuda" else "none")
     if args.optimizer is not None and args.mode != "train":
@@ -130,22 +130,20 @@ def _e2e(args, device) -> None:
             log.info("[%d/%d] %s, context %d, %s%s", i, len(cells), cell.size, cell.context_length,
                      cell.precision, ", compiled" if cell.compile else "")
         peak = spec.peak_flops(cell.precision) if spec else None
-        cell_rows = benchmark_model(cell, device, peak, profiled_steps=args.breakdown)
-        if args.reference:
-            cell_rows = ([{"model": "project", **row} for row in cell_rows]
-                         + benchmark_model(cell, device, peak, reference=True, profiled_steps=args.breakdown))
-        # One line per model of the cell that did not fit: its phases' rows share one estimate.
-        for row in {row.get("model"): row for row in cell_rows if row.get("status") == OOM}.values():
-            log.warning("%s%s at context %s, %s: %s", f"{row['model']}: " if args.reference else "", cell.size,
-                        f"{cell.context_length:,}", cell.precision, oom_note(row))
-        rows += cell_rows
+        models = {"project": False, REFERENCE_MODEL: True} if args.reference else {None: False}
+        for model, reference in models.items():
+            where = f"{f'{model}: ' if model else ''}{cell.size} at context {cell.context_length:,}, {cell.precision}"
+            model_rows = benchmark_model(cell, device, peak, reference=reference, profiled_steps=args.breakdown,
+                                         announce=_announcer(where, device, args.breakdown))
+            if note := nothing_measured_note(model_rows):
+                log.warning("%s: %s", where, note)
+            rows += [{"model": model, **row} for row in model_rows] if model == "project" else model_rows
     if args.json:
         _print_rows(rows, True)
         return
     model = ["model"] if args.reference else []
     cell = [*model, "size", "context_length", "precision", "attention", "optimizer", "compile", "phase", "status"]
-    timed, breakdown = split_breakdown([{**row, "status": oom_text(row)} if row.get("status") == OOM else row
-                                        for row in rows])
+    timed, breakdown = split_breakdown([{**row, "status": command_status(row)} for row in rows])
     clocks = [*CLOCK_COLUMNS] if any(CLOCK_COLUMNS[0] in row for row in timed) else []
     _print_rows(timed, False, [*cell, "mean_ms", "std_ms", "median_ms", "iqr_ms", "host_ms", "tflops", "mfu", *clocks,
                                "estimated_peak_bytes", "available_bytes"])
@@ -153,6 +151,21 @@ def _e2e(args, device) -> None:
         print()
         _print_rows(breakdown, False, [*cell, "work_ms", "matmul_ms", "attention_ms", "other_ms", "step_ms",
                                        "busy_ms", "idle_ms", "span_ms"])
+
+
+def _announcer(where: str, device, profiled_steps: int):
+    """What the command says before a cell's steps run (benchmark_model's announce), each line starting with
+    `where`: what runs in place of a mode that did not fit, and how long it will take where that is minutes."""
+    from cs336_systems.benchmarks.e2e import cell_cost
+    from cs336_systems.reports.e2e import long_cell_note, stand_in_note
+
+    def announce(measured, did_not_fit) -> None:
+        if did_not_fit:
+            log.warning("%s: %s", where, stand_in_note(did_not_fit, measured.mode))
+        if note := long_cell_note(cell_cost(measured, device, profiled_steps), measured.mode):
+            log.warning("%s: %s", where, note)
+
+    return announce
 
 
 def _cmd_accumulation(args) -> None:

@@ -28,6 +28,7 @@ from cs336_systems.reports.e2e import (
     answer_compiled_models,
     cell_key,
     latest_cells,
+    long_cell_note,
     mean_std,
     render_benchmarking_mixed_precision,
     render_benchmarking_script,
@@ -455,9 +456,108 @@ def test_command_says_a_cell_too_large_for_this_machine_was_predicted_out_of_mem
     assert main(["e2e", "--size", "tiny", "--context", "100000", "--device", "cpu"]) == 0
     rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| tiny")]
     assert len(rows) == 5 and all("| OOM (predicted, not run) " in row and "1,073,741,824" in row for row in rows)
-    estimate = format_bytes(e2e.memory_estimate(E2EConfig("tiny", 100000)).peak_bytes)
-    assert caplog.messages == [f"tiny at context 100,000, fp32: OOM (predicted, not run): the memory model estimates "
-                               f"a peak of {estimate} against 1.00 GiB available, so nothing ran"]
+    train, forward_backward, forward = (
+        format_bytes(e2e.memory_estimate(E2EConfig("tiny", 100000, mode=mode)).peak_bytes)
+        for mode in ("train", "forward_backward", "forward"))
+    assert caplog.messages == [
+        f"tiny at context 100,000, fp32: the train step: OOM (predicted, not run): the memory model estimates a peak "
+        f"of {train} against 1.00 GiB available; forward+backward: OOM (predicted, not run): the memory model "
+        f"estimates a peak of {forward_backward} against 1.00 GiB available; the forward: OOM (predicted, not run): "
+        f"the memory model estimates a peak of {forward} against 1.00 GiB available; so nothing was measured"]
+
+
+def _forward_alone_fits(monkeypatch) -> int:
+    """The memory check of a tiny cell, where its forward alone fits and neither forward+backward nor its train step
+    does: the bytes available, the forward's estimate."""
+    fits_bytes = e2e.memory_estimate(E2EConfig("tiny", 16, mode="forward")).peak_bytes
+    assert e2e.memory_estimate(E2EConfig("tiny", 16, mode="forward_backward")).peak_bytes > fits_bytes
+    monkeypatch.setattr(e2e, "model_memory_check",
+                        lambda estimate, device: MemoryCheck(estimate.peak_bytes, fits_bytes, share=1.0))
+    return fits_bytes
+
+
+def _forward_steps(*forward_ms: float) -> e2e.Measured:
+    return e2e.Measured({"forward": list(forward_ms), "backward": [], "optimizer": [], "step": list(forward_ms)},
+                        forward_ms[0])
+
+
+def test_command_says_before_a_smaller_mode_runs_that_it_stands_in_for_the_modes_that_did_not_fit(
+        capsys, caplog, monkeypatch):
+    # A train step that does not fit, nor its forward+backward; the forward alone does, and it runs: the command says
+    # so before it runs (the estimates of both modes that did not fit), never that nothing ran, and its table says
+    # which rows the forward alone measured.
+    available = format_bytes(_forward_alone_fits(monkeypatch))
+    said_before_measuring = []
+
+    def measure(cfg, device, reference, profiled_steps):
+        said_before_measuring.append((cfg.mode, list(caplog.messages)))
+        return _forward_steps(10.0, 10.5)
+
+    monkeypatch.setattr(e2e, "_measure", measure)
+    assert main(["e2e", "--size", "tiny", "--context", "16", "--device", "cpu"]) == 0
+    train, forward_backward = (format_bytes(e2e.memory_estimate(E2EConfig("tiny", 16, mode=mode)).peak_bytes)
+                               for mode in ("train", "forward_backward"))
+    [(mode, messages)] = said_before_measuring
+    assert mode == "forward" and messages == [
+        f"tiny at context 16, fp32: the train step: OOM (predicted, not run): the memory model estimates a peak of "
+        f"{train} against {available} available; forward+backward: OOM (predicted, not run): the memory model "
+        f"estimates a peak of {forward_backward} against {available} available; so the forward alone (no autograd) is "
+        "measured in their place"]
+    assert caplog.messages == messages  # and nothing after the cell
+    statuses = {line.split("|")[7].strip(): line.split("|")[8].strip()
+                for line in capsys.readouterr().out.splitlines() if line.startswith("| tiny")}
+    assert statuses == {"forward": "ok (forward only)", "backward": "OOM (predicted, not run)",
+                        "optimizer": "OOM (predicted, not run)", "forward_backward": "OOM (predicted, not run)",
+                        "train_step": "OOM (predicted, not run)"}
+
+
+def test_command_says_before_a_cell_how_long_the_flop_model_expects_it_to_take_where_that_is_minutes(
+        caplog, monkeypatch):
+    # The estimate, not a clock: each step 3.48 TFLOP at 26.7 GFLOP/s, the xl forward at context 128 on a loaded
+    # CPU core; a cell of 2 steps at that rate takes 4 minutes and is announced, a cell of 1 step in a second is not.
+    said_before_measuring = []
+    costs = {2: e2e.CellCost(1, 1, 0, 3.48e12, 26.7e9), 1: e2e.CellCost(0, 1, 0, 1e9, 1e9)}
+    monkeypatch.setattr(e2e, "cell_cost", lambda cfg, device, profiled_steps: costs[cfg.warmup + cfg.steps])
+
+    def measure(cfg, device, reference, profiled_steps):
+        said_before_measuring.append(list(caplog.messages))
+        return _forward_steps(*[10.0] * cfg.steps)
+
+    monkeypatch.setattr(e2e, "_measure", measure)
+    for warmup in ("1", "0"):
+        assert main(["e2e", "--size", "tiny", "--context", "16", "--mode", "forward", "--warmup", warmup, "--steps",
+                     "1", "--device", "cpu"]) == 0
+    assert said_before_measuring == [[
+        "tiny at context 16, fp32: the forward is expected to take about 4 minutes here: 2 steps (1 warm-up + 1 timed) "
+        "of 3.48 TFLOP of matmuls each, at the 26.7 GFLOP/s a matmul of the model's feed-forward shape ran at on this "
+        "device just now; building the model and the work besides matmuls come on top"]] * 2
+
+
+@pytest.mark.parametrize("cost, expected", [
+    (e2e.CellCost(5, 1, 0, 3.48e12, 26.7e9), "about 13 minutes here: 6 steps (5 warm-up + 1 timed) of 3.48 TFLOP"),
+    (e2e.CellCost(0, 1, 2, 1e12, 1e9), "about 50 minutes here: 3 steps (0 warm-up + 1 timed + 2 profiled) of 1 TFLOP"),
+    (e2e.CellCost(5, 10, 0, 1e15, 1e12), "about 4.2 hours here: 15 steps"),
+    (e2e.CellCost(1, 1, 0, 30e9, 1e9), "about 1 minute here: 2 steps"),
+    (e2e.CellCost(1, 1, 0, 29.9e9, 1e9), None),
+])
+def test_a_cell_is_announced_with_its_expected_time_from_a_minute_of_matmuls(cost, expected):
+    note = long_cell_note(cost, "train")
+    if expected is None:
+        assert note is None
+    else:
+        assert expected in note
+
+
+def test_the_cell_cost_is_every_step_of_the_mode_at_the_rate_of_the_models_feed_forward_matmul(monkeypatch):
+    # The rate from the probe's one timed call (2 ms here), over the feed-forward's FLOPs at the cell's own tokens
+    # (fewer than RATE_PROBE_TOKENS).
+    monkeypatch.setattr(e2e, "time_fn", lambda fn, warmup, steps, device: e2e.Timings((2.0,)))
+    config = ModelConfig.for_size("tiny", 16)
+    cost = e2e.cell_cost(E2EConfig("tiny", 16, batch_size=2, mode="forward_backward", warmup=3, steps=4), "cpu", 1)
+    assert (cost.warmup, cost.timed, cost.profiled, cost.steps) == (3, 4, 1, 8)
+    assert cost.step_flops == step_flops(config, 2, 16, "forward_backward")
+    assert cost.flops_per_s == 2 * 32 * config.d_model * config.d_ff / 2e-3
+    assert cost.expected_s == 8 * cost.step_flops / cost.flops_per_s
 
 
 def test_a_10b_step_is_not_run_on_80_gb_but_its_forward_alone_is(monkeypatch):

@@ -12,10 +12,14 @@ optimizer out. The whole step's row also gives the median time the host took to 
 (`host_ms`: where it reaches the step's time, the device waited for the host), and on a GPU what its
 clock did (cs336_systems.clocks): the share of the timed steps' time the clock was held down by the
 power limit or by heat, the median SM clock and the highest temperature.
+
+`cell_cost` says before a cell runs how long its steps' matmuls should take on the device: the cell's
+FLOPs (cs336_systems.accounting.flops) at the rate a matmul of the model's own shape runs at there.
 """
 
 from __future__ import annotations
 
+import math
 import multiprocessing
 import statistics
 import time
@@ -24,6 +28,7 @@ from concurrent.futures import ProcessPoolExecutor
 from dataclasses import asdict, dataclass, replace
 
 import torch
+import torch.nn.functional as F
 
 from cs336_systems.accounting.activations import (
     ADAMW_IMPLEMENTATIONS,
@@ -50,7 +55,7 @@ from cs336_systems.precision import check_precision
 from cs336_systems.profiling.kernels import device_profile, device_timeline, is_fused_attention, kernel_tables
 from cs336_systems.profiling.ranges import annotate
 from cs336_systems.rows import BREAKDOWN_PHASES, BREAKDOWN_TABLE, COURSE_VARIANT, REFERENCE_MODEL, Row
-from cs336_systems.timing import STEP_TIMER, StepTimer, Timings, tflops
+from cs336_systems.timing import STEP_TIMER, StepTimer, Timings, tflops, time_fn
 
 MODES = ("forward", "forward_backward", "train")
 # The phases each mode reports, in order; the composite ones are sums of the measured phases.
@@ -64,6 +69,10 @@ DEFAULT_STEPS = 10
 DEFAULT_BATCH_SIZE = 4
 # Where a mode's cell does not fit, the next smaller mode is measured: it yields a prefix of the phases.
 SMALLER_MODE = {"train": "forward_backward", "forward_backward": "forward"}
+# Rows of the matmul whose rate `cell_cost` measures (at most; a cell of fewer tokens uses its own): enough for a
+# matmul to run near the device's rate, few enough that on one CPU core even the 10B model's (256 x 4608 by
+# 4608 x 12288, 29 GFLOP) takes under a second.
+RATE_PROBE_TOKENS = 256
 
 
 @dataclass(frozen=True)
@@ -195,6 +204,44 @@ def split_breakdown(rows: list[Row]) -> tuple[list[Row], list[Row]]:
     return [r for r in rows if r.get("table") != BREAKDOWN_TABLE], breakdown
 
 
+@dataclass(frozen=True)
+class CellCost:
+    """What a cell's steps cost by the FLOP model, and how long that takes at a measured rate."""
+    warmup: int
+    timed: int
+    profiled: int
+    step_flops: float  # matmul FLOPs of each step, its mode's whole step (cs336_systems.accounting.flops)
+    flops_per_s: float  # the rate a matmul of the model's feed-forward shape ran at on the device
+
+    @property
+    def steps(self) -> int:
+        return self.warmup + self.timed + self.profiled
+
+    @property
+    def expected_s(self) -> float:
+        """The steps' matmuls alone: elementwise work, the optimizer's, building and compiling the model come on
+        top."""
+        return self.steps * self.step_flops / self.flops_per_s
+
+
+def cell_cost(cfg: E2EConfig, device: torch.device | str, profiled_steps: int = 0) -> CellCost:
+    """The cell's steps (warm-up, timed and `profiled_steps`), each its mode's whole step, and the rate of the
+    model's feed-forward up-projection on `device` in the cell's precision, over at most RATE_PROBE_TOKENS
+    tokens: one call to warm up, then one timed (cs336_systems.timing.time_fn)."""
+    device = torch.device(device)
+    config = cfg.model_config()
+    step = step_flops(config, cfg.batch_size, cfg.context_length, PHASES[cfg.mode][-1])
+    tokens = min(RATE_PROBE_TOKENS, cfg.batch_size * cfg.context_length)
+    activations = torch.randn(tokens, config.d_model, device=device)
+    weight = torch.randn(config.d_ff, config.d_model, device=device)
+    with autocast(cfg.precision, device):
+        timings = time_fn(lambda: F.linear(activations, weight), warmup=1, steps=1, device=device)
+    flops = 2 * tokens * config.d_model * config.d_ff
+    # A matmul too quick for the host's clock: no step of this model will take long.
+    rate = flops / (timings.median_ms * 1e-3) if timings.median_ms > 0 else math.inf
+    return CellCost(cfg.warmup, cfg.steps, profiled_steps, step, rate)
+
+
 def breakdown_rows(base: Row, profile: Profile, device_type: str) -> list[Row]:
     """Per phase, its device work per step (kernel time on a GPU, operators' own time on a CPU) split
     into matmuls, fused attention and the rest; then the step: its profiled time, and on a GPU how
@@ -258,8 +305,13 @@ def model_memory_check(estimate: MemoryPrediction, device: torch.device) -> Memo
     return check_memory(estimate.peak_bytes, device)
 
 
+# Called just before a cell's steps run: the configuration measured (the cell's, or a smaller mode's where the
+# cell's did not fit), and the OOM rows of the larger modes it stands in for (none for the cell's own).
+Announce = Callable[[E2EConfig, list[Row]], None]
+
+
 def benchmark_model(cfg: E2EConfig, device: torch.device | str, peak_flops: float | None = None,
-                    reference: bool = False, profiled_steps: int = 0) -> list[Row]:
+                    reference: bool = False, profiled_steps: int = 0, announce: Announce | None = None) -> list[Row]:
     """Rows, one per reported phase: mean / std / median ms and, given a peak, TFLOP/s and MFU.
     `reference` times the torch-native LM of the same architecture instead (benchmarks.reference_lm;
     SDPA attention, compiled whole if `cfg.compile`); its rows say model "torch reference".
@@ -271,24 +323,32 @@ def benchmark_model(cfg: E2EConfig, device: torch.device | str, peak_flops: floa
     only: each phase's row comes from the smallest mode that has it, measured or OOM with that mode's
     estimate, in `measured_mode` (a 10B forward fits where its training step does not). A profiled cell's
     breakdown rows are then those of the mode that ran, after the phases' rows.
+
+    `announce(measured, did_not_fit)`, if given, is called before any mode's steps run (Announce), so that a
+    caller can say what runs, and in whose place, before it takes its time.
     """
-    rows = _benchmark_mode(cfg, device, peak_flops, reference, profiled_steps)
+    rows = _benchmark_mode(cfg, device, peak_flops, reference, profiled_steps,
+                           starting=None if announce is None else lambda: announce(cfg, []))
     smaller = SMALLER_MODE.get(cfg.mode)
     if smaller is None or any(r.get("status") == "ok" for r in rows):
         return rows
+
+    def in_place_of_this_mode(measured: E2EConfig, did_not_fit: list[Row]) -> None:
+        announce(measured, [*rows, *did_not_fit])
 
     def in_this_mode(row: Row) -> Row:
         return {**row, "mode": cfg.mode, "measured_mode": row.get("measured_mode", row["mode"])}
 
     # The breakdown names phases too: kept apart, so that its rows never stand in for the timed ones.
     timed, breakdown = split_breakdown(benchmark_model(replace(cfg, mode=smaller), device, peak_flops, reference,
-                                                       profiled_steps))
+                                                       profiled_steps,
+                                                       None if announce is None else in_place_of_this_mode))
     by_phase = {r["phase"]: in_this_mode(r) for r in timed}
     return [by_phase.get(r["phase"], r) for r in rows] + [in_this_mode(r) for r in breakdown]
 
 
 def _benchmark_mode(cfg: E2EConfig, device: torch.device | str, peak_flops: float | None, reference: bool,
-                    profiled_steps: int) -> list[Row]:
+                    profiled_steps: int, starting: Callable[[], None] | None = None) -> list[Row]:
     device = torch.device(device)
     if reference and cfg.attention != "sdpa":
         raise ValueError(f"the torch reference uses SDPA attention; got attention {cfg.attention!r}")
@@ -299,6 +359,8 @@ def _benchmark_mode(cfg: E2EConfig, device: torch.device | str, peak_flops: floa
     estimate = memory_estimate(cfg)
 
     def measure(columns: Row) -> list[Row]:
+        if starting is not None:
+            starting()
         measured = _measure(cfg, device, reference, profiled_steps)
         peak_memory = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None
         return _measured_rows(cfg, {**base, **columns}, measured, peak_memory, peak_flops, device)

@@ -132,11 +132,11 @@ def oom_text(row: Row) -> str:
 
 def oom_note(row: Row) -> str:
     """An OOM cell in words, as a command prints it: predicted and never run, or run out of memory, with the
-    memory model's estimate (cs336_systems.memory_guard)."""
+    memory model's estimate (cs336_systems.memory_guard). What the command did instead is the caller's to say."""
     estimate = (f"the memory model estimates a peak of {format_bytes(row['estimated_peak_bytes'])} against "
                 f"{format_bytes(row['available_bytes'])} available")
     if row.get("oom_predicted"):
-        return f"{PREDICTED_OOM}: {estimate}, so nothing ran"
+        return f"{PREDICTED_OOM}: {estimate}"
     return f"{OOM}: it ran out of memory ({estimate})"
 
 

@@ -12,6 +12,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 from cs336_systems import reports
+from cs336_systems.benchmarks.e2e import CellCost
 from cs336_systems.model import size_order
 from cs336_systems.reports import (
     NOISY_RELATIVE_STD,
@@ -28,6 +29,7 @@ from cs336_systems.reports import (
     listing,
     markdown_table,
     not_in_report,
+    oom_note,
     pivot,
     plural,
     run_of,
@@ -64,6 +66,71 @@ def mean_std(row: Row, unit: str = "") -> str:
         return reports.oom_text(row)
     alone = " (forward only)" if row.get("measured_mode") == "forward" else ""
     return reports.mean_std(row["mean_ms"], row["std_ms"], unit=unit) + alone
+
+
+# What the command (python -m cs336_systems e2e) says about a cell, before it runs and after. Each mode as its
+# messages name it, largest first, and a smaller mode as it stands in for a larger one that did not fit.
+MODE_LABELS = {"train": "the train step", "forward_backward": "forward+backward", "forward": "the forward"}
+STAND_IN_LABELS = {"forward_backward": "forward+backward without the optimizer step",
+                   "forward": "the forward alone (no autograd)"}
+# A cell whose steps the FLOP model expects to take this long or longer on the device is announced, with the
+# estimate, before it starts: long enough that a command silent for it would seem to hang, and that a user may
+# rather stop it and ask for a smaller cell.
+LONG_CELL_S = 60.0
+
+
+def command_status(row: Row) -> str:
+    """A row's status as the command's table shows it: OOM, predicted and not run or run out; ok, naming the smaller
+    mode that measured it where its own did not fit."""
+    if row.get("status") == OOM:
+        return reports.oom_text(row)
+    text = str(row.get("status"))
+    measured_mode = row.get("measured_mode")
+    if measured_mode not in (None, row.get("mode")):
+        text += f" ({PHASE_LABELS[measured_mode]} only)"
+    return text
+
+
+def _modes_out_of_memory(rows: list[Row]) -> str:
+    """Each mode of a cell's OOM rows, largest first, with what became of it and the memory model's estimate."""
+    by_mode: dict[str, Row] = {}
+    for row in rows:
+        if row.get("status") == OOM:
+            by_mode.setdefault(row.get("measured_mode") or row["mode"], row)
+    return "; ".join(f"{MODE_LABELS[mode]}: {oom_note(by_mode[mode])}" for mode in MODE_LABELS if mode in by_mode)
+
+
+def stand_in_note(did_not_fit: list[Row], measured_mode: str) -> str:
+    """What the command says before it measures `measured_mode` in place of the larger modes that did not fit (their
+    OOM rows)."""
+    larger = {row.get("measured_mode") or row["mode"] for row in did_not_fit}
+    return (f"{_modes_out_of_memory(did_not_fit)}; so {STAND_IN_LABELS[measured_mode]} is measured in "
+            f"{'its' if len(larger) == 1 else 'their'} place")
+
+
+def nothing_measured_note(rows: list[Row]) -> str | None:
+    """What the command says after a cell (one model's rows) of which no mode could be measured; None where one
+    was."""
+    if ok_rows(rows):
+        return None
+    return f"{_modes_out_of_memory(rows)}; so nothing was measured"
+
+
+def _duration(seconds: float) -> str:
+    minutes = round(seconds / 60)
+    return plural(minutes, "minute") if minutes < 90 else f"{seconds / 3600:.1f} hours"
+
+
+def long_cell_note(cost: CellCost, mode: str) -> str | None:
+    """What the command says before a cell whose steps it expects to take LONG_CELL_S or more: how long, and the
+    estimate's parts; None for a shorter one."""
+    if cost.expected_s < LONG_CELL_S:
+        return None
+    steps = [f"{cost.warmup} warm-up", f"{cost.timed} timed"] + ([f"{cost.profiled} profiled"] if cost.profiled else [])
+    return (f"{MODE_LABELS[mode]} is expected to take about {_duration(cost.expected_s)} here: "
+            f"{plural(cost.steps, 'step')} ({' + '.join(steps)}) of {cost.step_flops / 1e12:.3g} TFLOP of matmuls "
+            f"each, at the {cost.flops_per_s / 1e9:.3g} GFLOP/s a matmul of the model's feed-forward shape ran at on "
+            "this device just now; building the model and the work besides matmuls come on top")
 
 
 def variant(row: Row) -> tuple:
