@@ -21,7 +21,7 @@ from cs336_systems.cells import unmeasured
 from cs336_systems.interpretation import interpreter_problem
 from cs336_systems.memory_guard import MemoryCheck
 from cs336_systems.model import ModelConfig
-from cs336_systems.reports import format_bytes, problems, read_rows, write_report
+from cs336_systems.reports import NOISY_RELATIVE_STD, format_bytes, problems, read_rows, write_report
 from cs336_systems.reports.e2e import (
     answer_benchmarking_mixed_precision,
     answer_benchmarking_script,
@@ -558,6 +558,19 @@ def test_the_cell_cost_is_every_step_of_the_mode_at_the_rate_of_the_models_feed_
     assert cost.step_flops == step_flops(config, 2, 16, "forward_backward")
     assert cost.flops_per_s == 2 * 32 * config.d_model * config.d_ff / 2e-3
     assert cost.expected_s == 8 * cost.step_flops / cost.flops_per_s
+
+
+# Forward times whose std is 0.3 of their mean, and 0.2: the reports mark a spread above a fifth noisy.
+@pytest.mark.parametrize("forward_ms, status", [((7.0, 10.0, 13.0), "ok (noisy)"), ((8.0, 10.0, 12.0), "ok")])
+def test_command_table_marks_a_row_whose_time_varied_by_more_than_a_fifth_noisy_as_the_reports_do(
+        forward_ms, status, capsys, monkeypatch):
+    share = statistics.stdev(forward_ms) / statistics.fmean(forward_ms)
+    assert (share > NOISY_RELATIVE_STD) == (status != "ok")
+    monkeypatch.setattr(e2e, "_measure", lambda cfg, device, reference, profiled_steps: _forward_steps(*forward_ms))
+    assert main(["e2e", "--size", "tiny", "--context", "16", "--mode", "forward", "--steps", "3",
+                 "--device", "cpu"]) == 0
+    [row] = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| tiny")]
+    assert row.split("|")[8].strip() == status
 
 
 def test_a_10b_step_is_not_run_on_80_gb_but_its_forward_alone_is(monkeypatch):

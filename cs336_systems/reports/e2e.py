@@ -28,6 +28,7 @@ from cs336_systems.reports import (
     is_noisy,
     listing,
     markdown_table,
+    noisy_marked,
     not_in_report,
     oom_note,
     pivot,
@@ -81,14 +82,15 @@ LONG_CELL_S = 60.0
 
 def command_status(row: Row) -> str:
     """A row's status as the command's table shows it: OOM, predicted and not run or run out; ok, naming the smaller
-    mode that measured it where its own did not fit."""
+    mode that measured it where its own did not fit; and marked noisy where its time varied more than the reports
+    allow (reports.is_noisy)."""
     if row.get("status") == OOM:
         return reports.oom_text(row)
     text = str(row.get("status"))
     measured_mode = row.get("measured_mode")
     if measured_mode not in (None, row.get("mode")):
         text += f" ({PHASE_LABELS[measured_mode]} only)"
-    return text
+    return noisy_marked(text, "mean_ms" in row and is_noisy(row["mean_ms"], row["std_ms"]))
 
 
 def _modes_out_of_memory(rows: list[Row]) -> str:
