@@ -175,6 +175,19 @@ def test_the_report_and_answer_say_when_a_variant_did_not_fit():
     assert "6.40 s" in answer
 
 
+def test_a_run_on_gloo_ranks_is_said_to_be_one_on_the_cpu_and_its_small_model_is_not_called_8b_class():
+    # The CPU smoke run's model and ranks (perf/test_leaderboard.py), two gloo ranks sharing the CPU.
+    small = {"seq_len": 64, "d_model": 64, "d_ff": 176, "num_layers": 2, "num_heads": 4, "vocab_size": 1000,
+             "parameters": 230_000, "dtype": "fp32", "backend": "gloo"}
+    rows = [{**_step(name, median_ms), **small} for name, median_ms in ((OURS, 8235.0), (TORCH, 47.4))]
+    answer = answer_leaderboard({"leaderboard": rows})[0]
+    assert answer.startswith("A 0.23M-parameter stand-in for the 8B-class model (d_model 64, 2 layers): its full "
+                             "training step at batch 2 x 64 tokens, fp32, on 2 gloo ranks on the CPU (")
+    assert "model TFLOP/s per rank, peak 84.0 GiB per rank." in answer and "GPU" not in answer
+    body = render_leaderboard(rows).body
+    assert "| model TFLOP/s per rank " in body and "per GPU" not in body
+
+
 def test_a_step_time_that_varied_by_more_than_a_fifth_is_marked_noisy_and_so_are_its_ratios():
     body = render_leaderboard([_step(OURS, 6400.0, std_share=0.3), _step(TORCH, 5800.0)]).body
     assert "6,400.0 ms (IQR 5 ms) (noisy)" in body

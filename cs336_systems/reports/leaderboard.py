@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from cs336_systems.benchmarks.flash import MODE_LABELS, PROVIDER_LABELS
 from cs336_systems.benchmarks.leaderboard import OURS, OURS_SDPA, TORCH, TORCH_FUSED_LOSS
+from cs336_systems.model import LEADERBOARD
 from cs336_systems.reports import (
     UNPAIRED,
     Rendered,
@@ -43,10 +44,34 @@ def _ratio(slow: Row, fast: Row) -> str:
     return noisy_marked(format_ratio(slow["median_ms"] / fast["median_ms"]), _noisy(slow) or _noisy(fast))
 
 
-def _setup_sentence(step: Row) -> str:
+def _parameters(step: Row) -> str:
     parameters = step["parameters"]
-    size = f"{parameters / 1e9:.2f}B" if parameters >= 1e9 else f"{parameters / 1e6:.2f}M"
-    return (f"A full training step (zero_grad to AdamW) of the {size}-parameter model "
+    return f"{parameters / 1e9:.2f}B" if parameters >= 1e9 else f"{parameters / 1e6:.2f}M"
+
+
+def _per_device(step: Row) -> str:
+    """What each rank had to itself: a GPU in an NCCL group; in a gloo group a share of the CPU, as the launcher
+    (cs336_systems.distributed.launch) puts gloo ranks there."""
+    return "GPU" if step["backend"] == "nccl" else "rank"
+
+
+def _where(step: Row) -> str:
+    """ "2 GPUs", or "2 gloo ranks on the CPU": how many ranks ran, and on what."""
+    if _per_device(step) == "GPU":
+        return f"{step['world_size']} GPUs"
+    return f"{step['world_size']} {step['backend']} ranks on the CPU"
+
+
+def _subject(step: Row) -> str:
+    """The model whose step was timed: the leaderboard's own, or (a CPU run's) a smaller one of its kind."""
+    if all(step[name] == value for name, value in LEADERBOARD.items() if name != "context_length"):
+        return "The 8B-class model's full training step"
+    return (f"A {_parameters(step)}-parameter stand-in for the 8B-class model (d_model {step['d_model']}, "
+            f"{step['num_layers']} layers): its full training step")
+
+
+def _setup_sentence(step: Row) -> str:
+    return (f"A full training step (zero_grad to AdamW) of the {_parameters(step)}-parameter model "
             f"(d_model {step['d_model']}, d_ff {step['d_ff']}, {step['num_layers']} layers, {step['num_heads']} heads, "
             f"vocabulary {step['vocab_size']:,}), {step['dtype']} weights, batch {step['batch_size']} x "
             f"{step['seq_len']:,} tokens, causal, {step['world_size']} ranks ({step['backend']}) sharing the batch; "
@@ -68,7 +93,7 @@ def _step_table(steps: dict[str, Row]) -> str:
                          "min to max (ms)": f"{format_ms(r['min_ms'])} to {format_ms(r['max_ms'])}",
                          "forward": format_ms(r["forward_ms"]), "backward": format_ms(r["backward_ms"]),
                          "optimizer": format_ms(r["optimizer_ms"]), "tokens/s": f"{r['tokens_per_s']:,.0f}",
-                         "model TFLOP/s per GPU": f"{r['tflops_per_gpu']:.3g}"})
+                         f"model TFLOP/s per {_per_device(r)}": f"{r['tflops_per_gpu']:.3g}"})
             if r.get("peak_gib") is not None:
                 line["peak per rank (GiB)"] = f"{r['peak_gib']:.1f}"
         line["estimate (GiB)"] = f"{r['model_peak_gib']:.1f}"
@@ -199,11 +224,11 @@ def answer_leaderboard(reports: Reports) -> list[str]:
     ours = steps.get(OURS)
     if not (ours and ok_rows([ours])):
         return [not_in_report("A measured step of ours")]
-    sentence = (f"The 8B-class model's full training step at batch {ours['batch_size']} x {ours['seq_len']:,} tokens, "
-                f"{ours['dtype']}, on {ours['world_size']} GPUs ({ours['setup']}): {ours['median_ms'] / 1e3:.2f} s "
-                f"(median of {ours['steps']}), {ours['tflops_per_gpu']:.3g} model TFLOP/s per GPU")
+    sentence = (f"{_subject(ours)} at batch {ours['batch_size']} x {ours['seq_len']:,} tokens, {ours['dtype']}, on "
+                f"{_where(ours)} ({ours['setup']}): {ours['median_ms'] / 1e3:.2f} s (median of {ours['steps']}), "
+                f"{ours['tflops_per_gpu']:.3g} model TFLOP/s per {_per_device(ours)}")
     if ours.get("peak_gib") is not None:
-        sentence += f", peak {ours['peak_gib']:.1f} GiB per GPU"
+        sentence += f", peak {ours['peak_gib']:.1f} GiB per {_per_device(ours)}"
     return [" ".join(filter(None, (sentence + ".", comparison(steps), _fastest_sentence(steps))))]
 
 
