@@ -414,7 +414,7 @@ def _linear_backward_op(grad_y: torch.Tensor, x: torch.Tensor, shard: torch.Tens
 
 @_linear_backward_op.register_fake
 def _linear_backward_op_fake(grad_y, x, shard):
-    return torch.empty_like(x)
+    return x.new_empty(x.shape)  # contiguous, as the matmul's result is whatever x's strides
 
 
 def _linear_op_setup_context(ctx, inputs, output) -> None:
