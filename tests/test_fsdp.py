@@ -1,6 +1,7 @@
 """FSDP against single-process training (gloo on CPU, ranks started by launch), through the
 course's adapters: fp32 and fp16 compute, world sizes whose sizes do not divide, the LM with AdamW,
-gradient accumulation, the prefetch order and the freeing of gathered weights. fp32 results are
+gradient accumulation, the prefetch order and the freeing of gathered weights; checkpointed blocks, a
+weight gathered for direct use (a loss fused with the LM head), and blocks compiled one at a time. fp32 results are
 compared bit for bit where the arithmetic allows it and within the course's tolerances where the
 batch is split (see FP32_TOLERANCE).
 
@@ -16,6 +17,7 @@ import functools
 import gc
 import warnings
 import weakref
+from collections import Counter
 from copy import deepcopy
 
 import pytest
@@ -29,7 +31,9 @@ import cs336_systems.distributed.fsdp as fsdp_module
 from cs336_systems.distributed.ddp import batch_shard
 from cs336_systems.distributed.fsdp import FSDP
 from cs336_systems.distributed.launch import launch
+from cs336_systems.linear_cross_entropy import linear_cross_entropy
 from cs336_systems.model import ModelConfig, TransformerLM
+from cs336_systems.profiling.checkpointing import Checkpoint, apply_checkpointing
 from tests import adapters
 from tests.common import (
     CheckOutcome,
@@ -373,6 +377,129 @@ def _prefetch_runs_at_most_two_layers_ahead(rank: int, world_size: int) -> None:
     assert next_call(backward_calls, "backward", end_of_forward + 1, len(log)) == expected
 
 
+@contextlib.contextmanager
+def _counting_gathers():
+    """Counts the all-gathers started, by layer name, through the ranges FSDP opens around them."""
+    gathers: Counter[str] = Counter()
+
+    def counting_annotate(name: str):
+        kind, layer = name.split(" ")
+        if kind == "fsdp::all_gather":
+            gathers[layer] += 1
+        return contextlib.nullcontext()
+
+    original, fsdp_module.annotate = fsdp_module.annotate, counting_annotate
+    try:
+        yield gathers
+    finally:
+        fsdp_module.annotate = original
+
+
+# The first block checkpointed (recomputed in backward), the second run plainly.
+FIRST_BLOCK_CHECKPOINTED = (Checkpoint((0,)), 1)
+
+
+def _lm_batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    generator = torch.Generator().manual_seed(step)
+    inputs, targets = (torch.randint(SMALL_LM.vocab_size, (BATCH, SEQ_LEN), generator=generator) for _ in range(2))
+    return inputs, targets
+
+
+def _assert_gradients_close(reference: nn.Module, gradients: dict[str, torch.Tensor], tolerance: dict,
+                            when: str) -> None:
+    assert gradients.keys() == dict(reference.named_parameters()).keys(), when
+    for name, p in reference.named_parameters():
+        torch.testing.assert_close(gradients[name], p.grad, **tolerance, msg=lambda m: f"{when}, {name}: {m}")
+
+
+def _checkpointed_blocks_gather_each_layer_twice_and_match_single_process(rank: int, world_size: int) -> None:
+    """Backward recomputes a checkpointed block's forward; its layers keep the weights they gather then for their
+    backward. So every layer is gathered twice a step as a plain one is (the embedding once: its gradient needs
+    no weight), in the second step too, none stays gathered after the step, and the gradients are one
+    process's on the whole batch."""
+    torch.manual_seed(0)
+    reference = TransformerLM(SMALL_LM)
+    model = FSDP(apply_checkpointing(deepcopy(reference), FIRST_BLOCK_CHECKPOINTED))
+    rows = batch_shard(BATCH, rank, world_size)
+    for step in range(2):
+        inputs, targets = _lm_batch(step)
+        reference.zero_grad(set_to_none=True)
+        F.cross_entropy(reference(inputs).flatten(0, 1), targets.flatten()).backward()
+        model.zero_grad(set_to_none=True)
+        with _counting_gathers() as gathers:
+            F.cross_entropy(model(inputs[rows]).flatten(0, 1), targets[rows].flatten()).backward()
+            model.finish_gradient_synchronization()
+        assert gathers == {w.name: 1 if w.name == "token_embeddings" else 2 for w in model.weights}, (step, gathers)
+        assert not any(w.in_memory for w in model.weights), f"gathered weights left after step {step}"
+        _assert_gradients_close(reference, model.gather_full_gradients(), FP32_TOLERANCE, f"step {step}")
+
+
+class _FusedHeadLoss(nn.Module):
+    """The LM with its head fused into the loss (linear_cross_entropy), as the leaderboard trains it: the loss
+    computes with the head's weight itself, never calling the head."""
+
+    def __init__(self, lm: TransformerLM):
+        super().__init__()
+        self.lm = lm
+        self.head_weight = lambda: self.lm.lm_head.weight  # where FSDP shards the head: its full_weight
+
+    def forward(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        return linear_cross_entropy(self.lm.final_hidden(inputs), self.head_weight(), targets, chunk_tokens=5)
+
+
+def _full_weight_is_gathered_for_the_fused_loss_and_its_gradient_reduce_scattered(rank: int, world_size: int) -> None:
+    """FSDP.full_weight hands the fused loss the head's whole weight, gathered once a step, and reduce-scatters
+    its gradient into the shard: one process's gradients; a layer it does not shard is refused."""
+    torch.manual_seed(0)
+    reference = _FusedHeadLoss(TransformerLM(SMALL_LM))
+    module = deepcopy(reference)
+    model = FSDP(module)
+    module.head_weight = functools.partial(model.full_weight, module.lm.lm_head)
+    inputs, targets = _lm_batch(0)
+    rows = batch_shard(BATCH, rank, world_size)
+    reference(inputs, targets).backward()
+    with _counting_gathers() as gathers:
+        model(inputs[rows], targets[rows]).backward()
+        model.finish_gradient_synchronization()
+    assert gathers["lm.lm_head"] == 1, gathers
+    assert not any(w.in_memory for w in model.weights)
+    _assert_gradients_close(reference, model.gather_full_gradients(), FP32_TOLERANCE, "fused loss")
+    with pytest.raises(ValueError, match="full_weight needs a layer this FSDP shards, got a RMSNorm"):
+        model.full_weight(module.lm.ln_final)
+
+
+def _compiled_blocks_share_one_graph_and_train_as_eager(rank: int, world_size: int) -> None:
+    """Each block compiled on its own (regional compilation), the first checkpointed: dynamo captures one graph
+    that every block runs, without a graph break or a recompilation (a sharded Linear is an opaque op in it),
+    and the step gathers and computes as the eager FSDP does. Compiled with aot_eager: dynamo and AOTAutograd
+    (what decides the graph, its breaks and its backward) without inductor's code generation."""
+    from torch._dynamo.utils import counters
+
+    steps = {}
+    for compiled in (False, True):
+        torch.manual_seed(0)
+        lm = apply_checkpointing(TransformerLM(SMALL_LM), FIRST_BLOCK_CHECKPOINTED)
+        if compiled:
+            torch.compiler.reset()
+            counters.clear()
+            for block in lm.layers.blocks():
+                block.compile(backend="aot_eager")
+        model = FSDP(lm)
+        inputs, targets = _lm_batch(rank)
+        for _ in range(2):
+            model.zero_grad(set_to_none=True)
+            with _counting_gathers() as gathers:
+                F.cross_entropy(model(inputs).flatten(0, 1), targets.flatten()).backward()
+                model.finish_gradient_synchronization()
+        steps[compiled] = gathers, model.gather_full_gradients()
+    assert counters["stats"]["unique_graphs"] == 1 and not counters["graph_break"] and not counters["recompiles"], \
+        dict(counters)
+    (eager_gathers, eager_gradients), (compiled_gathers, compiled_gradients) = steps[False], steps[True]
+    assert compiled_gathers == eager_gathers
+    for name, gradient in eager_gradients.items():
+        torch.testing.assert_close(compiled_gradients[name], gradient, **FP32_TOLERANCE, msg=lambda m: f"{name}: {m}")
+
+
 def _forward_without_backward_leaves_no_stale_weights(rank: int, world_size: int) -> None:
     """A forward with gradients on that no backward follows (a metric) gathers the first weights of
     a backward that never comes; after the optimizer step the next forward must use the new shards."""
@@ -486,6 +613,11 @@ CHECKS = {
     "shards_are_a_world_size_share_and_gathered_weights_are_freed":
         _shards_are_a_world_size_share_and_gathered_weights_are_freed,
     "prefetch_runs_at_most_two_layers_ahead": _prefetch_runs_at_most_two_layers_ahead,
+    "checkpointed_blocks_gather_each_layer_twice_and_match_single_process":
+        _checkpointed_blocks_gather_each_layer_twice_and_match_single_process,
+    "full_weight_is_gathered_for_the_fused_loss_and_its_gradient_reduce_scattered":
+        _full_weight_is_gathered_for_the_fused_loss_and_its_gradient_reduce_scattered,
+    "compiled_blocks_share_one_graph_and_train_as_eager": _compiled_blocks_share_one_graph_and_train_as_eager,
     "bad_input_raises": _bad_input_raises,
     "forward_without_backward_leaves_no_stale_weights": _forward_without_backward_leaves_no_stale_weights,
     "buffers_are_rank_0_s": _buffers_are_rank_0_s,

@@ -1,30 +1,42 @@
 """The leaderboard's parts on a CPU: the loss module both ways, the configuration's checks, the memory estimate
-(against the peaks the committed reports measured), and the report's comparisons. The whole step over ranks
-runs in perf/test_leaderboard.py."""
+(against the peaks the committed reports measured, and the plans it picks on two GPUs), ours with FSDP over
+gloo against one process, and the report's comparisons. Every variant's whole step over ranks runs in
+perf/test_leaderboard.py."""
 
 from pathlib import Path
 
 import pytest
 import torch
 
+from cs336_systems.accounting.activations import parameter_counts
 from cs336_systems.accounting.memory import GIB
 from cs336_systems.benchmarks.harness import build_model, random_batch
 from cs336_systems.benchmarks.leaderboard import (
     DDP,
+    EQUIVALENCE_CHUNK_TOKENS,
+    EQUIVALENCE_CONFIG,
     FSDP,
+    OUR_FSDP,
     OURS,
+    OURS_FSDP,
     OURS_SDPA,
+    PLAN_HEADROOM_BYTES,
     TORCH,
     TORCH_FUSED_LOSS,
     VARIANTS,
     LeaderboardConfig,
     LossModel,
     Variant,
+    benchmark_leaderboard,
     block_kept_bytes,
     checkpoint_plan,
     estimated_peak_bytes,
     fewest_checkpoints,
+    leaderboard_equivalence,
 )
+from cs336_systems.distributed.launch import launch
+from cs336_systems.gpus import GPU_SPECS
+from cs336_systems.memory_guard import FIT_SHARE, MemoryCheck
 from cs336_systems.profiling.checkpointing import Checkpoint
 from cs336_systems.model import LEADERBOARD, ModelConfig
 from cs336_systems.reports import read_rows
@@ -59,6 +71,7 @@ def test_every_variant_differs_from_the_next_in_one_part():
         differences = [a != b for a, b in zip((first.parallelism, first.attention, first.fused_loss),
                                               (second.parallelism, second.attention, second.fused_loss))]
         assert sum(differences) == 1, (first, second)
+    assert VARIANTS[OURS_FSDP] == Variant(OUR_FSDP, "flash_triton", fused_loss=True)
     assert VARIANTS[OURS] == Variant(DDP, "flash_triton", fused_loss=True)
     assert VARIANTS[TORCH] == Variant(FSDP, "sdpa", fused_loss=False)
     assert VARIANTS[OURS].setup == "bucketed DDP, Triton FlashAttention, LM head fused with the loss"
@@ -100,6 +113,9 @@ def test_the_estimate_orders_the_variants_as_their_parts_say():
     assert peaks[OURS] == peaks[OURS_SDPA]
     assert peaks[TORCH_FUSED_LOSS] < peaks[OURS_SDPA]
     assert peaks[TORCH_FUSED_LOSS] + 30 * GIB < peaks[TORCH]
+    # Our FSDP shards the state as torch's does, and holds neither the root's weights nor two blocks' gathered.
+    assert peaks[OURS_FSDP] + 30 * GIB < peaks[OURS]
+    assert peaks[TORCH_FUSED_LOSS] - 4 * GIB < peaks[OURS_FSDP] < peaks[TORCH_FUSED_LOSS]
     # More ranks shard torch FSDP's state further and leave each DDP rank's state whole.
     assert estimated_peak_bytes(VARIANTS[TORCH], LeaderboardConfig(batch_size=4), 4, 34) < peaks[TORCH]
 
@@ -112,6 +128,50 @@ def test_each_block_run_plainly_adds_what_it_keeps_less_the_input_a_checkpoint_k
         peaks = [estimated_peak_bytes(variant, cfg, 2, checkpointed) for checkpointed in range(35)]
         assert all(more >= fewer for more, fewer in zip(peaks, peaks[1:]))
         assert peaks[10] - peaks[11] == pytest.approx(kept - hidden, abs=1)
+
+
+def test_our_fsdp_shards_the_weights_gradients_and_moments_over_the_ranks():
+    """Twice the ranks at the same batch per rank: each rank holds half the shards of the Linear and Embedding
+    weights and of their two AdamW moments; the RMSNorm weights stay whole, as do the activations."""
+    model = ModelConfig(**LEADERBOARD)
+    sharded_bytes = 2 * (sum(parameter_counts(model).values()) - parameter_counts(model)["norms"])  # bf16
+    variant = VARIANTS[OURS_FSDP]
+    for checkpointed in (0, 16, 34):
+        two, four = (estimated_peak_bytes(variant, LeaderboardConfig(batch_size=ranks), ranks, checkpointed)
+                     for ranks in (2, 4))
+        assert two - four == pytest.approx(3 * sharded_bytes * (1 / 2 - 1 / 4), abs=1)
+
+
+# The memory the plans below are made for: each GPU of the handout's pairs with all of its memory free.
+TWO_GPUS = {"2 x 141 GB (H200)": GPU_SPECS["h200"].memory_bytes, "2 x 80 GB (H100)": GPU_SPECS["h100"].memory_bytes}
+
+
+def _plan(name: str, free_bytes: float) -> tuple[int, bool]:
+    """The blocks the benchmark checkpoints for variant `name` at the leaderboard's shape on two GPUs with
+    `free_bytes` free each (its headroom and the memory guard's share for ranks in collectives), and whether
+    the guard then lets it run."""
+    cfg = LeaderboardConfig()
+
+    def check(estimate: int) -> MemoryCheck:
+        return MemoryCheck(estimate, int(free_bytes), share=FIT_SHARE)
+
+    checkpointed = fewest_checkpoints(VARIANTS[name], cfg, 2,
+                                      lambda estimate: check(estimate + PLAN_HEADROOM_BYTES).fits)
+    return checkpointed, check(estimated_peak_bytes(VARIANTS[name], cfg, 2, checkpointed)).fits
+
+
+@pytest.mark.parametrize("gpus, ours_with_fsdp, ours", [
+    ("2 x 141 GB (H200)", (17, True), (26, True)),
+    ("2 x 80 GB (H100)", (30, True), (34, False)),  # replicated, even every block checkpointed does not fit
+], ids=["h200", "h100"])
+def test_our_fsdp_keeps_more_blocks_than_ddp_on_two_gpus(gpus, ours_with_fsdp, ours):
+    """The plans the memory estimate picks for the real 8B-class step: ours with FSDP keeps 17 blocks' activations
+    on two H200s where bucketed DDP's replicated weights, gradients and moments leave room for 8, and runs on two
+    H100s where DDP fits with none."""
+    free = TWO_GPUS[gpus]
+    assert _plan(OURS_FSDP, free) == ours_with_fsdp
+    assert _plan(OURS, free) == ours
+    assert _plan(OURS_FSDP, free)[0] < _plan(OURS, free)[0]
 
 
 def test_the_fewest_checkpoints_are_the_fewest_whose_estimate_fits():
@@ -143,6 +203,38 @@ def test_the_estimate_is_within_a_few_percent_of_each_committed_measured_peak(ro
     estimate = estimated_peak_bytes(VARIANTS[row["variant"]], cfg, row["world_size"],
                                     row["checkpointed_blocks"]) / GIB
     assert abs(estimate / row["peak_gib"] - 1) <= ESTIMATE_TOLERANCE, (estimate, row["peak_gib"])
+
+
+# The leaderboard's CPU path (perf/test_leaderboard.py) on the equivalence check's model, the cheapest through
+# the Triton interpreter: one warm-up and one timed step, the loss in two chunks.
+GLOO_CONFIG = LeaderboardConfig(model=EQUIVALENCE_CONFIG, dtype="fp32", warmup=1, steps=1, compile=False,
+                                loss_chunk_tokens=EQUIVALENCE_CHUNK_TOKENS)
+
+
+def ours_with_fsdp_on_gloo(rank: int, world_size: int) -> list[dict]:
+    """Run under launch: ours with FSDP against one process, then its training steps on the tiny model."""
+    return (leaderboard_equivalence(rank, world_size, (OURS_FSDP,))
+            + benchmark_leaderboard(rank, world_size, GLOO_CONFIG, (OURS_FSDP,)))
+
+
+@pytest.fixture(scope="module")
+def gloo_rows() -> list[dict]:
+    return launch(ours_with_fsdp_on_gloo, 2, device="cpu", timeout_s=300)[0]
+
+
+def test_ours_with_fsdp_matches_one_process_training_the_plain_model(gloo_rows):
+    """One fp32 step over two gloo ranks (the Triton kernels interpreted, the first block checkpointed, the head
+    gathered for the fused loss) against one process on the whole batch: the loss and every gradient."""
+    (row,) = [r for r in gloo_rows if r["table"] == "equivalence"]
+    assert row["variant"] == OURS_FSDP and row["backend"] == "gloo"
+    assert row["matches"], row
+
+
+def test_ours_with_fsdp_trains_on_gloo_with_the_tiny_model(gloo_rows):
+    (row,) = [r for r in gloo_rows if r["table"] == "step"]
+    assert (row["variant"], row["status"], row["steps"]) == (OURS_FSDP, "ok", 1)
+    assert row["model_peak_gib"] < 1  # a CPU counts no GPU overhead
+    assert row["first_loss"] > row["last_loss"]  # two AdamW steps on the same batch lower its loss
 
 
 def _step(variant: str, median_ms: float, run: int = 1, status: str = "ok", std_share: float = 0.01) -> dict:
@@ -192,3 +284,18 @@ def test_a_step_time_that_varied_by_more_than_a_fifth_is_marked_noisy_and_so_are
     body = render_leaderboard([_step(OURS, 6400.0, std_share=0.3), _step(TORCH, 5800.0)]).body
     assert "6,400.0 ms (IQR 5 ms) (noisy)" in body
     assert "Ours takes 1.10x (noisy) torch's time per step" in body
+
+
+def test_the_report_sets_ours_with_fsdp_against_the_fastest_torch_variant():
+    rows = [_step(OURS_FSDP, 5000.0), _step(OURS, 6400.0), _step(TORCH_FUSED_LOSS, 5100.0), _step(TORCH, 5800.0)]
+    body = render_leaderboard(rows).body
+    assert ("Ours with FSDP takes 0.98x the time per step of the fastest torch variant, torch with the fused loss "
+            "(5,000.0 ms against 5,100.0 ms, medians of one run), checkpointing 20 blocks against its 20.") in body
+    assert "- data parallelism (our FSDP against bucketed DDP): 0.78x, 5,000.0 ms against 6,400.0 ms" in body
+    answer = answer_leaderboard({"leaderboard": rows})[0]
+    assert answer.startswith("The 8B-class model's full training step at batch 2 x 32,768 tokens, bf16, on 2 GPUs "
+                             "(our FSDP (gathers layer by layer), Triton FlashAttention, LM head fused with the loss): "
+                             "5.00 s")
+    assert "Ours with FSDP takes 0.98x" in answer
+    alone = render_leaderboard([_step(OURS_FSDP, 5000.0), _step(TORCH, 0.0, status="OOM")]).body
+    assert "No comparison of ours with FSDP: ours with FSDP ran, no torch variant ran." in alone

@@ -5,10 +5,14 @@ tokens, bf16 weights, causal, on two GPUs; cs336_systems.reports.leaderboard ren
     rows = run_leaderboard(2, LeaderboardConfig(), device="cuda", timeout_s=600)
 
 Each rank trains on its share of the batch (one sequence of 32,768 tokens on each of two GPUs), from the
-same initial weights. Four variants run one after the other in the same ranks, from all the project's parts
+same initial weights. Five variants run one after the other in the same ranks, from all the project's parts
 to all torch's, one part changed at a time (VARIANTS):
-- ours: the project's bucketed DDP, its Triton FlashAttention op, and the LM head fused with the loss
-  (cs336_systems.linear_cross_entropy), which never holds the (tokens, vocabulary) logits;
+- ours with FSDP: the project's FSDP (cs336_systems.distributed.fsdp: each Linear and Embedding weight
+  sharded, gathered layer by layer, the LM head's gathered for the fused loss), its Triton FlashAttention
+  op, and the LM head fused with the loss (cs336_systems.linear_cross_entropy), which never holds the
+  (tokens, vocabulary) logits; its sharded weights, gradients and AdamW moments leave as much memory for
+  activations as torch's fully_shard does, about 37 GiB a GPU more than replicated ones (the estimate);
+- ours: the project's bucketed DDP in place of its FSDP (replicated weights, gradients and moments);
 - ours with SDPA; then torch FSDP in place of the DDP (torch with the fused loss);
 - torch: torch FSDP (fully_shard on every block and the root), SDPA, and the full logits through
   cross-entropy; the strongest composition of torch's own parts that fits in memory: under torch DDP the
@@ -17,8 +21,9 @@ to all torch's, one part changed at a time (VARIANTS):
 Each checkpoints the fewest blocks with which its memory estimate fits on every rank (the step's activations
 would take about 150 GB per GPU otherwise), so that memory a part saves is recomputation it saves; all use
 torch's fused AdamW on the bf16 weights and, with `compile`, compile each block (regional compilation: one
-graph serves every block). The ranks' allocator grows its segments (ALLOCATOR_ENVIRONMENT). On a GPU, rank 0 then times one block's attention alone in the Triton
-kernels and SDPA's FA2 and cuDNN backends.
+graph serves every block; our FSDP's sharded layers are opaque ops inside it). The ranks' allocator grows its
+segments (ALLOCATOR_ENVIRONMENT). On a GPU, rank 0 then times one block's attention alone in the Triton kernels
+and SDPA's FA2 and cuDNN backends.
 
 A step is timed as the handout's harness times it, the whole step from zero_grad to the optimizer step,
 with one synchronisation at its end (cs336_systems.timing); a rank's step ends when its optimizer step
@@ -32,6 +37,7 @@ ranks synchronised them.
 
 from __future__ import annotations
 
+import functools
 import os
 import statistics
 from collections.abc import Callable
@@ -41,7 +47,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from cs336_systems.accounting.activations import block_saved_bytes, parameter_count
+from cs336_systems.accounting.activations import block_saved_bytes, parameter_count, parameter_counts
 from cs336_systems.accounting.flops import step_flops
 from cs336_systems.accounting.memory import GIB
 from cs336_systems.benchmarks.flash import MODES, FlashCell, benchmark_flash_cell
@@ -58,6 +64,7 @@ from cs336_systems.benchmarks.harness import (
 )
 from cs336_systems.benchmarks.sharding import gather_rows
 from cs336_systems.checks import check_positive_int
+from cs336_systems.distributed import fsdp as our_fsdp
 from cs336_systems.distributed.ddp import BucketedDDP, batch_shard
 from cs336_systems.distributed.launch import launch, rank_device, report_progress
 from cs336_systems.linear_cross_entropy import DEFAULT_CHUNK_TOKENS, linear_cross_entropy
@@ -68,7 +75,7 @@ from cs336_systems.profiling.ranges import annotate
 from cs336_systems.rows import OOM, Row
 from cs336_systems.timing import STEP_TIMER, Timings, synchronize, tflops
 
-DDP, FSDP = "bucketed DDP", "torch FSDP (fully_shard per block)"
+DDP, FSDP, OUR_FSDP = "bucketed DDP", "torch FSDP (fully_shard per block)", "our FSDP (gathers layer by layer)"
 ATTENTION_LABELS = {"flash_triton": "Triton FlashAttention", "sdpa": "SDPA"}
 FUSED, FULL_LOGITS = "LM head fused with the loss", "full logits and cross-entropy"
 
@@ -77,7 +84,7 @@ FUSED, FULL_LOGITS = "LM head fused with the loss", "full logits and cross-entro
 class Variant:
     """One way to train the model: how the ranks share the work, the attention, and the loss."""
 
-    parallelism: str  # DDP or FSDP
+    parallelism: str  # DDP, FSDP or OUR_FSDP
     attention: str  # a key of ATTENTION_LABELS
     fused_loss: bool
 
@@ -86,14 +93,18 @@ class Variant:
         return f"{self.parallelism}, {ATTENTION_LABELS[self.attention]}, {FUSED if self.fused_loss else FULL_LOGITS}"
 
 
-OURS, OURS_SDPA, TORCH_FUSED_LOSS, TORCH = "ours", "ours with SDPA", "torch with the fused loss", "torch"
+OURS_FSDP, OURS, OURS_SDPA = "ours with FSDP", "ours", "ours with SDPA"
+TORCH_FUSED_LOSS, TORCH = "torch with the fused loss", "torch"
 # From all the project's parts to all torch's, one part at a time: each neighbouring pair differs in one.
 VARIANTS = {
+    OURS_FSDP: Variant(OUR_FSDP, "flash_triton", fused_loss=True),
     OURS: Variant(DDP, "flash_triton", fused_loss=True),
     OURS_SDPA: Variant(DDP, "sdpa", fused_loss=True),
     TORCH_FUSED_LOSS: Variant(FSDP, "sdpa", fused_loss=True),
     TORCH: Variant(FSDP, "sdpa", fused_loss=False),
 }
+# The variants of torch's own parallelism, against the fastest of which ours with FSDP is gated.
+TORCH_VARIANTS = (TORCH_FUSED_LOSS, TORCH)
 # The attention kernels timed alone at one rank's shape.
 KERNEL_PROVIDERS = ("flash_triton", "sdpa_flash", "sdpa_cudnn")
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
@@ -107,14 +118,15 @@ FULL_LOGITS_FORWARD_BYTES = 10
 FULL_LOGITS_BACKWARD_BYTES = 11
 # A block's backward works in this share of what it kept, beyond it (an H200: 1.0 GiB over 4.02).
 BACKWARD_WORK_SHARE = 0.25
-# Left free beside the estimate when choosing how many blocks to checkpoint: the allocator's cache
-# fragments among the step's many large tensors (the run that chose plans with none ran out beside 20 GiB
-# reserved but unusable, before ALLOCATOR_ENVIRONMENT).
+# Left free on a GPU beside the estimate when choosing how many blocks to checkpoint: the CUDA allocator's
+# cache fragments among the step's many large tensors (the run that chose plans with none ran out beside 20
+# GiB reserved but unusable, before ALLOCATOR_ENVIRONMENT).
 PLAN_HEADROOM_BYTES = 6 * GIB
 # The ranks' caching allocator maps memory in segments that grow: a 19 GB gradient of the logits then fits
 # in what freed tensors left, where fixed segments would need one block that large.
 ALLOCATOR_ENVIRONMENT = {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}
-# Beyond the model's own tensors: the CUDA context and allocator rounding, kernel workspaces, NCCL buffers.
+# Beyond the model's own tensors on a GPU: the CUDA context and allocator rounding, kernel workspaces, NCCL
+# buffers.
 OVERHEAD_BYTES = 3 * GIB
 
 
@@ -161,6 +173,8 @@ class Trainer:
     model: LossModel
     loss: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
     optimizer: torch.optim.Optimizer
+    # After after_backward, collective: the LM's gradients by parameter name, whole.
+    full_gradients: Callable[[], dict[str, torch.Tensor]]
     after_backward: Callable[[], None] | None = None
 
 
@@ -176,8 +190,13 @@ class LossModel(nn.Module):
     def forward(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         if not self.fused_loss:
             return lm_loss(self.lm(inputs), targets)
-        return linear_cross_entropy(self.lm.final_hidden(inputs), self.lm.lm_head.weight, targets,
+        return linear_cross_entropy(self.lm.final_hidden(inputs), self.head_weight(), targets,
                                     chunk_tokens=self.chunk_tokens)
+
+    def head_weight(self) -> torch.Tensor:
+        """The LM head's weight as the fused loss computes with it; a wrapper that shards the head (our FSDP)
+        puts in its place one that gathers it."""
+        return self.lm.lm_head.weight
 
 
 def checkpoint_plan(num_layers: int, checkpointed_blocks: int) -> Plan:
@@ -200,13 +219,29 @@ def build(variant: Variant, config: ModelConfig, device: torch.device, dtype: to
             ddp.on_train_batch_start()
             return ddp(inputs, targets)
 
-        return Trainer(model, loss, adamw(model, LEARNING_RATE, "fused"), ddp.finish_gradient_synchronization)
+        return Trainer(model, loss, adamw(model, LEARNING_RATE, "fused"), functools.partial(_lm_gradients, model),
+                       ddp.finish_gradient_synchronization)
+    if variant.parallelism == OUR_FSDP:
+        fsdp = our_fsdp.FSDP(model)
+        model.head_weight = functools.partial(fsdp.full_weight, lm.lm_head)
+
+        def full_gradients() -> dict[str, torch.Tensor]:
+            return {name.removeprefix("lm."): grad for name, grad in fsdp.gather_full_gradients().items()}
+
+        return Trainer(model, fsdp, adamw(fsdp, LEARNING_RATE, "fused"), full_gradients,
+                       fsdp.finish_gradient_synchronization)
     from torch.distributed.fsdp import fully_shard
 
     for block in lm.layers.blocks():
         fully_shard(block)
     fully_shard(model)
-    return Trainer(model, model, adamw(model, LEARNING_RATE, "fused"))
+    return Trainer(model, model, adamw(model, LEARNING_RATE, "fused"), functools.partial(_lm_gradients, model))
+
+
+def _lm_gradients(model: LossModel) -> dict[str, torch.Tensor]:
+    """The LM's gradients by name, each gathered whole where torch FSDP holds it as a sharded DTensor."""
+    return {name: p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad
+            for name, p in model.lm.named_parameters()}
 
 
 def train_step(trainer: Trainer, inputs: torch.Tensor, targets: torch.Tensor, phase: Phase = annotate) -> torch.Tensor:
@@ -241,11 +276,14 @@ def block_kept_bytes(cfg: LeaderboardConfig, batch: int) -> int:
                                                         "sdpa").items() if name != "weight_casts")
 
 
-def estimated_peak_bytes(variant: Variant, cfg: LeaderboardConfig, world_size: int, checkpointed_blocks: int) -> int:
+def estimated_peak_bytes(variant: Variant, cfg: LeaderboardConfig, world_size: int, checkpointed_blocks: int,
+                         device_type: str = "cuda") -> int:
     """One rank's peak: what stays through the step, plus the most of three moments. Forward's end holds the
     checkpointed blocks' inputs, the plain blocks' activations and the loss at its largest; backward's start those
     blocks' memory, what the loss kept and the first block's backward work; backward's end the gradients. On two
-    H200s it was 1.4% to 1.8% above the measured peaks, and 1.4% below torch's."""
+    H200s (every variant, its plan of checkpoints) up to 1.8% above the measured peaks, and 1.4% below torch's.
+    Our FSDP holds a few gathered layers beside the blocks' memory, and the LM head's gathered weight beside the
+    loss's. A GPU's overhead (OVERHEAD_BYTES) is counted on `device_type` "cuda" only."""
     config, batch = cfg.model, cfg.per_rank_batch(world_size)
     element = cfg.torch_dtype.itemsize
     weights = parameter_count(config) * element
@@ -258,15 +296,32 @@ def estimated_peak_bytes(variant: Variant, cfg: LeaderboardConfig, world_size: i
     residuals = checkpointed_blocks * hidden + plain * kept + (hidden if plain else 0)
     # Backward's work in a block beyond what it kept; a checkpointed block first recomputes what it keeps.
     backward_work = kept * (BACKWARD_WORK_SHARE + (0 if plain else 1))
+    # Whole weights gathered in a block's forward and backward (beside its memory) and for the loss.
+    forward_gathered = backward_gathered = loss_gathered = 0
     if variant.parallelism == DDP:
         # Whole on every rank: the weights, AdamW's two moments and the buckets; then the gradients, and a copy
         # of the largest while the buckets are written back.
         persistent, backward_end = 4 * weights, weights + head
-    else:
+    elif variant.parallelism == FSDP:
         # Shards of the weights and moments; the root's embedding and head gathered for the whole step, two
         # blocks' weights at a time; then the gradients' shards.
         block_weights = (weights - 2 * head) / config.num_layers
         persistent, backward_end = 3 * weights / world_size + 2 * head + 2 * block_weights, weights / world_size
+    else:
+        # Shards of the Linear and Embedding weights and their moments, the RMSNorm weights whole. A block's layer
+        # gathered with the next ones in flight; in backward the gradients being reduce-scattered too, and a
+        # recomputed block (the first backward meets where every block is checkpointed) keeps all its layers
+        # gathered until their backward. The LM head gathered for the loss. Backward ends with the gradients'
+        # shards and the embedding's whole gradient.
+        norms = parameter_counts(config)["norms"] * element
+        shards = (weights - norms) / world_size + norms
+        layer = max(config.d_model, config.d_ff) * config.d_model * element  # a block's largest (w1, w2, w3)
+        block_weights = (4 * config.d_model + 3 * config.d_ff) * config.d_model * element
+        forward_gathered = (1 + our_fsdp.MAX_PREFETCH_LAYERS) * layer
+        backward_gathered = ((layer if plain else block_weights) + our_fsdp.MAX_PREFETCH_LAYERS * layer
+                             + our_fsdp.REDUCE_SCATTERS_IN_FLIGHT * layer)
+        loss_gathered = head
+        persistent, backward_end = 3 * shards, shards + head
     if variant.fused_loss:
         # A chunk's fp32 logits beside their low-precision product (or gradient), the weight's fp32 gradient and
         # the hidden states' gradient. Backward keeps the two gradients.
@@ -277,17 +332,18 @@ def estimated_peak_bytes(variant: Variant, cfg: LeaderboardConfig, world_size: i
         loss_forward = tokens * config.vocab_size * FULL_LOGITS_FORWARD_BYTES
         loss_backward = tokens * config.vocab_size * FULL_LOGITS_BACKWARD_BYTES
     checkpointed_forward = kept if checkpointed_blocks else 0  # a checkpointed block's activations, until it ends
-    moments = (residuals + max(checkpointed_forward, loss_forward), residuals + loss_backward + backward_work,
-               backward_end)
-    return int(persistent + max(moments) + OVERHEAD_BYTES)
+    moments = (residuals + max(checkpointed_forward + forward_gathered, loss_forward + loss_gathered),
+               residuals + loss_backward + backward_work + backward_gathered, backward_end)
+    overhead = OVERHEAD_BYTES if device_type == "cuda" else 0
+    return int(persistent + max(moments) + overhead)
 
 
 def fewest_checkpoints(variant: Variant, cfg: LeaderboardConfig, world_size: int,
-                       fits: Callable[[int], bool]) -> int:
+                       fits: Callable[[int], bool], device_type: str = "cuda") -> int:
     """The fewest blocks to checkpoint for the estimate to pass `fits` (the memory guard's check on every rank);
     every block where none does, for the guard to refuse."""
     for checkpointed in range(cfg.model.num_layers + 1):
-        if fits(estimated_peak_bytes(variant, cfg, world_size, checkpointed)):
+        if fits(estimated_peak_bytes(variant, cfg, world_size, checkpointed, device_type)):
             return checkpointed
     return cfg.model.num_layers
 
@@ -316,12 +372,11 @@ def _measure(variant: Variant, cfg: LeaderboardConfig, checkpointed_blocks: int,
 
 
 def _step_row(name: str, per_rank: list[dict], cfg: LeaderboardConfig, world_size: int,
-              checkpointed_blocks: int) -> Row:
+              checkpointed_blocks: int, estimate_bytes: int) -> Row:
     config, variant = cfg.model, VARIANTS[name]
     row: Row = {"table": "step", "variant": name, "setup": variant.setup, "world_size": world_size,
                 "backend": dist.get_backend(), **_config_columns(cfg), "source_hash": _flash_source(),
-                "checkpointed_blocks": checkpointed_blocks,
-                "model_peak_gib": estimated_peak_bytes(variant, cfg, world_size, checkpointed_blocks) / GIB}
+                "checkpointed_blocks": checkpointed_blocks, "model_peak_gib": estimate_bytes / GIB}
     oom = next((stats for stats in per_rank if stats["status"] == OOM), None)
     if oom is not None:
         return {**row, **oom}
@@ -360,11 +415,13 @@ def _config_columns(cfg: LeaderboardConfig) -> Row:
             "parameters": parameter_count(model)}
 
 
-def benchmark_leaderboard(rank: int, world_size: int, cfg: LeaderboardConfig) -> list[Row]:
-    """Run under launch: every variant's step row (rank 0 returns them)."""
+def benchmark_leaderboard(rank: int, world_size: int, cfg: LeaderboardConfig,
+                          variants: tuple[str, ...] = tuple(VARIANTS)) -> list[Row]:
+    """Run under launch: the step row of each of `variants` (rank 0 returns them)."""
     device = rank_device()
     rows = []
-    for name, variant in VARIANTS.items():
+    for name in variants:
+        variant = VARIANTS[name]
         release_memory(device)  # what the variant before left, before the plan is fitted to what is free
 
         def check(estimate: int) -> MemoryCheck:
@@ -372,14 +429,15 @@ def benchmark_leaderboard(rank: int, world_size: int, cfg: LeaderboardConfig) ->
 
         checkpointed = cfg.checkpointed_blocks
         if checkpointed is None:
+            headroom = PLAN_HEADROOM_BYTES if device.type == "cuda" else 0
             checkpointed = fewest_checkpoints(variant, cfg, world_size,
-                                              lambda estimate: check(estimate + PLAN_HEADROOM_BYTES).fits)
-        estimate = estimated_peak_bytes(variant, cfg, world_size, checkpointed)
+                                              lambda estimate: check(estimate + headroom).fits, device.type)
+        estimate = estimated_peak_bytes(variant, cfg, world_size, checkpointed, device.type)
         stats = guarded_cell(device, lambda: check(estimate),
                              measure=lambda columns: _measure(variant, cfg, checkpointed, rank, world_size,
                                                               device) | columns,
                              oom=lambda columns: columns, record_running_out=False)
-        rows.append(_step_row(name, gather_rows(stats, world_size), cfg, world_size, checkpointed))
+        rows.append(_step_row(name, gather_rows(stats, world_size), cfg, world_size, checkpointed, estimate))
     return rows if rank == 0 else []
 
 
@@ -432,9 +490,9 @@ EQUIVALENCE_CHECKPOINTED_BLOCKS = 1  # of 2: one block recomputed in backward, o
 EQUIVALENCE_TOLERANCES = {"cpu": 1e-4, "cuda": 5e-3}
 
 
-def leaderboard_equivalence(rank: int, world_size: int) -> list[Row]:
-    """One step of each variant against one process training the plain model (SDPA, full logits) on the
-    whole batch: the difference in the loss, relative to it, and the largest difference in any gradient,
+def leaderboard_equivalence(rank: int, world_size: int, variants: tuple[str, ...] = tuple(VARIANTS)) -> list[Row]:
+    """One step of each of `variants` against one process training the plain model (SDPA, full logits) on
+    the whole batch: the difference in the loss, relative to it, and the largest difference in any gradient,
     relative to that gradient's largest magnitude."""
     device = rank_device()
     config = EQUIVALENCE_CONFIG
@@ -445,7 +503,8 @@ def leaderboard_equivalence(rank: int, world_size: int) -> list[Row]:
     expected = {name: p.grad for name, p in reference.named_parameters()}
     mine = batch_shard(len(inputs), rank, world_size)
     rows = []
-    for name, variant in VARIANTS.items():
+    for name in variants:
+        variant = VARIANTS[name]
         trainer = build(variant, config, device, torch.float32, compile=False, chunk_tokens=EQUIVALENCE_CHUNK_TOKENS,
                         checkpointed_blocks=EQUIVALENCE_CHECKPOINTED_BLOCKS)
         loss = trainer.loss(inputs[mine], targets[mine])
@@ -455,8 +514,11 @@ def leaderboard_equivalence(rank: int, world_size: int) -> list[Row]:
         losses = [torch.zeros((), device=device) for _ in range(world_size)]
         dist.all_gather(losses, loss.detach())
         worst = 0.0
-        for parameter_name, p in trainer.model.lm.named_parameters():
-            grad = p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad
+        gradients = trainer.full_gradients()
+        if gradients.keys() != expected.keys():
+            raise RuntimeError(f"{name}: gradients of other parameters than the LM's: "
+                               f"{sorted(gradients.keys() ^ expected.keys())}")
+        for parameter_name, grad in gradients.items():
             reference_grad = expected[parameter_name]  # checkpointing keeps the blocks' names
             worst = max(worst, ((grad - reference_grad).abs().max() / reference_grad.abs().max()).item())
         loss_difference = abs(statistics.fmean(x.item() for x in losses) - reference_loss.item())

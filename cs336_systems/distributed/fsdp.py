@@ -41,6 +41,26 @@ master weights, the gradients the optimizer sees and the updates stay in the wei
 Without it, a layer follows autocast when autocast is on (computing in autocast's dtype), else it
 computes in the dtypes it is given, as the unwrapped layer would.
 
+Activation checkpointing. A layer called again in backward (torch.utils.checkpoint recomputing its
+region; autograd's engine is running then) repeats the forward call still waiting for its backward,
+the latest first, and takes that call's place in the orders above: it is not a new call. It gathers
+ahead the calls that follow it in forward while they still wait for their backward (the recomputed
+region ends where backward has already been), and it keeps its gathered weight for the call's
+backward, which comes once the region is recomputed: a recomputed layer is gathered twice a step, as
+a plain one is, and a recomputed region holds its layers' weights gathered until their backward.
+
+Weights used directly. Code that computes with a sharded layer's weight itself instead of calling the
+layer (a loss fused with the LM head takes the head's weight) asks for it with `full_weight(layer)`:
+gathered as a call of the layer, its gradient reduce-scattered into the shard as the layer's would be.
+
+torch.compile. Inside a compiled region (each Transformer block compiled on its own, say) a sharded
+Linear is a pair of opaque `torch.library` ops (forward; backward), which run the same scheduling
+and collectives as the eager layer, so that the compiler keeps the block in one graph around them and
+every block of the same code shares that graph. A compiled op finds its layer by its shard (ops take
+tensors, not Python objects). Two cases run the eager layer instead, at a graph break: an Embedding,
+and a Linear whose input needs no gradient while its weight does (the backward op returns the input's
+gradient, and a compiled graph drops an op whose outputs nothing uses, the reduce-scatter with it).
+
 Contract. Every rank must call the same sharded layers in the same order (collectives pair up by
 order, as with torch FSDP). Only exactly `Linear` and `Embedding` layers are sharded (a subclass
 might compute differently), and a weight may not be shared between layers.
@@ -49,9 +69,11 @@ might compute differently), and a weight may not be shared between layers.
 from __future__ import annotations
 
 import functools
+import itertools
 import math
 import weakref
 from collections import deque
+from collections.abc import Iterator
 
 import torch
 import torch.distributed as dist
@@ -101,6 +123,7 @@ class _ShardedWeight:
         self.shard = nn.Parameter(shard, requires_grad=weight.requires_grad)
         self._pending = None  # (work, output buffer, input) of an all-gather in flight
         self._full: torch.Tensor | None = None
+        self.scheduler: weakref.ref | None = None  # set by FSDP, for the compiled ops (_owner)
 
     @property
     def in_memory(self) -> bool:
@@ -145,6 +168,8 @@ class _Scheduler:
         self.prefetch_layers = prefetch_layers
         self.forward_order = list(weights)  # the previous forward's calls; module order at first
         self.calls: list[tuple[_ShardedWeight, bool]] = []  # this forward's: (weight, used in backward)
+        # This forward's calls whose backward has not run yet, as indices into `calls` by weight.
+        self.awaiting_backward: dict[_ShardedWeight, list[int]] = {}
         self.reductions: deque = deque()
         # Set by a backward that produced any gradient (a reduce-scatter started, or a replicated
         # gradient accumulated); cleared by FSDP.finish_gradient_synchronization().
@@ -157,30 +182,65 @@ class _Scheduler:
             return torch.get_autocast_dtype(device_type)
         return None
 
-    def weight_for_forward(self, weight: _ShardedWeight, used_in_backward: bool) -> tuple[torch.Tensor, int]:
-        """The full weight of this call, after starting the gathers of the next calls; and the
-        call's index in this forward pass."""
+    def begin_forward(self) -> None:
+        self.calls = []
+        self.awaiting_backward = {}
+
+    def weight_for_forward(self, weight: _ShardedWeight, used_in_backward: bool,
+                           backward_follows: bool) -> tuple[torch.Tensor, int, bool]:
+        """The full weight of this call, after starting the gathers of the next calls; the call's
+        index in this forward pass; and whether the caller keeps the gathered weight after the call
+        (a recomputed call whose backward uses it) instead of freeing it. `backward_follows`: the
+        call's backward will run (it has an input or a weight that needs a gradient)."""
+        awaiting = self.awaiting_backward.get(weight)
+        if awaiting and _in_backward():  # recomputed by activation checkpointing (module docstring)
+            index = awaiting[-1]
+            region = itertools.takewhile(self._awaits_backward, range(index + 1, len(self.calls)))
+            weight.start_gather()
+            for later in itertools.islice(region, self.prefetch_layers):
+                self.calls[later][0].start_gather()
+            return weight.full(), index, self.calls[index][1]
         index = len(self.calls)
         self.calls.append((weight, used_in_backward))
+        if backward_follows:
+            self.awaiting_backward.setdefault(weight, []).append(index)
         weight.start_gather()
         for upcoming in self.forward_order[index + 1:index + 1 + self.prefetch_layers]:
             upcoming.start_gather()
-        return weight.full(), index
+        return weight.full(), index, False
 
-    def backward_order_before(self, index: int) -> list[_ShardedWeight]:
-        """The weights backward will need after call `index`'s, nearest first."""
-        return [w for w, used in reversed(self.calls[:index]) if used]
+    def _awaits_backward(self, index: int) -> bool:
+        return index in self.awaiting_backward.get(self.calls[index][0], ())
+
+    def latest_awaiting(self, weight: _ShardedWeight) -> int:
+        """The index of `weight`'s latest call still waiting for its backward: the one a backward of
+        the weight that does not know its call is for (backward runs calls latest first)."""
+        awaiting = self.awaiting_backward.get(weight)
+        if not awaiting:
+            raise RuntimeError(f"FSDP: a backward of {weight.name} with no call of this forward waiting for it")
+        return awaiting[-1]
+
+    def backward_order_before(self, index: int) -> Iterator[_ShardedWeight]:
+        """The weights backward will need after call `index`'s, nearest first: the earlier calls that
+        use their weight in backward and have not run it yet."""
+        return (self.calls[i][0] for i in range(index - 1, -1, -1) if self.calls[i][1] and self._awaits_backward(i))
 
     def weight_for_backward(self, weight: _ShardedWeight, index: int) -> torch.Tensor:
         weight.start_gather()
-        for upcoming in self.backward_order_before(index)[:self.prefetch_layers]:
+        for upcoming in itertools.islice(self.backward_order_before(index), self.prefetch_layers):
             upcoming.start_gather()
         return weight.full()
+
+    def end_backward(self, weight: _ShardedWeight, index: int) -> None:
+        """Call `index`'s backward has run."""
+        awaiting = self.awaiting_backward.get(weight)
+        if awaiting and index in awaiting:  # absent after a later forward began
+            awaiting.remove(index)
 
     def end_forward(self, grad_enabled: bool) -> None:
         self.forward_order = [w for w, _ in self.calls]
         if grad_enabled:
-            for upcoming in self.backward_order_before(len(self.calls))[:self.prefetch_layers]:
+            for upcoming in itertools.islice(self.backward_order_before(len(self.calls)), self.prefetch_layers):
                 upcoming.start_gather()
 
     def reduce_scatter(self, weight: _ShardedWeight, gradient: torch.Tensor) -> None:
@@ -206,10 +266,36 @@ class _Scheduler:
             weight.shard.grad += shard_gradient
 
 
+def _in_backward() -> bool:
+    """Whether autograd's engine is running a backward pass on this thread (torch's fully_shard asks
+    the same to tell a recomputed forward)."""
+    return torch._C._current_graph_task_id() != -1
+
+
+def _linear_backward(grad_y: torch.Tensor, x: torch.Tensor, weight: _ShardedWeight, scheduler: _Scheduler,
+                     index: int, want_input: bool, want_weight: bool) -> torch.Tensor | None:
+    """Call `index`'s backward: the input's gradient in x's dtype (None unless `want_input`), after
+    starting the reduce-scatter of the weight's gradient (if `want_weight`)."""
+    full = scheduler.weight_for_backward(weight, index) if want_input else None
+    grad_x = grad_weight = None
+    with annotate(f"fsdp::backward {weight.name}"):
+        grad_y = grad_y.to(x.dtype)
+        if full is not None:
+            grad_x = grad_y @ full.to(x.dtype)
+        if want_weight:
+            grad_weight = grad_y.reshape(-1, grad_y.shape[-1]).T @ x.reshape(-1, x.shape[-1])
+    weight.free()
+    scheduler.end_backward(weight, index)
+    if grad_weight is not None:
+        scheduler.reduce_scatter(weight, grad_weight)
+    return grad_x
+
+
 class _ShardedLinear(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, shard, weight: _ShardedWeight, scheduler: _Scheduler):
-        full, ctx.index = scheduler.weight_for_forward(weight, used_in_backward=ctx.needs_input_grad[0])
+        full, ctx.index, keep = scheduler.weight_for_forward(weight, used_in_backward=ctx.needs_input_grad[0],
+                                                             backward_follows=any(ctx.needs_input_grad[:2]))
         with annotate(f"fsdp::forward {weight.name}"):
             dtype = scheduler.matmul_dtype(x.device.type)
             ctx.input_dtype = x.dtype
@@ -217,7 +303,8 @@ class _ShardedLinear(torch.autograd.Function):
                 x, full = x.to(dtype), full.to(dtype)
             with torch.autocast(x.device.type, enabled=False):  # the dtype is chosen above
                 y = F.linear(x, full)
-        weight.free()
+        if not keep:
+            weight.free()
         ctx.save_for_backward(x)
         ctx.weight, ctx.scheduler = weight, scheduler
         return y
@@ -225,25 +312,15 @@ class _ShardedLinear(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_y):
         (x,) = ctx.saved_tensors
-        weight, scheduler = ctx.weight, ctx.scheduler
-        full = scheduler.weight_for_backward(weight, ctx.index) if ctx.needs_input_grad[0] else None
-        grad_x = grad_weight = None
-        with annotate(f"fsdp::backward {weight.name}"):
-            grad_y = grad_y.to(x.dtype)
-            if full is not None:
-                grad_x = (grad_y @ full.to(x.dtype)).to(ctx.input_dtype)
-            if ctx.needs_input_grad[1]:
-                grad_weight = grad_y.reshape(-1, grad_y.shape[-1]).T @ x.reshape(-1, x.shape[-1])
-        weight.free()
-        if grad_weight is not None:
-            scheduler.reduce_scatter(weight, grad_weight)
-        return grad_x, None, None, None
+        grad_x = _linear_backward(grad_y, x, ctx.weight, ctx.scheduler, ctx.index, *ctx.needs_input_grad[:2])
+        return None if grad_x is None else grad_x.to(ctx.input_dtype), None, None, None
 
 
 class _ShardedEmbedding(torch.autograd.Function):
     @staticmethod
     def forward(ctx, token_ids, shard, weight: _ShardedWeight, scheduler: _Scheduler):
-        full, ctx.index = scheduler.weight_for_forward(weight, used_in_backward=False)
+        full, ctx.index, _ = scheduler.weight_for_forward(weight, used_in_backward=False,
+                                                          backward_follows=ctx.needs_input_grad[1])
         with annotate(f"fsdp::forward {weight.name}"):
             y = full[token_ids]
         weight.free()
@@ -259,13 +336,129 @@ class _ShardedEmbedding(torch.autograd.Function):
             # What indexing's backward does: rows of grad_y summed into the rows they came from.
             grad_weight = torch.zeros(weight.shape, dtype=grad_y.dtype, device=grad_y.device)
             grad_weight.index_put_((token_ids.reshape(-1),), grad_y.reshape(-1, grad_y.shape[-1]), accumulate=True)
+        scheduler.end_backward(weight, ctx.index)
         scheduler.reduce_scatter(weight, grad_weight)
         return None, None, None, None
 
 
+class _FullWeight(torch.autograd.Function):
+    """A sharded layer's whole weight, for code that computes with it directly (FSDP.full_weight)."""
+
+    @staticmethod
+    def forward(ctx, shard, weight: _ShardedWeight, scheduler: _Scheduler):
+        full, ctx.index, _ = scheduler.weight_for_forward(weight, used_in_backward=False,
+                                                          backward_follows=ctx.needs_input_grad[0])
+        weight.free()  # the caller's reference is then the only one: the copy goes when the caller is done with it
+        ctx.weight, ctx.scheduler = weight, scheduler
+        return full
+
+    @staticmethod
+    def backward(ctx, grad_full):
+        ctx.scheduler.end_backward(ctx.weight, ctx.index)
+        ctx.scheduler.reduce_scatter(ctx.weight, grad_full)
+        return None, None, None
+
+
+# ------------------------------------------------------------------------------ inside torch.compile
+
+LINEAR_OP, LINEAR_BACKWARD_OP = "cs336_systems::fsdp_linear", "cs336_systems::fsdp_linear_backward"
+# Every live FSDP layer's weight, and a cache of them by their shard's address: a compiled op is handed the
+# shard's storage under another tensor object (the graph passes its inputs on detached), so it finds its
+# layer by the address. Weak, so that neither keeps an FSDP alive.
+_LIVE_WEIGHTS: weakref.WeakSet[_ShardedWeight] = weakref.WeakSet()
+_WEIGHT_AT: dict[int, weakref.ref] = {}
+
+
+def _owner(shard: torch.Tensor) -> tuple[_ShardedWeight, _Scheduler]:
+    address = shard.data_ptr()
+    entry = _WEIGHT_AT.get(address)
+    weight = entry() if entry is not None else None
+    if weight is None or weight.shard.data_ptr() != address:  # new, or moved since (module.to(), say)
+        _WEIGHT_AT.clear()
+        _WEIGHT_AT.update((live.shard.data_ptr(), weakref.ref(live)) for live in _LIVE_WEIGHTS)
+        entry = _WEIGHT_AT.get(address)
+        weight = entry() if entry is not None else None
+    scheduler = weight.scheduler() if weight is not None else None
+    if scheduler is None:
+        raise RuntimeError(f"{LINEAR_OP} was given a tensor that is not the shard of a live FSDP layer")
+    return weight, scheduler
+
+
+@torch.library.custom_op(LINEAR_OP, mutates_args=())
+def _linear_op(x: torch.Tensor, shard: torch.Tensor, out_features: int, backward_follows: bool) -> torch.Tensor:
+    """A sharded Linear's call in a compiled graph, in x's dtype: the eager layer's forward."""
+    weight, scheduler = _owner(shard)
+    full, _, keep = scheduler.weight_for_forward(weight, used_in_backward=backward_follows,
+                                                 backward_follows=backward_follows)
+    with annotate(f"fsdp::forward {weight.name}"):
+        with torch.autocast(x.device.type, enabled=False):
+            y = F.linear(x, full.to(x.dtype))
+    if not keep:
+        weight.free()
+    return y
+
+
+@_linear_op.register_fake
+def _linear_op_fake(x, shard, out_features, backward_follows):
+    return x.new_empty((*x.shape[:-1], out_features))
+
+
+@torch.library.custom_op(LINEAR_BACKWARD_OP, mutates_args=())
+def _linear_backward_op(grad_y: torch.Tensor, x: torch.Tensor, shard: torch.Tensor) -> torch.Tensor:
+    """The input's gradient of a compiled call, after the eager layer's gathers and reduce-scatter; for the
+    latest call of the layer still waiting for its backward (the op cannot carry the call's index)."""
+    weight, scheduler = _owner(shard)
+    return _linear_backward(grad_y, x, weight, scheduler, scheduler.latest_awaiting(weight), want_input=True,
+                            want_weight=weight.shard.requires_grad)
+
+
+@_linear_backward_op.register_fake
+def _linear_backward_op_fake(grad_y, x, shard):
+    return x.new_empty(x.shape)  # contiguous, as the matmul's result is whatever x's strides
+
+
+def _linear_op_setup_context(ctx, inputs, output) -> None:
+    x, shard, _, _ = inputs
+    ctx.save_for_backward(x, shard)
+
+
+def _linear_op_backward(ctx, grad_y):
+    x, shard = ctx.saved_tensors
+    return _linear_backward_op(grad_y, x, shard), None, None, None
+
+
+_linear_op.register_autograd(_linear_op_backward, setup_context=_linear_op_setup_context)
+
+
+@torch.compiler.disable
+def _eager_call(function: type[torch.autograd.Function], x: torch.Tensor, weight: _ShardedWeight,
+                scheduler: _Scheduler) -> torch.Tensor:
+    """The eager layer, at a graph break, for the calls the compiled op does not take (module docstring)."""
+    return function.apply(x, weight.shard, weight, scheduler)
+
+
+def _compiled_linear(x: torch.Tensor, weight: _ShardedWeight, scheduler: _Scheduler) -> torch.Tensor:
+    """A sharded Linear's call as torch.compile traces it: the op, its input cast to the matmul dtype here
+    (so that the graph saves the cast input and casts the input's gradient back), where it computes as
+    the eager layer does; the eager layer otherwise."""
+    backward_follows = torch.is_grad_enabled() and (x.requires_grad or weight.shard.requires_grad)
+    dtype = scheduler.matmul_dtype(x.device.type)
+    if (backward_follows and not x.requires_grad) or (dtype is None and x.dtype != weight.gather_dtype):
+        return _eager_call(_ShardedLinear, x, weight, scheduler)  # the latter raises the eager layer's error
+    if dtype is not None:
+        x = x.to(dtype)
+    return _linear_op(x, weight.shard, weight.shape[0], backward_follows)
+
+
 def _sharded_forward(function: type[torch.autograd.Function], weight: _ShardedWeight, scheduler: _Scheduler):
+    linear = function is _ShardedLinear  # decided here: torch.compile cannot compare Function classes
+
     def forward(x: torch.Tensor) -> torch.Tensor:
-        return function.apply(x, weight.shard, weight, scheduler)
+        if not torch.compiler.is_compiling():
+            return function.apply(x, weight.shard, weight, scheduler)
+        if linear:
+            return _compiled_linear(x, weight, scheduler)
+        return _eager_call(function, x, weight, scheduler)
 
     return forward
 
@@ -299,6 +492,9 @@ class FSDP(nn.Module):
             weight.layer.weight = weight.shard
             function = _ShardedLinear if isinstance(weight.layer, Linear) else _ShardedEmbedding
             weight.layer.forward = _sharded_forward(function, weight, self.scheduler)
+            weight.scheduler = weakref.ref(self.scheduler)
+            _LIVE_WEIGHTS.add(weight)
+        self._weight_of_layer = {id(weight.layer): weight for weight in self.weights}
         sharded = {id(w.shard) for w in self.weights}
         self.replicated = {name: p for name, p in module.named_parameters() if id(p) not in sharded}
         # The shards' gradients bypass autograd's accumulation (the reduce-scatters mark them), the
@@ -319,10 +515,19 @@ class FSDP(nn.Module):
     def forward(self, *args, **kwargs):
         for weight in self.weights:
             weight.free()  # gathered by an earlier forward for a backward that did not follow
-        self.scheduler.calls = []
+        self.scheduler.begin_forward()
         output = self.module(*args, **kwargs)
         self.scheduler.end_forward(torch.is_grad_enabled())
         return output
+
+    def full_weight(self, layer: nn.Module) -> torch.Tensor:
+        """The whole weight of `layer`, a layer this FSDP shards, for code that computes with the weight
+        itself instead of calling the layer (a loss fused with the LM head), inside this wrapper's forward:
+        gathered in the gather dtype as a call of the layer, its gradient reduce-scattered into the shard."""
+        weight = self._weight_of_layer.get(id(layer))
+        if weight is None:
+            raise ValueError(f"full_weight needs a layer this FSDP shards, got a {type(layer).__name__} it does not")
+        return _FullWeight.apply(weight.shard, weight, self.scheduler)
 
     def finish_gradient_synchronization(self) -> None:
         """After backward, before the optimizer step: wait for the reduce-scatters, average the
@@ -362,16 +567,25 @@ class FSDP(nn.Module):
         """Collective: every parameter of the wrapped module by name, sharded ones all-gathered to
         their original shape and dtype (the master weights, not the compute dtype)."""
         by_shard = {id(w.shard): w for w in self.weights}
-        full = {}
-        for name, p in self.module.named_parameters():
-            weight = by_shard.get(id(p))
-            if weight is None:
-                full[name] = p.detach().clone()
-                continue
-            buffer = torch.empty(weight.padded_numel, dtype=p.dtype, device=p.device)
-            _all_gather(buffer, p.detach())
-            full[name] = buffer[:weight.numel].view(weight.shape)
-        return full
+        return {name: _whole(by_shard.get(id(p)), p) for name, p in self.module.named_parameters()}
+
+    @torch.no_grad()
+    def gather_full_gradients(self) -> dict[str, torch.Tensor | None]:
+        """Collective, after finish_gradient_synchronization(): every parameter's gradient by name, as
+        gather_full_params gives the parameters (None for a parameter without one, on every rank alike)."""
+        by_shard = {id(w.shard): w for w in self.weights}
+        return {name: None if p.grad is None else _whole(by_shard.get(id(p)), p.grad)
+                for name, p in self.module.named_parameters()}
+
+
+def _whole(weight: _ShardedWeight | None, tensor: torch.Tensor) -> torch.Tensor:
+    """Collective where `weight` is not None: `tensor` (a shard, or its gradient) all-gathered to the
+    weight's shape; a copy of `tensor` (a replicated parameter or gradient) otherwise."""
+    if weight is None:
+        return tensor.detach().clone()
+    buffer = torch.empty(weight.padded_numel, dtype=tensor.dtype, device=tensor.device)
+    _all_gather(buffer, tensor.detach())
+    return buffer[:weight.numel].view(weight.shape)
 
 
 def _replicated_gradient_hook(wrapper: weakref.ref, param: torch.Tensor) -> None:
