@@ -51,6 +51,9 @@ class Collective:
     numel: int
     operator: str
 
+    def __str__(self) -> str:
+        return f"{self.kind} of {self.numel} {str(self.dtype).removeprefix('torch.')} elements"
+
 
 def _kind(name: str) -> str:
     plain = name.replace("_", "")
@@ -65,6 +68,15 @@ def _tensors(value) -> list[torch.Tensor]:
     return [t for t in tree_flatten(value)[0] if isinstance(t, torch.Tensor)]
 
 
+def collective_of(func, args: tuple) -> Collective | None:
+    """The collective an operator call issues, or None for any other operator."""
+    if func.namespace not in COLLECTIVE_NAMESPACES or func._opname not in _INPUT_ARGUMENT:
+        return None
+    sent = _tensors(args[_INPUT_ARGUMENT[func._opname]])
+    return Collective(_kind(func._opname), sent[0].dtype if sent else None, sum(t.numel() for t in sent),
+                      str(func._schema.name))
+
+
 class CollectiveLog(TorchDispatchMode):
     """Records every collective issued while it is active (`issued`, in order). `mark()` returns how many
     have been issued so far, for a hook to note where backward had got to."""
@@ -74,10 +86,8 @@ class CollectiveLog(TorchDispatchMode):
         self.issued: list[Collective] = []
 
     def __torch_dispatch__(self, func, types_, args=(), kwargs=None):
-        if func.namespace in COLLECTIVE_NAMESPACES and func._opname in _INPUT_ARGUMENT:
-            sent = _tensors(args[_INPUT_ARGUMENT[func._opname]])
-            self.issued.append(Collective(_kind(func._opname), sent[0].dtype if sent else None,
-                                          sum(t.numel() for t in sent), str(func._schema.name)))
+        if (collective := collective_of(func, args)) is not None:
+            self.issued.append(collective)
         return func(*args, **(kwargs or {}))
 
     def mark(self) -> int:

@@ -22,18 +22,87 @@ progress to the launch (whose deadline is then one check's, not the whole list's
 
 from __future__ import annotations
 
+import contextlib
 import functools
+import threading
+import time
 import traceback
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch.distributed as dist
+from torch.utils._python_dispatch import TorchDispatchMode
 
+from cs336_systems.conformance.observe import collective_of
 from cs336_systems.distributed.launch import launch_store, report_progress
 
 
 class CheckFailed(AssertionError):
     """A check's failure, raised after its last collective: the ranks are still in step with each other."""
+
+
+class CollectiveMismatch(CheckFailed):
+    """The ranks were about to issue different collectives (or one rank one the others never issue): raised on
+    each before it issues it, so the ranks are still in step."""
+
+
+# How long a rank about to issue a collective waits for its peers to reach theirs: far more than any step of a
+# check takes between two collectives, less than a launch's deadline for one check.
+PEER_WAIT_S = 60.0
+_PEER_POLL_S = (0.0002, 0.01)  # the first and the longest pause between looks at the store
+
+
+class CollectiveGuard(TorchDispatchMode):
+    """Before each collective issued while it is active (by the check, or by the implementation it drives, on
+    any thread), the ranks compare at the launch's store what each is about to issue: its kind, dtype and
+    number of elements. Where they differ, or where a peer finished the check without issuing one, each rank
+    raises CollectiveMismatch, naming both, instead of issuing it: mismatched collectives would otherwise abort
+    the process inside gloo ("Received data size doesn't match") or wait forever inside NCCL, and the message
+    would name no check. A peer that failed out of step ends the wait too."""
+
+    def __init__(self, store: dist.Store, check: str, rank: int, world_size: int):
+        super().__init__()
+        self.store, self.check, self.rank, self.world_size = store, check, rank, world_size
+        self._issued = 0
+        self._lock = threading.Lock()
+
+    def __torch_dispatch__(self, func, types_, args=(), kwargs=None):
+        if (collective := collective_of(func, args)) is not None:
+            with self._lock:
+                self._agree(self._issued, str(collective))
+                self._issued += 1
+        return func(*args, **(kwargs or {}))
+
+    def _agree(self, index: int, mine: str) -> None:
+        ordinal = f"collective {index + 1} of the check"
+        self.store.set(f"{_prefix(self.check)}/collective/{index}/{self.rank}", mine)
+        deadline, pause = time.monotonic() + PEER_WAIT_S, _PEER_POLL_S[0]
+        for other in range(self.world_size):
+            key = f"{_prefix(self.check)}/collective/{index}/{other}"
+            while not self.store.check([key]):
+                if self.store.check([f"{_prefix(self.check)}/finished/{other}"]):
+                    raise CollectiveMismatch(f"the ranks issued different collectives: rank {self.rank}'s {ordinal} "
+                                             f"is {_a(mine)}, and rank {other} finished the check without issuing it")
+                if self.store.add(f"{_prefix(self.check)}/out_of_step", 0):
+                    raise RuntimeError(f"a peer failed while rank {self.rank} waited for rank {other} to issue "
+                                       f"its {ordinal} ({_a(mine)} here)")
+                if time.monotonic() > deadline:
+                    raise CollectiveMismatch(f"rank {self.rank} issued its {ordinal}, {_a(mine)}, and rank {other} "
+                                             f"issued none within {PEER_WAIT_S:.0f} s")
+                time.sleep(pause)
+                pause = min(2 * pause, _PEER_POLL_S[1])
+            theirs = self.store.get(key).decode()
+            if theirs != mine:
+                raise CollectiveMismatch(f"the ranks issued different collectives: {ordinal} is {_a(mine)} on rank "
+                                         f"{self.rank}, {_a(theirs)} on rank {other}")
+
+
+def _a(thing: str) -> str:
+    return f"{'an' if thing[0] in 'aeiou' else 'a'} {thing}"
+
+
+def _prefix(check: str) -> str:
+    return f"run_checks/{check}"
 
 
 @dataclass(frozen=True)
@@ -46,10 +115,11 @@ class CheckOutcome:
     not_run_because: str | None = None
 
 
-def run_checks(rank: int, world_size: int, checks: dict) -> dict[str, CheckOutcome]:
+def run_checks(rank: int, world_size: int, checks: dict, guard_collectives: bool = False) -> dict[str, CheckOutcome]:
     """The checks in order on this rank, inside ranks started by launch; after one that failed out of step
     (anything but CheckFailed) on any rank, the rest are not run on any rank. The failures are numbered in
-    the order the ranks met them: a peer whose collective failed because the first rank left comes after it."""
+    the order the ranks met them: a peer whose collective failed because the first rank left comes after it.
+    With `guard_collectives`, each check runs under a CollectiveGuard."""
     store = launch_store()
     outcomes: dict[str, CheckOutcome] = {}
     stopped_by = None
@@ -57,23 +127,26 @@ def run_checks(rank: int, world_size: int, checks: dict) -> dict[str, CheckOutco
         if stopped_by is not None:
             outcomes[name] = CheckOutcome(not_run_because=stopped_by)
             continue
-        failures_key, out_of_step_key = f"run_checks/{name}/failures", f"run_checks/{name}/out_of_step"
+        prefix = _prefix(name)
+        guard = CollectiveGuard(store, name, rank, world_size) if guard_collectives else contextlib.nullcontext()
         try:
-            check(rank, world_size)
+            with guard:
+                check(rank, world_size)
             outcomes[name] = CheckOutcome()
         except CheckFailed as failure:
             # Its message says what is wrong; the frames of the check that raised it add nothing.
             outcomes[name] = CheckOutcome(traceback="".join(traceback.format_exception_only(failure)),
-                                          failure_number=store.add(failures_key, 1))
+                                          failure_number=store.add(f"{prefix}/failures", 1))
         except Exception:
-            outcomes[name] = CheckOutcome(traceback=traceback.format_exc(), failure_number=store.add(failures_key, 1))
-            store.add(out_of_step_key, 1)
+            outcomes[name] = CheckOutcome(traceback=traceback.format_exc(),
+                                          failure_number=store.add(f"{prefix}/failures", 1))
+            store.add(f"{prefix}/out_of_step", 1)
             if dist.is_initialized():
                 dist.destroy_process_group()
-        store.set(f"run_checks/{name}/finished/{rank}", "")
-        store.wait([f"run_checks/{name}/finished/{other}" for other in range(world_size)])
+        store.set(f"{prefix}/finished/{rank}", "")
+        store.wait([f"{prefix}/finished/{other}" for other in range(world_size)])
         report_progress()
-        if store.add(out_of_step_key, 0):
+        if store.add(f"{prefix}/out_of_step", 0):
             stopped_by = name
     return outcomes
 
@@ -148,7 +221,8 @@ def run_on_ranks(subtests, adapters, checks: dict[str, Check], placement: Placem
         pytest.skip(adapters.why_missing(*needed))
     launched = {name: functools.partial(check.function, adapters.spec, **check.arguments)
                 for name, check in runnable.items()}
-    outcomes = launch(run_checks, placement.world_size, launched, device=placement.device, timeout_s=timeout_s)
+    outcomes = launch(run_checks, placement.world_size, launched, guard_collectives=True, device=placement.device,
+                      timeout_s=timeout_s)
     for name, check in checks.items():
         with subtests.test(name):
             if name not in runnable:

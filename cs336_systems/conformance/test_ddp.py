@@ -8,7 +8,7 @@ What every DDP must do, checked on each of the three:
   - communication overlaps backward: a gradient reduction is issued before backward reaches the model's first
     layer (counted as torch.distributed's collectives are issued, whatever calls them);
   - each gradient is reduced once a step: a weight shared by two layers once, as one parameter;
-  - parameters that get no gradient on some ranks, or on all, break nothing;
+  - parameters that get no gradient (frozen, unused, a branch skipped) break nothing, on every rank or on some;
   - training matches one process training on the whole batch over several AdamW steps, for the course's toy
     model (frozen parameters) and its model with tied weights;
 and of the bucketed one: each step issues the reductions its bucket plan implies (the handout's greedy buckets
@@ -310,15 +310,20 @@ def _count(number: int, thing: str) -> str:
     return f"{number} {thing}{'' if number == 1 else 's'}"
 
 
-def _takes_branch(step: int, rank: int) -> bool:
+def _takes_branch_everywhere(step: int, rank: int) -> bool:
+    return step % 2 == 0
+
+
+def _takes_branch_on_some_ranks(step: int, rank: int) -> bool:
     # Over the steps at 2 ranks: taken on rank 0 alone, on none, on rank 1 alone, on rank 0 alone.
     return (step + rank) % 3 == 0
 
 
-def _parameters_without_gradients_break_nothing(adapters_spec: str, rank: int, world_size: int, variant: str) -> None:
-    """A branch taken on some ranks only (or none) and a layer no rank uses: no error, no hang, and the
-    single-process result, whose loss is the mean of every rank's shard loss with that rank's branch. SGD
-    without weight decay, under which a zero gradient and none move a parameter alike."""
+def _train_with_a_branch(adapters_spec: str, rank: int, world_size: int, variant: str, takes_branch) -> None:
+    """BranchyModel: a branch taken as `takes_branch(step, rank)` says, and a layer no rank uses. No error, no
+    hang, and the single-process result, whose loss is the mean of every rank's shard loss with that rank's
+    branch. SGD without weight decay, under which a zero
+    gradient and none move a parameter alike."""
     ddp = _DDP(adapters_spec, variant)
     module = _model(BranchyModel, seed=0)
     single_process = deepcopy(module)
@@ -329,27 +334,39 @@ def _parameters_without_gradients_break_nothing(adapters_spec: str, rank: int, w
     problems, differing = [], set()  # each parameter's first difference says enough
     for step in range(STEPS):
         x, y = _batch(seed=10 + step)
-        takers = [r for r in range(world_size) if _takes_branch(step, r)]
+        takers = [r for r in range(world_size) if takes_branch(step, r)]
+        situation = (f"step {step}, where branch.* gets a gradient on {f'ranks {takers}' if takers else 'no rank'} "
+                     "and never_used.* on none")
         single_process_optimizer.zero_grad(set_to_none=True)
-        losses = [F.mse_loss(single_process(x[s], _takes_branch(step, r)), y[s]) for r, s in enumerate(shards)]
+        losses = [F.mse_loss(single_process(x[s], takes_branch(step, r)), y[s]) for r, s in enumerate(shards)]
         (sum(losses) / world_size).backward()
         single_process_optimizer.step()
         try:
             ddp.before_batch(ddp_model, optimizer)
             optimizer.zero_grad(set_to_none=True)
-            out = ddp_model(x[shards[rank]], _takes_branch(step, rank))
+            out = ddp_model(x[shards[rank]], takes_branch(step, rank))
             ddp.backward(ddp_model, optimizer, F.mse_loss(out, y[shards[rank]]))
             optimizer.step()
         except Exception as error:
-            raise RuntimeError(
-                f"{variant}: step {step}, where branch.* gets a gradient on ranks {takers or 'none'} only and "
-                f"never_used.* on none, raised on rank {rank}: {type(error).__name__}: {error}") from error
+            failed = CheckFailed if isinstance(error, CheckFailed) else RuntimeError
+            raise failed(f"{variant}: {situation}, rank {rank} raised {type(error).__name__}: {error}") from error
         for (name, p), expected in zip(module.named_parameters(), single_process.parameters()):
             if name not in differing and not FLOAT64.close(p, expected):
                 differing.add(name)
-                problems.append(f"step {step} (branch.* used on ranks {takers or 'none'}): rank {rank}'s {name} differs "
-                                f"from single-process training by up to {largest_difference(p, expected):.3g}")
+                problems.append(f"{situation}: rank {rank}'s {name} differs from single-process training by up to "
+                                f"{largest_difference(p, expected):.3g}")
     fail_if(problems, f"{variant}, with parameters that get no gradient")
+
+
+def _parameters_without_gradients_break_nothing(adapters_spec: str, rank: int, world_size: int, variant: str) -> None:
+    """A layer no rank uses, and a branch every rank skips in some steps."""
+    _train_with_a_branch(adapters_spec, rank, world_size, variant, _takes_branch_everywhere)
+
+
+def _a_branch_some_ranks_skip_breaks_nothing(adapters_spec: str, rank: int, world_size: int, variant: str) -> None:
+    """A branch some ranks take and others skip in the same step: its parameters get a gradient on some ranks
+    only, whose average (the others contributing zeros) is the single-process gradient."""
+    _train_with_a_branch(adapters_spec, rank, world_size, variant, _takes_branch_on_some_ranks)
 
 
 def _matches_single_process(adapters_spec: str, rank: int, world_size: int, variant: str, model: str) -> None:
@@ -397,6 +414,7 @@ def _checks() -> dict[str, Check]:
             checks[f"{variant_name}: reductions follow the bucket plan"] = Check(
                 _reductions_follow_the_bucket_plan, variant.needs)
         add("parameters without gradients break nothing", _parameters_without_gradients_break_nothing)
+        add("a branch some ranks skip breaks nothing", _a_branch_some_ranks_skip_breaks_nothing)
         for model in TOY_MODELS:
             add(f"matches single-process training ({model})", _matches_single_process, model=model)
     return checks

@@ -216,11 +216,17 @@ def _at_rest_problems(rank: int, when: str, model: nn.Module, storages: LiveStor
     full_bytes, allowed_shard_bytes, largest, replicated = weights
     params = list(model.parameters())
     held = storage_bytes(params) - replicated
+    own = sum(p.numel() * p.element_size() for p in params) - replicated
     problems = []
     if held > allowed_shard_bytes:
-        problems.append(f"{when}, rank {rank}'s parameters hold {held / full_bytes:.0%} of the Linear and Embedding "
-                        f"weights' bytes ({held:,} of {full_bytes:,}), expected about {1 / _world_size():.0%} (at most "
-                        f"{allowed_shard_bytes / full_bytes:.0%}): the weights are not sharded")
+        if own <= allowed_shard_bytes:
+            problems.append(f"{when}, rank {rank}'s parameters are shards of {own / full_bytes:.0%} of the Linear and "
+                            f"Embedding weights' bytes, but views of storages holding {held / full_bytes:.0%} "
+                            f"({held:,} of {full_bytes:,} bytes): the full weights are kept alive at rest")
+        else:
+            problems.append(f"{when}, rank {rank}'s parameters hold {held / full_bytes:.0%} of the Linear and Embedding "
+                            f"weights' bytes ({held:,} of {full_bytes:,}), expected about {1 / _world_size():.0%} (at "
+                            f"most {allowed_shard_bytes / full_bytes:.0%}): the weights are not sharded")
     besides = storages.live_bytes(excluding=params)
     if besides > GATHER_BUFFERS * largest:
         problems.append(f"{when}, rank {rank} keeps {besides:,} bytes alive besides its parameters, "
