@@ -21,10 +21,9 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 BROKEN = REPO_ROOT / "tests" / "broken_adapters"
 FROM_SCRATCH = REPO_ROOT / "examples" / "from_scratch" / "adapters.py"
 PLUGIN = ["-p", "cs336_systems.pytest_plugin", "-p", "no:cacheprovider", "--gpu", "none"]
-SUITES = ("test_ddp", "test_sharded_optimizer", "test_fsdp")
-SUITE_CHECKS = {module.__name__.rsplit(".", 1)[1]: module.CHECKS for module in (test_ddp, test_sharded_optimizer, test_fsdp)}
-SUITE_WORLD_SIZES = {module.__name__.rsplit(".", 1)[1]: module.WORLD_SIZES
-                     for module in (test_ddp, test_sharded_optimizer, test_fsdp)}
+SUITE_MODULES = {module.__name__.rsplit(".", 1)[1]: module for module in (test_ddp, test_sharded_optimizer, test_fsdp)}
+SUITE_CHECKS = {suite: module.CHECKS for suite, module in SUITE_MODULES.items()}
+SUITE_WORLD_SIZES = {suite: module.WORLD_SIZES for suite, module in SUITE_MODULES.items()}
 
 # Each broken module, the suite that must catch it, and words its failure must contain.
 KILLS = {
@@ -40,7 +39,8 @@ KILLS = {
     "ddp_tied_reduced_twice": ("test_ddp", "a gradient was reduced more than once (the tied weight, fc2.weight and "
                                            "fc4.weight, counts once)"),
     "ddp_no_gradient_breaks": ("test_ddp", "where branch.* gets a gradient on ranks [0, 1] and never_used.* on none, "
-                                           "rank 0 raised AttributeError: 'NoneType' object has no attribute 'reshape'"),
+                                           "rank 0 raised AttributeError: 'NoneType' object has no attribute "
+                                           "'reshape'"),
     "sharded_state_everywhere": ("test_sharded_optimizer", "rank 0 holds 100% of the optimizer state"),
     "sharded_no_sync": ("test_sharded_optimizer", "the sharded optimizer did not synchronise parameters after step"),
     "fsdp_full_weights_at_rest": ("test_fsdp", "the full weights are kept alive at rest"),
@@ -99,7 +99,7 @@ def from_scratch():
     return load_adapters(str(FROM_SCRATCH))
 
 
-@pytest.mark.parametrize("suite", SUITES)
+@pytest.mark.parametrize("suite", SUITE_MODULES)
 def test_a_from_scratch_implementation_passes(pytester, from_scratch, suite):
     result = _run_suite(pytester, suite, Path(from_scratch.spec), "-v")
     placements = [f"gloo-{n}ranks" for n in SUITE_WORLD_SIZES[suite]]
@@ -110,7 +110,7 @@ def test_a_from_scratch_implementation_passes(pytester, from_scratch, suite):
     assert all(FROM_SCRATCH_FAILS[check] in result.stdout.str() for _, check in failing), result.stdout.str()
 
 
-@pytest.mark.parametrize("suite", SUITES)
+@pytest.mark.parametrize("suite", SUITE_MODULES)
 def test_this_projects_adapters_pass(pytester, suite):
     """At 2 ranks: the test command runs the whole suite on them as well (it is the default)."""
     result = _run_suite(pytester, suite, OWN_ADAPTERS, "-v", "-k", "gloo-2ranks")

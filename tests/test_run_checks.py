@@ -55,8 +55,8 @@ def test_a_check_failed_in_step_is_reported_by_its_message_and_the_next_checks_r
     last = len(outcomes) - 1
     with pytest.raises(pytest.fail.Exception) as failure:
         assert_passed_on_every_rank("in_step", outcomes)
-    assert str(failure.value) == (f"rank {last} (failure 1 of 1):\n"
-                                  "cs336_systems.conformance.rank_checks.CheckFailed: the last rank's parameters differ\n")
+    assert str(failure.value) == (f"rank {last} (failure 1 of 1):\ncs336_systems.conformance.rank_checks.CheckFailed: "
+                                  "the last rank's parameters differ\n")
     assert_passed_on_every_rank("after_it", outcomes)
 
 

@@ -3,7 +3,7 @@ issues, the memory its tensors hold, the state its optimizer keeps.
 
     with CollectiveLog() as log:                  # every collective issued on this thread and by backward
         loss.backward()
-    log.reductions()                              # [Collective("all_reduce", float64, 550), ...]
+    log.reductions()                              # [Collective("all_reduce", torch.float64, 550, ...), ...]
 
     with LiveStorages() as storages:              # every tensor storage created or used from here on
         model = get_fsdp(build())
@@ -93,10 +93,12 @@ class CollectiveLog(TorchDispatchMode):
     def mark(self) -> int:
         return len(self.issued)
 
-    def reductions(self, dtype: torch.dtype | None = None, start: int = 0, end: int | None = None) -> list[Collective]:
-        """The all-reduces, reduce-scatters and reduces among issued[start:end], of `dtype` if given (the
-        gradients' dtype: an implementation may all-reduce its own bookkeeping, such as counts, besides)."""
-        return [c for c in self.issued[start:end] if c.kind in REDUCTIONS and (dtype is None or c.dtype == dtype)]
+    def reductions(self, start: int = 0, end: int | None = None) -> list[Collective]:
+        """The all-reduces, reduce-scatters and reduces of floating-point data among issued[start:end]: gradients,
+        in whatever precision they travel (an implementation may also reduce its own bookkeeping, such as counts
+        of integers)."""
+        return [c for c in self.issued[start:end]
+                if c.kind in REDUCTIONS and c.dtype is not None and c.dtype.is_floating_point]
 
 
 class LiveStorages(TorchDispatchMode):

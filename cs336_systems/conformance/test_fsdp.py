@@ -1,5 +1,6 @@
 """FSDP, through the course's adapters: get_fsdp(module, compute_dtype), fsdp_on_after_backward(model, optimizer)
-and fsdp_gather_full_params(model) (every parameter, unsharded, by name).
+(called after each backward where the module has it) and fsdp_gather_full_params(model) (every parameter,
+unsharded, by name).
 
 What it must do:
   - gradients are averaged over ranks: one SGD step of learning rate 1 moves each parameter, read back whole
@@ -7,7 +8,8 @@ What it must do:
     shards' layout, this reads the gradient the optimizer was given);
   - training matches one process training on the whole batch: fp32 within the course's tolerances (each rank
     adds its rows' contributions to a weight gradient in its own order), and with compute_dtype=bf16 each
-    parameter's update within BF16_UPDATE_TOLERANCE of the fp32 one, its master weights staying fp32;
+    parameter's update within BF16_UPDATE_TOLERANCE of the fp32 one, its master weights staying fp32 and the
+    weights all-gathered in bf16 (cast before communicating, as the handout says);
   - at rest (after construction, and after a training step) a rank's parameters hold about 1/world_size of the
     Linear and Embedding weights, and nothing else it keeps alive adds up to more than GATHER_BUFFERS of the
     largest weights: the full weights are gone;
@@ -40,7 +42,8 @@ from cs336_systems.distributed.launch import rank_device
 
 WORLD_SIZES = (2, 3)
 LAUNCH_TIMEOUT_S = 120  # one check's deadline; see test_ddp
-NEEDS = ("get_fsdp", "fsdp_on_after_backward", "fsdp_gather_full_params")
+# fsdp_on_after_backward is called where the module has it.
+NEEDS = ("get_fsdp", "fsdp_gather_full_params")
 BATCH, SEQ_LEN = 12, 8  # every world size tested divides the batch
 STEPS = 3
 SGD_LR = 0.1
@@ -66,9 +69,11 @@ MEMORY_TOKENS = (2, 4)
 
 
 def _adapters(adapters_spec: str):
+    """get_fsdp, the after-backward hook (doing nothing where the module lacks it), fsdp_gather_full_params."""
     adapters = load_adapters(adapters_spec)
-    return (adapters.function("get_fsdp"), adapters.function("fsdp_on_after_backward"),
-            adapters.function("fsdp_gather_full_params"))
+    after_backward = (adapters.function("fsdp_on_after_backward") if not adapters.missing("fsdp_on_after_backward")
+                      else lambda model, optimizer: None)
+    return adapters.function("get_fsdp"), after_backward, adapters.function("fsdp_gather_full_params")
 
 
 def _toy(seed: int = 0) -> nn.Module:
@@ -121,8 +126,9 @@ def _gradients_are_averaged(adapters_spec: str, rank: int, world_size: int) -> N
     optimizer.step()
     after = _full_params(gather, model)
     fail_if([_missing_names(after, single_process)])
-    fail_if([gradient_problem(f"rank {rank}'s {name} gradient (read back from one SGD step)", before[name] - after[name],
-                              p.grad, world_size=world_size, tolerance=STEP_GRADIENT, own=own_p.grad)
+    fail_if([gradient_problem(f"rank {rank}'s {name} gradient (read back from one SGD step)",
+                              before[name] - after[name], p.grad, world_size=world_size, tolerance=STEP_GRADIENT,
+                              own=own_p.grad)
              for (name, p), own_p in zip(single_process.named_parameters(), own.parameters())],
             "after one backward on each rank's rows and the after-backward hook")
 
@@ -186,10 +192,11 @@ def _matches_single_process_bf16(adapters_spec: str, rank: int, world_size: int)
             problems.append(f"fsdp_gather_full_params gave {name} as {full[name].dtype}: master weights must stay "
                             "float32")
         update, expected_update = full[name].float() - initial[name], value - initial[name]
-        off = (update - expected_update).norm().item() / expected_update.norm().item()
+        size = expected_update.norm().item()
+        off = (update - expected_update).norm().item() / size
         if not off <= BF16_UPDATE_TOLERANCE:
             problems.append(f"rank {rank}'s {name} moved {off:.1%} away from the fp32 single-process update "
-                            f"(tolerance {BF16_UPDATE_TOLERANCE:.0%}; {update.norm().item() / expected_update.norm().item():.2f}x its size)")
+                            f"(tolerance {BF16_UPDATE_TOLERANCE:.0%}; {update.norm().item() / size:.2f}x its size)")
     fail_if(problems, f"compute_dtype=bf16, {STEPS} SGD steps, each rank on its rows")
 
 
@@ -224,15 +231,17 @@ def _at_rest_problems(rank: int, when: str, model: nn.Module, storages: LiveStor
                             f"Embedding weights' bytes, but views of storages holding {held / full_bytes:.0%} "
                             f"({held:,} of {full_bytes:,} bytes): the full weights are kept alive at rest")
         else:
-            problems.append(f"{when}, rank {rank}'s parameters hold {held / full_bytes:.0%} of the Linear and Embedding "
-                            f"weights' bytes ({held:,} of {full_bytes:,}), expected about {1 / _world_size():.0%} (at "
-                            f"most {allowed_shard_bytes / full_bytes:.0%}): the weights are not sharded")
+            problems.append(f"{when}, rank {rank}'s parameters hold {held / full_bytes:.0%} of the Linear and "
+                            f"Embedding weights' bytes ({held:,} of {full_bytes:,}), expected about "
+                            f"{1 / _world_size():.0%} (at most {allowed_shard_bytes / full_bytes:.0%}): the weights "
+                            "are not sharded")
     besides = storages.live_bytes(excluding=params)
     if besides > GATHER_BUFFERS * largest:
         problems.append(f"{when}, rank {rank} keeps {besides:,} bytes alive besides its parameters, "
-                        f"{besides / full_bytes:.0%} of the full Linear and Embedding weights (at most {GATHER_BUFFERS} "
-                        f"gather buffers the size of the largest weight, {GATHER_BUFFERS * largest / full_bytes:.0%}, "
-                        "expected): the full weights are kept at rest, not freed after use")
+                        f"{besides / full_bytes:.0%} of the full Linear and Embedding weights (at most "
+                        f"{GATHER_BUFFERS} gather buffers the size of the largest weight, "
+                        f"{GATHER_BUFFERS * largest / full_bytes:.0%}, expected): the full weights are kept at rest, "
+                        "not freed after use")
     return problems
 
 
@@ -286,10 +295,10 @@ def _forward_gathers_few_weights_at_once(adapters_spec: str, rank: int, world_si
     extra = excess - single_process_excess
     if extra > GATHER_BUFFERS * largest:
         raise CheckFailed(
-            f"during forward, rank {rank} held up to {extra:,} bytes beyond one process's forward over the same tokens: "
-            f"{extra / largest:.1f} full weights of the {MEMORY_LAYERS + 2} ({extra / full_bytes:.0%} of them), where "
-            f"the handout's gathers run at most two layers ahead ({GATHER_BUFFERS} weights): gathered weights are kept "
-            "after use (saved for backward, or never freed)")
+            f"during forward, rank {rank} held up to {extra:,} bytes beyond one process's forward over the same "
+            f"tokens: {extra / largest:.1f} full weights of the {MEMORY_LAYERS + 2} ({extra / full_bytes:.0%} of "
+            f"them), where the handout's gathers run at most two layers ahead ({GATHER_BUFFERS} weights): gathered "
+            "weights are kept after use (saved for backward, or never freed)")
 
 
 CHECKS = {

@@ -192,7 +192,8 @@ def _add_param_group_mid_training(adapters_spec: str, rank: int, world_size: int
 def _state_bytes(optimizer: torch.optim.Optimizer, model: nn.Module) -> int:
     """Bytes of the tensors reachable from the optimizer that are neither parameters nor gradients."""
     params = list(model.parameters())
-    return storage_bytes(reachable_tensors(optimizer, excluding=params + [p.grad for p in params if p.grad is not None]))
+    gradients = [p.grad for p in params if p.grad is not None]
+    return storage_bytes(reachable_tensors(optimizer, excluding=params + gradients))
 
 
 def _each_rank_keeps_its_share_of_the_state(adapters_spec: str, rank: int, world_size: int) -> None:
