@@ -102,9 +102,9 @@ class CollectiveLog(TorchDispatchMode):
 
 
 class LiveStorages(TorchDispatchMode):
-    """Tracks the storage of every tensor an operation creates or returns while it is active, weakly: its
-    live bytes are what those tensors still hold, however they are kept alive (an attribute, a hook's
-    closure, autograd's saved tensors, a collective in flight). Tensors created before it are not counted.
+    """Tracks the storage of every tensor an operation creates while it is active, weakly: its live bytes are
+    what those tensors still hold, however they are kept alive (an attribute, a hook's closure, autograd's saved
+    tensors, a collective in flight). Tensors created before it, and views of them, are not counted.
 
     `watch_peak()` starts recording the most bytes alive at any operation (`peak_bytes`), `stop_peak()`
     ends it.
@@ -117,22 +117,22 @@ class LiveStorages(TorchDispatchMode):
         self._watching = False
 
     def __torch_dispatch__(self, func, types_, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
+        kwargs = kwargs or {}
+        # A view of a tensor from before (its storage untracked) is not new memory. lift_fresh hands on a tensor
+        # that torch.tensor(...) has just made.
+        older = set() if func is torch.ops.aten.lift_fresh.default else {
+            key for tensor in _tensors((args, kwargs)) if (key := _key(tensor)) is not None and not self._tracks(key)}
+        out = func(*args, **kwargs)
         for tensor in _tensors(out):
-            self._see(tensor)
+            if (key := _key(tensor)) is not None and key not in older and not self._tracks(key):
+                self._storages[key] = StorageWeakRef(tensor.untyped_storage())
         if self._watching:
             self.peak_bytes = max(self.peak_bytes, self.live_bytes())
         return out
 
-    def _see(self, tensor: torch.Tensor) -> None:
-        try:
-            storage = tensor.untyped_storage()
-        except (RuntimeError, NotImplementedError):  # a tensor without one storage (sparse, nested)
-            return
-        key = storage._cdata
+    def _tracks(self, key: int) -> bool:
         known = self._storages.get(key)
-        if known is None or known.expired():  # an address reused by a new storage
-            self._storages[key] = StorageWeakRef(storage)
+        return known is not None and not known.expired()  # an expired one's address may be a new storage's
 
     def live_bytes(self, excluding: Iterable[torch.Tensor] = ()) -> int:
         """Bytes of the tracked storages still alive (as they are now: a storage resized to 0 holds none),
@@ -157,6 +157,14 @@ class LiveStorages(TorchDispatchMode):
 def storage_key(tensor: torch.Tensor) -> int:
     """What identifies the memory a tensor views: tensors of one key share their bytes."""
     return tensor.untyped_storage()._cdata
+
+
+def _key(tensor: torch.Tensor) -> int | None:
+    """storage_key, or None for a tensor without one storage (sparse, nested)."""
+    try:
+        return storage_key(tensor)
+    except (RuntimeError, NotImplementedError):
+        return None
 
 
 def storage_bytes(tensors: Iterable[torch.Tensor]) -> int:
