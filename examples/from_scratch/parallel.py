@@ -110,9 +110,9 @@ class _GradientReducer:
 
 
 class OverlappingDDP(nn.Module):
-    """DDP that all-reduces each parameter's gradient as soon as backward has produced it (and those of the
-    parameters after it, the order backward usually produces them in), so communication overlaps the rest of
-    backward."""
+    """DDP that all-reduces each parameter's gradient during backward, so communication overlaps the rest of
+    backward: in reverse parameter order, the order backward usually produces gradients in, each as soon as it
+    and the gradients before it in that order are ready."""
 
     def __init__(self, module: nn.Module):
         super().__init__()
