@@ -68,16 +68,6 @@ def test_the_suite_fails_a_broken_module_naming_its_bug(pytester, module):
     assert message in result.stdout.str(), result.stdout.str()
 
 
-# examples/from_scratch's DDP issues its gradients' all-reduces as its hooks fire, so where a branch is taken on
-# some ranks only, the ranks issue different collectives (the per-parameter DDP) or leave that branch's gradient
-# unreduced on the ranks that skipped it (the bucketed one): the suite names it.
-FROM_SCRATCH_FAILS = {
-    "individual_parameters: a branch some ranks skip breaks nothing": "the ranks issued different collectives",
-    "get_ddp: a branch some ranks skip breaks nothing": "the ranks issued different collectives",
-    "bucketed: a branch some ranks skip breaks nothing": "rank 1's branch.weight differs from single-process training",
-}
-
-
 # How a verbose run names each subtest's outcome: "...::test_ddp[gloo-2ranks] SUBPASSED[check name]  [ 50%]".
 SUBTEST_OUTCOME = re.compile(r"::\w+\[(?P<placement>[\w-]+)\] SUB(?P<outcome>PASSED|FAILED|SKIPPED)\[(?P<check>.+?)\]")
 
@@ -103,11 +93,8 @@ def from_scratch():
 def test_a_from_scratch_implementation_passes(pytester, from_scratch, suite):
     result = _run_suite(pytester, suite, Path(from_scratch.spec), "-v")
     placements = [f"gloo-{n}ranks" for n in SUITE_WORLD_SIZES[suite]]
-    failing = {(placement, check) for placement in placements for check in FROM_SCRATCH_FAILS if suite == "test_ddp"}
-    assert _subtests(result) == {
-        "PASSED": {(placement, check) for placement in placements for check in SUITE_CHECKS[suite]} - failing,
-        "FAILED": failing, "SKIPPED": set()}, result.stdout.str()
-    assert all(FROM_SCRATCH_FAILS[check] in result.stdout.str() for _, check in failing), result.stdout.str()
+    every_check = {(placement, check) for placement in placements for check in SUITE_CHECKS[suite]}
+    assert _subtests(result) == {"PASSED": every_check, "FAILED": set(), "SKIPPED": set()}, result.stdout.str()
 
 
 @pytest.mark.parametrize("suite", SUITE_MODULES)

@@ -17,7 +17,10 @@ it will not join, and the checks after it should still run where that is safe. S
     its gloo peers (an NCCL peer waits for the group's timeout), and no later check runs, on any rank.
 
 After every check the ranks agree at the launch's store, not in a collective, on how it went, and report
-progress to the launch (whose deadline is then one check's, not the whole list's).
+progress to the launch (whose deadline is then one check's, not the whole list's). The conformance suite also
+runs each check under a CollectiveGuard: an implementation whose ranks would issue different collectives (a
+gradient reduced on one rank only, say) fails that check, naming them, where the backend would abort the
+process or wait forever.
 """
 
 from __future__ import annotations
@@ -42,8 +45,8 @@ class CheckFailed(AssertionError):
 
 
 class CollectiveMismatch(CheckFailed):
-    """The ranks were about to issue different collectives (or one rank one the others never issue): raised on
-    each before it issues it, so the ranks are still in step."""
+    """The ranks were about to issue different collectives (or one rank one that its peers never issue): raised
+    before issuing it, so the ranks are still in step."""
 
 
 # How long a rank about to issue a collective waits for its peers to reach theirs: far more than any step of a

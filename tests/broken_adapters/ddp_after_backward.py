@@ -1,26 +1,21 @@
 """DDP that all-reduces only after backward: the gradients are averaged, but communication never overlaps
-backward. A copy of examples/from_scratch/parallel.py's OverlappingDDP whose hook only notes the gradient; the
-all-reduces start in finish_gradient_synchronization()."""
+backward. A copy of examples/from_scratch/parallel.py's OverlappingDDP whose reducer's hook only notes a
+gradient as ready; its all-reduces all start in finish_gradient_synchronization()."""
 
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from examples.from_scratch import parallel
 
 
-class _AfterBackwardReducer(parallel._GradientAllReducer):
-    def _all_reduce(self, p: nn.Parameter) -> None:
-        self._in_flight.append((None, p))  # the bug: the all-reduce waits for finish()
-
-    def finish(self) -> None:
-        works = [(dist.all_reduce(p.grad, async_op=True), p) for _, p in self._in_flight]
-        for work, p in works:
-            work.wait()
-            p.grad.div_(self.world_size)
-        self._in_flight.clear()
+class _AfterBackwardReducer(parallel._GradientReducer):
+    def _gradient_ready(self, p: nn.Parameter) -> None:
+        if p in self._ready:
+            raise RuntimeError("a second backward produced a gradient before the first's were reduced: call "
+                               "finish_gradient_synchronization() after each backward")
+        self._ready.add(p)  # the bug: no bucket is issued here, finish() issues them all
 
 
 class AfterBackwardDDP(parallel.OverlappingDDP):
@@ -29,7 +24,7 @@ class AfterBackwardDDP(parallel.OverlappingDDP):
         parallel._require_process_group(type(self).__name__)
         self.module = module
         parallel._broadcast_from_rank_0(module)
-        self._reducer = _AfterBackwardReducer(parallel._trainable_parameters(module))
+        self._reducer = _AfterBackwardReducer([[p] for p in reversed(parallel._trainable_parameters(module))])
 
 
 def get_ddp_individual_parameters(module: nn.Module) -> nn.Module:

@@ -4,7 +4,6 @@ examples/from_scratch/parallel.py's BucketedDDP.__init__ that plans with a const
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from examples.from_scratch import parallel
@@ -17,15 +16,11 @@ class FixedBucketDDP(parallel.BucketedDDP):
         nn.Module.__init__(self)
         parallel._require_process_group(type(self).__name__)
         self.module = module
-        self.world_size = dist.get_world_size()
         parallel._broadcast_from_rank_0(module)
         # the bug: FIXED_BUCKET_SIZE_MB where bucket_size_mb belongs
-        plan = parallel.plan_buckets(parallel._trainable_parameters(module)[::-1],
+        plan = parallel.plan_buckets(list(reversed(parallel._trainable_parameters(module))),
                                      FIXED_BUCKET_SIZE_MB * parallel.BYTES_PER_MB)
-        self.buckets = [parallel._Bucket(parameters) for parameters in plan]
-        for bucket in self.buckets:
-            for p in bucket.parameters:
-                p.register_post_accumulate_grad_hook(lambda p, bucket=bucket: self._gradient_ready(bucket))
+        self._reducer = parallel._GradientReducer(plan)
 
 
 def get_ddp_bucketed(module: nn.Module, bucket_size_mb: float) -> nn.Module:

@@ -14,7 +14,7 @@ class UnbroadcastDDP(parallel.OverlappingDDP):
         nn.Module.__init__(self)
         parallel._require_process_group(type(self).__name__)
         self.module = module  # the bug: no _broadcast_from_rank_0(module)
-        self._reducer = parallel._GradientAllReducer(parallel._trainable_parameters(module))
+        self._reducer = parallel._GradientReducer([[p] for p in reversed(parallel._trainable_parameters(module))])
 
 
 def get_ddp(module: nn.Module) -> nn.Module:

@@ -1,6 +1,6 @@
-"""Bucketed DDP that fails on a parameter without a gradient (a layer the forward did not use): a bucket
-reduced after backward concatenates its gradients as they are, None included. A copy of
-examples/from_scratch/parallel.py's BucketedDDP._all_reduce without the zeros standing in for a missing
+"""Bucketed DDP that fails on a parameter without a gradient (a layer the forward did not use): a bucket issued
+after backward concatenates its gradients as they are, None included. A copy of
+examples/from_scratch/parallel.py's reducer's _issue_next_bucket without the zeros standing in for a missing
 gradient."""
 
 from __future__ import annotations
@@ -12,11 +12,22 @@ from torch import nn
 from examples.from_scratch import parallel
 
 
+class _NoneGradientReducer(parallel._GradientReducer):
+    def _issue_next_bucket(self) -> None:
+        bucket = self.buckets[len(self._in_flight)]
+        flat = torch.cat([p.grad.reshape(-1) for p in bucket])  # the bug: None for a parameter without a gradient
+        self._in_flight.append((dist.all_reduce(flat, async_op=True), flat))
+
+
 class NoneGradientDDP(parallel.BucketedDDP):
-    def _all_reduce(self, bucket: parallel._Bucket) -> None:
-        gradients = [p.grad for p in bucket.parameters]  # the bug: None for a parameter without a gradient
-        bucket.flat_gradients = torch.cat([g.reshape(-1) for g in gradients])
-        bucket.work = dist.all_reduce(bucket.flat_gradients, async_op=True)
+    def __init__(self, module: nn.Module, bucket_size_mb: float):
+        nn.Module.__init__(self)
+        parallel._require_process_group(type(self).__name__)
+        self.module = module
+        parallel._broadcast_from_rank_0(module)
+        plan = parallel.plan_buckets(list(reversed(parallel._trainable_parameters(module))),
+                                     bucket_size_mb * parallel.BYTES_PER_MB)
+        self._reducer = _NoneGradientReducer(plan)
 
 
 def get_ddp_bucketed(module: nn.Module, bucket_size_mb: float) -> nn.Module:

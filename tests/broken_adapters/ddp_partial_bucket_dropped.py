@@ -1,11 +1,10 @@
 """Bucketed DDP whose last bucket, the partial one that holds the first parameters, is never reduced: its
-gradients stay each rank's own. A copy of examples/from_scratch/parallel.py's BucketedDDP.__init__ that hooks
-every bucket but the last."""
+gradients stay each rank's own. A copy of examples/from_scratch/parallel.py's BucketedDDP.__init__ that hands
+its reducer every bucket but the last."""
 
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from examples.from_scratch import parallel
@@ -16,14 +15,10 @@ class DroppedLastBucketDDP(parallel.BucketedDDP):
         nn.Module.__init__(self)
         parallel._require_process_group(type(self).__name__)
         self.module = module
-        self.world_size = dist.get_world_size()
         parallel._broadcast_from_rank_0(module)
-        plan = parallel.plan_buckets(parallel._trainable_parameters(module)[::-1],
+        plan = parallel.plan_buckets(list(reversed(parallel._trainable_parameters(module))),
                                      bucket_size_mb * parallel.BYTES_PER_MB)
-        self.buckets = [parallel._Bucket(parameters) for parameters in plan]
-        for bucket in self.buckets[:-1]:  # the bug: the last bucket's parameters get no hook
-            for p in bucket.parameters:
-                p.register_post_accumulate_grad_hook(lambda p, bucket=bucket: self._gradient_ready(bucket))
+        self._reducer = parallel._GradientReducer(plan[:-1])  # the bug: the last bucket is left out
 
 
 def get_ddp_bucketed(module: nn.Module, bucket_size_mb: float) -> nn.Module:

@@ -1,19 +1,37 @@
 """DDP whose gradients are summed over ranks, not averaged. A copy of examples/from_scratch/parallel.py's
-OverlappingDDP whose finish_gradient_synchronization() leaves out the division by the world size."""
+OverlappingDDP whose reducer's finish() leaves out the division by the world size."""
 
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from examples.from_scratch import parallel
 
 
-class _SummingReducer(parallel._GradientAllReducer):
+class _SummingReducer(parallel._GradientReducer):
     def finish(self) -> None:
-        for work, _ in self._in_flight:
-            work.wait()  # the bug: no p.grad.div_(self.world_size)
+        while len(self._in_flight) < len(self.buckets):
+            self._issue_next_bucket()
+        parameters = [p for bucket in self.buckets for p in bucket]
+        if not parameters:
+            return
+        ranks_with_gradient = torch.tensor([p in self._ready for p in parameters], dtype=torch.int32,
+                                           device=parameters[0].device)
+        dist.all_reduce(ranks_with_gradient)
+        got_gradient = iter(ranks_with_gradient.tolist())
+        for (work, flat), bucket in zip(self._in_flight, self.buckets):
+            work.wait()  # the bug: no flat.div_(self.world_size)
+            for p, summed in zip(bucket, flat.split([p.numel() for p in bucket])):
+                if not next(got_gradient):
+                    continue
+                if p.grad is None:
+                    p.grad = summed.view_as(p)
+                else:
+                    p.grad.copy_(summed.view_as(p))
         self._in_flight.clear()
+        self._ready.clear()
 
 
 class SummingDDP(parallel.OverlappingDDP):
@@ -22,7 +40,7 @@ class SummingDDP(parallel.OverlappingDDP):
         parallel._require_process_group(type(self).__name__)
         self.module = module
         parallel._broadcast_from_rank_0(module)
-        self._reducer = _SummingReducer(parallel._trainable_parameters(module))
+        self._reducer = _SummingReducer([[p] for p in reversed(parallel._trainable_parameters(module))])
 
 
 def get_ddp_individual_parameters(module: nn.Module) -> nn.Module:
