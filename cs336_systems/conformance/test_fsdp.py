@@ -200,26 +200,21 @@ def _matches_single_process_bf16(adapters_spec: str, rank: int, world_size: int)
     fail_if(problems, f"compute_dtype=bf16, {STEPS} SGD steps, each rank on its rows")
 
 
-def _weight_bytes(module: nn.Module) -> tuple[int, int, int, int]:
+def _weight_bytes(module: nn.Module, world_size: int) -> tuple[int, int, int, int]:
     """(all Linear and Embedding weights' bytes, the most a rank's shards of them may hold, the largest one's
     bytes, the other parameters' bytes) of an unwrapped module."""
     sharded = sharded_weight_names(module)
     weights = [p for name, p in module.named_parameters() if name in sharded]
     # A split by rows or columns cannot be exact: a rank's shard of each weight may exceed 1/world_size by up to
     # one row or column.
-    allowed = sum((p.numel() / _world_size() + max(p.shape)) * p.element_size() for p in weights)
+    allowed = sum((p.numel() / world_size + max(p.shape)) * p.element_size() for p in weights)
     replicated = sum(p.numel() * p.element_size() for name, p in module.named_parameters() if name not in sharded)
     return (sum(p.numel() * p.element_size() for p in weights), math.ceil(allowed),
             max(p.numel() * p.element_size() for p in weights), replicated)
 
 
-def _world_size() -> int:
-    import torch.distributed as dist
-
-    return dist.get_world_size()
-
-
-def _at_rest_problems(rank: int, when: str, model: nn.Module, storages: LiveStorages, weights: tuple) -> list[str]:
+def _at_rest_problems(rank: int, world_size: int, when: str, model: nn.Module, storages: LiveStorages,
+                      weights: tuple) -> list[str]:
     full_bytes, allowed_shard_bytes, largest, replicated = weights
     params = list(model.parameters())
     held = storage_bytes(params) - replicated
@@ -233,7 +228,7 @@ def _at_rest_problems(rank: int, when: str, model: nn.Module, storages: LiveStor
         else:
             problems.append(f"{when}, rank {rank}'s parameters hold {held / full_bytes:.0%} of the Linear and "
                             f"Embedding weights' bytes ({held:,} of {full_bytes:,}), expected about "
-                            f"{1 / _world_size():.0%} (at most {allowed_shard_bytes / full_bytes:.0%}): the weights "
+                            f"{1 / world_size:.0%} (at most {allowed_shard_bytes / full_bytes:.0%}): the weights "
                             "are not sharded")
     besides = storages.live_bytes(excluding=params)
     if besides > GATHER_BUFFERS * largest:
@@ -250,11 +245,11 @@ def _weights_are_sharded_at_rest(adapters_spec: str, rank: int, world_size: int)
     rank's shards, and nothing else holds the full weights."""
     get_fsdp, after_backward, _ = _adapters(adapters_spec)
     torch.manual_seed(0)
-    weights = _weight_bytes(FSDPLayerStack(MEMORY_WIDTH, MEMORY_LAYERS))
+    weights = _weight_bytes(FSDPLayerStack(MEMORY_WIDTH, MEMORY_LAYERS), world_size)
     with LiveStorages() as storages:
         torch.manual_seed(0)
         model = get_fsdp(FSDPLayerStack(MEMORY_WIDTH, MEMORY_LAYERS).to(rank_device()))
-        problems = _at_rest_problems(rank, "once built", model, storages, weights)
+        problems = _at_rest_problems(rank, world_size, "once built", model, storages, weights)
         optimizer = torch.optim.SGD(model.parameters(), lr=SGD_LR)
         inputs, targets = _tokens(seed=rank, vocab_size=MEMORY_WIDTH, shape=MEMORY_TOKENS)
         _loss(model(inputs), targets).backward()
@@ -262,7 +257,7 @@ def _weights_are_sharded_at_rest(adapters_spec: str, rank: int, world_size: int)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         del inputs, targets
-        problems += _at_rest_problems(rank, "after a training step", model, storages, weights)
+        problems += _at_rest_problems(rank, world_size, "after a training step", model, storages, weights)
     fail_if(problems, f"an embedding and {MEMORY_LAYERS + 1} Linear layers, {MEMORY_WIDTH} x {MEMORY_WIDTH} each")
 
 
@@ -282,7 +277,7 @@ def _forward_gathers_few_weights_at_once(adapters_spec: str, rank: int, world_si
     get_fsdp, _, _ = _adapters(adapters_spec)
     inputs, _ = _tokens(seed=rank, vocab_size=MEMORY_WIDTH, shape=MEMORY_TOKENS)
     torch.manual_seed(0)
-    full_bytes, _, largest, _ = _weight_bytes(FSDPLayerStack(MEMORY_WIDTH, MEMORY_LAYERS))
+    full_bytes, _, largest, _ = _weight_bytes(FSDPLayerStack(MEMORY_WIDTH, MEMORY_LAYERS), world_size)
     with LiveStorages() as storages:
         torch.manual_seed(0)
         single_process = FSDPLayerStack(MEMORY_WIDTH, MEMORY_LAYERS).to(rank_device())
