@@ -31,6 +31,7 @@ import torch
 import torch.nn.functional as F
 
 from cs336_systems.accounting.activations import ADAMW_IMPLEMENTATIONS
+from cs336_systems.cells import failure_columns
 from cs336_systems.memory_guard import MemoryCheck, check_memory, is_out_of_memory, oom_columns
 from cs336_systems.model import ModelConfig, TransformerLM
 from cs336_systems.optimizer import AdamW
@@ -178,7 +179,8 @@ def release_memory(device: torch.device | str) -> None:
 
 def guarded_cell(device: torch.device | str, memory: int | Callable[[], MemoryCheck] | None,
                  measure: Callable[[Row], Rows], oom: Callable[[Row], Rows], *,
-                 let_go: Callable[[], None] | None = None, record_running_out: bool = True) -> Rows:
+                 let_go: Callable[[], None] | None = None, record_running_out: bool = True,
+                 failed: Callable[[Row], Rows] | None = None) -> Rows:
     """One benchmark cell, run only where its memory fits (cs336_systems.memory_guard): its rows, or
     its OOM rows, predicted (not run) or measured (it ran out), and the sweep goes on.
 
@@ -190,21 +192,29 @@ def guarded_cell(device: torch.device | str, memory: int | Callable[[], MemoryCh
     its OOM columns (status, oom_predicted and the estimate). After the cell `let_go`, if given, drops
     what it kept alive outside its frames (gradients, say), and memory is released again. An error
     that is not out-of-memory propagates, and so does running out with `record_running_out=False`: for a
-    cell inside collectives, where a rank that ran out alone and went on would leave its peers waiting.
+    cell inside collectives, where a rank that ran out alone and went on would leave its peers waiting. Given
+    `failed`, a cell that runs an implementation under test, whose failure is a result: an error that is not
+    out-of-memory is recorded instead, `failed(columns)` its rows, given its FAILED columns
+    (cs336_systems.cells.failure_columns).
     """
     check = memory() if callable(memory) else None if memory is None else check_memory(memory, device)
     if check is not None and not check.fits:
         return oom(oom_columns(True, check))
     release_memory(device)
-    ran_out = False
+    ran_out, failure = False, None
     try:
         rows = measure({} if check is None else check.columns())
     except Exception as error:
-        if not (record_running_out and is_out_of_memory(error)):
+        if record_running_out and is_out_of_memory(error):
+            ran_out = True
+        elif failed is not None and not is_out_of_memory(error):
+            failure = failure_columns(error)
+        else:
             raise
-        ran_out = True
     # Outside the except block: its traceback held the failed cell's frames, and their tensors, alive.
     if let_go is not None:
         let_go()
     release_memory(device)
+    if failure is not None:
+        return failed(failure)
     return oom(oom_columns(False, check)) if ran_out else rows

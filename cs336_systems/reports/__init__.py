@@ -476,6 +476,15 @@ def timing_lines(rows: Iterable[Row]) -> list[str]:
     return ["- timing: " + "; ".join(timers) + note]
 
 
+def implementation_lines(rows: Iterable[Row]) -> list[str]:
+    """"- implementation under test: ..." for each implementation under test (an adapters module, --adapters) whose
+    rows stand beside the references', with its source hash (cs336_systems.provenance.implementation_columns)."""
+    named = dict.fromkeys((str(r["implementation"]), r.get("implementation_source")) for r in rows
+                          if r.get("implementation"))
+    return [f"- implementation under test: {label}" + (f" (source {source})" if source else "")
+            for label, source in named]
+
+
 def software_line(runs: Sequence[RunRecord]) -> str:
     """The software the runs measured with: one list, or one per run where they differ."""
     described = {i: run.software_text for i, run in enumerate(runs, 1)}
@@ -492,7 +501,7 @@ def run_line(number: int, run: RunRecord) -> str:
 def header(metadata: Metadata, rows: Iterable[Row] = ()) -> str:
     """The report's title and provenance, from its metadata; the model-size lines from its rows."""
     lines = [f"# {metadata.problem}", "", f"- device: {metadata.device}", software_line(metadata.runs)]
-    lines += model_size_lines(rows) + timing_lines(rows)
+    lines += model_size_lines(rows) + timing_lines(rows) + implementation_lines(rows)
     lines += [run_line(i, run) for i, run in enumerate(metadata.runs, 1)]
     if not metadata.on_gpu:
         lines.append(CPU_NOTE)
