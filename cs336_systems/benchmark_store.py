@@ -26,7 +26,7 @@ from collections.abc import Iterable, Sequence
 from types import SimpleNamespace
 from typing import Any
 
-from cs336_systems.rows import SAMPLE_TIMES, Row, ran
+from cs336_systems.rows import SAMPLE_TIMES, Row, ran, without_samples
 
 # pytest-benchmark's options that ask for its store: where a run gives one while pytest-benchmark is disabled,
 # nothing is stored, and the run is told why.
@@ -85,8 +85,7 @@ class BenchmarkStore:
                 continue
             group = f"{problem}[{cell_text(row, [c for c in cell_columns if c != compared])}]"
             name = f"{problem}[{cell_text(row, [*[c for c in cell_columns if c != compared], compared])}]"
-            extra_info = {column: value for column, value in row.items() if column != SAMPLE_TIMES}
-            added += self.add(name, group, row[SAMPLE_TIMES], extra_info)
+            added += self.add(name, group, row[SAMPLE_TIMES], without_samples(row))
         return added
 
     def disabled_note(self, config) -> str | None:

@@ -39,7 +39,7 @@ from tabulate import tabulate
 
 from cs336_systems.checks import is_finite, is_positive_finite
 from cs336_systems.provenance import PACKAGE_ROOT, package_source_hash
-from cs336_systems.rows import LONG_COLUMNS, OOM, Row, from_long, to_long
+from cs336_systems.rows import LONG_COLUMNS, OOM, Row, from_long, to_long, without_samples
 
 Reports = dict[str, list[Row]]  # report name -> its rows, for the reports of a problem that exist
 # A cell the memory model said would not fit was never started: tables say so, not just OOM.
@@ -541,10 +541,11 @@ def write_report(report: Report, rows: list[Row], report_dir: Path | str, comman
     """Render `rows` with the report's renderer and write its .md, .csv, .meta.json and figures.
 
     For a report with a key, rows of earlier runs on the same device that this run did not measure
-    again are kept (see `Report`).
+    again are kept (see `Report`). A row's samples are not written (cs336_systems.rows.without_samples).
     """
     report_dir = Path(report_dir)
     problem, key = report.name, report.key
+    rows = [without_samples(row) for row in rows]
     metadata = Metadata(problem, device_description(device), _on_cuda(device), (this_run(command),))
     csv_path, sidecar = report_dir / f"{problem}.csv", metadata_path(report_dir, problem)
     if key:
