@@ -95,6 +95,41 @@ def sanitizer_error_count(output: str, tool: str) -> int | None:
     return sum(counts) if counts else None
 
 
+# An error's first line, after compute-sanitizer's "========= " prefix ("Invalid __global__ read of size 2 bytes",
+# "Program hit cudaErrorIllegalAddress ..."), and the indented lines under it that say where ("at
+# _attn_fwd_inner+0x1a30 in kernels.py:212") and why ("Address 0x7f3a5c000800 is out of bounds").
+_ERROR_HEADLINE = re.compile(r"^={9} (?!ERROR SUMMARY|RACECHECK SUMMARY|COMPUTE-SANITIZER)(\S.*)$")
+_ERROR_PLACE = re.compile(r"^={9} {2,}at (.+)$")
+_ERROR_ADDRESS = re.compile(r"^={9} {2,}Address \S+ (.+)$")
+
+
+def sanitizer_errors(output: str) -> list[str]:
+    """The distinct errors compute-sanitizer printed in `output`, most frequent first, each as its first line,
+    where it was (kernel and source line) and what was wrong with the address, with how often it occurred."""
+    counts: dict[str, int] = {}
+    headline = place = reason = None
+
+    def close() -> None:
+        if headline is not None:
+            text = headline + (f" at {place}" if place else "") + (f": {reason}" if reason else "")
+            counts[text] = counts.get(text, 0) + 1
+
+    for line in output.splitlines():
+        if match := _ERROR_PLACE.match(line):
+            place = place or match[1]
+        elif match := _ERROR_ADDRESS.match(line):
+            reason = reason or match[1]
+        elif match := _ERROR_HEADLINE.match(line):
+            close()
+            headline, place, reason = match[1], None, None
+        elif not line.startswith("========="):
+            close()
+            headline = None
+    close()
+    ranked = sorted(counts.items(), key=lambda item: -item[1])
+    return [text + (f" ({count} times)" if count > 1 else "") for text, count in ranked]
+
+
 # A run that takes longer than this is stopped and recorded as an error rather than left hanging.
 RUN_TIMEOUT_S = 1800
 

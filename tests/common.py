@@ -2,28 +2,31 @@
 
 The toy models have the shapes the course's tests rely on (10 features in, 5 out; a frozen bias;
 a frozen parameter named no_grad_fixed_param; two layers sharing one weight), so those tests and
-the fixtures in tests/fixtures run unchanged. `course_ddp_check` is the course's DDP test procedure,
-for running inside ranks this project starts with launch. The `assert_step_*` checks hold any wrapper
-with finish_gradient_synchronization() (the DDP wrappers, FSDP) to the optimizer-step guard.
-`run_checks` runs a file's checks in one launch, and `assert_passed_on_every_rank` reports each
-check as a test of its own.
+the fixtures in tests/fixtures run unchanged; they are the conformance suite's, which ships them.
+`course_ddp_check` is the course's DDP test procedure, for running inside ranks this project starts
+with launch. The `assert_step_*` checks hold any wrapper with finish_gradient_synchronization() (the
+DDP wrappers, FSDP) to the optimizer-step guard. `run_checks` runs a file's checks in one launch, and
+`assert_passed_on_every_rank` reports each check as a test of its own (both from the conformance
+suite's rank_checks).
 """
 
 from __future__ import annotations
 
 import os
 import pathlib
-import traceback
 from collections.abc import Callable
 from copy import deepcopy
-from dataclasses import dataclass
 
-import pytest
 import torch
 import torch.distributed as dist
 from torch import nn, optim
 
-from cs336_systems.distributed.launch import launch_store, report_progress
+from cs336_systems.conformance.models import ToyModel, ToyModelWithTiedWeights  # noqa: F401 - the course's names
+from cs336_systems.conformance.rank_checks import (  # noqa: F401 - what the test files import from here
+    CheckOutcome,
+    assert_passed_on_every_rank,
+    run_checks,
+)
 
 FIXTURES_PATH = pathlib.Path(__file__).resolve().parent / "fixtures"
 
@@ -34,54 +37,6 @@ _PORT_BASE = 20_000
 _PORT_SPAN = 20_000
 COURSE_STEPS = 5
 COURSE_LR = 0.1
-
-
-class _FrozenBiasLinear(nn.Module):
-    """10 -> 50 with a bias that never trains: DDP must leave requires_grad=False parameters alone."""
-
-    def __init__(self):
-        super().__init__()
-        self.fc = nn.Linear(10, 50, bias=True)
-        self.fc.bias.requires_grad = False
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.fc(x)
-
-
-class ToyModel(nn.Module):
-    """10 -> 10 -> 50 -> 5 with ReLUs, a frozen bias and a frozen parameter that forward never uses."""
-
-    def __init__(self):
-        super().__init__()
-        self.fc1 = nn.Linear(10, 10, bias=False)
-        self.fc2 = _FrozenBiasLinear()
-        self.fc3 = nn.Linear(50, 5, bias=False)
-        self.relu = nn.ReLU()
-        self.no_grad_fixed_param = nn.Parameter(torch.tensor([2.0, 2.0]), requires_grad=False)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = self.relu(self.fc1(x))
-        x = self.relu(self.fc2(x))
-        return self.fc3(x)
-
-
-class ToyModelWithTiedWeights(nn.Module):
-    """10 -> 10 -> 50 -> 10 -> 50 -> 5 where both 10 -> 50 layers share one weight tensor."""
-
-    def __init__(self):
-        super().__init__()
-        self.fc1 = nn.Linear(10, 10, bias=False)
-        self.fc2 = nn.Linear(10, 50, bias=False)
-        self.fc3 = nn.Linear(50, 10, bias=False)
-        self.fc4 = nn.Linear(10, 50, bias=False)
-        self.fc5 = nn.Linear(50, 5, bias=False)
-        self.fc4.weight = self.fc2.weight
-        self.relu = nn.ReLU()
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        for layer in (self.fc1, self.fc2, self.fc3, self.fc4):
-            x = self.relu(layer(x))
-        return self.fc5(x)
 
 
 def _setup_process_group(rank: int, world_size: int, backend: str) -> str:
@@ -217,61 +172,3 @@ def assert_step_after_forward_alone_is_allowed(wrapper: nn.Module, optimizer: op
     before = [p.detach().clone() for p in wrapper.parameters()]
     optimizer.step()
     assert any(_parameters_changed(wrapper, before)), "the step after finish changed no parameter"
-
-
-@dataclass(frozen=True)
-class CheckOutcome:
-    """One check on one rank: passed (all None), failed here (this rank's traceback, and 1 if this
-    rank was the first to fail it, 2 if the second, ...), or not run (the earlier check that failed)."""
-
-    traceback: str | None = None
-    failure_number: int | None = None
-    not_run_because: str | None = None
-
-
-def run_checks(rank: int, world_size: int, checks: dict) -> dict[str, CheckOutcome]:
-    """The checks in order on this rank, inside ranks started by launch, up to the first that fails on
-    any rank; the checks after it are not run, on any rank.
-
-    A failed check leaves the ranks out of step: its peers may wait in a collective that the failing
-    rank never enters. So the rank whose check raised leaves the process group at once, which makes
-    such a collective fail on its gloo peers (the checks run on the CPU; an NCCL peer would wait for
-    the group's timeout), and after every check the ranks agree at the launch's store, not in a
-    collective, whether it failed anywhere, and report progress to the launch (whose deadline is then
-    one check's, not the whole list's). The failures are numbered in the order the ranks met
-    them: a peer whose collective failed because the first rank left comes after it.
-    """
-    store = launch_store()
-    outcomes: dict[str, CheckOutcome] = {}
-    failed_check = None
-    for name, check in checks.items():
-        if failed_check is not None:
-            outcomes[name] = CheckOutcome(not_run_because=failed_check)
-            continue
-        failures_key = f"run_checks/{name}/failures"
-        try:
-            check(rank, world_size)
-            outcomes[name] = CheckOutcome()
-        except Exception:
-            outcomes[name] = CheckOutcome(traceback=traceback.format_exc(), failure_number=store.add(failures_key, 1))
-            if dist.is_initialized():
-                dist.destroy_process_group()
-        store.set(f"run_checks/{name}/finished/{rank}", "")
-        store.wait([f"run_checks/{name}/finished/{other}" for other in range(world_size)])
-        report_progress()
-        if store.add(failures_key, 0):
-            failed_check = name
-    return outcomes
-
-
-def assert_passed_on_every_rank(check: str, outcomes: list[dict[str, CheckOutcome]]) -> None:
-    """Fail with the tracebacks of the ranks where `check` failed, the first to fail first; skip it
-    where it was not run because an earlier check failed."""
-    by_rank = [by_check[check] for by_check in outcomes]
-    failures = sorted((o.failure_number, rank, o.traceback) for rank, o in enumerate(by_rank) if o.traceback)
-    if failures:
-        pytest.fail("\n".join(f"rank {rank} (failure {number} of {len(failures)}):\n{text}"
-                               for number, rank, text in failures), pytrace=False)
-    not_run_because = sorted({o.not_run_because for o in by_rank if o.not_run_because})
-    if not_run_because:
-        pytest.skip(f"not run: check {' and '.join(map(repr, not_run_because))} failed before it")

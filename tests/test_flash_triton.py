@@ -33,6 +33,8 @@ from cs336_systems.attention.flash_triton import (
 from cs336_systems.attention.flash_triton import kernels, launch, native, op, tiles
 from cs336_systems.model import ModelConfig, TransformerLM
 from cs336_systems.precision import PRECISIONS
+from cs336_systems.conformance.attention_reference import discrepancies, tolerance_for
+from cs336_systems.conformance.launches import recorded
 from tests.flash_reference import (
     LAYOUTS,
     assert_close_to_reference,
@@ -41,6 +43,7 @@ from tests.flash_reference import (
     make_tensor,
     misaligned,
     reference_attention,
+    run,
     seed_from,
 )
 
@@ -203,7 +206,7 @@ def test_inputs_off_a_16_byte_boundary_are_copied_and_aligned_views_are_read_in_
         t4 = launch.as_batch_heads(t)
         assert t4.data_ptr() % launch.ALIGNMENT_BYTES == 0 and t4.stride(-1) == 1
         torch.testing.assert_close(t4, t, rtol=0, atol=0)
-        in_place = aligned and layout != "strided_features"
+        in_place = aligned and layout != "strided"
         assert (t4.data_ptr() == t.data_ptr()) == in_place, (layout, aligned)
 
 
@@ -219,9 +222,9 @@ def test_outputs_and_gradients_take_their_input_s_layout_where_the_kernels_read_
     dq, dk, dv = launch.backward(q, k, v, o, lse, do, True)
     for out, t in ((o, q), (dq, q), (dk, k), (dv, v)):
         assert (out.shape, out.dtype) == (t.shape, t.dtype)
-        assert out.stride() == (t.stride() if layout == "heads_transposed" else t.contiguous().stride()), layout
+        assert out.stride() == (t.stride() if layout == "transposed" else t.contiguous().stride()), layout
     assert lse.is_contiguous()
-    assert o.transpose(1, 2).is_contiguous() == (layout == "heads_transposed")
+    assert o.transpose(1, 2).is_contiguous() == (layout == "transposed")
 
 
 def test_a_kernel_launched_with_a_tensor_off_a_16_byte_boundary_is_refused(device):
@@ -497,7 +500,7 @@ def test_kept_launches_from_cpp_give_what_the_whole_path_gives(path, dtype, layo
     whole = launch.forward(q, k, v, True)
     whole += launch.backward(q, k, v, *whole, do, True)
     kept = extension.forward(q, k, v, True)
-    if layout == "strided_features":  # copied first, so never kept
+    if layout == "strided":  # copied first, so never kept
         assert kept is None
         return
     assert kept is not None and launch._native is extension
@@ -521,7 +524,7 @@ def test_kept_launches_from_cpp_give_what_the_whole_path_gives(path, dtype, layo
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("layout", ["contiguous", "heads_transposed"])
+@pytest.mark.parametrize("layout", ["contiguous", "transposed"])
 def test_kept_launches_from_python_make_their_descriptors_again_over_each_call_s_tensors(layout, device,
                                                                                        monkeypatch):
     # Without the extension a kept call launches from Python: its descriptors are made again over the new
@@ -800,10 +803,10 @@ def test_calls_that_repeat_a_signature_through_its_kept_launches_match_the_refer
                 inputs = [t.requires_grad_() for t in (q, k, v)]
                 o, lse = flash_attention_forward(*inputs, True)
                 got = (o, lse, *torch.autograd.grad(o, inputs, do))
-                assert_close_to_reference(got, *reference_attention(q, k, v, do, True), dtype=torch.bfloat16)
+                assert_close_to_reference(got, reference_attention(q, k, v, do, True), torch.bfloat16)
             else:
                 assert_matches_reference("triton", q, k, v, do, is_causal=True)
-        if layout != "strided_features":  # copied first, so never kept
+        if layout != "strided":  # copied first, so never kept
             assert launch._signature(True, *calls[0]) in launch._kept_forwards
 
 
@@ -821,14 +824,14 @@ def test_descriptor_loads_and_pointer_loads_both_match_the_float64_reference(n_q
     q4, k4, v4, do4 = (launch.as_batch_heads(t) for t in (q, k, v, do))
     assert launch._describable(q4, k4, v4, do4)
     tile_set = tiles.tiles_for(head_dim, dtype, INTERPRETED)
-    expected = reference_attention(q, k, v, do, is_causal)
+    reference = reference_attention(q, k, v, do, is_causal)
     for described in (False, True):
         tma = {kernel: (getattr(tile_set, f"tma_{kernel}") or getattr(tile_set, kernel)) if described else None
                for kernel in ("forward", "dq", "dkdv")}
         o, lse = launch.launch_forward(q4, k4, v4, is_causal, tile_set.forward, tma=tma["forward"])
         dq, delta = launch.launch_dq(q4, k4, v4, o, do4, lse, is_causal, tile_set.dq, tma=tma["dq"])
         dk, dv = launch.launch_dkdv(q4, k4, v4, do4, lse, delta, is_causal, tile_set.dkdv, tma=tma["dkdv"])
-        assert_close_to_reference((o, lse, dq, dk, dv), *expected, dtype=dtype)
+        assert_close_to_reference((o, lse, dq, dk, dv), reference, dtype)
 
 
 @pytest.mark.parametrize("head_dim", [16, 80])
@@ -896,6 +899,87 @@ def test_triton_launch_hooks_see_every_launch(device):
     finally:
         knobs.runtime.launch_enter_hook.remove(hook)
     assert len(launches) == 9
+
+
+# ------------------------------------------------------------------------------- a planted scale error
+
+# A softmax scale this far off must fail the error model (cs336_systems.conformance.attention_reference) on every
+# launch path, in every dtype, causal or not: planted by scaling what the launch code passes the kernels as
+# the scale of q k^T (the forward's and the backward's) and the gradients' 1/sqrt(d).
+PLANTED_SCALE_ERROR = 1.01
+# The interpreter's stand-ins for the GPU's launch paths: its wide tiles with descriptor loads (as the GPU's
+# wide kernels on Hopper) and with pointer loads, narrower tiles for every kernel (the GPU's narrow path), and
+# those with the forward's keys split into runs of one query tile (the split forward and its merge).
+INTERPRETER_NARROW_TILES = tiles.Tiles(16, 16, 1, 1)
+INTERPRETER_PATHS = ("wide", "wide_pointer_loads", "narrow", "split")
+
+
+def _interpreter_plan(path: str) -> launch.LaunchPlan:
+    wide = tiles.INTERPRETER_TILES
+    kernels_of = ("forward", "dq", "dkdv")
+    if path.startswith("wide"):
+        tma = {kernel: None if path == "wide_pointer_loads" else getattr(wide, f"tma_{kernel}") for kernel in kernels_of}
+        return launch.LaunchPlan(launch.ForwardPlan(wide.forward, None), wide.dq, wide.dkdv,
+                                 dict.fromkeys(kernels_of, False), tma)
+    narrow = INTERPRETER_NARROW_TILES
+    split_keys = narrow.block_m if path == "split" else None
+    return launch.LaunchPlan(launch.ForwardPlan(narrow, split_keys), narrow, narrow, dict.fromkeys(kernels_of, True),
+                             dict.fromkeys(kernels_of))
+
+
+def _plant_scale_error(monkeypatch) -> None:
+    """Scale every launch's softmax scales by PLANTED_SCALE_ERROR, and keep no launch kept with the true ones."""
+    true_scales = launch._scales
+    monkeypatch.setattr(launch, "_scales", lambda head_dim: tuple(PLANTED_SCALE_ERROR * s for s in true_scales(head_dim)))
+    monkeypatch.setattr(launch, "_kept_forwards", {})
+    monkeypatch.setattr(launch, "_kept_backwards", {})
+    monkeypatch.setattr(launch, "_native", None)
+    monkeypatch.setattr(native, "module", lambda: None)
+
+
+def _failures_with_and_without_the_planted_error(q, k, v, do, is_causal, monkeypatch) -> tuple[list[str], list[str]]:
+    reference = reference_attention(q, k, v, do, is_causal)
+    tolerance = tolerance_for(q.device, q.dtype)
+    correct = discrepancies(run("triton", q, k, v, do, is_causal), reference, tolerance, q.dtype)
+    _plant_scale_error(monkeypatch)
+    planted = discrepancies(run("triton", q, k, v, do, is_causal), reference, tolerance, q.dtype)
+    return correct, planted
+
+
+def _assert_caught_in_forward_and_backward(correct: list[str], planted: list[str]) -> None:
+    assert not correct, "\n".join(correct)
+    failed = {sentence.split(" ")[0] if not sentence.startswith("the saved") else "L" for sentence in planted}
+    assert "L" in failed and failed & {"dq", "dk"}, f"the planted scale error passed as {sorted(failed)}: {planted}"
+
+
+@pytest.mark.skipif(not INTERPRETED, reason="the Triton interpreter is not in use")
+@pytest.mark.parametrize("is_causal", [False, True])
+@pytest.mark.parametrize("path", INTERPRETER_PATHS)
+def test_a_softmax_scale_one_percent_off_fails_on_every_launch_path(path, is_causal, monkeypatch):
+    # fp16, whose dots the interpreter computes exactly: its bounds are the kernels' on a GPU.
+    monkeypatch.setattr(launch, "plan_for", lambda q, k, is_causal: _interpreter_plan(path))
+    # d 40 runs as a chunk and a tail; a query tile's keys (40 of 56) span several key tiles.
+    q, k, v, do = (make_tensor((2,), n, 40, layout, torch.float16, "cpu")
+                   for n, layout in ((40, "transposed"), (56, "sliced"), (56, "contiguous"), (40, "contiguous")))
+    with recorded() as calls:
+        correct, planted = _failures_with_and_without_the_planted_error(q, k, v, do, is_causal, monkeypatch)
+    forward_kernel = "split_forward_kernel" if path == "split" else "forward_kernel"
+    assert set(calls.kernels) == {forward_kernel, "dq_kernel", "dkdv_kernel"}, calls.kernels
+    _assert_caught_in_forward_and_backward(correct, planted)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", GPU_DTYPES)
+@pytest.mark.parametrize("is_causal", [False, True])
+@pytest.mark.parametrize("path", PATHS)
+def test_a_softmax_scale_one_percent_off_fails_on_every_launch_path_on_a_gpu(path, is_causal, dtype, device,
+                                                                            monkeypatch):
+    lead, n_queries, n_keys = path_case(path, device, is_causal)
+    q, k, v, do = (make_tensor(lead, n, 80, "contiguous", GPU_DTYPES[dtype], device)
+                   for n in (n_queries, n_keys, n_keys, n_queries))
+    assert plan_for(q, k, is_causal).paths["forward"] == path
+    _assert_caught_in_forward_and_backward(*_failures_with_and_without_the_planted_error(q, k, v, do, is_causal,
+                                                                                         monkeypatch))
 
 
 # ------------------------------------------------------------------------------ the torch.library op
@@ -1030,9 +1114,8 @@ def test_the_op_replays_in_a_cuda_graph(path, device):
                 t.copy_(value)
         graph.replay()
         torch.cuda.synchronize()
-        expected, magnitudes = reference_attention(*fresh, True)
-        assert_close_to_reference([captured[0], *captured[1:]], [expected[0], *expected[2:]],
-                                  [magnitudes[0], *magnitudes[2:]], torch.bfloat16, names=("o", "dq", "dk", "dv"))
+        assert_close_to_reference(captured, reference_attention(*fresh, True), torch.bfloat16,
+                                  names=("o", "dq", "dk", "dv"))
 
 
 @pytest.mark.gpu

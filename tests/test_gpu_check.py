@@ -93,6 +93,18 @@ def test_each_tools_summary_line_is_read_in_all_its_forms(tool, output, count):
     assert gpu_check.sanitizer_error_count(output, tool) == count
 
 
+def test_each_memcheck_error_is_named_by_its_first_line_place_and_reason_most_frequent_first():
+    second = ("========= Invalid __global__ write of size 4 bytes\n=========     at dq_kernel+0x90 in kernels.py:480\n"
+              "=========     by thread (1,0,0) in block (0,0,0)\n=========     Address 0x7f00 is misaligned\n")
+    output = MEMCHECK_ERRORS.replace("=========\n========= ERROR", f"=========\n{second}{second}========= ERROR")
+    output += "========= Program hit cudaErrorLaunchFailure (error 719) on CUDA API call to cudaFree.\n"
+    assert gpu_check.sanitizer_errors(output) == [
+        "Invalid __global__ write of size 4 bytes at dq_kernel+0x90 in kernels.py:480: is misaligned (2 times)",
+        "Invalid __global__ read of size 2 bytes at _attn_fwd_inner+0x1a30 in kernels.py:212: is out of bounds",
+        "Program hit cudaErrorLaunchFailure (error 719) on CUDA API call to cudaFree."]
+    assert gpu_check.sanitizer_errors(CLEAN_MEMCHECK) == []
+
+
 def test_junit_counts_outcomes_failures_and_skip_reasons(tmp_path):
     junit = tmp_path / "tests.xml"
     junit.write_text("""<?xml version="1.0"?><testsuites><testsuite>

@@ -1,5 +1,6 @@
-"""run_checks: once a check fails on one rank, every rank stops, and that check alone is reported
-failed; the checks after it are reported as not run, and no rank is left waiting."""
+"""run_checks: once a check fails on one rank out of step, every rank stops, and that check alone is
+reported failed; the checks after it are reported as not run, and no rank is left waiting. A check that
+fails in step (CheckFailed, after its last collective) is reported failed, and the next ones run."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import torch
 import torch.distributed as dist
 
 from cs336_systems.distributed.launch import launch
-from tests.common import CheckOutcome, assert_passed_on_every_rank, run_checks
+from cs336_systems.conformance.rank_checks import CheckFailed, CheckOutcome, assert_passed_on_every_rank, run_checks
 
 # Long enough for ranks to import torch on a busy machine; a rank left waiting in a collective
 # would end the launch here with a TimeoutError instead of returning outcomes.
@@ -27,6 +28,16 @@ def _all_reduce_sums_the_ranks(rank: int, world_size: int) -> None:
     assert total.item() == sum(range(world_size))
 
 
+def _last_rank_finds_a_difference_after_the_collective(rank: int, world_size: int) -> None:
+    _all_reduce_sums_the_ranks(rank, world_size)
+    if rank == world_size - 1:
+        raise CheckFailed("the last rank's parameters differ")
+
+
+IN_STEP_FIRST = {
+    "in_step": _last_rank_finds_a_difference_after_the_collective,
+    "after_it": _all_reduce_sums_the_ranks,
+}
 CHECKS = {
     "first": _rank_one_raises_before_a_collective,
     "second": _all_reduce_sums_the_ranks,
@@ -36,7 +47,17 @@ CHECKS = {
 
 @pytest.fixture(scope="module", params=(2, 3), ids=lambda n: f"{n}ranks")
 def outcomes(request) -> list[dict[str, CheckOutcome]]:
-    return launch(run_checks, request.param, CHECKS, device="cpu", timeout_s=LAUNCH_TIMEOUT_S)
+    # One launch for both lists: the in-step failure, then the ones that stop every rank.
+    return launch(run_checks, request.param, {**IN_STEP_FIRST, **CHECKS}, device="cpu", timeout_s=LAUNCH_TIMEOUT_S)
+
+
+def test_a_check_failed_in_step_is_reported_by_its_message_and_the_next_checks_run(outcomes):
+    last = len(outcomes) - 1
+    with pytest.raises(pytest.fail.Exception) as failure:
+        assert_passed_on_every_rank("in_step", outcomes)
+    assert str(failure.value) == (f"rank {last} (failure 1 of 1):\n"
+                                  "cs336_systems.conformance.rank_checks.CheckFailed: the last rank's parameters differ\n")
+    assert_passed_on_every_rank("after_it", outcomes)
 
 
 def test_the_check_that_failed_is_reported_with_the_failing_rank_s_traceback_first(outcomes):
