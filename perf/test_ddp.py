@@ -31,6 +31,7 @@ from cs336_systems.benchmarks.ddp import (
     under_test_variants,
     variant_label,
 )
+from cs336_systems.benchmarks.harness import under_test_of
 from cs336_systems.cells import failures, require_some_ran, unmeasured
 from cs336_systems.distributed.launch import launch
 from cs336_systems.profiling.timeline import plot_timeline
@@ -77,7 +78,7 @@ def ddp_benchmark(distributed_device, world_size, run_settings, report, adapters
     benchmarking reports, and each step's times to pytest-benchmark's store. Returns the rows (the all-reduce
     probe, one step row per variant, the timelines' files) and the config."""
     cfg = replace(GPU_CONFIG if distributed_device == "cuda" else CPU_CONFIG, size_table=run_settings.size_table)
-    under_test = None if adapters.is_own else adapters.spec
+    under_test = under_test_of(adapters)
     result = launch(benchmark_ddp, world_size, cfg, under_test, device=distributed_device,
                     timeout_s=LAUNCH_TIMEOUT_S)[0]
     rows = result["rows"]

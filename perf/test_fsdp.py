@@ -25,6 +25,7 @@ from cs336_systems.benchmarks.fsdp import (
     under_test_variant,
 )
 from cs336_systems.benchmarks.sharding import ShardingBenchmarkConfig
+from cs336_systems.benchmarks.harness import under_test_of
 from cs336_systems.cells import failures, require_some_ran, unmeasured
 from cs336_systems.distributed.launch import launch
 from cs336_systems.profiling.timeline import plot_timeline
@@ -49,7 +50,7 @@ pytestmark = pytest.mark.fsdp
 @pytest.fixture(scope="module")
 def rows(distributed_device, world_size, run_settings, report, adapters, benchmark_store):
     cfg = replace(GPU_CONFIG if distributed_device == "cuda" else CPU_CONFIG, size_table=run_settings.size_table)
-    under_test = None if adapters.is_own else adapters.spec
+    under_test = under_test_of(adapters)
     result = launch(fsdp_problems, world_size, cfg, under_test, device=distributed_device,
                     timeout_s=LAUNCH_TIMEOUT_S)[0]
     measured = result["rows"]

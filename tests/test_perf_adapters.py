@@ -17,7 +17,7 @@ from cs336_systems.benchmarks.flash import (
     benchmark_flash_cell,
     under_test_providers,
 )
-from cs336_systems.benchmarks.harness import guarded_cell
+from cs336_systems.benchmarks.harness import guarded_cell, under_test_of
 from cs336_systems.conformance.contract import load_adapters
 from cs336_systems.distributed.launch import launch
 from cs336_systems.provenance import module_source_hash
@@ -75,10 +75,10 @@ DDP_ONLY = '''
 
 
 def _adapters(folder: Path, name: str, source: str):
-    """The adapters module `name` (each test its own name: one process imports a module name once)."""
-    path = folder / f"{name}.py"
-    path.write_text(textwrap.dedent(source))
-    return load_adapters(str(path))
+    """The adapters module `name` (each test its own name: one process imports a module name once), named by a
+    path relative to `folder`, as a user names one relative to where pytest runs."""
+    (folder / f"{name}.py").write_text(textwrap.dedent(source))
+    return load_adapters(f"{name}.py", relative_to=folder)
 
 
 def test_the_implementation_under_test_is_a_provider_named_after_its_module_beside_the_references(tmp_path):
@@ -155,7 +155,8 @@ LAUNCH_TIMEOUT_S = 300
 
 def test_ddp_measures_the_modules_wrappers_after_the_references_and_records_one_that_fails(tmp_path):
     adapters = _adapters(tmp_path, "ddp_failing_adapters", FAILING)
-    rows = launch(benchmark_ddp, 2, DDP_CONFIG, adapters.spec, device="cpu", timeout_s=LAUNCH_TIMEOUT_S)[0]["rows"]
+    result = launch(benchmark_ddp, 2, DDP_CONFIG, under_test_of(adapters), device="cpu", timeout_s=LAUNCH_TIMEOUT_S)
+    rows = result[0]["rows"]
     steps = [r for r in rows if r["table"] == "step"]
     theirs = [(m, mb) for m, mb in under_test_variants(adapters, DDP_CONFIG.bucket_sizes_mb)]
     assert theirs == [("get_ddp_bucketed", 1), ("get_ddp", None)]  # get_ddp_individual_parameters: not implemented
@@ -163,4 +164,5 @@ def test_ddp_measures_the_modules_wrappers_after_the_references_and_records_one_
                                              + [variant_label(m, mb, adapters.label) for m, mb in theirs])
     assert all(ran(r) for r in steps[:-1])  # the references, and the module's bucketed DDP (torch's, here)
     assert steps[-1]["status"] == FAILED and steps[-1]["error"] == "RuntimeError: get_ddp is not written"
-    assert {r.get("implementation") for r in steps[-2:]} == {adapters.label}
+    # Named as the process that chose the module names it, though the ranks import it from its resolved path.
+    assert {r.get("implementation") for r in steps[-2:]} == {adapters.label} == {"adapters ddp_failing_adapters.py"}

@@ -55,6 +55,8 @@ from cs336_systems.benchmarks.allreduce import time_allreduce
 from cs336_systems.benchmarks.harness import (
     LEARNING_RATE,
     Phase,
+    UnderTest,
+    adapters_in_rank,
     adamw,
     build_model,
     guarded_cell,
@@ -63,7 +65,6 @@ from cs336_systems.benchmarks.harness import (
     timed_step,
     training_step,
 )
-from cs336_systems.conformance.contract import load_adapters
 from cs336_systems.distributed.ddp import BucketedDDP, FlatDDP, NaiveDDP, OverlapIndividualDDP, batch_shard
 from cs336_systems.distributed.launch import rank_device
 from cs336_systems.gpus import GIB
@@ -307,10 +308,11 @@ def _guarded_variant(method: str, bucket_size_mb: float | None, cfg: DDPBenchmar
                         failed=(lambda columns: (columns, None)) if method in UNDER_TEST_METHODS else None)
 
 
-def benchmark_ddp(rank: int, world_size: int, cfg: DDPBenchmarkConfig, under_test: str | None = None) -> dict | None:
+def benchmark_ddp(rank: int, world_size: int, cfg: DDPBenchmarkConfig,
+                  under_test: UnderTest | None = None) -> dict | None:
     """Run under launch. Rank 0 returns {"rows": [...], "timelines": {variant: intervals}}. `under_test`: the
-    adapters module (an Adapters' spec) whose wrappers are measured after this project's; None for none."""
-    adapters = load_adapters(under_test) if under_test is not None else None
+    implementation whose wrappers are measured after this project's (harness.under_test_of); None for none."""
+    adapters = adapters_in_rank(under_test)
     device = rank_device()
     rows = [{**_allreduce_probe(cfg, rank, world_size), "world_size": world_size}]
     timelines = {}

@@ -42,7 +42,15 @@ import torch.distributed as dist
 from torch import nn
 
 from cs336_systems.accounting.memory import training_memory
-from cs336_systems.benchmarks.harness import LEARNING_RATE, adamw, build_model, lm_loss, random_batch
+from cs336_systems.benchmarks.harness import (
+    LEARNING_RATE,
+    UnderTest,
+    adamw,
+    adapters_in_rank,
+    build_model,
+    lm_loss,
+    random_batch,
+)
 from cs336_systems.benchmarks.sharding import (
     ShardingBenchmarkConfig,
     TrainingSetup,
@@ -55,7 +63,6 @@ from cs336_systems.benchmarks.sharding import (
     optimizer_state_tensors,
     step_row,
 )
-from cs336_systems.conformance.contract import load_adapters
 from cs336_systems.distributed.ddp import batch_shard
 from cs336_systems.distributed.fsdp import FSDP, MAX_PREFETCH_LAYERS, REDUCE_SCATTERS_IN_FLIGHT
 from cs336_systems.distributed.launch import rank_device
@@ -198,10 +205,10 @@ def gather_readiness(intervals: list[Interval]) -> list[Row]:
 
 
 def benchmark_fsdp(rank: int, world_size: int, cfg: ShardingBenchmarkConfig,
-                   under_test: str | None = None) -> dict | None:
+                   under_test: UnderTest | None = None) -> dict | None:
     """Run under launch. Rank 0 returns {"rows": [...], "timeline": intervals of the profiled step}. `under_test`:
-    the adapters module (an Adapters' spec) whose FSDP is measured after the others; None for none."""
-    adapters = load_adapters(under_test) if under_test is not None else None
+    the implementation whose FSDP is measured after the others (harness.under_test_of); None for none."""
+    adapters = adapters_in_rank(under_test)
     device = rank_device()
     rows: list[Row] = []
     timeline = None
@@ -224,7 +231,7 @@ def benchmark_fsdp(rank: int, world_size: int, cfg: ShardingBenchmarkConfig,
 
 
 def fsdp_problems(rank: int, world_size: int, cfg: ShardingBenchmarkConfig,
-                  under_test: str | None = None) -> dict | None:
+                  under_test: UnderTest | None = None) -> dict | None:
     """Run under launch: both problems from one set of ranks (starting ranks costs seconds). Rank 0
     returns {"rows": equivalence and benchmark rows, "timeline": intervals of the profiled step}."""
     equivalence = fsdp_equivalence(rank, world_size)

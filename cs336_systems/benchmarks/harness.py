@@ -25,6 +25,7 @@ from __future__ import annotations
 import gc
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, contextmanager, nullcontext
+from dataclasses import replace
 from typing import TypeVar
 
 import torch
@@ -165,6 +166,28 @@ def timed_step(device: torch.device | str, samples: dict[str, list[float]] | Non
         samples.setdefault("step", []).append(timer.step_ms)
     if timers is not None:
         timers.append(timer)
+
+
+# The implementation under test as a distributed benchmark's ranks receive it: its adapters module's spec (what
+# load_adapters imports again) and its label (how the process that chose it names it: a file's label is the path
+# as given there, which a rank, given the resolved path, would word differently).
+UnderTest = tuple[str, str]
+
+
+def under_test_of(adapters) -> UnderTest | None:
+    """What a launch hands its ranks of the implementation under test `adapters` (a conformance.contract.Adapters);
+    None where it is this project's own, whose implementations the benchmarks' references measure already."""
+    return None if adapters.is_own else (adapters.spec, adapters.label)
+
+
+def adapters_in_rank(under_test: UnderTest | None):
+    """The implementation under test in a rank: its adapters module imported again, named as it was chosen."""
+    if under_test is None:
+        return None
+    from cs336_systems.conformance.contract import load_adapters
+
+    spec, label = under_test
+    return replace(load_adapters(spec), label=label)
 
 
 def release_memory(device: torch.device | str) -> None:

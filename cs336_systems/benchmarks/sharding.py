@@ -41,14 +41,15 @@ from cs336_systems.accounting.memory import GIB, training_memory
 from cs336_systems.benchmarks.harness import (
     LEARNING_RATE,
     Phase,
+    UnderTest,
     adamw,
+    adapters_in_rank,
     build_model,
     guarded_cell,
     lm_loss,
     random_batch,
     timed_step,
 )
-from cs336_systems.conformance.contract import load_adapters
 from cs336_systems.distributed.launch import rank_device
 from cs336_systems.distributed.sharded_optimizer import SYNC_METHODS, ShardedOptimizer
 from cs336_systems.memory_guard import check_memory_on_every_rank
@@ -331,10 +332,10 @@ def communication_rows(label: str, per_rank: list[dict], world_size: int) -> lis
 
 
 def benchmark_optimizer_sharding(rank: int, world_size: int, cfg: ShardingBenchmarkConfig,
-                                 under_test: str | None = None) -> list[Row]:
-    """Run under launch. Rank 0 returns the rows of every variant. `under_test`: the adapters module (an Adapters'
-    spec) whose sharded optimizer is measured after the others; None for none."""
-    adapters = load_adapters(under_test) if under_test is not None else None
+                                 under_test: UnderTest | None = None) -> list[Row]:
+    """Run under launch. Rank 0 returns the rows of every variant. `under_test`: the implementation whose sharded
+    optimizer is measured after the others (harness.under_test_of); None for none."""
+    adapters = adapters_in_rank(under_test)
     device = rank_device()
     rows: list[Row] = []
     theirs = under_test_variant(adapters)
@@ -350,7 +351,7 @@ def benchmark_optimizer_sharding(rank: int, world_size: int, cfg: ShardingBenchm
 
 
 def optimizer_sharding_problems(rank: int, world_size: int, cfg: ShardingBenchmarkConfig,
-                                under_test: str | None = None) -> list[Row]:
+                                under_test: UnderTest | None = None) -> list[Row]:
     """Run under launch: both problems' rows from one set of ranks (starting ranks costs seconds)."""
     return (sharded_optimizer_equivalence(rank, world_size)
             + benchmark_optimizer_sharding(rank, world_size, cfg, under_test))
