@@ -33,8 +33,10 @@ CELLS = f"""
 
 @pytest.fixture(autouse=True)
 def importable_package(monkeypatch):
-    """Subprocess runs import the plugin whether or not the package is installed."""
+    """Subprocess runs import the plugin whether or not the package is installed; and no run is taken for a
+    pytest-xdist worker's (under which pytest-benchmark turns itself off) when this file runs in one."""
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")])))
+    monkeypatch.delenv("PYTEST_XDIST_WORKER", raising=False)
 
 
 def _stored(path: Path) -> list[Path]:
