@@ -2,6 +2,7 @@
 
 import functools
 import hashlib
+import sys
 from collections.abc import Iterable
 from pathlib import Path
 
@@ -32,3 +33,22 @@ def source_files(root: Path) -> list[str]:
 def package_source_hash() -> str:
     """The hash of every source file of the package, Python and C++: the code a report's run measured with."""
     return source_digest(PACKAGE_ROOT, source_files(PACKAGE_ROOT))
+
+
+def module_source_hash(module) -> str:
+    """The hash of the source of `module`'s top-level package (every source file under its folder), or of the
+    module's file where it belongs to no package: the code of an implementation under test, whose adapters
+    module most often sits in the package that holds the implementation."""
+    top = sys.modules[module.__name__.split(".")[0]]
+    folders = list(getattr(top, "__path__", []))
+    if folders:
+        root = Path(folders[0])
+        return source_digest(root, source_files(root))
+    path = Path(module.__file__)
+    return source_digest(path.parent, [path.name])
+
+
+def implementation_columns(adapters) -> dict[str, str]:
+    """The columns that name an implementation under test in the rows it measured: its adapters module as
+    reports name it (a cs336_systems.conformance.contract.Adapters' label) and its source hash."""
+    return {"implementation": adapters.label, "implementation_source": module_source_hash(adapters.module)}

@@ -1,5 +1,6 @@
 """pytest glue: options (each mirrored by an ini setting), markers, fixtures. The logic lives in the library
-(run_settings, interpretation, baselines, reports.staging, conformance.contract); this only wires it. Registered
+(run_settings, interpretation, baselines, reports.staging, conformance.contract, benchmark_store); this only
+wires it. Registered
 through the package's pytest11 entry point wherever it is installed, and by this repository's root conftest.py
 where it is not (under the entry point's name, so never twice); works under pytest-xdist, whose workers stage
 rows that the controller merges when the session ends."""
@@ -14,6 +15,7 @@ from typing import Any
 
 import pytest
 
+from cs336_systems.conformance.contract import ADAPTER_FUNCTIONS
 from cs336_systems.run_settings import MARKERS, Settings
 
 _STAGING_KEY = "cs336_staging_dir"
@@ -134,9 +136,14 @@ def pytest_configure_node(node) -> None:
     node.workerinput[_STAGING_KEY] = str(settings(node.config).staging_dir)
 
 
-def pytest_report_header(config: pytest.Config) -> str | None:
+def pytest_report_header(config: pytest.Config) -> list[str] | None:
     adapters = config.stash.get(_adapters_key, None)
-    return None if adapters is None else f"cs336-systems: implementation under test: {adapters.label}"
+    if adapters is None:
+        return None
+    lines = [f"cs336-systems: implementation under test: {adapters.label}"]
+    if lacking := adapters.why_missing(*ADAPTER_FUNCTIONS):
+        lines.append(f"cs336-systems: {lacking}: the tests and benchmarks that need them skip or leave them out")
+    return lines
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
@@ -189,6 +196,26 @@ def adapters(pytestconfig):
     cs336_systems.conformance.contract.Adapters: `.function(name)`, and `.spec` for ranks to import it again.
     Mark a test `@pytest.mark.adapters("get_ddp", ...)` to skip it, naming them, where the module lacks one."""
     return pytestconfig.stash[_adapters_key]
+
+
+@pytest.fixture(scope="session")
+def implementation_under_test(adapters):
+    """The adapters of an implementation under test other than this project's own, which a benchmark measures
+    beside its references; skips the test without --adapters, where this project's own, the references, are it."""
+    if adapters.is_own:
+        pytest.skip("no --adapters: the implementation under test is this project's own, which the references "
+                    "measure")
+    return adapters
+
+
+@pytest.fixture(scope="session")
+def benchmark_store(pytestconfig):
+    """benchmark_store.add_rows(problem, rows, cell_columns, compared): each timed row's samples (ms, as the
+    benchmark measured them) as an entry of pytest-benchmark's store; inert without pytest-benchmark, or where it
+    is disabled (cs336_systems.benchmark_store)."""
+    from cs336_systems.benchmark_store import BenchmarkStore
+
+    return BenchmarkStore.of(pytestconfig)
 
 
 @pytest.fixture(scope="session")
@@ -283,6 +310,11 @@ def pytest_sessionfinish(session: pytest.Session) -> None:
 
 
 def pytest_terminal_summary(terminalreporter, config: pytest.Config) -> None:
+    from cs336_systems.benchmark_store import BenchmarkStore
+
+    if note := BenchmarkStore.of(config).disabled_note(config):
+        terminalreporter.section("cs336-systems timings", yellow=True)
+        terminalreporter.write_line(note)
     written, errors = config.stash.get(_published_key, ([], []))
     for title, lines, red in (("cs336-systems reports", written, False),
                               ("cs336-systems reports not written", errors, True)):

@@ -41,6 +41,18 @@ LongRow = dict[str, str]  # LONG_COLUMNS -> the text of a CSV cell
 
 # The status of a cell that ran out of memory, or that the memory model said would not fit and so never ran.
 OOM = "OOM"
+# The status of a cell whose implementation under test (an adapters module's) raised an error other than running
+# out of memory; its `error` column says which (cs336_systems.cells.failure_columns).
+FAILED = "failed"
+# The column of a timed cell's samples, each in ms, as the project measured them: the perf suite hands them to
+# pytest-benchmark's store (cs336_systems.benchmark_store), and no report writes them (`without_samples`), so a
+# report's CSV holds the statistics alone.
+SAMPLE_TIMES = "sample_times_ms"
+
+
+def without_samples(row: Row) -> Row:
+    """`row` without its samples (SAMPLE_TIMES), as reports keep it."""
+    return {column: value for column, value in row.items() if column != SAMPLE_TIMES}
 
 
 def ran(row: Row | None) -> bool:

@@ -1,7 +1,12 @@
 """Problem flash_benchmarking: Triton FlashAttention-2 against naive attention and PyTorch SDPA, one
 test per (precision, head dim, sequence length); the 2025 leaderboard's attention cell; the speed-up gates
 that fail CI on a GPU when the Triton kernels regress; the host's time to issue a forward+backward. Problem
-flash_in_training: the kernels inside a compiled training step, uncaptured and in CUDA graphs, against SDPA."""
+flash_in_training: the kernels inside a compiled training step, uncaptured and in CUDA graphs, against SDPA.
+
+With --adapters, the implementation under test's Triton Function is measured beside them, in the sweep, the
+leaderboard's cell and the host issue times (cs336_systems.benchmarks.flash.under_test_providers); a cell where it
+fails is recorded as failed, and its test fails naming the error. Every timed cell's samples also go to
+pytest-benchmark's store (the `benchmark_store` fixture)."""
 
 import pytest
 
@@ -15,6 +20,7 @@ from cs336_systems.benchmarks.flash import (
     MODES,
     PROVIDERS,
     SEQ_LENS,
+    UNDER_TEST_KINDS,
     UNSUPPORTED,
     BenchSettings,
     FlashCell,
@@ -23,6 +29,7 @@ from cs336_systems.benchmarks.flash import (
     gate_name,
     host_issue,
     leaderboard_2025_cell,
+    under_test_providers,
 )
 from cs336_systems.benchmarks.flash_in_training import (
     ATTENTIONS,
@@ -33,9 +40,9 @@ from cs336_systems.benchmarks.flash_in_training import (
     kernel_cell_of,
     training_steps,
 )
-from cs336_systems.cells import require_some_ran, unmeasured
+from cs336_systems.cells import failures, require_some_ran, unmeasured
 from cs336_systems.pytest_plugin import settings
-from cs336_systems.rows import OOM
+from cs336_systems.rows import FAILED, FLASH_IN_TRAINING_KEY, FLASH_KEY, OOM
 
 PROBLEM = "flash_benchmarking"
 # What an ok row of do_bench (GPU) or the host clock (CPU) measured.
@@ -61,36 +68,52 @@ def pytest_generate_tests(metafunc):
         metafunc.parametrize("seq_len", SEQ_LENS if on_gpu else CPU_SEQ_LENS)
 
 
-def test_flash_cell(precision, head_dim, seq_len, device, run_settings, report):
+def _record(rows, report, benchmark_store) -> None:
+    for row in rows:
+        report(PROBLEM).add(row)
+    benchmark_store.add_rows(PROBLEM, rows, FLASH_KEY, compared="provider")
+
+
+def _check_references_and_implementation(rows, under_test) -> None:
+    """The references ran or ran out of memory (SDPA's pinned backends may refuse a cell); the implementation
+    under test may also have failed, which fails the test, naming its errors, after its rows were recorded."""
+    references = [r for r in rows if r["provider"] not in under_test]
+    assert {r["status"] for r in references} <= {"ok", OOM, UNSUPPORTED}
+    assert {r["status"] for r in rows if r["provider"] in under_test} <= {"ok", OOM, FAILED}
+    assert not unmeasured(rows, *TIMED_COLUMNS)
+    if failed := failures(rows, "provider"):
+        pytest.fail("the implementation under test failed:\n" + "\n".join(sorted(set(failed))))
+
+
+def test_flash_cell(precision, head_dim, seq_len, device, run_settings, report, adapters, benchmark_store):
     if not run_settings.on_gpu and precision not in CPU_PRECISIONS:
         pytest.skip(f"{precision} on CPU: the Triton interpreter computes bf16 tl.dot wrongly; CPU runs fp32 only")
     bench = BenchSettings() if run_settings.on_gpu else CPU_SETTINGS
-    rows = benchmark_flash_cell(FlashCell(seq_len, head_dim, precision), PROVIDERS, device, settings=bench)
-    for row in rows:
-        report(PROBLEM).add(row)
-    assert [(r["provider"], r["mode"]) for r in rows] == [(p, mode) for p in PROVIDERS for mode in MODES]
-    assert {r["status"] for r in rows} <= {"ok", OOM, UNSUPPORTED}
+    under_test = under_test_providers(adapters)
+    providers = (*PROVIDERS, *under_test)
+    rows = benchmark_flash_cell(FlashCell(seq_len, head_dim, precision), providers, device, settings=bench,
+                                adapters=adapters)
+    _record(rows, report, benchmark_store)
+    assert [(r["provider"], r["mode"]) for r in rows] == [(p, mode) for p in providers for mode in MODES]
     assert all(r["status"] == "ok" for r in rows if r["provider"] == "flash_triton")
-    assert not unmeasured(rows, *TIMED_COLUMNS)
+    _check_references_and_implementation(rows, under_test)
 
 
 @pytest.mark.gpu
-def test_flash_leaderboard_2025_cell(device, report):
-    rows = leaderboard_2025_cell(device)
-    for row in rows:
-        report(PROBLEM).add(row)
-    assert [r["provider"] for r in rows] == list(LEADERBOARD_2025_PROVIDERS)
-    assert {r["status"] for r in rows} <= {"ok", OOM, UNSUPPORTED}
+def test_flash_leaderboard_2025_cell(device, report, adapters, benchmark_store):
+    rows = leaderboard_2025_cell(device, adapters=adapters)
+    _record(rows, report, benchmark_store)
+    under_test = under_test_providers(adapters, UNDER_TEST_KINDS)
+    assert [r["provider"] for r in rows] == [*LEADERBOARD_2025_PROVIDERS, *under_test]
     assert all(r["status"] == "ok" for r in rows if r["provider"].startswith("flash_triton"))
-    assert not unmeasured(rows, *TIMED_COLUMNS)
+    _check_references_and_implementation(rows, under_test)
 
 
 @pytest.fixture(scope="module")
-def gate_rows(device, report):
+def gate_rows(device, report, benchmark_store):
     """The gated cell's rows, measured once for every gate."""
     rows = gate(device)
-    for row in rows:
-        report(PROBLEM).add(row)
+    _record(rows, report, benchmark_store)
     return rows
 
 
@@ -110,14 +133,17 @@ def test_flash_speedup_gate(provider, gate_rows, speedup_gate):
 
 
 @pytest.mark.gpu
-def test_flash_host_issue(device, report):
-    rows = host_issue(device)
-    for row in rows:
-        report(PROBLEM).add(row)
+def test_flash_host_issue(device, report, adapters, benchmark_store):
+    under_test = under_test_providers(adapters)
+    providers = (*HOST_ISSUE_PROVIDERS, *under_test)
+    rows = host_issue(device, providers=providers, adapters=adapters)
+    _record(rows, report, benchmark_store)
     assert [(r["seq_len"], r["provider"]) for r in rows] == [
-        (cell.seq_len, provider) for cell in HOST_ISSUE_CELLS for provider in HOST_ISSUE_PROVIDERS]
+        (cell.seq_len, provider) for cell in HOST_ISSUE_CELLS for provider in providers]
     assert all(r["status"] == "ok" for r in rows if r["provider"].startswith("flash_triton"))
     assert not unmeasured(rows, "median_ms", "p20_ms", "p80_ms")
+    if failed := failures(rows, "provider"):
+        pytest.fail("the implementation under test failed:\n" + "\n".join(sorted(set(failed))))
 
 
 # ---------------------------------------------------------------------------------- flash_in_training
@@ -129,10 +155,11 @@ TRAINING_CELLS = tuple(TrainingCell("xl", context) for context in (512, 2048))
 @pytest.mark.gpu
 @pytest.mark.slow
 @pytest.mark.parametrize("cell", TRAINING_CELLS, ids=lambda c: f"{c.size}-{c.context_length}")
-def test_flash_in_training(cell, device, report):
+def test_flash_in_training(cell, device, report, benchmark_store):
     rows = training_steps(cell, device) + attention_kernels(kernel_cell_of(cell), device)
     for row in rows:
         report("flash_in_training").add(row)
+    benchmark_store.add_rows("flash_in_training", rows, FLASH_IN_TRAINING_KEY, compared="provider")
     steps = {r["attention"]: r["status"] for r in rows if r["table"] == "step"}
     assert list(steps) == list(ATTENTIONS)
     assert steps["flash_triton"] == "ok" or steps["flash_triton"] == steps["sdpa"] == OOM, steps

@@ -4,6 +4,9 @@ Transformer block) and torch DDP, with a profiled step's timeline, all from one 
 
 On GPUs: the XL model, context 512, batch 4 per rank, fp32, NCCL on --world-size GPUs (the course
 uses 2). On CPU: the tiny model over gloo, a smoke run of the same code in seconds.
+
+With --adapters, the implementation under test's FSDP is measured in the same launch, after the others; its
+test is skipped where the module lacks get_fsdp or fsdp_on_after_backward and fails where it failed.
 """
 
 from dataclasses import replace
@@ -12,12 +15,21 @@ import pytest
 
 from cs336_systems.baselines import at_world_size, within
 from cs336_systems.benchmarks.ddp import equivalence_failures
-from cs336_systems.benchmarks.fsdp import OURS, TORCH_FSDP, VARIANTS, fsdp_problems, timeline_intervals
+from cs336_systems.benchmarks.fsdp import (
+    OURS,
+    TORCH_FSDP,
+    UNDER_TEST_FUNCTIONS,
+    VARIANTS,
+    fsdp_problems,
+    timeline_intervals,
+    under_test_variant,
+)
 from cs336_systems.benchmarks.sharding import ShardingBenchmarkConfig
-from cs336_systems.cells import require_some_ran, unmeasured
+from cs336_systems.benchmarks.harness import under_test_of
+from cs336_systems.cells import failures, require_some_ran, unmeasured
 from cs336_systems.distributed.launch import launch
 from cs336_systems.profiling.timeline import plot_timeline
-from cs336_systems.rows import OOM
+from cs336_systems.rows import FAILED, OOM
 
 GPU_CONFIG = ShardingBenchmarkConfig()
 CPU_CONFIG = ShardingBenchmarkConfig(size="tiny", context_length=32, batch_size=2, warmup=1, steps=3)
@@ -29,14 +41,18 @@ LAUNCH_TIMEOUT_S = 600
 # Ours takes at most 5% longer per step than torch's fully_shard per block: on two H100s (xl, NCCL) it
 # was 2.5% faster, and such ratios move by a few percent from run to run.
 TORCH_PARITY = within(0.05)
+# What names a step's entry in pytest-benchmark's store (cs336_systems.benchmark_store).
+STORE_CELL = ("table", "size", "context_length", "batch_size", "world_size", "backend", "variant")
 
 pytestmark = pytest.mark.fsdp
 
 
 @pytest.fixture(scope="module")
-def rows(distributed_device, world_size, run_settings, report):
+def rows(distributed_device, world_size, run_settings, report, adapters, benchmark_store):
     cfg = replace(GPU_CONFIG if distributed_device == "cuda" else CPU_CONFIG, size_table=run_settings.size_table)
-    result = launch(fsdp_problems, world_size, cfg, device=distributed_device, timeout_s=LAUNCH_TIMEOUT_S)[0]
+    under_test = under_test_of(adapters)
+    result = launch(fsdp_problems, world_size, cfg, under_test, device=distributed_device,
+                    timeout_s=LAUNCH_TIMEOUT_S)[0]
     measured = result["rows"]
     if result["timeline"]:
         figure = plot_timeline(timeline_intervals(result["timeline"]),
@@ -46,6 +62,7 @@ def rows(distributed_device, world_size, run_settings, report):
     for problem in PROBLEMS:
         for row in measured:
             report(problem).add(row)
+    benchmark_store.add_rows(PROBLEMS[0], measured, STORE_CELL, compared="variant")
     return measured
 
 
@@ -57,7 +74,7 @@ def test_fsdp_matches_single_process(rows):
 
 
 def test_fsdp_accounting(rows):
-    steps = [r for r in rows if r["table"] == "step"]
+    steps = [r for r in rows if r["table"] == "step" and not r.get("implementation")]
     assert [r["variant"] for r in steps] == [label for label, _, _, _ in VARIANTS]
     assert {r["status"] for r in steps} <= {"ok", OOM}
     require_some_ran(steps, "the FSDP variants' training steps")
@@ -71,3 +88,15 @@ def test_fsdp_speedup_gate(rows, world_size, speedup_gate):
     ours, theirs = steps[OURS], steps[TORCH_FSDP]
     speedup_gate(at_world_size("fsdp_vs_torch_fsdp", world_size), theirs.get("step_ms"), ours.get("step_ms"),
                  promise=TORCH_PARITY, note=f"torch FSDP: {theirs['status']}, ours: {ours['status']}")
+
+
+@pytest.mark.adapters(*UNDER_TEST_FUNCTIONS)
+def test_fsdp_implementation_under_test(implementation_under_test, rows):
+    """The implementation under test's FSDP trained beside the references: its step ran, or ran out of memory; one
+    that raised fails, naming its error."""
+    steps = [r for r in rows if r["table"] == "step" and r.get("implementation")]
+    assert [r["variant"] for r in steps] == [under_test_variant(implementation_under_test)[0]]
+    assert {r["status"] for r in steps} <= {"ok", OOM, FAILED}
+    assert not unmeasured(steps, "step_ms", "optimizer_ms")
+    if failed := failures(steps, "variant"):
+        pytest.fail(f"{implementation_under_test.label} failed:\n" + "\n".join(failed))

@@ -14,6 +14,14 @@ between them, so that all are measured on the same machine state:
   torch_ddp_bucket_view the same with gradient_as_bucket_view=True: gradients live in its
                         buckets, so nothing is copied back (the stronger baseline)
 
+and, where `benchmark_ddp` is given an adapters module other than this project's own (--adapters), the
+implementation under test's wrappers after them, reached only through its adapter functions
+(UNDER_TEST_METHODS: get_ddp_individual_parameters, get_ddp_bucketed at each bucket size, get_ddp, each with
+its hooks), those it lacks left out. Their rows carry the columns that name it
+(cs336_systems.provenance.implementation_columns); a variant of it that raises on every rank is recorded as
+failed and the next one runs (one that fails on some ranks only leaves the others waiting in a collective,
+and the launch's deadline ends the job).
+
 Each step is timed by cs336_systems.timing with one synchronisation, at its end (synchronising inside
 the step would stall the very overlap being measured): markers on the device's timeline (CUDA events
 on the compute stream; the host clock on CPU) split it into forward, backward, gradient_sync
@@ -47,6 +55,8 @@ from cs336_systems.benchmarks.allreduce import time_allreduce
 from cs336_systems.benchmarks.harness import (
     LEARNING_RATE,
     Phase,
+    UnderTest,
+    adapters_in_rank,
     adamw,
     build_model,
     guarded_cell,
@@ -62,13 +72,21 @@ from cs336_systems.memory_guard import check_memory_on_every_rank
 from cs336_systems.model import DEFAULT_SIZE_TABLE, ModelConfig
 from cs336_systems.profiling.kernels import device_profile
 from cs336_systems.profiling.timeline import COMPUTE, CPU_COMPUTE_ROW, communication_summary, load_intervals
-from cs336_systems.rows import OOM, Row
+from cs336_systems.provenance import implementation_columns
+from cs336_systems.rows import SAMPLE_TIMES, Row
 from cs336_systems.timing import STEP_TIMER
 
 log = logging.getLogger(__name__)
 
 PHASES = ("forward", "backward", "gradient_sync", "optimizer")
 TORCH_DDP_METHODS = ("torch_ddp", "torch_ddp_bucket_view")
+# The implementation under test's wrappers, each named by the adapter function that builds it, with its hooks:
+# (after backward, before each batch's forward), called with the wrapped model and its optimizer.
+UNDER_TEST_METHODS = {
+    "get_ddp_individual_parameters": ("ddp_individual_parameters_on_after_backward", None),
+    "get_ddp_bucketed": ("ddp_bucketed_on_after_backward", "ddp_bucketed_on_train_batch_start"),
+    "get_ddp": ("ddp_on_after_backward", None),
+}
 WRAPPERS = {"naive": NaiveDDP, "flat": FlatDDP, "overlap_individual": OverlapIndividualDDP, "bucketed": BucketedDDP}
 # The all-reduce probe that gives the overhead model its o (a small all-reduce is nearly all
 # per-call cost) and w (bandwidth of a large one).
@@ -104,20 +122,58 @@ class DDPBenchmarkConfig:
                 *[("bucketed", b) for b in self.bucket_sizes_mb], ("torch_ddp", None), ("torch_ddp_bucket_view", None)]
 
 
-def variant_label(method: str, bucket_size_mb: float | None = None) -> str:
+def under_test_functions(method: str) -> tuple[str, ...]:
+    """The adapter functions the implementation under test's variant `method` needs."""
+    return (method, *(hook for hook in UNDER_TEST_METHODS[method] if hook))
+
+
+def under_test_variants(adapters, bucket_sizes_mb=DDPBenchmarkConfig.bucket_sizes_mb) -> list[tuple[str, float | None]]:
+    """The implementation under test's (method, bucket size) variants, in UNDER_TEST_METHODS' order, the bucketed
+    one at each bucket size: none where it is this project's own (its variants are measured already), and none of a
+    method whose adapter functions it lacks."""
+    if adapters is None or adapters.is_own:
+        return []
+    return [(method, bucket) for method in UNDER_TEST_METHODS if not adapters.missing(*under_test_functions(method))
+            for bucket in (bucket_sizes_mb if method == "get_ddp_bucketed" else (None,))]
+
+
+def variant_label(method: str, bucket_size_mb: float | None = None, implementation: str | None = None) -> str:
+    """How rows name a variant; the implementation under test's are named after its adapters (their label)."""
+    if implementation is not None:
+        return f"{implementation}: {method}" + (f" {bucket_size_mb:g} MB" if bucket_size_mb is not None else "")
     return f"bucketed {bucket_size_mb:g} MB" if method == "bucketed" else method
 
 
-def _wrap(method: str, bucket_size_mb: float | None, model: torch.nn.Module, device: torch.device):
-    """(module to train, gradient sync after backward, hook before each batch)."""
+def _wrap(method: str, bucket_size_mb: float | None, model: torch.nn.Module, device: torch.device, adapters=None):
+    """(module to train, gradient sync after backward, hook before each batch), each hook called with the
+    optimizer; the implementation under test's methods come from `adapters`."""
     if method == "local":
         return model, None, None
     if method in TORCH_DDP_METHODS:
         device_ids = [device.index] if device.type == "cuda" else None
         return torch.nn.parallel.DistributedDataParallel(
             model, device_ids=device_ids, gradient_as_bucket_view=method == "torch_ddp_bucket_view"), None, None
+    if method in UNDER_TEST_METHODS:
+        return _wrap_under_test(method, bucket_size_mb, model, adapters)
     wrapper = BucketedDDP(model, bucket_size_mb=bucket_size_mb) if method == "bucketed" else WRAPPERS[method](model)
-    return wrapper, wrapper.finish_gradient_synchronization, getattr(wrapper, "on_train_batch_start", None)
+    before_batch = getattr(wrapper, "on_train_batch_start", None)
+    return (wrapper, lambda optimizer: wrapper.finish_gradient_synchronization(),
+            None if before_batch is None else lambda optimizer: before_batch())
+
+
+def _wrap_under_test(method: str, bucket_size_mb: float | None, model: torch.nn.Module, adapters):
+    """The implementation under test's wrapper and hooks, through its adapter functions."""
+    after_backward, before_batch = UNDER_TEST_METHODS[method]
+    build = adapters.function(method)
+    wrapper = build(model, bucket_size_mb) if bucket_size_mb is not None else build(model)
+
+    def hook(name: str | None):
+        if name is None:
+            return None
+        function = adapters.function(name)
+        return lambda optimizer: function(wrapper, optimizer)
+
+    return wrapper, hook(after_backward), hook(before_batch)
 
 
 def _no_sync() -> None:
@@ -131,25 +187,26 @@ def _all_reduces_per_step(method: str, module: torch.nn.Module, model: torch.nn.
         return len(module.buckets)
     if method in ("naive", "overlap_individual"):
         return sum(p.requires_grad for p in model.parameters())
-    return 1 if method == "flat" else None
+    return 1 if method == "flat" else None  # the implementation under test's are not counted
 
 
 def _measure_variant(method: str, bucket_size_mb: float | None, cfg: DDPBenchmarkConfig, rank: int,
-                     device: torch.device, profile: bool) -> tuple[dict, list | None]:
+                     device: torch.device, profile: bool, adapters=None) -> tuple[dict, list | None]:
     config = cfg.model_config()
     # A different initial model on every rank: the wrappers must broadcast.
     model = build_model(config, device, cfg.attention, seed=rank)
     trainable_bytes = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
-    module, sync, before_batch = _wrap(method, bucket_size_mb, model, device)
+    module, sync, before_batch = _wrap(method, bucket_size_mb, model, device, adapters)
     optimizer = adamw(module, LEARNING_RATE, "foreach")
     # Every rank trains on its own data.
     inputs, targets = random_batch(config, cfg.batch_size, cfg.context_length, device, seed=rank)
+    after_backward = _no_sync if sync is None else lambda: sync(optimizer)
 
     def step(phase: Phase) -> None:
         if before_batch is not None:
-            before_batch()
+            before_batch(optimizer)
         # Every variant has a gradient_sync phase, empty where backward left nothing to synchronise.
-        training_step(module, optimizer, inputs, targets, phase=phase, after_backward=sync or _no_sync)
+        training_step(module, optimizer, inputs, targets, phase=phase, after_backward=after_backward)
 
     for _ in range(cfg.warmup):
         _plain_step(step, device)
@@ -201,15 +258,18 @@ def _allreduce_probe(cfg: DDPBenchmarkConfig, rank: int, world_size: int) -> Row
 
 
 def _row(method: str, bucket_size_mb: float | None, per_rank: list[dict], summary: dict | None,
-         cfg: DDPBenchmarkConfig, world_size: int) -> Row:
-    row: Row = {"table": "step", "variant": variant_label(method, bucket_size_mb), "method": method,
-                "bucket_size_mb": bucket_size_mb, **asdict(cfg), "world_size": world_size,
+         cfg: DDPBenchmarkConfig, world_size: int, adapters=None) -> Row:
+    under_test = implementation_columns(adapters) if method in UNDER_TEST_METHODS else {}
+    row: Row = {"table": "step", "variant": variant_label(method, bucket_size_mb, under_test.get("implementation")),
+                "method": method, "bucket_size_mb": bucket_size_mb, **asdict(cfg), "world_size": world_size,
                 "backend": dist.get_backend()}
     for sweep_only in ("bucket_sizes_mb", "probe_large_bytes"):
         row.pop(sweep_only)
-    oom = next((stats for stats in per_rank if stats["status"] == OOM), None)
-    if oom is not None:
-        return {**row, **oom}
+    row |= under_test
+    # A variant that ran out of memory, or failed, on any rank did not run.
+    missed = next((stats for stats in per_rank if stats["status"] != "ok"), None)
+    if missed is not None:
+        return {**row, **missed}
     pooled = {key: [x for stats in per_rank for x in stats[key]] for key in ("step_ms", *PHASES)}
     row.update(status="ok", timer=STEP_TIMER, trainable_bytes=per_rank[0]["trainable_bytes"],
                all_reduces_per_step=per_rank[0]["all_reduces_per_step"],
@@ -220,44 +280,51 @@ def _row(method: str, bucket_size_mb: float | None, per_rank: list[dict], summar
     row["peak_memory_gib"] = max(peaks) if peaks else None
     if summary is not None:
         row.update({f"profiled_{key}": value for key, value in summary.items()})
+    row[SAMPLE_TIMES] = pooled["step_ms"]
     return row
 
 
 def _estimated_peak_bytes(method: str, cfg: DDPBenchmarkConfig, world_size: int) -> int:
     """One rank's peak from the memory model: the flat and bucketed wrappers and torch DDP (without
     gradient_as_bucket_view) keep a second, flattened copy of the gradients."""
+    # The implementation under test's bucketed wrapper is taken to keep flattened buckets as ours does.
     return training_memory(cfg.model_config(), cfg.batch_size, cfg.context_length,
                            attention=cfg.attention, world_size=world_size,
-                           ddp_buckets=method in ("flat", "bucketed", "torch_ddp")).peak
+                           ddp_buckets=method in ("flat", "bucketed", "torch_ddp", "get_ddp_bucketed")).peak
 
 
 def _guarded_variant(method: str, bucket_size_mb: float | None, cfg: DDPBenchmarkConfig, rank: int, world_size: int,
-                     device: torch.device) -> tuple[dict, list | None]:
+                     device: torch.device, adapters=None) -> tuple[dict, list | None]:
     """`_measure_variant`'s stats, with the estimate, and timeline; or OOM stats and no timeline where the
-    estimate does not fit on every rank (then no rank runs it) or the variant runs out of memory."""
+    estimate does not fit on every rank (then no rank runs it) or the variant runs out of memory; or, for the
+    implementation under test, failed stats where it raises."""
     def measure(columns: Row) -> tuple[dict, list | None]:
-        stats, intervals = _measure_variant(method, bucket_size_mb, cfg, rank, device, profile=rank == 0)
+        stats, intervals = _measure_variant(method, bucket_size_mb, cfg, rank, device, rank == 0, adapters)
         return stats | columns, intervals
 
     estimated_bytes = _estimated_peak_bytes(method, cfg, world_size)
     return guarded_cell(device, lambda: check_memory_on_every_rank(estimated_bytes, device, world_size), measure,
-                        oom=lambda columns: (columns, None))
+                        oom=lambda columns: (columns, None),
+                        failed=(lambda columns: (columns, None)) if method in UNDER_TEST_METHODS else None)
 
 
-def benchmark_ddp(rank: int, world_size: int, cfg: DDPBenchmarkConfig) -> dict | None:
-    """Run under launch. Rank 0 returns {"rows": [...], "timelines": {variant: intervals}}."""
+def benchmark_ddp(rank: int, world_size: int, cfg: DDPBenchmarkConfig,
+                  under_test: UnderTest | None = None) -> dict | None:
+    """Run under launch. Rank 0 returns {"rows": [...], "timelines": {variant: intervals}}. `under_test`: the
+    implementation whose wrappers are measured after this project's (harness.under_test_of); None for none."""
+    adapters = adapters_in_rank(under_test)
     device = rank_device()
     rows = [{**_allreduce_probe(cfg, rank, world_size), "world_size": world_size}]
     timelines = {}
-    for method, bucket_size_mb in cfg.variants():
-        stats, intervals = _guarded_variant(method, bucket_size_mb, cfg, rank, world_size, device)
+    for method, bucket_size_mb in cfg.variants() + under_test_variants(adapters, cfg.bucket_sizes_mb):
+        stats, intervals = _guarded_variant(method, bucket_size_mb, cfg, rank, world_size, device, adapters)
         per_rank: list[dict | None] = [None] * world_size
         dist.all_gather_object(per_rank, stats)
-        label = variant_label(method, bucket_size_mb)
+        row = _row(method, bucket_size_mb, per_rank, communication_summary(intervals) if intervals else None,
+                   cfg, world_size, adapters)
         if intervals:
-            timelines[label] = intervals
-        rows.append(_row(method, bucket_size_mb, per_rank, communication_summary(intervals) if intervals else None,
-                         cfg, world_size))
+            timelines[row["variant"]] = intervals
+        rows.append(row)
     return {"rows": rows, "timelines": timelines} if rank == 0 else None
 
 
@@ -296,7 +363,7 @@ def ddp_equivalence(rank: int, world_size: int) -> list[Row]:
                 optimizer.zero_grad(set_to_none=True)
                 lm_loss(net(x), y).backward()
                 if net is ddp_model:
-                    sync()
+                    sync(optimizer)
                 optimizer.step()
         difference = max((a - b).abs().max().item()
                          for a, b in zip(reference.parameters(), ddp_model.module.parameters()))

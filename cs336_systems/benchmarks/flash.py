@@ -30,6 +30,17 @@ the output), the GPU kept busy beforehand so that nothing waits for it (cs336_sy
 for the Triton Function, the torch.library op and SDPA's flash and cuDNN backends, by the same method in
 one run: a cell's providers take turns, call by call, so that all of them meet the same host.
 
+The implementation under test (an adapters module other than this project's own, --adapters) joins the
+sweep, the 2025 leaderboard's cell and the host issue times as providers named after its module
+(`under_test_providers`: "adapters path/to/adapters.py: triton", and in torch.compile "...: triton
+(compiled)"), reached only through its adapter function get_flashattention_autograd_function_triton; the
+course's Functions take (batch, N, d), so the heads fold into the batch. Its rows carry the columns that
+name it (cs336_systems.provenance.implementation_columns); a cell where it raises is recorded as failed
+(cs336_systems.cells) and the sweep goes on.
+
+Every timed row keeps its samples (rows.SAMPLE_TIMES), which the perf suite hands to pytest-benchmark's
+store and no report writes.
+
 SDPA runs under torch.nn.attention.sdpa_kernel with one backend pinned, named in the rows:
 "sdpa" takes the first of FLASH_ATTENTION, EFFICIENT_ATTENTION, MATH that accepts the inputs (flash
 has no fp32 kernel, so fp32 gets EFFICIENT_ATTENTION on a GPU); "sdpa_flash" and "sdpa_cudnn" pin
@@ -53,11 +64,13 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from cs336_systems.accounting.attention import attention_flops, naive_attention_memory
 from cs336_systems.attention.reference import naive_attention
 from cs336_systems.benchmarks.harness import guarded_cell, release_memory
+from cs336_systems.cells import failure_columns
 from cs336_systems.checks import check_positive_int
 from cs336_systems.clocks import ClockSample, GpuClocks, clock_columns
 from cs336_systems.memory_guard import check_memory, oom_columns
 from cs336_systems.precision import Precision, check_precision
-from cs336_systems.rows import Row, ran
+from cs336_systems.provenance import implementation_columns
+from cs336_systems.rows import SAMPLE_TIMES, Row, ran
 from cs336_systems.timing import issue_times, tflops, time_fn
 
 SEQ_LENS = tuple(2**p for p in range(7, 17))  # 128 ... 65536
@@ -111,6 +124,29 @@ COMPILED_PROVIDERS = ("flash_triton_compiled",)
 PROVIDER_LABELS = {"flash_triton": "triton", "flash_triton_compiled": "triton (compiled)",
                    "flash_triton_op": "triton (torch.library op)", "naive": "naive", "sdpa": "sdpa",
                    "sdpa_flash": "sdpa flash", "sdpa_cudnn": "sdpa cuDNN"}
+# The implementation under test's providers, each named "<its adapters' label>: <kind>", with whether it runs in
+# torch.compile; both are its Triton Function, which its adapters return from UNDER_TEST_FUNCTION.
+UNDER_TEST_KINDS = {"triton": False, "triton (compiled)": True}
+UNDER_TEST_FUNCTION = "get_flashattention_autograd_function_triton"
+
+
+def under_test_providers(adapters, kinds=("triton",)) -> tuple[str, ...]:
+    """The providers of the implementation under test (a conformance.contract.Adapters) of each of `kinds`: none
+    where it is this project's own (its Triton Function is flash_triton already) or lacks UNDER_TEST_FUNCTION."""
+    if adapters is None or adapters.is_own or adapters.missing(UNDER_TEST_FUNCTION):
+        return ()
+    return tuple(f"{adapters.label}: {kind}" for kind in kinds)
+
+
+def _under_test_kind(name: str, adapters) -> str | None:
+    """The kind of the implementation under test's provider `name`, or None where `name` is not one of them."""
+    return next((kind for kind, provider in zip(UNDER_TEST_KINDS, under_test_providers(adapters, UNDER_TEST_KINDS))
+                 if provider == name), None)
+
+
+def provider_label(name: str) -> str:
+    """How tables and plots name a provider: the implementation under test's by its own name."""
+    return PROVIDER_LABELS.get(name, name)
 
 
 # ---------------------------------------------------------------------------------------- providers
@@ -126,8 +162,12 @@ def _sdpa_runs(backend: SDPBackend, q, k, v, is_causal: bool) -> bool:
     return True
 
 
-def provider_call(name: str, q, k, v, is_causal: bool) -> tuple[Callable[[], torch.Tensor] | None, SDPBackend | None]:
-    """(forward closure, SDPA backend to pin); a None closure means the SDPA backend refuses the inputs."""
+def provider_call(name: str, q, k, v, is_causal: bool,
+                  adapters=None) -> tuple[Callable[[], torch.Tensor] | None, SDPBackend | None]:
+    """(forward closure, SDPA backend to pin); a None closure means the SDPA backend refuses the inputs. The
+    implementation under test's providers come from `adapters` (raising whatever its adapter function raises)."""
+    if (kind := _under_test_kind(name, adapters)) is not None:
+        return _under_test_call(adapters, UNDER_TEST_KINDS[kind], q, k, v, is_causal), None
     if name == "flash_triton":
         from cs336_systems.attention.flash_triton import FlashAttentionTriton
 
@@ -152,10 +192,29 @@ def provider_call(name: str, q, k, v, is_causal: bool) -> tuple[Callable[[], tor
     raise ValueError(f"unknown provider {name!r}; choose one of {', '.join(PROVIDER_LABELS)}")
 
 
-def _check_providers(providers) -> None:
+def _under_test_call(adapters, compiled: bool, q, k, v, is_causal: bool) -> Callable[[], torch.Tensor]:
+    """The forward closure of the implementation under test's Triton Function, on (batch, N, d) views of the
+    (batch, heads, N, d) inputs, its output viewed back."""
+    function = adapters.function(UNDER_TEST_FUNCTION)()
+
+    def attention(q, k, v, is_causal):
+        folded = [t.reshape(-1, *t.shape[-2:]) for t in (q, k, v)]
+        return function.apply(*folded, is_causal).reshape(q.shape)
+
+    run = torch.compile(attention) if compiled else attention
+    return lambda: run(q, k, v, is_causal)
+
+
+def _check_providers(providers, adapters=None) -> None:
+    known = (*PROVIDER_LABELS, *under_test_providers(adapters, UNDER_TEST_KINDS))
     for provider in providers:
-        if provider not in PROVIDER_LABELS:
-            raise ValueError(f"unknown provider {provider!r}; choose one of {', '.join(PROVIDER_LABELS)}")
+        if provider not in known:
+            raise ValueError(f"unknown provider {provider!r}; choose one of {', '.join(known)}")
+
+
+def _compiled(provider: str, adapters=None) -> bool:
+    kind = _under_test_kind(provider, adapters)
+    return provider in COMPILED_PROVIDERS or (kind is not None and UNDER_TEST_KINDS[kind])
 
 
 # ------------------------------------------------------------------------------------------- timing
@@ -164,7 +223,7 @@ def _bench(fn: Callable[[], object], grads: tuple[torch.Tensor, ...], device: to
            settings: BenchSettings) -> Row:
     """Median and 20th/80th percentiles of `fn`'s time in ms; `grads` are reset to None before each call."""
     samples, timer = _samples(fn, grads, device, settings)
-    return {**_spread(samples), "timer": timer}
+    return {**_spread(samples), "timer": timer, SAMPLE_TIMES: samples}
 
 
 def _samples(fn: Callable[[], object], grads: tuple[torch.Tensor, ...], device: torch.device,
@@ -276,23 +335,26 @@ def cell_inputs(cell: FlashCell, device: torch.device) -> tuple[tuple[torch.Tens
 
 
 def benchmark_flash_cell(cell: FlashCell, providers=PROVIDERS, device: torch.device | str = "cuda",
-                         modes=MODES, settings: BenchSettings = BenchSettings()) -> list[Row]:
-    """One row per (provider, mode): status ok / OOM / unsupported, times, TFLOP/s."""
+                         modes=MODES, settings: BenchSettings = BenchSettings(), adapters=None) -> list[Row]:
+    """One row per (provider, mode): status ok / OOM / unsupported (or failed, for the implementation under test
+    that `adapters` give), times, TFLOP/s."""
     device = torch.device(device)
     for mode in modes:
         if mode not in MODE_LABELS:
             raise ValueError(f"unknown mode {mode!r}; choose one of {', '.join(MODE_LABELS)}")
     if GRAPHED_MODE in modes and device.type != "cuda":
         raise ValueError(f"{GRAPHED_MODE} captures a CUDA graph and needs a CUDA device, got {device}")
-    _check_providers(providers)
+    _check_providers(providers, adapters)
     for provider in providers:
-        if provider in COMPILED_PROVIDERS and "backward" in modes:
+        if _compiled(provider, adapters) and "backward" in modes:
             raise ValueError(f"{provider}: backward alone cannot be timed; a compiled backward refuses "
                              "retain_graph=True (its buffers are donated), so time forward_backward")
     inputs, grad_out = cell_inputs(cell, device)
     rows = []
     for provider in providers:
-        base = [_cell_row(cell, provider, mode, device) for mode in modes]
+        under_test = _under_test_kind(provider, adapters) is not None
+        base = [_cell_row(cell, provider, mode, device) | (implementation_columns(adapters) if under_test else {})
+                for mode in modes]
         if provider == "naive":
             fits, peak_bytes, free_bytes = _naive_fits(cell, device)
             for row in base:
@@ -300,28 +362,37 @@ def benchmark_flash_cell(cell: FlashCell, providers=PROVIDERS, device: torch.dev
             if not fits:
                 rows += [{**row, **oom_columns(True)} for row in base]
                 continue
-        forward, backend = provider_call(provider, *inputs, cell.is_causal)
+        try:
+            forward, backend = provider_call(provider, *inputs, cell.is_causal, adapters)
+        except Exception as error:
+            if not under_test:
+                raise
+            rows += [{**row, **failure_columns(error)} for row in base]
+            continue
         for row in base:
             row["backend"] = None if backend is None else backend.name
         if forward is None:
             rows += [{**row, "status": UNSUPPORTED} for row in base]
             continue
-        rows += [_guarded_mode(cell, row, forward, backend, inputs, grad_out, device, settings) for row in base]
+        rows += [_guarded_mode(cell, row, forward, backend, inputs, grad_out, device, settings, under_test)
+                 for row in base]
     return rows
 
 
 def _guarded_mode(cell: FlashCell, row: Row, forward: Callable[[], torch.Tensor], backend: SDPBackend | None,
                   inputs: tuple[torch.Tensor, ...], grad_out: torch.Tensor, device: torch.device,
-                  settings: BenchSettings) -> Row:
-    """`row`'s mode timed, with its TFLOP/s, or OOM where it runs out of memory; the inputs' gradients
-    are dropped after it, so that every mode starts without them."""
+                  settings: BenchSettings, under_test: bool = False) -> Row:
+    """`row`'s mode timed, with its TFLOP/s, or OOM where it runs out of memory (or failed, where the
+    implementation under test raises); the inputs' gradients are dropped after it, so that every mode starts
+    without them."""
     def measure(columns: Row) -> Row:
         with sdpa_kernel(backend) if backend is not None else nullcontext():
             stats = _bench_mode(row["mode"], forward, inputs, grad_out, device, settings)
         return {**row, **stats, "status": "ok", "tflops": tflops(cell.flops(row["mode"]), stats["median_ms"])}
 
     return guarded_cell(device, None, measure, oom=lambda columns: {**row, **columns},
-                        let_go=functools.partial(_drop_gradients, inputs))
+                        let_go=functools.partial(_drop_gradients, inputs),
+                        failed=(lambda columns: {**row, **columns}) if under_test else None)
 
 
 @dataclass
@@ -348,23 +419,33 @@ class ProviderTurns:
 
 
 def benchmark_in_turns(cell: FlashCell, providers, device: torch.device | str, rounds: int,
-                       settings: BenchSettings = BenchSettings()) -> list[Row]:
+                       settings: BenchSettings = BenchSettings(), adapters=None) -> list[Row]:
     """One forward+backward row per provider, the providers taking turns for `rounds` rounds, each turn a
     timing as benchmark_flash_cell's: the median and 20th/80th percentiles of all its turns' samples, the
     spread of its turns' medians ((max - min) / median), and on a GPU the clock columns over its turns'
     windows (cs336_systems.clocks: the share NVML counted as power-capped or hot). Each round takes the
     providers in its own (seeded) shuffled order: a GPU that one provider drove to its power limit stays
     held down into the next one's turn, so no provider always follows the same one. A provider that runs
-    out of memory gets an OOM row and sits out the later rounds."""
+    out of memory gets an OOM row and sits out the later rounds, and so does the implementation under test
+    (from `adapters`) where it fails."""
     device = torch.device(device)
     check_positive_int(rounds=rounds)
-    _check_providers(providers)
+    _check_providers(providers, adapters)
     inputs, grad_out = cell_inputs(cell, device)
     clocks = GpuClocks.of(device)
     rows, turns = {}, {}
+    under_test = {p for p in providers if _under_test_kind(p, adapters) is not None}
     for provider in providers:
         rows[provider] = _cell_row(cell, provider, "forward_backward", device)
-        forward, backend = provider_call(provider, *inputs, cell.is_causal)
+        if provider in under_test:
+            rows[provider] |= implementation_columns(adapters)
+        try:
+            forward, backend = provider_call(provider, *inputs, cell.is_causal, adapters)
+        except Exception as error:
+            if provider not in under_test:
+                raise
+            rows[provider] |= failure_columns(error)
+            continue
         rows[provider]["backend"] = None if backend is None else backend.name
         if forward is None:
             rows[provider]["status"] = UNSUPPORTED
@@ -378,16 +459,18 @@ def benchmark_in_turns(cell: FlashCell, providers, device: torch.device | str, r
             done = guarded_cell(device, None,
                                 lambda columns: {"timer": turns[provider].take(inputs, grad_out, device, settings,
                                                                                clocks)},
-                                oom=lambda columns: columns, let_go=functools.partial(_drop_gradients, inputs))
-            if "status" in done:  # ran out of memory
+                                oom=lambda columns: columns, let_go=functools.partial(_drop_gradients, inputs),
+                                failed=(lambda columns: columns) if provider in under_test else None)
+            if "status" in done:  # ran out of memory, or the implementation under test failed
                 rows[provider] |= done
                 del turns[provider]
             else:
                 rows[provider]["timer"] = f"{done['timer']}, providers taking turns, {rounds} rounds"
     for provider, taken in turns.items():
         medians = [statistics.median(samples) for samples in taken.samples]
-        rows[provider] |= {**_spread([t for samples in taken.samples for t in samples]), "status": "ok",
-                           "rounds": rounds, "round_spread": relative_range(medians), **clock_columns(taken.clocks)}
+        pooled = [t for samples in taken.samples for t in samples]
+        rows[provider] |= {**_spread(pooled), "status": "ok", "rounds": rounds, "round_spread": relative_range(medians),
+                           **clock_columns(taken.clocks), SAMPLE_TIMES: pooled}
         rows[provider]["tflops"] = tflops(cell.flops("forward_backward"), rows[provider]["median_ms"])
     return [rows[provider] for provider in providers]
 
@@ -399,11 +482,13 @@ LEADERBOARD_ROUNDS = 5
 
 
 def leaderboard_2025_cell(device: torch.device | str = "cuda", settings: BenchSettings = BenchSettings(),
-                          rounds: int = LEADERBOARD_ROUNDS) -> list[Row]:
-    """The 2025 leaderboard's attention cell, forward+backward, for each of LEADERBOARD_2025_PROVIDERS, the
-    providers taking turns (benchmark_in_turns)."""
+                          rounds: int = LEADERBOARD_ROUNDS, adapters=None) -> list[Row]:
+    """The 2025 leaderboard's attention cell, forward+backward, for each of LEADERBOARD_2025_PROVIDERS and the
+    implementation under test's Triton Function, eager and compiled (from `adapters`), the providers taking turns
+    (benchmark_in_turns)."""
     torch.compiler.reset()  # compile the Triton Function afresh, with no earlier graphs in dynamo's caches
-    rows = benchmark_in_turns(LEADERBOARD_2025_CELL, LEADERBOARD_2025_PROVIDERS, device, rounds, settings)
+    providers = (*LEADERBOARD_2025_PROVIDERS, *under_test_providers(adapters, UNDER_TEST_KINDS))
+    rows = benchmark_in_turns(LEADERBOARD_2025_CELL, providers, device, rounds, settings, adapters)
     return [{**row, "table": "leaderboard"} for row in rows]
 
 
@@ -439,26 +524,38 @@ HOST_ISSUE_SAMPLES = 200
 
 
 def host_issue(device: torch.device | str = "cuda", cells=HOST_ISSUE_CELLS, providers=HOST_ISSUE_PROVIDERS,
-               warmup: int = HOST_ISSUE_WARMUP, samples: int = HOST_ISSUE_SAMPLES) -> list[Row]:
+               warmup: int = HOST_ISSUE_WARMUP, samples: int = HOST_ISSUE_SAMPLES, adapters=None) -> list[Row]:
     """One row per (cell, provider): the host's time to issue a forward+backward (median, p20, p80 in ms),
-    a cell's providers taking turns (timing.issue_times)."""
+    a cell's providers taking turns (timing.issue_times); the implementation under test's providers among
+    `providers` come from `adapters`."""
     device = torch.device(device)
     if device.type != "cuda":
         raise ValueError(f"host issue time is measured against a busy GPU and needs a CUDA device, got {device}")
     rows = []
     for cell in cells:
-        rows += _host_issue_cell(cell, providers, device, warmup, samples)
+        rows += _host_issue_cell(cell, providers, device, warmup, samples, adapters)
         release_memory(device)  # the cell's inputs went with its calls
     return rows
 
 
-def _host_issue_cell(cell: FlashCell, providers, device: torch.device, warmup: int, samples: int) -> list[Row]:
-    """One cell's host-issue rows, its providers taking turns."""
+def _host_issue_cell(cell: FlashCell, providers, device: torch.device, warmup: int, samples: int,
+                     adapters=None) -> list[Row]:
+    """One cell's host-issue rows, its providers taking turns. The implementation under test's providers make one
+    call first, outside the turns: one that fails there is recorded as failed and sits out."""
     inputs, grad_out = cell_inputs(cell, device)
     rows, timed, fns, contexts = [], [], [], []
     for provider in providers:
         row = {**_cell_row(cell, provider, "forward_backward", device), "table": "host_issue"}
-        forward, backend = provider_call(provider, *inputs, cell.is_causal)
+        if _under_test_kind(provider, adapters) is not None:
+            row |= implementation_columns(adapters)
+            try:
+                forward, backend = provider_call(provider, *inputs, cell.is_causal, adapters)
+                _forward_backward(forward, inputs, grad_out)
+            except Exception as error:
+                rows.append({**row, **failure_columns(error)})
+                continue
+        else:
+            forward, backend = provider_call(provider, *inputs, cell.is_causal)
         row["backend"] = None if backend is None else backend.name
         row["status"] = UNSUPPORTED if forward is None else "ok"
         rows.append(row)
@@ -471,6 +568,7 @@ def _host_issue_cell(cell: FlashCell, providers, device: torch.device, warmup: i
         for row, t in zip(timed, timings):
             row.update(_spread(t.samples_ms), timer=f"host issue ({warmup} warm-up, GPU kept busy, providers taking "
                                                      "turns)")
+            row[SAMPLE_TIMES] = list(t.samples_ms)
     return rows
 
 

@@ -7,6 +7,11 @@ renders them).
     result = launch(benchmark_fsdp, 2, ShardingBenchmarkConfig(), device="cuda")[0]
     rows, timeline = result["rows"], result["timeline"]
 
+Where `benchmark_fsdp` is given an adapters module other than this project's own (--adapters), the
+implementation under test's FSDP (its get_fsdp and fsdp_on_after_backward, fp32 as the others) is measured after
+them; its rows carry the columns that name it, a run where it raises on every rank is recorded as failed, and
+its communication is its own, not counted.
+
 Memory is probed as in cs336_systems.benchmarks.sharding (see there). Communication per step is
 counted from what each variant sends: ours from the layers it gathered in the step (each weight
 padded to a multiple of the world size; gathered in forward, and again in backward when its
@@ -37,7 +42,15 @@ import torch.distributed as dist
 from torch import nn
 
 from cs336_systems.accounting.memory import training_memory
-from cs336_systems.benchmarks.harness import LEARNING_RATE, adamw, build_model, lm_loss, random_batch
+from cs336_systems.benchmarks.harness import (
+    LEARNING_RATE,
+    UnderTest,
+    adamw,
+    adapters_in_rank,
+    build_model,
+    lm_loss,
+    random_batch,
+)
 from cs336_systems.benchmarks.sharding import (
     ShardingBenchmarkConfig,
     TrainingSetup,
@@ -57,6 +70,7 @@ from cs336_systems.model import ModelConfig
 from cs336_systems.precision import Precision
 from cs336_systems.profiling.kernels import device_profile
 from cs336_systems.profiling.timeline import COMPUTE, PHASE, Interval, intervals_from_events
+from cs336_systems.provenance import implementation_columns
 from cs336_systems.rows import Row
 from cs336_systems.timing import synchronize
 
@@ -119,6 +133,24 @@ VARIANTS = (
     (OURS, "fsdp", False, _ours(MAX_PREFETCH_LAYERS)),
     (OURS_NO_PREFETCH, "fsdp", False, _ours(0)),
 )
+# The adapter functions the implementation under test's FSDP is built and synchronised with.
+UNDER_TEST_FUNCTIONS = ("get_fsdp", "fsdp_on_after_backward")
+
+
+def under_test_variant(adapters):
+    """The implementation under test's variant, as VARIANTS' are (label, strategy, DDP buckets, builder); None
+    where it is this project's own (measured above) or lacks UNDER_TEST_FUNCTIONS."""
+    if adapters is None or adapters.is_own or adapters.missing(*UNDER_TEST_FUNCTIONS):
+        return None
+    build, finish = (adapters.function(name) for name in UNDER_TEST_FUNCTIONS)
+
+    def make(model: nn.Module, device: torch.device) -> TrainingSetup:
+        fsdp = build(model)
+        optimizer = adamw(fsdp, LEARNING_RATE, "foreach")
+        return TrainingSetup(fsdp, optimizer, lambda: optimizer_state_tensors(optimizer.state.values()),
+                             after_backward=lambda: finish(fsdp, optimizer), collectives=lambda: None)
+
+    return f"{adapters.label}: get_fsdp", "fsdp", False, make
 
 
 def _profiled(rank: int, device: torch.device) -> Callable:
@@ -172,18 +204,24 @@ def gather_readiness(intervals: list[Interval]) -> list[Row]:
     return rows
 
 
-def benchmark_fsdp(rank: int, world_size: int, cfg: ShardingBenchmarkConfig) -> dict | None:
-    """Run under launch. Rank 0 returns {"rows": [...], "timeline": intervals of the profiled step}."""
+def benchmark_fsdp(rank: int, world_size: int, cfg: ShardingBenchmarkConfig,
+                   under_test: UnderTest | None = None) -> dict | None:
+    """Run under launch. Rank 0 returns {"rows": [...], "timeline": intervals of the profiled step}. `under_test`:
+    the implementation whose FSDP is measured after the others (harness.under_test_of); None for none."""
+    adapters = adapters_in_rank(under_test)
     device = rank_device()
     rows: list[Row] = []
     timeline = None
-    for label, strategy, ddp_buckets, make_setup in VARIANTS:
+    theirs = under_test_variant(adapters)
+    for label, strategy, ddp_buckets, make_setup in (*VARIANTS, *([theirs] if theirs else [])):
+        is_theirs = theirs is not None and label == theirs[0]
         profile = _profiled(rank, device) if label == OURS else None
         stats = guarded_training(make_setup, cfg, rank, world_size, device,
-                                 estimated_peak_bytes(cfg, strategy, world_size, ddp_buckets), profile)
+                                 estimated_peak_bytes(cfg, strategy, world_size, ddp_buckets), profile, is_theirs)
         trace = stats.pop("trace", None)  # the trace stays on rank 0
         per_rank = gather_rows(stats, world_size)
-        rows.append(step_row(label, per_rank, cfg, world_size, strategy, ddp_buckets))
+        rows.append(step_row(label, per_rank, cfg, world_size, strategy, ddp_buckets,
+                             implementation_columns(adapters) if is_theirs else None))
         rows += memory_rows(label, per_rank) + communication_rows(label, per_rank, world_size)
         if trace:
             timeline = trace
@@ -192,11 +230,12 @@ def benchmark_fsdp(rank: int, world_size: int, cfg: ShardingBenchmarkConfig) -> 
     return {"rows": rows, "timeline": timeline} if rank == 0 else None
 
 
-def fsdp_problems(rank: int, world_size: int, cfg: ShardingBenchmarkConfig) -> dict | None:
+def fsdp_problems(rank: int, world_size: int, cfg: ShardingBenchmarkConfig,
+                  under_test: UnderTest | None = None) -> dict | None:
     """Run under launch: both problems from one set of ranks (starting ranks costs seconds). Rank 0
     returns {"rows": equivalence and benchmark rows, "timeline": intervals of the profiled step}."""
     equivalence = fsdp_equivalence(rank, world_size)
-    result = benchmark_fsdp(rank, world_size, cfg)
+    result = benchmark_fsdp(rank, world_size, cfg, under_test)
     return {"rows": equivalence + result["rows"], "timeline": result["timeline"]} if rank == 0 else None
 
 

@@ -25,12 +25,14 @@ from __future__ import annotations
 import gc
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, contextmanager, nullcontext
+from dataclasses import replace
 from typing import TypeVar
 
 import torch
 import torch.nn.functional as F
 
 from cs336_systems.accounting.activations import ADAMW_IMPLEMENTATIONS
+from cs336_systems.cells import failure_columns
 from cs336_systems.memory_guard import MemoryCheck, check_memory, is_out_of_memory, oom_columns
 from cs336_systems.model import ModelConfig, TransformerLM
 from cs336_systems.optimizer import AdamW
@@ -166,6 +168,28 @@ def timed_step(device: torch.device | str, samples: dict[str, list[float]] | Non
         timers.append(timer)
 
 
+# The implementation under test as a distributed benchmark's ranks receive it: its adapters module's spec (what
+# load_adapters imports again) and its label (how the process that chose it names it: a file's label is the path
+# as given there, which a rank, given the resolved path, would word differently).
+UnderTest = tuple[str, str]
+
+
+def under_test_of(adapters) -> UnderTest | None:
+    """What a launch hands its ranks of the implementation under test `adapters` (a conformance.contract.Adapters);
+    None where it is this project's own, whose implementations the benchmarks' references measure already."""
+    return None if adapters.is_own else (adapters.spec, adapters.label)
+
+
+def adapters_in_rank(under_test: UnderTest | None):
+    """The implementation under test in a rank: its adapters module imported again, named as it was chosen."""
+    if under_test is None:
+        return None
+    from cs336_systems.conformance.contract import load_adapters
+
+    spec, label = under_test
+    return replace(load_adapters(spec), label=label)
+
+
 def release_memory(device: torch.device | str) -> None:
     """Free what earlier cells left (a failed cell's tensors included) and return the allocator's cached
     blocks, so that the next cell starts from a clean pool; reset the peak counter for it."""
@@ -178,7 +202,8 @@ def release_memory(device: torch.device | str) -> None:
 
 def guarded_cell(device: torch.device | str, memory: int | Callable[[], MemoryCheck] | None,
                  measure: Callable[[Row], Rows], oom: Callable[[Row], Rows], *,
-                 let_go: Callable[[], None] | None = None, record_running_out: bool = True) -> Rows:
+                 let_go: Callable[[], None] | None = None, record_running_out: bool = True,
+                 failed: Callable[[Row], Rows] | None = None) -> Rows:
     """One benchmark cell, run only where its memory fits (cs336_systems.memory_guard): its rows, or
     its OOM rows, predicted (not run) or measured (it ran out), and the sweep goes on.
 
@@ -190,21 +215,29 @@ def guarded_cell(device: torch.device | str, memory: int | Callable[[], MemoryCh
     its OOM columns (status, oom_predicted and the estimate). After the cell `let_go`, if given, drops
     what it kept alive outside its frames (gradients, say), and memory is released again. An error
     that is not out-of-memory propagates, and so does running out with `record_running_out=False`: for a
-    cell inside collectives, where a rank that ran out alone and went on would leave its peers waiting.
+    cell inside collectives, where a rank that ran out alone and went on would leave its peers waiting. Given
+    `failed`, a cell that runs an implementation under test, whose failure is a result: an error that is not
+    out-of-memory is recorded instead, `failed(columns)` its rows, given its FAILED columns
+    (cs336_systems.cells.failure_columns).
     """
     check = memory() if callable(memory) else None if memory is None else check_memory(memory, device)
     if check is not None and not check.fits:
         return oom(oom_columns(True, check))
     release_memory(device)
-    ran_out = False
+    ran_out, failure = False, None
     try:
         rows = measure({} if check is None else check.columns())
     except Exception as error:
-        if not (record_running_out and is_out_of_memory(error)):
+        if record_running_out and is_out_of_memory(error):
+            ran_out = True
+        elif failed is not None and not is_out_of_memory(error):
+            failure = failure_columns(error)
+        else:
             raise
-        ran_out = True
     # Outside the except block: its traceback held the failed cell's frames, and their tensors, alive.
     if let_go is not None:
         let_go()
     release_memory(device)
+    if failure is not None:
+        return failed(failure)
     return oom(oom_columns(False, check)) if ran_out else rows

@@ -7,6 +7,11 @@ with how both differ from ZeRO stage 1).
 
 The training-memory probe here (`measure_training`) also serves the fsdp_accounting benchmark.
 
+Where `benchmark_optimizer_sharding` is given an adapters module other than this project's own (--adapters),
+the implementation under test's sharded optimizer (its get_sharded_optimizer, over AdamW, under torch DDP as
+ours is) is measured after the others; its rows carry the columns that name it, and a run where it raises on
+every rank is recorded as failed. Its communication is its own, and not counted.
+
 How memory is measured and broken down (GPU). After the model, wrapper and optimizer are built,
 `memory_allocated` is read (the "init" point; its peak is the highest point while building). Then,
 after the warm-up and timed steps, one more step is run with the device synchronised at its phase
@@ -36,7 +41,9 @@ from cs336_systems.accounting.memory import GIB, training_memory
 from cs336_systems.benchmarks.harness import (
     LEARNING_RATE,
     Phase,
+    UnderTest,
     adamw,
+    adapters_in_rank,
     build_model,
     guarded_cell,
     lm_loss,
@@ -48,7 +55,8 @@ from cs336_systems.distributed.sharded_optimizer import SYNC_METHODS, ShardedOpt
 from cs336_systems.memory_guard import check_memory_on_every_rank
 from cs336_systems.model import DEFAULT_SIZE_TABLE, ModelConfig
 from cs336_systems.profiling.ranges import annotate
-from cs336_systems.rows import OOM, Row
+from cs336_systems.provenance import implementation_columns
+from cs336_systems.rows import SAMPLE_TIMES, Row
 from cs336_systems.timing import STEP_TIMER, synchronize
 
 @dataclass(frozen=True)
@@ -77,13 +85,14 @@ class ShardingBenchmarkConfig:
 class TrainingSetup:
     """What a variant trains: the module forward runs on, its optimizer, what runs between backward
     and the optimizer step, this rank's optimizer-state tensors, and the collectives of one step
-    (kind -> payload bytes per rank) as known from the sizes communicated."""
+    (kind -> payload bytes per rank) as known from the sizes communicated (None where they are not known:
+    the implementation under test's own)."""
 
     module: nn.Module
     optimizer: torch.optim.Optimizer
     state_tensors: Callable[[], Iterable[torch.Tensor]]
     after_backward: Callable[[], None] | None = None
-    collectives: Callable[[], dict[str, int]] = dict
+    collectives: Callable[[], dict[str, int] | None] = dict
 
 
 def local_bytes(t: torch.Tensor) -> int:
@@ -206,6 +215,33 @@ def ddp_sharded(sync: str) -> Callable[[nn.Module, torch.device], TrainingSetup]
     return make
 
 
+UNDER_TEST_FUNCTION = "get_sharded_optimizer"
+
+
+def under_test_variant(adapters) -> tuple[str, str, Callable[[nn.Module, torch.device], TrainingSetup]] | None:
+    """The implementation under test's variant, as VARIANTS' are (label, strategy, builder): its sharded optimizer
+    over AdamW, under torch DDP; None where it is this project's own (measured above) or lacks the function."""
+    if adapters is None or adapters.is_own or adapters.missing(UNDER_TEST_FUNCTION):
+        return None
+    build = adapters.function(UNDER_TEST_FUNCTION)
+
+    def make(model: nn.Module, device: torch.device) -> TrainingSetup:
+        ddp = torch_ddp(model, device)
+        optimizer = build(ddp.parameters(), torch.optim.AdamW, lr=LEARNING_RATE)
+        return TrainingSetup(ddp, optimizer, lambda: optimizer_state_tensors(held_states(optimizer)),
+                             collectives=lambda: None)
+
+    return f"DDP + {adapters.label}: {UNDER_TEST_FUNCTION}", "optimizer_state", make
+
+
+def held_states(optimizer: torch.optim.Optimizer) -> list[dict]:
+    """The per-parameter states an optimizer holds on this rank: its own, and those of the optimizers it keeps as
+    attributes (a wrapper's, as ZeroRedundancyOptimizer's `optim`)."""
+    inner = [value for value in vars(optimizer).values()
+             if isinstance(value, torch.optim.Optimizer) and value is not optimizer]
+    return [*optimizer.state.values(), *(state for wrapped in inner for state in wrapped.state.values())]
+
+
 def _gradient_bytes(model: nn.Module) -> int:
     return sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
 
@@ -229,14 +265,15 @@ def estimated_peak_bytes(cfg: ShardingBenchmarkConfig, strategy: str, world_size
 
 
 def guarded_training(make_setup, cfg: ShardingBenchmarkConfig, rank: int, world_size: int, device: torch.device,
-                     estimated_bytes: int, profile: Callable | None = None) -> dict:
+                     estimated_bytes: int, profile: Callable | None = None, under_test: bool = False) -> dict:
     """`measure_training`, or OOM stats where the estimate does not fit on every rank (then no rank
-    runs it) or where it runs out of memory; the estimate goes with the stats either way."""
+    runs it) or where it runs out of memory, or, `under_test`, failed stats where the implementation under test
+    raises; the estimate goes with the stats either way."""
     def measure(columns: Row) -> dict:
         return measure_training(make_setup, cfg, rank, device, profile=profile) | columns
 
     return guarded_cell(device, lambda: check_memory_on_every_rank(estimated_bytes, device, world_size), measure,
-                        oom=lambda columns: columns)
+                        oom=lambda columns: columns, failed=(lambda columns: columns) if under_test else None)
 
 
 def gather_rows(stats: dict, world_size: int) -> list[dict]:
@@ -246,14 +283,16 @@ def gather_rows(stats: dict, world_size: int) -> list[dict]:
 
 
 def step_row(label: str, per_rank: list[dict], cfg: ShardingBenchmarkConfig, world_size: int, strategy: str,
-             ddp_buckets: bool) -> Row:
+             ddp_buckets: bool, implementation: Row | None = None) -> Row:
     """One variant's row: time (over ranks and steps), peak memory (the largest rank's), the memory
-    model's prediction beside it, and communication per rank and step."""
+    model's prediction beside it, and communication per rank and step (where known); with the columns that
+    name the implementation under test, for its variant."""
     row: Row = {"table": "step", "variant": label, **asdict(cfg), "world_size": world_size,
-                "backend": dist.get_backend()}
-    oom = next((stats for stats in per_rank if stats["status"] == OOM), None)
-    if oom is not None:
-        return {**row, **oom}
+                "backend": dist.get_backend(), **(implementation or {})}
+    # A variant that ran out of memory, or failed, on any rank did not run.
+    missed = next((stats for stats in per_rank if stats["status"] != "ok"), None)
+    if missed is not None:
+        return {**row, **missed}
     steps = [x for stats in per_rank for x in stats["step_ms"]]
     optimizer = [x for stats in per_rank for x in stats["optimizer_ms"]]
     row.update(status="ok", timer=STEP_TIMER, step_ms=statistics.fmean(steps),
@@ -265,16 +304,18 @@ def step_row(label: str, per_rank: list[dict], cfg: ShardingBenchmarkConfig, wor
         row["peak_gib"] = max(peaks)
     row["model_peak_gib"] = estimated_peak_bytes(cfg, strategy, world_size, ddp_buckets) / GIB
     collectives = per_rank[0]["collectives"]
-    row["communicated_bytes"] = sum(collectives.values())
-    row["ring_bytes_sent_per_rank"] = sum(
-        bytes_sent_per_device("all_reduce" if kind.startswith("all_reduce") else "all_gather", payload, world_size)
-        for kind, payload in collectives.items())
+    if collectives is not None:
+        row["communicated_bytes"] = sum(collectives.values())
+        row["ring_bytes_sent_per_rank"] = sum(
+            bytes_sent_per_device("all_reduce" if kind.startswith("all_reduce") else "all_gather", payload, world_size)
+            for kind, payload in collectives.items())
+    row[SAMPLE_TIMES] = steps
     return row
 
 
 def memory_rows(label: str, per_rank: list[dict]) -> list[Row]:
     """The memory points of the rank with the highest peak (ranks differ little; sharded state can)."""
-    if any(stats["status"] == OOM for stats in per_rank):
+    if any(stats["status"] != "ok" for stats in per_rank):
         return []
     rank = max(range(len(per_rank)), key=lambda r: max(p.get("peak_gib") or 0 for p in per_rank[r]["memory"]
                                                         if p["point"] != "init"))
@@ -282,7 +323,7 @@ def memory_rows(label: str, per_rank: list[dict]) -> list[Row]:
 
 
 def communication_rows(label: str, per_rank: list[dict], world_size: int) -> list[Row]:
-    if any(stats["status"] == OOM for stats in per_rank):
+    if any(stats["status"] != "ok" for stats in per_rank) or per_rank[0]["collectives"] is None:
         return []
     return [{"table": "communication", "variant": label, "collective": kind, "payload_bytes": payload,
              "ring_bytes_sent_per_rank": bytes_sent_per_device(
@@ -290,22 +331,30 @@ def communication_rows(label: str, per_rank: list[dict], world_size: int) -> lis
             for kind, payload in per_rank[0]["collectives"].items()]
 
 
-def benchmark_optimizer_sharding(rank: int, world_size: int, cfg: ShardingBenchmarkConfig) -> list[Row]:
-    """Run under launch. Rank 0 returns the rows of every variant."""
+def benchmark_optimizer_sharding(rank: int, world_size: int, cfg: ShardingBenchmarkConfig,
+                                 under_test: UnderTest | None = None) -> list[Row]:
+    """Run under launch. Rank 0 returns the rows of every variant. `under_test`: the implementation whose sharded
+    optimizer is measured after the others (harness.under_test_of); None for none."""
+    adapters = adapters_in_rank(under_test)
     device = rank_device()
     rows: list[Row] = []
-    for label, strategy, make_setup in VARIANTS:
-        stats = guarded_training(make_setup, cfg, rank, world_size, device,
-                                 estimated_peak_bytes(cfg, strategy, world_size, ddp_buckets=True))
+    theirs = under_test_variant(adapters)
+    for label, strategy, make_setup in (*VARIANTS, *([theirs] if theirs else [])):
+        is_theirs = theirs is not None and label == theirs[0]
+        estimated_bytes = estimated_peak_bytes(cfg, strategy, world_size, ddp_buckets=True)
+        stats = guarded_training(make_setup, cfg, rank, world_size, device, estimated_bytes, under_test=is_theirs)
         per_rank = gather_rows(stats, world_size)
-        rows.append(step_row(label, per_rank, cfg, world_size, strategy, ddp_buckets=True))
+        rows.append(step_row(label, per_rank, cfg, world_size, strategy, ddp_buckets=True,
+                             implementation=implementation_columns(adapters) if is_theirs else None))
         rows += memory_rows(label, per_rank) + communication_rows(label, per_rank, world_size)
     return rows if rank == 0 else []
 
 
-def optimizer_sharding_problems(rank: int, world_size: int, cfg: ShardingBenchmarkConfig) -> list[Row]:
+def optimizer_sharding_problems(rank: int, world_size: int, cfg: ShardingBenchmarkConfig,
+                                under_test: UnderTest | None = None) -> list[Row]:
     """Run under launch: both problems' rows from one set of ranks (starting ranks costs seconds)."""
-    return sharded_optimizer_equivalence(rank, world_size) + benchmark_optimizer_sharding(rank, world_size, cfg)
+    return (sharded_optimizer_equivalence(rank, world_size)
+            + benchmark_optimizer_sharding(rank, world_size, cfg, under_test))
 
 
 # ------------------------------------------------------------------------------------ correctness

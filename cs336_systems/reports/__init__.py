@@ -39,7 +39,7 @@ from tabulate import tabulate
 
 from cs336_systems.checks import is_finite, is_positive_finite
 from cs336_systems.provenance import PACKAGE_ROOT, package_source_hash
-from cs336_systems.rows import LONG_COLUMNS, OOM, Row, from_long, to_long
+from cs336_systems.rows import LONG_COLUMNS, OOM, Row, from_long, to_long, without_samples
 
 Reports = dict[str, list[Row]]  # report name -> its rows, for the reports of a problem that exist
 # A cell the memory model said would not fit was never started: tables say so, not just OOM.
@@ -476,6 +476,15 @@ def timing_lines(rows: Iterable[Row]) -> list[str]:
     return ["- timing: " + "; ".join(timers) + note]
 
 
+def implementation_lines(rows: Iterable[Row]) -> list[str]:
+    """"- implementation under test: ..." for each implementation under test (an adapters module, --adapters) whose
+    rows stand beside the references', with its source hash (cs336_systems.provenance.implementation_columns)."""
+    named = dict.fromkeys((str(r["implementation"]), r.get("implementation_source")) for r in rows
+                          if r.get("implementation"))
+    return [f"- implementation under test: {label}" + (f" (source {source})" if source else "")
+            for label, source in named]
+
+
 def software_line(runs: Sequence[RunRecord]) -> str:
     """The software the runs measured with: one list, or one per run where they differ."""
     described = {i: run.software_text for i, run in enumerate(runs, 1)}
@@ -492,7 +501,7 @@ def run_line(number: int, run: RunRecord) -> str:
 def header(metadata: Metadata, rows: Iterable[Row] = ()) -> str:
     """The report's title and provenance, from its metadata; the model-size lines from its rows."""
     lines = [f"# {metadata.problem}", "", f"- device: {metadata.device}", software_line(metadata.runs)]
-    lines += model_size_lines(rows) + timing_lines(rows)
+    lines += model_size_lines(rows) + timing_lines(rows) + implementation_lines(rows)
     lines += [run_line(i, run) for i, run in enumerate(metadata.runs, 1)]
     if not metadata.on_gpu:
         lines.append(CPU_NOTE)
@@ -532,10 +541,11 @@ def write_report(report: Report, rows: list[Row], report_dir: Path | str, comman
     """Render `rows` with the report's renderer and write its .md, .csv, .meta.json and figures.
 
     For a report with a key, rows of earlier runs on the same device that this run did not measure
-    again are kept (see `Report`).
+    again are kept (see `Report`). A row's samples are not written (cs336_systems.rows.without_samples).
     """
     report_dir = Path(report_dir)
     problem, key = report.name, report.key
+    rows = [without_samples(row) for row in rows]
     metadata = Metadata(problem, device_description(device), _on_cuda(device), (this_run(command),))
     csv_path, sidecar = report_dir / f"{problem}.csv", metadata_path(report_dir, problem)
     if key:

@@ -12,7 +12,7 @@ import functools
 import torch
 
 from cs336_systems.accounting.ddp import ddp_overhead_s, optimal_bucket_bytes, optimal_num_buckets, pipelined_overhead_s
-from cs336_systems.benchmarks.ddp import TORCH_DDP_METHODS
+from cs336_systems.benchmarks.ddp import TORCH_DDP_METHODS, UNDER_TEST_METHODS
 from cs336_systems.distributed.ddp import BYTES_PER_MB, assign_buckets
 from cs336_systems.gpus import GB
 from cs336_systems.model import ModelConfig, TransformerLM
@@ -28,7 +28,7 @@ from cs336_systems.reports import (
     select,
     size_table_of,
 )
-from cs336_systems.rows import OOM, Row, ok_rows
+from cs336_systems.rows import FAILED, OOM, Row, ok_rows
 
 # The unit of BucketedDDP's bucket_size_mb (BYTES_PER_MB bytes: mebibytes, as torch DDP's bucket_cap_mb counts), in
 # which the reports write bucket sizes; gradient bytes and bandwidths are in the package's decimal units (GB = 10^9
@@ -69,7 +69,7 @@ def _step_table(rows: list[Row], methods: tuple[str, ...]) -> str:
     table = []
     for r in _steps(rows, *methods):
         if r["status"] != "ok":
-            table.append({"variant": r["variant"], "step": OOM})
+            table.append({"variant": r["variant"], "step": missed_text(r)})
             continue
         communication = r.get("profiled_communication_ms")
         table.append({
@@ -83,6 +83,17 @@ def _step_table(rows: list[Row], methods: tuple[str, ...]) -> str:
             "peak GiB": r.get("peak_memory_gib"),
         })
     return markdown_table(table)
+
+
+def missed_text(row: Row) -> str:
+    """A step that did not run, as a table shows it: OOM, or the implementation under test's failure with its
+    error."""
+    return f"{FAILED}: {row.get('error')}" if row["status"] == FAILED else OOM
+
+
+def _variants_of(rows: list[Row], *methods: str) -> tuple[str, ...]:
+    """The variants of `methods` among the step rows, in their order."""
+    return tuple(r["variant"] for r in _steps(rows, *methods))
 
 
 def _timeline_links(rows: list[Row], variants: tuple[str, ...]) -> str:
@@ -166,9 +177,14 @@ def _overlap_sentence(r: Row) -> str:
             f"{r['gradient_sync_ms']:.1f} ms left after backward.")
 
 
+# The implementation under test's wrappers that overlap per parameter, as overlap_individual does: the 2025 and the
+# 2026 adapter functions.
+UNDER_TEST_INDIVIDUAL = ("get_ddp_individual_parameters", "get_ddp")
+
+
 def render_overlap_individual_benchmarking(rows: list[Row]) -> Rendered:
     methods = ("local", "naive", "flat", "overlap_individual")
-    parts = [_setup(rows), _step_table(rows, methods)]
+    parts = [_setup(rows), _step_table(rows, (*methods, *UNDER_TEST_INDIVIDUAL))]
     measured = {r["method"]: r for r in ok_rows(_steps(rows, *methods))}
     if "overlap_individual" in measured:
         ranked = sorted((r for m, r in measured.items() if m != "local"), key=lambda r: r["step_ms"])
@@ -180,7 +196,8 @@ def render_overlap_individual_benchmarking(rows: list[Row]) -> Rendered:
                  "compute kernels, and communication (NCCL kernels on their own stream, or gloo's work on CPU). "
                  "They stand in for the handout's Nsight Systems screenshots, since Nsight Systems cannot write "
                  "reports on the machines measured here.\n"
-                 + _timeline_links(rows, ("naive", "overlap_individual")))
+                 + _timeline_links(rows, ("naive", "overlap_individual",
+                                          *_variants_of(rows, *UNDER_TEST_INDIVIDUAL))))
     return Rendered("\n".join(parts))
 
 
@@ -284,7 +301,8 @@ def _targets(rows: list[Row]) -> str:
 
 def render_bucketed_benchmarking(rows: list[Row]) -> Rendered:
     methods = ("local", "naive", "flat", "overlap_individual", "bucketed", *TORCH_DDP_METHODS)
-    parts = [_setup(rows), "## (a) Time per step by bucket size\n", _step_table(rows, methods), _targets(rows)]
+    parts = [_setup(rows), "## (a) Time per step by bucket size\n",
+             _step_table(rows, (*methods, *UNDER_TEST_METHODS)), _targets(rows)]
     measured = ok_rows(_steps(rows, *methods))
     bucketed = [r for r in measured if r["method"] == "bucketed"]
     others = {r["method"]: r for r in measured if r["method"] != "bucketed"}
@@ -302,7 +320,7 @@ def render_bucketed_benchmarking(rows: list[Row]) -> Rendered:
         parts.append(" ".join(text) + "\n")
     parts.append(_model_section(rows))
     parts.append("## Timelines (one profiled step on rank 0)\n"
-                 + _timeline_links(rows, tuple(r["variant"] for r in _steps(rows, "bucketed", *TORCH_DDP_METHODS))))
+                 + _timeline_links(rows, _variants_of(rows, "bucketed", *TORCH_DDP_METHODS, *UNDER_TEST_METHODS)))
     return Rendered("\n".join(parts))
 
 

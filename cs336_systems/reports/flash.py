@@ -18,6 +18,7 @@ from cs336_systems.benchmarks.flash import (
     PROVIDER_LABELS,
     SEQ_LENS,
     median_ratio,
+    provider_label,
 )
 from cs336_systems.reports import (
     Rendered,
@@ -32,9 +33,21 @@ from cs336_systems.reports import (
     select,
 )
 from cs336_systems.reports.flash_in_training import answer_flash_in_training
-from cs336_systems.rows import OOM, Row, ok_rows, ran
+from cs336_systems.rows import FAILED, OOM, Row, ok_rows, ran
 
 RATIO_PAIRS = (("naive", "flash_triton"), ("sdpa", "flash_triton"))
+
+
+def _providers_in(rows: list[Row]) -> list[str]:
+    """The providers `rows` measured: this project's and the references in PROVIDER_LABELS' order, then the
+    implementation under test's, in the order measured."""
+    measured = dict.fromkeys(r["provider"] for r in rows)
+    return [p for p in PROVIDER_LABELS if p in measured] + [p for p in measured if p not in PROVIDER_LABELS]
+
+
+def _under_test(rows: list[Row]) -> list[str]:
+    """The implementation under test's providers among `rows`."""
+    return [p for p in _providers_in(rows) if p not in PROVIDER_LABELS]
 
 
 def _time_cell(row: Row | None) -> str:
@@ -62,17 +75,19 @@ def _index(rows: list[Row]) -> dict[tuple, Row]:
 
 def _sweep_table(rows: list[Row], precision: str, mode: str) -> str:
     index = _index(rows)
-    providers = [p for p in PROVIDER_LABELS if any(r["provider"] == p for r in rows)]
+    providers = _providers_in(rows)
+    # Each provider's time over Triton's: the naive and SDPA references', and the implementation under test's.
+    pairs = RATIO_PAIRS + tuple((p, "flash_triton") for p in _under_test(rows))
     table = []
     for d, n in sorted({(r["head_dim"], r["seq_len"]) for r in rows
                         if r["precision"] == precision and r["mode"] == mode}):
         cell = {p: index.get((precision, mode, d, n, p)) for p in providers}
         entry = {"d": d, "N": n}
-        entry |= {f"{PROVIDER_LABELS[p]} (ms)": _time_cell(cell[p]) for p in providers}
-        for slow, fast in RATIO_PAIRS:
+        entry |= {f"{provider_label(p)} (ms)": _time_cell(cell[p]) for p in providers}
+        for slow, fast in pairs:
             if slow in cell and fast in cell:
-                entry[f"{PROVIDER_LABELS[slow]} / {PROVIDER_LABELS[fast]}"] = _ratio_cell(cell[slow], cell[fast])
-        entry |= {f"{PROVIDER_LABELS[p]} TFLOP/s": f"{cell[p]['tflops']:.3g}" if ran(cell[p]) else ""
+                entry[f"{provider_label(slow)} / {provider_label(fast)}"] = _ratio_cell(cell[slow], cell[fast])
+        entry |= {f"{provider_label(p)} TFLOP/s": f"{cell[p]['tflops']:.3g}" if ran(cell[p]) else ""
                   for p in providers if p != "naive"}
         table.append(entry)
     return markdown_table(table)
@@ -220,11 +235,11 @@ def _leaderboard_section(rows: list[Row]) -> str:
     measured = [x for x in rows if ran(x)]
     in_turns = any(x.get("rounds") for x in measured)
     clocked = any(x.get("power_capped_share") is not None for x in measured)
-    table = [{"provider": PROVIDER_LABELS[x["provider"]], "backend": x.get("backend") or "",
+    table = [{"provider": provider_label(x["provider"]), "backend": x.get("backend") or "",
               "median (ms)": _time_cell(x), "TFLOP/s": f"{x['tflops']:.3g}" if ran(x) else ""}
              | ({"turns' medians spread": f"{x['round_spread']:.1%}" if ran(x) else ""} if in_turns else {})
              | ({"power-capped (NVML)": f"{x['power_capped_share']:.0%}" if ran(x) else ""} if clocked else {})
-             | {f"time / {PROVIDER_LABELS[y['provider']]}": _ratio_cell(x, y) for y in measured}
+             | {f"time / {provider_label(y['provider'])}": _ratio_cell(x, y) for y in measured}
              for x in rows]
     how = (f"the providers in turns over {max(x['rounds'] for x in measured)} shuffled rounds (median of all samples)"
            if in_turns else "one run")
@@ -245,12 +260,12 @@ def _plot(rows: list[Row], precision: str):
     for i, mode in enumerate(MODES):
         for j, d in enumerate(head_dims):
             ax = axes[i][j]
-            for provider in [p for p in PROVIDER_LABELS if any(r["provider"] == p for r in rows)]:
+            for provider in _providers_in(rows):
                 line = sorted((r for r in rows if (r["provider"], r["mode"], r["head_dim"]) == (provider, mode, d)
                                and ran(r)), key=lambda r: r["seq_len"])
                 if line:
                     ax.plot([r["seq_len"] for r in line], [r["median_ms"] for r in line], marker="o", markersize=3,
-                            label=PROVIDER_LABELS[provider])
+                            label=provider_label(provider))
             ax.set_xscale("log", base=2)
             ax.set_yscale("log")
             ax.set_title(f"{MODE_LABELS[mode]}, d={d}", fontsize="small")
@@ -269,21 +284,21 @@ def _plot(rows: list[Row], precision: str):
 def _host_issue_section(rows: list[Row]) -> str:
     if not rows:
         return ""
-    providers = [p for p in PROVIDER_LABELS if any(r["provider"] == p for r in rows)]
+    providers = _providers_in(rows)
     table = []
     for shape in dict.fromkeys((r["batch_size"], r["n_heads"], r["seq_len"], r["head_dim"]) for r in rows):
         cell = {r["provider"]: r for r in rows if (r["batch_size"], r["n_heads"], r["seq_len"], r["head_dim"]) == shape}
         entry = {"batch x heads x N x d": " x ".join(map(str, shape))}
         for p in providers:
             row = cell.get(p)
-            entry[f"{PROVIDER_LABELS[p]} (us)"] = (
+            entry[f"{provider_label(p)} (us)"] = (
                 noisy_marked(f"{row['median_ms'] * 1e3:.0f} [{row['p20_ms'] * 1e3:.0f}-{row['p80_ms'] * 1e3:.0f}]",
                              percentiles_noisy(row)) if ran(row) else (row or {}).get("status", ""))
-        for ours in ("flash_triton", "flash_triton_op"):
+        for ours in ("flash_triton", "flash_triton_op", *_under_test(rows)):
             for sdpa in ("sdpa_cudnn", "sdpa_flash"):
                 ratio = _ratio_cell(cell.get(ours), cell.get(sdpa), ".2f")
                 if ratio:
-                    entry[f"{PROVIDER_LABELS[ours]} / {PROVIDER_LABELS[sdpa]}"] = ratio
+                    entry[f"{provider_label(ours)} / {provider_label(sdpa)}"] = ratio
         table.append(entry)
     r = rows[0]
     return (f"## Host time to issue forward+backward\n\n{r['precision']}, causal; the host's time per call, median "
@@ -295,7 +310,7 @@ def _gate_section(rows: list[Row]) -> str:
     if not rows:
         return ""
     cell = GATE_CELL
-    table = [{"provider": PROVIDER_LABELS[r["provider"]], "backend": r.get("backend") or "",
+    table = [{"provider": provider_label(r["provider"]), "backend": r.get("backend") or "",
               "median (ms)": _time_cell(r)} for r in rows]
     measured = {r["provider"]: r for r in rows}
     ratios = "; ".join(f"{provider} / triton " + (_ratio_cell(measured.get(provider), measured.get("flash_triton"))
@@ -319,6 +334,17 @@ def _sources(rows: list[Row]) -> str:
             + "; ".join(f"run {run}: {', '.join(sorted(hashes))}" for run, hashes in runs) + ".\n")
 
 
+def _failures_section(rows: list[Row]) -> str:
+    """The cells where the implementation under test failed, each with its error; "" where none did."""
+    failed = [r for r in rows if r.get("status") == FAILED]
+    if not failed:
+        return ""
+    table = [{"table": r["table"], "provider": r["provider"], "precision": r["precision"], "d": r["head_dim"],
+              "N": r["seq_len"], "mode": MODE_LABELS.get(r["mode"], r["mode"]), "error": r.get("error") or ""}
+             for r in failed]
+    return "## Failures of the implementation under test\n\n" + markdown_table(table)
+
+
 def render_flash_benchmarking(rows: list[Row]) -> Rendered:
     sweep = [r for r in rows if r.get("table") == "sweep"]
     parts, figures = [_sources(rows)], {}
@@ -340,6 +366,7 @@ def render_flash_benchmarking(rows: list[Row]) -> Rendered:
     parts.append(_leaderboard_section([r for r in rows if r.get("table") == "leaderboard"]))
     parts.append(_gate_section([r for r in rows if r.get("table") == "gate"]))
     parts.append(_host_issue_section([r for r in rows if r.get("table") == "host_issue"]))
+    parts.append(_failures_section(rows))
     return Rendered("\n".join(p for p in parts if p), figures=figures)
 
 
