@@ -19,8 +19,8 @@ perf: $(STAMP)
 	$(PYTHON) -m pytest perf/
 
 # On a CUDA machine: every test in one process, compute-sanitizer on the FlashAttention launch paths, and
-# the record CPU CI checks (reports/<gpu>/gpu_check.json). PYTHON=python3 runs these GPU targets with a
-# Python that already has torch and triton, without setting up .venv.
+# the record CPU CI checks (reports/<gpu>/gpu_check/, one file per code checked). PYTHON=python3 runs these
+# GPU targets with a Python that already has torch and triton, without setting up .venv.
 GPU_SETUP := $(if $(filter $(VENV)/bin/python,$(PYTHON)),$(STAMP))
 gpu-check: $(GPU_SETUP)
 	$(PYTHON) -m cs336_systems.gpu_check

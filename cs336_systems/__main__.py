@@ -8,6 +8,7 @@
     python -m cs336_systems autocast-dtypes
     python -m cs336_systems analysis
     python -m cs336_systems index --reports elsewhere/reports
+    python -m cs336_systems rerender
 """
 
 from __future__ import annotations
@@ -202,6 +203,19 @@ def _cmd_index(args) -> None:
         print(path)
 
 
+def _cmd_rerender(args) -> None:
+    from cs336_systems.reports import metadata_path, rerender
+    from cs336_systems.reports.index import INDEX_COMMAND, write_indexes
+    from cs336_systems.reports.problems import report
+
+    reports_root, command = _reports_root(args, INDEX_COMMAND, must_exist=True)
+    for csv in sorted(reports_root.glob("*/*.csv")):
+        if metadata_path(csv.parent, csv.stem).is_file():
+            print(rerender(csv.parent, report(csv.stem)))
+    for path in write_indexes(reports_root, command):
+        print(path)
+
+
 def _reports_root(args, command: str, must_exist: bool):
     """The reports' root a command writes to, and the command as its files record it: `--reports` only where it
     was given (the default is the repository's `reports/`, from any folder). A given root must be a folder, or
@@ -295,6 +309,12 @@ def build_parser() -> argparse.ArgumentParser:
                                 "(and <reports>/cpu/README.md where a CPU run left reports)")
     index.add_argument("--reports", default=None, help=f"the reports' root directory (default: {REPORTS_ROOT_HELP})")
     index.set_defaults(run=_cmd_index)
+
+    rerender = commands.add_parser("rerender", help="write every device report's Markdown and figures again from its "
+                                   "rows and metadata, then the index: after an edit on a measured path, their "
+                                   "headers mark the runs it leaves on earlier code")
+    rerender.add_argument("--reports", default=None, help=f"the reports' root directory (default: {REPORTS_ROOT_HELP})")
+    rerender.set_defaults(run=_cmd_rerender)
     return parser
 
 

@@ -4,8 +4,9 @@ A perf test measures two times in one run and declares their ratio (A's time ove
 ratio above 1 means B is faster). Each gate states its promise: the least ratio its test guarantees
 (1.0 for "B is faster than A"; `within(0.05)` for "B takes at most 5% longer than A").
 `perf/baselines/<gpu>.json` holds the ratio measured when the baseline was last accepted. A gate
-fails below its floor, the higher of two bounds: the promise, and the baseline less its tolerance.
-Recording a baseline only raises it, unless a lower ratio is accepted as a regression.
+fails below its floor, the higher of two bounds: the promise, and the baseline less its tolerance. The
+promise is judged on every GPU, with a baseline file or without one; a recorded baseline only adds its
+floor. Recording a baseline only raises it, unless a lower ratio is accepted as a regression.
 """
 
 from __future__ import annotations
@@ -66,25 +67,32 @@ class GateResult:
         """Whether the ratio holds its floor; a gate with no baseline does not pass."""
         return self.baseline is not None and self.measured >= self.floor
 
-    def message(self, path: Path) -> str:
-        """The verdict, the ratio, and each bound it fell below or holds."""
+    def message(self, path: Path, baseline_file: bool = True) -> str:
+        """The verdict, the ratio, and each bound it fell below or holds; without a `baseline_file` at `path`, the
+        promise is the only bound, and a missing entry no failure."""
         bounds = [(f"the promise {self.promise:.3g} its test states", self.broke_promise)]
         if self.baseline is not None:
             bounds.append((f"the baseline {self.baseline.ratio:.3g} less its {self.baseline.tolerance:.0%} tolerance, "
                            f"{self.baseline.floor:.3g}", self.regressed))
+        no_entry = self.baseline is None and baseline_file
         verdict = ", ".join(v for v, fails in (("BROKEN PROMISE", self.broke_promise), ("REGRESSION", self.regressed),
-                                               ("NO BASELINE", self.baseline is None)) if fails) or "ok"
+                                               ("NO BASELINE", no_entry)) if fails) or "ok"
         failed = [bound for bound, fails in bounds if fails]
         held = [bound for bound, fails in bounds if not fails]
         said = [f"{verb} {' and '.join(listed)}" for verb, listed in (("is below", failed), ("holds", held)) if listed]
-        where = (f"{path} has no entry for it (--update-baselines records one)" if self.baseline is None
-                 else str(path))
+        if not baseline_file:
+            where = f"no baseline file {path} adds a floor (--update-baselines writes one)"
+        elif self.baseline is None:
+            where = f"{path} has no entry for it (--update-baselines records one)"
+        else:
+            where = str(path)
         return f"{verdict}: {self.name} ratio {self.measured:.3g} {'; '.join(said)}; {where}"
 
 
-def no_baseline_file(path: Path) -> str:
-    """Why a gate does not run on a device that has never recorded baselines."""
-    return f"speed-up gate not run: no baseline file {path} for this device (--update-baselines writes one)"
+def no_gpu(path: Path) -> str:
+    """Why a gate does not run on a CPU run without a baseline file: there is no GPU whose speed-up it could judge."""
+    return (f"speed-up gate not run: a CPU run, whose times say nothing of a GPU's speed-ups, and no baseline file "
+            f"{path} (on a GPU the promise is judged without one)")
 
 
 def speedup_ratio(slow_ms: float, fast_ms: float) -> float:
@@ -130,17 +138,19 @@ class Verdict:
 class SpeedupGates:
     """The gates of one run against the baseline file at `path`, read once when the run starts.
 
-    A gate's floor is the higher of its test's promise and the baseline less its tolerance. It fails
-    below the floor, naming the bound that failed, when the file has no entry for the gate, and when
-    either time is None (a variant that ran out of memory or errored gates nothing, so it cannot pass);
-    it is skipped, saying why, when the device has no baseline file. With `update` (--update-baselines) it
-    records the ratio instead: a broken promise is never recorded, one past tolerance below the baseline
-    only with `accept_regression`, and a lower one within tolerance leaves the recorded ratio as it was
-    (and gates against it) unless `accept_regression`.
+    A gate's floor is the higher of its test's promise and the baseline less its tolerance. On a GPU the
+    promise is judged with or without a baseline file: the gate fails below the floor, naming the bound that
+    failed, when the file exists and has no entry for the gate, and when either time is None (a variant that ran
+    out of memory or errored gates nothing, so it cannot pass). A CPU run (`on_gpu` False) without a baseline
+    file skips its gates, saying why: a CPU's times say nothing of a GPU's speed-ups. With `update`
+    (--update-baselines) it records the ratio instead: a broken promise is never recorded, one past tolerance
+    below the baseline only with `accept_regression`, and a lower one within tolerance leaves the recorded ratio
+    as it was (and gates against it) unless `accept_regression`.
     """
 
-    def __init__(self, path: Path, update: bool = False, accept_regression: bool = False):
+    def __init__(self, path: Path, on_gpu: bool, update: bool = False, accept_regression: bool = False):
         self.path = path
+        self.on_gpu = on_gpu
         self.update = update
         self.accept_regression = accept_regression
         self._recorded = load_baselines(path)
@@ -150,13 +160,15 @@ class SpeedupGates:
         """The verdict on `name`'s ratio slow_ms / fast_ms; `note` (the variants' statuses, say) is added
         to a failure's message."""
         noted = f" ({note})" if note else ""
+        baseline_file = self.path.exists()
+        if not (self.on_gpu or baseline_file or self.update):
+            return Verdict(None if slow_ms is None or fast_ms is None else speedup_ratio(slow_ms, fast_ms),
+                           skip=no_gpu(self.path))
         if slow_ms is None or fast_ms is None:
             unmeasured = [side for side, ms in (("slower", slow_ms), ("faster", fast_ms)) if ms is None]
-            if self.update or self.path.exists():
-                have = "variants have" if len(unmeasured) > 1 else "variant has"
-                return Verdict(None, failure=f"{name}: the {' and '.join(unmeasured)} {have} no time, so the gate "
-                                             f"cannot hold{noted}")
-            return Verdict(None, skip=no_baseline_file(self.path))
+            have = "variants have" if len(unmeasured) > 1 else "variant has"
+            return Verdict(None, failure=f"{name}: the {' and '.join(unmeasured)} {have} no time, so the gate "
+                                         f"cannot hold{noted}")
         ratio = speedup_ratio(slow_ms, fast_ms)
         result = check(name, ratio, self._recorded, promise)
         if self.update:
@@ -166,10 +178,9 @@ class SpeedupGates:
                 return Verdict(ratio, failure=f"refusing to record {result.message(self.path)}; pass "
                                               "--accept-regression to record it")
             return Verdict(ratio, record=ratio_to_record(result, self.accept_regression))
-        if not self.path.exists():
-            return Verdict(ratio, skip=no_baseline_file(self.path))
-        if not result.passed:
-            return Verdict(ratio, failure=result.message(self.path) + noted)
+        holds = not result.broke_promise if not baseline_file else result.passed
+        if not holds:
+            return Verdict(ratio, failure=result.message(self.path, baseline_file) + noted)
         return Verdict(ratio)
 
 

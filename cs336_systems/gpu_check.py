@@ -1,8 +1,11 @@
 """GPU evidence that CPU CI can check: on a CUDA machine, run the whole test suite in one process (an
 illegal memory access poisons the process, so no other worker can hide it), compute-sanitizer memcheck on
 the tests that reach every FlashAttention launch path, and racecheck on the split forward, whose programs
-merge each other's results; then write reports/<gpu>/gpu_check.json (and a Markdown twin) with the
-device, versions, date, command, counts and the hash of the GPU source that was tested.
+merge each other's results; then write a record of it, reports/<gpu>/gpu_check/<source>-<checked>.json (and
+a Markdown twin): the device, versions, date, command, the suite's test files and what each run ran of them,
+the package source tested, the FlashAttention GPU source within it, and the measured code of every report
+(what a perf run of that report on the same source measures, cs336_systems.provenance). One record per GPU
+kind and code checked (record_path): the folder is the history of the checks.
 
     python -m cs336_systems.gpu_check                        # or: make gpu-check
     python -m cs336_systems.gpu_check --parts memcheck,racecheck
@@ -13,14 +16,17 @@ Most of a cold run is compiling kernels (a few hundred, seconds each): the parts
 parallel, which fills Triton's on-disk cache, and then the one-process runs (the suite or its shards, and
 each sanitizer) run side by side.
 
-`problems(record, source_hash)` says what is wrong with a record as evidence for the current source;
-the command prints it when it ends.
+`problems(record, kind, test_files)` says what is wrong with a record kept for GPU kind `kind` as evidence of
+the code it tested; the command prints it when it ends. `kernel_problems` says whether the current
+FlashAttention source has such a record on a Hopper GPU (what a kernel change needs to land), and
+`unbacked_runs` which of a report's runs measured code that no clean record of its GPU kind tested.
 """
 
 from __future__ import annotations
 
 import argparse
 import datetime as dt
+import hashlib
 import json
 import os
 import re
@@ -30,11 +36,23 @@ import sys
 import tempfile
 import time
 import xml.etree.ElementTree as ElementTree
+from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor, as_completed
 from pathlib import Path
 from typing import Any
 
-RECORD_NAME = "gpu_check"
+from cs336_systems.gpus import device_slug
+
+RECORD_NAME = "gpu_check"  # the folder of a GPU kind's records, reports/<gpu>/gpu_check/
+# The GPU kinds whose check lands a change to the FlashAttention source: Hopper, where the kernels load through
+# tensor descriptors (TMA) and their tile table is tuned; a check elsewhere leaves those paths untested.
+KERNEL_CHECK_KINDS = ("h100", "h200")
+# What a record must name of the software it ran: the versions of the code under test and of the GPU's stack.
+VERSIONS = ("python", "torch", "triton", "cuda", "driver")
+UNKNOWN_VERSIONS = ("", "unknown", "not installed", "none (CPU build)")
+# Runs dated before this recorded the package source they measured but not their measured code; git history gave
+# them theirs once (cs336_systems.reports.RunRecord.measured_code_from says how). A later run records its own.
+MEASURED_CODE_RECORDED_SINCE = "2026-12-02 00:00 UTC"
 # The tests that check the committed record and the rows measured on the GPU source: a run for a new source
 # is what replaces them, so they would fail in it by design (and so keep any record from being clean).
 EVIDENCE_TESTS = "test_gpu_evidence.py"
@@ -55,23 +73,38 @@ RACECHECK_TESTS = ("tests/test_flash_triton.py", "-k", "every_launch_path and sp
 SANITIZER_TOOLS = {"memcheck": MEMCHECK_TESTS, "racecheck": RACECHECK_TESTS}
 
 
+OUTCOMES = ("passed", "failed", "errors", "skipped")
+
+
 def parse_junit(path: Path) -> dict[str, Any]:
-    """Counts of a pytest JUnit XML file, the ids of failed tests and the reasons tests were skipped."""
-    counts = {"passed": 0, "failed": 0, "errors": 0, "skipped": 0}
-    failures, skip_reasons = [], {}
+    """Counts of a pytest JUnit XML file, the ids of failed tests, the reasons tests were skipped, and the counts of
+    each test file (`test_files`, by its path from the repository's root)."""
+    counts = dict.fromkeys(OUTCOMES, 0)
+    failures, skip_reasons, by_file = [], {}, {}
     for case in ElementTree.parse(path).getroot().iter("testcase"):
         test_id = f"{case.get('classname')}::{case.get('name')}"
         outcome = next((child for child in case if child.tag in ("failure", "error", "skipped")), None)
         if outcome is None:
-            counts["passed"] += 1
+            kind = "passed"
         elif outcome.tag == "skipped":
-            counts["skipped"] += 1
+            kind = "skipped"
             reason = (outcome.get("message") or "").removeprefix("Skipped: ")
             skip_reasons[reason] = skip_reasons.get(reason, 0) + 1
         else:
-            counts["failed" if outcome.tag == "failure" else "errors"] += 1
+            kind = "failed" if outcome.tag == "failure" else "errors"
             failures.append(test_id)
-    return {**counts, "failures": failures, "skip_reasons": skip_reasons}
+        counts[kind] += 1
+        file_counts = by_file.setdefault(junit_test_file(case.get("classname") or ""), dict.fromkeys(OUTCOMES, 0))
+        file_counts[kind] += 1
+    return {**counts, "failures": failures, "skip_reasons": skip_reasons, "test_files": dict(sorted(by_file.items()))}
+
+
+def junit_test_file(classname: str) -> str:
+    """The test file a JUnit classname names: "tests.test_a.TestB" -> "tests/test_a.py" (the module is the last
+    part that starts "test_"; a class's name starts "Test")."""
+    parts = classname.split(".")
+    modules = [i for i, part in enumerate(parts) if part.startswith("test_")]
+    return "/".join(parts[:modules[-1] + 1]) + ".py" if modules else classname
 
 
 # The line compute-sanitizer prints, after its "========= " prefix, as each process it watched exits.
@@ -93,41 +126,6 @@ def sanitizer_error_count(output: str, tool: str) -> int | None:
     else:
         counts = [int(errors) for errors in ERROR_SUMMARY.findall(output)]
     return sum(counts) if counts else None
-
-
-# An error's first line, after compute-sanitizer's "========= " prefix ("Invalid __global__ read of size 2 bytes",
-# "Program hit cudaErrorIllegalAddress ..."), and the indented lines under it that say where ("at
-# _attn_fwd_inner+0x1a30 in kernels.py:212") and why ("Address 0x7f3a5c000800 is out of bounds").
-_ERROR_HEADLINE = re.compile(r"^={9} (?!ERROR SUMMARY|RACECHECK SUMMARY|COMPUTE-SANITIZER)(\S.*)$")
-_ERROR_PLACE = re.compile(r"^={9} {2,}at (.+)$")
-_ERROR_ADDRESS = re.compile(r"^={9} {2,}Address \S+ (.+)$")
-
-
-def sanitizer_errors(output: str) -> list[str]:
-    """The distinct errors compute-sanitizer printed in `output`, most frequent first, each as its first line,
-    where it was (kernel and source line) and what was wrong with the address, with how often it occurred."""
-    counts: dict[str, int] = {}
-    headline = place = reason = None
-
-    def close() -> None:
-        if headline is not None:
-            text = headline + (f" at {place}" if place else "") + (f": {reason}" if reason else "")
-            counts[text] = counts.get(text, 0) + 1
-
-    for line in output.splitlines():
-        if match := _ERROR_PLACE.match(line):
-            place = place or match[1]
-        elif match := _ERROR_ADDRESS.match(line):
-            reason = reason or match[1]
-        elif match := _ERROR_HEADLINE.match(line):
-            close()
-            headline, place, reason = match[1], None, None
-        elif not line.startswith("========="):
-            close()
-            headline = None
-    close()
-    ranked = sorted(counts.items(), key=lambda item: -item[1])
-    return [text + (f" ({count} times)" if count > 1 else "") for text, count in ranked]
 
 
 # A run that takes longer than this is stopped and recorded as an error rather than left hanging.
@@ -154,7 +152,7 @@ def _pytest(arguments: tuple[str, ...], junit: Path, prefix: tuple[str, ...] = (
     output = log.read_text(errors="replace")
     sys.stdout.write(output[-6000:] + "\n")
     summary = parse_junit(junit) if junit.exists() else {"passed": 0, "failed": 0, "errors": 1, "skipped": 0,
-                                                          "failures": [ending], "skip_reasons": {}}
+                                                          "failures": [ending], "skip_reasons": {}, "test_files": {}}
     pytest_command = _shell_prefix(environment) + " ".join(("python -m pytest", *arguments))
     return {"command": pytest_command, "seconds": round(time.monotonic() - started), **summary}, output
 
@@ -178,34 +176,43 @@ def shard(part: str) -> tuple[int, int] | None:
     return int(match[1]), int(match[2])
 
 
+def suite_test_files(tests_dir: Path = Path("tests")) -> tuple[str, ...]:
+    """The suite's test files, by name (the evidence tests left out): what a record's runs must cover."""
+    return tuple(str(path) for path in sorted(tests_dir.glob("test_*.py")) if path.name != EVIDENCE_TESTS)
+
+
 def shard_files(k: int, n: int, tests_dir: Path = Path("tests")) -> tuple[str, ...]:
     """The test files of run K of N: every N-th file, by name, from the K-th (the evidence tests left out)."""
-    files = sorted(path for path in tests_dir.glob("test_*.py") if path.name != EVIDENCE_TESTS)
-    return tuple(str(path) for path in files[k - 1::n])
+    return suite_test_files(tests_dir)[k - 1::n]
 
 
-def run_checks(parts: tuple[str, ...] = PARTS, earlier: dict[str, Any] | None = None,
-               save=lambda record: None, log_dir: Path | None = None, warm_up: bool = True) -> dict[str, Any]:
-    """Run `parts` here (the suite in one process, whole or a shard, each sanitizer on its subset); the record
-    (see module docstring), handed to `save` after each part, keeping the parts of `earlier` not run
-    again when it tested the same source on the same device. Without `warm_up`, the parts start at once,
-    on the kernels an earlier run left in Triton's cache."""
+def new_record() -> dict[str, Any]:
+    """The record of a check on this machine of the code here, before any run: the device, versions, date,
+    command, the package source and the FlashAttention source within it, the suite's test files and the measured
+    code of every report a perf module writes (see module docstring)."""
     import torch
 
     from cs336_systems.attention.flash_triton import source_hash
+    from cs336_systems.provenance import package_source_hash
     from cs336_systems.reports import device_description, software_versions
+    from cs336_systems.reports.problems import MEASURED_BY, measured_code
 
     if not torch.cuda.is_available():
         raise SystemExit("gpu_check needs a CUDA GPU; none is visible here")
+    return {"device": device_description("cuda"), **software_versions(), "driver": _driver_version(),
+            "date": dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+            "command": "python -m cs336_systems.gpu_check", "source": package_source_hash(),
+            "kernel_source": source_hash(), "test_files": list(suite_test_files()),
+            "measured_code": {name: measured_code(name) for name in sorted(MEASURED_BY)}, "runs": {}}
+
+
+def run_checks(parts: tuple[str, ...], record: dict[str, Any], save=lambda record: None,
+               log_dir: Path | None = None, warm_up: bool = True) -> dict[str, Any]:
+    """Run `parts` here (the suite in one process, whole or a shard, each sanitizer on its subset) into `record`'s
+    runs, handing it to `save` after each part. Without `warm_up`, the parts start at once, on the kernels an
+    earlier run left in Triton's cache."""
     if shutil.which("compute-sanitizer") is None and set(parts) & set(SANITIZER_TOOLS):
         raise SystemExit("gpu_check needs compute-sanitizer (part of the CUDA toolkit) on the PATH")
-    record: dict[str, Any] = {"device": device_description("cuda"), **software_versions(),
-                              "driver": _driver_version(),
-                              "date": dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
-                              "command": "python -m cs336_systems.gpu_check", "source_hash": source_hash(),
-                              "runs": {}}
-    if earlier and all(earlier.get(k) == record[k] for k in ("device", "source_hash", "torch", "triton")):
-        record["runs"] = dict(earlier.get("runs", {}))
     with tempfile.TemporaryDirectory() as temporary:
         if log_dir is not None:
             log_dir.mkdir(parents=True, exist_ok=True)
@@ -252,14 +259,24 @@ def _driver_version() -> str:
     return result.stdout.strip().splitlines()[0] if result.returncode == 0 and result.stdout.strip() else "unknown"
 
 
-def problems(record: dict[str, Any], current_hash: str) -> list[str]:
-    """What makes `record` fail as evidence for the source whose hash is `current_hash` (empty if nothing)."""
+def problems(record: dict[str, Any], kind: str, test_files: Sequence[str] | None = None) -> list[str]:
+    """What makes `record`, kept in reports/<kind>/, fail as evidence of the code it tested (empty if nothing): a
+    device of another kind; versions it does not name; a missing run, a failed test, a sanitizer finding or no
+    sanitizer summary; a test file of `test_files` (the suite's files at the record's own source where None) that
+    none of its suite's runs ran, or a run that names more test files than it ran tests."""
     found = []
-    if record.get("source_hash") != current_hash:
-        found.append(f"it tested GPU source {record.get('source_hash')}, not the current {current_hash}: "
-                     "run `make gpu-check` on a CUDA machine and commit its record")
+    device = str(record.get("device", ""))
+    device_kind = device_slug(re.sub(r"^\d+ x ", "", device))
+    if device_kind != kind:
+        found.append(f"it ran on {device or 'an unnamed device'} ({device_kind}), not on the {kind} whose folder "
+                     "keeps it")
+    unnamed = [name for name in VERSIONS if str(record.get(name, "")).strip() in UNKNOWN_VERSIONS]
+    if unnamed:
+        found.append(f"it does not name the {', '.join(unnamed)} version{'s' if len(unnamed) > 1 else ''} of a CUDA "
+                     "run")
     runs = record.get("runs", {})
-    for name in evidence_runs(runs):
+    evidence = evidence_runs(runs)
+    for name in evidence:
         run = runs.get(name)
         if not run:
             found.append(f"no {name} run in the record")
@@ -275,6 +292,107 @@ def problems(record: dict[str, Any], current_hash: str) -> list[str]:
         elif name in SANITIZER_TOOLS and run["sanitizer_errors"]:
             found.append(f"{name}: compute-sanitizer reported {run['sanitizer_errors']} "
                          + ("hazards" if name == "racecheck" else "errors"))
+    return found + _test_list_problems(record, [name for name in evidence if name not in SANITIZER_TOOLS],
+                                       test_files)
+
+
+def _test_list_problems(record: dict[str, Any], suite_runs: list[str], test_files: Sequence[str] | None) -> list[str]:
+    """Which of the suite's test files the record's suite runs left out, and runs that ran fewer tests than the
+    files they name (one test a shard, say). A run names its files with their counts (from its JUnit XML), or,
+    in a record from before runs counted them, with None."""
+    expected = test_files if test_files is not None else record.get("test_files")
+    if expected is None:
+        return ["it does not name the suite's test files, so which tests ran cannot be checked"]
+    found, ran = [], set()
+    for name in suite_runs:
+        run = record.get("runs", {}).get(name)
+        if not run:
+            continue
+        files = run.get("test_files") or {}
+        if not files:
+            found.append(f"{name}: it does not name the test files it ran")
+        counted = {file: counts for file, counts in files.items() if counts is not None}
+        empty = sorted(file for file, counts in counted.items() if not sum(counts.values()))
+        if empty:
+            found.append(f"{name}: no test of {', '.join(empty)} ran")
+        outcomes = sum(run.get(outcome, 0) for outcome in OUTCOMES)
+        if outcomes < len(files):
+            found.append(f"{name}: {outcomes} tests ran over {len(files)} test files, so some file ran none")
+        ran |= {file for file in files if file not in empty}
+    missing = sorted(set(expected) - ran)
+    if missing:
+        found.append(f"its suite's runs left out {len(missing)} of the suite's {len(expected)} test files: "
+                     f"{', '.join(missing[:6])}{' and more' if len(missing) > 6 else ''}")
+    return found
+
+
+def records(kind_dir: Path) -> list[dict[str, Any]]:
+    """The records kept for a GPU kind (reports/<kind>/gpu_check/*.json), oldest first."""
+    paths = sorted((kind_dir / RECORD_NAME).glob("*.json"))
+    return sorted((json.loads(path.read_text()) for path in paths), key=lambda record: record.get("date", ""))
+
+
+# What a record checked: a record with the same values checked the same code with the same software, and a later
+# check of it adds its runs there; any other is a record of its own.
+CHECKED = ("source", "kernel_source", "measured_code", "test_files", "python", "torch", "triton", "cuda")
+
+
+def record_path(kind_dir: Path, record: dict[str, Any]) -> Path:
+    """Where a record kept for a GPU kind goes: named by its package source and a hash of the rest of what it
+    checked (CHECKED), so that no check of other code or software overwrites it."""
+    checked = json.dumps({key: record.get(key) for key in CHECKED[1:]}, sort_keys=True)
+    return kind_dir / RECORD_NAME / f"{record['source']}-{hashlib.sha256(checked.encode()).hexdigest()[:8]}.json"
+
+
+def kernel_problems(records_by_kind: dict[str, list[dict[str, Any]]], kernel_source: str,
+                    test_files: Sequence[str]) -> list[str]:
+    """Empty where a record of a KERNEL_CHECK_KINDS GPU is clean evidence of the FlashAttention source
+    `kernel_source` that ran the suite's `test_files` (what a change to that source needs to land); else what
+    each record of that source lacks, or that there is none."""
+    found = []
+    for kind in KERNEL_CHECK_KINDS:
+        for record in records_by_kind.get(kind, []):
+            if record.get("kernel_source") != kernel_source:
+                continue
+            lacking = problems(record, kind, test_files)
+            if not lacking:
+                return []
+            found.append(f"{record_path(Path('reports') / kind, record).as_posix()}: {'; '.join(lacking)}")
+    return found or [f"no record of an {' or '.join(KERNEL_CHECK_KINDS)} check of the FlashAttention source "
+                     f"{kernel_source}: run `make gpu-check` on one and commit its record"]
+
+
+def unbacked_runs(report_dir: Path, report: str, kind_records: list[dict[str, Any]]) -> list[str]:
+    """The runs of the report at reports/<kind>/<report> whose rows no clean record of that GPU kind backs, one line
+    each. A run that recorded its measured code needs a clean record of the same measured code for its report,
+    run with the same torch and triton. A run from before runs recorded it is held to the rule it was measured
+    under: its rows that name the FlashAttention source they measured (source_hash) need a clean record of
+    that source."""
+    from cs336_systems.reports import Metadata, metadata_path, read_rows, run_of
+
+    kind = report_dir.name
+    clean = [record for record in kind_records if not problems(record, kind)]
+    metadata = Metadata.read(metadata_path(report_dir, report))
+    rows = read_rows(report_dir / f"{report}.csv")
+    found = []
+    tested_kernels = {record.get("kernel_source") for record in clean}
+    for number, run in enumerate(metadata.runs, 1):
+        if run.measured_code_from is None:
+            if not any(record.get("measured_code", {}).get(report) == run.measured_code
+                       and all(record.get(name) == run.software.get(name) for name in ("torch", "triton"))
+                       for record in clean):
+                found.append(f"run {number} ({run.date}) measured code {run.measured_code} with torch "
+                             f"{run.software.get('torch')}, triton {run.software.get('triton')}, which no clean "
+                             f"{kind} record tested")
+        elif run.date >= MEASURED_CODE_RECORDED_SINCE:
+            found.append(f"run {number} ({run.date}) says how its measured code was found, as only runs from before "
+                         f"{MEASURED_CODE_RECORDED_SINCE} do: a run records its own")
+        else:
+            kernels = {str(row["source_hash"]) for row in rows if run_of(row) == number and row.get("source_hash")}
+            untested = sorted(kernels - tested_kernels)
+            if untested:
+                found.append(f"run {number} ({run.date}) measured FlashAttention source {', '.join(untested)}, which "
+                             f"no clean {kind} record tested")
     return found
 
 
@@ -298,22 +416,27 @@ def evidence_runs(runs: dict[str, Any]) -> list[str]:
     return [*tests, *SANITIZER_TOOLS]
 
 
-def render(record: dict[str, Any]) -> str:
-    """The record as Markdown, for people."""
+def render(record: dict[str, Any], kind: str) -> str:
+    """The record, kept for GPU kind `kind`, as Markdown, for people."""
+    test_files = record.get("test_files")
     lines = [f"# {RECORD_NAME}", "", f"- device: {record['device']}",
              f"- software: python {record['python']}, torch {record['torch']}, triton {record['triton']}, "
              f"cuda {record['cuda']}, driver {record['driver']}",
              f"- date: {record['date']}", f"- command: `{record['command']}`",
-             f"- FlashAttention GPU source: {record['source_hash']}", "",
-             "| run | command | passed | failed | errors | skipped | sanitizer errors | seconds |",
-             "|---|---|---|---|---|---|---|---|"]
+             f"- package source: {record.get('source') or 'not recorded'}",
+             f"- FlashAttention GPU source: {record['kernel_source']}",
+             f"- the suite's test files: {len(test_files) if test_files is not None else 'not recorded'}"]
+    if record.get("migrated"):
+        lines.append(f"- migrated: {record['migrated']}")
+    lines += ["", "| run | command | passed | failed | errors | skipped | sanitizer errors | seconds |",
+              "|---|---|---|---|---|---|---|---|"]
     runs = list(record["runs"].items())
     for name, run in runs:
         lines.append(f"| {name} | `{run['command']}` | {run['passed']} | {run['failed']} | {run['errors']} | "
                      f"{run['skipped']} | {run.get('sanitizer_errors', '')} | {run['seconds']} |")
     evidence = evidence_runs(record["runs"])
-    found = problems(record, record["source_hash"])
-    lines += ["", "As evidence for its source: " + ("; ".join(found) if found else "clean") + "."]
+    found = problems(record, kind)
+    lines += ["", "As evidence of the code it tested: " + ("; ".join(found) if found else "clean") + "."]
     notes = []
     for name, run in runs:
         evidence_failures = _evidence_test_failures(run)
@@ -330,8 +453,7 @@ def render(record: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def load_record(report_dir: Path) -> dict[str, Any] | None:
-    path = report_dir / f"{RECORD_NAME}.json"
+def load_record(path: Path) -> dict[str, Any] | None:
     return json.loads(path.read_text()) if path.exists() else None
 
 
@@ -339,10 +461,11 @@ def main(argv: list[str] | None = None) -> int:
     from cs336_systems.gpus import resolve_gpu
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--report-dir", default="reports", help="the record goes to REPORT_DIR/<gpu>/")
+    parser.add_argument("--report-dir", default="reports",
+                        help=f"the record goes to REPORT_DIR/<gpu>/{RECORD_NAME}/, one file for each code checked")
     parser.add_argument("--parts", default=",".join(PARTS),
                         help=f"comma-separated subset of {', '.join(PARTS)} (default all), or tests:K/N for the "
-                             "K-th of N one-process runs that share the test files; a record of the same source "
+                             "K-th of N one-process runs that share the test files; a record of the same code "
                              "keeps the parts not run again")
     parser.add_argument("--log-dir", type=Path, help="keep each run's output (PART.log) and JUnit XML here")
     parser.add_argument("--no-warm-up", action="store_true",
@@ -353,16 +476,18 @@ def main(argv: list[str] | None = None) -> int:
     if not parts or any(part not in PARTS and shard(part) is None for part in parts):
         parser.error(f"--parts: choose from {', '.join(PARTS)} or tests:K/N (1 <= K <= N), got {args.parts!r}")
     slug, _ = resolve_gpu("auto")
-    out = Path(args.report_dir) / slug
-    out.mkdir(parents=True, exist_ok=True)
+    record = new_record()
+    path = record_path(Path(args.report_dir) / slug, record)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    record["runs"] = (load_record(path) or {}).get("runs", {})  # an earlier check of the same: its parts stay
 
     def save(record):
-        (out / f"{RECORD_NAME}.json").write_text(json.dumps(record, indent=1) + "\n")
-        (out / f"{RECORD_NAME}.md").write_text(render(record))
+        path.write_text(json.dumps(record, indent=1) + "\n")
+        path.with_suffix(".md").write_text(render(record, slug))
 
-    record = run_checks(parts, load_record(out), save, args.log_dir, warm_up=not args.no_warm_up)
-    found = problems(record, record["source_hash"])
-    print(f"wrote {out / RECORD_NAME}.json and .md" + "".join(f"\n  problem: {p}" for p in found))
+    run_checks(parts, record, save, args.log_dir, warm_up=not args.no_warm_up)
+    found = problems(record, slug)
+    print(f"wrote {path} and .md" + "".join(f"\n  problem: {p}" for p in found))
     return 1 if found else 0
 
 

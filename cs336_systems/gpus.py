@@ -75,6 +75,12 @@ def slugify(device_name: str) -> str:
     return re.sub(r"[^a-z0-9]+", "-", device_name.lower()).strip("-")
 
 
+def device_slug(device_name: str) -> str:
+    """The report directory of a CUDA device name: its table entry's slug, else the name made path-safe."""
+    spec = spec_for_device_name(device_name)
+    return spec.slug if spec else slugify(device_name)
+
+
 def resolve_gpu(choice: str) -> tuple[str, GpuSpec | None]:
     """Map a --gpu choice to (report slug, spec).
 
@@ -92,8 +98,7 @@ def resolve_gpu(choice: str) -> tuple[str, GpuSpec | None]:
         if not torch.cuda.is_available():
             return "cpu", None
         device_name = torch.cuda.get_device_name()
-        spec = spec_for_device_name(device_name)
-        return (spec.slug, spec) if spec else (slugify(device_name), None)
+        return device_slug(device_name), spec_for_device_name(device_name)
     if choice not in GPU_SPECS:
         known = ", ".join(["auto", "none", *GPU_SPECS])
         raise ValueError(f"unknown GPU {choice!r}; choose one of {known}")

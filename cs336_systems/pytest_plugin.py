@@ -276,7 +276,8 @@ def speedup_gate(run_settings):
     from cs336_systems.baselines import SpeedupGates
     from cs336_systems.reports.staging import stage_ratio
 
-    gates = SpeedupGates(run_settings.baseline_path, run_settings.update_baselines, run_settings.accept_regression)
+    gates = SpeedupGates(run_settings.baseline_path, run_settings.on_gpu, run_settings.update_baselines,
+                         run_settings.accept_regression)
 
     def gate(name: str, slow_ms: float | None, fast_ms: float | None, *, promise: float, note: str = "") -> float:
         verdict = gates.judge(name, slow_ms, fast_ms, promise, note)

@@ -103,25 +103,26 @@ def test_a_distributed_gate_keeps_a_baseline_per_world_size():
     assert not baselines.check(four, 1.0, {two: Baseline(1.0)}, promise=0.9).passed  # no baseline at 4 ranks
 
 
-def _gates(tmp_path, recorded: dict[str, float] | None, update=False, accept_regression=False):
+def _gates(tmp_path, recorded: dict[str, float] | None, update=False, accept_regression=False, on_gpu=True):
     path = tmp_path / "h100.json"
     if recorded is not None:
         baselines.update_baselines(path, recorded, "test device")
-    return baselines.SpeedupGates(path, update, accept_regression)
+    return baselines.SpeedupGates(path, on_gpu, update, accept_regression)
 
 
-@pytest.mark.parametrize(("recorded", "update", "verdict"), [
-    ({"g": 1.0}, False, "fail"),  # a baseline to hold, and nothing to hold it with
-    ({}, True, "fail"),  # nothing to record
-    (None, False, "skip"),  # a device that never recorded baselines gates nothing
+@pytest.mark.parametrize(("recorded", "update", "on_gpu", "verdict"), [
+    ({"g": 1.0}, False, True, "fail"),  # a baseline to hold, and nothing to hold it with
+    ({}, True, True, "fail"),  # nothing to record
+    (None, False, True, "fail"),  # a GPU without a baseline file still has a promise to hold
+    (None, False, False, "skip"),  # a CPU run without a baseline file gates nothing
 ])
-def test_a_gate_whose_variant_did_not_run_cannot_pass(tmp_path, recorded, update, verdict):
-    judged = _gates(tmp_path, recorded, update).judge("g", None, 2.0, promise=1.0, note="naive: OOM")
+def test_a_gate_whose_variant_did_not_run_cannot_pass(tmp_path, recorded, update, on_gpu, verdict):
+    judged = _gates(tmp_path, recorded, update, on_gpu=on_gpu).judge("g", None, 2.0, promise=1.0, note="naive: OOM")
     assert judged.ratio is None and judged.record is None
     if verdict == "fail":
         assert judged.failure == "g: the slower variant has no time, so the gate cannot hold (naive: OOM)"
     else:
-        assert judged.failure is None and judged.skip.startswith("speed-up gate not run: no baseline file")
+        assert judged.failure is None and judged.skip.startswith("speed-up gate not run: a CPU run")
 
 
 def test_a_gate_passes_fails_or_is_skipped_by_its_floor_and_the_baseline_file(tmp_path):
@@ -129,7 +130,21 @@ def test_a_gate_passes_fails_or_is_skipped_by_its_floor_and_the_baseline_file(tm
     assert gates.judge("g", 10.0, 2.0, promise=1.0) == baselines.Verdict(5.0)
     assert gates.judge("g", 10.0, 4.0, promise=1.0).failure.startswith("REGRESSION: g ratio 2.5")
     assert gates.judge("new", 10.0, 2.0, promise=1.0).failure.startswith("NO BASELINE: new ratio 5")
-    assert _gates(tmp_path / "elsewhere", None).judge("g", 10.0, 2.0, promise=1.0).skip is not None
+    assert _gates(tmp_path / "elsewhere", None, on_gpu=False).judge("g", 10.0, 2.0, promise=1.0).skip is not None
+
+
+def test_on_a_gpu_without_a_baseline_file_the_promise_is_still_judged(tmp_path):
+    gates = _gates(tmp_path / "b200", None)  # a GPU kind that never recorded baselines
+    broken = gates.judge("g", 1.0, 2.0, promise=1.0)  # ratio 0.5 against a promise of 1
+    assert broken.skip is None and broken.failure == (
+        f"BROKEN PROMISE: g ratio 0.5 is below the promise 1 its test states; no baseline file "
+        f"{tmp_path / 'b200' / 'h100.json'} adds a floor (--update-baselines writes one)")
+    assert gates.judge("g", 3.0, 2.0, promise=1.0) == baselines.Verdict(1.5)  # held: passes, no floor to add
+
+
+def test_a_recorded_baseline_only_adds_its_floor_to_the_promise(tmp_path):
+    broken = _gates(tmp_path, {"g": 0.4}).judge("g", 1.0, 2.0, promise=1.0)  # far above the baseline's floor
+    assert broken.failure.startswith("BROKEN PROMISE: g ratio 0.5 is below the promise 1")
 
 
 @pytest.mark.parametrize(("accept_regression", "failure", "record"), [

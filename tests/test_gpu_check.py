@@ -8,23 +8,32 @@ import pytest
 from cs336_systems import gpu_check
 
 
+SUITE = ("tests/test_a.py", "tests/test_b.py")
+
+
 def _run(**changes):
     return {"command": "python -m pytest", "passed": 10, "failed": 0, "errors": 0, "skipped": 1, "failures": [],
-            "skip_reasons": {"needs 2 CUDA GPUs, 1 present": 1}, "seconds": 5, **changes}
+            "skip_reasons": {"needs 2 CUDA GPUs, 1 present": 1}, "seconds": 5,
+            "test_files": {"tests/test_a.py": {"passed": 4, "failed": 0, "errors": 0, "skipped": 1},
+                           "tests/test_b.py": {"passed": 6, "failed": 0, "errors": 0, "skipped": 0}}, **changes}
 
 
-def _record(source_hash="abc", **runs):
+VERSIONS = {"python": "3.12.3", "torch": "2.11.0+cu130", "triton": "3.6.0", "cuda": "13.0", "driver": "580.159.04"}
+
+
+def _record(kernel_source="abc", device="NVIDIA H100 80GB HBM3", **runs):
     clean = {"tests": _run()}
     clean |= {tool: _run(sanitizer_errors=0) for tool in gpu_check.SANITIZER_TOOLS}
-    return {"source_hash": source_hash, "runs": {name: run for name, run in (clean | runs).items() if run}}
+    return {"device": device, **VERSIONS, "source": "s1", "kernel_source": kernel_source, "test_files": list(SUITE),
+            "measured_code": {"naive_ddp": "m1"}, "runs": {name: run for name, run in (clean | runs).items() if run}}
 
 
-def test_a_clean_record_of_the_current_source_has_no_problems():
-    assert gpu_check.problems(_record(), "abc") == []
+def test_a_clean_record_has_no_problems():
+    assert gpu_check.problems(_record(), "h100") == []
+    assert gpu_check.problems(_record(device="2 x NVIDIA H100 80GB HBM3"), "h100") == []
 
 
 @pytest.mark.parametrize(("record", "problem"), [
-    (_record(source_hash="old"), "tested GPU source old, not the current abc"),
     (_record(tests=_run(failed=2, failures=["tests/x.py::test_a"])), "tests: 2 failed"),
     (_record(tests=_run(errors=1)), "tests: 0 failed, 1 errors"),
     (_record(tests=_run(passed=0)), "tests: no test passed"),
@@ -33,9 +42,62 @@ def test_a_clean_record_of_the_current_source_has_no_problems():
     (_record(racecheck=_run(sanitizer_errors=2)), "racecheck: compute-sanitizer reported 2 hazards"),
     (_record(racecheck=_run(sanitizer_errors=None)), "racecheck: compute-sanitizer printed no summary"),
     (_record(racecheck=None), "no racecheck run in the record"),
-], ids=["stale source", "failed tests", "errors", "nothing passed", "no tests", "sanitizer errors", "racecheck hazards", "no sanitizer summary", "missing racecheck"])
+], ids=["failed tests", "errors", "nothing passed", "no tests", "sanitizer errors", "racecheck hazards",
+        "no sanitizer summary", "missing racecheck"])
 def test_a_record_that_is_no_evidence_says_why(record, problem):
-    assert any(problem in found for found in gpu_check.problems(record, "abc"))
+    assert any(problem in found for found in gpu_check.problems(record, "h100"))
+
+
+@pytest.mark.parametrize(("device", "kind"), [("NVIDIA A100-SXM4-80GB", "h100"), ("NVIDIA H100 80GB HBM3", "h200"),
+                                              ("NVIDIA H200", "h100"), ("", "h100")])
+def test_a_record_of_one_gpu_kind_in_another_kinds_folder_is_refused(device, kind):
+    found = gpu_check.problems(_record(device=device), kind)
+    assert len(found) == 1 and f"not on the {kind} whose folder keeps it" in found[0]
+
+
+@pytest.mark.parametrize(("name", "value"), [("driver", "unknown"), ("cuda", "none (CPU build)"), ("torch", ""),
+                                             ("triton", "not installed")])
+def test_a_record_that_does_not_name_its_versions_is_refused(name, value):
+    assert gpu_check.problems(_record() | {name: value}, "h100") == [
+        f"it does not name the {name} version of a CUDA run"]
+
+
+def test_a_record_whose_runs_left_out_a_test_file_of_the_suite_is_incomplete():
+    record = _record()
+    assert gpu_check.problems(record, "h100", (*SUITE, "tests/test_c.py")) == [
+        "its suite's runs left out 1 of the suite's 3 test files: tests/test_c.py"]
+    # Without a list given, the record is held to its own source's: a file it names that no run ran.
+    found = gpu_check.problems(record | {"test_files": [*SUITE, "tests/test_c.py"]}, "h100")
+    assert found == ["its suite's runs left out 1 of the suite's 3 test files: tests/test_c.py"]
+    assert any("does not name the suite's test files" in f
+               for f in gpu_check.problems({k: v for k, v in record.items() if k != "test_files"}, "h100"))
+
+
+def test_a_run_that_ran_fewer_tests_than_the_files_it_names_is_incomplete():
+    # One test passed in a shard of two files, as a record edited to look clean would say it; a run from before
+    # runs counted their files names its files only, and its total is what can be checked.
+    one_test = _run(passed=1, skipped=0, test_files=dict.fromkeys(SUITE))
+    assert gpu_check.problems(_record(tests=one_test), "h100") == [
+        "tests: 1 tests ran over 2 test files, so some file ran none"]
+    forged = _run(test_files={"tests/test_a.py": _run()["test_files"]["tests/test_a.py"],
+                              "tests/test_b.py": dict.fromkeys(gpu_check.OUTCOMES, 0)})
+    assert gpu_check.problems(_record(tests=forged), "h100") == [
+        "tests: no test of tests/test_b.py ran",
+        "its suite's runs left out 1 of the suite's 2 test files: tests/test_b.py"]
+
+
+def test_the_kernel_source_lands_with_a_clean_record_of_it_on_either_hopper_gpu_and_the_current_test_list():
+    h200 = _record(device="NVIDIA H200")
+    assert gpu_check.kernel_problems({"h200": [h200]}, "abc", SUITE) == []
+    assert gpu_check.kernel_problems({"h100": [_record("old")], "h200": [h200]}, "abc", SUITE) == []
+    assert gpu_check.kernel_problems({"h100": [_record("old")]}, "abc", SUITE) == [
+        "no record of an h100 or h200 check of the FlashAttention source abc: run `make gpu-check` on one and "
+        "commit its record"]
+    stale_list = gpu_check.kernel_problems({"h200": [h200]}, "abc", (*SUITE, "tests/test_c.py"))
+    assert stale_list == [f"{gpu_check.record_path(Path('reports/h200'), h200).as_posix()}: its suite's runs left out 1 of the suite's 3 test files: "
+                          "tests/test_c.py"]
+    a100 = _record(device="NVIDIA A100-SXM4-80GB")
+    assert "no record of an h100 or h200 check" in gpu_check.kernel_problems({"a100": [a100]}, "abc", SUITE)[0]
 
 
 # What compute-sanitizer prints around a pytest run: its banner, the tests' output, what it found, and a
@@ -93,18 +155,6 @@ def test_each_tools_summary_line_is_read_in_all_its_forms(tool, output, count):
     assert gpu_check.sanitizer_error_count(output, tool) == count
 
 
-def test_each_memcheck_error_is_named_by_its_first_line_place_and_reason_most_frequent_first():
-    second = ("========= Invalid __global__ write of size 4 bytes\n=========     at dq_kernel+0x90 in kernels.py:480\n"
-              "=========     by thread (1,0,0) in block (0,0,0)\n=========     Address 0x7f00 is misaligned\n")
-    output = MEMCHECK_ERRORS.replace("=========\n========= ERROR", f"=========\n{second}{second}========= ERROR")
-    output += "========= Program hit cudaErrorLaunchFailure (error 719) on CUDA API call to cudaFree.\n"
-    assert gpu_check.sanitizer_errors(output) == [
-        "Invalid __global__ write of size 4 bytes at dq_kernel+0x90 in kernels.py:480: is misaligned (2 times)",
-        "Invalid __global__ read of size 2 bytes at _attn_fwd_inner+0x1a30 in kernels.py:212: is out of bounds",
-        "Program hit cudaErrorLaunchFailure (error 719) on CUDA API call to cudaFree."]
-    assert gpu_check.sanitizer_errors(CLEAN_MEMCHECK) == []
-
-
 def test_junit_counts_outcomes_failures_and_skip_reasons(tmp_path):
     junit = tmp_path / "tests.xml"
     junit.write_text("""<?xml version="1.0"?><testsuites><testsuite>
@@ -118,6 +168,12 @@ def test_junit_counts_outcomes_failures_and_skip_reasons(tmp_path):
         "passed": 1, "failed": 1, "errors": 1, "skipped": 1}
     assert summary["failures"] == ["tests.test_a::test_bad", "tests.test_a::test_broken"]
     assert summary["skip_reasons"] == {"needs 2 CUDA GPUs, 1 present": 1}
+    assert summary["test_files"] == {"tests/test_a.py": {"passed": 1, "failed": 1, "errors": 1, "skipped": 1}}
+
+
+def test_a_junit_classname_names_its_test_file():
+    assert gpu_check.junit_test_file("tests.test_flash_triton") == "tests/test_flash_triton.py"
+    assert gpu_check.junit_test_file("tests.test_plugin.TestGates") == "tests/test_plugin.py"
 
 
 def test_shards_deal_every_test_file_but_the_evidence_tests_into_exactly_one_run():
@@ -153,38 +209,38 @@ def test_the_whole_suite_run_leaves_out_the_tests_of_the_record_it_replaces():
 def test_failures_of_the_evidence_tests_count_for_nothing_and_others_still_do():
     evidence_test = "tests.test_gpu_evidence::test_committed_gpu_check_record_is_a_clean_run_of_the_current_source[h100]"
     only_evidence = _record(tests=_run(failed=1, failures=[evidence_test]))
-    assert gpu_check.problems(only_evidence, "abc") == []
-    assert "1 failed tests checked the committed record" in gpu_check.render(_rendered(only_evidence))
+    assert gpu_check.problems(only_evidence, "h100") == []
+    assert "1 failed tests checked the committed record" in gpu_check.render(_rendered(only_evidence), "h100")
     also_another = _record(tests=_run(failed=1, errors=1, failures=[evidence_test, "tests.test_a::test_b"]))
-    assert gpu_check.problems(also_another, "abc") == ["tests: 1 failed, 1 errors (tests.test_a::test_b)"]
+    assert gpu_check.problems(also_another, "h100") == ["tests: 1 failed, 1 errors (tests.test_a::test_b)"]
 
 
 def test_a_run_outside_the_evidence_is_shown_but_counts_for_nothing():
     record = _record(**{"parallel tests": _run(errors=46, failures=["tests.test_ddp::test_ddp[2ranks-x]"] * 46)})
-    assert gpu_check.problems(record, "abc") == []
-    text = gpu_check.render(_rendered(record))
+    assert gpu_check.problems(record, "h100") == []
+    text = gpu_check.render(_rendered(record), "h100")
     assert "| parallel tests |" in text and "parallel tests is not part of the evidence" in text
-    assert "As evidence for its source: clean." in text
+    assert "As evidence of the code it tested: clean." in text
 
 
 def test_a_rendered_record_says_what_makes_it_no_evidence():
-    text = gpu_check.render(_rendered(_record(racecheck=None)))
-    assert "As evidence for its source: no racecheck run in the record." in text
+    text = gpu_check.render(_rendered(_record(racecheck=None)), "h100")
+    assert "As evidence of the code it tested: no racecheck run in the record." in text
+    assert "- package source: s1" in text and "- FlashAttention GPU source: abc" in text
 
 
 def _rendered(record):
-    return record | {"device": "NVIDIA H100 80GB HBM3", "python": "3.12", "torch": "2.11", "triton": "3.6",
-                     "cuda": "13.0", "driver": "580", "date": "2026-11-26 19:06 UTC",
-                     "command": "python -m cs336_systems.gpu_check"}
+    return record | {"date": "2026-11-26 19:06 UTC", "command": "python -m cs336_systems.gpu_check"}
 
 
 def test_a_split_suite_counts_only_when_every_run_of_one_split_is_there():
-    whole = _record(tests=None, **{"tests:1/2": _run(), "tests:2/2": _run()})
-    assert gpu_check.problems(whole, "abc") == []
+    first, second = ({file: counts} for file, counts in _run()["test_files"].items())
+    whole = _record(tests=None, **{"tests:1/2": _run(test_files=first), "tests:2/2": _run(test_files=second)})
+    assert gpu_check.problems(whole, "h100") == []
     half = _record(tests=None, **{"tests:1/2": _run(), "tests:1/3": _run(), "tests:2/3": _run()})
-    assert any("no tests run" in found for found in gpu_check.problems(half, "abc"))
+    assert any("no tests run" in found for found in gpu_check.problems(half, "h100"))
     failed = _record(tests=None, **{"tests:1/2": _run(), "tests:2/2": _run(failed=1, failures=["tests/x.py::t"])})
-    assert any("tests:2/2: 1 failed" in found for found in gpu_check.problems(failed, "abc"))
+    assert any("tests:2/2: 1 failed" in found for found in gpu_check.problems(failed, "h100"))
 
 
 def test_parts_are_checked_before_anything_runs():
@@ -195,16 +251,83 @@ def test_parts_are_checked_before_anything_runs():
 
 @pytest.mark.parametrize("warm_up", [True, False])
 def test_the_parts_start_at_once_where_the_warm_up_is_left_out(warm_up, monkeypatch):
-    import torch
-
-    from cs336_systems import reports
-
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(reports, "device_description", lambda device: "a GPU")
-    monkeypatch.setattr(gpu_check, "_driver_version", lambda: "1")
     warmed = []
     monkeypatch.setattr(gpu_check, "_pytest", lambda arguments, junit, prefix=(): warmed.append(arguments))
     monkeypatch.setattr(gpu_check, "_one_process_run", lambda part, scratch: (part, _run()))
-    record = gpu_check.run_checks(("tests:1/2",), warm_up=warm_up)
+    record = gpu_check.run_checks(("tests:1/2",), {"runs": {}}, warm_up=warm_up)
     assert record["runs"] == {"tests:1/2": _run()}
     assert warmed == ([(*gpu_check.shard_files(1, 2), "-n", "auto")] if warm_up else [])
+
+
+def _report(kind_dir: Path, *runs, rows=({"x": 1},)):
+    from cs336_systems.reports import Metadata, metadata_path, write_csv
+
+    kind_dir.mkdir(parents=True, exist_ok=True)
+    write_csv(kind_dir / "naive_ddp.csv", [{**row, "run": 1} for row in rows])
+    Metadata("naive_ddp", "2 x NVIDIA H100 80GB HBM3", True, runs).write(metadata_path(kind_dir, "naive_ddp"))
+    return kind_dir
+
+
+def _measured_run(measured_code="m1", torch_version="2.11.0+cu130", date="2026-12-10 10:00 UTC", found=None):
+    from cs336_systems.reports import RunRecord
+
+    return RunRecord(date, "pytest perf/ -m ddp", {"torch": torch_version, "triton": "3.6.0"}, "s1", measured_code,
+                     found)
+
+
+def test_a_run_is_backed_by_a_clean_record_of_its_kind_that_tested_its_measured_code_on_its_versions(tmp_path):
+    kind_dir = _report(tmp_path / "h100", _measured_run())
+    assert gpu_check.unbacked_runs(kind_dir, "naive_ddp", [_record()]) == []
+    newer = "run 1 (2026-12-10 10:00 UTC) measured code m1 with torch 2.11.0+cu130, triton 3.6.0, which no clean h100"
+    assert gpu_check.unbacked_runs(kind_dir, "naive_ddp", [_record(device="NVIDIA H200")]) == [f"{newer} record tested"]
+    assert gpu_check.unbacked_runs(kind_dir, "naive_ddp", [_record(tests=None)]) == [f"{newer} record tested"]
+    assert gpu_check.unbacked_runs(kind_dir, "naive_ddp", [_record() | {"torch": "2.13.0+cu130"}]) == [
+        f"{newer} record tested"]
+    later_code = _report(tmp_path / "other" / "h100", _measured_run("m2"))
+    assert gpu_check.unbacked_runs(later_code, "naive_ddp", [_record()])[0].startswith("run 1 (2026-12-10 10:00 UTC) "
+                                                                                        "measured code m2")
+
+
+def test_a_run_from_before_runs_recorded_their_code_needs_evidence_only_of_the_kernels_its_rows_measured(tmp_path):
+    migrated = _measured_run(None, date="2026-11-26 18:25 UTC", found="not known: never committed")
+    kernel_rows = ({"x": 1, "source_hash": "abc"},)
+    assert gpu_check.unbacked_runs(_report(tmp_path / "a" / "h100", migrated), "naive_ddp", []) == []
+    kernels = _report(tmp_path / "b" / "h100", migrated, rows=kernel_rows)
+    assert gpu_check.unbacked_runs(kernels, "naive_ddp", [_record("abc")]) == []
+    assert gpu_check.unbacked_runs(kernels, "naive_ddp", [_record("old")]) == [
+        "run 1 (2026-11-26 18:25 UTC) measured FlashAttention source abc, which no clean h100 record tested"]
+    # Only runs that predate recording measured code may say how theirs was found.
+    claimed = _report(tmp_path / "c" / "h100", _measured_run(found="from commit 0123"))
+    assert gpu_check.unbacked_runs(claimed, "naive_ddp", [_record()]) == [
+        "run 1 (2026-12-10 10:00 UTC) says how its measured code was found, as only runs from before "
+        f"{gpu_check.MEASURED_CODE_RECORDED_SINCE} do: a run records its own"]
+
+
+def test_each_source_checked_on_a_gpu_kind_gets_a_record_of_its_own_and_a_later_part_joins_its_sources(
+        tmp_path, monkeypatch):
+    import torch
+
+    from cs336_systems import gpus, provenance, reports
+
+    monkeypatch.chdir(Path(__file__).parent.parent)  # gpu_check runs from the repository's root
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(gpus, "resolve_gpu", lambda choice: ("h100", None))
+    monkeypatch.setattr(reports, "device_description", lambda device: "NVIDIA H100 80GB HBM3")
+    monkeypatch.setattr(gpu_check, "_driver_version", lambda: "580.159.04")
+    monkeypatch.setattr(gpu_check, "_one_process_run", lambda part, scratch: (part, _run()))
+    monkeypatch.setattr(provenance, "package_source_hash", lambda: "source-1")
+    monkeypatch.setattr(gpu_check.shutil, "which", lambda tool: f"/usr/bin/{tool}")
+    arguments = ["--report-dir", str(tmp_path), "--no-warm-up", "--parts"]
+    gpu_check.main([*arguments, "tests"])
+    gpu_check.main([*arguments, "memcheck,racecheck"])
+    (first,) = (tmp_path / "h100" / gpu_check.RECORD_NAME).glob("*.json")
+    assert first.name.startswith("source-1-")
+    assert set(gpu_check.load_record(first)["runs"]) == {"tests", "memcheck", "racecheck"}
+    assert first.with_suffix(".md").read_text().startswith("# gpu_check\n")
+    monkeypatch.setattr(provenance, "package_source_hash", lambda: "source-2")
+    gpu_check.main([*arguments, "tests"])
+    assert [record["source"] for record in gpu_check.records(tmp_path / "h100")] == ["source-1", "source-2"]
+    assert set(gpu_check.load_record(first)["runs"]) == {"tests", "memcheck", "racecheck"}  # kept as it was
+    monkeypatch.setattr(gpu_check, "suite_test_files", lambda: ("tests/test_a.py",))  # same package, other tests
+    gpu_check.main([*arguments, "tests"])
+    assert len(gpu_check.records(tmp_path / "h100")) == 3

@@ -1,60 +1,54 @@
-"""GPU evidence that CPU CI checks: each committed `make gpu-check` record must be a clean run of the
-current FlashAttention source, every committed row that measured the kernels must have measured that
-source, and the gated speed-ups in those rows must hold their floors. A kernel change therefore cannot
-land without testing and measuring it again on the GPU."""
+"""GPU evidence that CPU CI checks, from the committed records of `make gpu-check` (reports/<gpu>/gpu_check/, a
+history per GPU kind): the current FlashAttention source has a clean record on a Hopper GPU that ran the current
+test list, so a kernel change lands once it passes there; every run of every committed report measured code that a
+clean record of its GPU kind tested (a run from before runs recorded their measured code: the rule it was measured
+under); and the gated speed-ups in the committed flash rows hold their floors. Newer code never fails a row: its
+report marks it as measured on earlier code (cs336_systems.reports)."""
 
-import ast
-from collections import Counter
 from pathlib import Path
 
 import pytest
 
 from cs336_systems import baselines, gpu_check
-from cs336_systems.attention.flash_triton import GPU_SOURCES, source_hash
+from cs336_systems.attention.flash_triton import source_hash
 from cs336_systems.benchmarks.flash import GATE_PROMISES, GATED_PROVIDERS, gate_name, gate_ratios
-from cs336_systems.provenance import PACKAGE_ROOT
-from cs336_systems.reports import read_rows
-from cs336_systems.reports.problems import PROBLEMS
+from cs336_systems.reports import metadata_path, read_rows
+from cs336_systems.reports.index import result_directories
 
 REPO = Path(__file__).resolve().parents[1]
-FLASH_TRITON = PACKAGE_ROOT / "attention" / "flash_triton"
-GPU_CHECKED = sorted(path.parent.name for path in (REPO / "reports").glob(f"*/{gpu_check.RECORD_NAME}.json"))
+REPORTS = REPO / "reports"
+RECORDS = {kind: gpu_check.records(REPORTS / kind) for kind in result_directories(REPORTS)}
+RECORD_FILES = sorted(path.relative_to(REPO).as_posix()
+                      for path in REPORTS.glob(f"*/{gpu_check.RECORD_NAME}/*.json"))
+MEASURED_REPORTS = sorted(csv.relative_to(REPORTS).with_suffix("").as_posix()
+                          for kind in result_directories(REPORTS) for csv in (REPORTS / kind).glob("*.csv")
+                          if metadata_path(csv.parent, csv.stem).is_file())
 
 
-def test_some_gpu_has_a_committed_gpu_check_record():
-    assert GPU_CHECKED, f"no reports/<gpu>/{gpu_check.RECORD_NAME}.json: run `make gpu-check` on a CUDA machine"
+def test_the_current_flash_attention_source_has_a_clean_gpu_check_of_the_current_tests_on_a_hopper_gpu(
+        monkeypatch):
+    monkeypatch.chdir(REPO)  # the suite's test files, as a record names them
+    found = gpu_check.kernel_problems(RECORDS, source_hash(), gpu_check.suite_test_files())
+    assert not found, "the current FlashAttention source has no clean GPU check: " + "; ".join(found)
 
 
-@pytest.mark.parametrize("gpu", GPU_CHECKED)
-def test_committed_gpu_check_record_is_a_clean_run_of_the_current_source(gpu):
-    found = gpu_check.problems(gpu_check.load_record(REPO / "reports" / gpu), source_hash())
-    assert not found, (f"reports/{gpu}/{gpu_check.RECORD_NAME}.json is no evidence for the current source: "
-                       + "; ".join(found))
+@pytest.mark.parametrize("path", RECORD_FILES)
+def test_each_kept_record_is_filed_under_the_code_it_checked(path):
+    record = gpu_check.load_record(REPO / path)
+    assert gpu_check.record_path(REPORTS / Path(path).parts[1], record) == REPO / path
 
 
-# The reports whose rows measured the FlashAttention kernels; every row names the GPU source it measured. The
-# perf module that measures each, from the problems table.
-FLASH_MEASURING_REPORTS = ("flash_benchmarking", "flash_in_training", "leaderboard")
-MEASURED_BY = {name: " ".join(problem.measured_by) for problem in PROBLEMS for name in problem.report_names
-               if name in FLASH_MEASURING_REPORTS}
-FLASH_REPORTS = sorted(path.relative_to(REPO).as_posix() for problem in FLASH_MEASURING_REPORTS
-                       for path in (REPO / "reports").glob(f"*/{problem}.csv"))
-
-
-@pytest.mark.parametrize("report", FLASH_REPORTS)
-def test_every_committed_flash_row_measured_the_current_source(report):
-    rows, current = read_rows(REPO / report), source_hash()
-    sources = Counter(r.get("source_hash") or "none recorded" for r in rows)
-    other = {source: count for source, count in sources.items() if source != current}
-    path = Path(report)
-    assert not other, (f"{report}: {sum(other.values())} of {len(rows)} rows did not measure the current FlashAttention "
-                       f"source {current} (rows by source: {other}); measure them again on that GPU: "
-                       f"`pytest {MEASURED_BY[path.stem]} --gpu {path.parent.name}`")
+@pytest.mark.parametrize("report", MEASURED_REPORTS)
+def test_every_run_of_a_committed_report_measured_code_that_a_clean_gpu_check_of_its_kind_tested(report):
+    kind, name = report.split("/")
+    found = gpu_check.unbacked_runs(REPORTS / kind, name, RECORDS[kind])
+    assert not found, (f"reports/{report}.md: " + "; ".join(found) + f": run `make gpu-check` on a {kind} on the code "
+                       "that measured them and commit its record, or measure them again after one")
 
 
 # The GPUs whose committed flash_benchmarking rows hold the speed-up gates' cell, and a baseline file.
 GATED_GPUS = sorted(path.stem for path in (REPO / "perf" / "baselines").glob("*.json")
-                    if (REPO / "reports" / path.stem / "flash_benchmarking.csv").exists())
+                    if (REPORTS / path.stem / "flash_benchmarking.csv").exists())
 
 
 def test_some_gpu_has_committed_flash_rows_and_baselines():
@@ -63,7 +57,7 @@ def test_some_gpu_has_committed_flash_rows_and_baselines():
 
 @pytest.mark.parametrize("gpu", GATED_GPUS)
 def test_committed_flash_gates_hold(gpu):
-    rows = read_rows(REPO / "reports" / gpu / "flash_benchmarking.csv")
+    rows = read_rows(REPORTS / gpu / "flash_benchmarking.csv")
     gate_rows = [r for r in rows if r.get("table") == "gate"]
     assert {r["provider"] for r in gate_rows} >= {"flash_triton", *GATED_PROVIDERS}, "the gate rows are missing"
     path = REPO / "perf" / "baselines" / f"{gpu}.json"
@@ -75,56 +69,15 @@ def test_committed_flash_gates_hold(gpu):
         assert result.passed, result.message(path)
 
 
-def package_imports(path: Path, package_root: Path) -> set[Path]:
-    """The modules of the package at `package_root` that the module at `path` imports, anywhere in its
-    code (an import inside a function runs at launch time all the same). `from package import name`
-    names the submodule `name` where there is one, else the package's __init__."""
-    package = path.relative_to(package_root.parent).with_suffix("").parts[:-1]
-
-    def module_file(parts: tuple[str, ...]) -> Path | None:
-        if not parts or parts[0] != package_root.name:
-            return None
-        base = package_root.parent.joinpath(*parts)
-        return next((file for file in (base.with_suffix(".py"), base / "__init__.py") if file.is_file()), None)
-
-    found = set()
-    for node in ast.walk(ast.parse(path.read_text())):
-        if isinstance(node, ast.Import):
-            found |= {module_file(tuple(alias.name.split("."))) for alias in node.names}
-        elif isinstance(node, ast.ImportFrom):
-            base = tuple(node.module.split(".")) if node.module else ()
-            if node.level:
-                base = package[:len(package) - node.level + 1] + base
-            found |= {module_file(base + (alias.name,)) or module_file(base) for alias in node.names}
-    return found - {None}
-
-
-def test_the_import_walk_finds_every_form_of_import_within_the_package(tmp_path):
-    root = tmp_path / "pkg"
-    (root / "sub").mkdir(parents=True)
-    for name in ("__init__", "a", "b", "c", "d", "sub/__init__", "sub/e", "sub/f"):
-        (root / f"{name}.py").write_text("VALUE = 1\n")
-    (root / "sub" / "main.py").write_text(
-        "import torch\nimport pkg.a\nfrom pkg import b, VALUE\nfrom pkg.sub import e\nfrom . import f\n"
-        "from ..c import VALUE\n\ndef launch():\n    from pkg import d\n")
-    found = package_imports(root / "sub" / "main.py", root)
-    assert {p.relative_to(root).as_posix() for p in found} == {
-        "a.py", "b.py", "__init__.py", "sub/e.py", "sub/f.py", "c.py", "d.py"}
-
-
-def test_the_gpu_source_hash_covers_the_kernels_and_every_package_module_they_import():
-    """GPU_SOURCES is this package's modules (kernels, tiles, launch, native, op), its C++ source, and
-    everything they import from cs336_systems, transitively: an edit to any of them changes what runs on
-    the GPU."""
-    hashed = {PACKAGE_ROOT / name for name in GPU_SOURCES}
-    assert all(path.is_file() for path in hashed), sorted(map(str, hashed))
-    needed = set(FLASH_TRITON.glob("*.cpp"))
-    queue = [path for path in FLASH_TRITON.glob("*.py") if path.name != "__init__.py"]
-    while queue:
-        path = queue.pop()
-        if path not in needed:
-            needed.add(path)
-            queue += package_imports(path, PACKAGE_ROOT)
-    named = {path.relative_to(PACKAGE_ROOT).as_posix() for path in needed}
-    assert named == set(GPU_SOURCES), (f"not hashed: {sorted(named - set(GPU_SOURCES))}; "
-                                       f"hashed but not imported: {sorted(set(GPU_SOURCES) - named)}")
+def test_the_migrated_h100_record_did_not_run_the_test_files_added_after_it():
+    (record,) = [record for record in RECORDS["h100"] if record.get("migrated")]
+    assert gpu_check.problems(record, "h100") == []  # a clean run of its own source's 41 test files
+    found = gpu_check.problems(record, "h100", [*record["test_files"], "tests/test_leaderboard.py",
+                                                "tests/test_linear_cross_entropy.py"])
+    assert found == ["its suite's runs left out 2 of the suite's 43 test files: tests/test_leaderboard.py, "
+                     "tests/test_linear_cross_entropy.py"]
+    # Relabelled, one test passed in each shard, it is refused in any folder.
+    relabelled = record | {"device": "NVIDIA A100-SXM4-80GB",
+                           "runs": {name: run | {"passed": 1, "skipped": 0} for name, run in record["runs"].items()}}
+    assert any("not on the h100 whose folder keeps it" in problem for problem in gpu_check.problems(relabelled, "h100"))
+    assert any("1 tests ran over 6 test files" in problem for problem in gpu_check.problems(relabelled, "a100"))

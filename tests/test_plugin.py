@@ -398,12 +398,13 @@ def test_gate_passes_within_tolerance(pytester):
     run(pytester).assert_outcomes(passed=1)
 
 
-def test_gate_without_a_baseline_file_is_skipped_saying_why_and_update_writes_one(pytester):
+def test_gate_on_a_cpu_without_a_baseline_file_is_skipped_saying_why_and_update_writes_one(pytester):
     pytester.makepyfile(GATED_TEST)
     result = run(pytester, "-rs")
     result.assert_outcomes(skipped=1)
-    result.stdout.fnmatch_lines(["SKIPPED [[]1[]] *: speed-up gate not run: no baseline file *cpu.json for this "
-                                 "device (--update-baselines writes one)"])
+    result.stdout.fnmatch_lines(["SKIPPED [[]1[]] *: speed-up gate not run: a CPU run, whose times say nothing of a "
+                                 "GPU's speed-ups, and no baseline file *cpu.json (on a GPU the promise is judged "
+                                 "without one)"])
     run(pytester, "--update-baselines").assert_outcomes(passed=1)
     data = json.loads((pytester.path / "perf" / "baselines" / "cpu.json").read_text())
     assert data["ratios"]["flash vs naive"] == {"ratio": 5.0, "tolerance": 0.2}

@@ -13,8 +13,8 @@ MEASURED_PROSE_WORDS = 300
 # A closed-form report is a written derivation: each part's answer and the formulas it rests on.
 CLOSED_FORM_PROSE_WORDS = 800
 # The provenance lines the report headers write (reports.header, reports._closed_form_header).
-HEADER_BULLETS = ("- device:", "- software:", "- run ", "- model sizes:", "- timing:", "- date:", "- command:",
-                  "- units:", "- FlashAttention GPU source:")
+HEADER_BULLETS = ("- device:", "- software:", "- run ", "- measured on earlier code:", "- model sizes:", "- timing:",
+                  "- date:", "- command:", "- units:", "- FlashAttention GPU source:")
 INDEX = "README.md"  # the index of answers, not a report
 
 

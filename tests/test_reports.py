@@ -58,8 +58,50 @@ def test_runs_with_different_software_are_each_named():
     runs = [reports.RunRecord("d1", "c1", {"torch": "2.10"}, None), reports.RunRecord("d2", "c2", {"torch": "2.11"}, "ab")]
     assert reports.software_line(runs) == "- software: run 1: torch 2.10; run 2: torch 2.11"
     assert reports.software_line(runs[:1]) == "- software: torch 2.10"
-    assert reports.run_line(1, runs[0]) == "- run 1: d1, `c1`"
-    assert reports.run_line(2, runs[1]) == "- run 2: d2, `c2` (source ab)"
+    assert reports.run_line(1, runs[0], earlier_code=True) == "- run 1: d1, `c1` (measured code not known)"
+    assert reports.run_line(2, runs[1], earlier_code=True) == "- run 2: d2, `c2` (source ab, measured code not known)"
+    measured = replace(runs[1], measured_code="cd")
+    assert reports.run_line(2, measured, earlier_code=False) == "- run 2: d2, `c2` (source ab, measured code cd)"
+    assert reports.run_line(2, measured, earlier_code=True) == "- run 2: d2, `c2` (source ab, measured code cd, earlier code)"
+
+
+def test_a_run_names_the_code_it_measured_and_stays_marked_as_earlier_code_once_that_code_changes(tmp_path, monkeypatch):
+    from cs336_systems.reports import problems as problem_table
+
+    keyed = Report("_test_problem", TEST_REPORT.render, key=("cell",))
+    monkeypatch.setattr(problem_table, "measured_code", lambda name: "code-a")
+    write_report(keyed, [{"cell": 1, "x": 1}, {"cell": 2, "x": 2}], tmp_path, command="pytest perf/ -m e2e", device="cpu")
+    (run,) = reports.Metadata.read(tmp_path / "_test_problem.meta.json").runs
+    assert run.measured_code == "code-a" and run.measured_code_from is None
+    text = (tmp_path / "_test_problem.md").read_text()
+    assert "(source " in text and ", measured code code-a)" in text and "earlier code" not in text
+
+    monkeypatch.setattr(problem_table, "measured_code", lambda name: "code-b")  # an edit on the measured path
+    text = rerender(tmp_path, keyed).read_text()
+    assert ", measured code code-a, earlier code)" in text
+    assert (f"- measured on earlier code: run 1 ({run.date}): the code on its measured path has changed since, and "
+            "its rows are that code's numbers") in text
+    assert len(read_rows(tmp_path / "_test_problem.csv")) == 2  # the rows stay
+
+    # A later run measures cell 1 again on the new code: its run is current; cell 2's run is still earlier code.
+    write_report(keyed, [{"cell": 1, "x": 3}], tmp_path, command="pytest perf/ -m e2e", device="cpu")
+    text = (tmp_path / "_test_problem.md").read_text()
+    assert ", measured code code-a, earlier code)" in text and ", measured code code-b)" in text
+    assert "- measured on earlier code: run 1 (" in text
+
+
+def test_a_run_whose_measured_code_is_not_known_reads_as_earlier_code(tmp_path, monkeypatch):
+    from cs336_systems.reports import problems as problem_table
+
+    monkeypatch.setattr(problem_table, "measured_code", lambda name: "code-a")
+    metadata = reports.Metadata("_test_problem", "Some GPU", True, (
+        reports.RunRecord("2026-11-24 03:59 UTC", "pytest perf/", {"torch": "2.11"}, None, None,
+                          "not known: the run predates recording any source"),
+        reports.RunRecord("2026-12-01 10:00 UTC", "pytest perf/", {"torch": "2.11"}, "ab", "code-a")))
+    text = reports.header(metadata)
+    assert "- run 1: 2026-11-24 03:59 UTC, `pytest perf/` (measured code not known)" in text
+    assert "- run 2: 2026-12-01 10:00 UTC, `pytest perf/` (source ab, measured code code-a)" in text
+    assert "- measured on earlier code: run 1 (2026-11-24 03:59 UTC, code not known): the code on its" in text
 
 
 def test_the_header_says_how_the_rows_were_timed_and_which_measured_rows_did_not_record_it():

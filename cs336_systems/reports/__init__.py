@@ -12,8 +12,10 @@ with its renderer) turns its rows into a Markdown body (tables, derived answers)
 `write_report` adds the header and writes `<report_dir>/<problem>.md`, `<problem>.csv` (every row, in
 the long format of cs336_systems.rows: one line per measured number, columns cell, run, device, dtype,
 shape, variant, status, statistic, value, unit; `read_rows` gives the rows back), `<problem>.meta.json`
-(the metadata: device, and each run's date, command, software versions and package source hash) and the
-figures beside them. The Markdown header is rendered from that metadata, never parsed back. Beside its
+(the metadata: device, and each run's date, command, software versions, package source hash and measured
+code, cs336_systems.provenance) and the figures beside them. The Markdown header is rendered from that
+metadata, never parsed back; it marks a run whose measured code is not the code the report's perf modules
+run now as measured on earlier code (its rows stay, as that code's numbers). Beside its
 renderer, a problem's `answer_<problem>` turns the same rows into the few sentences the reports' index
 quotes, with the formatting helpers below.
 """
@@ -388,12 +390,23 @@ class RunRecord:
     date: str
     command: str
     software: dict[str, str]
-    source_hash: str | None  # None for runs from before reports recorded it
+    source_hash: str | None  # the package's source (provenance); None for runs from before reports recorded it
+    # The code on the run's measured path (the report's perf modules and the package code they run:
+    # provenance.measured_code); None where it cannot be known.
+    measured_code: str | None = None
+    # For a run from before runs recorded their measured code: how it was found (the commit whose code it was),
+    # or why it cannot be known. None for a run that recorded its own.
+    measured_code_from: str | None = None
 
     @property
     def software_text(self) -> str:
         """ "python 3.12.3, torch 2.11.0, ...": the versions as a header or the index quotes them."""
         return ", ".join(f"{name} {version}" for name, version in self.software.items())
+
+    def on_earlier_code(self, current_code: str) -> bool:
+        """Whether the run measured code other than `current_code`, the measured code of its report now, or code
+        that cannot be known: its rows stay, as that code's numbers."""
+        return self.measured_code != current_code
 
 
 @dataclass(frozen=True)
@@ -416,8 +429,25 @@ class Metadata:
                    tuple(RunRecord(**run) for run in record["runs"]))
 
 
-def this_run(command: str) -> RunRecord:
-    return RunRecord(_now(), command, software_versions(), package_source_hash())
+def this_run(command: str, problem: str) -> RunRecord:
+    """The run measuring the report called `problem` now, with `command`."""
+    from cs336_systems.reports.problems import measured_code
+
+    return RunRecord(_now(), command, software_versions(), package_source_hash(), measured_code(problem))
+
+
+def earlier_code_runs(metadata: Metadata) -> list[tuple[int, RunRecord]]:
+    """(number, run) of each of the report's runs that measured earlier code than its perf modules run now."""
+    from cs336_systems.reports.problems import measured_code
+
+    current = measured_code(metadata.problem)
+    return [(number, run) for number, run in enumerate(metadata.runs, 1) if run.on_earlier_code(current)]
+
+
+def earlier_code_text(runs: Sequence[tuple[int, RunRecord]]) -> str:
+    """ "run 1 (2026-11-26 18:25 UTC)", "runs 1 (...) and 3 (..., code not known)": runs on earlier code, dated."""
+    described = [f"{number} ({run.date}{'' if run.measured_code else ', code not known'})" for number, run in runs]
+    return ("run " if len(runs) == 1 else "runs ") + listing(described)
 
 
 def metadata_path(report_dir: Path | str, problem: str) -> Path:
@@ -493,16 +523,25 @@ def software_line(runs: Sequence[RunRecord]) -> str:
     return "- software: " + "; ".join(f"run {i}: {text}" for i, text in described.items())
 
 
-def run_line(number: int, run: RunRecord) -> str:
-    source = f" (source {run.source_hash})" if run.source_hash else ""
-    return f"- run {number}: {run.date}, `{run.command}`{source}"
+def run_line(number: int, run: RunRecord, earlier_code: bool) -> str:
+    """The run's date, command, package source and measured code, marked where that code is earlier code."""
+    source = f"source {run.source_hash}, " if run.source_hash else ""
+    code = (f"measured code {run.measured_code}{', earlier code' if earlier_code else ''}" if run.measured_code
+            else "measured code not known")
+    return f"- run {number}: {run.date}, `{run.command}` ({source}{code})"
 
 
 def header(metadata: Metadata, rows: Iterable[Row] = ()) -> str:
     """The report's title and provenance, from its metadata; the model-size lines from its rows."""
     lines = [f"# {metadata.problem}", "", f"- device: {metadata.device}", software_line(metadata.runs)]
     lines += model_size_lines(rows) + timing_lines(rows) + implementation_lines(rows)
-    lines += [run_line(i, run) for i, run in enumerate(metadata.runs, 1)]
+    earlier = earlier_code_runs(metadata)
+    earlier_numbers = {number for number, _ in earlier}
+    lines += [run_line(i, run, i in earlier_numbers) for i, run in enumerate(metadata.runs, 1)]
+    if earlier:
+        its = "its" if len(earlier) == 1 else "their"
+        lines.append(f"- measured on earlier code: {earlier_code_text(earlier)}: the code on {its} measured path has "
+                     f"changed since, and {its} rows are that code's numbers")
     if not metadata.on_gpu:
         lines.append(CPU_NOTE)
     return "\n".join(lines) + "\n"
@@ -546,7 +585,7 @@ def write_report(report: Report, rows: list[Row], report_dir: Path | str, comman
     report_dir = Path(report_dir)
     problem, key = report.name, report.key
     rows = [without_samples(row) for row in rows]
-    metadata = Metadata(problem, device_description(device), _on_cuda(device), (this_run(command),))
+    metadata = Metadata(problem, device_description(device), _on_cuda(device), (this_run(command, problem),))
     csv_path, sidecar = report_dir / f"{problem}.csv", metadata_path(report_dir, problem)
     if key:
         kept: list[Row] = []

@@ -17,8 +17,9 @@ its reports (`cs336_systems.reports.read_rows`) into sentences; where a row it q
 report, the sentence says so instead of guessing (`open_items_<problem>`, where there is one, names
 what the rows leave unanswered). This module only assembles them: the table of problems
 (cs336_systems.reports.problems) names each problem's reports and functions, and the index adds the links,
-devices and status around them. The index carries no date of its own (only those quoted from report
-headers), so writing it again from the same reports gives the same bytes.
+devices and status around them, and marks reports whose runs measured earlier code than their perf modules
+run now (cs336_systems.reports.earlier_code_runs), with those runs' dates. The index carries no date of its own
+(only those quoted from report headers), so writing it again from the same reports and code gives the same bytes.
 """
 
 from __future__ import annotations
@@ -36,12 +37,16 @@ from cs336_systems.reports import (
     Metadata,
     Report,
     Reports,
+    RunRecord,
+    earlier_code_runs,
+    earlier_code_text,
     listing,
     markdown_table,
     metadata_path,
     read_rows,
     shown_figures,
     size_table_of,
+    span,
 )
 from cs336_systems.rows import Row
 
@@ -65,6 +70,11 @@ class _Directory:
 
     def rows(self, report: str) -> list[Row]:
         return read_rows(self.path / f"{report}.csv")
+
+    def earlier_code(self, report: str) -> list[tuple[int, RunRecord]]:
+        """(number, run) of the report's runs that measured earlier code than its perf modules run now."""
+        sidecar = metadata_path(self.path, report)
+        return earlier_code_runs(Metadata.read(sidecar)) if sidecar.is_file() else []
 
     def links(self, report: str) -> list[str]:
         """The report's table, and the plots its Markdown shows, as links relative to the index."""
@@ -101,7 +111,7 @@ def result_directories(reports_root: Path | str) -> list[str]:
 def _device_table(layout: _Layout, slugs: list[str]) -> str:
     table = []
     for slug in slugs:
-        # The problems' reports (each a CSV with its metadata), not records such as gpu_check.json.
+        # The problems' reports (each a CSV with its metadata).
         metadata = [Metadata.read(metadata_path(csv.parent, csv.stem))
                     for csv in sorted((layout.reports_root / slug).glob("*.csv"))]
         devices = dict.fromkeys(m.device for m in metadata)
@@ -154,7 +164,21 @@ def _device_paragraph(problem: Problem, layout: _Layout, slug: str) -> str:
         links = [link for report in present for link in directory.links(report)]
         sentences = problem.answer({report: directory.rows(report) for report in present})
         lines.append(f"**{slug}**" + (f" ({', '.join(links)})" if links else "") + ": " + " ".join(sentences))
+    earlier = [(report, runs) for report in present if (runs := directory.earlier_code(report))]
+    if earlier:
+        described = listing([f"`{slug}/{report}.md` {earlier_code_text(runs)}" for report, runs in earlier])
+        its, it = ("its", "it") if sum(len(runs) for _, runs in earlier) == 1 else ("their", "them")
+        lines.append(f"- {slug}: measured on earlier code: {described}; the code on {its} measured path has changed "
+                     f"since, and {_perf_command(problem, slug)} measures {it} on the current code.")
     return "\n\n".join(lines + _not_measured(problem, absent, slug))
+
+
+def _earlier_code_days(problem: Problem, directory: _Directory) -> str:
+    """ " on earlier code (2026-11-26 to 2026-11-28)": the days its runs on earlier code measured the problem's
+    reports in `directory`; "" where none did."""
+    days = sorted({run.date.split()[0] for report in problem.report_names if directory.has(report)
+                   for _, run in directory.earlier_code(report)})
+    return f" on earlier code ({span(days, str)})" if days else ""
 
 
 def _status(problem: Problem, layout: _Layout, slug: str) -> str:
@@ -165,9 +189,10 @@ def _status(problem: Problem, layout: _Layout, slug: str) -> str:
     present = [r for r in problem.report_names if layout.directory(slug).has(r)]
     if not present:
         return "not measured"
+    earlier = _earlier_code_days(problem, layout.directory(slug))
     if len(present) < len(problem.report_names):
-        return f"{len(present)} of {len(problem.report_names)} reports"
-    return "measured"
+        return f"{len(present)} of {len(problem.report_names)} reports{earlier}"
+    return f"measured{earlier}"
 
 
 def _section(number: int, problem: Problem, layout: _Layout, slugs: list[str]) -> str:

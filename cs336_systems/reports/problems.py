@@ -14,6 +14,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from cs336_systems import provenance
 from cs336_systems.reports import (
     Report,
     Reports,
@@ -157,3 +158,14 @@ REPORTS: dict[str, Report] = {report.name: report for problem in PROBLEMS for re
 def report(name: str) -> Report:
     """The report called `name`; a name no problem has (a user's own benchmark) renders as a plain table."""
     return REPORTS.get(name, Report(name))
+
+
+MEASURED_BY: dict[str, tuple[str, ...]] = {report.name: problem.measured_by for problem in PROBLEMS
+                                           for report in problem.reports if problem.measured_by}
+
+
+def measured_code(name: str) -> str:
+    """The hash of the code a run of the report called `name` measures with now (cs336_systems.provenance): the
+    perf modules that write it and the package code they run; for a name no perf module writes, every package
+    module that measures."""
+    return provenance.measured_code(MEASURED_BY.get(name, ()))
