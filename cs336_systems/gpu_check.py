@@ -56,7 +56,10 @@ MEASURED_CODE_RECORDED_SINCE = "2026-12-02 00:00 UTC"
 # The tests that check the committed record and the rows measured on the GPU source: a run for a new source
 # is what replaces them, so they would fail in it by design (and so keep any record from being clean).
 EVIDENCE_TESTS = "test_gpu_evidence.py"
-WHOLE_SUITE = ("tests/", "--ignore", f"tests/{EVIDENCE_TESTS}")
+# The folders of the suite's test files: this project's tests, and the conformance suite it ships, which reaches
+# the kernels through this project's adapters.
+SUITE_DIRS = (Path("tests"), Path("cs336_systems/conformance"))
+WHOLE_SUITE = (*(f"{folder}/" for folder in SUITE_DIRS), "--ignore", f"tests/{EVIDENCE_TESTS}")
 _EVIDENCE_TEST_ID = f"tests.{EVIDENCE_TESTS.removesuffix('.py')}::"  # as JUnit names its tests
 # The sanitizers' warm-up runs a worker per core, and so a thread per worker: left at torch's defaults,
 # each worker also ran a thread and an inductor compile process per core.
@@ -128,6 +131,41 @@ def sanitizer_error_count(output: str, tool: str) -> int | None:
     return sum(counts) if counts else None
 
 
+# An error's first line, after compute-sanitizer's "========= " prefix ("Invalid __global__ read of size 2 bytes",
+# "Program hit cudaErrorIllegalAddress ..."), and the indented lines under it that say where ("at
+# _attn_fwd_inner+0x1a30 in kernels.py:212") and why ("Address 0x7f3a5c000800 is out of bounds").
+_ERROR_HEADLINE = re.compile(r"^={9} (?!ERROR SUMMARY|RACECHECK SUMMARY|COMPUTE-SANITIZER)(\S.*)$")
+_ERROR_PLACE = re.compile(r"^={9} {2,}at (.+)$")
+_ERROR_ADDRESS = re.compile(r"^={9} {2,}Address \S+ (.+)$")
+
+
+def sanitizer_errors(output: str) -> list[str]:
+    """The distinct errors compute-sanitizer printed in `output`, most frequent first, each as its first line,
+    where it was (kernel and source line) and what was wrong with the address, with how often it occurred."""
+    counts: dict[str, int] = {}
+    headline = place = reason = None
+
+    def close() -> None:
+        if headline is not None:
+            text = headline + (f" at {place}" if place else "") + (f": {reason}" if reason else "")
+            counts[text] = counts.get(text, 0) + 1
+
+    for line in output.splitlines():
+        if match := _ERROR_PLACE.match(line):
+            place = place or match[1]
+        elif match := _ERROR_ADDRESS.match(line):
+            reason = reason or match[1]
+        elif match := _ERROR_HEADLINE.match(line):
+            close()
+            headline, place, reason = match[1], None, None
+        elif not line.startswith("========="):
+            close()
+            headline = None
+    close()
+    ranked = sorted(counts.items(), key=lambda item: -item[1])
+    return [text + (f" ({count} times)" if count > 1 else "") for text, count in ranked]
+
+
 # A run that takes longer than this is stopped and recorded as an error rather than left hanging.
 RUN_TIMEOUT_S = 1800
 
@@ -176,14 +214,15 @@ def shard(part: str) -> tuple[int, int] | None:
     return int(match[1]), int(match[2])
 
 
-def suite_test_files(tests_dir: Path = Path("tests")) -> tuple[str, ...]:
+def suite_test_files(test_dirs: Sequence[Path] = SUITE_DIRS) -> tuple[str, ...]:
     """The suite's test files, by name (the evidence tests left out): what a record's runs must cover."""
-    return tuple(str(path) for path in sorted(tests_dir.glob("test_*.py")) if path.name != EVIDENCE_TESTS)
+    return tuple(sorted(str(path) for folder in test_dirs for path in folder.glob("test_*.py")
+                        if path.name != EVIDENCE_TESTS))
 
 
-def shard_files(k: int, n: int, tests_dir: Path = Path("tests")) -> tuple[str, ...]:
+def shard_files(k: int, n: int, test_dirs: Sequence[Path] = SUITE_DIRS) -> tuple[str, ...]:
     """The test files of run K of N: every N-th file, by name, from the K-th (the evidence tests left out)."""
-    return suite_test_files(tests_dir)[k - 1::n]
+    return suite_test_files(test_dirs)[k - 1::n]
 
 
 def new_record() -> dict[str, Any]:
@@ -200,7 +239,7 @@ def new_record() -> dict[str, Any]:
     if not torch.cuda.is_available():
         raise SystemExit("gpu_check needs a CUDA GPU; none is visible here")
     return {"device": device_description("cuda"), **software_versions(), "driver": _driver_version(),
-            "date": dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+            "date": dt.datetime.now(dt.timezone.utc).strftime(RECORD_DATE_FORMAT),
             "command": "python -m cs336_systems.gpu_check", "source": package_source_hash(),
             "kernel_source": source_hash(), "test_files": list(suite_test_files()),
             "measured_code": {name: measured_code(name) for name in sorted(MEASURED_BY)}, "runs": {}}
@@ -345,21 +384,56 @@ def record_path(kind_dir: Path, record: dict[str, Any]) -> Path:
 
 
 def kernel_problems(records_by_kind: dict[str, list[dict[str, Any]]], kernel_source: str,
-                    test_files: Sequence[str]) -> list[str]:
+                    test_files: Sequence[str], first_committed: dict[str, dt.datetime] | None = None) -> list[str]:
     """Empty where a record of a KERNEL_CHECK_KINDS GPU is clean evidence of the FlashAttention source
     `kernel_source` that ran the suite's `test_files` (what a change to that source needs to land); else what
-    each record of that source lacks, or that there is none."""
+    each record of that source lacks, or that there is none.
+
+    With `first_committed` (when each test file was first committed, first_commit_dates), a record is held to the
+    files the repository had when it was made: a test file added since is newer code, which the next check of a
+    changed source runs, and never makes an earlier check of an unchanged source fail (a file missing from it was
+    never committed, and so is newer than any record)."""
     found = []
     for kind in KERNEL_CHECK_KINDS:
         for record in records_by_kind.get(kind, []):
             if record.get("kernel_source") != kernel_source:
                 continue
-            lacking = problems(record, kind, test_files)
+            lacking = problems(record, kind, _files_when_made(record, test_files, first_committed))
             if not lacking:
                 return []
             found.append(f"{record_path(Path('reports') / kind, record).as_posix()}: {'; '.join(lacking)}")
     return found or [f"no record of an {' or '.join(KERNEL_CHECK_KINDS)} check of the FlashAttention source "
                      f"{kernel_source}: run `make gpu-check` on one and commit its record"]
+
+
+# How a record writes its date (new_record).
+RECORD_DATE_FORMAT = "%Y-%m-%d %H:%M UTC"
+
+
+def _files_when_made(record: dict[str, Any], test_files: Sequence[str],
+                     first_committed: dict[str, dt.datetime] | None) -> Sequence[str]:
+    if first_committed is None:
+        return test_files
+    made = dt.datetime.strptime(record["date"], RECORD_DATE_FORMAT).replace(tzinfo=dt.timezone.utc)
+    return [file for file in test_files if file in first_committed and first_committed[file] <= made]
+
+
+def first_commit_dates(files: Sequence[str], repository: Path = Path(".")) -> dict[str, dt.datetime] | None:
+    """When git first committed each of `files` (paths relative to `repository`); a file git has never committed
+    is left out. None where the repository has no git history to ask (a copy without .git): then every file
+    counts, as if it had always been there."""
+    try:
+        log = subprocess.run(["git", "log", "--diff-filter=A", "--format=%x00%cI", "--name-only", "--", *files],
+                             cwd=repository, capture_output=True, text=True, check=True).stdout
+    except (OSError, subprocess.CalledProcessError):
+        return None
+    dates: dict[str, dt.datetime] = {}
+    for entry in log.split("\0")[1:]:
+        date, *names = entry.strip().splitlines()
+        for name in filter(None, names):
+            dates[name] = min(dates.get(name, dt.datetime.max.replace(tzinfo=dt.timezone.utc)),
+                              dt.datetime.fromisoformat(date).astimezone(dt.timezone.utc))
+    return dates
 
 
 def unbacked_runs(report_dir: Path, report: str, kind_records: list[dict[str, Any]]) -> list[str]:

@@ -1,6 +1,9 @@
 """The checker of GPU evidence (cs336_systems.gpu_check): what makes a `make gpu-check` record fail as
 evidence, and how it reads pytest's and compute-sanitizer's output."""
 
+import datetime as dt
+import os
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -86,7 +89,7 @@ def test_a_run_that_ran_fewer_tests_than_the_files_it_names_is_incomplete():
         "its suite's runs left out 1 of the suite's 2 test files: tests/test_b.py"]
 
 
-def test_the_kernel_source_lands_with_a_clean_record_of_it_on_either_hopper_gpu_and_the_current_test_list():
+def test_the_kernel_source_lands_with_a_clean_record_of_it_on_either_hopper_gpu_and_the_test_list_it_then_had():
     h200 = _record(device="NVIDIA H200")
     assert gpu_check.kernel_problems({"h200": [h200]}, "abc", SUITE) == []
     assert gpu_check.kernel_problems({"h100": [_record("old")], "h200": [h200]}, "abc", SUITE) == []
@@ -98,6 +101,39 @@ def test_the_kernel_source_lands_with_a_clean_record_of_it_on_either_hopper_gpu_
                           "tests/test_c.py"]
     a100 = _record(device="NVIDIA A100-SXM4-80GB")
     assert "no record of an h100 or h200 check" in gpu_check.kernel_problems({"a100": [a100]}, "abc", SUITE)[0]
+
+
+def test_a_test_file_added_after_a_record_was_made_does_not_fail_it_but_one_it_left_out_does():
+    h200 = _record(device="NVIDIA H200") | {"date": "2026-11-27 10:00 UTC"}
+    suite = (*SUITE, "tests/test_c.py")
+
+    def committed(day: int) -> dict[str, dt.datetime]:
+        return {file: dt.datetime(2026, 11, day, tzinfo=dt.timezone.utc) for file in suite}
+
+    assert gpu_check.kernel_problems({"h200": [h200]}, "abc", suite, committed(28)) == []  # newer code
+    assert gpu_check.kernel_problems({"h200": [h200]}, "abc", suite, {}) == []  # never committed: newer still
+    left_out = gpu_check.kernel_problems({"h200": [h200]}, "abc", suite, committed(26))
+    assert left_out == [f"{gpu_check.record_path(Path('reports/h200'), h200).as_posix()}: its suite's runs left out "
+                        "1 of the suite's 3 test files: tests/test_c.py"]
+
+
+def test_first_commit_dates_reads_when_git_first_committed_each_file(tmp_path):
+    def git(*args):
+        subprocess.run(["git", *args], cwd=tmp_path, check=True, capture_output=True,
+                       env={**os.environ, "GIT_COMMITTER_DATE": "2026-11-20T10:00:00+01:00",
+                            "GIT_AUTHOR_DATE": "2026-11-20T10:00:00+01:00"})
+
+    assert gpu_check.first_commit_dates(["tests/test_a.py"], tmp_path) is None  # no git history to ask
+    git("init", "-q")
+    git("config", "user.email", "a@b.c")
+    git("config", "user.name", "a")
+    (tmp_path / "tests").mkdir()
+    (tmp_path / "tests" / "test_a.py").write_text("")
+    git("add", ".")
+    git("commit", "-q", "-m", "a")
+    (tmp_path / "tests" / "test_b.py").write_text("")  # never committed
+    dates = gpu_check.first_commit_dates(["tests/test_a.py", "tests/test_b.py"], tmp_path)
+    assert dates == {"tests/test_a.py": dt.datetime(2026, 11, 20, 9, tzinfo=dt.timezone.utc)}
 
 
 # What compute-sanitizer prints around a pytest run: its banner, the tests' output, what it found, and a
@@ -155,6 +191,18 @@ def test_each_tools_summary_line_is_read_in_all_its_forms(tool, output, count):
     assert gpu_check.sanitizer_error_count(output, tool) == count
 
 
+def test_each_memcheck_error_is_named_by_its_first_line_place_and_reason_most_frequent_first():
+    second = ("========= Invalid __global__ write of size 4 bytes\n=========     at dq_kernel+0x90 in kernels.py:480\n"
+              "=========     by thread (1,0,0) in block (0,0,0)\n=========     Address 0x7f00 is misaligned\n")
+    output = MEMCHECK_ERRORS.replace("=========\n========= ERROR", f"=========\n{second}{second}========= ERROR")
+    output += "========= Program hit cudaErrorLaunchFailure (error 719) on CUDA API call to cudaFree.\n"
+    assert gpu_check.sanitizer_errors(output) == [
+        "Invalid __global__ write of size 4 bytes at dq_kernel+0x90 in kernels.py:480: is misaligned (2 times)",
+        "Invalid __global__ read of size 2 bytes at _attn_fwd_inner+0x1a30 in kernels.py:212: is out of bounds",
+        "Program hit cudaErrorLaunchFailure (error 719) on CUDA API call to cudaFree."]
+    assert gpu_check.sanitizer_errors(CLEAN_MEMCHECK) == []
+
+
 def test_junit_counts_outcomes_failures_and_skip_reasons(tmp_path):
     junit = tmp_path / "tests.xml"
     junit.write_text("""<?xml version="1.0"?><testsuites><testsuite>
@@ -181,7 +229,7 @@ def test_shards_deal_every_test_file_but_the_evidence_tests_into_exactly_one_run
     every = sorted(str(path) for path in tests_dir.glob("test_*.py") if path.name != gpu_check.EVIDENCE_TESTS)
     assert len(every) == len(list(tests_dir.glob("test_*.py"))) - 1
     for n in (1, 2, 3):
-        dealt = [file for k in range(1, n + 1) for file in gpu_check.shard_files(k, n, tests_dir)]
+        dealt = [file for k in range(1, n + 1) for file in gpu_check.shard_files(k, n, (tests_dir,))]
         assert sorted(dealt) == every
     assert gpu_check.shard("tests:2/3") == (2, 3)
     assert [gpu_check.shard(part) for part in ("tests:0/2", "tests:3/2", "tests", "memcheck")] == [None] * 4
@@ -202,8 +250,9 @@ def test_one_warm_up_takes_the_files_of_every_suite_part_and_a_sanitizer_subset_
     assert gpu_check.warm_ups(gpu_check.PARTS) == [gpu_check.shard_files(1, 1)]
 
 
-def test_the_whole_suite_run_leaves_out_the_tests_of_the_record_it_replaces():
-    assert gpu_check.TESTS[:3] == ("tests/", "--ignore", f"tests/{gpu_check.EVIDENCE_TESTS}")
+def test_the_whole_suite_run_takes_the_conformance_suite_and_leaves_out_the_tests_of_the_record_it_replaces():
+    assert gpu_check.TESTS[:4] == ("tests/", "cs336_systems/conformance/", "--ignore",
+                                   f"tests/{gpu_check.EVIDENCE_TESTS}")
 
 
 def test_failures_of_the_evidence_tests_count_for_nothing_and_others_still_do():

@@ -1,6 +1,6 @@
 """GPU evidence that CPU CI checks, from the committed records of `make gpu-check` (reports/<gpu>/gpu_check/, a
-history per GPU kind): the current FlashAttention source has a clean record on a Hopper GPU that ran the current
-test list, so a kernel change lands once it passes there; every run of every committed report measured code that a
+history per GPU kind): the current FlashAttention source has a clean record on a Hopper GPU that ran the test list
+the repository had when it was made, so a kernel change lands once it passes there; every run of every committed report measured code that a
 clean record of its GPU kind tested (a run from before runs recorded their measured code: the rule it was measured
 under); and the gated speed-ups in the committed flash rows hold their floors. Newer code never fails a row: its
 report marks it as measured on earlier code (cs336_systems.reports)."""
@@ -25,10 +25,12 @@ MEASURED_REPORTS = sorted(csv.relative_to(REPORTS).with_suffix("").as_posix()
                           if metadata_path(csv.parent, csv.stem).is_file())
 
 
-def test_the_current_flash_attention_source_has_a_clean_gpu_check_of_the_current_tests_on_a_hopper_gpu(
+def test_the_current_flash_attention_source_has_a_clean_gpu_check_of_the_tests_it_then_had_on_a_hopper_gpu(
         monkeypatch):
     monkeypatch.chdir(REPO)  # the suite's test files, as a record names them
-    found = gpu_check.kernel_problems(RECORDS, source_hash(), gpu_check.suite_test_files())
+    test_files = gpu_check.suite_test_files()
+    found = gpu_check.kernel_problems(RECORDS, source_hash(), test_files,
+                                      gpu_check.first_commit_dates(test_files, REPO))
     assert not found, "the current FlashAttention source has no clean GPU check: " + "; ".join(found)
 
 
