@@ -160,7 +160,8 @@ class FlashAttention2Pytorch(torch.autograd.Function):
 # reading every tensor through its strides. Head dims that are no power of two are padded to HEAD_DIM_PADDED
 # columns (tl.arange needs a power of two) that load as zeros and are never stored; rows past the end of a
 # matrix are masked the same way, and keys past the last one get -inf, so they weigh nothing.
-# tl.dot runs in full fp32 on fp32 inputs ("ieee", not TF32), so fp32 attention is fp32 throughout.
+# Every tl.dot accumulates in fp32. On a GPU it rounds fp32 operands to TF32 (Triton's default, as the course's
+# kernels do: fp32's speed then comes from tensor cores); fp16 and bf16 operands are exact.
 
 @triton.jit
 def _load_tile(ptr, rows, n_rows, stride_row, cols, n_cols, stride_col):
@@ -176,7 +177,7 @@ def _store_tile(ptr, value, rows, n_rows, stride_row, cols, n_cols, stride_col):
 
 @triton.jit
 def _scores(q, k, query_rows, key_rows, scale, IS_CAUSAL: tl.constexpr):
-    s = tl.dot(q, tl.trans(k), input_precision="ieee") * scale
+    s = tl.dot(q, tl.trans(k)) * scale
     if IS_CAUSAL:
         s += tl.where(key_rows[None, :] > query_rows[:, None], _MASKED_SCORE_OFFSET_IN_KERNELS, 0.0)
     return s
@@ -217,7 +218,7 @@ def _forward_kernel(
         p = tl.exp(s - new_max[:, None])
         rescale = tl.exp(row_max - new_max)
         row_sum = rescale * row_sum + tl.sum(p, axis=1)
-        acc = tl.dot(p.to(v.dtype), v, acc=acc * rescale[:, None], input_precision="ieee")
+        acc = tl.dot(p.to(v.dtype), v, acc=acc * rescale[:, None])
         row_max = new_max
     _store_tile(O + b * stride_ob, acc / row_sum[:, None], query_rows, N_QUERIES, stride_on, cols, HEAD_DIM,
                 stride_od)
@@ -261,10 +262,10 @@ def _backward_dk_dv_kernel(
         delta = tl.load(DELTA + b * stride_deltab + query_rows * stride_deltan, mask=in_range, other=0.0)
         s = _scores(q, k, query_rows, key_rows, scale, IS_CAUSAL)
         p = tl.where(in_range[:, None], tl.exp(s - lse[:, None]), 0.0)
-        dv = tl.dot(tl.trans(p.to(do.dtype)), do, acc=dv, input_precision="ieee")
-        dp = tl.dot(do, tl.trans(v), input_precision="ieee")
+        dv = tl.dot(tl.trans(p.to(do.dtype)), do, acc=dv)
+        dp = tl.dot(do, tl.trans(v))
         ds = p * (dp - delta[:, None])
-        dk = tl.dot(tl.trans(ds.to(q.dtype)), q, acc=dk, input_precision="ieee")
+        dk = tl.dot(tl.trans(ds.to(q.dtype)), q, acc=dk)
     _store_tile(DK + b * stride_dkb, dk * scale, key_rows, N_KEYS, stride_dkn, cols, HEAD_DIM, stride_dkd)
     _store_tile(DV + b * stride_dvb, dv, key_rows, N_KEYS, stride_dvn, cols, HEAD_DIM, stride_dvd)
 
@@ -303,9 +304,9 @@ def _backward_dq_kernel(
         v = _load_tile(V + b * stride_vb, key_rows, N_KEYS, stride_vn, cols, HEAD_DIM, stride_vd)
         s = _scores(q, k, query_rows, key_rows, scale, IS_CAUSAL)
         p = tl.where(key_rows[None, :] < N_KEYS, tl.exp(s - lse[:, None]), 0.0)
-        dp = tl.dot(do, tl.trans(v), input_precision="ieee")
+        dp = tl.dot(do, tl.trans(v))
         ds = p * (dp - delta[:, None])
-        dq = tl.dot(ds.to(k.dtype), k, acc=dq, input_precision="ieee")
+        dq = tl.dot(ds.to(k.dtype), k, acc=dq)
     _store_tile(DQ + b * stride_dqb, dq * scale, query_rows, N_QUERIES, stride_dqn, cols, HEAD_DIM, stride_dqd)
 
 

@@ -53,40 +53,73 @@ def _trainable_parameters(module: nn.Module) -> list[nn.Parameter]:
     return [p for p in module.parameters() if p.requires_grad]
 
 
-class _GradientAllReducer:
-    """All-reduces each given parameter's gradient asynchronously from its post-accumulate-grad hook, which
-    autograd calls once a backward pass has summed every contribution to that gradient; `finish` waits and
-    averages."""
+class _GradientReducer:
+    """Averages gradients over ranks in buckets: each bucket, a list of parameters, is all-reduced asynchronously
+    as one flat tensor once backward has produced its gradients (a parameter's post-accumulate-grad hook runs
+    when backward has summed every contribution to its gradient, a tied parameter's included).
 
-    def __init__(self, parameters: Iterable[nn.Parameter]):
+    The buckets are issued in one fixed order, each as soon as it and every bucket before it are ready, so that
+    every rank issues the same collectives in the same order even where a parameter gets a gradient on some ranks
+    only (a branch that some ranks take): finish() issues the buckets still waiting, counting a missing gradient
+    as zeros. As torch's DDP does, a parameter that got no gradient on any rank is left without one."""
+
+    def __init__(self, buckets: list[list[nn.Parameter]]):
         self.world_size = dist.get_world_size()
-        self._in_flight: list[tuple[dist.Work, nn.Parameter]] = []
-        for p in parameters:
-            p.register_post_accumulate_grad_hook(self._all_reduce)
+        self.buckets = buckets
+        self._ready: set[nn.Parameter] = set()
+        self._in_flight: list[tuple[dist.Work, torch.Tensor]] = []  # one per bucket issued, in bucket order
+        for bucket in buckets:
+            for p in bucket:
+                p.register_post_accumulate_grad_hook(self._gradient_ready)
 
-    def _all_reduce(self, p: nn.Parameter) -> None:
-        if any(p is pending for _, pending in self._in_flight):
-            raise RuntimeError("a second backward produced a gradient still being all-reduced from the first: "
-                               "call finish_gradient_synchronization() after each backward")
-        self._in_flight.append((dist.all_reduce(p.grad, async_op=True), p))
+    def _gradient_ready(self, p: nn.Parameter) -> None:
+        if p in self._ready:
+            raise RuntimeError("a second backward produced a gradient before the first's were reduced: call "
+                               "finish_gradient_synchronization() after each backward")
+        self._ready.add(p)
+        while len(self._in_flight) < len(self.buckets) and self._ready.issuperset(self.buckets[len(self._in_flight)]):
+            self._issue_next_bucket()
+
+    def _issue_next_bucket(self) -> None:
+        bucket = self.buckets[len(self._in_flight)]
+        flat = torch.cat([(p.grad if p in self._ready else torch.zeros_like(p)).reshape(-1) for p in bucket])
+        self._in_flight.append((dist.all_reduce(flat, async_op=True), flat))
 
     def finish(self) -> None:
-        for work, p in self._in_flight:
+        while len(self._in_flight) < len(self.buckets):
+            self._issue_next_bucket()
+        parameters = [p for bucket in self.buckets for p in bucket]
+        if not parameters:
+            return
+        ranks_with_gradient = torch.tensor([p in self._ready for p in parameters], dtype=torch.int32,
+                                           device=parameters[0].device)
+        dist.all_reduce(ranks_with_gradient)
+        got_gradient = iter(ranks_with_gradient.tolist())
+        for (work, flat), bucket in zip(self._in_flight, self.buckets):
             work.wait()
-            p.grad.div_(self.world_size)
+            flat.div_(self.world_size)
+            for p, averaged in zip(bucket, flat.split([p.numel() for p in bucket])):
+                if not next(got_gradient):
+                    continue
+                if p.grad is None:
+                    p.grad = averaged.view_as(p)
+                else:
+                    p.grad.copy_(averaged.view_as(p))
         self._in_flight.clear()
+        self._ready.clear()
 
 
 class OverlappingDDP(nn.Module):
-    """DDP that all-reduces each parameter's gradient as soon as backward has produced it, so communication
-    overlaps the rest of backward."""
+    """DDP that all-reduces each parameter's gradient during backward, so communication overlaps the rest of
+    backward: in reverse parameter order, the order backward usually produces gradients in, each as soon as it
+    and the gradients before it in that order are ready."""
 
     def __init__(self, module: nn.Module):
         super().__init__()
         _require_process_group(type(self).__name__)
         self.module = module
         _broadcast_from_rank_0(module)
-        self._reducer = _GradientAllReducer(_trainable_parameters(module))
+        self._reducer = _GradientReducer([[p] for p in reversed(_trainable_parameters(module))])
 
     def forward(self, *inputs, **kwargs):
         return self.module(*inputs, **kwargs)
@@ -95,8 +128,6 @@ class OverlappingDDP(nn.Module):
         """Wait for every gradient's all-reduce and average: call after backward, before the optimizer step."""
         self._reducer.finish()
 
-
-# -------------------------------------------------------------------------------------------------- buckets
 
 def plan_buckets(parameters: list[nn.Parameter], bucket_size_bytes: float) -> list[list[nn.Parameter]]:
     """Consecutive runs of `parameters`, each of at most bucket_size_bytes; a parameter larger than that is a
@@ -114,18 +145,10 @@ def plan_buckets(parameters: list[nn.Parameter], bucket_size_bytes: float) -> li
     return buckets
 
 
-@dataclass(eq=False)
-class _Bucket:
-    parameters: list[nn.Parameter]
-    n_ready: int = 0
-    flat_gradients: torch.Tensor | None = None
-    work: dist.Work | None = None
-
-
 class BucketedDDP(nn.Module):
     """DDP that all-reduces gradients in buckets of at most bucket_size_mb, filled in reverse parameter order
     (backward produces the last layers' gradients first), each bucket as one flat tensor as soon as backward has
-    produced its last gradient."""
+    produced its gradients (and those of the buckets before it)."""
 
     def __init__(self, module: nn.Module, bucket_size_mb: float):
         super().__init__()
@@ -133,47 +156,16 @@ class BucketedDDP(nn.Module):
         if isinstance(bucket_size_mb, bool) or not isinstance(bucket_size_mb, int | float) or not bucket_size_mb > 0:
             raise ValueError(f"bucket_size_mb must be a positive number, got {bucket_size_mb!r}")
         self.module = module
-        self.world_size = dist.get_world_size()
         _broadcast_from_rank_0(module)
-        plan = plan_buckets(_trainable_parameters(module)[::-1], bucket_size_mb * BYTES_PER_MB)
-        self.buckets = [_Bucket(parameters) for parameters in plan]
-        for bucket in self.buckets:
-            for p in bucket.parameters:
-                p.register_post_accumulate_grad_hook(lambda p, bucket=bucket: self._gradient_ready(bucket))
+        plan = plan_buckets(list(reversed(_trainable_parameters(module))), bucket_size_mb * BYTES_PER_MB)
+        self._reducer = _GradientReducer(plan)
 
     def forward(self, *inputs, **kwargs):
         return self.module(*inputs, **kwargs)
 
-    def _gradient_ready(self, bucket: _Bucket) -> None:
-        if bucket.work is not None:
-            raise RuntimeError("a second backward produced a gradient for a bucket still being all-reduced: "
-                               "call finish_gradient_synchronization() after each backward")
-        bucket.n_ready += 1
-        if bucket.n_ready == len(bucket.parameters):
-            self._all_reduce(bucket)
-
-    def _all_reduce(self, bucket: _Bucket) -> None:
-        gradients = [p.grad if p.grad is not None else torch.zeros_like(p) for p in bucket.parameters]
-        bucket.flat_gradients = torch.cat([g.reshape(-1) for g in gradients])
-        bucket.work = dist.all_reduce(bucket.flat_gradients, async_op=True)
-
     def finish_gradient_synchronization(self) -> None:
-        """Wait for every bucket's all-reduce and write the averaged gradients back: call after backward, before
-        the optimizer step. A bucket some of whose parameters got no gradient in this backward (they were not
-        used) is reduced here."""
-        for bucket in self.buckets:
-            if bucket.work is None and bucket.n_ready > 0:
-                self._all_reduce(bucket)
-        for bucket in self.buckets:
-            if bucket.work is not None:
-                bucket.work.wait()
-                averaged = bucket.flat_gradients.div_(self.world_size)
-                offset = 0
-                for p in bucket.parameters:
-                    if p.grad is not None:
-                        p.grad.copy_(averaged[offset:offset + p.numel()].view_as(p.grad))
-                    offset += p.numel()
-            bucket.n_ready, bucket.flat_gradients, bucket.work = 0, None, None
+        """Wait for every bucket's all-reduce and average: call after backward, before the optimizer step."""
+        self._reducer.finish()
 
 
 # ------------------------------------------------------------------------------------- optimizer sharding
@@ -341,7 +333,7 @@ class FullyShardedDP(nn.Module):
             use.module.register_forward_hook(lambda m, args, out, index=index: self._after_layer(index),
                                              always_call=True)
         replicated = [p for p in _trainable_parameters(module) if p not in self._shards]
-        self._replicated_reducer = _GradientAllReducer(replicated)
+        self._replicated_reducer = _GradientReducer([[p] for p in reversed(replicated)])
         self._prefetched: dict[int, _AllGather] = {}
         self._reduce_scatters: list[tuple[dist.Work, torch.Tensor, torch.Tensor, _ShardedWeight]] = []
 
