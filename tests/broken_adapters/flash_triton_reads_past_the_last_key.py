@@ -47,7 +47,7 @@ def _forward_kernel(
         p = tl.exp(s - new_max[:, None])
         rescale = tl.exp(row_max - new_max)
         row_sum = rescale * row_sum + tl.sum(p, axis=1)
-        acc = tl.dot(p.to(v.dtype), v, acc=acc * rescale[:, None], input_precision="ieee")
+        acc = tl.dot(p.to(v.dtype), v, acc=acc * rescale[:, None])
         row_max = new_max
     _store_tile(O + b * stride_ob, acc / row_sum[:, None], query_rows, N_QUERIES, stride_on, cols, HEAD_DIM,
                 stride_od)
