@@ -20,7 +20,8 @@ from cs336_systems.conformance.flash_cases import saved_logsumexp
 FUNCTIONS = {"pytorch": FlashAttentionPytorch, "triton": FlashAttentionTriton}
 
 
-def make_tensor(lead: tuple[int, ...], n: int, d: int, layout: str, dtype, device, aligned: bool = True) -> torch.Tensor:
+def make_tensor(lead: tuple[int, ...], n: int, d: int, layout: str, dtype, device,
+                aligned: bool = True) -> torch.Tensor:
     """attention_reference.make_tensor's (*lead, n, d) tensor of standard normals in `layout`, its memory starting
     on a 16-byte boundary or (aligned=False) one element past one."""
     t = attention_reference.make_tensor(lead, n, d, layout, dtype, device)

@@ -918,7 +918,8 @@ def _interpreter_plan(path: str) -> launch.LaunchPlan:
     wide = tiles.INTERPRETER_TILES
     kernels_of = ("forward", "dq", "dkdv")
     if path.startswith("wide"):
-        tma = {kernel: None if path == "wide_pointer_loads" else getattr(wide, f"tma_{kernel}") for kernel in kernels_of}
+        tma = {kernel: None if path == "wide_pointer_loads" else getattr(wide, f"tma_{kernel}")
+               for kernel in kernels_of}
         return launch.LaunchPlan(launch.ForwardPlan(wide.forward, None), wide.dq, wide.dkdv,
                                  dict.fromkeys(kernels_of, False), tma)
     narrow = INTERPRETER_NARROW_TILES
@@ -930,7 +931,8 @@ def _interpreter_plan(path: str) -> launch.LaunchPlan:
 def _plant_scale_error(monkeypatch) -> None:
     """Scale every launch's softmax scales by PLANTED_SCALE_ERROR, and keep no launch kept with the true ones."""
     true_scales = launch._scales
-    monkeypatch.setattr(launch, "_scales", lambda head_dim: tuple(PLANTED_SCALE_ERROR * s for s in true_scales(head_dim)))
+    monkeypatch.setattr(launch, "_scales",
+                        lambda head_dim: tuple(PLANTED_SCALE_ERROR * s for s in true_scales(head_dim)))
     monkeypatch.setattr(launch, "_kept_forwards", {})
     monkeypatch.setattr(launch, "_kept_backwards", {})
     monkeypatch.setattr(launch, "_native", None)

@@ -29,8 +29,8 @@ DTYPE_NAMES = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf
 @dataclass(frozen=True)
 class Case:
     """Attention inputs: q (*lead, n_queries, head_dim), k and v (*lead, n_keys, head_dim), each laid out as
-    `layouts` says (attention_reference.LAYOUTS), q and k drawn with standard deviation sqrt(score_spread) so that the scores' is
-    about score_spread; dO is contiguous."""
+    `layouts` says (attention_reference.LAYOUTS), q and k drawn with standard deviation sqrt(score_spread) so that
+    the scores' is about score_spread; dO is contiguous."""
 
     lead: tuple[int, ...]
     n_queries: int
