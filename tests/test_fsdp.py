@@ -28,6 +28,7 @@ from torch import nn
 from torch.func import functional_call
 
 import cs336_systems.distributed.fsdp as fsdp_module
+from cs336_systems.conformance.models import ToyFSDPModel
 from cs336_systems.distributed.ddp import batch_shard
 from cs336_systems.distributed.fsdp import FSDP
 from cs336_systems.distributed.launch import launch
@@ -66,28 +67,6 @@ FLOAT64_TOLERANCE = dict(atol=1e-12, rtol=1e-12)
 BF16_TOLERANCE = dict(atol=5e-4, rtol=0.0)
 # The LM for these checks: every weight size leaves a remainder when divided by 3 except w1/w2/w3.
 SMALL_LM = ModelConfig(d_model=32, d_ff=96, num_layers=2, num_heads=4, context_length=SEQ_LEN, vocab_size=257)
-
-
-class ToyFSDPModel(nn.Module):
-    """The course's toy: Embedding -> RMSNorm -> Linear -> ReLU -> RMSNorm -> Linear -> LM head,
-    built from cs336_basics (the same classes as cs336_systems.model). Its weights, 37 x 10 (the
-    embedding and the LM head), 22 x 10 and 10 x 22, have sizes that 3 does not divide."""
-
-    def __init__(self, vocab_size: int = 37, d_model: int = 10, d_ff: int = 22):
-        super().__init__()
-        from cs336_basics.model import Embedding, Linear, RMSNorm
-
-        self.embedding = Embedding(vocab_size, d_model)
-        self.norm1 = RMSNorm(d_model)
-        self.linear1 = Linear(d_model, d_ff)
-        self.norm2 = RMSNorm(d_ff)
-        self.linear2 = Linear(d_ff, d_model)
-        self.lm_head = Linear(d_model, vocab_size)
-
-    def forward(self, token_ids: torch.Tensor) -> torch.Tensor:
-        x = self.norm1(self.embedding(token_ids))
-        x = self.norm2(torch.relu(self.linear1(x)))
-        return self.lm_head(self.linear2(x))
 
 
 def _sharded_kinds(model: nn.Module) -> set[str]:
