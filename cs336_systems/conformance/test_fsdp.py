@@ -261,12 +261,20 @@ def _weights_are_sharded_at_rest(adapters_spec: str, rank: int, world_size: int)
     fail_if(problems, f"an embedding and {MEMORY_LAYERS + 1} Linear layers, {MEMORY_WIDTH} x {MEMORY_WIDTH} each")
 
 
-def _forward_excess_bytes(model: nn.Module, inputs: torch.Tensor, storages: LiveStorages) -> int:
-    """The most bytes alive during forward beyond those alive before it, the output included."""
+def _forward_excess_bytes(model: nn.Module, inputs: torch.Tensor, storages: LiveStorages,
+                          after_backward=None) -> int:
+    """The most bytes alive during forward beyond those alive before it, the output included. The step is then
+    finished (backward, and `after_backward(model, None)` where given) outside the measurement: an implementation
+    may start collectives at forward's end for the backward it expects (gathers of backward's first weights), and
+    a model dropped with those in flight leaves them to run beside the next check's collectives, which gloo
+    cannot pair ("Received data size doesn't match")."""
     storages.watch_peak()
     before = storages.peak_bytes
     output = model(inputs)
     peak = storages.stop_peak()
+    output.float().square().mean().backward()
+    if after_backward is not None:
+        after_backward(model, None)
     del output
     return peak - before
 
@@ -274,7 +282,7 @@ def _forward_excess_bytes(model: nn.Module, inputs: torch.Tensor, storages: Live
 def _forward_gathers_few_weights_at_once(adapters_spec: str, rank: int, world_size: int) -> None:
     """During the forward pass (with gradients on) no more than GATHER_BUFFERS of the largest weight's bytes are
     alive beyond what one process's own forward over the same tokens holds (its activations, the output)."""
-    get_fsdp, _, _ = _adapters(adapters_spec)
+    get_fsdp, after_backward, _ = _adapters(adapters_spec)
     inputs, _ = _tokens(seed=rank, vocab_size=MEMORY_WIDTH, shape=MEMORY_TOKENS)
     torch.manual_seed(0)
     full_bytes, _, largest, _ = _weight_bytes(FSDPLayerStack(MEMORY_WIDTH, MEMORY_LAYERS), world_size)
@@ -286,7 +294,7 @@ def _forward_gathers_few_weights_at_once(adapters_spec: str, rank: int, world_si
     with LiveStorages() as storages:
         torch.manual_seed(0)
         model = get_fsdp(FSDPLayerStack(MEMORY_WIDTH, MEMORY_LAYERS).to(rank_device()))
-        excess = _forward_excess_bytes(model, inputs, storages)
+        excess = _forward_excess_bytes(model, inputs, storages, after_backward)
     extra = excess - single_process_excess
     if extra > GATHER_BUFFERS * largest:
         raise CheckFailed(
