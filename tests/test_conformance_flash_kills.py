@@ -164,6 +164,10 @@ def test_the_flash_conformance_suite_fails_a_planted_bug_naming_it(kill, conform
         assert outcomes.get(test, "did not run") is None, f"{kill.module}: {test} should pass: {outcomes.get(test)}"
 
 
+def test_every_broken_flash_module_is_tried():
+    assert sorted({kill.module for kill in KILLS}) == sorted(path.stem for path in BROKEN.glob("flash_*.py"))
+
+
 # Where the suite's tests skip against a correct module: what the run's device cannot run.
 EXPECTED_SKIPS = ("bf16 through Triton runs on a GPU only", "needs a CUDA GPU")
 
