@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import os
 import re
+import sys
 from collections.abc import Callable
 from importlib import metadata
 
@@ -50,13 +51,37 @@ def interpreter_problem(triton_version: str | None = None, numpy_version: str | 
     return None
 
 
+def mixed_mode_problem(kernels_interpreted: bool) -> str | None:
+    """Why kernels decorated in this mode cannot run beside the triton.language already imported, or None.
+
+    triton.language's own helpers (tl.cdiv and the rest of triton.language.standard) are decorated, and
+    so take their mode, when triton is first imported, which torch does as a side effect (torch._dynamo,
+    torch.compile, torch.compiler.disable). Interpreted kernels calling compiled helpers fail deep in
+    Triton ("Cannot call @triton.jit'd outside of the scope of a kernel")."""
+    standard = sys.modules.get("triton.language.standard")
+    if standard is None:
+        return None
+    from triton.runtime import JITFunction
+
+    if isinstance(standard.cdiv, JITFunction) != kernels_interpreted:
+        return None
+    imported, asked = ("compiled", "interpreted") if kernels_interpreted else ("interpreted", "compiled")
+    return (f"triton.language was imported {imported} and the FlashAttention kernels {asked}: "
+            f"{INTERPRET_VARIABLE} changed between the two imports. Set it in the environment before starting "
+            "Python, or import nothing that imports triton (torch._dynamo, torch.compile) before the kernels' mode "
+            "is decided")
+
+
 def interpret_kernels(on_gpu: bool) -> Callable[[], None]:
     """Make the Triton kernels imported from now on run in the interpreter unless the run is on a GPU
     (where the environment is left as it is); returns the function that puts TRITON_INTERPRET back as it
     was, for a run inside another process (pytest's own tests of the plugin) whose later kernels must
-    not change mode."""
+    not change mode. Raises RuntimeError where triton was already imported compiled, so that interpreted
+    kernels could not run (mixed_mode_problem)."""
     if on_gpu:
         return lambda: None
+    if problem := mixed_mode_problem(kernels_interpreted=True):
+        raise RuntimeError(problem)
     before = os.environ.get(INTERPRET_VARIABLE)
     os.environ[INTERPRET_VARIABLE] = "1"
 

@@ -88,6 +88,12 @@ def pytest_configure(config: pytest.Config) -> None:
     worker_input = getattr(config, "workerinput", None)
     options = {name: _option(config, name) for name in ("gpu", "precision", "model_sizes", "size_table",
                                                          "update_baselines", "accept_regression")}
+    # Before anything else is imported (choose_settings imports the reports, and through them code that imports
+    # triton): cs336_systems.interpretation says why the kernels' mode must be decided first.
+    try:
+        config.stash[_restore_interpretation_key] = interpret_kernels(_on_gpu(options["gpu"]))
+    except RuntimeError as error:
+        raise pytest.UsageError(str(error)) from None
     try:
         run = choose_settings(**options, world_size=_option(config, "world_size", int),
                               time_budget_s=_option(config, "time_budget", float), report_root=_report_root(config),
@@ -97,9 +103,17 @@ def pytest_configure(config: pytest.Config) -> None:
     except ValueError as error:
         raise pytest.UsageError(str(error)) from None
     config.stash[_settings_key] = run
-    # Before any test module imports the kernels (cs336_systems.interpretation says why it must be then).
-    config.stash[_restore_interpretation_key] = interpret_kernels(run.on_gpu)
     config.stash[_adapters_key] = _adapters(config)
+
+
+def _on_gpu(gpu: str) -> bool:
+    """Whether --gpu chose a GPU run; False for a choice choose_settings refuses, which then names the problem."""
+    from cs336_systems.gpus import resolve_gpu
+
+    try:
+        return resolve_gpu(gpu)[0] != "cpu"
+    except ValueError:
+        return False
 
 
 def _adapters(config: pytest.Config):

@@ -12,7 +12,13 @@ from cs336_systems.attention.flash_triton.op import (
     flash_attention_forward,
     flash_attention_triton,
 )
+from cs336_systems.interpretation import mixed_mode_problem
 from cs336_systems.provenance import PACKAGE_ROOT, source_digest
+
+# Kernels that triton.language's own helpers could not run beside (interpreted kernels calling compiled tl.cdiv)
+# fail at their first launch, deep in Triton: name the cause at import instead.
+if _mixed := mixed_mode_problem(INTERPRETED):
+    raise ImportError(_mixed)
 
 # The package's files whose code runs on the GPU or decides what runs there: this package's kernels, tiles,
 # launch code (native.cpp's C++ too) and op, and every package module they import (flash_pytorch: the
