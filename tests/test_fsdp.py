@@ -691,9 +691,9 @@ def _gpu_like_fsdp_rows() -> list[dict]:
 
 
 def test_fsdp_accounting_report_answers_from_the_rows():
-    from cs336_systems.reports.fsdp import render_fsdp_accounting
+    from cs336_systems.reports.problems import report
 
-    body = render_fsdp_accounting(_gpu_like_fsdp_rows()).body
+    body = report("fsdp_accounting").render(_gpu_like_fsdp_rows()).body
     rows = [" ".join(line.split()) for line in body.splitlines() if line.startswith("|")]
     # 720 / 686 - 1 = +5.0%; 29.0 / 28.4 - 1 = +2.1%: within both targets; 800 - 720 = 80 ms saved by prefetching.
     assert any(row.startswith("| FSDP | 720.0 ± 2.0 |") and row.endswith("| +5.0% | +2.1% |") for row in rows)
@@ -710,19 +710,19 @@ def test_fsdp_accounting_report_answers_from_the_rows():
 
 
 def test_fsdp_accounting_report_renders_the_same_from_its_csv(tmp_path):
-    from cs336_systems.reports.fsdp import render_fsdp_accounting
+    from cs336_systems.reports.problems import report
     from cs336_systems.reports import read_rows, write_csv
 
     rows = _gpu_like_fsdp_rows()
     write_csv(tmp_path / "rows.csv", rows)
     # Rows read back carry every column, None where a row had none: the model table keeps its own columns.
-    assert render_fsdp_accounting(read_rows(tmp_path / "rows.csv")).body == render_fsdp_accounting(rows).body
+    assert report("fsdp_accounting").render(read_rows(tmp_path / "rows.csv")).body == report("fsdp_accounting").render(rows).body
 
 
 def test_fsdp_report_gives_each_precision_a_verdict():
-    from cs336_systems.reports.fsdp import render_fsdp
+    from cs336_systems.reports.problems import report
 
     rows = [{"table": "equivalence", "compute": "bf16", "world_size": 2, "backend": "nccl", "model": "tiny LM",
              "steps": 3, "logits_dtype": "bfloat16", "master_dtype": "float32", "max_abs_difference": 0.01,
              "tolerance": 0.005, "matches": False}]
-    assert "bf16 compute: largest difference 0.01, OUTSIDE the tolerance 0.005" in render_fsdp(rows).body
+    assert "bf16 compute: largest difference 0.01, OUTSIDE the tolerance 0.005" in report("fsdp").render(rows).body

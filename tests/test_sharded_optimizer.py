@@ -394,9 +394,9 @@ def _gpu_like_sharding_rows() -> list[dict]:
 
 
 def test_sharding_accounting_report_answers_from_the_rows():
-    from cs336_systems.reports.sharding import render_sharding_accounting
+    from cs336_systems.reports.problems import report
 
-    body = render_sharding_accounting(_gpu_like_sharding_rows()).body
+    body = report("optimizer_state_sharding_accounting").render(_gpu_like_sharding_rows()).body
     rows = [" ".join(line.split()) for line in body.splitlines() if line.startswith("|")]
     # 721 / 700 - 1 = +3.0%; 40.0 / 39.4 - 1 = +1.5%: within both targets.
     assert "| DDP + ShardedOptimizer (bucketed) | 721.0 ± 1.0 | 50.00 | 40.00 | 38.30 | 16.00 | 12.00 | +3.0% | +1.5% |" in rows
@@ -413,12 +413,12 @@ def test_sharding_accounting_report_answers_from_the_rows():
 
 
 def test_sharding_accounting_answers_c_against_zero_stage_1():
-    from cs336_systems.reports.sharding import render_sharding_accounting
+    from cs336_systems.reports.problems import report
 
     rows = _gpu_like_sharding_rows() + [
         {"table": "communication", "variant": "DDP + AdamW", "collective": "all_reduce (DDP gradients)",
          "payload_bytes": 8e9, "ring_bytes_sent_per_rank": 8e9}]
-    body = render_sharding_accounting(rows).body
+    body = report("optimizer_state_sharding_accounting").render(rows).body
     section = body[body.index("## (c) Against ZeRO stage 1"):]
     # Psi = 8 GB on 2 ranks: all-reduce 8 + broadcast 4 = 12 GB; reduce-scatter 4 + all-gather 4 = 8 GB.
     assert "3 (N-1)/N Psi = 12 GB" in section and "2 (N-1)/N Psi = 8 GB" in section
@@ -429,10 +429,10 @@ def test_sharding_accounting_answers_c_against_zero_stage_1():
 
 
 def test_sharding_report_names_the_faster_resynchronisation():
-    from cs336_systems.reports.sharding import render_sharding
+    from cs336_systems.reports.problems import report
 
     rows = [r for r in _gpu_like_sharding_rows() if r.get("status") != "OOM"]
     rows.append(_step("DDP + ShardedOptimizer (broadcast)", 730.0, 55.0, 40.0, 38.3, 16.0))
-    body = render_sharding(rows).body
+    body = report("optimizer_state_sharding").render(rows).body
     assert "bucketed: identical to AdamW; each rank holds 49% to 51% of the state." in body
     assert "Here DDP + ShardedOptimizer (bucketed) is the faster." in body

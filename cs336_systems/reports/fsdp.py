@@ -8,9 +8,9 @@ from __future__ import annotations
 
 from cs336_systems.accounting.communication import bytes_sent_per_device
 from cs336_systems.benchmarks.fsdp import OURS, OURS_NO_PREFETCH, TORCH_DDP, TORCH_FSDP
-from cs336_systems.reports import Rendered, Reports, format_ms, markdown_table, not_in_report, plural, select
+from cs336_systems.reports import Reports, format_ms, markdown_table, not_in_report, plural, select
 from cs336_systems.reports.ddp import step_setup, steps_by_variant
-from cs336_systems.reports.sharding import BREAKDOWN_NOTE, memory_table, setup_sentence, step_table, within
+from cs336_systems.reports.sharding import setup_sentence, within
 from cs336_systems.rows import Row
 
 # The longest waits for an all-gather that the readiness table lists.
@@ -21,7 +21,8 @@ TARGET_PEAK_OVER_TORCH = 0.10
 MEMORY_MODEL_FIELDS = ("parameters", "gradients", "optimizer_state", "activations", "buffers", "peak")
 
 
-def _against_torch(steps: dict[str, Row]) -> str:
+def against_torch(rows: list[Row]) -> str:
+    steps = steps_by_variant(rows)
     ours, theirs = steps.get(OURS), steps.get(TORCH_FSDP)
     if not (ours and theirs):
         return ""
@@ -38,7 +39,8 @@ def _against_torch(steps: dict[str, Row]) -> str:
     return text + "\n"
 
 
-def _expected_saving(rows: list[Row], steps: dict[str, Row]) -> str:
+def expected_saving(rows: list[Row]) -> str:
+    steps = steps_by_variant(rows)
     models = {r["strategy"]: r for r in rows if r.get("table") == "memory_model"}
     ddp_model, fsdp_model = models.get("DDP (torch, gradient buckets)"), models.get("FSDP")
     if not (ddp_model and fsdp_model):
@@ -59,7 +61,8 @@ def _expected_saving(rows: list[Row], steps: dict[str, Row]) -> str:
     return "\n".join(text)
 
 
-def _zero_differences(rows: list[Row], steps: dict[str, Row]) -> str:
+def zero_differences(rows: list[Row]) -> str:
+    steps = steps_by_variant(rows)
     communication = [r for r in rows if r.get("table") == "communication" and r["variant"] in (OURS, TORCH_DDP)]
     ddp = next((r for r in communication if r["variant"] == TORCH_DDP), None)
     ours = [r for r in communication if r["variant"] == OURS]
@@ -91,7 +94,7 @@ def _zero_differences(rows: list[Row], steps: dict[str, Row]) -> str:
             f"({ddp['ring_bytes_sent_per_rank'] / 1e9:.3g} GB).\n")
 
 
-def _readiness_section(rows: list[Row]) -> str:
+def readiness_section(rows: list[Row]) -> str:
     readiness = [r for r in rows if r.get("table") == "readiness"]
     timeline = next((r for r in rows if r.get("table") == "timeline"), None)
     if not readiness:
@@ -119,35 +122,23 @@ def _readiness_section(rows: list[Row]) -> str:
     return "\n".join(text)
 
 
-def render_fsdp_accounting(rows: list[Row]) -> Rendered:
-    if not any(r.get("table") == "step" for r in rows):
-        return Rendered("_no rows_\n")
-    steps = steps_by_variant(rows)
-    body = [f"{setup_sentence(rows)} {OURS} shards every Linear and Embedding weight, prefetching two layers "
-            f"('{OURS_NO_PREFETCH}' does not); torch FSDP wraps every Transformer block and the root (fully_shard)."
-            "\n",
-            step_table(rows, baseline=TORCH_FSDP), _against_torch(steps), _expected_saving(rows, steps),
-            "## Memory at the phase points\n",
-            BREAKDOWN_NOTE + "The init peak of FSDP runs includes the whole model, built before sharding.\n",
-            memory_table(rows), _zero_differences(rows, steps), _readiness_section(rows)]
-    return Rendered("\n".join(part for part in body if part))
+def accounting_setup(rows: list[Row]) -> str:
+    return (f"{setup_sentence(rows)} {OURS} shards every Linear and Embedding weight, prefetching two layers "
+            f"('{OURS_NO_PREFETCH}' does not); torch FSDP wraps every Transformer block and the root (fully_shard).\n")
 
 
-def render_fsdp(rows: list[Row]) -> Rendered:
-    equivalence = [r for r in rows if r.get("table") == "equivalence"]
-    if not equivalence:
-        return Rendered("_no rows_\n")
-    first = equivalence[0]
-    verdicts = [f"- {r['compute']} compute: largest difference {r['max_abs_difference']:.3g}, "
-                + ("within" if r["matches"] else "OUTSIDE") + f" the tolerance {r['tolerance']:g}; logits in "
-                f"{r['logits_dtype']}, master weights in {r['master_dtype']}." for r in equivalence]
-    return Rendered(
-        f"Each rank trains the {first['model']} wrapped in FSDP on its slice of a batch ({first['world_size']} ranks, "
-        f"{first['backend']}), SGD, {first['steps']} steps; one process trains the same model on the whole batch, "
-        "casting its Linear and Embedding weights to the compute dtype for bf16.\n\n"
-        + markdown_table(equivalence, ["compute", "world_size", "backend", "steps", "logits_dtype", "master_dtype",
-                                       "max_abs_difference", "tolerance", "matches"])
-        + "\n" + "\n".join(verdicts) + "\n")
+def equivalence_setup(rows: list[Row]) -> str:
+    first = next(r for r in rows if r.get("table") == "equivalence")
+    return (f"Each rank trains the {first['model']} wrapped in FSDP on its slice of a batch ({first['world_size']} "
+            f"ranks, {first['backend']}), SGD, {first['steps']} steps; one process trains the same model on the whole "
+            "batch, casting its Linear and Embedding weights to the compute dtype for bf16.\n")
+
+
+def equivalence_verdicts(rows: list[Row]) -> str:
+    return "\n".join(f"- {r['compute']} compute: largest difference {r['max_abs_difference']:.3g}, "
+                     + ("within" if r["matches"] else "OUTSIDE") + f" the tolerance {r['tolerance']:g}; logits in "
+                     f"{r['logits_dtype']}, master weights in {r['master_dtype']}."
+                     for r in rows if r.get("table") == "equivalence") + "\n"
 
 
 # ---------------------------------------------------------------------------------------------- answers

@@ -34,6 +34,7 @@ from cs336_systems.reports import (
     parallelism_calcs,
     sharding,
 )
+from cs336_systems.reports.spec import Column, Layout, Table, Text, Versus
 from cs336_systems.rows import (
     ALLREDUCE_KEY,
     ATTENTION_KEY,
@@ -46,6 +47,27 @@ from cs336_systems.rows import (
 )
 
 Answer = Callable[[Reports], list[str]]
+
+
+def _step_table(baseline: str) -> Table:
+    """The step table of the optimizer-state sharding and FSDP accounting reports: each variant's step, optimizer
+    step, peaks and bytes communicated (the implementation under test's own communication is not counted: its cells
+    stay empty), and how its step and peak compare with `baseline`'s."""
+    ran = sharding.ran_value
+    return Table(where={"table": "step"}, columns=(
+        "variant", Column("step (ms)", sharding.step_cell),
+        Column("optimizer step (ms)", ran(lambda r: r["optimizer_ms"])),
+        Column("peak (GiB)", ran(lambda r: r.get("peak_gib"))),
+        Column("model peak (GiB)", ran(lambda r: r["model_peak_gib"])),
+        Column("communicated per step (GB)", ran(sharding.gigabytes("communicated_bytes"))),
+        Column("sent per rank, ring (GB)", ran(sharding.gigabytes("ring_bytes_sent_per_rank"))),
+        Versus(f"step vs {baseline}", "step_ms", {"variant": baseline}),
+        Versus(f"peak vs {baseline}", "peak_gib", {"variant": baseline})))
+
+
+MEMORY_TABLE = Table(where={"table": "memory"}, columns=sharding.MEMORY_COLUMNS, present_only=True,
+                     empty=sharding.NO_MEMORY_POINTS)
+MEMORY_HEADING = "## Memory at the phase points\n"
 
 
 @dataclass(frozen=True)
@@ -133,10 +155,28 @@ PROBLEMS: tuple[Problem, ...] = (
              Report("ddp_bucketed_benchmarking", ddp.render_bucketed_benchmarking)),
             ddp.answer_ddp_overlap_bucketed, "ddp", ("perf/test_ddp.py",), 2, only_in_handout="2025"),
     Problem("optimizer_state_sharding",
-            (Report("optimizer_state_sharding", sharding.render_sharding),
-             Report("optimizer_state_sharding_accounting", sharding.render_sharding_accounting)),
+            (Report("optimizer_state_sharding", Layout((
+                Text(sharding.equivalence_text), Text(sharding.resynchronisation_text),
+                Table(where=sharding.is_sharded_step, columns=(
+                    "variant", Column("optimizer step (ms)", "optimizer_ms"), Column("training step (ms)", "step_ms"))),
+                Text(sharding.fastest_resynchronisation)))),
+             Report("optimizer_state_sharding_accounting", Layout((
+                 Text(sharding.accounting_setup), _step_table("DDP + ZeroRedundancyOptimizer"),
+                 Text(sharding.zero_comparison), MEMORY_HEADING, sharding.BREAKDOWN_NOTE, MEMORY_TABLE,
+                 Text(sharding.zero_stage_1_section)), requires={"table": "step"}))),
             sharding.answer_optimizer_state_sharding, "sharding", ("perf/test_sharding.py",), 2),
-    Problem("fsdp", (Report("fsdp", fsdp.render_fsdp), Report("fsdp_accounting", fsdp.render_fsdp_accounting)),
+    Problem("fsdp", (
+        Report("fsdp", Layout((
+            Text(fsdp.equivalence_setup),
+            Table(where={"table": "equivalence"}, columns=(
+                "compute", "world_size", "backend", "steps", "logits_dtype", "master_dtype", "max_abs_difference",
+                "tolerance", "matches")),
+            Text(fsdp.equivalence_verdicts)), requires={"table": "equivalence"})),
+        Report("fsdp_accounting", Layout((
+            Text(fsdp.accounting_setup), _step_table(fsdp.TORCH_FSDP), Text(fsdp.against_torch), Text(fsdp.expected_saving),
+            MEMORY_HEADING, sharding.BREAKDOWN_NOTE + "The init peak of FSDP runs includes the whole model, built "
+            "before sharding.\n", MEMORY_TABLE, Text(fsdp.zero_differences), Text(fsdp.readiness_section)),
+            requires={"table": "step"}))),
             fsdp.answer_fsdp, "fsdp", ("perf/test_fsdp.py",), 2),
     Problem("communication_accounting",
             (Report("communication_accounting", communication_accounting.render_communication_accounting),),

@@ -7,6 +7,9 @@ serve the FSDP reports too.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any
+
 from cs336_systems.accounting.communication import bytes_sent_per_device
 from cs336_systems.reports import (
     Rendered,
@@ -34,44 +37,27 @@ def setup_sentence(rows: list[Row]) -> str:
             "per variant, one run; step: mean over ranks and steps; peak: the largest rank's.")
 
 
-def step_table(rows: list[Row], baseline: str | None = None) -> str:
-    table = []
-    base = next((r for r in ok_rows(_steps(rows)) if r["variant"] == baseline), None)
-    for r in _steps(rows):
-        if r["status"] != "ok":
-            table.append({"variant": r["variant"], "step (ms)": missed_text(r)})
-            continue
-        # The implementation under test's own communication is not counted: its cells stay empty.
-        entry = {"variant": r["variant"], "step (ms)": mean_std(r["step_ms"], r["step_std_ms"]),
-                 "optimizer step (ms)": r["optimizer_ms"], "peak (GiB)": r.get("peak_gib"),
-                 "model peak (GiB)": r["model_peak_gib"],
-                 "communicated per step (GB)": _gigabytes(r.get("communicated_bytes")),
-                 "sent per rank, ring (GB)": _gigabytes(r.get("ring_bytes_sent_per_rank"))}
-        if base is not None:
-            entry[f"step vs {baseline}"] = f"{r['step_ms'] / base['step_ms'] - 1:+.1%}"
-            if base.get("peak_gib") and r.get("peak_gib"):
-                entry[f"peak vs {baseline}"] = f"{r['peak_gib'] / base['peak_gib'] - 1:+.1%}"
-        table.append(entry)
-    return markdown_table(table)
+def step_cell(row: Row) -> str:
+    """A step's time as the step tables show it: mean ± std, or why it did not run."""
+    return mean_std(row["step_ms"], row["step_std_ms"]) if row["status"] == "ok" else missed_text(row)
 
 
-def _gigabytes(num_bytes: float | None) -> float | None:
-    return None if num_bytes is None else num_bytes / 1e9
+def ran_value(value: Callable[[Row], Any]) -> Callable[[Row], Any]:
+    """`value` of a row that ran; nothing for one that did not."""
+    return lambda row: value(row) if row["status"] == "ok" else None
+
+
+def gigabytes(column: str) -> Callable[[Row], float | None]:
+    return lambda row: None if row.get(column) is None else row[column] / 1e9
 
 
 BREAKDOWN_NOTE = (
     "Memory (GiB) at points of one step after the timed ones: allocated, and the peak since the step started (at "
     "init: while building); parameters, gradients and optimizer state are this rank's tensors (local shards when "
     "sharded), activations what forward left allocated, other the rest (buckets, buffers, allocator rounding).\n")
-MEMORY_COLUMNS = ["variant", "point", "allocated_gib", "peak_gib", "parameters_gib", "gradients_gib",
-                  "optimizer_state_gib", "activations_gib", "other_gib"]
-
-
-def memory_table(rows: list[Row]) -> str:
-    memory = [r for r in rows if r.get("table") == "memory"]
-    if not memory:
-        return "_no memory points (the run had no GPU: the CPU allocator keeps no statistics)_\n"
-    return markdown_table(memory, [c for c in MEMORY_COLUMNS if any(r.get(c) is not None for r in memory)])
+MEMORY_COLUMNS = ("variant", "point", "allocated_gib", "peak_gib", "parameters_gib", "gradients_gib",
+                  "optimizer_state_gib", "activations_gib", "other_gib")
+NO_MEMORY_POINTS = "_no memory points (the run had no GPU: the CPU allocator keeps no statistics)_\n"
 
 
 # What our sharded optimizer should stay within, over torch's ZeroRedundancyOptimizer.
@@ -83,7 +69,7 @@ def within(ratio: float, target: float) -> str:
     return f"within the +{target:.0%} target" if ratio <= target else f"OVER the +{target:.0%} target"
 
 
-def _zero_comparison(rows: list[Row]) -> str:
+def zero_comparison(rows: list[Row]) -> str:
     """Our sharded optimizer against torch's ZeroRedundancyOptimizer, and against the targets."""
     ok = {r["variant"]: r for r in ok_rows(_steps(rows))}
     zero = ok.get("DDP + ZeroRedundancyOptimizer")
@@ -120,7 +106,7 @@ ZERO_PAPER_BYTES = {"parameters": 2, "gradients": 2, "sharded state": 12}
 FP32_ADAMW_BYTES = {"parameters": 4, "gradients": 4, "sharded state": 8}
 
 
-def _zero_stage_1_section(rows: list[Row]) -> str:
+def zero_stage_1_section(rows: list[Row]) -> str:
     """(c): our approach (and torch's ZeroRedundancyOptimizer) against ZeRO-DP P_os, from the run's sizes."""
     steps = {r["variant"]: r for r in ok_rows(_steps(rows))}
     ddp = next((r for r in rows if r.get("table") == "communication" and r["variant"] == "DDP + AdamW"), None)
@@ -156,25 +142,18 @@ def _zero_stage_1_section(rows: list[Row]) -> str:
     ])
 
 
-def render_sharding_accounting(rows: list[Row]) -> Rendered:
-    if not _steps(rows):
-        return Rendered("_no rows_\n")
-    body = [f"{setup_sentence(rows)} All variants wrap torch DDP (25 MB buckets). 'model peak': "
+def accounting_setup(rows: list[Row]) -> str:
+    return (f"{setup_sentence(rows)} All variants wrap torch DDP (25 MB buckets). 'model peak': "
             "cs336_systems.accounting.memory; 'sent per rank' is what a ring moves: 2(N-1)/N of an all-reduce's "
-            "payload, (N-1)/N of a broadcast's.\n",
-            step_table(rows, baseline="DDP + ZeroRedundancyOptimizer"), _zero_comparison(rows),
-            "## Memory at the phase points\n", BREAKDOWN_NOTE, memory_table(rows),
-            _zero_stage_1_section(rows)]
-    return Rendered("\n".join(part for part in body if part))
+            "payload, (N-1)/N of a broadcast's.\n")
 
 
-def render_sharding(rows: list[Row]) -> Rendered:
+def equivalence_text(rows: list[Row]) -> str:
     equivalence = [r for r in rows if r.get("table") == "equivalence"]
-    parts = []
-    if equivalence:
-        first = equivalence[0]
-        parts.append(
-            f"ShardedOptimizer(AdamW) against AdamW on the {first['model']}, {first['steps']} steps on the same "
+    if not equivalence:
+        return ""
+    first = equivalence[0]
+    return (f"ShardedOptimizer(AdamW) against AdamW on the {first['model']}, {first['steps']} steps on the same "
             f"batches on every rank ({first['world_size']} ranks, {first['backend']}). Each rank's state is the "
             "share of AdamW's it holds.\n\n"
             + markdown_table(equivalence, ["sync", "world_size", "backend", "steps", "max_abs_difference",
@@ -184,15 +163,23 @@ def render_sharding(rows: list[Row]) -> Rendered:
                                       f"largest difference {r['max_abs_difference']:.3g}")
                 + f"; each rank holds {span([r['state_share_min'], r['state_share']], '{:.0%}'.format)} of the state."
                 for r in equivalence) + "\n")
-    steps = [r for r in ok_rows(_steps(rows)) if r["variant"].startswith("DDP + ShardedOptimizer")]
-    if steps:
-        fastest = min(steps, key=lambda r: r["optimizer_ms"])
-        parts.append("## Re-synchronising the parameters\n\nOptimizer step time (the update and the "
-                     "re-synchronisation) with each method, from the optimizer_state_sharding_accounting run:\n\n"
-                     + markdown_table([{"variant": r["variant"], "optimizer step (ms)": r["optimizer_ms"],
-                                        "training step (ms)": r["step_ms"]} for r in steps])
-                     + f"\nHere {fastest['variant']} is the faster.\n")
-    return Rendered("\n".join(parts) or "_no rows_\n")
+
+
+def is_sharded_step(row: Row) -> bool:
+    return row.get("table") == "step" and row["status"] == "ok" and row["variant"].startswith("DDP + ShardedOptimizer")
+
+
+def resynchronisation_text(rows: list[Row]) -> str:
+    steps = [r for r in rows if is_sharded_step(r)]
+    if not steps:
+        return ""
+    return ("## Re-synchronising the parameters\n\nOptimizer step time (the update and the "
+            "re-synchronisation) with each method, from the optimizer_state_sharding_accounting run:\n")
+
+
+def fastest_resynchronisation(rows: list[Row]) -> str:
+    steps = [r for r in rows if is_sharded_step(r)]
+    return f"Here {min(steps, key=lambda r: r['optimizer_ms'])['variant']} is the faster.\n" if steps else ""
 
 
 # ---------------------------------------------------------------------------------------------- answers
