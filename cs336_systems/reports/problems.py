@@ -15,6 +15,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from cs336_systems import provenance
+from cs336_systems.gpus import GIB
 from cs336_systems.reports import (
     Report,
     Reports,
@@ -34,7 +35,7 @@ from cs336_systems.reports import (
     parallelism_calcs,
     sharding,
 )
-from cs336_systems.reports.spec import Column, Layout, Table, Text, Versus
+from cs336_systems.reports.spec import LOG, LOG2, Column, Layout, Plot, Reference, Table, Text, Versus
 from cs336_systems.rows import (
     ALLREDUCE_KEY,
     ATTENTION_KEY,
@@ -43,6 +44,7 @@ from cs336_systems.rows import (
     FLASH_KEY,
     MIXED_PRECISION_KEY,
     NSYS_KEY,
+    OOM,
     TORCH_COMPILE_KEY,
 )
 
@@ -102,6 +104,62 @@ def _parallelism(name: str, answer: Answer) -> Problem:
     return Problem(name, (Report(name, parallelism_calcs.RENDERERS[name]),), answer, device_independent=True)
 
 
+# Naive attention (pytorch_attention, torch_compile)
+PYTORCH_ATTENTION = Layout((
+    Text(attention.timings_setup),
+    Table(order=attention.cell_order, columns=(
+        Column("d", "head_dim"), Column("N", "seq_len"), Column("forward (ms)", attention.ms("forward")),
+        Column("backward (ms)", attention.ms("backward")),
+        Column("before backward (GiB)", lambda r: attention.gib(r.get("memory_before_backward_bytes")), optional=True),
+        Column("predicted (GiB)", lambda r: attention.gib(attention.memory_of(r).before_backward_bytes)),
+        Column("out of memory", lambda r: attention.oom_when(r) if r["status"] == OOM else ""))),
+    Text(attention.findings),
+    Text(attention.accounting_intro),
+    Table(rows_of=attention.accounting_breakdown, columns=(
+        "tensor", "shape", Column("GiB", lambda b: f"{b['bytes'] / GIB:.4g}"), "note")),
+    Table(rows_of=attention.accounting_totals, columns=(
+        "total", Column("predicted (GiB)", lambda t: f"{t['predicted'] / GIB:.4g}"),
+        Column("measured (GiB)", lambda t: attention.gib(t["measured"])),
+        Column("share of device memory", lambda t: f"{t['predicted'] / t['device']:.0%}" if t["device"] else ""))),
+    Text(attention.accounting_notes),
+    Text(attention.validation_intro),
+    Table(where=attention.peaks_measured, order=attention.cell_order, columns=(
+        Column("d", "head_dim"), Column("N", "seq_len"),
+        Column("added by forward: measured (GiB)", lambda r: attention.gib(attention.retained(r))),
+        Column("predicted (GiB)", lambda r: attention.gib(attention.memory_of(r).retained_bytes)),
+        Column("forward peak: measured / predicted", lambda r: f"{attention.peak_ratio('forward')(r):.3f}"),
+        Column("backward peak: measured / predicted", lambda r: f"{attention.peak_ratio('backward')(r):.3f}"))),
+    Text(attention.validation_finding),
+    Plot("pytorch_attention_memory.png", x="seq_len", y="gib", series=lambda p: (p["head_dim"], p["kind"]),
+         label=lambda series: f"d={series[0]}, {series[1]}", rows_of=attention.memory_points,
+         style=lambda series: {"linestyle": "--", "marker": None} if series[1] == "predicted" else {},
+         colour_of=lambda series: series[0], references=(Reference(attention.device_memory_line, linestyle=":"),),
+         xscale=LOG2, yscale=LOG, xlabel="sequence length N", ylabel="memory before backward (GiB)",
+         title="Naive attention: memory in use before backward", alt="memory before backward against N",
+         tight_layout=False)), requires={"attention": "naive"})
+
+
+def _compiled_ms(way: str, phase: str) -> Column:
+    return Column(f"{phase} {way} (ms)", lambda pair: attention.ms(phase)(pair[way]))
+
+
+def _compiled_memory(way: str) -> Column:
+    return Column(f"before backward, {way} (GiB)", optional=True,
+                  value=lambda pair: pair[way] and attention.gib(pair[way].get("memory_before_backward_bytes")))
+
+
+TORCH_COMPILE = Layout((
+    Text(attention.compiled_setup),
+    Table(where={"table": "attention"}, rows_of=attention.compiled_pairs, columns=(
+        "d", "N", *(column for phase in attention.PHASES for column in (
+            _compiled_ms("eager", phase), _compiled_ms("compiled", phase),
+            Column(f"{phase} speed-up", attention.speedup(phase)))),
+        _compiled_memory("eager"), _compiled_memory("compiled"),
+        Column("compiled: first fwd+bwd (s)", attention.first_pass_s))),
+    Text(attention.compiled_findings),
+    Text(attention.whole_model)))
+
+
 PROBLEMS: tuple[Problem, ...] = (
     Problem("benchmarking_script",
             (Report("benchmarking_script", e2e.render_benchmarking_script, E2E_KEY, cell_of=e2e.cell_key),),
@@ -124,10 +182,10 @@ PROBLEMS: tuple[Problem, ...] = (
             gradient_checkpointing.answer_gradient_checkpointing, "memory", ("perf/test_memory.py",),
             open_items=gradient_checkpointing.open_items_gradient_checkpointing),
     Problem("pytorch_attention",
-            (Report("pytorch_attention", attention.render_pytorch_attention, ATTENTION_KEY),),
+            (Report("pytorch_attention", PYTORCH_ATTENTION, ATTENTION_KEY),),
             attention.answer_pytorch_attention, "attention", ("perf/test_attention.py",)),
     Problem("torch_compile",
-            (Report("torch_compile", attention.render_torch_compile, TORCH_COMPILE_KEY, cell_of=e2e.cell_key),),
+            (Report("torch_compile", TORCH_COMPILE, TORCH_COMPILE_KEY, cell_of=e2e.cell_key),),
             attention.answer_torch_compile, "e2e", ("perf/test_e2e.py", "perf/test_attention.py")),
     Problem("flash_forward / flash_backward", (), flash.answer_flash_forward_backward),
     Problem("flash_benchmarking",
