@@ -349,8 +349,8 @@ def compiled_setup(rows: list[Row]) -> str:
     sweep = _sweep(rows)
     if not sweep:
         return ""
-    return (f"## Attention: eager against torch.compile\n\n{_setup(sweep)} Compiled cells "
-            "compile afresh with static shapes; compiling passes are untimed. Speed-up: eager's mean over compiled's.\n")
+    return (f"## Attention: eager against torch.compile\n\n{_setup(sweep)} Compiled cells compile afresh with static "
+            "shapes; compiling passes are untimed. Speed-up: eager's mean over compiled's.\n")
 
 
 def compiled_findings(rows: list[Row]) -> str:

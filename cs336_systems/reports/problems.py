@@ -16,7 +16,9 @@ from dataclasses import dataclass
 
 from cs336_systems import provenance
 from cs336_systems.gpus import GIB
+from cs336_systems.profiling.kernels import short_name
 from cs336_systems.reports import (
+    NOT_A_NUMBER,
     Report,
     Reports,
     allreduce,
@@ -35,7 +37,7 @@ from cs336_systems.reports import (
     parallelism_calcs,
     sharding,
 )
-from cs336_systems.reports.spec import LOG, LOG2, Column, Layout, Plot, Reference, Table, Text, Versus
+from cs336_systems.reports.spec import LOG, LOG2, Column, Layout, Pivot, Plot, Reference, Table, Text, Versus
 from cs336_systems.rows import (
     ALLREDUCE_KEY,
     ATTENTION_KEY,
@@ -160,11 +162,72 @@ TORCH_COMPILE = Layout((
     Text(attention.whole_model)))
 
 
+# Kernel tables of a training step (nsys_profile)
+def _kernel_column(header: str, name: str, chars: int = nsys_profile.TABLE_NAME_CHARS) -> Column:
+    return Column(header, lambda row: short_name(row[name], chars))
+
+
+KERNEL_TABLE = (
+    _kernel_column("kernel", "kernel", nsys_profile.KERNEL_TABLE_NAME_CHARS),
+    Column("matmul", lambda k: {True: "yes", False: "no"}.get(k.get("matmul"), "")), "calls",
+    Column("calls per instance", lambda k: f"{k['calls_per_instance']:g}"), Column("total (ms)", "total_ms"),
+    Column("share", lambda k: f"{k['share']:.1%}"))
+NSYS_PROFILE = Layout((
+    Text(nsys_profile.setup),
+    Text(nsys_profile.forward_time_setup),
+    Table(rows_of=nsys_profile.measured, columns=(
+        "size", "context", Column("timer forward (ms)", nsys_profile.timer_forward),
+        Column("profiled forward range (ms)", nsys_profile.in_range("forward", "wall_ms")),
+        Column("forward work (ms)", nsys_profile.in_range("forward", "work_ms")),
+        Column("work / timer", nsys_profile.work_over_timer))),
+    Text(nsys_profile.forward_time_note),
+    Text(nsys_profile.when_measured("## (b) The top forward kernel\n")),
+    Table(rows_of=nsys_profile.measured, columns=(
+        "size", "context",
+        Column("top forward kernel", lambda c: short_name(nsys_profile.top_kernel(c)["kernel"],
+                                                          nsys_profile.TABLE_NAME_CHARS)),
+        Column("share of forward", lambda c: f"{nsys_profile.top_kernel(c)['share']:.0%}"),
+        Column("calls per forward pass", lambda c: f"{nsys_profile.top_kernel(c)['calls_per_instance']:g}"),
+        Column("top over forward+backward", nsys_profile.top_over_forward_backward),
+        Column("its share",
+               lambda c: f"{nsys_profile.top_kernel(c, nsys_profile.FORWARD_BACKWARD)['share']:.0%}"))),
+    Text(nsys_profile.calls_note),
+    Text(nsys_profile.when_measured(f"## (c) Non-matmul kernels above {nsys_profile.MAIN_KERNEL_SHARE:.0%} of forward "
+                                    "time\n\nFor each size at the longest context it ran.\n")),
+    Table(rows_of=nsys_profile.main_kernels, columns=(
+        "size", Column("context", "context_length"), _kernel_column("kernel", "kernel"),
+        Column("share of forward", lambda k: f"{k['share']:.1%}"), "calls")),
+    Text(nsys_profile.no_main_kernel),
+    Text(nsys_profile.when_measured("## (d) Matmul share: forward against the full training step\n\n"
+                                    "Matmul share of kernel time, forward / full step.\n")),
+    Table(rows_of=nsys_profile.measured,
+          pivot=Pivot(("size",), "context", nsys_profile.matmul_shares, label="context")),
+    Text(nsys_profile.matmul_share_note),
+    Text(nsys_profile.attention_setup),
+    Table(rows_of=nsys_profile.attention_cells, columns=(
+        "size", "context", Column("d_head", lambda c: c["cell"]["d_head"]),
+        Column("matmul (ms)", nsys_profile.attention_matmul_ms),
+        Column("softmax (ms)", nsys_profile.in_range("attention/softmax", "work_ms")),
+        Column("scale + mask (ms)", nsys_profile.scale_and_mask_ms),
+        Column("softmax / matmul time", lambda c: NOT_A_NUMBER if (ratio := nsys_profile.softmax_time_ratio(c)) is None
+               else f"{ratio:.2f}"),
+        Column("FLOP ratio", lambda c: f"{nsys_profile.softmax_flop_ratio(c):.4f}"),
+        Column("time ratio / FLOP ratio", nsys_profile.time_over_flop_ratio))),
+    Text(nsys_profile.attention_finding),
+    Text(nsys_profile.beside_variants_heading),
+    Table(rows_of=nsys_profile.beside_variants),
+    Text(nsys_profile.kernel_tables_heading),
+    *(part for name in nsys_profile.KERNEL_TABLE_RANGES
+      for part in (Text(nsys_profile.range_heading(name)), Table(rows_of=nsys_profile.kernels_of(name),
+                                                                 columns=KERNEL_TABLE))),
+    Text(nsys_profile.nsys_section)))
+
+
 PROBLEMS: tuple[Problem, ...] = (
     Problem("benchmarking_script",
             (Report("benchmarking_script", e2e.render_benchmarking_script, E2E_KEY, cell_of=e2e.cell_key),),
             e2e.answer_benchmarking_script, "e2e", ("perf/test_e2e.py",)),
-    Problem("nsys_profile", (Report("nsys_profile", nsys_profile.render_nsys_profile, NSYS_KEY),),
+    Problem("nsys_profile", (Report("nsys_profile", NSYS_PROFILE, NSYS_KEY),),
             nsys_profile.answer_nsys_profile, "profile", ("perf/test_profile.py",),
             open_items=nsys_profile.open_items_nsys_profile, every_size=False),
     Problem("mixed_precision_accumulation",
