@@ -75,3 +75,21 @@ def test_a_plot_draws_a_line_per_series_sorted_by_x_and_its_references():
     assert lines == {"d=16": [1, 2, 4], "d=32": [1, 2, 4], "device memory": [0, 1]}
     assert axes.get_xscale() == "log"
     assert layout([]).body == NO_ROWS
+
+
+def test_a_plot_draws_derived_points_with_a_series_style_and_a_colour_shared_by_its_group():
+    pytest.importorskip("matplotlib")
+    rows = [{"n": n, "measured": n * 2.0 if n > 1 else None} for n in (1, 2, 4)]
+
+    def points(rows):
+        return ([{**r, "kind": "measured", "y": r["measured"]} for r in rows if r["measured"] is not None]
+                + [{**r, "kind": "predicted", "y": r["n"] * 2.0} for r in rows])
+
+    plot = Plot("p.png", x="n", y="y", series="kind", rows_of=points, colour_of=lambda kind: "one",
+                style=lambda kind: {"linestyle": "--", "marker": None} if kind == "predicted" else {},
+                tight_layout=False)
+    (axes,) = plot.figure(rows).axes
+    measured, predicted = axes.get_lines()
+    assert list(measured.get_xdata()) == [2, 4] and list(predicted.get_xdata()) == [1, 2, 4]
+    assert predicted.get_linestyle() == "--" and predicted.get_marker() == "None" and measured.get_marker() == "o"
+    assert predicted.get_color() == measured.get_color()

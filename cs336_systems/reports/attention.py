@@ -1,7 +1,7 @@
-"""The reports of naive attention: pytorch_attention (timings and memory by head dimension and sequence
-length, the cells that run out of memory, the closed-form memory accounting against measurement) and the
-attention part of torch_compile (eager against compiled, beside the whole model's part from
-cs336_systems.reports.e2e), with their answers. cs336_systems.benchmarks.attention measures them.
+"""The answers of naive attention's reports: pytorch_attention (timings and memory by head dimension and sequence
+length, the cells that run out of memory, the closed-form memory accounting against measurement) and the attention
+part of torch_compile (eager against compiled, beside the whole model's part from cs336_systems.reports.e2e). Their
+tables and plot are declared in cs336_systems.reports.problems; cs336_systems.benchmarks.attention measures them.
 """
 
 from __future__ import annotations
@@ -14,14 +14,12 @@ from cs336_systems.gpus import GIB
 from cs336_systems.reports import (
     NOT_RUN,
     UNPAIRED,
-    Rendered,
     Reports,
     SpeedUps,
     e2e,
     format_bytes,
     format_ms,
     is_noisy,
-    markdown_table,
     mean_std,
     not_in_report,
     plural,
@@ -36,12 +34,16 @@ from cs336_systems.rows import OOM, TORCH_COMPILE_KEY, Row, ok_rows
 
 LOGSUMEXP_BYTES = 4  # FlashAttention keeps one fp32 logsumexp per query row
 COUNTS = {3: "three", 4: "four"}  # the score matrices at the backward's peak, as the accounting names them
+PHASES = ("forward", "backward")
 
 
-def _ms(row: Row, phase: str) -> str:
-    if row.get(f"{phase}_mean_ms") is not None:
-        return mean_std(row[f"{phase}_mean_ms"], row[f"{phase}_std_ms"], ".3g", ".2g")
-    return OOM if row.get("status") == OOM else ""
+def ms(phase: str):
+    """A cell's time of `phase`, mean ± std in ms; OOM where it ran out of memory."""
+    def cell(row: Row | None) -> str:
+        if row is not None and row.get(f"{phase}_mean_ms") is not None:
+            return mean_std(row[f"{phase}_mean_ms"], row[f"{phase}_std_ms"], ".3g", ".2g")
+        return OOM if row is not None and row.get("status") == OOM else ""
+    return cell
 
 
 def oom_when(row: Row) -> str:
@@ -49,12 +51,22 @@ def oom_when(row: Row) -> str:
     return NOT_RUN if row.get("oom_predicted") else f"during {row['oom_during']}"
 
 
-def _gib_cell(value) -> str:
-    return "" if value is None else f"{value / GIB:.3g}"
+def gib(value: float | None) -> str | None:
+    return None if value is None else f"{value / GIB:.3g}"
 
 
-def _by_cell(rows: list[Row]) -> list[Row]:
-    return sorted(rows, key=lambda r: (r["head_dim"], r["seq_len"]))
+def cell_order(row: Row) -> tuple[int, int]:
+    return row["head_dim"], row["seq_len"]
+
+
+def memory_of(row: Row):
+    return naive_attention_memory(row["batch_size"], row["seq_len"], row["seq_len"], row["head_dim"],
+                                  row["precision"], row["is_causal"], row.get("device") or "cuda")
+
+
+def capacity(rows: list[Row]) -> int | None:
+    """The device's memory, where the rows measured it."""
+    return next((r["device_memory_bytes"] for r in rows if r.get("device_memory_bytes")), None)
 
 
 def _setup(rows: list[Row]) -> str:
@@ -66,28 +78,13 @@ def _setup(rows: list[Row]) -> str:
             "mean ± std in ms.")
 
 
-def _memory_note(rows: list[Row]) -> str:
-    if _memory_measured(rows):
-        return ("Memory before backward: torch.cuda.memory_allocated after the forward (q, k, v, dO, output, "
-                "saved tensors).")
-    return "Memory is not measured on this device (no CUDA allocator statistics); predicted is the closed form."
-
-
-def _memory_measured(rows: list[Row]) -> bool:
-    return any(r.get("memory_before_backward_bytes") is not None for r in rows)
-
-
-def _timing_table(rows: list[Row]) -> str:
-    table = []
-    for r in _by_cell(rows):
-        entry = {"d": r["head_dim"], "N": r["seq_len"], "forward (ms)": _ms(r, "forward"),
-                 "backward (ms)": _ms(r, "backward")}
-        if _memory_measured(rows):
-            entry["before backward (GiB)"] = _gib_cell(r.get("memory_before_backward_bytes"))
-        entry["predicted (GiB)"] = _gib_cell(_memory_of(r).before_backward_bytes)
-        entry["out of memory"] = oom_when(r) if r["status"] == OOM else ""
-        table.append(entry)
-    return markdown_table(table)
+def timings_setup(rows: list[Row]) -> str:
+    if any(r.get("memory_before_backward_bytes") is not None for r in rows):
+        memory = ("Memory before backward: torch.cuda.memory_allocated after the forward (q, k, v, dO, output, "
+                  "saved tensors).")
+    else:
+        memory = "Memory is not measured on this device (no CUDA allocator statistics); predicted is the closed form."
+    return f"## Timings and memory\n\n{_setup(rows)} {memory}\n"
 
 
 def _exponent(n_small: int, small: float, n_large: int, large: float) -> float:
@@ -95,7 +92,7 @@ def _exponent(n_small: int, small: float, n_large: int, large: float) -> float:
     return math.log(large / small) / math.log(n_large / n_small)
 
 
-def _retained(row: Row) -> float | None:
+def retained(row: Row) -> float | None:
     """Bytes the forward added: memory before backward minus what was allocated before the forward."""
     if row.get("memory_before_backward_bytes") is None or row.get("allocated_before_forward_bytes") is None:
         return None
@@ -103,12 +100,12 @@ def _retained(row: Row) -> float | None:
 
 
 def _scaling_findings(rows: list[Row]) -> list[str]:
-    measured = any(_retained(r) for r in rows)
+    measured = any(retained(r) for r in rows)
     label = "the memory the forward leaves for backward" + \
         ("" if measured else " (predicted, not measured on this device)")
 
     def saved(row: Row) -> float | None:
-        return _retained(row) if measured else _memory_of(row).retained_bytes
+        return retained(row) if measured else memory_of(row).retained_bytes
 
     # The exponent between each head dim's two largest N, one line per such pair of N.
     exponents: dict[tuple[int, int], list[str]] = {}
@@ -151,139 +148,13 @@ def _scaling_findings(rows: list[Row]) -> list[str]:
 def _noisy(row: Row) -> bool:
     """Whether either of a cell's times is marked noisy in the table."""
     return any(row.get(f"{phase}_mean_ms") is not None and is_noisy(row[f"{phase}_mean_ms"], row[f"{phase}_std_ms"])
-               for phase in ("forward", "backward"))
-
-
-def _memory_of(row: Row):
-    return naive_attention_memory(row["batch_size"], row["seq_len"], row["seq_len"], row["head_dim"],
-                                  row["precision"], row["is_causal"], row.get("device") or "cuda")
-
-
-def _first_predicted_oom(rows: list[Row]) -> Row | None:
-    """When no measured cell ran out of memory: the smallest configuration the closed form says would
-    not fit (the smallest head dim, N doubled past the largest measured), or None if the device's
-    memory size is unknown."""
-    capacity = next((r["device_memory_bytes"] for r in rows if r.get("device_memory_bytes")), None)
-    if capacity is None:
-        return None
-    candidate = {**min(rows, key=lambda r: r["head_dim"]), "seq_len": max(r["seq_len"] for r in rows),
-                 "memory_before_backward_bytes": None}
-    while _memory_of(candidate).peak_bytes <= capacity:
-        candidate["seq_len"] *= 2
-    return candidate
-
-
-def _accounting_target(rows: list[Row]) -> tuple[Row, str]:
-    """The configuration to account for, and a sentence saying why it was chosen."""
-    ooms = [r for r in rows if r["status"] == OOM]
-    if ooms:
-        target = min(ooms, key=lambda r: _memory_of(r).peak_bytes)
-        return target, (f"The smallest configuration that ran out of memory is d={target['head_dim']}, "
-                        f"N={target['seq_len']} ({oom_when(target)}).")
-    target = _first_predicted_oom(rows)
-    if target is not None:
-        return target, (f"No configuration ran out of memory on this device "
-                        f"({target['device_memory_bytes'] / GIB:.3g} GiB). The smallest that the accounting says "
-                        f"would not fit is d={target['head_dim']}, N={target['seq_len']} (not run).")
-    target = max(rows, key=lambda r: _memory_of(r).peak_bytes)
-    return target, (f"No configuration ran out of memory, and this device's memory is not measured; the accounting "
-                    f"of the largest, d={target['head_dim']}, N={target['seq_len']}.")
-
-
-def _accounting_section(rows: list[Row]) -> str:
-    target, intro = _accounting_target(rows)
-    memory = _memory_of(target)
-    breakdown = [{"tensor": b["tensor"], "shape": b["shape"], "GiB": f"{b['bytes'] / GIB:.4g}", "note": b["note"]}
-                 for b in memory.breakdown()]
-    capacity = target.get("device_memory_bytes")
-    totals = [("before backward: q, k, v, dO, O and what autograd saved", memory.before_backward_bytes,
-               target.get("memory_before_backward_bytes")),
-              ("forward peak: two score matrices (the last S, and P) and O", memory.forward_peak_bytes, None),
-              (f"backward peak: {COUNTS[memory.backward_peak_score_matrices]} score matrices (P, dP, dS"
-               + (", dP * P" if memory.backward_peak_score_matrices == 4 else "") + "), O and dv",
-               memory.backward_peak_bytes, None)]
-    total_rows = [{"total": name, "predicted (GiB)": f"{predicted / GIB:.4g}", "measured (GiB)": _gib_cell(measured),
-                   "share of device memory": f"{predicted / capacity:.0%}" if capacity else ""}
-                  for name, predicted, measured in totals]
-    lse_bytes = target["batch_size"] * target["seq_len"] * LOGSUMEXP_BYTES
-    return "\n".join([
-        f"## Memory accounting\n\n{intro}\n",
-        markdown_table(breakdown),
-        markdown_table(total_rows),
-        f"Backward saves the softmax output P, {memory.scores_bytes / GIB:.3g} GiB here (B·N²·"
-        f"{memory.element_bytes} bytes): softmax's gradient uses its output, and P @ v needs P for dv. P grows as "
-        f"N², q, k, v and O as N: P is {memory.scores_bytes / memory.query_sized_bytes:,.0f}x O.\n",
-        f"To remove this cost, store only each query row's logsumexp L ({lse_bytes / 2**20:.3g} MiB here, fp32) "
-        "and recompute P tile by tile in the backward, as FlashAttention-2 does: memory linear in N "
-        "(flash_benchmarking report).\n",
-    ])
-
-
-def _validation_section(rows: list[Row]) -> str:
-    measured = [r for r in _by_cell(rows) if r.get("backward_peak_bytes") is not None]
-    if not measured:
-        return ""
-    table, added_ratios, backward_ratios = [], [], []
-    for r in measured:
-        memory = _memory_of(r)
-        held = r["allocated_before_forward_bytes"]  # q, k, v, dO and cuBLAS workspaces
-        added_ratios.append((r["seq_len"], _retained(r) / memory.retained_bytes))
-        backward_ratios.append((r["seq_len"], (r["backward_peak_bytes"] - held)
-                                / (memory.backward_peak_bytes - memory.caller_bytes)))
-        table.append({
-            "d": r["head_dim"], "N": r["seq_len"],
-            "added by forward: measured (GiB)": _gib_cell(_retained(r)),
-            "predicted (GiB)": _gib_cell(memory.retained_bytes),
-            "forward peak: measured / predicted":
-                f"{(r['forward_peak_bytes'] - held) / (memory.forward_peak_bytes - memory.caller_bytes):.3f}",
-            "backward peak: measured / predicted":
-                f"{(r['backward_peak_bytes'] - held) / (memory.backward_peak_bytes - memory.caller_bytes):.3f}",
-        })
-    largest = max(n for n, _ in added_ratios)
-    at_largest = [ratio for n, ratio in added_ratios if n == largest]
-    return "\n".join([
-        "## Accounting against measurement\n\nEach measured cell, above what was allocated before the forward "
-        "(q, k, v, dO, cuBLAS workspaces; not in the closed form).\n",
-        markdown_table(table),
-        f"At N={largest} the forward's added memory is {span(at_largest, '{:.3f}x'.format)} the prediction, the "
-        f"backward peak {span([ratio for n, ratio in backward_ratios if n == largest], '{:.3f}x'.format)}; at small "
-        "N, cuBLAS workspaces and "
-        "allocator rounding weigh more than the score matrices.\n",
-    ])
-
-
-def _memory_plot(rows: list[Row]):
-    from matplotlib.figure import Figure
-
-    figure = Figure(figsize=(7, 4.5))
-    axes = figure.subplots()
-    colors = {}
-    for d in sorted({r["head_dim"] for r in rows}):
-        line = sorted((r for r in rows if r["head_dim"] == d), key=lambda r: r["seq_len"])
-        shown = [r for r in line if r.get("memory_before_backward_bytes") is not None]
-        if shown:
-            (plotted,) = axes.plot([r["seq_len"] for r in shown],
-                                   [r["memory_before_backward_bytes"] / GIB for r in shown],
-                                   marker="o", label=f"d={d}, measured")
-            colors[d] = plotted.get_color()
-        axes.plot([r["seq_len"] for r in line], [_memory_of(r).before_backward_bytes / GIB for r in line],
-                  linestyle="--", color=colors.get(d), label=f"d={d}, predicted")
-    capacity = next((r["device_memory_bytes"] for r in rows if r.get("device_memory_bytes")), None)
-    if capacity:
-        axes.axhline(capacity / GIB, color="gray", linestyle=":", label="device memory")
-    axes.set_xscale("log", base=2)
-    axes.set_yscale("log")
-    axes.set_xlabel("sequence length N")
-    axes.set_ylabel("memory before backward (GiB)")
-    axes.set_title("Naive attention: memory in use before backward")
-    axes.legend(fontsize="small")
-    return figure
+               for phase in PHASES)
 
 
 def _oom_text(rows: list[Row]) -> str:
-    """Where naive attention first ran out of memory, per head dimension, read from the table's rows, and
-    whether the accounting predicted each cell's outcome."""
-    ooms = _by_cell([r for r in rows if r["status"] == OOM])
+    """Where naive attention first ran out of memory, per head dimension, and whether the accounting predicted each
+    cell's outcome."""
+    ooms = sorted((r for r in rows if r["status"] == OOM), key=cell_order)
     sentences = []  # with no OOM, the table's out-of-memory column and the accounting section say so
     if ooms:
         sentences.append(
@@ -292,129 +163,223 @@ def _oom_text(rows: list[Row]) -> str:
             f". The smallest sequence length that ran out is N={min(r['seq_len'] for r in ooms)}: " + "; ".join(
                 f"d={d} from N={min(r['seq_len'] for r in ooms if r['head_dim'] == d)}"
                 for d in sorted({r["head_dim"] for r in ooms})) + ".")
-    capacity = next((r["device_memory_bytes"] for r in rows if r.get("device_memory_bytes")), None)
-    if capacity is not None:
+    device = capacity(rows)
+    if device is not None:
         # A cell that ran must be predicted to fit and a cell that ran out predicted not to.
-        wrong = [r for r in _by_cell(rows) if (r["status"] == OOM) != (_memory_of(r).peak_bytes > capacity)]
+        wrong = [r for r in sorted(rows, key=cell_order) if (r["status"] == OOM) != (memory_of(r).peak_bytes > device)]
         if not wrong:
-            sentences.append(f"The accounting agrees with the run on which cells fit in {capacity / GIB:.3g} GiB.")
+            sentences.append(f"The accounting agrees with the run on which cells fit in {device / GIB:.3g} GiB.")
         else:
             sentences.append("The accounting's peak disagrees with the run for " + ", ".join(
                 f"d={r['head_dim']} N={r['seq_len']} ({'ran' if r['status'] != OOM else 'out of memory'}, predicted "
-                f"{_memory_of(r).peak_bytes / GIB:.3g} GiB of {capacity / GIB:.3g})" for r in wrong) + ".")
+                f"{memory_of(r).peak_bytes / GIB:.3g} GiB of {device / GIB:.3g})" for r in wrong) + ".")
     return " ".join(sentences)
 
 
-def render_pytorch_attention(rows: list[Row]) -> Rendered:
-    rows = [r for r in rows if not r.get("compile")]
-    if not rows:
-        return Rendered("")
-    oom_text = _oom_text(rows)
-    findings = "\n".join(_scaling_findings(rows))
-    return Rendered("\n".join([
-        f"## Timings and memory\n\n{_setup(rows)} {_memory_note(rows)}\n",
-        _timing_table(rows),
-        "\n\n".join(filter(None, (oom_text, findings))) + "\n",
-        _accounting_section(rows),
-        _validation_section(rows),
-        "![memory before backward against N](pytorch_attention_memory.png)\n",
-    ]), figures={"pytorch_attention_memory.png": _memory_plot(rows)})
+def findings(rows: list[Row]) -> str:
+    return "\n\n".join(filter(None, (_oom_text(rows), "\n".join(_scaling_findings(rows))))) + "\n"
+
+
+def _accounting_target(rows: list[Row]) -> tuple[Row, str]:
+    """The configuration to account for, and a sentence saying why it was chosen: the smallest that ran out of
+    memory; else the smallest the closed form says would not fit (the smallest head dim, N doubled past the largest
+    measured); else, the device's memory unknown, the largest measured."""
+    ooms = [r for r in rows if r["status"] == OOM]
+    if ooms:
+        target = min(ooms, key=lambda r: memory_of(r).peak_bytes)
+        return target, (f"The smallest configuration that ran out of memory is d={target['head_dim']}, "
+                        f"N={target['seq_len']} ({oom_when(target)}).")
+    device = capacity(rows)
+    if device is not None:
+        target = {**min(rows, key=lambda r: r["head_dim"]), "seq_len": max(r["seq_len"] for r in rows),
+                  "memory_before_backward_bytes": None}
+        while memory_of(target).peak_bytes <= device:
+            target["seq_len"] *= 2
+        return target, (f"No configuration ran out of memory on this device "
+                        f"({target['device_memory_bytes'] / GIB:.3g} GiB). The smallest that the accounting says "
+                        f"would not fit is d={target['head_dim']}, N={target['seq_len']} (not run).")
+    target = max(rows, key=lambda r: memory_of(r).peak_bytes)
+    return target, (f"No configuration ran out of memory, and this device's memory is not measured; the accounting "
+                    f"of the largest, d={target['head_dim']}, N={target['seq_len']}.")
+
+
+def accounting_intro(rows: list[Row]) -> str:
+    return f"## Memory accounting\n\n{_accounting_target(rows)[1]}\n"
+
+
+def accounting_breakdown(rows: list[Row]) -> list[Row]:
+    """The accounted configuration's tensors: name, shape, bytes and a note."""
+    return memory_of(_accounting_target(rows)[0]).breakdown()
+
+
+def accounting_totals(rows: list[Row]) -> list[Row]:
+    """The accounted configuration's memory before backward and at the forward's and backward's peaks, predicted and,
+    before backward, measured; with the device's memory."""
+    target = _accounting_target(rows)[0]
+    memory = memory_of(target)
+    backward = (f"backward peak: {COUNTS[memory.backward_peak_score_matrices]} score matrices (P, dP, dS"
+                + (", dP * P" if memory.backward_peak_score_matrices == 4 else "") + "), O and dv")
+    totals = [("before backward: q, k, v, dO, O and what autograd saved", memory.before_backward_bytes,
+               target.get("memory_before_backward_bytes")),
+              ("forward peak: two score matrices (the last S, and P) and O", memory.forward_peak_bytes, None),
+              (backward, memory.backward_peak_bytes, None)]
+    return [{"total": name, "predicted": predicted, "measured": measured, "device": target.get("device_memory_bytes")}
+            for name, predicted, measured in totals]
+
+
+def accounting_notes(rows: list[Row]) -> str:
+    target = _accounting_target(rows)[0]
+    memory = memory_of(target)
+    lse_bytes = target["batch_size"] * target["seq_len"] * LOGSUMEXP_BYTES
+    return (f"Backward saves the softmax output P, {memory.scores_bytes / GIB:.3g} GiB here (B·N²·"
+            f"{memory.element_bytes} bytes): softmax's gradient uses its output, and P @ v needs P for dv. P grows as "
+            f"N², q, k, v and O as N: P is {memory.scores_bytes / memory.query_sized_bytes:,.0f}x O.\n\n"
+            f"To remove this cost, store only each query row's logsumexp L ({lse_bytes / 2**20:.3g} MiB here, fp32) "
+            "and recompute P tile by tile in the backward, as FlashAttention-2 does: memory linear in N "
+            "(flash_benchmarking report).\n")
+
+
+def peaks_measured(row: Row) -> bool:
+    return row.get("backward_peak_bytes") is not None
+
+
+def peak_ratio(peak: str):
+    """A cell's measured `peak` ("forward" or "backward") over the closed form's, both above what the caller held
+    before the forward (q, k, v, dO and cuBLAS workspaces)."""
+    def ratio(row: Row) -> float:
+        memory = memory_of(row)
+        return ((row[f"{peak}_peak_bytes"] - row["allocated_before_forward_bytes"])
+                / (getattr(memory, f"{peak}_peak_bytes") - memory.caller_bytes))
+    return ratio
+
+
+def validation_intro(rows: list[Row]) -> str:
+    if not any(map(peaks_measured, rows)):
+        return ""
+    return ("## Accounting against measurement\n\nEach measured cell, above what was allocated before the forward "
+            "(q, k, v, dO, cuBLAS workspaces; not in the closed form).\n")
+
+
+def validation_finding(rows: list[Row]) -> str:
+    measured = [r for r in rows if peaks_measured(r)]
+    if not measured:
+        return ""
+    largest = [r for r in measured if r["seq_len"] == max(r["seq_len"] for r in measured)]
+    added = [retained(r) / memory_of(r).retained_bytes for r in largest]
+    return (f"At N={largest[0]['seq_len']} the forward's added memory is {span(added, '{:.3f}x'.format)} the "
+            f"prediction, the backward peak {span([peak_ratio('backward')(r) for r in largest], '{:.3f}x'.format)}; "
+            "at small N, cuBLAS workspaces and allocator rounding weigh more than the score matrices.\n")
+
+
+def memory_points(rows: list[Row]) -> list[Row]:
+    """The memory plot's points: each cell's memory before backward as measured (where it was) and as predicted."""
+    measured = [{**r, "kind": "measured", "gib": r["memory_before_backward_bytes"] / GIB}
+                for r in rows if r.get("memory_before_backward_bytes") is not None]
+    return measured + [{**r, "kind": "predicted", "gib": memory_of(r).before_backward_bytes / GIB} for r in rows]
+
+
+def device_memory_line(points: list[Row]) -> list[tuple[float, str]]:
+    device = capacity(points)
+    return [(device / GIB, "device memory")] if device else []
 
 
 # ------------------------------------------------------------------------------ torch_compile (part)
 
-def _compiled_pairs(rows: list[Row]) -> dict[tuple[int, int], dict[bool, Row]]:
-    """(d, N) -> that cell's rows by whether attention was compiled."""
-    pairs: dict[tuple[int, int], dict[bool, Row]] = {}
-    for r in _by_cell(rows):
-        pairs.setdefault((r["head_dim"], r["seq_len"]), {})[bool(r["compile"])] = r
-    return pairs
+def _sweep(rows: list[Row]) -> list[Row]:
+    """The attention sweep's cells of torch_compile, the latest run's of each."""
+    return [r for r in latest_cells(rows, TORCH_COMPILE_KEY) if r.get("table") == "attention"]
 
 
-def _both_timed(eager: Row | None, compiled: Row | None, phase: str) -> bool:
-    return bool(eager and compiled and eager.get(f"{phase}_mean_ms") and compiled.get(f"{phase}_mean_ms"))
+def compiled_pairs(rows: list[Row]) -> list[Row]:
+    """One line per (d, N): that cell's eager and compiled rows (None where not measured)."""
+    pairs: dict[tuple[int, int], Row] = {}
+    for r in sorted(_sweep(rows), key=cell_order):
+        pair = pairs.setdefault(cell_order(r), {"d": r["head_dim"], "N": r["seq_len"], "eager": None, "compiled": None})
+        pair["compiled" if r["compile"] else "eager"] = r
+    return list(pairs.values())
 
 
-def _paired(eager: Row | None, compiled: Row | None, phase: str) -> bool:
+def _both_timed(pair: Row, phase: str) -> bool:
+    return all(pair[way] and pair[way].get(f"{phase}_mean_ms") for way in ("eager", "compiled"))
+
+
+def _paired(pair: Row, phase: str) -> bool:
     """Whether a cell's eager and compiled times of `phase` are compared: both timed, in one run."""
-    return _both_timed(eager, compiled, phase) and same_run(eager, compiled)
+    return _both_timed(pair, phase) and same_run(pair["eager"], pair["compiled"])
 
 
-def _timed_both_ways(pair: dict[bool, Row]) -> bool:
+def _timed_both_ways(pair: Row) -> bool:
     """Whether a cell has an eager and a compiled time of either phase, in whichever runs."""
-    return any(_both_timed(pair.get(False), pair.get(True), phase) for phase in ("forward", "backward"))
+    return any(_both_timed(pair, phase) for phase in PHASES)
 
 
-def _unpaired(pairs: dict[tuple[int, int], dict[bool, Row]]) -> list[dict[bool, Row]]:
+def _unpaired(pairs: list[Row]) -> list[Row]:
     """The cells timed both eager and compiled, but in different runs: no speed-up is read from them."""
-    return [pair for pair in pairs.values() if _timed_both_ways(pair) and not same_run(pair[False], pair[True])]
+    return [pair for pair in pairs if _timed_both_ways(pair) and not same_run(pair["eager"], pair["compiled"])]
+
+
+def speedup(phase: str):
+    """A cell's eager time of `phase` over its compiled time, where one run timed both."""
+    def cell(pair: Row) -> str:
+        if _paired(pair, phase):
+            return speedup_text(pair["eager"], pair["compiled"], prefix=f"{phase}_")
+        return UNPAIRED if _both_timed(pair, phase) else ""
+    return cell
+
+
+def first_pass_s(pair: Row) -> str:
+    """The compiled cell's first (compiling) forward and backward, in s."""
+    first = [pair["compiled"].get(f"first_{phase}_ms") for phase in PHASES] if pair["compiled"] else [None]
+    return f"{sum(first) / 1e3:.2g}" if None not in first else ""
 
 
 # Times eager and compiled attention in one run, which pairs them.
 PAIRING_COMMAND = "pytest perf/test_attention.py -m attention"
 
 
-def compiled_attention_speedups(rows: list[Row]) -> dict[str, SpeedUps]:
+def compiled_attention_speedups(pairs: list[Row]) -> dict[str, SpeedUps]:
     """Phase -> how much faster compiled attention ran than eager, over the cells where both were timed in one
     run: the report's findings and the index's answer read this one computation."""
-    pairs = _compiled_pairs(rows)
-    return {phase: SpeedUps.of(((p[False], p[True], f"d={d}, N={n}") for (d, n), p in pairs.items()
-                                if _paired(p.get(False), p.get(True), phase)), prefix=f"{phase}_")
-            for phase in ("forward", "backward")}
+    return {phase: SpeedUps.of(((p["eager"], p["compiled"], f"d={p['d']}, N={p['N']}") for p in pairs
+                                if _paired(p, phase)), prefix=f"{phase}_")
+            for phase in PHASES}
 
 
-def _compiled_attention_section(rows: list[Row]) -> str:
-    pairs = _compiled_pairs(rows)
-    table = []
-    for (d, n), pair in pairs.items():
-        eager, compiled = pair.get(False), pair.get(True)
-        entry = {"d": d, "N": n}
-        for phase in ("forward", "backward"):
-            entry[f"{phase} eager (ms)"] = _ms(eager, phase) if eager else ""
-            entry[f"{phase} compiled (ms)"] = _ms(compiled, phase) if compiled else ""
-            entry[f"{phase} speed-up"] = (speedup_text(eager, compiled, prefix=f"{phase}_")
-                                          if _paired(eager, compiled, phase) else
-                                          UNPAIRED if _both_timed(eager, compiled, phase) else "")
-        if _memory_measured(rows):
-            for label, r in (("eager", eager), ("compiled", compiled)):
-                entry[f"before backward, {label} (GiB)"] = _gib_cell(r.get("memory_before_backward_bytes")) if r else ""
-        first_ms = [compiled.get(f"first_{phase}_ms") for phase in ("forward", "backward")] if compiled else [None]
-        entry["compiled: first fwd+bwd (s)"] = f"{sum(first_ms) / 1e3:.2g}" if None not in first_ms else ""
-        table.append(entry)
-    findings = []
-    for phase, speedups in compiled_attention_speedups(rows).items():
+def compiled_setup(rows: list[Row]) -> str:
+    sweep = _sweep(rows)
+    if not sweep:
+        return ""
+    return (f"## Attention: eager against torch.compile\n\n{_setup(sweep)} Compiled cells compile afresh with static "
+            "shapes; compiling passes are untimed. Speed-up: eager's mean over compiled's.\n")
+
+
+def compiled_findings(rows: list[Row]) -> str:
+    pairs = compiled_pairs(rows)
+    lines = []
+    for phase, speedups in compiled_attention_speedups(pairs).items():
         if speedups.ratios:
             details = speedups.details()
-            findings.append(f"- {phase}: compiled runs {speedups.range_text(with_cells=True)} as fast as eager"
-                            + (f" ({details})." if details else "."))
+            lines.append(f"- {phase}: compiled runs {speedups.range_text(with_cells=True)} as fast as eager"
+                         + (f" ({details})." if details else "."))
         elif speedups.noisy:
-            findings.append(f"- {phase}: every cell is noisy, so no speed-up is read from them.")
+            lines.append(f"- {phase}: every cell is noisy, so no speed-up is read from them.")
     unpaired = _unpaired(pairs)
     if unpaired:
-        timed = sum(map(_timed_both_ways, pairs.values()))
-        eager_runs, compiled_runs = (runs_text(pair[compiled] for pair in unpaired) for compiled in (False, True))
+        timed = sum(map(_timed_both_ways, pairs))
+        eager_runs, compiled_runs = (runs_text(pair[way] for pair in unpaired) for way in ("eager", "compiled"))
         which = "Every cell" if len(unpaired) == len(pairs) else f"{len(unpaired)} of the {timed} cells timed both ways"
-        findings.append(f"- {which} ran eager ({eager_runs}) and compiled ({compiled_runs}) in different runs, so no "
-                        f"speed-up is read from them; `{PAIRING_COMMAND}`, compiled included, times both in one run.")
-    for (d, n), pair in pairs.items():
-        if len(pair) == 2 and {pair[False]["status"], pair[True]["status"]} == {"ok", OOM}:
-            ran = "compiled" if pair[True]["status"] == "ok" else "eager"
-            findings.append(f"- d={d}, N={n}: only {ran} attention fits in memory.")
-    return "\n".join([
-        f"## Attention: eager against torch.compile\n\n{_setup(rows)} Compiled cells compile afresh with static "
-        "shapes; compiling passes are untimed. Speed-up: eager's mean over compiled's.\n",
-        markdown_table(table),
-        "\n".join(findings) + "\n" if findings else "",
-    ])
+        lines.append(f"- {which} ran eager ({eager_runs}) and compiled ({compiled_runs}) in different runs, so no "
+                     f"speed-up is read from them; `{PAIRING_COMMAND}`, compiled included, times both in one run.")
+    for pair in pairs:
+        if pair["eager"] and pair["compiled"] and {pair["eager"]["status"], pair["compiled"]["status"]} == {"ok", OOM}:
+            ran = "compiled" if pair["compiled"]["status"] == "ok" else "eager"
+            lines.append(f"- d={pair['d']}, N={pair['N']}: only {ran} attention fits in memory.")
+    return "\n".join(lines) + "\n" if lines else ""
 
 
-def render_torch_compile(rows: list[Row]) -> Rendered:
-    """The attention sweep (rows with table "attention"), then the whole-model part rendered by e2e."""
-    rows = latest_cells(rows, TORCH_COMPILE_KEY)
-    attention_rows = [r for r in rows if r.get("table") == "attention"]
-    model = e2e.render_compiled_models(rows)
-    parts = [_compiled_attention_section(attention_rows) if attention_rows else "", model.body]
-    return Rendered("\n".join(p for p in parts if p), figures=model.figures)
+def whole_model(rows: list[Row]) -> str:
+    """The whole model's part of torch_compile, as cs336_systems.reports.e2e renders it."""
+    return e2e.render_compiled_models(latest_cells(rows, TORCH_COMPILE_KEY)).body
 
 
 # ---------------------------------------------------------------------------------------------- answers
@@ -422,14 +387,12 @@ def render_torch_compile(rows: list[Row]) -> Rendered:
 def answer_torch_compile(reports: Reports) -> list[str]:
     rows = latest_cells(reports["torch_compile"], TORCH_COMPILE_KEY)
     sentences = e2e.answer_compiled_models(rows)
-    attention = [r for r in select(rows, table="attention") if r.get("status") == "ok"]
-    speedups = compiled_attention_speedups(attention)
-    parts = [f"{phase} {s.summary()}" for phase, s in speedups.items() if s.summary()]
-    pairs = _compiled_pairs(attention)
+    pairs = compiled_pairs([r for r in rows if r.get("status") == "ok"])
+    parts = [f"{phase} {s.summary()}" for phase, s in compiled_attention_speedups(pairs).items() if s.summary()]
     unpaired = len(_unpaired(pairs))
     left_out = f"; {unpaired} more ran eager and compiled in different runs and are left out" if unpaired else ""
     if parts:
-        paired = sum(map(_timed_both_ways, pairs.values())) - unpaired
+        paired = sum(map(_timed_both_ways, pairs)) - unpaired
         sentences.append(f"Naive attention alone, compiled over eager ({plural(paired, 'cell')}{left_out}): "
                          + ", ".join(parts) + ".")
     elif unpaired:
@@ -442,7 +405,7 @@ def answer_torch_compile(reports: Reports) -> list[str]:
 
 
 def answer_pytorch_attention(reports: Reports) -> list[str]:
-    rows = [r for r in reports["pytorch_attention"] if not r.get("compile")]
+    rows = reports["pytorch_attention"]
     if not rows:
         return [not_in_report("An eager attention cell")]
     r0 = rows[0]
@@ -456,13 +419,11 @@ def answer_pytorch_attention(reports: Reports) -> list[str]:
             f"cell that ran, d={largest['head_dim']}, N={largest['seq_len']}, takes "
             f"{format_ms(largest['forward_mean_ms'])} forward and {format_ms(largest['backward_mean_ms'])} backward"
             + (f" with {format_bytes(memory, 'bytes')} in use before backward." if memory is not None else "."))
-    ooms = select(rows, status=OOM)
+    ooms = sorted(select(rows, status=OOM), key=lambda r: (r["seq_len"], r["head_dim"]))
     if ooms:
-        ooms.sort(key=lambda r: (r["seq_len"], r["head_dim"]))
         smallest = ooms[0]
-        at_first = select(ooms, seq_len=smallest["seq_len"])
         text = f"Out of memory from N={smallest['seq_len']} (" + ", ".join(
-            f"d={r['head_dim']} {oom_when(r)}" for r in at_first) + ")"
+            f"d={r['head_dim']} {oom_when(r)}" for r in select(ooms, seq_len=smallest["seq_len"])) + ")"
         if smallest.get("predicted_before_backward_bytes") is not None:
             text += (f"; the closed-form accounting puts d={smallest['head_dim']}, N={smallest['seq_len']} at "
                      f"{format_bytes(smallest['predicted_before_backward_bytes'], 'bytes')} in use before backward and "

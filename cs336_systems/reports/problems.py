@@ -15,7 +15,10 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from cs336_systems import provenance
+from cs336_systems.gpus import GIB
+from cs336_systems.profiling.kernels import short_name
 from cs336_systems.reports import (
+    NOT_A_NUMBER,
     Report,
     Reports,
     allreduce,
@@ -34,7 +37,7 @@ from cs336_systems.reports import (
     parallelism_calcs,
     sharding,
 )
-from cs336_systems.reports.spec import Column, Layout, Table, Text, Versus
+from cs336_systems.reports.spec import LOG, LOG2, Column, Layout, Pivot, Plot, Reference, Table, Text, Versus
 from cs336_systems.rows import (
     ALLREDUCE_KEY,
     ATTENTION_KEY,
@@ -43,6 +46,7 @@ from cs336_systems.rows import (
     FLASH_KEY,
     MIXED_PRECISION_KEY,
     NSYS_KEY,
+    OOM,
     TORCH_COMPILE_KEY,
 )
 
@@ -102,11 +106,128 @@ def _parallelism(name: str, answer: Answer) -> Problem:
     return Problem(name, (Report(name, parallelism_calcs.RENDERERS[name]),), answer, device_independent=True)
 
 
+# Naive attention (pytorch_attention, torch_compile)
+PYTORCH_ATTENTION = Layout((
+    Text(attention.timings_setup),
+    Table(order=attention.cell_order, columns=(
+        Column("d", "head_dim"), Column("N", "seq_len"), Column("forward (ms)", attention.ms("forward")),
+        Column("backward (ms)", attention.ms("backward")),
+        Column("before backward (GiB)", lambda r: attention.gib(r.get("memory_before_backward_bytes")), optional=True),
+        Column("predicted (GiB)", lambda r: attention.gib(attention.memory_of(r).before_backward_bytes)),
+        Column("out of memory", lambda r: attention.oom_when(r) if r["status"] == OOM else ""))),
+    Text(attention.findings),
+    Text(attention.accounting_intro),
+    Table(rows_of=attention.accounting_breakdown, columns=(
+        "tensor", "shape", Column("GiB", lambda b: f"{b['bytes'] / GIB:.4g}"), "note")),
+    Table(rows_of=attention.accounting_totals, columns=(
+        "total", Column("predicted (GiB)", lambda t: f"{t['predicted'] / GIB:.4g}"),
+        Column("measured (GiB)", lambda t: attention.gib(t["measured"])),
+        Column("share of device memory", lambda t: f"{t['predicted'] / t['device']:.0%}" if t["device"] else ""))),
+    Text(attention.accounting_notes),
+    Text(attention.validation_intro),
+    Table(where=attention.peaks_measured, order=attention.cell_order, columns=(
+        Column("d", "head_dim"), Column("N", "seq_len"),
+        Column("added by forward: measured (GiB)", lambda r: attention.gib(attention.retained(r))),
+        Column("predicted (GiB)", lambda r: attention.gib(attention.memory_of(r).retained_bytes)),
+        Column("forward peak: measured / predicted", lambda r: f"{attention.peak_ratio('forward')(r):.3f}"),
+        Column("backward peak: measured / predicted", lambda r: f"{attention.peak_ratio('backward')(r):.3f}"))),
+    Text(attention.validation_finding),
+    Plot("pytorch_attention_memory.png", x="seq_len", y="gib", series=lambda p: (p["head_dim"], p["kind"]),
+         label=lambda series: f"d={series[0]}, {series[1]}", rows_of=attention.memory_points,
+         style=lambda series: {"linestyle": "--", "marker": None} if series[1] == "predicted" else {},
+         colour_of=lambda series: series[0], references=(Reference(attention.device_memory_line, linestyle=":"),),
+         xscale=LOG2, yscale=LOG, xlabel="sequence length N", ylabel="memory before backward (GiB)",
+         title="Naive attention: memory in use before backward", alt="memory before backward against N",
+         tight_layout=False)), requires={"attention": "naive"})
+
+
+def _compiled_ms(way: str, phase: str) -> Column:
+    return Column(f"{phase} {way} (ms)", lambda pair: attention.ms(phase)(pair[way]))
+
+
+def _compiled_memory(way: str) -> Column:
+    return Column(f"before backward, {way} (GiB)", optional=True,
+                  value=lambda pair: pair[way] and attention.gib(pair[way].get("memory_before_backward_bytes")))
+
+
+TORCH_COMPILE = Layout((
+    Text(attention.compiled_setup),
+    Table(where={"table": "attention"}, rows_of=attention.compiled_pairs, columns=(
+        "d", "N", *(column for phase in attention.PHASES for column in (
+            _compiled_ms("eager", phase), _compiled_ms("compiled", phase),
+            Column(f"{phase} speed-up", attention.speedup(phase)))),
+        _compiled_memory("eager"), _compiled_memory("compiled"),
+        Column("compiled: first fwd+bwd (s)", attention.first_pass_s))),
+    Text(attention.compiled_findings),
+    Text(attention.whole_model)))
+
+
+# Kernel tables of a training step (nsys_profile)
+def _kernel_column(header: str, name: str, chars: int = nsys_profile.TABLE_NAME_CHARS) -> Column:
+    return Column(header, lambda row: short_name(row[name], chars))
+
+
+KERNEL_TABLE = (
+    _kernel_column("kernel", "kernel", nsys_profile.KERNEL_TABLE_NAME_CHARS),
+    Column("matmul", lambda k: {True: "yes", False: "no"}.get(k.get("matmul"), "")), "calls",
+    Column("calls per instance", lambda k: f"{k['calls_per_instance']:g}"), Column("total (ms)", "total_ms"),
+    Column("share", lambda k: f"{k['share']:.1%}"))
+NSYS_PROFILE = Layout((
+    Text(nsys_profile.setup),
+    Text(nsys_profile.forward_time_setup),
+    Table(rows_of=nsys_profile.measured, columns=(
+        "size", "context", Column("timer forward (ms)", nsys_profile.timer_forward),
+        Column("profiled forward range (ms)", nsys_profile.in_range("forward", "wall_ms")),
+        Column("forward work (ms)", nsys_profile.in_range("forward", "work_ms")),
+        Column("work / timer", nsys_profile.work_over_timer))),
+    Text(nsys_profile.forward_time_note),
+    Text(nsys_profile.when_measured("## (b) The top forward kernel\n")),
+    Table(rows_of=nsys_profile.measured, columns=(
+        "size", "context",
+        Column("top forward kernel", lambda c: short_name(nsys_profile.top_kernel(c)["kernel"],
+                                                          nsys_profile.TABLE_NAME_CHARS)),
+        Column("share of forward", lambda c: f"{nsys_profile.top_kernel(c)['share']:.0%}"),
+        Column("calls per forward pass", lambda c: f"{nsys_profile.top_kernel(c)['calls_per_instance']:g}"),
+        Column("top over forward+backward", nsys_profile.top_over_forward_backward),
+        Column("its share",
+               lambda c: f"{nsys_profile.top_kernel(c, nsys_profile.FORWARD_BACKWARD)['share']:.0%}"))),
+    Text(nsys_profile.calls_note),
+    Text(nsys_profile.when_measured(f"## (c) Non-matmul kernels above {nsys_profile.MAIN_KERNEL_SHARE:.0%} of forward "
+                                    "time\n\nFor each size at the longest context it ran.\n")),
+    Table(rows_of=nsys_profile.main_kernels, columns=(
+        "size", Column("context", "context_length"), _kernel_column("kernel", "kernel"),
+        Column("share of forward", lambda k: f"{k['share']:.1%}"), "calls")),
+    Text(nsys_profile.no_main_kernel),
+    Text(nsys_profile.when_measured("## (d) Matmul share: forward against the full training step\n\n"
+                                    "Matmul share of kernel time, forward / full step.\n")),
+    Table(rows_of=nsys_profile.measured,
+          pivot=Pivot(("size",), "context", nsys_profile.matmul_shares, label="context")),
+    Text(nsys_profile.matmul_share_note),
+    Text(nsys_profile.attention_setup),
+    Table(rows_of=nsys_profile.attention_cells, columns=(
+        "size", "context", Column("d_head", lambda c: c["cell"]["d_head"]),
+        Column("matmul (ms)", nsys_profile.attention_matmul_ms),
+        Column("softmax (ms)", nsys_profile.in_range("attention/softmax", "work_ms")),
+        Column("scale + mask (ms)", nsys_profile.scale_and_mask_ms),
+        Column("softmax / matmul time", lambda c: NOT_A_NUMBER if (ratio := nsys_profile.softmax_time_ratio(c)) is None
+               else f"{ratio:.2f}"),
+        Column("FLOP ratio", lambda c: f"{nsys_profile.softmax_flop_ratio(c):.4f}"),
+        Column("time ratio / FLOP ratio", nsys_profile.time_over_flop_ratio))),
+    Text(nsys_profile.attention_finding),
+    Text(nsys_profile.beside_variants_heading),
+    Table(rows_of=nsys_profile.beside_variants),
+    Text(nsys_profile.kernel_tables_heading),
+    *(part for name in nsys_profile.KERNEL_TABLE_RANGES
+      for part in (Text(nsys_profile.range_heading(name)), Table(rows_of=nsys_profile.kernels_of(name),
+                                                                 columns=KERNEL_TABLE))),
+    Text(nsys_profile.nsys_section)))
+
+
 PROBLEMS: tuple[Problem, ...] = (
     Problem("benchmarking_script",
             (Report("benchmarking_script", e2e.render_benchmarking_script, E2E_KEY, cell_of=e2e.cell_key),),
             e2e.answer_benchmarking_script, "e2e", ("perf/test_e2e.py",)),
-    Problem("nsys_profile", (Report("nsys_profile", nsys_profile.render_nsys_profile, NSYS_KEY),),
+    Problem("nsys_profile", (Report("nsys_profile", NSYS_PROFILE, NSYS_KEY),),
             nsys_profile.answer_nsys_profile, "profile", ("perf/test_profile.py",),
             open_items=nsys_profile.open_items_nsys_profile, every_size=False),
     Problem("mixed_precision_accumulation",
@@ -124,10 +245,10 @@ PROBLEMS: tuple[Problem, ...] = (
             gradient_checkpointing.answer_gradient_checkpointing, "memory", ("perf/test_memory.py",),
             open_items=gradient_checkpointing.open_items_gradient_checkpointing),
     Problem("pytorch_attention",
-            (Report("pytorch_attention", attention.render_pytorch_attention, ATTENTION_KEY),),
+            (Report("pytorch_attention", PYTORCH_ATTENTION, ATTENTION_KEY),),
             attention.answer_pytorch_attention, "attention", ("perf/test_attention.py",)),
     Problem("torch_compile",
-            (Report("torch_compile", attention.render_torch_compile, TORCH_COMPILE_KEY, cell_of=e2e.cell_key),),
+            (Report("torch_compile", TORCH_COMPILE, TORCH_COMPILE_KEY, cell_of=e2e.cell_key),),
             attention.answer_torch_compile, "e2e", ("perf/test_e2e.py", "perf/test_attention.py")),
     Problem("flash_forward / flash_backward", (), flash.answer_flash_forward_backward),
     Problem("flash_benchmarking",

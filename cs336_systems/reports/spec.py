@@ -155,7 +155,12 @@ class Reference:
 class Plot:
     """Lines of `y` against `x`, one per distinct `series` value (its legend label `label(series value)`), each
     sorted by x, over the rows `where` selects; one panel per distinct `facet` value where given (titled
-    `facet_title(value)`), side by side. The report shows it as `![title](file)`."""
+    `facet_title(value)`), side by side. The report shows it as `![title](file)`.
+
+    `rows_of` replaces the selected rows before the lines are drawn (points derived from them: a measured and a
+    predicted point per row, say). `style(series value)`: that line's own matplotlib keywords (a linestyle; its
+    marker, over `marker`). Series with one `colour_of(series value)` share the colour of the first drawn (a
+    prediction beside its measurement). `tight_layout`: whether the panels are fitted to the figure."""
     file: str
     x: Value
     y: Value
@@ -176,20 +181,32 @@ class Plot:
     grid: bool = False
     legend_fontsize: str | int = "small"
     series_order: Callable[[Any], Any] | None = None
+    rows_of: Callable[[list[Row]], list[Row]] | None = None
+    style: Callable[[Any], Mapping[str, Any]] | None = None
+    colour_of: Callable[[Any], Any] | None = None
+    tight_layout: bool = True
 
     def figure(self, rows: Sequence[Row]):
         from matplotlib.figure import Figure
 
         chosen = selected(rows, self.where)
+        if self.rows_of is not None:
+            chosen = self.rows_of(chosen)
         facets = _distinct(chosen, self.facet) if self.facet is not None else [None]
         figure = Figure(figsize=self.figsize)
         panels = figure.subplots(1, len(facets), squeeze=False)[0]
         for axes, facet in zip(panels, facets):
             here = [r for r in chosen if facet is None or value_of(self.facet, r) == facet]
+            colours: dict[Any, Any] = {}
             for key in sorted(_distinct(here, self.series), key=self.series_order):
                 line = sorted((r for r in here if value_of(self.series, r) == key), key=lambda r: value_of(self.x, r))
-                axes.plot([value_of(self.x, r) for r in line], [value_of(self.y, r) for r in line], marker=self.marker,
-                          label=self.label(key))
+                style = {"marker": self.marker, **(self.style(key) if self.style else {})}
+                if self.colour_of is not None:
+                    style["color"] = colours.get(self.colour_of(key))
+                (drawn,) = axes.plot([value_of(self.x, r) for r in line], [value_of(self.y, r) for r in line],
+                                     label=self.label(key), **style)
+                if self.colour_of is not None:
+                    colours.setdefault(self.colour_of(key), drawn.get_color())
             for reference in self.references:
                 for y, label in reference.at(here):
                     axes.axhline(y, color=reference.color, linestyle=reference.linestyle, label=label)
@@ -203,7 +220,8 @@ class Plot:
             axes.legend(fontsize=self.legend_fontsize)
         if self.facet is not None and self.title:
             figure.suptitle(self.title)
-        figure.tight_layout()
+        if self.tight_layout:
+            figure.tight_layout()
         return figure
 
 
