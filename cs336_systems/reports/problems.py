@@ -97,9 +97,28 @@ class Problem:
         return self.title + (f" ({self.only_in_handout} handout only)" if self.only_in_handout else "")
 
 
-def _parallelism(name: str, answer: Answer) -> Problem:
-    """A 2026 parallelism problem: computed in closed form, its renderer from parallelism_calcs."""
-    return Problem(name, (Report(name, parallelism_calcs.RENDERERS[name]),), answer, device_independent=True)
+# parallelism_calcs: the handout's assumptions, each problem's answers, then the worked figure's table.
+def _node_table(*devices: str) -> Table:
+    """Each split of one node, per pass: compute, communication and whether communication bottlenecks it."""
+    return Table(where={"table": "node"}, columns=(
+        *devices, Column("pass", "phase"), Column("compute (ms)", "compute_ms"), Column("communication (ms)", "comm_ms"),
+        Column("communication bottlenecked", parallelism_calcs.yes_no("comm_bottlenecked"))))
+
+
+def _parallelism(name: str, answers: Callable[[list], str], table: Table, answer: Answer) -> Problem:
+    """A 2026 parallelism problem: computed in closed form, reported as its answers and one table."""
+    layout = Layout((parallelism_calcs.ASSUMPTIONS, Text(answers), table))
+    return Problem(name, (Report(name, layout),), answer, device_independent=True)
+
+
+ALTERNATE_TABLE = Table(where={"table": "node"}, columns=(
+    "N", Column("ring all-reduce (ms)", "ring_ms"), Column("alternate (ms)", "alternate_ms"),
+    Column("alternate / ring", lambda r: f"{r['alternate_over_ring']:.2f} (N / 2 = {r['N'] / 2:g})")))
+FSDP_TP_TABLE = Table(where={"table": "node"}, columns=(
+    Column("N_FSDP x N_TP", lambda r: f"{r['N_FSDP']} x {r['N_TP']}"), Column("compute (ms)", "compute_ms"),
+    Column("FSDP axis (ms)", "fsdp_axis_ms"), Column("TP axis (ms)", "tp_axis_ms"),
+    Column("overlapped: bottlenecked", parallelism_calcs.yes_no("comm_bottlenecked")),
+    Column("shared: bottlenecked", parallelism_calcs.yes_no("shared_comm_bottlenecked"))))
 
 
 PROBLEMS: tuple[Problem, ...] = (
@@ -182,11 +201,13 @@ PROBLEMS: tuple[Problem, ...] = (
             (Report("communication_accounting", communication_accounting.render_communication_accounting),),
             communication_accounting.answer_communication_accounting, device_independent=True,
             only_in_handout="2025"),
-    _parallelism("alternate_ring_all_reduce", parallelism_calcs.answer_alternate_ring_all_reduce),
-    _parallelism("data_parallel_calcs", parallelism_calcs.answer_data_parallel_calcs),
-    _parallelism("fsdp_calcs", parallelism_calcs.answer_fsdp_calcs),
-    _parallelism("tp_calcs", parallelism_calcs.answer_tp_calcs),
-    _parallelism("fsdp_tp_calcs", parallelism_calcs.answer_fsdp_tp_calcs),
+    _parallelism("alternate_ring_all_reduce", parallelism_calcs.alternate, ALTERNATE_TABLE,
+                 parallelism_calcs.answer_alternate_ring_all_reduce),
+    _parallelism("data_parallel_calcs", parallelism_calcs.data_parallel, _node_table("N_DP"),
+                 parallelism_calcs.answer_data_parallel_calcs),
+    _parallelism("fsdp_calcs", parallelism_calcs.fsdp, _node_table("N_FSDP"), parallelism_calcs.answer_fsdp_calcs),
+    _parallelism("tp_calcs", parallelism_calcs.tp, _node_table("N_TP"), parallelism_calcs.answer_tp_calcs),
+    _parallelism("fsdp_tp_calcs", parallelism_calcs.fsdp_tp, FSDP_TP_TABLE, parallelism_calcs.answer_fsdp_tp_calcs),
     Problem("leaderboard", (Report("leaderboard", leaderboard.render_leaderboard),), leaderboard.answer_leaderboard,
             "leaderboard", ("perf/test_leaderboard.py",), 2, open_items=leaderboard.open_items_leaderboard,
             only_in_handout="2026"),
