@@ -13,8 +13,11 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 from cs336_systems import provenance
+from cs336_systems.accounting.communication import COLLECTIVES
+from cs336_systems.accounting.parallelism import BF16_BYTES
 from cs336_systems.reports import (
     Report,
     Reports,
@@ -25,18 +28,18 @@ from cs336_systems.reports import (
     e2e,
     flash,
     flash_in_training,
+    format_bytes,
     fsdp,
     gradient_checkpointing,
     leaderboard,
     memory_profiling,
     mixed_precision,
     nsys_profile,
+    oom_text,
     parallelism_calcs,
     sharding,
 )
-from cs336_systems.accounting.communication import COLLECTIVES
-from cs336_systems.accounting.parallelism import BF16_BYTES
-from cs336_systems.reports.spec import LOG, LOG2, Column, Layout, Plot, Reference, Table, Text, Versus
+from cs336_systems.reports.spec import LOG, LOG2, Column, Drawn, Layout, Plot, Reference, Table, Text, Versus
 from cs336_systems.rows import (
     ALLREDUCE_KEY,
     ATTENTION_KEY,
@@ -46,6 +49,7 @@ from cs336_systems.rows import (
     MIXED_PRECISION_KEY,
     NSYS_KEY,
     TORCH_COMPILE_KEY,
+    Row,
 )
 
 Answer = Callable[[Reports], list[str]]
@@ -97,6 +101,42 @@ class Problem:
     def label(self) -> str:
         """The title as the index heads it: with the handout it belongs to, where only one asks it."""
         return self.title + (f" ({self.only_in_handout} handout only)" if self.only_in_handout else "")
+
+
+# gradient_checkpointing: peaks by checkpoint plan, the optimal nested strategy, the longest context that fits.
+def _bytes(column: str) -> Callable[[Row], str]:
+    """A table cell of the row's `column`, in bytes: "1.50 GiB"."""
+    return lambda row: format_bytes(row.get(column))
+
+
+def _ran(value: Callable[[Row], Any]) -> Callable[[Row], Any]:
+    """A table cell of `value` where the row ran, and why not where it ran out of memory."""
+    return lambda row: value(row) if row["status"] == "ok" else oom_text(row)
+
+
+GRADIENT_CHECKPOINTING = Layout((
+    Text(gradient_checkpointing.sweep_setup),
+    Table(where={"table": "sweep"}, columns=(
+        Column("plan", gradient_checkpointing.plan_label), Column("recomputed blocks", "recomputed_blocks"),
+        Column("kept after forward", _ran(_bytes("measured_kept_bytes"))),
+        Column("predicted kept", _bytes("predicted_kept_bytes")), Column("peak", _ran(_bytes("measured_peak_bytes"))),
+        Column("predicted peak", _bytes("predicted_peak_bytes")),
+        Column("step (ms)", lambda r: r.get("step_ms") if r["status"] == "ok" else None))),
+    Text(gradient_checkpointing.best_single_level), Text(gradient_checkpointing.prediction_offsets),
+    Drawn("gradient_checkpointing.png", draw=gradient_checkpointing.sweep_figure,
+          alt="peak activation memory by plan"),
+    Text(gradient_checkpointing.nested_strategy),
+    Table(where={"table": "sweep"}, rows_of=gradient_checkpointing.nested_plans, columns=(
+        Column("recomputation levels", "levels"), Column("predicted peak", _bytes("peak_bytes")),
+        Column("peak / a", lambda r: f"{r['peak_bytes'] / r['block_bytes']:.2f}"),
+        Column("recomputed blocks", "recomputed_blocks"), "plan")),
+    Text(gradient_checkpointing.longest_setup),
+    Table(where={"table": "longest"}, columns=(
+        Column("plan", gradient_checkpointing.plan_label),
+        Column("longest context predicted to fit", lambda r: r["predicted_longest_context"] or "none"),
+        Column("predicted peak there", _bytes("predicted_peak_bytes")), Column("next context", "next_context"),
+        Column("its predicted peak", _bytes("next_predicted_peak_bytes")))),
+    Text(gradient_checkpointing.longest_runs)), requires={"table": "sweep"})
 
 
 # communication_accounting: the XXL model's memory, FSDP, the compute-bound batch, collectives and layouts.
@@ -197,7 +237,7 @@ PROBLEMS: tuple[Problem, ...] = (
             memory_profiling.answer_memory_profiling, "memory", ("perf/test_memory.py",),
             open_items=memory_profiling.open_items_memory_profiling),
     Problem("gradient_checkpointing",
-            (Report("gradient_checkpointing", gradient_checkpointing.render_gradient_checkpointing),),
+            (Report("gradient_checkpointing", GRADIENT_CHECKPOINTING),),
             gradient_checkpointing.answer_gradient_checkpointing, "memory", ("perf/test_memory.py",),
             open_items=gradient_checkpointing.open_items_gradient_checkpointing),
     Problem("pytorch_attention",
