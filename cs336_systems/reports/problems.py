@@ -18,6 +18,7 @@ from typing import Any
 from cs336_systems import provenance
 from cs336_systems.accounting.communication import COLLECTIVES
 from cs336_systems.accounting.parallelism import BF16_BYTES
+from cs336_systems.gpus import MIB
 from cs336_systems.reports import (
     Report,
     Reports,
@@ -139,6 +140,52 @@ GRADIENT_CHECKPOINTING = Layout((
     Text(gradient_checkpointing.longest_runs)), requires={"table": "sweep"})
 
 
+# memory_profiling: peaks against the memory model, saved activations, timelines, allocations and part (f).
+MEMORY_PROFILING = Layout((
+    Text(memory_profiling.setup), Text(memory_profiling.peak_setup),
+    Table(where={"table": "peak"}, rows_of=memory_profiling.in_table_order, present_only=True, columns=(
+        Column("mode", lambda r: memory_profiling.MODE_LABELS[r["mode"]]), "precision",
+        Column("context", "context_length"),
+        Column("peak above start", lambda r: format_bytes(r["peak_increase_bytes"])
+               if r["status"] == "ok" and r["device"] != "cuda" else None),
+        Column("start", memory_profiling.gpu_ok(_bytes("start_bytes"))), Column("peak", memory_profiling.peak_cell),
+        Column("timeline peak", memory_profiling.gpu_ok(_bytes("timeline_peak_bytes"))),
+        Column("predicted", memory_profiling.predicted_cell),
+        Column("error", memory_profiling.gpu_ok(lambda r: f"{r['peak_bytes'] / r['predicted_peak_bytes'] - 1:+.1%}")),
+        Column("predicted peak at", memory_profiling.gpu_ok(lambda r: r["predicted_phase"])),
+        Column("a miss's gap, nearest component", memory_profiling.gpu_ok(memory_profiling.miss)))),
+    Text(memory_profiling.prediction_summary), Text(memory_profiling.autocast_note),
+    Text(memory_profiling.saved_setup),
+    Table(where=memory_profiling.has_saved_activations, columns=(
+        "precision", Column("context", "context_length"), Column("measured", _bytes("measured_saved_bytes")),
+        Column("predicted", _bytes("predicted_saved_bytes")),
+        Column("measured - predicted (bytes)", lambda r: r["measured_saved_bytes"] - r["predicted_saved_bytes"]),
+        Column("error", lambda r: f"{r['measured_saved_bytes'] / r['predicted_saved_bytes'] - 1:+.2%}"))),
+    Text(memory_profiling.residual_setup),
+    Table(where={"table": "residual"}, columns=(
+        "precision",
+        Column("batch x context x d_model x 4 B", lambda r: f"{r['batch_size']} x {r['context_length']} x "
+               f"{r['d_model']} x 4 = {r['computed_bytes'] / MIB:.2f} MiB"),
+        Column("first block's output", lambda r: f"{r['shape']} {r['dtype']}"),
+        Column("measured (MiB)", lambda r: r["measured_bytes"] / MIB),
+        Column("match", lambda r: r["measured_bytes"] == r["computed_bytes"]))),
+    Text(memory_profiling.timeline_setup),
+    Drawn("memory_timeline.png", draw=memory_profiling.timeline_figure, where={"table": "timeline"},
+          alt="active memory"),
+    Text(memory_profiling.snapshot_setup),
+    Table(where={"table": "snapshot"}, order=memory_profiling.snapshot_order, columns=(
+        Column("cell", memory_profiling.cell_name), Column("snapshot", lambda r: f"[{r['file']}]({r['file']})"),
+        Column("size", _bytes("file_bytes")), Column("stacks kept", lambda r: r.get("stacks", "")))),
+    Text(memory_profiling.snapshot_images),
+    Text(memory_profiling.allocations(Table(order=lambda r: r["rank"], columns=(
+        Column("size (MiB)", "size_mib"), "count", "source", Column("innermost frame", "innermost"))))),
+    Text(memory_profiling.block_setup),
+    Table(where=memory_profiling.is_block_row, rows_of=memory_profiling.block_summaries),
+    Table(where=memory_profiling.is_block_row, rows_of=memory_profiling.block_operations, columns=(
+        "precision", "block", "operation", Column("residuals", _bytes("bytes")),
+        Column("share", lambda r: f"{r['share']:.1%}")))), requires={"table": "peak"})
+
+
 # communication_accounting: the XXL model's memory, FSDP, the compute-bound batch, collectives and layouts.
 COMMUNICATION_ACCOUNTING = Layout((
     "## The XXL model\n", Text(communication_accounting.xxl_model),
@@ -233,7 +280,7 @@ PROBLEMS: tuple[Problem, ...] = (
             (Report("benchmarking_mixed_precision", e2e.render_benchmarking_mixed_precision, MIXED_PRECISION_KEY,
                     cell_of=e2e.cell_key),),
             e2e.answer_benchmarking_mixed_precision, "e2e", ("perf/test_e2e.py",)),
-    Problem("memory_profiling", (Report("memory_profiling", memory_profiling.render_memory_profiling),),
+    Problem("memory_profiling", (Report("memory_profiling", MEMORY_PROFILING),),
             memory_profiling.answer_memory_profiling, "memory", ("perf/test_memory.py",),
             open_items=memory_profiling.open_items_memory_profiling),
     Problem("gradient_checkpointing",
