@@ -225,7 +225,7 @@ def write_communication_accounting(report_dir: Path | str, command: str = ANALYS
 
 def answer_communication_accounting(reports: Reports) -> list[str]:
     rows = reports["communication_accounting"]
-    scalars = {r["name"]: r["value"] for r in select(rows, table="scalar")}
+    scalars = _scalars(rows)
     model, total = find(rows, table="model"), find(rows, table="state", component="total")
     sentences = []
     if model and total and "state_h100s" in scalars and "activation_bytes_per_token" in scalars:

@@ -94,8 +94,8 @@ def sweep_setup(rows: list[Row]) -> str:
     return (f"## Peak activation memory by checkpoint plan\n\n{r0['size']} ({r0['num_layers']} blocks), batch "
             f"{r0['batch_size']}, context {r0['context_length']}, {r0['precision']}, {r0['attention']} attention; one "
             "forward + backward per plan (non-reentrant torch.utils.checkpoint) with gradients allocated: the peak "
-            f"above the start is activations and temporaries. Model: a block keeps a = {format_bytes(r0['block_bytes'])}"
-            f"{split}, a checkpoint its input b = {format_bytes(r0['boundary_bytes'])}; predicted peak = plan_cost + "
+            "above the start is activations and temporaries. Model: a block keeps a = "
+            f"{format_bytes(r0['block_bytes'])}{split}, a checkpoint its input b = {format_bytes(r0['boundary_bytes'])}; predicted peak = plan_cost + "
             f"head ({format_bytes(r0['head_bytes'])}) + largest temporary ({format_bytes(r0['transient_bytes'])})."
             + ("" if r0["device"] == "cuda" else " CPU peaks: torch.profiler's memory records.") + "\n")
 

@@ -126,16 +126,18 @@ def miss(r: Row) -> str | None:
     return f"{'+' if difference > 0 else '-'}{format_bytes(abs(difference))}, {name} ({format_bytes(size)})"
 
 
+SAVED_SETUP = ("## Saved activations: model against autograd\n\nWhat autograd saves in one forward with the loss "
+               "(saved_tensors_hooks; parameters and inputs excluded) against "
+               "accounting.activations.saved_activation_bytes.\n")
+TIMELINE_SETUP = ("## Active memory over one step\n\nFrom each snapshot's allocator trace; each point is the highest "
+                  "of its run of events.\n")
+SNAPSHOT_SETUP = ("## memory_viz: Active Memory Timeline\n\nEach snapshot as pytorch.org/memory_viz draws it (x: "
+                  f"allocator events), redrawn from the pickle with its {TIMELINE_BANDS} largest allocations as "
+                  "bands.\n")
+
+
 def has_saved_activations(r: Row) -> bool:
     return r.get("table") == "peak" and r["status"] == "ok" and r.get("measured_saved_bytes") is not None
-
-
-def saved_setup(rows: list[Row]) -> str:
-    if not any(has_saved_activations(r) for r in rows):
-        return ""
-    return ("## Saved activations: model against autograd\n\nWhat autograd saves in one forward with the loss "
-            "(saved_tensors_hooks; parameters and inputs excluded) against "
-            "accounting.activations.saved_activation_bytes.\n")
 
 
 def residual_setup(rows: list[Row]) -> str:
@@ -145,13 +147,6 @@ def residual_setup(rows: list[Row]) -> str:
     return ("## Residual-stream activation size\n\nComputed, and measured on the first block's output."
             + (" It is fp32 under bf16 autocast too: the embedding output is fp32, and fp32 + bf16 is fp32."
                if all(r["dtype"] == "float32" for r in residual) else "") + "\n")
-
-
-def timeline_setup(rows: list[Row]) -> str:
-    if not select(rows, table="timeline"):
-        return ""
-    return ("## Active memory over one step\n\nFrom each snapshot's allocator trace; each point is the highest of "
-            "its run of events.\n")
 
 
 def timeline_figure(rows: list[Row]):
@@ -186,14 +181,6 @@ def timeline_figure(rows: list[Row]):
 
 def snapshot_order(r: Row) -> tuple:
     return MEMORY_MODES.index(r["mode"]), r["context_length"]
-
-
-def snapshot_setup(rows: list[Row]) -> str:
-    """The kept snapshots (pytorch.org/memory_viz opens them), whose table follows."""
-    if not select(rows, table="snapshot"):
-        return ""
-    return ("## memory_viz: Active Memory Timeline\n\nEach snapshot as pytorch.org/memory_viz draws it (x: allocator "
-            f"events), redrawn from the pickle with its {TIMELINE_BANDS} largest allocations as bands.\n")
 
 
 def snapshot_images(rows: list[Row]) -> str:
@@ -262,8 +249,8 @@ def block_setup(rows: list[Row]) -> str:
         return heading + "Out of memory.\n" if select(rows, table="block") else ""
     return (heading + "One forward and backward after zero_grad(set_to_none=True). Residuals: the storages autograd "
             "saved while a block's forward ran (saved-tensor hooks), each from the aten call that allocated it. "
-            "Gradients (CUDA): memory_allocated's change over a block's backward plus the residuals it freed; beyond the "
-            "weight gradients it holds the gradient of the block's input, one residual-stream tensor "
+            "Gradients (CUDA): memory_allocated's change over a block's backward plus the residuals it freed; beyond "
+            "the weight gradients it holds the gradient of the block's input, one residual-stream tensor "
             f"({format_bytes(blocks[0]['residual_stream_bytes'])}).\n")
 
 

@@ -40,7 +40,20 @@ from cs336_systems.reports import (
     parallelism_calcs,
     sharding,
 )
-from cs336_systems.reports.spec import LOG, LOG2, Column, Drawn, Layout, Plot, Reference, Table, Text, Versus
+from cs336_systems.reports.spec import (
+    LOG,
+    LOG2,
+    Column,
+    Drawn,
+    Layout,
+    Plot,
+    Reference,
+    Table,
+    Text,
+    Versus,
+    Where,
+    selected,
+)
 from cs336_systems.rows import (
     ALLREDUCE_KEY,
     ATTENTION_KEY,
@@ -141,6 +154,11 @@ GRADIENT_CHECKPOINTING = Layout((
 
 
 # memory_profiling: peaks against the memory model, saved activations, timelines, allocations and part (f).
+def _shown_with(where: Where, text: str) -> Text:
+    """A fixed heading and paragraph, shown where `where` selects rows."""
+    return Text(lambda rows: text if selected(rows, where) else "")
+
+
 MEMORY_PROFILING = Layout((
     Text(memory_profiling.setup), Text(memory_profiling.peak_setup),
     Table(where={"table": "peak"}, rows_of=memory_profiling.in_table_order, present_only=True, columns=(
@@ -155,7 +173,7 @@ MEMORY_PROFILING = Layout((
         Column("predicted peak at", memory_profiling.gpu_ok(lambda r: r["predicted_phase"])),
         Column("a miss's gap, nearest component", memory_profiling.gpu_ok(memory_profiling.miss)))),
     Text(memory_profiling.prediction_summary), Text(memory_profiling.autocast_note),
-    Text(memory_profiling.saved_setup),
+    _shown_with(memory_profiling.has_saved_activations, memory_profiling.SAVED_SETUP),
     Table(where=memory_profiling.has_saved_activations, columns=(
         "precision", Column("context", "context_length"), Column("measured", _bytes("measured_saved_bytes")),
         Column("predicted", _bytes("predicted_saved_bytes")),
@@ -169,10 +187,10 @@ MEMORY_PROFILING = Layout((
         Column("first block's output", lambda r: f"{r['shape']} {r['dtype']}"),
         Column("measured (MiB)", lambda r: r["measured_bytes"] / MIB),
         Column("match", lambda r: r["measured_bytes"] == r["computed_bytes"]))),
-    Text(memory_profiling.timeline_setup),
+    _shown_with({"table": "timeline"}, memory_profiling.TIMELINE_SETUP),
     Drawn("memory_timeline.png", draw=memory_profiling.timeline_figure, where={"table": "timeline"},
           alt="active memory"),
-    Text(memory_profiling.snapshot_setup),
+    _shown_with({"table": "snapshot"}, memory_profiling.SNAPSHOT_SETUP),
     Table(where={"table": "snapshot"}, order=memory_profiling.snapshot_order, columns=(
         Column("cell", memory_profiling.cell_name), Column("snapshot", lambda r: f"[{r['file']}]({r['file']})"),
         Column("size", _bytes("file_bytes")), Column("stacks kept", lambda r: r.get("stacks", "")))),
