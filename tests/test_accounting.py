@@ -47,10 +47,8 @@ from cs336_systems.accounting.parallelism import (
 from cs336_systems.benchmarks.communication_accounting import communication_accounting_rows
 from cs336_systems.gpus import GB, GIB, GPU_SPECS
 from cs336_systems.reports import read_rows
-from cs336_systems.reports.communication_accounting import (
-    render_communication_accounting,
-    write_communication_accounting,
-)
+from cs336_systems.reports.communication_accounting import write_communication_accounting
+from cs336_systems.reports.problems import report
 
 C, W = TPU_V5P_FLOPS_PER_S, TPU_V5P_ICI_BYTES_PER_S
 D, F = XXL.d_model, XXL.d_ff
@@ -422,8 +420,9 @@ def test_report_states_the_computed_answers(tmp_path):
 
 def test_report_renders_the_same_from_its_csv(tmp_path):
     write_communication_accounting(tmp_path)
-    from_csv = render_communication_accounting(read_rows(tmp_path / "communication_accounting.csv"))
-    assert from_csv.body == render_communication_accounting(communication_accounting_rows()).body
+    render = report("communication_accounting").render
+    from_csv = render(read_rows(tmp_path / "communication_accounting.csv"))
+    assert from_csv.body == render(communication_accounting_rows()).body
 
 
 def test_report_rows_follow_the_functions():

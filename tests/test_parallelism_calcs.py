@@ -24,7 +24,8 @@ from cs336_systems.accounting.communication import (
 from cs336_systems.accounting import ffn_parallelism as ffn
 from cs336_systems.benchmarks.parallelism_calcs import PROBLEMS, ROWS
 from cs336_systems.reports import read_rows
-from cs336_systems.reports.parallelism_calcs import RENDERERS, write_parallelism_calcs
+from cs336_systems.reports.parallelism_calcs import write_parallelism_calcs
+from cs336_systems.reports.problems import report
 
 W = 450e9  # bytes/s
 C = 989.4e12  # FLOP/s
@@ -285,7 +286,7 @@ def test_reports_answer_every_part_and_are_the_same_on_every_run(tmp_path):
         assert all(part in text for part in parts[problem]), problem
         assert "Worked figure: one node of 8 GPUs" in text and "H100" in text and "H200" in text
         # Generated from its rows: the CSV renders the same report.
-        assert RENDERERS[problem](read_rows(tmp_path / f"{problem}.csv")).body in text
+        assert report(problem).render(read_rows(tmp_path / f"{problem}.csv")).body in text
     alternate = [r for r in ROWS["alternate_ring_all_reduce"]() if r["table"] == "node"]
     assert [round(r["alternate_over_ring"], 9) for r in alternate] == [r["N"] / 2 for r in alternate]
     tp = {(r["phase"], r["N_TP"]): r for r in ROWS["tp_calcs"]() if r["table"] == "node"}

@@ -3,7 +3,7 @@ drawn from rows as their declarations say."""
 
 import pytest
 
-from cs336_systems.reports.spec import LOG2, NO_ROWS, Column, Layout, Pivot, Plot, Reference, Table, Text, Versus
+from cs336_systems.reports.spec import LOG2, NO_ROWS, Column, Drawn, Layout, Pivot, Plot, Reference, Table, Text, Versus
 
 STEPS = [
     {"table": "step", "variant": "torch", "status": "ok", "step_ms": 100.0, "peak_gib": 10.0},
@@ -93,3 +93,16 @@ def test_a_plot_draws_derived_points_with_a_series_style_and_a_colour_shared_by_
     assert list(measured.get_xdata()) == [2, 4] and list(predicted.get_xdata()) == [1, 2, 4]
     assert predicted.get_linestyle() == "--" and predicted.get_marker() == "None" and measured.get_marker() == "o"
     assert predicted.get_color() == measured.get_color()
+
+
+def test_a_drawn_figure_comes_from_its_draw_function_and_shows_where_its_rows_are():
+    pytest.importorskip("matplotlib")
+    from matplotlib.figure import Figure
+
+    drawn = []
+    layout = Layout((Drawn("d.png", draw=lambda rows: drawn.append(len(rows)) or Figure(), where={"table": "step"},
+                           alt="steps"),))
+    rendered = layout(STEPS)
+    assert rendered.body == "![steps](d.png)\n" and isinstance(rendered.figures["d.png"], Figure)
+    assert drawn == [len(STEPS)]
+    assert layout(STEPS[3:]).body == NO_ROWS and drawn == [len(STEPS)]

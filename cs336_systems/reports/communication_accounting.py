@@ -1,7 +1,7 @@
-"""Problem communication_accounting's report (2025 handout): every answer and derivation, written from
-the rows of cs336_systems.benchmarks.communication_accounting, which evaluates the closed-form models;
-`write_communication_accounting` writes it. The output is the same on every machine and every run, so it
-carries no device, versions or date.
+"""Problem communication_accounting's answers (2025 handout): every answer and derivation, written from
+the rows of cs336_systems.benchmarks.communication_accounting, which evaluates the closed-form models; its
+tables and figure are declared in cs336_systems.reports.problems, and `write_communication_accounting` writes
+it. The output is the same on every machine and every run, so it carries no device, versions or date.
 """
 
 from __future__ import annotations
@@ -27,12 +27,9 @@ from cs336_systems.benchmarks.communication_accounting import (
 from cs336_systems.gpus import GB, MB
 from cs336_systems.reports import (
     ANALYSIS_COMMAND,
-    Rendered,
-    Report,
     Reports,
     find,
     format_share,
-    markdown_table,
     not_in_report,
     select,
     write_closed_form,
@@ -58,86 +55,72 @@ def _question(rows: list[Row]) -> Row:
     return _one(rows, table="crossover", mesh=QUESTION_MESH, exact_ring=False, comm_bytes_per_element=BF16_BYTES)
 
 
-def _tokens(value: float) -> str:
+def tokens(value: float) -> str:
+    """A threshold in tokens as the strategies table shows it: "never", "any" or the number."""
     return "never" if value == float("inf") else "any" if value == 0 else f"{value:,.1f}"
 
 
-def _section_a(rows: list[Row], s: dict[str, float]) -> str:
-    model = _one(rows, table="model")
-    state = {r["component"]: r for r in select(rows, table="state")}
-    total = state["total"]
-    acts = select(rows, table="activations")
-    per_block = s["activation_bytes_per_token_per_block"]
-    state_table = [{"component": c, "bytes/param": r["bytes_per_param"], "bytes": f"{r['bytes']:,}",
-                    "GB": r["gb"], "GiB": r["gib"]} for c, r in state.items()]
-    act_table = [{"batch": f"{r['sequences']} x {r['tokens'] // r['sequences']:,} tokens",
-                  "saved activations (GB)": r["activation_gb"], "(GiB)": r["activation_gib"],
-                  "with the fp32 state (GB)": r["with_state_gb"], "H100 80GB equivalents": r["h100s"]}
-                 for r in acts]
+def size(nbytes: float) -> str:
+    for unit, scale in (("GB", GB), ("MB", MB), ("kB", 1e3)):
+        if nbytes >= scale:
+            return f"{nbytes / scale:.3g} {unit}"
+    return f"{nbytes:.3g} bytes"
+
+
+def xxl_model(rows: list[Row]) -> str:
+    m = _one(rows, table="model")
+    return (f"{m['num_blocks']} blocks of Linear(d_model -> d_ff) and Linear(d_ff -> d_model), no biases, "
+            f"nonlinearity, attention or embeddings: 2 x {m['d_model']:,} x {m['d_ff']:,} x "
+            f"{m['num_blocks']} = **{m['num_params']:,} parameters**.\n")
+
+
+def saved_activations(rows: list[Row]) -> str:
+    m, s = _one(rows, table="model"), _scalars(rows)
+    return ("Saved for backward in bf16, with no checkpointing and each linear keeping only its input (In for "
+            "dW_in = In^T dTmp, Tmp for dW_out = Tmp^T dOut; a block's output is the next block's In): "
+            f"2 x ({m['d_model']:,} + {m['d_ff']:,}) = {s['activation_bytes_per_token_per_block']:,.0f} bytes per "
+            f"token per block, {s['activation_bytes_per_token']:,.0f} bytes "
+            f"({s['activation_bytes_per_token'] / MB:.2f} MB) over {m['num_blocks']} blocks:\n")
+
+
+def memory_answer(rows: list[Row]) -> str:
+    total, s = _one(rows, table="state", component="total"), _scalars(rows)
     gpus = s["state_h100s"]
-    return "\n".join([
-        "## The XXL model\n",
-        f"{model['num_blocks']} blocks of Linear(d_model -> d_ff) and Linear(d_ff -> d_model), no biases, "
-        f"nonlinearity, attention or embeddings: 2 x {model['d_model']:,} x {model['d_ff']:,} x "
-        f"{model['num_blocks']} = **{model['num_params']:,} parameters**.\n",
-        "## (a) Memory on one device\n",
-        markdown_table(state_table),
-        "Saved for backward in bf16, with no checkpointing and each linear keeping only its input (In for "
-        "dW_in = In^T dTmp, Tmp for dW_out = Tmp^T dOut; a block's output is the next block's In): "
-        f"2 x ({model['d_model']:,} + {model['d_ff']:,}) = {per_block:,.0f} bytes per token per block, "
-        f"{s['activation_bytes_per_token']:,.0f} bytes ({s['activation_bytes_per_token'] / MB:.2f} MB) over "
-        f"{model['num_blocks']} blocks:\n",
-        markdown_table(act_table),
-        f"**Answer.** The fp32 master weights, gradients and Adam moments take {total['gb']:,.2f} GB "
-        f"({total['gib']:,.1f} GiB), {gpus:.2f} H100 80GB GPUs' worth (so {math.ceil(gpus)} GPUs) before any "
-        f"activation; activations add {s['activation_bytes_per_token'] / MB:.2f} MB per token.\n",
-        f"An H100 80GB holds {s['h100_memory_bytes'] / GB:.0f} x 10^9 bytes; as 80 GiB, {total['gib']:,.1f} / 80 = "
-        f"{s['state_h100s_if_80_gib']:.2f} gives {math.ceil(s['state_h100s_if_80_gib'])} GPUs: the unit differs, "
-        "not the arithmetic.\n",
-    ])
+    return (f"**Answer.** The fp32 master weights, gradients and Adam moments take {total['gb']:,.2f} GB "
+            f"({total['gib']:,.1f} GiB), {gpus:.2f} H100 80GB GPUs' worth (so {math.ceil(gpus)} GPUs) before any "
+            f"activation; activations add {s['activation_bytes_per_token'] / MB:.2f} MB per token.\n\n"
+            f"An H100 80GB holds {s['h100_memory_bytes'] / GB:.0f} x 10^9 bytes; as 80 GiB, {total['gib']:,.1f} / 80 = "
+            f"{s['state_h100s_if_80_gib']:.2f} gives {math.ceil(s['state_h100s_if_80_gib'])} GPUs: the unit differs, "
+            "not the arithmetic.\n")
 
 
-def _section_b(rows: list[Row], s: dict[str, float]) -> str:
-    state = _one(rows, table="state", component="total")
-    table = [{"tokens": f"{r['tokens']:,}", "A, saved activations (GB)": r["activation_gb"],
-              "smallest N_FSDP": r["min_fsdp_devices"] if r["min_fsdp_devices"] is not None else
-              "none: A/2 alone exceeds a chip",
-              "GB per device at that N_FSDP": r["gb_per_device"]} for r in select(rows, table="fsdp")]
+def fsdp_memory(rows: list[Row]) -> str:
+    state, s = _one(rows, table="state", component="total"), _scalars(rows)
+    memory_gb = s["tpu_memory_bytes"] / GB
+    return ("S (weights, gradients, optimizer state) and half of A (saved activations, every second layer) are split "
+            "N_FSDP ways; the other half of A stays whole on every device:\n\n"
+            "    memory per device = (S + A/2) / N_FSDP + A/2\n"
+            f"    S = {state['gb']:,.2f} GB,  A = {s['activation_bytes_per_token']:,.0f} bytes x tokens\n\n"
+            f"Below {memory_gb:.0f} GB per device (a v5p chip): N_FSDP > (S + A/2) / "
+            f"({memory_gb:.0f} GB - A/2), which has a solution only while A/2 < {memory_gb:.0f} GB, that is below "
+            f"{s['fsdp_max_tokens']:,.0f} tokens.\n")
+
+
+def fsdp_answer(rows: list[Row]) -> str:
+    state, s = _one(rows, table="state", component="total"), _scalars(rows)
     fsdp = {r["tokens"]: r for r in select(rows, table="fsdp")}
-    state_only = fsdp[0]["min_fsdp_devices"]
     memory_gb = s["tpu_memory_bytes"] / GB
     example = fsdp.get(DEFAULT_SEQUENCES * EXAMPLE_SEQ_LEN)
     example_text = (f", and {example['min_fsdp_devices']} with the activations of {DEFAULT_SEQUENCES} x "
-                    f"{EXAMPLE_SEQ_LEN:,} tokens"
-                    if example and example["min_fsdp_devices"] is not None else "")
-    return "\n".join([
-        "## (b) FSDP across N_FSDP devices\n",
-        "S (weights, gradients, optimizer state) and half of A (saved activations, every second layer) are split "
-        "N_FSDP ways; the other half of A stays whole on every device:\n",
-        "    memory per device = (S + A/2) / N_FSDP + A/2",
-        f"    S = {state['gb']:,.2f} GB,  A = {s['activation_bytes_per_token']:,.0f} bytes x tokens\n",
-        f"Below {memory_gb:.0f} GB per device (a v5p chip): N_FSDP > (S + A/2) / "
-        f"({memory_gb:.0f} GB - A/2), which has a solution only while A/2 < {memory_gb:.0f} GB, that is below "
-        f"{s['fsdp_max_tokens']:,.0f} tokens.\n",
-        markdown_table(table),
-        f"**Answer.** For the state alone N_FSDP must be at least {state_only} ({state['gb']:,.2f} / {memory_gb:.0f} "
-        f"= {state['gb'] / memory_gb:.2f}){example_text}; past the token limit above, none is enough.\n",
-    ])
+                    f"{EXAMPLE_SEQ_LEN:,} tokens" if example and example["min_fsdp_devices"] is not None else "")
+    return (f"**Answer.** For the state alone N_FSDP must be at least {fsdp[0]['min_fsdp_devices']} "
+            f"({state['gb']:,.2f} / {memory_gb:.0f} = {state['gb'] / memory_gb:.2f}){example_text}; past the token "
+            "limit above, none is enough.\n")
 
 
-def _section_c(rows: list[Row], s: dict[str, float]) -> str:
-    q = _question(rows)
-    exact = _one(rows, table="crossover", mesh=QUESTION_MESH, exact_ring=True)
-    model = _one(rows, table="model")
+def compute_bound_model(rows: list[Row]) -> str:
+    q, m, s = _question(rows), _one(rows, table="model"), _scalars(rows)
     x, y, mx, my = q["data_devices"], q["tensor_devices"], q["data_axes"], q["tensor_axes"]
-    f_over_alpha = model["d_ff"] / s["alpha"]
-    times = [{"tokens / device": r["tokens_per_device"], "batch (tokens)": f"{r['tokens']:,}",
-              "compute (ms)": r["compute_ms"], "FSDP gathers (ms)": r["weight_comm_ms"],
-              "TP gather + scatter (ms)": r["activation_comm_ms"],
-              "compute bound": "yes" if r["compute_bound"] else "no"}
-             for r in select(rows, table="layer_times", mesh=QUESTION_MESH)]
-    binding = "forward" if q["forward_min_tokens_per_device"] >= q["backward_min_tokens_per_device"] else "backward"
-    chip_bytes = s["question_state_bytes_per_device"] + s["question_activation_bytes_per_device"]
     return "\n".join([
         f"## (c) Compute-bound batch on TPU v5p, X = {x} (FSDP, M_X = {mx}), Y = {y} (TP, M_Y = {my})\n",
         f"C = {s['flops_per_s']:.2g} FLOP/s, W_ici = {s['ici_bytes_per_s']:.2g} bytes/s per mesh axis (both "
@@ -150,23 +133,29 @@ def _section_c(rows: list[Row], s: dict[str, float]) -> str:
         "Collectives overlap the matmuls but not each other: compute bound when T_math >= T_FSDP + T_TP; dividing "
         "by 4 D / W, with b = B / N (B / X = b Y):\n",
         "    F / (Y M_X) + b Y / M_Y <= b F / alpha",
-        f"    b >= F / (Y M_X) / (F / alpha - Y / M_Y) = {model['d_ff'] / (y * mx):,.0f} / ({f_over_alpha:.2f} - "
+        f"    b >= F / (Y M_X) / (F / alpha - Y / M_Y) = {m['d_ff'] / (y * mx):,.0f} / ({m['d_ff'] / s['alpha']:.2f} - "
         f"{y / my:g}) = {q['forward_min_tokens_per_device']:.1f} tokens per chip\n",
-        markdown_table(times),
-        f"**Answer.** The forward pass is compute bound from {q['forward_min_tokens_per_device']:.1f} tokens per chip, "
-        f"an overall batch of {x * y} x "
-        f"{q['forward_min_tokens_per_device']:.1f} = {q['forward_min_tokens_per_device'] * x * y:,.0f} tokens.\n",
-        f"Checks: exact ring factors ((N - 1) / N) lower it to "
-        f"{exact['forward_min_tokens_per_device']:.1f} ({exact['forward_min_tokens_per_device'] * x * y:,.0f} "
-        f"overall); the backward pass needs {q['backward_min_tokens_per_device']:.1f}, so the {binding} pass sets "
-        f"the batch; each chip then holds {s['question_state_bytes_per_device'] / GB:.1f} GB of fp32 state and "
-        f"{s['question_activation_bytes_per_device'] / GB:.1f} GB of saved activations, "
-        f"{'within' if chip_bytes < s['tpu_memory_bytes'] else 'beyond'} {s['tpu_memory_bytes'] / GB:.0f} GB.\n",
     ])
 
 
-def _section_d(rows: list[Row], s: dict[str, float]) -> str:
-    q = _question(rows)
+def compute_bound_answer(rows: list[Row]) -> str:
+    q, s = _question(rows), _scalars(rows)
+    exact = _one(rows, table="crossover", mesh=QUESTION_MESH, exact_ring=True)
+    n, forward = q["data_devices"] * q["tensor_devices"], q["forward_min_tokens_per_device"]
+    binding = "forward" if forward >= q["backward_min_tokens_per_device"] else "backward"
+    chip_bytes = s["question_state_bytes_per_device"] + s["question_activation_bytes_per_device"]
+    return (f"**Answer.** The forward pass is compute bound from {forward:.1f} tokens per chip, an overall batch of "
+            f"{n} x {forward:.1f} = {forward * n:,.0f} tokens.\n\n"
+            f"Checks: exact ring factors ((N - 1) / N) lower it to {exact['forward_min_tokens_per_device']:.1f} "
+            f"({exact['forward_min_tokens_per_device'] * n:,.0f} overall); the backward pass needs "
+            f"{q['backward_min_tokens_per_device']:.1f}, so the {binding} pass sets the batch; each chip then holds "
+            f"{s['question_state_bytes_per_device'] / GB:.1f} GB of fp32 state and "
+            f"{s['question_activation_bytes_per_device'] / GB:.1f} GB of saved activations, "
+            f"{'within' if chip_bytes < s['tpu_memory_bytes'] else 'beyond'} {s['tpu_memory_bytes'] / GB:.0f} GB.\n")
+
+
+def smaller_batches(rows: list[Row]) -> str:
+    q, s = _question(rows), _scalars(rows)
     fp8 = _one(rows, table="crossover", mesh=QUESTION_MESH, comm_bytes_per_element=FP8_BYTES)
     stage = _one(rows, table="crossover", mesh=STAGE_MESH)
     pipeline = select(rows, table="pipeline")
@@ -189,8 +178,9 @@ def _section_d(rows: list[Row], s: dict[str, float]) -> str:
         f"book's floor 4 alpha^2 / (F M_X M_Y) = {s['fsdp_tp_floor_tokens_per_device']:.1f} tokens per chip "
         f"({s['fsdp_tp_floor_tokens_per_device'] * n:,.0f} on {n} chips; Austin et al., How to Scale Your Model): "
         "more TP shrinks the weight gathers while Y < F M_Y / alpha keeps activation traffic below compute. 8-bit "
-        f"gathers (ZeRO++, Wang et al. 2023) bring {q['data_devices']} x {q['tensor_devices']} to {fp8['min_tokens_per_device']:.1f} "
-        f"({fp8['min_global_tokens']:,.0f}). Pipeline parallelism (GPipe, 1F1B) moves no weights: {stage_text}, a "
+        f"gathers (ZeRO++, Wang et al. 2023) bring {q['data_devices']} x {q['tensor_devices']} to "
+        f"{fp8['min_tokens_per_device']:.1f} ({fp8['min_global_tokens']:,.0f}). Pipeline parallelism (GPipe, 1F1B) "
+        f"moves no weights: {stage_text}, a "
         f"microbatch's [b, D] send costs {s['pipeline_send_to_compute']:.2%} of a stage's matmul time "
         f"(e alpha P / (4 F L), P = {pipeline[0]['stages']}); the price is the bubble (P - 1) / (m + P - 1), "
         f"{bubbles}, so small batches need many microbatches or a zero-bubble schedule (Qi et al. 2023). "
@@ -198,83 +188,26 @@ def _section_d(rows: list[Row], s: dict[str, float]) -> str:
     ])
 
 
-def _section_collectives(rows: list[Row], s: dict[str, float]) -> str:
-    collectives = select(rows, table="collective")
-    table = [{"array": _size(size), "N": devices, **{f"{name} (us)": cell[name]["total_us"] for name in COLLECTIVES},
-              "all_gather latency share": cell["all_gather"]["latency_term_us"] / cell["all_gather"]["total_us"]}
-             for (size, devices), cell in _cells(collectives).items()]
-    crossovers = ", ".join(f"{_size(s[f'latency_bound_below_bytes_{n}'])} at N = {n}" for n in COLLECTIVE_DEVICE_COUNTS)
-    return "\n".join([
-        "## Beyond the question: ring collectives and parallel layouts on the v5p mesh\n",
-        "### Ring collectives\n",
-        f"Ring times on one v5p ICI axis (cs336_systems.accounting.communication; {s['ici_hop_latency_s'] * US:g} us "
-        f"per hop) are latency bound below N w latency: {crossovers}.\n",
-        markdown_table(table),
-    ])
+def ring_latency(rows: list[Row]) -> str:
+    s = _scalars(rows)
+    crossovers = ", ".join(f"{size(s[f'latency_bound_below_bytes_{n}'])} at N = {n}" for n in COLLECTIVE_DEVICE_COUNTS)
+    return ("Ring times on one v5p ICI axis (cs336_systems.accounting.communication; "
+            f"{s['ici_hop_latency_s'] * US:g} us per hop) are latency bound below N w latency: {crossovers}.\n")
 
 
-def _cells(collectives: list[Row]) -> dict[tuple, dict[str, Row]]:
-    """(array bytes, devices) -> collective -> row."""
+def plotted(row: Row) -> bool:
+    """A layer-times row of a mesh the figure draws."""
+    return row.get("table") == "layer_times" and row["mesh"] in PLOTTED_MESHES
+
+
+def collective_cells(collectives: list[Row]) -> list[Row]:
+    """One line per (array bytes, devices): each collective's total time, and all-gather's latency share."""
     cells: dict[tuple, dict[str, Row]] = {}
     for r in collectives:
         cells.setdefault((r["array_bytes"], r["devices"]), {})[r["collective"]] = r
-    return dict(sorted(cells.items()))
-
-
-def _size(nbytes: float) -> str:
-    for unit, scale in (("GB", GB), ("MB", MB), ("kB", 1e3)):
-        if nbytes >= scale:
-            return f"{nbytes / scale:.3g} {unit}"
-    return f"{nbytes:.3g} bytes"
-
-
-def _section_strategies(rows: list[Row], s: dict[str, float]) -> str:
-    crossovers = select(rows, table="crossover", exact_ring=False, comm_bytes_per_element=BF16_BYTES)
-    table = [{"mesh (64 v5p chips)": r["mesh"], "X": r["data_devices"], "Y": r["tensor_devices"],
-              "M_X": r["data_axes"], "M_Y": r["tensor_axes"],
-              "forward b_min": _tokens(r["forward_min_tokens_per_device"]),
-              "backward b_min": _tokens(r["backward_min_tokens_per_device"]),
-              "min batch (tokens)": _tokens(r["min_global_tokens"])} for r in crossovers]
-    return "\n".join([
-        "### Compute vs communication per block: DP, FSDP, TP, FSDP+TP\n",
-        "Per block and phase in (c)'s model (cs336_systems.accounting.parallelism.layer_times): DP and FSDP need "
-        "b >= alpha / M_X. \"any\"/\"never\": compute bound at every/no batch; min batch = N x the larger "
-        "threshold.\n",
-        markdown_table(table),
-        "![forward compute / communication](communication_accounting_forward.png)\n",
-        "### Activation memory of an XXL block (bf16)\n",
-        "    per device, X x Y mesh          2 (D + F / Y) L B / X   (In gathered over Y is kept; Tmp is sharded)\n",
-    ])
-
-
-def _plot(rows: list[Row]):
-    from matplotlib.figure import Figure
-
-    figure = Figure(figsize=(7, 4.5))
-    axes = figure.subplots()
-    for mesh in PLOTTED_MESHES:
-        line = sorted(select(rows, table="layer_times", mesh=mesh), key=lambda r: r["tokens_per_device"])
-        if line:
-            axes.plot([r["tokens_per_device"] for r in line],
-                      [r["compute_ms"] / (r["weight_comm_ms"] + r["activation_comm_ms"]) for r in line],
-                      marker="o", label=mesh)
-    axes.axhline(1.0, color="gray", linestyle="--", label="compute = communication")
-    axes.set_xscale("log", base=2)
-    axes.set_yscale("log")
-    axes.set_xlabel("tokens per chip (B / N)")
-    axes.set_ylabel("forward compute time / communication time")
-    axes.set_title("XXL block on 64 TPU v5p chips (model, not measured)")
-    axes.grid(True, which="both", alpha=0.3)
-    axes.legend(fontsize=8)
-    figure.tight_layout()
-    return figure
-
-
-def render_communication_accounting(rows: list[Row]) -> Rendered:
-    s = _scalars(rows)
-    body = "\n".join([_section_a(rows, s), _section_b(rows, s), _section_c(rows, s), _section_d(rows, s),
-                      _section_collectives(rows, s), _section_strategies(rows, s)])
-    return Rendered(body, figures={"communication_accounting_forward.png": _plot(rows)})
+    return [{"array_bytes": nbytes, "devices": devices, **{name: cell[name]["total_us"] for name in COLLECTIVES},
+             "all_gather_latency_share": cell["all_gather"]["latency_term_us"] / cell["all_gather"]["total_us"]}
+            for (nbytes, devices), cell in sorted(cells.items())]
 
 
 def write_communication_accounting(report_dir: Path | str, command: str = ANALYSIS_COMMAND) -> Path:
@@ -282,16 +215,17 @@ def write_communication_accounting(report_dir: Path | str, command: str = ANALYS
 
     The report has no date or device in it, so writing it again gives identical files.
     """
+    from cs336_systems.reports.problems import report
+
     sources = "`cs336_systems.accounting.communication` and `cs336_systems.accounting.parallelism`"
-    return write_closed_form(Report(PROBLEM, render_communication_accounting), communication_accounting_rows(),
-                             report_dir, command, sources)
+    return write_closed_form(report(PROBLEM), communication_accounting_rows(), report_dir, command, sources)
 
 
 # ---------------------------------------------------------------------------------------------- answers
 
 def answer_communication_accounting(reports: Reports) -> list[str]:
     rows = reports["communication_accounting"]
-    scalars = {r["name"]: r["value"] for r in select(rows, table="scalar")}
+    scalars = _scalars(rows)
     model, total = find(rows, table="model"), find(rows, table="state", component="total")
     sentences = []
     if model and total and "state_h100s" in scalars and "activation_bytes_per_token" in scalars:

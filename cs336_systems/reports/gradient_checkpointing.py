@@ -1,7 +1,8 @@
-"""Problem gradient_checkpointing's report: peak activation memory by checkpoint plan against the
-closed-form model, the memory-optimal nested strategy with its code and asymptotics, and the longest
-context each plan is predicted to fit; with its answer and what a run leaves open.
-cs336_systems.benchmarks.gradient_checkpointing measures them.
+"""Problem gradient_checkpointing's answers: the sentences of its report (peak activation memory by checkpoint
+plan against the closed-form model, the memory-optimal nested strategy with its code and asymptotics, the
+longest context each plan is predicted to fit), its figure, its answer and what a run leaves open. The report's
+tables are declared in cs336_systems.reports.problems; cs336_systems.benchmarks.gradient_checkpointing
+measures them.
 """
 
 from __future__ import annotations
@@ -14,67 +15,63 @@ from cs336_systems.gpus import GIB, MIB
 from cs336_systems.profiling.checkpointing import checkpoint_chain, describe, optimal_plan
 from cs336_systems.reports import (
     NOT_RUN,
-    Rendered,
     Reports,
     find,
     format_bytes,
     format_ratio,
     listing,
-    markdown_table,
     not_in_report,
-    oom_text,
     plural,
     select,
     span,
 )
 from cs336_systems.rows import OOM, Row, ok_rows
 
-# The mantissas of the figure's labelled y ticks (see _sweep_figure).
+# The mantissas of the figure's labelled y ticks (see sweep_figure).
 Y_TICK_SUBS = (1.0, 1.5, 2.0, 3.0, 5.0, 7.0)
-
-
-def _every(k: int) -> str:
-    return f"every {k} block{'s' if k != 1 else ''}"
-
-
 # Where a block split into its two sublayers sits on the figure's axis of blocks per checkpoint.
 SUBLAYERS_X = 0.5
 
 
-def _plan_label(r: Row) -> str:
+def plan_label(r: Row) -> str:
+    """A plan as the tables name it (`_plan_phrase` is the sentences' longer name)."""
     if r["plan_kind"] == "every_k":
-        return "no checkpointing" if r["k"] == "none" else _every(r["k"])
+        return "no checkpointing" if r["k"] == "none" else "every " + plural(r["k"], "block")
     if r["plan_kind"] == "sublayers":
         return "each block's two sublayers"
-    return f"optimal nested, {r['levels']} recomputation level{'s' if r['levels'] != 1 else ''}"
+    return f"optimal nested, {plural(r['levels'], 'recomputation level')}"
 
 
-def _blocks_per_checkpoint(r: Row) -> float:
+def blocks_per_checkpoint(r: Row) -> float:
     return SUBLAYERS_X if r["plan_kind"] == "sublayers" else r["k"]
 
 
-def _sweep_figure(sweep: list[Row], num_layers: int):
+def sweep_figure(rows: list[Row]):
+    """Peak activation memory against blocks per checkpoint, predicted and measured, with the nested plans' and no
+    checkpointing's peaks as lines across and sqrt(L) marked."""
     from matplotlib.figure import Figure
     from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter
 
-    single = sorted(single_level_rows(sweep, measured=False), key=_blocks_per_checkpoint)
+    sweep = select(rows, table="sweep")
+    num_layers = sweep[0]["num_layers"]
+    single = sorted(single_level_rows(sweep, measured=False), key=blocks_per_checkpoint)
     measured = [r for r in single if r["status"] == "ok"]
     lines = [r for r in sweep if r["status"] == "ok" and (r["plan_kind"] == "optimal" or r["k"] == "none")]
     largest = max([r["predicted_peak_bytes"] for r in single] + [r["measured_peak_bytes"] for r in measured + lines])
     scale, unit = (GIB, "GiB") if largest >= GIB else (MIB, "MiB")
     figure = Figure(figsize=(7, 4))
     ax = figure.subplots()
-    ax.plot([_blocks_per_checkpoint(r) for r in single], [r["predicted_peak_bytes"] / scale for r in single], "o--",
+    ax.plot([blocks_per_checkpoint(r) for r in single], [r["predicted_peak_bytes"] / scale for r in single], "o--",
             color="tab:gray", label="predicted")
     if measured:
-        ax.plot([_blocks_per_checkpoint(r) for r in measured], [r["measured_peak_bytes"] / scale for r in measured],
+        ax.plot([blocks_per_checkpoint(r) for r in measured], [r["measured_peak_bytes"] / scale for r in measured],
                 "o-", color="tab:blue", label="measured")
     colors = iter(["tab:green", "tab:purple", "tab:orange", "tab:red", "tab:brown", "tab:olive"])
     for r in lines:
-        ax.axhline(r["measured_peak_bytes"] / scale, ls=":", color=next(colors, "black"), label=_plan_label(r))
+        ax.axhline(r["measured_peak_bytes"] / scale, ls=":", color=next(colors, "black"), label=plan_label(r))
     ax.axvline(math.sqrt(num_layers), color="black", lw=0.8, alpha=0.5, label=f"sqrt(L) = {math.sqrt(num_layers):.1f}")
     ax.set_xscale("log", base=2)
-    ax.set_xticks([_blocks_per_checkpoint(r) for r in single],
+    ax.set_xticks([blocks_per_checkpoint(r) for r in single],
                   ["1/2 (sublayers)" if r["plan_kind"] == "sublayers" else str(r["k"]) for r in single])
     ax.set_yscale("log")
     # Labels at 1, 1.5, 2, 3, 5 and 7 of each decade: a label in every stretch of a plot that spans one
@@ -90,39 +87,41 @@ def _sweep_figure(sweep: list[Row], num_layers: int):
     return figure
 
 
-def _sweep_section(sweep: list[Row]) -> str:
-    r0 = sweep[0]
-    on_gpu = r0["device"] == "cuda"
-    a, b, layers = r0["block_bytes"], r0["boundary_bytes"], r0["num_layers"]
-    table = [{"plan": _plan_label(r), "recomputed blocks": r["recomputed_blocks"],
-              "kept after forward": format_bytes(r.get("measured_kept_bytes")) if r["status"] == "ok" else oom_text(r),
-              "predicted kept": format_bytes(r["predicted_kept_bytes"]),
-              "peak": format_bytes(r["measured_peak_bytes"]) if r["status"] == "ok" else oom_text(r),
-              "predicted peak": format_bytes(r["predicted_peak_bytes"]),
-              "step (ms)": r.get("step_ms") if r["status"] == "ok" else None} for r in sweep]
+def sweep_setup(rows: list[Row]) -> str:
+    r0 = select(rows, table="sweep")[0]
     split = (f" (attention sublayer {format_bytes(r0['attention_sublayer_bytes'])}, feed-forward "
              f"{format_bytes(r0['ffn_sublayer_bytes'])})" if r0.get("attention_sublayer_bytes") else "")
-    parts = [f"## Peak activation memory by checkpoint plan\n\n{r0['size']} ({layers} blocks), batch "
-             f"{r0['batch_size']}, context {r0['context_length']}, {r0['precision']}, {r0['attention']} attention; one "
-             "forward + backward per plan (non-reentrant torch.utils.checkpoint) with gradients allocated: the peak "
-             f"above the start is activations and temporaries. Model: a block keeps a = {format_bytes(a)}{split}, a "
-             f"checkpoint its input b = {format_bytes(b)}; predicted peak = plan_cost + head "
-             f"({format_bytes(r0['head_bytes'])}) + largest temporary ({format_bytes(r0['transient_bytes'])})."
-             + ("" if on_gpu else " CPU peaks: torch.profiler's memory records.") + "\n", markdown_table(table)]
+    return (f"## Peak activation memory by checkpoint plan\n\n{r0['size']} ({r0['num_layers']} blocks), batch "
+            f"{r0['batch_size']}, context {r0['context_length']}, {r0['precision']}, {r0['attention']} attention; one "
+            "forward + backward per plan (non-reentrant torch.utils.checkpoint) with gradients allocated: the peak "
+            "above the start is activations and temporaries. Model: a block keeps a = "
+            f"{format_bytes(r0['block_bytes'])}{split}, a checkpoint its input b = {format_bytes(r0['boundary_bytes'])}; predicted peak = plan_cost + "
+            f"head ({format_bytes(r0['head_bytes'])}) + largest temporary ({format_bytes(r0['transient_bytes'])})."
+            + ("" if r0["device"] == "cuda" else " CPU peaks: torch.profiler's memory records.") + "\n")
+
+
+def best_single_level(rows: list[Row]) -> str:
+    sweep = select(rows, table="sweep")
     single = single_level_rows(sweep)
-    if single:
-        best = min(single, key=lambda r: r["measured_peak_bytes"])
-        neighbours = [f"{_plan_label(r)} {format_bytes(r['measured_peak_bytes'])}" for r in single
-                      if r is not best and _blocks_per_checkpoint(r) in (SUBLAYERS_X, 1, 2)]
-        parts.append(f"(b) One level of recomputation: the sqrt(L) rule assumes a = b; here a = {a / b:.0f} b, and "
-                     f"minimising b L / k + a k gives k = sqrt(L b / a) = {math.sqrt(layers * b / a):.2f} blocks. "
-                     f"Measured best: {_plan_label(best)}, {format_bytes(best['measured_peak_bytes'])}"
-                     + (f"; {listing(neighbours)}." if neighbours else ".") + "\n")
+    if not single:
+        return ""
+    a, b, layers = sweep[0]["block_bytes"], sweep[0]["boundary_bytes"], sweep[0]["num_layers"]
+    best = min(single, key=lambda r: r["measured_peak_bytes"])
+    neighbours = [f"{plan_label(r)} {format_bytes(r['measured_peak_bytes'])}" for r in single
+                  if r is not best and blocks_per_checkpoint(r) in (SUBLAYERS_X, 1, 2)]
+    return (f"(b) One level of recomputation: the sqrt(L) rule assumes a = b; here a = {a / b:.0f} b, and minimising "
+            f"b L / k + a k gives k = sqrt(L b / a) = {math.sqrt(layers * b / a):.2f} blocks. Measured best: "
+            f"{plan_label(best)}, {format_bytes(best['measured_peak_bytes'])}"
+            + (f"; {listing(neighbours)}." if neighbours else ".") + "\n")
+
+
+def prediction_offsets(rows: list[Row]) -> str:
+    sweep = select(rows, table="sweep")
     offsets = [r["measured_peak_bytes"] - r["predicted_peak_bytes"] for r in sweep if r["status"] == "ok"]
-    if offsets:
-        parts.append(f"Measured minus predicted peak: {span(offsets, format_bytes)} "
-                     f"({span([x / a for x in offsets], '{:+.2f}'.format)} blocks' worth).\n")
-    return "\n".join(parts)
+    if not offsets:
+        return ""
+    return (f"Measured minus predicted peak: {span(offsets, format_bytes)} "
+            f"({span([x / sweep[0]['block_bytes'] for x in offsets], '{:+.2f}'.format)} blocks' worth).\n")
 
 
 def _code_sketch() -> str:
@@ -132,67 +131,58 @@ def _code_sketch() -> str:
     return "\n".join(lines[:quotes[0]] + lines[quotes[1] + 1:])
 
 
-def _strategy_section(sweep: list[Row]) -> str:
-    r0 = sweep[0]
-    a, b, layers = r0["block_bytes"], r0["boundary_bytes"], r0["num_layers"]
-    table = []
-    for levels in sorted({1, 2, 3, max(1, math.ceil(math.log2(layers)))}) + [None]:
-        plan, cost = optimal_plan(layers, a, b, levels)
-        table.append({"recomputation levels": "unlimited" if levels is None else levels,
-                      "predicted peak": format_bytes(cost.peak_bytes), "peak / a": f"{cost.peak_bytes / a:.2f}",
-                      "recomputed blocks": cost.recomputed_blocks, "plan": describe(plan)[:100]})
-    unlimited = optimal_plan(layers, a, b)[1]
+def nested_strategy(rows: list[Row]) -> str:
+    r0 = select(rows, table="sweep")[0]
+    unlimited = optimal_plan(r0["num_layers"], r0["block_bytes"], r0["boundary_bytes"])[1]
     return ("## (a) The memory-optimal strategy\n\nNest checkpoints so that backward of block i recomputes blocks "
             "0..i-1 from the model's input (profiling.checkpointing.checkpoint_chain, run on the blocks):\n\n"
             f"```python\n{_code_sketch()}\n```\n\nPeak a + b, O(1) in L, for L(L - 1)/2 = "
             f"{unlimited.recomputed_blocks} recomputed block forwards, O(L^2). With r levels "
             "(profiling.checkpointing.optimal_plan): about a + r L^(1/r) b for at most r L recomputations; r = log2 L: "
-            "O(log L) memory, O(L log L) compute.\n\n" + markdown_table(table))
+            "O(log L) memory, O(L log L) compute.\n")
 
 
-def _longest_section(rows: list[Row]) -> str:
-    longest = [r for r in rows if r.get("table") == "longest"]
-    if not longest:
+def nested_plans(sweep: list[Row]) -> list[Row]:
+    """The optimal nested plan for the sweep's model at 1, 2, 3, log2 L and unlimited levels of recomputation."""
+    r0 = sweep[0]
+    a, layers = r0["block_bytes"], r0["num_layers"]
+    plans = []
+    for levels in sorted({1, 2, 3, max(1, math.ceil(math.log2(layers)))}) + [None]:
+        plan, cost = optimal_plan(layers, a, r0["boundary_bytes"], levels)
+        plans.append({"levels": "unlimited" if levels is None else levels, "peak_bytes": cost.peak_bytes,
+                      "block_bytes": a, "recomputed_blocks": cost.recomputed_blocks, "plan": describe(plan)[:100]})
+    return plans
+
+
+def longest_setup(rows: list[Row]) -> str:
+    r0 = find(rows, table="longest")
+    if r0 is None:
         return ""
-    r0 = longest[0]
-    table = [{"plan": _plan_label(r), "longest context predicted to fit": r["predicted_longest_context"] or "none",
-              "predicted peak there": format_bytes(r["predicted_peak_bytes"]),
-              "next context": r["next_context"], "its predicted peak": format_bytes(r["next_predicted_peak_bytes"])}
-             for r in longest]
-    text = ("## Longest context that fits\n\nPredicted: parameters, gradients and buffers "
+    return ("## Longest context that fits\n\nPredicted: parameters, gradients and buffers "
             f"({format_bytes(r0['start_bytes'])}) plus the plan's peak, against {r0['usable_share']:.0%} of "
-            f"{format_bytes(r0['capacity_bytes'])}.\n\n" + markdown_table(table))
-    for r in longest:
-        if r.get("run_context"):
-            if r["run_status"] == OOM:
-                text += (f"\nRun at context {r['run_context']} ({_plan_label(r)}): out of memory, against a predicted "
-                         f"{format_bytes(r['run_predicted_peak_bytes'])}.\n")
-            else:
-                text += (f"\nRun at context {r['run_context']} ({_plan_label(r)}): peak "
-                         f"{format_bytes(r['run_peak_bytes'])}, predicted {format_bytes(r['run_predicted_peak_bytes'])}, "
-                         f"{r['run_step_ms'] / 1e3:.1f} s for forward + backward.\n")
-    return text
+            f"{format_bytes(r0['capacity_bytes'])}.\n")
 
 
-def render_gradient_checkpointing(rows: list[Row]) -> Rendered:
-    sweep = [r for r in rows if r.get("table") == "sweep"]
-    if not sweep:
-        return Rendered("_no rows_\n")
-    parts = [_sweep_section(sweep), _strategy_section(sweep), _longest_section(rows)]
-    figure = _sweep_figure(sweep, sweep[0]["num_layers"])
-    parts.insert(1, "![peak activation memory by plan](gradient_checkpointing.png)\n")
-    return Rendered("\n".join(p for p in parts if p), {"gradient_checkpointing.png": figure})
+def longest_runs(rows: list[Row]) -> str:
+    """The longest context each plan was run at: its peak and time, or out of memory."""
+    return "\n".join(
+        f"Run at context {r['run_context']} ({plan_label(r)}): "
+        + (f"out of memory, against a predicted {format_bytes(r['run_predicted_peak_bytes'])}.\n"
+           if r["run_status"] == OOM else
+           f"peak {format_bytes(r['run_peak_bytes'])}, predicted {format_bytes(r['run_predicted_peak_bytes'])}, "
+           f"{r['run_step_ms'] / 1e3:.1f} s for forward + backward.\n")
+        for r in select(rows, table="longest") if r.get("run_context"))
 
 
 # ---------------------------------------------------------------------------------------------- answers
 
 def _plan_phrase(r: Row) -> str:
-    """A plan as a sentence names it (`_plan_label` is the table's shorter name)."""
-    if r["plan_kind"] == "every_k":
-        return "no checkpointing" if r["k"] == "none" else _every(r["k"])
+    """A plan as a sentence names it."""
     if r["plan_kind"] == "sublayers":
         return "checkpointing each block's two sublayers"
-    return f"the optimal nested plan with {r['levels']} recomputation level{'s' if r['levels'] != 1 else ''}"
+    if r["plan_kind"] == "optimal":
+        return f"the optimal nested plan with {plural(r['levels'], 'recomputation level')}"
+    return plan_label(r)
 
 
 def answer_gradient_checkpointing(reports: Reports) -> list[str]:
@@ -207,7 +197,7 @@ def answer_gradient_checkpointing(reports: Reports) -> list[str]:
     baseline = (f"{format_bytes(none['measured_peak_bytes'], 'bytes')} without checkpointing, "
                 if none and none["status"] == "ok" else "")
     others = [f"{format_bytes(r['measured_peak_bytes'], 'bytes')} {_plan_phrase(r)}" for r in single
-              if r is not best and _blocks_per_checkpoint(r) in (SUBLAYERS_X, 1, 2)]
+              if r is not best and blocks_per_checkpoint(r) in (SUBLAYERS_X, 1, 2)]
     sentences = [
         f"{r0['size']} ({layers} blocks), batch {r0['batch_size']}, context {r0['context_length']}, {r0['precision']}"
         + (f", {r0['attention']} attention" if r0.get("attention") else "") + f": peak activation memory is {baseline}"

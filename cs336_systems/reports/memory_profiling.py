@@ -1,31 +1,32 @@
-"""Problem memory_profiling's report: peak memory by mode, precision and context against the memory model,
-saved activations, the residual stream's size, the active-memory timelines (memory_viz's, drawn from the kept
-snapshots), the largest allocations and part (f), each block's residuals and gradients; with its answer and
-what a run leaves open. cs336_systems.benchmarks.memory_profiling measures them.
+"""Problem memory_profiling's answers: the sentences of its report (peak memory by mode, precision and context
+against the memory model, saved activations, the residual stream's size, the active-memory timelines, memory_viz's
+drawn from the kept snapshots, the largest allocations and part (f), each block's residuals and gradients), its
+figures, its answer and what a run leaves open. The report's tables are declared in
+cs336_systems.reports.problems; cs336_systems.benchmarks.memory_profiling measures them.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 
 from cs336_systems.accounting.activations import adamw_step_temporary_bytes
 from cs336_systems.benchmarks.harness import ADAMW_NAMES
 from cs336_systems.benchmarks.memory_profiling import HANDOUT_MEMORY_CONTEXTS, MEMORY_MODES
-from cs336_systems.gpus import GIB, MIB
+from cs336_systems.gpus import GIB
 from cs336_systems.model import ModelConfig
 from cs336_systems.profiling.memory import active_memory_layout, load_snapshot, plot_active_memory
 from cs336_systems.reports import (
-    Rendered,
     Reports,
     format_bytes,
     format_share,
     listing,
-    markdown_table,
     not_in_report,
     oom_text,
     select,
     size_table_of,
 )
+from cs336_systems.reports.spec import Table
 from cs336_systems.rows import OOM, Row, ok_rows
 
 MODE_LABELS = {"inference": "forward only (inference)", "train_step": "training step"}
@@ -35,7 +36,13 @@ PREDICTION_TOLERANCE = 0.15
 TIMELINE_BANDS = 1000
 
 
-def _memory_setup(peaks: list[Row]) -> str:
+def cell_name(r: Row) -> str:
+    """A measured cell as the tables and headings name it."""
+    return f"{MODE_LABELS[r['mode']]}, {r['precision']}, context {r['context_length']}"
+
+
+def setup(rows: list[Row]) -> str:
+    peaks = select(rows, table="peak")
     r = peaks[0]
     contexts = ", ".join(str(c) for c in sorted({p["context_length"] for p in peaks}))
     precisions = ", ".join(dict.fromkeys(p["precision"] for p in peaks))
@@ -55,48 +62,61 @@ def _memory_setup(peaks: list[Row]) -> str:
     return text + "\n"
 
 
-def _peak_section(peaks: list[Row]) -> str:
-    on_gpu = peaks[0]["device"] == "cuda"
-    table = []
+def peak_setup(rows: list[Row]) -> str:
+    on_gpu = select(rows, table="peak")[0]["device"] == "cuda"
+    return "## Peak memory\n\n" + ("Start: allocated before the measured work; peak: torch.cuda.max_memory_allocated; "
+                                    "predicted: accounting.activations.predict_peak_memory.\n" if on_gpu else
+                                    "On CPU: the most allocated at once above the start (torch.profiler's memory "
+                                    "records).\n")
+
+
+def in_table_order(peaks: list[Row]) -> list[Row]:
+    """By mode, precision (as first measured) and context."""
     precisions = list(dict.fromkeys(r["precision"] for r in peaks))
-    for r in sorted(peaks, key=lambda r: (MEMORY_MODES.index(r["mode"]), precisions.index(r["precision"]),
-                                          r["context_length"])):
-        entry = {"mode": MODE_LABELS[r["mode"]], "precision": r["precision"], "context": r["context_length"]}
-        if r["status"] == OOM:
-            entry["peak"] = oom_text(r)
-            entry["predicted"] = format_bytes(r.get("predicted_peak_bytes"))
-        elif on_gpu:
-            entry.update({"start": format_bytes(r["start_bytes"]), "peak": format_bytes(r["peak_bytes"]),
-                          "timeline peak": format_bytes(r.get("timeline_peak_bytes")),
-                          "predicted": format_bytes(r["predicted_peak_bytes"]),
-                          "error": f"{r['peak_bytes'] / r['predicted_peak_bytes'] - 1:+.1%}",
-                          "predicted peak at": r["predicted_phase"], "a miss's gap, nearest component": _miss(r)})
-        else:
-            entry["peak above start"] = format_bytes(r["peak_increase_bytes"])
-        table.append(entry)
-    if not any(entry.get("a miss's gap, nearest component") for entry in table):
-        for entry in table:
-            entry.pop("a miss's gap, nearest component", None)
-    text = ["## Peak memory\n\n" + ("Start: allocated before the measured work; peak: "
-            "torch.cuda.max_memory_allocated; predicted: accounting.activations.predict_peak_memory.\n" if on_gpu else
-            "On CPU: the most allocated at once above the start (torch.profiler's memory records).\n"),
-            markdown_table(table)]
-    ok = [r for r in peaks if r["status"] == "ok"]
-    if on_gpu and ok:
-        errors = [(abs(r["peak_bytes"] / r["predicted_peak_bytes"] - 1), r) for r in ok]
-        within = sum(error <= PREDICTION_TOLERANCE for error, _ in errors)
-        text.append(f"The model predicts {within} of {len(ok)} measured peaks within {PREDICTION_TOLERANCE:.0%} "
-                    f"(largest error {max(error for error, _ in errors):.1%}).\n")
-    text.append(_autocast_note(ok))
-    return "\n".join(text)
+    return sorted(peaks, key=lambda r: (MEMORY_MODES.index(r["mode"]), precisions.index(r["precision"]),
+                                        r["context_length"]))
 
 
-def _miss(r: Row) -> str:
+def gpu_ok(value):
+    """A peak table cell of `value` where the row ran on a GPU (None elsewhere: an OOM or a CPU row)."""
+    return lambda r: value(r) if r["status"] == "ok" and r["device"] == "cuda" else None
+
+
+def peak_cell(r: Row) -> str | None:
+    if r["status"] == OOM:
+        return oom_text(r)
+    return format_bytes(r["peak_bytes"]) if r["device"] == "cuda" else None
+
+
+def predicted_cell(r: Row) -> str | None:
+    return format_bytes(r.get("predicted_peak_bytes")) if r["status"] == OOM or r["device"] == "cuda" else None
+
+
+def prediction_summary(rows: list[Row]) -> str:
+    ok = ok_rows(select(rows, table="peak", device="cuda"))
+    if not ok:
+        return ""
+    errors = [abs(r["peak_bytes"] / r["predicted_peak_bytes"] - 1) for r in ok]
+    within = sum(error <= PREDICTION_TOLERANCE for error in errors)
+    return (f"The model predicts {within} of {len(ok)} measured peaks within {PREDICTION_TOLERANCE:.0%} "
+            f"(largest error {max(errors):.1%}).\n")
+
+
+def autocast_note(rows: list[Row]) -> str:
+    """Why bf16 autocast does not halve the peak, where both precisions ran (the table holds the peaks)."""
+    ok = ok_rows(select(rows, table="peak"))
+    if not {"fp32", "bf16"} <= {r["precision"] for r in ok}:
+        return ""
+    return ("Autocast keeps fp32 parameters, gradients and AdamW state, adds bf16 weight copies and halves only "
+            "matmul outputs" + (" (softmax stays fp32 on CUDA).\n" if ok[0]["device"] == "cuda" else ".\n"))
+
+
+def miss(r: Row) -> str | None:
     """Where a measured peak is off its prediction by more than the tolerance: the gap, and the predicted
-    component nearest it in size."""
+    component nearest it in size (None where it is within)."""
     difference = r["peak_bytes"] - r["predicted_peak_bytes"]
     if abs(difference) <= PREDICTION_TOLERANCE * r["predicted_peak_bytes"]:
-        return ""
+        return None
     components = {"parameters": r["predicted_parameters_bytes"], "gradients": r["predicted_gradients_bytes"],
                   "AdamW state": r["predicted_optimizer_state_bytes"],
                   "saved activations": r["predicted_activations_bytes"],
@@ -106,47 +126,34 @@ def _miss(r: Row) -> str:
     return f"{'+' if difference > 0 else '-'}{format_bytes(abs(difference))}, {name} ({format_bytes(size)})"
 
 
-def _autocast_note(ok: list[Row]) -> str:
-    """Why bf16 autocast does not halve the peak, where both precisions ran (the table holds the peaks)."""
-    if not {"fp32", "bf16"} <= {r["precision"] for r in ok}:
-        return ""
-    return ("Autocast keeps fp32 parameters, gradients and AdamW state, adds bf16 weight copies and halves only "
-            "matmul outputs" + (" (softmax stays fp32 on CUDA).\n" if ok[0]["device"] == "cuda" else ".\n"))
+SAVED_SETUP = ("## Saved activations: model against autograd\n\nWhat autograd saves in one forward with the loss "
+               "(saved_tensors_hooks; parameters and inputs excluded) against "
+               "accounting.activations.saved_activation_bytes.\n")
+TIMELINE_SETUP = ("## Active memory over one step\n\nFrom each snapshot's allocator trace; each point is the highest "
+                  "of its run of events.\n")
+SNAPSHOT_SETUP = ("## memory_viz: Active Memory Timeline\n\nEach snapshot as pytorch.org/memory_viz draws it (x: "
+                  f"allocator events), redrawn from the pickle with its {TIMELINE_BANDS} largest allocations as "
+                  "bands.\n")
 
 
-def _saved_section(peaks: list[Row]) -> str:
-    rows = [r for r in peaks if r["status"] == "ok" and r.get("measured_saved_bytes") is not None]
-    if not rows:
-        return ""
-    table = [{"precision": r["precision"], "context": r["context_length"],
-              "measured": format_bytes(r["measured_saved_bytes"]), "predicted": format_bytes(r["predicted_saved_bytes"]),
-              "measured - predicted (bytes)": r["measured_saved_bytes"] - r["predicted_saved_bytes"],
-              "error": f"{r['measured_saved_bytes'] / r['predicted_saved_bytes'] - 1:+.2%}"} for r in rows]
-    return ("## Saved activations: model against autograd\n\nWhat autograd saves in one forward with the loss "
-            "(saved_tensors_hooks; parameters and inputs excluded) against "
-            "accounting.activations.saved_activation_bytes.\n\n" + markdown_table(table))
+def has_saved_activations(r: Row) -> bool:
+    return r.get("table") == "peak" and r["status"] == "ok" and r.get("measured_saved_bytes") is not None
 
 
-def _residual_section(rows: list[Row]) -> str:
-    residual = [r for r in rows if r.get("table") == "residual"]
+def residual_setup(rows: list[Row]) -> str:
+    residual = select(rows, table="residual")
     if not residual:
         return ""
-    table = [{"precision": r["precision"], "batch x context x d_model x 4 B": f"{r['batch_size']} x {r['context_length']} x "
-              f"{r['d_model']} x 4 = {r['computed_bytes'] / MIB:.2f} MiB", "first block's output": f"{r['shape']} "
-              f"{r['dtype']}", "measured (MiB)": r["measured_bytes"] / MIB,
-              "match": r["measured_bytes"] == r["computed_bytes"]} for r in residual]
-    fp32 = all(r["dtype"] == "float32" for r in residual)
     return ("## Residual-stream activation size\n\nComputed, and measured on the first block's output."
             + (" It is fp32 under bf16 autocast too: the embedding output is fp32, and fp32 + bf16 is fp32."
-               if fp32 else "") + "\n\n" + markdown_table(table))
+               if all(r["dtype"] == "float32" for r in residual) else "") + "\n")
 
 
-def _timeline_figure(rows: list[Row]):
+def timeline_figure(rows: list[Row]):
+    """Active memory over one step, a panel per mode and precision, with the predicted peak marked."""
     from matplotlib.figure import Figure
 
-    points = [r for r in rows if r.get("table") == "timeline"]
-    if not points:
-        return None
+    points = select(rows, table="timeline")
     modes = [m for m in MEMORY_MODES if any(p["mode"] == m for p in points)]
     precisions = list(dict.fromkeys(p["precision"] for p in points))
     figure = Figure(figsize=(6 * len(precisions), 3.2 * len(modes)))
@@ -162,7 +169,7 @@ def _timeline_figure(rows: list[Row]):
             ax.plot([p["time_ms"] for p in series], [p["active_gib"] for p in series], color="tab:blue", lw=1)
             peak = peaks.get((mode, precision, series[0]["context_length"]))
             if peak and peak.get("predicted_peak_bytes"):
-                ax.axhline(_gib(peak["predicted_peak_bytes"]), color="tab:red", ls="--", lw=1, label="predicted peak")
+                ax.axhline(peak["predicted_peak_bytes"] / GIB, color="tab:red", ls="--", lw=1, label="predicted peak")
                 ax.legend(loc="lower right", fontsize=8)
             ax.set_title(f"{MODE_LABELS[mode]}, {precision}, context {series[0]['context_length']}", fontsize=10)
             ax.set_xlabel("time (ms)")
@@ -172,51 +179,17 @@ def _timeline_figure(rows: list[Row]):
     return figure
 
 
-def _allocation_section(rows: list[Row]) -> str:
-    allocations = [r for r in rows if r.get("table") == "allocation"]
-    if not allocations:
-        return ""
-    parts = ["## Largest allocations\n\nPer kept snapshot: the largest blocks, the line of this package that asked "
-             "and the innermost frame.\n"]
-    cells = dict.fromkeys((r["mode"], r["precision"], r["context_length"]) for r in allocations)
-    for mode, precision, context in sorted(cells, key=lambda c: (MEMORY_MODES.index(c[0]), c[2], c[1])):
-        cell = sorted(select(allocations, mode=mode, precision=precision, context_length=context),
-                      key=lambda r: r["rank"])
-        parts.append(f"### {MODE_LABELS[mode]}, {precision}, context {context}\n")
-        parts.append(markdown_table([{"size (MiB)": r["size_mib"], "count": r["count"], "source": r["source"],
-                                      "innermost frame": r["innermost"]} for r in cell]))
-    return "\n".join(parts)
+def snapshot_order(r: Row) -> tuple:
+    return MEMORY_MODES.index(r["mode"]), r["context_length"]
 
 
-def render_memory_profiling(rows: list[Row]) -> Rendered:
-    peaks = [r for r in rows if r.get("table") == "peak"]
-    if not peaks:
-        return Rendered("_no rows_\n")
-    parts = [_memory_setup(peaks), _peak_section(peaks), _saved_section(peaks), _residual_section(rows)]
-    figures = {}
-    figure = _timeline_figure(rows)
-    if figure is not None:
-        figures["memory_timeline.png"] = figure
-        parts.append("## Active memory over one step\n\nFrom each snapshot's allocator trace; each point is the "
-                     "highest of its run of events.\n\n![active memory](memory_timeline.png)\n")
-    parts += [_snapshot_section(rows), _allocation_section(rows), _block_section(rows)]
-    return Rendered("\n".join(p for p in parts if p), figures)
-
-
-def _snapshot_section(rows: list[Row]) -> str:
-    """The kept snapshots (pytorch.org/memory_viz opens them) and their Active Memory Timelines."""
-    files = sorted((r for r in rows if r.get("table") == "snapshot"),
-                   key=lambda r: (MEMORY_MODES.index(r["mode"]), r["context_length"]))
+def snapshot_images(rows: list[Row]) -> str:
+    """Each kept snapshot's Active Memory Timeline (`render_snapshot_timelines` draws them)."""
+    files = sorted(select(rows, table="snapshot"), key=snapshot_order)
     if not files:
         return ""
-    table = [{"cell": f"{MODE_LABELS[r['mode']]}, {r['precision']}, context {r['context_length']}",
-              "snapshot": f"[{r['file']}]({r['file']})", "size": format_bytes(r.get("file_bytes")),
-              "stacks kept": r.get("stacks", "")} for r in files]
-    images = [f"![{MODE_LABELS[r['mode']]}, context {r['context_length']}]({timeline_file_name(r['file'])})"
-              for r in files]
-    return ("## memory_viz: Active Memory Timeline\n\nEach snapshot as pytorch.org/memory_viz draws it (x: allocator "
-            f"events), redrawn from the pickle with its {TIMELINE_BANDS} largest allocations as bands.\n\n"
-            + markdown_table(table) + "\n" + "\n\n".join(images) + "\n")
+    return "\n\n".join(f"![{MODE_LABELS[r['mode']]}, context {r['context_length']}]({timeline_file_name(r['file'])})"
+                        for r in files) + "\n"
 
 
 def render_snapshot_timelines(rows: list[Row], directory: Path) -> list[Path]:
@@ -243,19 +216,52 @@ def timeline_file_name(snapshot_file: str) -> str:
     return snapshot_file.removesuffix(".pickle") + ".png"
 
 
-def _block_section(rows: list[Row]) -> str:
+def allocations(table: Table) -> Callable[[list[Row]], str]:
+    """The largest allocations section: under a heading per kept snapshot, `table` (a spec.Table) of its rows."""
+    def section(rows: list[Row]) -> str:
+        found = select(rows, table="allocation")
+        if not found:
+            return ""
+        parts = ["## Largest allocations\n\nPer kept snapshot: the largest blocks, the line of this package that "
+                 "asked and the innermost frame.\n"]
+        cells = dict.fromkeys((r["mode"], r["precision"], r["context_length"]) for r in found)
+        for mode, precision, context in sorted(cells, key=lambda c: (MEMORY_MODES.index(c[0]), c[2], c[1])):
+            cell = select(found, mode=mode, precision=precision, context_length=context)
+            parts += [f"### {cell_name(cell[0])}\n", table.render(cell)]
+        return "\n".join(parts)
+
+    return section
+
+
+def _blocks_by_precision(rows: list[Row]) -> dict[str, tuple[list[Row], list[Row]]]:
+    """Per precision whose blocks ran (as first measured): its blocks in order, and its top operations by rank."""
+    blocks = ok_rows(select(rows, table="block"))
+    return {precision: (sorted(select(blocks, precision=precision), key=lambda r: r["block"]),
+                        sorted(select(rows, table="block_operation", precision=precision), key=lambda r: r["rank"]))
+            for precision in dict.fromkeys(r["precision"] for r in blocks)}
+
+
+def block_setup(rows: list[Row]) -> str:
     """Part (f): residuals per TransformerBlock, the operations behind them, gradients in backward."""
-    blocks = [r for r in rows if r.get("table") == "block" and r.get("status") == "ok"]
+    heading = "## (f) Residuals and gradients per TransformerBlock\n\n"
+    blocks = ok_rows(select(rows, table="block"))
     if not blocks:
-        failed = [r for r in rows if r.get("table") == "block"]
-        return "## (f) Residuals and gradients per TransformerBlock\n\nOut of memory.\n" if failed else ""
-    table, operations = [], []
-    for precision in dict.fromkeys(r["precision"] for r in blocks):
-        mine = sorted((r for r in blocks if r["precision"] == precision), key=lambda r: r["block"])
+        return heading + "Out of memory.\n" if select(rows, table="block") else ""
+    return (heading + "One forward and backward after zero_grad(set_to_none=True). Residuals: the storages autograd "
+            "saved while a block's forward ran (saved-tensor hooks), each from the aten call that allocated it. "
+            "Gradients (CUDA): memory_allocated's change over a block's backward plus the residuals it freed; beyond "
+            "the weight gradients it holds the gradient of the block's input, one residual-stream tensor "
+            f"({format_bytes(blocks[0]['residual_stream_bytes'])}).\n")
+
+
+def block_summaries(rows: list[Row]) -> list[Row]:
+    """A line per precision: the middle block's residuals against the model, its top operations' share, its
+    weight gradients and what the allocator saw (a span over the blocks where they differ)."""
+    lines = []
+    for precision, (mine, top) in _blocks_by_precision(rows).items():
         middle = mine[len(mine) // 2]
-        top = sorted(select(rows, table="block_operation", precision=precision), key=lambda r: r["rank"])
         gradients = [r["gradient_bytes"] for r in mine if r.get("gradient_bytes") is not None]
-        table.append({"precision": precision, "context": middle["context_length"],
+        lines.append({"precision": precision, "context": middle["context_length"],
                       "residuals per block": _span_bytes([r["saved_bytes"] for r in mine]),
                       "model": format_bytes(middle["predicted_saved_bytes"]),
                       f"top {len(top)} operations": format_share(sum(r["share"] for r in top)) if top else "",
@@ -263,24 +269,22 @@ def _block_section(rows: list[Row]) -> str:
                                                             f"{format_bytes(4 * middle['parameters'])}",
                       ".grad after its backward": _span_bytes([r["weight_gradient_bytes"] for r in mine]),
                       "gradients, from the allocator": _span_bytes(gradients) if gradients else ""})
-        operations += [{"precision": precision, "block": r["block"], "operation": r["operation"],
-                        "residuals": format_bytes(r["bytes"]), "share": f"{r['share']:.1%}"} for r in top]
-    r0 = blocks[0]
-    return ("## (f) Residuals and gradients per TransformerBlock\n\nOne forward and backward after "
-            "zero_grad(set_to_none=True). Residuals: the storages autograd saved while a block's forward ran "
-            "(saved-tensor hooks), each from the aten call that allocated it. Gradients (CUDA): memory_allocated's "
-            "change over a block's backward plus the residuals it freed; beyond the weight gradients it holds the "
-            f"gradient of the block's input, one residual-stream tensor ({format_bytes(r0['residual_stream_bytes'])})."
-            "\n\n" + markdown_table(table) + "\n" + markdown_table(operations))
+    return lines
+
+
+def block_operations(rows: list[Row]) -> list[Row]:
+    """The top operations of each precision whose blocks ran."""
+    return [r for _, top in _blocks_by_precision(rows).values() for r in top]
+
+
+def is_block_row(r: Row) -> bool:
+    return r.get("table") in ("block", "block_operation")
 
 
 def _span_bytes(values: list[float]) -> str:
     low, high = min(values), max(values)
     return format_bytes(low) if low == high else f"{format_bytes(low)} to {format_bytes(high)}"
 
-
-def _gib(value) -> float | None:
-    return None if value is None else value / GIB
 
 
 # ---------------------------------------------------------------------------------------------- answers

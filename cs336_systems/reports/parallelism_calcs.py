@@ -1,8 +1,8 @@
-"""The reports of the Spring 2026 handout's parallelism problems, alternate_ring_all_reduce,
-data_parallel_calcs, fsdp_calcs, tp_calcs and fsdp_tp_calcs: each answer part by part in the handout's
-symbols with its derivation, then the worked figure for one node of 8 NVLink GPUs from the rows of
-cs336_systems.benchmarks.parallelism_calcs. `write_parallelism_calcs` writes them (the same bytes on
-every run).
+"""The answers of the Spring 2026 handout's parallelism problems, alternate_ring_all_reduce,
+data_parallel_calcs, fsdp_calcs, tp_calcs and fsdp_tp_calcs: each part in the handout's symbols with its
+derivation, then the worked figure for one node of 8 NVLink GPUs from the rows of
+cs336_systems.benchmarks.parallelism_calcs (its tables are declared in cs336_systems.reports.problems).
+`write_parallelism_calcs` writes them (the same bytes on every run).
 """
 
 from __future__ import annotations
@@ -13,19 +13,14 @@ from pathlib import Path
 from cs336_systems.accounting.ffn_parallelism import TP_BACKWARD_EQUATIONS
 from cs336_systems.benchmarks.parallelism_calcs import NODE_SIZE, PROBLEMS, ROWS
 from cs336_systems.gpus import GB, TERA
-from cs336_systems.reports import (
-    ANALYSIS_COMMAND,
-    Rendered,
-    Report,
-    Reports,
-    find,
-    format_ms,
-    markdown_table,
-    not_in_report,
-    select,
-    write_closed_form,
-)
+from cs336_systems.reports import ANALYSIS_COMMAND, Reports, find, format_ms, not_in_report, select, write_closed_form
 from cs336_systems.rows import Row
+
+ASSUMPTIONS = ("Assumptions, as the handout sets them: FP16 weights, activations and communication (2 bytes); only "
+               "matmuls count, (A, B) x (B, C) taking 2ABC FLOPs; B is the global batch in tokens; ring collectives "
+               "take (N - 1) / N S / W (all-gather, reduce-scatter) and 2 (N - 1) / N S / W (all-reduce) with no "
+               "latency term; computation and communication overlap, so a pass is communication bottlenecked when "
+               "communication takes longer than computation. FLOPs and times are per device.\n")
 
 
 def _setting(rows: list[Row]) -> Row:
@@ -42,35 +37,21 @@ def _node_sentence(rows: list[Row]) -> str:
             f"({s['sequences']} sequences of {s['context_length']}, 4 per GPU).")
 
 
-def _assumptions() -> str:
-    return ("Assumptions, as the handout sets them: FP16 weights, activations and communication (2 bytes); only "
-            "matmuls count, (A, B) x (B, C) taking 2ABC FLOPs; B is the global batch in tokens; ring collectives "
-            "take (N - 1) / N S / W (all-gather, reduce-scatter) and 2 (N - 1) / N S / W (all-reduce) with no "
-            "latency term; computation and communication overlap, so a pass is communication bottlenecked when "
-            "communication takes longer than computation. FLOPs and times are per device.\n")
-
-
-def _node_table(rows: list[Row], devices: tuple[str, ...]) -> str:
-    table = []
-    for r in select(rows, table="node"):
-        entry = {name: r[name] for name in devices}
-        entry |= {"pass": r["phase"], "compute (ms)": r["compute_ms"], "communication (ms)": r["comm_ms"],
-                  "communication bottlenecked": "yes" if r["comm_bottlenecked"] else "no"}
-        table.append(entry)
-    return markdown_table(table)
-
-
-def _bound(rows: list[Row], phase: str, **equal) -> float:
-    return select(rows, table="bound", phase=phase, **equal)[0]["max_devices"]
+def _bound(rows: list[Row], phase: str) -> float:
+    return select(rows, table="bound", phase=phase)[0]["max_devices"]
 
 
 def _devices(bound: float) -> str:
     return f"{bound:,.2f}, so up to {math.floor(bound):,} devices"
 
 
-def render_alternate(rows: list[Row]) -> str:
-    at = {r["N"]: r for r in select(rows, table="node")}
-    largest = at[max(at)]
+def yes_no(column: str):
+    """A table cell of whether the row's `column` holds: "yes" or "no"."""
+    return lambda row: "yes" if row[column] else "no"
+
+
+def alternate(rows: list[Row]) -> str:
+    largest = max(select(rows, table="node"), key=lambda r: r["N"])
     return "\n".join([
         "Each x(i) is S bytes and every device sends at W bytes/s. In step t = 1 ... N - 1, device i sends "
         "x((i - t + 1) mod N), the array it received in the step before (its own at t = 1), and adds the "
@@ -82,13 +63,10 @@ def render_alternate(rows: list[Row]) -> str:
         "for every larger N, because it never splits the array.\n",
         _node_sentence(rows) + f" S is the {_setting(rows)['size']} model's FP16 gradients, "
         f"{largest['S_bytes'] / GB:.2f} GB.\n",
-        markdown_table([{"N": n, "ring all-reduce (ms)": r["ring_ms"], "alternate (ms)": r["alternate_ms"],
-                         "alternate / ring": f"{r['alternate_over_ring']:.2f} (N / 2 = {n / 2:g})"}
-                        for n, r in at.items()]),
     ])
 
 
-def render_data_parallel(rows: list[Row]) -> str:
+def data_parallel(rows: list[Row]) -> str:
     bound = _bound(rows, "backward")
     return "\n".join([
         "Each of N_DP devices holds the whole layer and x(i), a (B / N_DP, D) slice of the batch.\n",
@@ -103,11 +81,10 @@ def render_data_parallel(rows: list[Row]) -> str:
         "12 B D D_FF / (N_DP C); N_DP and D D_FF cancel, leaving N_DP - 1 <= B W / C: more devices add traffic "
         "per device (towards 2 S) while cutting each one's compute, and only a larger batch buys room.\n",
         _node_sentence(rows) + f" Then 1 + B W / C = {_devices(bound)}.\n",
-        _node_table(rows, ("N_DP",)),
     ])
 
 
-def render_fsdp(rows: list[Row]) -> str:
+def fsdp(rows: list[Row]) -> str:
     forward, backward = _bound(rows, "forward"), _bound(rows, "backward")
     return "\n".join([
         "Each of N_FSDP devices holds a 1 / N_FSDP shard of W1, W2 and W3 (D D_FF / N_FSDP values each) and a "
@@ -127,11 +104,10 @@ def render_fsdp(rows: list[Row]) -> str:
         "gradients once, but splits the compute the same way.\n",
         _node_sentence(rows) + f" Then 1 + B W / C = {_devices(forward)} for the forward and "
         f"{_devices(backward)} for the backward.\n",
-        _node_table(rows, ("N_FSDP",)),
     ])
 
 
-def render_tp(rows: list[Row]) -> str:
+def tp(rows: list[Row]) -> str:
     forward, backward = _bound(rows, "forward"), _bound(rows, "backward")
     return "\n".join([
         "Each of N_TP devices holds W1(i) and W2(i), (D, D_FF / N_TP) column shards, and W3(i), the matching "
@@ -155,20 +131,14 @@ def render_tp(rows: list[Row]) -> str:
         "forward's 6 B D D_FF half that; the batch cancels (both sides grow with it), so TP's limit is set by the "
         "layer's width, and the forward, with half the FLOPs for the same traffic, binds first.\n",
         _node_sentence(rows) + f" Then the forward allows {_devices(forward)} and the backward {_devices(backward)}.\n",
-        _node_table(rows, ("N_TP",)),
     ])
 
 
-def render_fsdp_tp(rows: list[Row]) -> str:
+def fsdp_tp(rows: list[Row]) -> str:
     headroom = select(rows, table="headroom")[0]
     overlapped = select(rows, table="bound", axes="overlapped")[0]
     shared = select(rows, table="bound", axes="shared")[0]
     a, b = headroom["a"], headroom["b"]
-    table = [{"N_FSDP x N_TP": f"{r['N_FSDP']} x {r['N_TP']}", "compute (ms)": r["compute_ms"],
-              "FSDP axis (ms)": r["fsdp_axis_ms"], "TP axis (ms)": r["tp_axis_ms"],
-              "overlapped: bottlenecked": "yes" if r["comm_bottlenecked"] else "no",
-              "shared: bottlenecked": "yes" if r["shared_comm_bottlenecked"] else "no"}
-             for r in select(rows, table="node")]
     return "\n".join([
         "N = N_FSDP N_TP devices in a grid: device (i, j) holds W1(i, j), W2(i, j), W3(i, j), the FSDP shards "
         "(1 / N_FSDP) of TP shard i, and x(j), a (B / N_FSDP, D) slice of the batch. The forward all-gathers "
@@ -198,29 +168,15 @@ def render_fsdp_tp(rows: list[Row]) -> str:
         _node_sentence(rows) + f" Then a = {a:,.2f} and b = {b:,.2f}: with overlap, N <= {overlapped['max_devices']:,.1f} "
         f"(N_FSDP = {overlapped['N_FSDP']:,.2f}, N_TP = {overlapped['N_TP']:,.2f}); sharing the network, N <= "
         f"{shared['max_devices']:,.1f} (N_FSDP = {shared['N_FSDP']:,.2f}, N_TP = {shared['N_TP']:,.2f}). The "
-        f"splits of one {NODE_SIZE}-GPU node, forward pass:\n",
-        markdown_table(table),
+        f"splits of one {NODE_SIZE}-GPU node, forward pass:\n"
     ])
-
-
-_RENDER = {"alternate_ring_all_reduce": render_alternate, "data_parallel_calcs": render_data_parallel,
-           "fsdp_calcs": render_fsdp, "tp_calcs": render_tp, "fsdp_tp_calcs": render_fsdp_tp}
-
-
-def _with_assumptions(problem: str):
-    """The renderer of `problem`: the handout's assumptions, then its answers."""
-    def render(rows: list[Row]) -> Rendered:
-        return Rendered(_assumptions() + "\n" + _RENDER[problem](rows))
-
-    return render
-
-
-RENDERERS = {problem: _with_assumptions(problem) for problem in PROBLEMS}
 
 
 def write_parallelism_calcs(report_dir: Path | str, command: str = ANALYSIS_COMMAND) -> list[Path]:
     """Write <report_dir>/<problem>.md and .csv for each of PROBLEMS; returns the .md paths."""
-    return [write_closed_form(Report(problem, RENDERERS[problem]), ROWS[problem](), report_dir, command,
+    from cs336_systems.reports.problems import report
+
+    return [write_closed_form(report(problem), ROWS[problem](), report_dir, command,
                               "`cs336_systems.accounting.ffn_parallelism`") for problem in PROBLEMS]
 
 

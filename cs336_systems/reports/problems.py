@@ -13,9 +13,12 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 from cs336_systems import provenance
-from cs336_systems.gpus import GIB
+from cs336_systems.accounting.communication import COLLECTIVES
+from cs336_systems.accounting.parallelism import BF16_BYTES
+from cs336_systems.gpus import GIB, MIB
 from cs336_systems.profiling.kernels import short_name
 from cs336_systems.reports import (
     NOT_A_NUMBER,
@@ -28,16 +31,32 @@ from cs336_systems.reports import (
     e2e,
     flash,
     flash_in_training,
+    format_bytes,
     fsdp,
     gradient_checkpointing,
     leaderboard,
     memory_profiling,
     mixed_precision,
     nsys_profile,
+    oom_text,
     parallelism_calcs,
     sharding,
 )
-from cs336_systems.reports.spec import LOG, LOG2, Column, Layout, Pivot, Plot, Reference, Table, Text, Versus
+from cs336_systems.reports.spec import (
+    LOG,
+    LOG2,
+    Column,
+    Drawn,
+    Layout,
+    Pivot,
+    Plot,
+    Reference,
+    Table,
+    Text,
+    Versus,
+    Where,
+    selected,
+)
 from cs336_systems.rows import (
     ALLREDUCE_KEY,
     ATTENTION_KEY,
@@ -48,6 +67,7 @@ from cs336_systems.rows import (
     NSYS_KEY,
     OOM,
     TORCH_COMPILE_KEY,
+    Row,
 )
 
 Answer = Callable[[Reports], list[str]]
@@ -101,9 +121,171 @@ class Problem:
         return self.title + (f" ({self.only_in_handout} handout only)" if self.only_in_handout else "")
 
 
-def _parallelism(name: str, answer: Answer) -> Problem:
-    """A 2026 parallelism problem: computed in closed form, its renderer from parallelism_calcs."""
-    return Problem(name, (Report(name, parallelism_calcs.RENDERERS[name]),), answer, device_independent=True)
+# gradient_checkpointing: peaks by checkpoint plan, the optimal nested strategy, the longest context that fits.
+def _bytes(column: str) -> Callable[[Row], str]:
+    """A table cell of the row's `column`, in bytes: "1.50 GiB"."""
+    return lambda row: format_bytes(row.get(column))
+
+
+def _ran(value: Callable[[Row], Any]) -> Callable[[Row], Any]:
+    """A table cell of `value` where the row ran, and why not where it ran out of memory."""
+    return lambda row: value(row) if row["status"] == "ok" else oom_text(row)
+
+
+GRADIENT_CHECKPOINTING = Layout((
+    Text(gradient_checkpointing.sweep_setup),
+    Table(where={"table": "sweep"}, columns=(
+        Column("plan", gradient_checkpointing.plan_label), Column("recomputed blocks", "recomputed_blocks"),
+        Column("kept after forward", _ran(_bytes("measured_kept_bytes"))),
+        Column("predicted kept", _bytes("predicted_kept_bytes")), Column("peak", _ran(_bytes("measured_peak_bytes"))),
+        Column("predicted peak", _bytes("predicted_peak_bytes")),
+        Column("step (ms)", lambda r: r.get("step_ms") if r["status"] == "ok" else None))),
+    Text(gradient_checkpointing.best_single_level), Text(gradient_checkpointing.prediction_offsets),
+    Drawn("gradient_checkpointing.png", draw=gradient_checkpointing.sweep_figure,
+          alt="peak activation memory by plan"),
+    Text(gradient_checkpointing.nested_strategy),
+    Table(where={"table": "sweep"}, rows_of=gradient_checkpointing.nested_plans, columns=(
+        Column("recomputation levels", "levels"), Column("predicted peak", _bytes("peak_bytes")),
+        Column("peak / a", lambda r: f"{r['peak_bytes'] / r['block_bytes']:.2f}"),
+        Column("recomputed blocks", "recomputed_blocks"), "plan")),
+    Text(gradient_checkpointing.longest_setup),
+    Table(where={"table": "longest"}, columns=(
+        Column("plan", gradient_checkpointing.plan_label),
+        Column("longest context predicted to fit", lambda r: r["predicted_longest_context"] or "none"),
+        Column("predicted peak there", _bytes("predicted_peak_bytes")), Column("next context", "next_context"),
+        Column("its predicted peak", _bytes("next_predicted_peak_bytes")))),
+    Text(gradient_checkpointing.longest_runs)), requires={"table": "sweep"})
+
+
+# memory_profiling: peaks against the memory model, saved activations, timelines, allocations and part (f).
+def _shown_with(where: Where, text: str) -> Text:
+    """A fixed heading and paragraph, shown where `where` selects rows."""
+    return Text(lambda rows: text if selected(rows, where) else "")
+
+
+MEMORY_PROFILING = Layout((
+    Text(memory_profiling.setup), Text(memory_profiling.peak_setup),
+    Table(where={"table": "peak"}, rows_of=memory_profiling.in_table_order, present_only=True, columns=(
+        Column("mode", lambda r: memory_profiling.MODE_LABELS[r["mode"]]), "precision",
+        Column("context", "context_length"),
+        Column("peak above start", lambda r: format_bytes(r["peak_increase_bytes"])
+               if r["status"] == "ok" and r["device"] != "cuda" else None),
+        Column("start", memory_profiling.gpu_ok(_bytes("start_bytes"))), Column("peak", memory_profiling.peak_cell),
+        Column("timeline peak", memory_profiling.gpu_ok(_bytes("timeline_peak_bytes"))),
+        Column("predicted", memory_profiling.predicted_cell),
+        Column("error", memory_profiling.gpu_ok(lambda r: f"{r['peak_bytes'] / r['predicted_peak_bytes'] - 1:+.1%}")),
+        Column("predicted peak at", memory_profiling.gpu_ok(lambda r: r["predicted_phase"])),
+        Column("a miss's gap, nearest component", memory_profiling.gpu_ok(memory_profiling.miss)))),
+    Text(memory_profiling.prediction_summary), Text(memory_profiling.autocast_note),
+    _shown_with(memory_profiling.has_saved_activations, memory_profiling.SAVED_SETUP),
+    Table(where=memory_profiling.has_saved_activations, columns=(
+        "precision", Column("context", "context_length"), Column("measured", _bytes("measured_saved_bytes")),
+        Column("predicted", _bytes("predicted_saved_bytes")),
+        Column("measured - predicted (bytes)", lambda r: r["measured_saved_bytes"] - r["predicted_saved_bytes"]),
+        Column("error", lambda r: f"{r['measured_saved_bytes'] / r['predicted_saved_bytes'] - 1:+.2%}"))),
+    Text(memory_profiling.residual_setup),
+    Table(where={"table": "residual"}, columns=(
+        "precision",
+        Column("batch x context x d_model x 4 B", lambda r: f"{r['batch_size']} x {r['context_length']} x "
+               f"{r['d_model']} x 4 = {r['computed_bytes'] / MIB:.2f} MiB"),
+        Column("first block's output", lambda r: f"{r['shape']} {r['dtype']}"),
+        Column("measured (MiB)", lambda r: r["measured_bytes"] / MIB),
+        Column("match", lambda r: r["measured_bytes"] == r["computed_bytes"]))),
+    _shown_with({"table": "timeline"}, memory_profiling.TIMELINE_SETUP),
+    Drawn("memory_timeline.png", draw=memory_profiling.timeline_figure, where={"table": "timeline"},
+          alt="active memory"),
+    _shown_with({"table": "snapshot"}, memory_profiling.SNAPSHOT_SETUP),
+    Table(where={"table": "snapshot"}, order=memory_profiling.snapshot_order, columns=(
+        Column("cell", memory_profiling.cell_name), Column("snapshot", lambda r: f"[{r['file']}]({r['file']})"),
+        Column("size", _bytes("file_bytes")), Column("stacks kept", lambda r: r.get("stacks", "")))),
+    Text(memory_profiling.snapshot_images),
+    Text(memory_profiling.allocations(Table(order=lambda r: r["rank"], columns=(
+        Column("size (MiB)", "size_mib"), "count", "source", Column("innermost frame", "innermost"))))),
+    Text(memory_profiling.block_setup),
+    Table(where=memory_profiling.is_block_row, rows_of=memory_profiling.block_summaries),
+    Table(where=memory_profiling.is_block_row, rows_of=memory_profiling.block_operations, columns=(
+        "precision", "block", "operation", Column("residuals", _bytes("bytes")),
+        Column("share", lambda r: f"{r['share']:.1%}")))), requires={"table": "peak"})
+
+
+# communication_accounting: the XXL model's memory, FSDP, the compute-bound batch, collectives and layouts.
+COMMUNICATION_ACCOUNTING = Layout((
+    "## The XXL model\n", Text(communication_accounting.xxl_model),
+    "## (a) Memory on one device\n",
+    Table(where={"table": "state"}, columns=(
+        "component", Column("bytes/param", "bytes_per_param"), Column("bytes", lambda r: f"{r['bytes']:,}"),
+        Column("GB", "gb"), Column("GiB", "gib"))),
+    Text(communication_accounting.saved_activations),
+    Table(where={"table": "activations"}, columns=(
+        Column("batch", lambda r: f"{r['sequences']} x {r['tokens'] // r['sequences']:,} tokens"),
+        Column("saved activations (GB)", "activation_gb"), Column("(GiB)", "activation_gib"),
+        Column("with the fp32 state (GB)", "with_state_gb"), Column("H100 80GB equivalents", "h100s"))),
+    Text(communication_accounting.memory_answer),
+    "## (b) FSDP across N_FSDP devices\n", Text(communication_accounting.fsdp_memory),
+    Table(where={"table": "fsdp"}, columns=(
+        Column("tokens", lambda r: f"{r['tokens']:,}"), Column("A, saved activations (GB)", "activation_gb"),
+        Column("smallest N_FSDP", lambda r: "none: A/2 alone exceeds a chip" if r["min_fsdp_devices"] is None
+               else r["min_fsdp_devices"]),
+        Column("GB per device at that N_FSDP", "gb_per_device"))),
+    Text(communication_accounting.fsdp_answer),
+    Text(communication_accounting.compute_bound_model),
+    Table(where={"table": "layer_times", "mesh": communication_accounting.QUESTION_MESH}, columns=(
+        Column("tokens / device", "tokens_per_device"), Column("batch (tokens)", lambda r: f"{r['tokens']:,}"),
+        Column("compute (ms)", "compute_ms"), Column("FSDP gathers (ms)", "weight_comm_ms"),
+        Column("TP gather + scatter (ms)", "activation_comm_ms"),
+        Column("compute bound", parallelism_calcs.yes_no("compute_bound")))),
+    Text(communication_accounting.compute_bound_answer),
+    Text(communication_accounting.smaller_batches),
+    "## Beyond the question: ring collectives and parallel layouts on the v5p mesh\n",
+    "### Ring collectives\n", Text(communication_accounting.ring_latency),
+    Table(where={"table": "collective"}, rows_of=communication_accounting.collective_cells, columns=(
+        Column("array", lambda r: communication_accounting.size(r["array_bytes"])), Column("N", "devices"),
+        *(Column(f"{name} (us)", name) for name in COLLECTIVES),
+        Column("all_gather latency share", "all_gather_latency_share"))),
+    "### Compute vs communication per block: DP, FSDP, TP, FSDP+TP\n",
+    "Per block and phase in (c)'s model (cs336_systems.accounting.parallelism.layer_times): DP and FSDP need "
+    "b >= alpha / M_X. \"any\"/\"never\": compute bound at every/no batch; min batch = N x the larger threshold.\n",
+    Table(where={"table": "crossover", "exact_ring": False, "comm_bytes_per_element": BF16_BYTES}, columns=(
+        Column("mesh (64 v5p chips)", "mesh"), Column("X", "data_devices"), Column("Y", "tensor_devices"),
+        Column("M_X", "data_axes"), Column("M_Y", "tensor_axes"),
+        *(Column(header, lambda r, column=column: communication_accounting.tokens(r[column])) for header, column in (
+            ("forward b_min", "forward_min_tokens_per_device"), ("backward b_min", "backward_min_tokens_per_device"),
+            ("min batch (tokens)", "min_global_tokens"))))),
+    Plot("communication_accounting_forward.png", x="tokens_per_device",
+         y=lambda r: r["compute_ms"] / (r["weight_comm_ms"] + r["activation_comm_ms"]), series="mesh",
+         where=communication_accounting.plotted, series_order=communication_accounting.PLOTTED_MESHES.index,
+         xscale=LOG2, yscale=LOG,
+         references=(Reference(lambda rows: [(1.0, "compute = communication")]),),
+         xlabel="tokens per chip (B / N)", ylabel="forward compute time / communication time",
+         title="XXL block on 64 TPU v5p chips (model, not measured)", alt="forward compute / communication",
+         grid=True, legend_fontsize=8),
+    "### Activation memory of an XXL block (bf16)\n",
+    "    per device, X x Y mesh          2 (D + F / Y) L B / X   (In gathered over Y is kept; Tmp is sharded)\n"))
+
+
+# parallelism_calcs: the handout's assumptions, each problem's answers, then the worked figure's table.
+def _node_table(*devices: str) -> Table:
+    """Each split of one node, per pass: compute, communication and whether communication bottlenecks it."""
+    return Table(where={"table": "node"}, columns=(
+        *devices, Column("pass", "phase"), Column("compute (ms)", "compute_ms"),
+        Column("communication (ms)", "comm_ms"),
+        Column("communication bottlenecked", parallelism_calcs.yes_no("comm_bottlenecked"))))
+
+
+def _parallelism(name: str, answers: Callable[[list], str], table: Table, answer: Answer) -> Problem:
+    """A 2026 parallelism problem: computed in closed form, reported as its answers and one table."""
+    layout = Layout((parallelism_calcs.ASSUMPTIONS, Text(answers), table))
+    return Problem(name, (Report(name, layout),), answer, device_independent=True)
+
+
+ALTERNATE_TABLE = Table(where={"table": "node"}, columns=(
+    "N", Column("ring all-reduce (ms)", "ring_ms"), Column("alternate (ms)", "alternate_ms"),
+    Column("alternate / ring", lambda r: f"{r['alternate_over_ring']:.2f} (N / 2 = {r['N'] / 2:g})")))
+FSDP_TP_TABLE = Table(where={"table": "node"}, columns=(
+    Column("N_FSDP x N_TP", lambda r: f"{r['N_FSDP']} x {r['N_TP']}"), Column("compute (ms)", "compute_ms"),
+    Column("FSDP axis (ms)", "fsdp_axis_ms"), Column("TP axis (ms)", "tp_axis_ms"),
+    Column("overlapped: bottlenecked", parallelism_calcs.yes_no("comm_bottlenecked")),
+    Column("shared: bottlenecked", parallelism_calcs.yes_no("shared_comm_bottlenecked"))))
 
 
 # Naive attention (pytorch_attention, torch_compile)
@@ -237,11 +419,11 @@ PROBLEMS: tuple[Problem, ...] = (
             (Report("benchmarking_mixed_precision", e2e.render_benchmarking_mixed_precision, MIXED_PRECISION_KEY,
                     cell_of=e2e.cell_key),),
             e2e.answer_benchmarking_mixed_precision, "e2e", ("perf/test_e2e.py",)),
-    Problem("memory_profiling", (Report("memory_profiling", memory_profiling.render_memory_profiling),),
+    Problem("memory_profiling", (Report("memory_profiling", MEMORY_PROFILING),),
             memory_profiling.answer_memory_profiling, "memory", ("perf/test_memory.py",),
             open_items=memory_profiling.open_items_memory_profiling),
     Problem("gradient_checkpointing",
-            (Report("gradient_checkpointing", gradient_checkpointing.render_gradient_checkpointing),),
+            (Report("gradient_checkpointing", GRADIENT_CHECKPOINTING),),
             gradient_checkpointing.answer_gradient_checkpointing, "memory", ("perf/test_memory.py",),
             open_items=gradient_checkpointing.open_items_gradient_checkpointing),
     Problem("pytorch_attention",
@@ -300,14 +482,16 @@ PROBLEMS: tuple[Problem, ...] = (
             requires={"table": "step"}))),
             fsdp.answer_fsdp, "fsdp", ("perf/test_fsdp.py",), 2),
     Problem("communication_accounting",
-            (Report("communication_accounting", communication_accounting.render_communication_accounting),),
+            (Report("communication_accounting", COMMUNICATION_ACCOUNTING),),
             communication_accounting.answer_communication_accounting, device_independent=True,
             only_in_handout="2025"),
-    _parallelism("alternate_ring_all_reduce", parallelism_calcs.answer_alternate_ring_all_reduce),
-    _parallelism("data_parallel_calcs", parallelism_calcs.answer_data_parallel_calcs),
-    _parallelism("fsdp_calcs", parallelism_calcs.answer_fsdp_calcs),
-    _parallelism("tp_calcs", parallelism_calcs.answer_tp_calcs),
-    _parallelism("fsdp_tp_calcs", parallelism_calcs.answer_fsdp_tp_calcs),
+    _parallelism("alternate_ring_all_reduce", parallelism_calcs.alternate, ALTERNATE_TABLE,
+                 parallelism_calcs.answer_alternate_ring_all_reduce),
+    _parallelism("data_parallel_calcs", parallelism_calcs.data_parallel, _node_table("N_DP"),
+                 parallelism_calcs.answer_data_parallel_calcs),
+    _parallelism("fsdp_calcs", parallelism_calcs.fsdp, _node_table("N_FSDP"), parallelism_calcs.answer_fsdp_calcs),
+    _parallelism("tp_calcs", parallelism_calcs.tp, _node_table("N_TP"), parallelism_calcs.answer_tp_calcs),
+    _parallelism("fsdp_tp_calcs", parallelism_calcs.fsdp_tp, FSDP_TP_TABLE, parallelism_calcs.answer_fsdp_tp_calcs),
     Problem("leaderboard", (Report("leaderboard", leaderboard.render_leaderboard),), leaderboard.answer_leaderboard,
             "leaderboard", ("perf/test_leaderboard.py",), 2, open_items=leaderboard.open_items_leaderboard,
             only_in_handout="2026"),

@@ -225,6 +225,19 @@ class Plot:
         return figure
 
 
+@dataclass(frozen=True)
+class Drawn(Plot):
+    """A figure no Plot declares (a grid of panels, lines styled one by one, ticks of its own): the family module's
+    `draw(rows)` returns it, a matplotlib Figure. The report shows it as a Plot, where `where` selects rows."""
+    x: Value = ""
+    y: Value = ""
+    series: Value = ""
+    draw: Callable[[list[Row]], Any] | None = None
+
+    def figure(self, rows: Sequence[Row]):
+        return self.draw(list(rows))
+
+
 def _distinct(rows: Sequence[Row], value: Value) -> list[Any]:
     return list(dict.fromkeys(value_of(value, r) for r in rows))
 
