@@ -34,7 +34,7 @@ from cs336_systems.reports import (
     parallelism_calcs,
     sharding,
 )
-from cs336_systems.reports.spec import Column, Layout, Table, Text, Versus
+from cs336_systems.reports.spec import LOG, Column, Layout, Pivot, Plot, Reference, Table, Text, Versus
 from cs336_systems.rows import (
     ALLREDUCE_KEY,
     ATTENTION_KEY,
@@ -102,6 +102,23 @@ def _parallelism(name: str, answer: Answer) -> Problem:
     return Problem(name, (Report(name, parallelism_calcs.RENDERERS[name]),), answer, device_independent=True)
 
 
+# distributed_communication_single_node
+ALLREDUCE_LINES = ("backend", "world_size")
+ALLREDUCE_REPORT = Layout((
+    Text(allreduce.setup),
+    "## Time (ms)\n",
+    Table(rows_of=allreduce.in_order, pivot=Pivot(ALLREDUCE_LINES, "size", allreduce.time_cell)),
+    "## Bus bandwidth, GB/s (algorithm bandwidth in brackets)\n",
+    Table(rows_of=allreduce.in_order, pivot=Pivot(ALLREDUCE_LINES, "size", allreduce.bandwidth_cell)),
+    Text(allreduce.nominal_comparison),
+    Text(allreduce.findings),
+    Plot("allreduce_bus_bandwidth.png", x="size_mb", y="busbw_gbps", series=lambda r: (r["backend"], r["world_size"]),
+         label=lambda line: f"{line[0]}, {line[1]} ranks", where=lambda r: not allreduce.out_of_memory(r),
+         xscale=LOG, yscale=LOG, xlabel="all-reduce size (MB)", ylabel="bus bandwidth (GB/s)",
+         title="all-reduce bus bandwidth", alt="bus bandwidth", references=(Reference(allreduce.nominal_links),),
+         grid=True, legend_fontsize=8)))
+
+
 PROBLEMS: tuple[Problem, ...] = (
     Problem("benchmarking_script",
             (Report("benchmarking_script", e2e.render_benchmarking_script, E2E_KEY, cell_of=e2e.cell_key),),
@@ -136,7 +153,7 @@ PROBLEMS: tuple[Problem, ...] = (
                     needs_gpu=True)),
             flash.answer_flash_benchmarking, "flash", ("perf/test_flash.py",)),
     Problem("distributed_communication_single_node",
-            (Report("distributed_communication_single_node", allreduce.render_allreduce, ALLREDUCE_KEY),),
+            (Report("distributed_communication_single_node", ALLREDUCE_REPORT, ALLREDUCE_KEY),),
             allreduce.answer_distributed_communication_single_node, "ddp", ("perf/test_allreduce.py",),
             open_items=allreduce.open_items_distributed_communication_single_node),
     Problem("naive_ddp / naive_ddp_benchmarking",
