@@ -3,7 +3,19 @@ drawn from rows as their declarations say."""
 
 import pytest
 
-from cs336_systems.reports.spec import LOG2, NO_ROWS, Column, Layout, Pivot, Plot, Reference, Table, Text, Versus
+from cs336_systems.reports.spec import (
+    LOG2,
+    NO_ROWS,
+    Column,
+    Layout,
+    Pivot,
+    Plot,
+    Reference,
+    Table,
+    Text,
+    Versus,
+    when,
+)
 
 STEPS = [
     {"table": "step", "variant": "torch", "status": "ok", "step_ms": 100.0, "peak_gib": 10.0},
@@ -75,3 +87,9 @@ def test_a_plot_draws_a_line_per_series_sorted_by_x_and_its_references():
     assert lines == {"d=16": [1, 2, 4], "d=32": [1, 2, 4], "device memory": [0, 1]}
     assert axes.get_xscale() == "log"
     assert layout([]).body == NO_ROWS
+
+
+def test_a_paragraph_declared_when_rows_exist_shows_only_with_them():
+    heading = when({"table": "memory"}, "## Memory\n")
+    assert heading.write(STEPS) == "## Memory\n"
+    assert heading.write(STEPS[:3]) == ""

@@ -224,6 +224,11 @@ class Text:
     write: Callable[[list[Row]], str]
 
 
+def when(where: Where, text: str) -> Text:
+    """A fixed paragraph (a section's heading, a table's setup) shown only where `where` selects rows."""
+    return Text(lambda rows: text if selected(rows, where) else "")
+
+
 Part = Union[str, Text, Table, Plot]
 
 
