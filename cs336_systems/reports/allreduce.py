@@ -130,11 +130,15 @@ def in_order(rows: list[Row]) -> list[Row]:
 
 
 def time_cell(row: Row) -> str:
-    return oom_text(row) if out_of_memory(row) else f"{row['mean_rank_median_ms']:.3g} (max {row['max_rank_median_ms']:.3g})"
+    if out_of_memory(row):
+        return oom_text(row)
+    return f"{row['mean_rank_median_ms']:.3g} (max {row['max_rank_median_ms']:.3g})"
 
 
 def bandwidth_cell(row: Row) -> str:
-    return oom_text(row) if out_of_memory(row) else f"{row['busbw_gbps']:.3g} ({row['algbw_gbps']:.3g})"
+    if out_of_memory(row):
+        return oom_text(row)
+    return f"{row['busbw_gbps']:.3g} ({row['algbw_gbps']:.3g})"
 
 
 def nominal_comparison(rows: list[Row]) -> str:

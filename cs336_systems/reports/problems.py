@@ -34,16 +34,32 @@ from cs336_systems.reports import (
     parallelism_calcs,
     sharding,
 )
-from cs336_systems.reports.spec import LOG, Column, Layout, Pivot, Plot, Reference, Table, Text, Versus, when
+from cs336_systems.reports.spec import (
+    LOG,
+    LOG2,
+    Column,
+    GridPlot,
+    Layout,
+    Part,
+    Pivot,
+    Plot,
+    Reference,
+    Table,
+    Text,
+    Versus,
+    when,
+)
 from cs336_systems.rows import (
     ALLREDUCE_KEY,
     ATTENTION_KEY,
     E2E_KEY,
+    FAILED,
     FLASH_IN_TRAINING_KEY,
     FLASH_KEY,
     MIXED_PRECISION_KEY,
     NSYS_KEY,
     TORCH_COMPILE_KEY,
+    ran,
 )
 
 Answer = Callable[[Reports], list[str]]
@@ -119,20 +135,54 @@ ALLREDUCE_REPORT = Layout((
          grid=True, legend_fontsize=8)))
 
 
+# flash_benchmarking
+def _flash_sweep(precision: str) -> tuple[Part, ...]:
+    """A precision's sweep: a table per mode under its heading, then the plot of every mode's times."""
+    tables: list[Part] = []
+    for mode in flash.MODES:
+        where = {"table": "sweep", "precision": precision, "mode": mode}
+        heading = f"### {precision}, {flash.MODE_LABELS[mode]}\n"
+        tables += [when(where, heading), Table(where=where, rows_of=flash.sweep_lines)]
+    return (*tables, GridPlot(
+        f"flash_benchmarking_{precision}.png", x="seq_len", y="median_ms", series="provider",
+        label=flash.provider_label, series_order=flash.provider_order,
+        where=lambda r: r.get("table") == "sweep" and r["precision"] == precision and ran(r),
+        facet="head_dim", facet_row="mode", facet_row_order=flash.MODES.index,
+        panel_title=lambda mode, d: f"{flash.MODE_LABELS[mode]}, d={d}",
+        xscale=LOG2, yscale=LOG, xlabel="N", ylabel="ms",
+        title=f"Causal attention, batch 1, {precision}: time against sequence length",
+        alt=f"{precision}: time against N", markersize=3, legend_fontsize="x-small"))
+
+
+FLASH_REPORT = Layout((
+    Text(flash.sources), Text(flash.sweep_setup), Text(flash.unmeasured),
+    *(part for precision in flash.PRECISIONS for part in _flash_sweep(precision)),
+    Text(flash.findings),
+    Text(flash.leaderboard_setup), Table(where={"table": "leaderboard"}, rows_of=flash.leaderboard_lines),
+    Text(flash.gate_setup),
+    Table(where={"table": "gate"}, columns=(Column("provider", lambda r: flash.provider_label(r["provider"])),
+                                            "backend", Column("median (ms)", flash.time_cell))),
+    Text(flash.host_issue_setup), Table(where={"table": "host_issue"}, rows_of=flash.host_issue_lines),
+    when({"status": FAILED}, "## Failures of the implementation under test\n"),
+    Table(where={"status": FAILED}, columns=(
+        "table", "provider", "precision", Column("d", "head_dim"), Column("N", "seq_len"),
+        Column("mode", lambda r: flash.MODE_LABELS.get(r["mode"], r["mode"])), "error"))))
+
+
 # flash_benchmarking: flash_in_training
 def _training_steps(table: str) -> Table:
     """The training steps of `table` (uncaptured or in CUDA graphs), each against SDPA's step of its cell."""
-    ran = sharding.ran_value
+    if_ran = sharding.ran_value
     return Table(where={"table": table}, rows_of=flash_in_training.against_sdpa, columns=(
         Column("size", lambda r: f"{r['size']} ({r['size_table']} table)"),
         Column("d_model / heads / d_head", lambda r: f"{r['d_model']} / {r['n_heads']} / {r['head_dim']}"),
         Column("context", "context_length"), "attention",
         Column("step ms, median (IQR)", flash_in_training.step_time),
-        Column("std / mean", ran(lambda r: f"{r['std_ms'] / r['mean_ms']:.1%}")),
+        Column("std / mean", if_ran(lambda r: f"{r['std_ms'] / r['mean_ms']:.1%}")),
         Column("vs SDPA", lambda r: f"{r['vs_sdpa']:.3f}x" if r["vs_sdpa"] else None),
-        Column("TFLOP/s", ran(lambda r: f"{r['tflops']:.0f}")),
+        Column("TFLOP/s", if_ran(lambda r: f"{r['tflops']:.0f}")),
         Column("peak GiB", lambda r: f"{r['peak_memory_gib']:.1f}" if r.get("peak_memory_gib") else None),
-        Column("first loss", ran(lambda r: f"{r['first_loss']:.4f}"))))
+        Column("first loss", if_ran(lambda r: f"{r['first_loss']:.4f}"))))
 
 
 FLASH_IN_TRAINING_REPORT = Layout((
@@ -171,7 +221,7 @@ PROBLEMS: tuple[Problem, ...] = (
             attention.answer_torch_compile, "e2e", ("perf/test_e2e.py", "perf/test_attention.py")),
     Problem("flash_forward / flash_backward", (), flash.answer_flash_forward_backward),
     Problem("flash_benchmarking",
-            (Report("flash_benchmarking", flash.render_flash_benchmarking, FLASH_KEY),
+            (Report("flash_benchmarking", FLASH_REPORT, FLASH_KEY),
              Report("flash_in_training", FLASH_IN_TRAINING_REPORT, FLASH_IN_TRAINING_KEY,
                     needs_gpu=True)),
             flash.answer_flash_benchmarking, "flash", ("perf/test_flash.py",)),
