@@ -12,8 +12,6 @@ from cs336_systems.benchmarks.flash import (
     GATE_CELL,
     GATED_PROVIDERS,
     HEAD_DIMS,
-    MODE_LABELS,
-    MODES,
     PRECISIONS,
     PROVIDER_LABELS,
     SEQ_LENS,

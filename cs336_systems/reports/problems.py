@@ -15,6 +15,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from cs336_systems import provenance
+from cs336_systems.benchmarks.flash import MODE_LABELS, MODES, PRECISIONS, provider_label
 from cs336_systems.reports import (
     Report,
     Reports,
@@ -139,16 +140,16 @@ ALLREDUCE_REPORT = Layout((
 def _flash_sweep(precision: str) -> tuple[Part, ...]:
     """A precision's sweep: a table per mode under its heading, then the plot of every mode's times."""
     tables: list[Part] = []
-    for mode in flash.MODES:
+    for mode in MODES:
         where = {"table": "sweep", "precision": precision, "mode": mode}
-        heading = f"### {precision}, {flash.MODE_LABELS[mode]}\n"
+        heading = f"### {precision}, {MODE_LABELS[mode]}\n"
         tables += [when(where, heading), Table(where=where, rows_of=flash.sweep_lines)]
     return (*tables, GridPlot(
         f"flash_benchmarking_{precision}.png", x="seq_len", y="median_ms", series="provider",
-        label=flash.provider_label, series_order=flash.provider_order,
+        label=provider_label, series_order=flash.provider_order,
         where=lambda r: r.get("table") == "sweep" and r["precision"] == precision and ran(r),
-        facet="head_dim", facet_row="mode", facet_row_order=flash.MODES.index,
-        panel_title=lambda mode, d: f"{flash.MODE_LABELS[mode]}, d={d}",
+        facet="head_dim", facet_row="mode", facet_row_order=MODES.index,
+        panel_title=lambda mode, d: f"{MODE_LABELS[mode]}, d={d}",
         xscale=LOG2, yscale=LOG, xlabel="N", ylabel="ms",
         title=f"Causal attention, batch 1, {precision}: time against sequence length",
         alt=f"{precision}: time against N", markersize=3, legend_fontsize="x-small"))
@@ -156,17 +157,17 @@ def _flash_sweep(precision: str) -> tuple[Part, ...]:
 
 FLASH_REPORT = Layout((
     Text(flash.sources), Text(flash.sweep_setup), Text(flash.unmeasured),
-    *(part for precision in flash.PRECISIONS for part in _flash_sweep(precision)),
+    *(part for precision in PRECISIONS for part in _flash_sweep(precision)),
     Text(flash.findings),
     Text(flash.leaderboard_setup), Table(where={"table": "leaderboard"}, rows_of=flash.leaderboard_lines),
     Text(flash.gate_setup),
-    Table(where={"table": "gate"}, columns=(Column("provider", lambda r: flash.provider_label(r["provider"])),
+    Table(where={"table": "gate"}, columns=(Column("provider", lambda r: provider_label(r["provider"])),
                                             "backend", Column("median (ms)", flash.time_cell))),
     Text(flash.host_issue_setup), Table(where={"table": "host_issue"}, rows_of=flash.host_issue_lines),
     when({"status": FAILED}, "## Failures of the implementation under test\n"),
     Table(where={"status": FAILED}, columns=(
         "table", "provider", "precision", Column("d", "head_dim"), Column("N", "seq_len"),
-        Column("mode", lambda r: flash.MODE_LABELS.get(r["mode"], r["mode"])), "error"))))
+        Column("mode", lambda r: MODE_LABELS.get(r["mode"], r["mode"])), "error"))))
 
 
 # flash_benchmarking: flash_in_training
