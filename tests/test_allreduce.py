@@ -14,7 +14,8 @@ from cs336_systems.benchmarks.allreduce import (
     summarize,
 )
 from cs336_systems.distributed.launch import RankFailed, launch
-from cs336_systems.reports.allreduce import answer_distributed_communication_single_node, render_allreduce
+from cs336_systems.reports.allreduce import answer_distributed_communication_single_node
+from cs336_systems.reports.problems import report
 from cs336_systems.rows import OOM
 
 LAUNCH_TIMEOUT_S = 180
@@ -67,7 +68,7 @@ def test_report_states_what_the_rows_show():
     rows = [summarize("nccl", "NVIDIA H200", 2, size, 20, [seconds, seconds])
             for size, seconds in [(MB, 40e-6), (GB, 3.2e-3)]]
     rows += [summarize("gloo", "CPU", 2, size, 5, [seconds, seconds]) for size, seconds in [(MB, 1e-3), (GB, 0.8)]]
-    rendered = render_allreduce(rows)
+    rendered = report("distributed_communication_single_node").render(rows)
     assert "allreduce_bus_bandwidth.png" in rendered.figures
     assert "312 GB/s" in rendered.body and "69% of" in rendered.body  # 1 GB / 3.2 ms against 450 GB/s
     assert "250x faster" in rendered.body  # 0.8 s against 3.2 ms
@@ -81,7 +82,7 @@ def test_findings_follow_each_backends_rows():
     flat = [row(2, MB, 0.5), row(2, 10 * MB, 4.0), row(2, GB, 500.0)]
     # Four ranks: bus bandwidth 0.5 GB/s at 1 MB against 2 GB/s at 1 GB: 75% of the time at 1 MB is per-call cost.
     costly = [row(4, MB, 3.0), row(4, 10 * MB, 8.0), row(4, GB, 750.0)]
-    body = render_allreduce(flat + costly).body
+    body = report("distributed_communication_single_node").render(flat + costly).body
     assert ("- gloo, 2 ranks: at 1 MB, 80% of the best bus bandwidth (2.5 GB/s at 10 MB), so per-call cost takes about "
             "20% of the time there, and past 10 MB bandwidth falls (80% of the best at 1 GB).") in body
     assert ("- gloo, 4 ranks: at 1 MB, 25% of the best bus bandwidth (2 GB/s at 1 GB), so per-call cost takes about "
@@ -99,7 +100,7 @@ def test_the_per_call_cost_finding_quotes_its_share_of_the_time_on_both_sides_of
     best_s = 10 * MB / (2.5 * GB)  # 10 MB at 2.5 GB/s
     rows = [summarize("gloo", "CPU", 2, MB, 5, [best_s / 10 / bandwidth_share] * 2),
             summarize("gloo", "CPU", 2, 10 * MB, 5, [best_s] * 2)]
-    body = render_allreduce(rows).body
+    body = report("distributed_communication_single_node").render(rows).body
     assert f"so per-call cost takes about {cost_share} of the time there." in body
     assert "small beside the transfer" not in body and "more than half" not in body
 
@@ -109,7 +110,7 @@ def test_a_largest_size_that_ran_out_of_memory_is_named_in_the_findings_and_the_
                 for size, seconds in [(MB, 40e-6), (GB, 3.2e-3)]]
     oom = {"backend": "nccl", "device": "NVIDIA H200", "world_size": 2, "size_bytes": 10 * GB, "size_mb": 10 * GB / MB,
            "status": OOM, "oom_predicted": True}
-    body = render_allreduce(measured + [oom]).body
+    body = report("distributed_communication_single_node").render(measured + [oom]).body
     assert "OOM (predicted, not run)" in body
     assert ("so per-call cost takes about 92% of the time there; 10 GB, the largest size, ran out of memory "
             "(predicted, not run).") in body

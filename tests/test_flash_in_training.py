@@ -3,7 +3,8 @@
 import pytest
 
 from cs336_systems.benchmarks.flash_in_training import TrainingCell, kernel_cell_of, training_steps
-from cs336_systems.reports.flash_in_training import answer_flash_in_training, render_flash_in_training
+from cs336_systems.reports.flash_in_training import answer_flash_in_training
+from cs336_systems.reports.problems import report
 from cs336_systems.rows import OOM
 
 
@@ -30,20 +31,20 @@ def _step(attention, median_ms, status="ok", table="step"):
 
 
 def test_the_report_gives_each_step_against_sdpa_and_says_oom():
-    body = render_flash_in_training([_step("sdpa", 100.0), _step("flash_triton", 95.0)]).body
+    body = report("flash_in_training").render([_step("sdpa", 100.0), _step("flash_triton", 95.0)]).body
     assert "| xl (2025 table) " in body and "0.950x" in body and "1.000x" in body and "9.2103" in body
-    body = render_flash_in_training([_step("sdpa", 100.0), _step("flash_triton", None, OOM)]).body
+    body = report("flash_in_training").render([_step("sdpa", 100.0), _step("flash_triton", None, OOM)]).body
     assert OOM in body
 
 
 def test_graphed_steps_get_their_own_table_against_graphed_sdpa():
     rows = [_step("sdpa", 100.0), _step("flash_triton", 95.0),
             _step("sdpa", 90.0, table="graphed_step"), _step("flash_triton", 76.0, table="graphed_step")]
-    body = render_flash_in_training(rows).body
+    body = report("flash_in_training").render(rows).body
     assert "## Training steps in CUDA graphs" in body
     graphed = body.split("## Training steps in CUDA graphs")[1]
     assert "0.844x" in graphed and "0.950x" not in graphed  # 76 / 90, the graphed SDPA step's
-    assert "## Training steps in CUDA graphs" not in render_flash_in_training(rows[:2]).body
+    assert "## Training steps in CUDA graphs" not in report("flash_in_training").render(rows[:2]).body
 
 
 def test_the_answer_gives_the_uncaptured_step_against_sdpa_at_each_context_that_ran_both():
@@ -66,8 +67,8 @@ def _kernel_row(provider, median_ms, p20_ms, p80_ms):
 def test_a_kernel_time_spread_wide_is_marked_noisy_and_so_is_its_ratio():
     rows = [_kernel_row("flash_triton", 0.42, 0.26, 0.84), _kernel_row("sdpa_cudnn", 0.117, 0.116, 0.118),
             _kernel_row("sdpa_flash", 0.196, 0.195, 0.197)]
-    body = render_flash_in_training(rows).body
+    body = report("flash_in_training").render(rows).body
     assert "| 0.42 (noisy) " in body and "| 0.117 " in body and "| 0.196 " in body
     assert "3.59x (noisy)" in body and "2.14x (noisy)" in body
-    steady = render_flash_in_training([_kernel_row("flash_triton", 0.2, 0.19, 0.21), *rows[1:]]).body
+    steady = report("flash_in_training").render([_kernel_row("flash_triton", 0.2, 0.19, 0.21), *rows[1:]]).body
     assert "noisy" not in steady.split("no finding.")[1] and "1.71x" in steady

@@ -3,7 +3,21 @@ drawn from rows as their declarations say."""
 
 import pytest
 
-from cs336_systems.reports.spec import LOG2, NO_ROWS, Column, Drawn, Layout, Pivot, Plot, Reference, Table, Text, Versus
+from cs336_systems.reports.spec import (
+    LOG2,
+    NO_ROWS,
+    Column,
+    Drawn,
+    GridPlot,
+    Layout,
+    Pivot,
+    Plot,
+    Reference,
+    Table,
+    Text,
+    Versus,
+    when,
+)
 
 STEPS = [
     {"table": "step", "variant": "torch", "status": "ok", "step_ms": 100.0, "peak_gib": 10.0},
@@ -106,3 +120,26 @@ def test_a_drawn_figure_comes_from_its_draw_function_and_shows_where_its_rows_ar
     assert rendered.body == "![steps](d.png)\n" and isinstance(rendered.figures["d.png"], Figure)
     assert drawn == [len(STEPS)]
     assert layout(STEPS[3:]).body == NO_ROWS and drawn == [len(STEPS)]
+
+
+def test_a_paragraph_declared_when_rows_exist_shows_only_with_them():
+    heading = when({"table": "memory"}, "## Memory\n")
+    assert heading.write(STEPS) == "## Memory\n"
+    assert heading.write(STEPS[:3]) == ""
+
+
+def test_a_grid_plot_has_a_panel_per_pair_of_facets_labels_on_its_edges_and_one_legend():
+    pytest.importorskip("matplotlib")
+    rows = [{"mode": m, "d": d, "n": n, "ms": n * d, "provider": p} for m in ("backward", "forward")
+            for d in (32, 16) for n in (1, 2) for p in ("b", "a")]
+    plot = GridPlot("g.png", x="n", y="ms", series="provider", facet="d", facet_row="mode",
+                    facet_row_order=("forward", "backward").index, panel_title=lambda m, d: f"{m}, d={d}",
+                    xlabel="N", ylabel="ms", title="time")
+    figure = plot.figure(rows)
+    axes = figure.axes
+    assert [a.get_title() for a in axes] == ["forward, d=16", "forward, d=32", "backward, d=16", "backward, d=32"]
+    assert [a.get_xlabel() for a in axes] == ["", "", "N", "N"]
+    assert [a.get_ylabel() for a in axes] == ["ms", "", "ms", ""]
+    assert [a.get_legend() is not None for a in axes] == [True, False, False, False]
+    assert [line.get_label() for line in axes[0].get_lines()] == ["a", "b"]
+    assert list(figure.get_size_inches()) == [6.4, 5.2]

@@ -1,5 +1,6 @@
-"""Problem distributed_communication_single_node's report: all-reduce time and bus bandwidth by backend,
-size and number of ranks, what they show, and the plot (cs336_systems.benchmarks.allreduce measures them)."""
+"""Problem distributed_communication_single_node's report: the sentences and cells of its tables of all-reduce time
+and bus bandwidth by backend, size and number of ranks, and what they show (cs336_systems.benchmarks.allreduce
+measures them; the tables and the plot are declared in cs336_systems.reports.problems)."""
 
 from __future__ import annotations
 
@@ -9,14 +10,11 @@ from cs336_systems.benchmarks.allreduce import GB, MAX_ITERATIONS, MIN_ITERATION
 from cs336_systems.gpus import MB
 from cs336_systems.reports import (
     NOT_RUN,
-    Rendered,
     Reports,
     format_ms,
     listing,
-    markdown_table,
     not_in_report,
     oom_text,
-    pivot,
     select,
 )
 from cs336_systems.rows import OOM, Row
@@ -91,35 +89,60 @@ def _by_size(rows: Iterable[Row]) -> list[Row]:
     return sorted(rows, key=lambda r: r["size_bytes"])
 
 
-def _findings(rows: list[Row]) -> list[str]:
+def findings(rows: list[Row]) -> str:
     """What the rows show, each backend's OOM rows among them: a size that ran out of memory is named, never taken
-    for one that was not in the sweep."""
-    findings = []
+    for one that was not in the sweep. A blank line more stands between them and the plot."""
+    lines = []
     for backend in sorted({r["backend"] for r in rows}):
-        mine = [r for r in rows if r["backend"] == backend and not _out_of_memory(r)]
-        ooms = [r for r in rows if r["backend"] == backend and _out_of_memory(r)]
+        mine = [r for r in rows if r["backend"] == backend and not out_of_memory(r)]
+        ooms = [r for r in rows if r["backend"] == backend and out_of_memory(r)]
         for n in sorted({r["world_size"] for r in rows if r["backend"] == backend}):
-            findings.append(_size_findings(backend, n, _by_size(select(mine, world_size=n)),
-                                           _by_size(select(ooms, world_size=n))))
+            lines.append(_size_findings(backend, n, _by_size(select(mine, world_size=n)),
+                                      _by_size(select(ooms, world_size=n))))
         if not mine:
             continue
         largest = max(r["size_bytes"] for r in mine)
         at_largest = sorted((r for r in mine if r["size_bytes"] == largest), key=lambda r: r["world_size"])
         if len(at_largest) > 1:
-            findings.append(_rank_findings(backend, at_largest))
-    measured = [r for r in rows if not _out_of_memory(r)]
+            lines.append(_rank_findings(backend, at_largest))
+    measured = [r for r in rows if not out_of_memory(r)]
     common = [(g, n) for g in measured if g["backend"] == "gloo" for n in measured
               if n["backend"] == "nccl" and (n["world_size"], n["size_bytes"]) == (g["world_size"], g["size_bytes"])]
     if common:
         gloo, nccl = max(common, key=lambda pair: (pair[0]["size_bytes"], pair[0]["world_size"]))
-        findings.append(
+        lines.append(
             f"- NCCL on GPUs against gloo on CPUs, {gloo['world_size']} ranks, {_size_label(gloo['size_bytes'])}: "
             f"{gloo['mean_rank_median_ms'] / nccl['mean_rank_median_ms']:.3g}x faster.")
-    return findings
+    return "## Findings\n\n" + "\n".join(lines) + "\n\n"
 
 
-def _nominal_comparison(rows: list[Row]) -> str:
-    linked = [r for r in rows if r.get("nominal_link_gbps")]
+def setup(rows: list[Row]) -> str:
+    devices = ", ".join(sorted({f"{r['backend']} on {r['device']}" for r in rows}))
+    return (f"float32 all-reduce (sum), {devices}; {WARMUP} warm-up, then {MIN_ITERATIONS}-{MAX_ITERATIONS} timed "
+            "all-reduces per cell, each after a barrier, device synchronised. Each rank takes its median; tables show "
+            "the mean of the ranks' medians (the slowest rank's in brackets). 1 MB = 10^6 bytes.\n")
+
+
+def in_order(rows: list[Row]) -> list[Row]:
+    """The rows by backend, world size and size, each with its size as the tables head it ("size 1 GB")."""
+    return [{**r, "size": _size_label(r["size_bytes"])}
+            for r in sorted(rows, key=lambda r: (r["backend"], r["world_size"], r["size_bytes"]))]
+
+
+def time_cell(row: Row) -> str:
+    if out_of_memory(row):
+        return oom_text(row)
+    return f"{row['mean_rank_median_ms']:.3g} (max {row['max_rank_median_ms']:.3g})"
+
+
+def bandwidth_cell(row: Row) -> str:
+    if out_of_memory(row):
+        return oom_text(row)
+    return f"{row['busbw_gbps']:.3g} ({row['algbw_gbps']:.3g})"
+
+
+def nominal_comparison(rows: list[Row]) -> str:
+    linked = [r for r in rows if r.get("nominal_link_gbps") and not out_of_memory(r)]
     if not linked:
         return ""
     best = max(linked, key=lambda r: r["busbw_gbps"])
@@ -130,56 +153,14 @@ def _nominal_comparison(rows: list[Row]) -> str:
             f"{best['nominal_link_gbps']:.0f} GB/s.\n")
 
 
-def _plot(rows: list[Row]):
-    from matplotlib.figure import Figure
-
-    figure = Figure(figsize=(7, 4.5))
-    axes = figure.subplots()
-    for backend, n in sorted({(r["backend"], r["world_size"]) for r in rows}):
-        line = sorted((r for r in rows if r["backend"] == backend and r["world_size"] == n),
-                      key=lambda r: r["size_bytes"])
-        axes.plot([r["size_mb"] for r in line], [r["busbw_gbps"] for r in line], marker="o",
-                  label=f"{backend}, {n} ranks")
-    for nominal in sorted({r["nominal_link_gbps"] for r in rows if r.get("nominal_link_gbps")}):
-        axes.axhline(nominal, color="gray", linestyle="--", label=f"NVLink per direction ({nominal:.0f} GB/s)")
-    axes.set_xscale("log")
-    axes.set_yscale("log")
-    axes.set_xlabel("all-reduce size (MB)")
-    axes.set_ylabel("bus bandwidth (GB/s)")
-    axes.set_title("all-reduce bus bandwidth")
-    axes.grid(True, which="both", alpha=0.3)
-    axes.legend(fontsize=8)
-    figure.tight_layout()
-    return figure
+def nominal_links(rows: list[Row]) -> list[tuple[float, str]]:
+    """The plot's reference lines: each link's nominal bandwidth per direction."""
+    return [(nominal, f"NVLink per direction ({nominal:.0f} GB/s)")
+            for nominal in sorted({r["nominal_link_gbps"] for r in rows if r.get("nominal_link_gbps")})]
 
 
-def _out_of_memory(row: Row) -> bool:
+def out_of_memory(row: Row) -> bool:
     return row.get("status") == OOM  # rows measured before the status column read as measured
-
-
-def render_allreduce(rows: list[Row]) -> Rendered:
-    rows = sorted(rows, key=lambda r: (r["backend"], r["world_size"], r["size_bytes"]))
-    labelled = [{**r, "size": _size_label(r["size_bytes"])} for r in rows]
-    devices = ", ".join(sorted({f"{r['backend']} on {r['device']}" for r in rows}))
-    times = pivot(labelled, ["backend", "world_size"], "size", "mean_rank_median_ms",
-                  fmt=lambda r: oom_text(r) if _out_of_memory(r) else
-                  f"{r['mean_rank_median_ms']:.3g} (max {r['max_rank_median_ms']:.3g})")
-    bandwidths = pivot(labelled, ["backend", "world_size"], "size", "busbw_gbps",
-                       fmt=lambda r: oom_text(r) if _out_of_memory(r) else
-                       f"{r['busbw_gbps']:.3g} ({r['algbw_gbps']:.3g})")
-    findings = _findings(rows)
-    rows = [r for r in rows if not _out_of_memory(r)]
-    body = [
-        f"float32 all-reduce (sum), {devices}; {WARMUP} warm-up, then {MIN_ITERATIONS}-{MAX_ITERATIONS} timed "
-        "all-reduces per cell, each after a barrier, device synchronised. Each rank takes its median; tables show "
-        "the mean of the ranks' medians (the slowest rank's in brackets). 1 MB = 10^6 bytes.\n",
-        "## Time (ms)\n", markdown_table(times),
-        "## Bus bandwidth, GB/s (algorithm bandwidth in brackets)\n", markdown_table(bandwidths),
-        _nominal_comparison(rows),
-        "## Findings\n", "\n".join(findings) + "\n",
-        "\n![bus bandwidth](allreduce_bus_bandwidth.png)\n",
-    ]
-    return Rendered("\n".join(body), figures={"allreduce_bus_bandwidth.png": _plot(rows)})
 
 
 # ---------------------------------------------------------------------------------------------- answers
@@ -188,8 +169,8 @@ def answer_distributed_communication_single_node(reports: Reports) -> list[str]:
     rows = reports["distributed_communication_single_node"]
     sentences = []
     for backend, device in (("gloo", "CPU"), ("nccl", "GPUs")):
-        mine = [r for r in select(rows, backend=backend) if not _out_of_memory(r)]
-        ooms = _by_size(r for r in select(rows, backend=backend) if _out_of_memory(r))
+        mine = [r for r in select(rows, backend=backend) if not out_of_memory(r)]
+        ooms = _by_size(r for r in select(rows, backend=backend) if out_of_memory(r))
         if ooms and not mine:
             sentences.append(f"{backend} on {device}: " + _ran_out(ooms, "every size") + ".")
             continue
@@ -205,7 +186,7 @@ def answer_distributed_communication_single_node(reports: Reports) -> list[str]:
                 f"{format_ms(large['mean_rank_median_ms'])} for {_size_label(large['size_bytes'])} "
                 f"({large['busbw_gbps']:.3g} GB/s)")
         larger = _by_size(r for r in select(rows, backend=backend, world_size=fewest)
-                          if _out_of_memory(r) and r["size_bytes"] > large["size_bytes"])
+                          if out_of_memory(r) and r["size_bytes"] > large["size_bytes"])
         if larger:
             text += "; " + _ran_out(larger, _largest(larger))
         at_size = sorted(select(mine, size_bytes=large["size_bytes"]), key=lambda r: r["world_size"])

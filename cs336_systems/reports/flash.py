@@ -1,7 +1,7 @@
-"""Problem flash_benchmarking's report: the sweep of Triton FlashAttention against naive attention and
-SDPA, what it shows, the plots, the 2025 leaderboard's attention cell, the speed-up gates and the host's
-time to issue a call; with the answers of flash_forward / flash_backward, flash_benchmarking and the
-leaderboard. cs336_systems.benchmarks.flash measures them.
+"""Problem flash_benchmarking's report: the sentences and table lines of the sweep of Triton FlashAttention against
+naive attention and SDPA and what it shows, the 2025 leaderboard's attention cell, the speed-up gates and the host's
+time to issue a call; with the answers of flash_forward / flash_backward, flash_benchmarking and the leaderboard.
+cs336_systems.benchmarks.flash measures them; the tables and plots are declared in cs336_systems.reports.problems.
 """
 
 from __future__ import annotations
@@ -12,8 +12,6 @@ from cs336_systems.benchmarks.flash import (
     GATE_CELL,
     GATED_PROVIDERS,
     HEAD_DIMS,
-    MODE_LABELS,
-    MODES,
     PRECISIONS,
     PROVIDER_LABELS,
     SEQ_LENS,
@@ -21,10 +19,8 @@ from cs336_systems.benchmarks.flash import (
     provider_label,
 )
 from cs336_systems.reports import (
-    Rendered,
     Reports,
     format_ms,
-    markdown_table,
     noisy_marked,
     not_in_report,
     oom_text,
@@ -33,16 +29,19 @@ from cs336_systems.reports import (
     select,
 )
 from cs336_systems.reports.flash_in_training import answer_flash_in_training
-from cs336_systems.rows import FAILED, OOM, Row, ok_rows, ran
+from cs336_systems.rows import OOM, Row, ok_rows, ran
 
 RATIO_PAIRS = (("naive", "flash_triton"), ("sdpa", "flash_triton"))
 
 
+def provider_order(provider: str) -> int:
+    """Where a provider goes among the measured ones: this project's and the references in PROVIDER_LABELS' order,
+    then the implementation under test's, in the order measured."""
+    return list(PROVIDER_LABELS).index(provider) if provider in PROVIDER_LABELS else len(PROVIDER_LABELS)
+
+
 def _providers_in(rows: list[Row]) -> list[str]:
-    """The providers `rows` measured: this project's and the references in PROVIDER_LABELS' order, then the
-    implementation under test's, in the order measured."""
-    measured = dict.fromkeys(r["provider"] for r in rows)
-    return [p for p in PROVIDER_LABELS if p in measured] + [p for p in measured if p not in PROVIDER_LABELS]
+    return sorted(dict.fromkeys(r["provider"] for r in rows), key=provider_order)
 
 
 def _under_test(rows: list[Row]) -> list[str]:
@@ -50,7 +49,7 @@ def _under_test(rows: list[Row]) -> list[str]:
     return [p for p in _providers_in(rows) if p not in PROVIDER_LABELS]
 
 
-def _time_cell(row: Row | None) -> str:
+def time_cell(row: Row | None) -> str:
     if not row:
         return ""
     if row["status"] == OOM:
@@ -69,35 +68,39 @@ def _ratio_cell(slow: Row | None, fast: Row | None, spec: str = ".3g") -> str:
     return noisy_marked(f"{ratio:{spec}}x", percentiles_noisy(slow) or percentiles_noisy(fast))
 
 
-def _index(rows: list[Row]) -> dict[tuple, Row]:
-    return {(r["precision"], r["mode"], r["head_dim"], r["seq_len"], r["provider"]): r for r in rows}
+def _tflops_cell(row: Row | None) -> str:
+    return f"{row['tflops']:.3g}" if ran(row) else ""
 
 
-def _sweep_table(rows: list[Row], precision: str, mode: str) -> str:
-    index = _index(rows)
+def sweep_lines(rows: list[Row]) -> list[Row]:
+    """A line per head dim and length of one precision and mode: each provider's time, each one's over Triton's (the
+    naive and SDPA references', and the implementation under test's), and their TFLOP/s."""
     providers = _providers_in(rows)
-    # Each provider's time over Triton's: the naive and SDPA references', and the implementation under test's.
-    pairs = RATIO_PAIRS + tuple((p, "flash_triton") for p in _under_test(rows))
-    table = []
-    for d, n in sorted({(r["head_dim"], r["seq_len"]) for r in rows
-                        if r["precision"] == precision and r["mode"] == mode}):
-        cell = {p: index.get((precision, mode, d, n, p)) for p in providers}
-        entry = {"d": d, "N": n}
-        entry |= {f"{provider_label(p)} (ms)": _time_cell(cell[p]) for p in providers}
-        for slow, fast in pairs:
-            if slow in cell and fast in cell:
-                entry[f"{provider_label(slow)} / {provider_label(fast)}"] = _ratio_cell(cell[slow], cell[fast])
-        entry |= {f"{provider_label(p)} TFLOP/s": f"{cell[p]['tflops']:.3g}" if ran(cell[p]) else ""
-                  for p in providers if p != "naive"}
-        table.append(entry)
-    return markdown_table(table)
+    pairs = [(slow, fast) for slow, fast in RATIO_PAIRS if {slow, fast} <= set(providers)]
+    pairs += [(p, "flash_triton") for p in _under_test(rows) if "flash_triton" in providers]
+    lines = []
+    for d, n in sorted({(r["head_dim"], r["seq_len"]) for r in rows}):
+        cell = {r["provider"]: r for r in rows if (r["head_dim"], r["seq_len"]) == (d, n)}
+        line = {"d": d, "N": n} | {f"{provider_label(p)} (ms)": time_cell(cell.get(p)) for p in providers}
+        line |= {f"{provider_label(slow)} / {provider_label(fast)}": _ratio_cell(cell.get(slow), cell.get(fast))
+                 for slow, fast in pairs}
+        line |= {f"{provider_label(p)} TFLOP/s": _tflops_cell(cell.get(p)) for p in providers if p != "naive"}
+        lines.append(line)
+    return lines
 
 
 def _timer(rows: list[Row]) -> str:
     return next((r["timer"] for r in rows if r.get("timer")), "none (no cell ran)")
 
 
-def _setup(rows: list[Row]) -> str:
+def _sweep(rows: list[Row]) -> list[Row]:
+    return [r for r in rows if r.get("table") == "sweep"]
+
+
+def sweep_setup(rows: list[Row]) -> str:
+    rows = _sweep(rows)
+    if not rows:
+        return ""
     r = rows[0]
     reset_note = " outside the timed region" if _timer(rows).startswith("do_bench") else ""
     backends = sorted({(x["precision"], x["backend"]) for x in rows if x["provider"] == "sdpa" and x.get("backend")})
@@ -111,7 +114,8 @@ def _setup(rows: list[Row]) -> str:
         matmul = sorted({x["fp32_matmul_precision"] for x in fp32})
         fp32_note = (" In fp32, Triton's tl.dot defaults to TF32 tensor cores on NVIDIA GPUs; PyTorch's matmuls "
                      f"used float32_matmul_precision {', '.join(matmul)} ('highest' is full fp32).")
-    return (f"Causal attention on q, k, v of shape ({r['batch_size']}, {r['n_heads']}, N, d), random normal; "
+    return ("## Sweep\n\n"
+            f"Causal attention on q, k, v of shape ({r['batch_size']}, {r['n_heads']}, N, d), random normal; "
             "medians in ms. Backward is timed alone, gradients reset"
             f"{reset_note}. Ratios are a provider's time over Triton's (above 1: Triton faster). Naive: the "
             "annotated reference, eager. A ratio is noisy where either time is. SDPA backend: "
@@ -211,116 +215,95 @@ def _unmeasured_cells(sweep: list[Row]) -> str | None:
     return "; ".join(parts) or None
 
 
-def _findings(rows: list[Row]) -> list[str]:
-    findings = []
-    for precision in _precisions_in(rows):
-        mine = [r for r in rows if r["precision"] == precision]
+def unmeasured(rows: list[Row]) -> str:
+    missing = _unmeasured_cells(_sweep(rows))
+    return f"Not measured: {missing}.\n" if missing else ""
+
+
+def findings(rows: list[Row]) -> str:
+    sweep, lines = _sweep(rows), []
+    for precision in _precisions_in(sweep):
+        mine = [r for r in sweep if r["precision"] == precision]
         host_bound = _host_bound_finding(mine, precision)
         if host_bound:
-            findings.append(host_bound)
+            lines.append(host_bound)
         naive = [r for r in mine if r["provider"] == "naive"]
         ooms = [r for r in naive if r["status"] == OOM]
         if ooms:
-            findings.append(_naive_oom_finding(precision, ooms))
+            lines.append(_naive_oom_finding(precision, ooms))
         elif naive:
-            ran = max(r["seq_len"] for r in naive)
-            findings.append(f"- {precision}: naive attention ran at every N measured, up to {ran}.")
-    return findings
+            longest = max(r["seq_len"] for r in naive)
+            lines.append(f"- {precision}: naive attention ran at every N measured, up to {longest}.")
+    return "## Findings\n\n" + "\n".join(lines) + "\n" if lines else ""
 
 
-def _leaderboard_section(rows: list[Row]) -> str:
+def leaderboard_setup(rows: list[Row]) -> str:
+    rows = [r for r in rows if r.get("table") == "leaderboard"]
     if not rows:
         return ""
-    r = rows[0]
+    r, measured = rows[0], [x for x in rows if ran(x)]
+    how = (f"the providers in turns over {max(x['rounds'] for x in measured)} shuffled rounds (median of all samples)"
+           if any(x.get("rounds") for x in measured) else "one run")
+    return ("## The 2025 leaderboard's attention cell, one GPU\n\n"
+            f"Batch {r['batch_size']}, {r['n_heads']} heads, d_head {r['head_dim']}, N {r['seq_len']}, {r['precision']}, "
+            f"causal, forward+backward, {how}; triton (compiled) is the Triton Function in torch.compile. (The 2026 "
+            "leaderboard is a whole 8B-class training step on two GPUs.)\n")
+
+
+def leaderboard_lines(rows: list[Row]) -> list[Row]:
+    """A line per provider: its time and TFLOP/s, how far its turns' medians spread and how often the GPU was power
+    capped where measured, and its time over every provider's that ran."""
     measured = [x for x in rows if ran(x)]
     in_turns = any(x.get("rounds") for x in measured)
     clocked = any(x.get("power_capped_share") is not None for x in measured)
-    table = [{"provider": provider_label(x["provider"]), "backend": x.get("backend") or "",
-              "median (ms)": _time_cell(x), "TFLOP/s": f"{x['tflops']:.3g}" if ran(x) else ""}
-             | ({"turns' medians spread": f"{x['round_spread']:.1%}" if ran(x) else ""} if in_turns else {})
-             | ({"power-capped (NVML)": f"{x['power_capped_share']:.0%}" if ran(x) else ""} if clocked else {})
-             | {f"time / {provider_label(y['provider'])}": _ratio_cell(x, y) for y in measured}
-             for x in rows]
-    how = (f"the providers in turns over {max(x['rounds'] for x in measured)} shuffled rounds (median of all samples)"
-           if in_turns else "one run")
-    return "\n".join([
-        f"## The 2025 leaderboard's attention cell, one GPU\n\nBatch {r['batch_size']}, {r['n_heads']} heads, d_head "
-        f"{r['head_dim']}, N {r['seq_len']}, {r['precision']}, causal, forward+backward, {how}; triton (compiled) is "
-        "the Triton Function in torch.compile. (The 2026 leaderboard is a whole 8B-class training step on two GPUs.)\n",
-        markdown_table(table),
-    ])
+    return [{"provider": provider_label(x["provider"]), "backend": x.get("backend") or "",
+             "median (ms)": time_cell(x), "TFLOP/s": _tflops_cell(x)}
+            | ({"turns' medians spread": f"{x['round_spread']:.1%}" if ran(x) else ""} if in_turns else {})
+            | ({"power-capped (NVML)": f"{x['power_capped_share']:.0%}" if ran(x) else ""} if clocked else {})
+            | {f"time / {provider_label(y['provider'])}": _ratio_cell(x, y) for y in measured}
+            for x in rows]
 
 
-def _plot(rows: list[Row], precision: str):
-    from matplotlib.figure import Figure
-
-    head_dims = sorted({r["head_dim"] for r in rows})
-    figure = Figure(figsize=(3.2 * len(head_dims), 2.6 * len(MODES)))
-    axes = figure.subplots(len(MODES), len(head_dims), squeeze=False, sharex=True)
-    for i, mode in enumerate(MODES):
-        for j, d in enumerate(head_dims):
-            ax = axes[i][j]
-            for provider in _providers_in(rows):
-                line = sorted((r for r in rows if (r["provider"], r["mode"], r["head_dim"]) == (provider, mode, d)
-                               and ran(r)), key=lambda r: r["seq_len"])
-                if line:
-                    ax.plot([r["seq_len"] for r in line], [r["median_ms"] for r in line], marker="o", markersize=3,
-                            label=provider_label(provider))
-            ax.set_xscale("log", base=2)
-            ax.set_yscale("log")
-            ax.set_title(f"{MODE_LABELS[mode]}, d={d}", fontsize="small")
-            if i == len(MODES) - 1:
-                ax.set_xlabel("N")
-            if j == 0:
-                ax.set_ylabel("ms")
-    labelled = next((ax for row in axes for ax in row if ax.get_legend_handles_labels()[0]), None)
-    if labelled is not None:  # the first panel with a line: a partial sweep may leave the top left one empty
-        labelled.legend(fontsize="x-small")
-    figure.suptitle(f"Causal attention, batch 1, {precision}: time against sequence length")
-    figure.tight_layout()
-    return figure
-
-
-def _host_issue_section(rows: list[Row]) -> str:
+def host_issue_setup(rows: list[Row]) -> str:
+    rows = [r for r in rows if r.get("table") == "host_issue"]
     if not rows:
         return ""
-    providers = _providers_in(rows)
-    table = []
+    return ("## Host time to issue forward+backward\n\n"
+            f"{rows[0]['precision']}, causal; the host's time per call, median [p20-p80] in us, the GPU kept busy, so no call waits ({rows[0]['timer']}).\n")
+
+
+def host_issue_lines(rows: list[Row]) -> list[Row]:
+    """A line per shape: each provider's time to issue a call, and ours (and the implementation under test's) over
+    each pinned SDPA backend's."""
+    providers, lines = _providers_in(rows), []
     for shape in dict.fromkeys((r["batch_size"], r["n_heads"], r["seq_len"], r["head_dim"]) for r in rows):
         cell = {r["provider"]: r for r in rows if (r["batch_size"], r["n_heads"], r["seq_len"], r["head_dim"]) == shape}
-        entry = {"batch x heads x N x d": " x ".join(map(str, shape))}
+        line = {"batch x heads x N x d": " x ".join(map(str, shape))}
         for p in providers:
             row = cell.get(p)
-            entry[f"{provider_label(p)} (us)"] = (
+            line[f"{provider_label(p)} (us)"] = (
                 noisy_marked(f"{row['median_ms'] * 1e3:.0f} [{row['p20_ms'] * 1e3:.0f}-{row['p80_ms'] * 1e3:.0f}]",
                              percentiles_noisy(row)) if ran(row) else (row or {}).get("status", ""))
         for ours in ("flash_triton", "flash_triton_op", *_under_test(rows)):
             for sdpa in ("sdpa_cudnn", "sdpa_flash"):
                 ratio = _ratio_cell(cell.get(ours), cell.get(sdpa), ".2f")
                 if ratio:
-                    entry[f"{provider_label(ours)} / {provider_label(sdpa)}"] = ratio
-        table.append(entry)
-    r = rows[0]
-    return (f"## Host time to issue forward+backward\n\n{r['precision']}, causal; the host's time per call, median "
-            f"[p20-p80] in us, the GPU kept busy, so no call waits ({r['timer']}).\n\n"
-            + markdown_table(table))
+                    line[f"{provider_label(ours)} / {provider_label(sdpa)}"] = ratio
+        lines.append(line)
+    return lines
 
 
-def _gate_section(rows: list[Row]) -> str:
-    if not rows:
+def gate_setup(rows: list[Row]) -> str:
+    measured = {r["provider"]: r for r in rows if r.get("table") == "gate"}
+    if not measured:
         return ""
-    cell = GATE_CELL
-    table = [{"provider": provider_label(r["provider"]), "backend": r.get("backend") or "",
-              "median (ms)": _time_cell(r)} for r in rows]
-    measured = {r["provider"]: r for r in rows}
     ratios = "; ".join(f"{provider} / triton " + (_ratio_cell(measured.get(provider), measured.get("flash_triton"))
                                                   or "did not run") for provider in GATED_PROVIDERS)
-    return (f"## Speed-up gates\n\nBatch 1, 1 head, N {cell.seq_len}, d {cell.head_dim}, {cell.precision}, causal, "
-            "forward+backward, gated against perf/baselines/<gpu>.json: "
-            f"{ratios}.\n\n" + markdown_table(table))
+    return (f"## Speed-up gates\n\nBatch 1, 1 head, N {GATE_CELL.seq_len}, d {GATE_CELL.head_dim}, "
+            f"{GATE_CELL.precision}, causal, forward+backward, gated against perf/baselines/<gpu>.json: {ratios}.\n")
 
 
-def _sources(rows: list[Row]) -> str:
+def sources(rows: list[Row]) -> str:
     """The FlashAttention source each run's rows measured (rows written before hashes were recorded
     carry none), named once where every run measured the same."""
     by_run: dict[int, set[str]] = defaultdict(set)
@@ -332,42 +315,6 @@ def _sources(rows: list[Row]) -> str:
         return f"FlashAttention GPU source measured: {', '.join(sorted(runs[0][1]))}{every}.\n"
     return ("FlashAttention GPU source measured: "
             + "; ".join(f"run {run}: {', '.join(sorted(hashes))}" for run, hashes in runs) + ".\n")
-
-
-def _failures_section(rows: list[Row]) -> str:
-    """The cells where the implementation under test failed, each with its error; "" where none did."""
-    failed = [r for r in rows if r.get("status") == FAILED]
-    if not failed:
-        return ""
-    table = [{"table": r["table"], "provider": r["provider"], "precision": r["precision"], "d": r["head_dim"],
-              "N": r["seq_len"], "mode": MODE_LABELS.get(r["mode"], r["mode"]), "error": r.get("error") or ""}
-             for r in failed]
-    return "## Failures of the implementation under test\n\n" + markdown_table(table)
-
-
-def render_flash_benchmarking(rows: list[Row]) -> Rendered:
-    sweep = [r for r in rows if r.get("table") == "sweep"]
-    parts, figures = [_sources(rows)], {}
-    if sweep:
-        parts.append(f"## Sweep\n\n{_setup(sweep)}")
-        unmeasured = _unmeasured_cells(sweep)
-        if unmeasured:
-            parts.append(f"Not measured: {unmeasured}.\n")
-        for precision in _precisions_in(sweep):
-            for mode in MODES:
-                if any(r["precision"] == precision and r["mode"] == mode for r in sweep):
-                    parts += [f"### {precision}, {MODE_LABELS[mode]}\n", _sweep_table(sweep, precision, mode)]
-            name = f"flash_benchmarking_{precision}.png"
-            figures[name] = _plot([r for r in sweep if r["precision"] == precision], precision)
-            parts.append(f"![{precision}: time against N]({name})\n")
-        findings = _findings(sweep)
-        if findings:
-            parts.append("## Findings\n\n" + "\n".join(findings) + "\n")
-    parts.append(_leaderboard_section([r for r in rows if r.get("table") == "leaderboard"]))
-    parts.append(_gate_section([r for r in rows if r.get("table") == "gate"]))
-    parts.append(_host_issue_section([r for r in rows if r.get("table") == "host_issue"]))
-    parts.append(_failures_section(rows))
-    return Rendered("\n".join(p for p in parts if p), figures=figures)
 
 
 # ---------------------------------------------------------------------------------------------- answers

@@ -18,6 +18,7 @@ from typing import Any
 from cs336_systems import provenance
 from cs336_systems.accounting.communication import COLLECTIVES
 from cs336_systems.accounting.parallelism import BF16_BYTES
+from cs336_systems.benchmarks.flash import MODE_LABELS, MODES, PRECISIONS, provider_label
 from cs336_systems.gpus import GIB, MIB
 from cs336_systems.profiling.kernels import short_name
 from cs336_systems.reports import (
@@ -47,20 +48,22 @@ from cs336_systems.reports.spec import (
     LOG2,
     Column,
     Drawn,
+    GridPlot,
     Layout,
+    Part,
     Pivot,
     Plot,
     Reference,
     Table,
     Text,
     Versus,
-    Where,
-    selected,
+    when,
 )
 from cs336_systems.rows import (
     ALLREDUCE_KEY,
     ATTENTION_KEY,
     E2E_KEY,
+    FAILED,
     FLASH_IN_TRAINING_KEY,
     FLASH_KEY,
     MIXED_PRECISION_KEY,
@@ -68,6 +71,7 @@ from cs336_systems.rows import (
     OOM,
     TORCH_COMPILE_KEY,
     Row,
+    ran,
 )
 
 Answer = Callable[[Reports], list[str]]
@@ -158,11 +162,6 @@ GRADIENT_CHECKPOINTING = Layout((
 
 
 # memory_profiling: peaks against the memory model, saved activations, timelines, allocations and part (f).
-def _shown_with(where: Where, text: str) -> Text:
-    """A fixed heading and paragraph, shown where `where` selects rows."""
-    return Text(lambda rows: text if selected(rows, where) else "")
-
-
 MEMORY_PROFILING = Layout((
     Text(memory_profiling.setup), Text(memory_profiling.peak_setup),
     Table(where={"table": "peak"}, rows_of=memory_profiling.in_table_order, present_only=True, columns=(
@@ -177,7 +176,7 @@ MEMORY_PROFILING = Layout((
         Column("predicted peak at", memory_profiling.gpu_ok(lambda r: r["predicted_phase"])),
         Column("a miss's gap, nearest component", memory_profiling.gpu_ok(memory_profiling.miss)))),
     Text(memory_profiling.prediction_summary), Text(memory_profiling.autocast_note),
-    _shown_with(memory_profiling.has_saved_activations, memory_profiling.SAVED_SETUP),
+    when(memory_profiling.has_saved_activations, memory_profiling.SAVED_SETUP),
     Table(where=memory_profiling.has_saved_activations, columns=(
         "precision", Column("context", "context_length"), Column("measured", _bytes("measured_saved_bytes")),
         Column("predicted", _bytes("predicted_saved_bytes")),
@@ -191,10 +190,10 @@ MEMORY_PROFILING = Layout((
         Column("first block's output", lambda r: f"{r['shape']} {r['dtype']}"),
         Column("measured (MiB)", lambda r: r["measured_bytes"] / MIB),
         Column("match", lambda r: r["measured_bytes"] == r["computed_bytes"]))),
-    _shown_with({"table": "timeline"}, memory_profiling.TIMELINE_SETUP),
+    when({"table": "timeline"}, memory_profiling.TIMELINE_SETUP),
     Drawn("memory_timeline.png", draw=memory_profiling.timeline_figure, where={"table": "timeline"},
           alt="active memory"),
-    _shown_with({"table": "snapshot"}, memory_profiling.SNAPSHOT_SETUP),
+    when({"table": "snapshot"}, memory_profiling.SNAPSHOT_SETUP),
     Table(where={"table": "snapshot"}, order=memory_profiling.snapshot_order, columns=(
         Column("cell", memory_profiling.cell_name), Column("snapshot", lambda r: f"[{r['file']}]({r['file']})"),
         Column("size", _bytes("file_bytes")), Column("stacks kept", lambda r: r.get("stacks", "")))),
@@ -405,6 +404,80 @@ NSYS_PROFILE = Layout((
     Text(nsys_profile.nsys_section)))
 
 
+# distributed_communication_single_node
+ALLREDUCE_LINES = ("backend", "world_size")
+ALLREDUCE_REPORT = Layout((
+    Text(allreduce.setup),
+    "## Time (ms)\n",
+    Table(rows_of=allreduce.in_order, pivot=Pivot(ALLREDUCE_LINES, "size", allreduce.time_cell)),
+    "## Bus bandwidth, GB/s (algorithm bandwidth in brackets)\n",
+    Table(rows_of=allreduce.in_order, pivot=Pivot(ALLREDUCE_LINES, "size", allreduce.bandwidth_cell)),
+    Text(allreduce.nominal_comparison),
+    Text(allreduce.findings),
+    Plot("allreduce_bus_bandwidth.png", x="size_mb", y="busbw_gbps", series=lambda r: (r["backend"], r["world_size"]),
+         label=lambda line: f"{line[0]}, {line[1]} ranks", where=lambda r: not allreduce.out_of_memory(r),
+         xscale=LOG, yscale=LOG, xlabel="all-reduce size (MB)", ylabel="bus bandwidth (GB/s)",
+         title="all-reduce bus bandwidth", alt="bus bandwidth", references=(Reference(allreduce.nominal_links),),
+         grid=True, legend_fontsize=8)))
+
+
+# flash_benchmarking
+def _flash_sweep(precision: str) -> tuple[Part, ...]:
+    """A precision's sweep: a table per mode under its heading, then the plot of every mode's times."""
+    tables: list[Part] = []
+    for mode in MODES:
+        where = {"table": "sweep", "precision": precision, "mode": mode}
+        heading = f"### {precision}, {MODE_LABELS[mode]}\n"
+        tables += [when(where, heading), Table(where=where, rows_of=flash.sweep_lines)]
+    return (*tables, GridPlot(
+        f"flash_benchmarking_{precision}.png", x="seq_len", y="median_ms", series="provider",
+        label=provider_label, series_order=flash.provider_order,
+        where=lambda r: r.get("table") == "sweep" and r["precision"] == precision and ran(r),
+        facet="head_dim", facet_row="mode", facet_row_order=MODES.index,
+        panel_title=lambda mode, d: f"{MODE_LABELS[mode]}, d={d}",
+        xscale=LOG2, yscale=LOG, xlabel="N", ylabel="ms",
+        title=f"Causal attention, batch 1, {precision}: time against sequence length",
+        alt=f"{precision}: time against N", markersize=3, legend_fontsize="x-small"))
+
+
+FLASH_REPORT = Layout((
+    Text(flash.sources), Text(flash.sweep_setup), Text(flash.unmeasured),
+    *(part for precision in PRECISIONS for part in _flash_sweep(precision)),
+    Text(flash.findings),
+    Text(flash.leaderboard_setup), Table(where={"table": "leaderboard"}, rows_of=flash.leaderboard_lines),
+    Text(flash.gate_setup),
+    Table(where={"table": "gate"}, columns=(Column("provider", lambda r: provider_label(r["provider"])),
+                                            "backend", Column("median (ms)", flash.time_cell))),
+    Text(flash.host_issue_setup), Table(where={"table": "host_issue"}, rows_of=flash.host_issue_lines),
+    when({"status": FAILED}, "## Failures of the implementation under test\n"),
+    Table(where={"status": FAILED}, columns=(
+        "table", "provider", "precision", Column("d", "head_dim"), Column("N", "seq_len"),
+        Column("mode", lambda r: MODE_LABELS.get(r["mode"], r["mode"])), "error"))))
+
+
+# flash_benchmarking: flash_in_training
+def _training_steps(table: str) -> Table:
+    """The training steps of `table` (uncaptured or in CUDA graphs), each against SDPA's step of its cell."""
+    if_ran = sharding.ran_value
+    return Table(where={"table": table}, rows_of=flash_in_training.against_sdpa, columns=(
+        Column("size", lambda r: f"{r['size']} ({r['size_table']} table)"),
+        Column("d_model / heads / d_head", lambda r: f"{r['d_model']} / {r['n_heads']} / {r['head_dim']}"),
+        Column("context", "context_length"), "attention",
+        Column("step ms, median (IQR)", flash_in_training.step_time),
+        Column("std / mean", if_ran(lambda r: f"{r['std_ms'] / r['mean_ms']:.1%}")),
+        Column("vs SDPA", lambda r: f"{r['vs_sdpa']:.3f}x" if r["vs_sdpa"] else None),
+        Column("TFLOP/s", if_ran(lambda r: f"{r['tflops']:.0f}")),
+        Column("peak GiB", lambda r: f"{r['peak_memory_gib']:.1f}" if r.get("peak_memory_gib") else None),
+        Column("first loss", if_ran(lambda r: f"{r['first_loss']:.4f}"))))
+
+
+FLASH_IN_TRAINING_REPORT = Layout((
+    Text(flash_in_training.steps_setup), _training_steps("step"),
+    when({"table": "graphed_step"}, flash_in_training.GRAPHED_STEPS_SETUP), _training_steps("graphed_step"),
+    when({"table": "kernels"}, flash_in_training.KERNELS_SETUP),
+    Table(where={"table": "kernels"}, rows_of=flash_in_training.kernel_lines)))
+
+
 PROBLEMS: tuple[Problem, ...] = (
     Problem("benchmarking_script",
             (Report("benchmarking_script", e2e.render_benchmarking_script, E2E_KEY, cell_of=e2e.cell_key),),
@@ -434,12 +507,12 @@ PROBLEMS: tuple[Problem, ...] = (
             attention.answer_torch_compile, "e2e", ("perf/test_e2e.py", "perf/test_attention.py")),
     Problem("flash_forward / flash_backward", (), flash.answer_flash_forward_backward),
     Problem("flash_benchmarking",
-            (Report("flash_benchmarking", flash.render_flash_benchmarking, FLASH_KEY),
-             Report("flash_in_training", flash_in_training.render_flash_in_training, FLASH_IN_TRAINING_KEY,
+            (Report("flash_benchmarking", FLASH_REPORT, FLASH_KEY),
+             Report("flash_in_training", FLASH_IN_TRAINING_REPORT, FLASH_IN_TRAINING_KEY,
                     needs_gpu=True)),
             flash.answer_flash_benchmarking, "flash", ("perf/test_flash.py",)),
     Problem("distributed_communication_single_node",
-            (Report("distributed_communication_single_node", allreduce.render_allreduce, ALLREDUCE_KEY),),
+            (Report("distributed_communication_single_node", ALLREDUCE_REPORT, ALLREDUCE_KEY),),
             allreduce.answer_distributed_communication_single_node, "ddp", ("perf/test_allreduce.py",),
             open_items=allreduce.open_items_distributed_communication_single_node),
     Problem("naive_ddp / naive_ddp_benchmarking",

@@ -238,6 +238,53 @@ class Drawn(Plot):
         return self.draw(list(rows))
 
 
+@dataclass(frozen=True)
+class GridPlot(Plot):
+    """A Plot with a panel per pair of facets: a row of panels per distinct `facet_row` value (in `facet_row_order`), a
+    column per distinct `facet` value (sorted), sharing the x axis. Each panel is `panel_size` inches, titled
+    `panel_title(row value, column value)` in a small font; markers are `markersize` points. The x label stands under
+    the bottom row, the y label beside the first column, the legend in the first panel with a line, `title` above
+    them all."""
+    facet_row: Value = ""
+    facet_row_order: Callable[[Any], Any] | None = None
+    panel_title: Callable[[Any, Any], str] = "{}, {}".format
+    panel_size: tuple[float, float] = (3.2, 2.6)
+    markersize: float | None = None
+
+    def figure(self, rows: Sequence[Row]):
+        from matplotlib.figure import Figure
+
+        chosen = selected(rows, self.where)
+        grid_rows = sorted(_distinct(chosen, self.facet_row), key=self.facet_row_order)
+        grid_columns = sorted(_distinct(chosen, self.facet))
+        width, height = self.panel_size
+        figure = Figure(figsize=(width * len(grid_columns), height * len(grid_rows)))
+        panels = figure.subplots(len(grid_rows), len(grid_columns), squeeze=False, sharex=True)
+        for i, row_value in enumerate(grid_rows):
+            for j, column_value in enumerate(grid_columns):
+                axes = panels[i][j]
+                here = [r for r in chosen
+                        if value_of(self.facet_row, r) == row_value and value_of(self.facet, r) == column_value]
+                for key in sorted(_distinct(here, self.series), key=self.series_order):
+                    line = sorted((r for r in here if value_of(self.series, r) == key),
+                                  key=lambda r: value_of(self.x, r))
+                    axes.plot([value_of(self.x, r) for r in line], [value_of(self.y, r) for r in line],
+                              marker=self.marker, markersize=self.markersize, label=self.label(key))
+                _scale(axes.set_xscale, self.xscale)
+                _scale(axes.set_yscale, self.yscale)
+                axes.set_title(self.panel_title(row_value, column_value), fontsize="small")
+                if i == len(grid_rows) - 1:
+                    axes.set_xlabel(self.xlabel)
+                if j == 0:
+                    axes.set_ylabel(self.ylabel)
+        labelled = next((axes for line in panels for axes in line if axes.get_legend_handles_labels()[0]), None)
+        if labelled is not None:
+            labelled.legend(fontsize=self.legend_fontsize)
+        figure.suptitle(self.title)
+        figure.tight_layout()
+        return figure
+
+
 def _distinct(rows: Sequence[Row], value: Value) -> list[Any]:
     return list(dict.fromkeys(value_of(value, r) for r in rows))
 
@@ -253,6 +300,11 @@ def _scale(set_scale: Callable[..., None], scale: Scale) -> None:
 class Text:
     """Sentences from the rows, written by the problem family's module: `write(rows)`, "" for none."""
     write: Callable[[list[Row]], str]
+
+
+def when(where: Where, text: str) -> Text:
+    """A fixed paragraph (a section's heading, a table's setup) shown only where `where` selects rows."""
+    return Text(lambda rows: text if selected(rows, where) else "")
 
 
 Part = Union[str, Text, Table, Plot]
