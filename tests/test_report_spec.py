@@ -63,6 +63,13 @@ def test_a_pivot_heading_puts_each_row_under_the_column_it_names():
     assert lines[2:] == [["1", "0", "1"], ["2", "2", ""]]
 
 
+def test_a_text_with_a_filter_reads_the_rows_it_selects_and_is_left_out_without_them():
+    text = Text(lambda rows: f"{len(rows)} of them.\n", where={"table": "memory"})
+    assert text.render(STEPS) == "1 of them.\n"
+    assert text.render(STEPS[:3]) == ""
+    assert Text(lambda rows: f"{len(rows)} of them.\n").render([]) == "0 of them.\n"
+
+
 def test_a_layout_renders_the_rows_its_rows_of_gives():
     layout = Layout((Text(lambda rows: f"{len(rows)} of them.\n"),), requires={"table": "step"},
                     rows_of=lambda rows: [r for r in rows if r["table"] == "step"][:1])

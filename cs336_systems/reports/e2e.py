@@ -183,12 +183,6 @@ def phase_order(row: Row) -> tuple:
     return size_order(row["size"]), phase_index(row), row["context_length"]
 
 
-def _main_sweep(rows: list[Row]) -> tuple[list[Row], dict[tuple, list[Row]]]:
-    """The sweep's rows of the variant the report answers from, and the other variants' (split_variants)."""
-    _, sweep, extra = split_variants(select(rows, table="sweep"))
-    return sweep, extra
-
-
 def _sweep_setup(rows: list[Row], extra: dict[tuple, list[Row]] | None = None) -> str:
     sample = rows[0]
     # Rows that record their timer are described by the header's timing line; older ones timed each phase.
@@ -198,10 +192,8 @@ def _sweep_setup(rows: list[Row], extra: dict[tuple, list[Row]] | None = None) -
             f"warm-up + {sample['steps']} timed steps per cell{timer}{extras}; times in ms, mean ± std")
 
 
-def sweep_setup(rows: list[Row]) -> str:
-    sweep, extra = _main_sweep(rows)
-    if not sweep:
-        return ""
+def sweep_setup(sweep: list[Row]) -> str:
+    _, sweep, extra = split_variants(sweep)
     return (f"## Time per phase by model size and context\n\n{_sweep_setup(sweep, extra)}; fp32, eager. Forward "
             "is timed inside training steps (autograd recording).\n")
 
@@ -257,10 +249,8 @@ def step_variation(rows: list[Row]) -> StepVariation | None:
                          sum(is_noisy(r["mean_ms"], r["std_ms"]) for r in measured))
 
 
-def variation_summary(rows: list[Row]) -> str:
-    rows, _ = _main_sweep(rows)
-    if not rows:
-        return ""
+def variation_summary(sweep: list[Row]) -> str:
+    _, rows, _ = split_variants(sweep)
     variation = step_variation(rows)
     if variation is None:
         return "No cell ran: every configuration ran out of memory."
@@ -318,10 +308,7 @@ def _one_time_costs(device_type: str) -> str:
     return f"A first step pays one-time costs: {costs}."
 
 
-def warmup_study_setup(rows: list[Row]) -> str:
-    study = select(rows, table="warmup")
-    if not study:
-        return ""
+def warmup_study_setup(study: list[Row]) -> str:
     return (f"## Warm-up study\n\nOne fresh process per cell: {_warmup_setup(study)}, "
             f"context {study[0]['context_length']}, {study[0]['steps']} timed training steps after "
             f"{', '.join(str(w) for w in sorted({r['warmup'] for r in study}))} warm-up steps.\n")
@@ -336,8 +323,7 @@ def warmup_order(row: Row) -> tuple:
     return size_order(row["size"]), row["warmup"], phase_index(row)
 
 
-def warmup_findings(rows: list[Row]) -> str:
-    study = select(rows, table="warmup")
+def warmup_findings(study: list[Row]) -> str:
     ok = ok_rows(study)
     findings = []
     for size in sorted({r["size"] for r in ok}, key=size_order):
@@ -437,20 +423,14 @@ def _comparison_table(rows: list[Row], key: str, base_value, other_value, base_l
     return table
 
 
-def autocast_setup(rows: list[Row]) -> str:
-    dtypes = select(rows, table="autocast_dtypes")
-    if not dtypes:
-        return ""
+def autocast_setup(dtypes: list[Row]) -> str:
     autocast_dtype = dtypes[0]["autocast"]
     note = "" if autocast_dtype == "float16" else " (this device's autocast does not support fp16)"
     return (f"## (a) dtypes inside a toy-model step under autocast\n\nObserved with forward hooks on "
             f"{dtypes[0]['device']}, autocast dtype {autocast_dtype}{note}.\n")
 
 
-def autocast_findings(rows: list[Row]) -> str:
-    dtypes = select(rows, table="autocast_dtypes")
-    if not dtypes:
-        return ""
+def autocast_findings(dtypes: list[Row]) -> str:
     observed = {r["tensor"]: r["dtype"] for r in dtypes}
     autocast_dtype = dtypes[0]["autocast"]
     low = [t for t, d in observed.items() if d == autocast_dtype]
@@ -462,15 +442,12 @@ def autocast_findings(rows: list[Row]) -> str:
             "across devices.\n")
 
 
-def normalisation_setup(rows: list[Row]) -> str:
-    if not select(rows, table="normalization"):
-        return ""
-    return ("## (b) normalisation statistics in low precision\n\nMean of squares of a 1024-wide row of magnitude "
-            "~300, against a float64 reference:\n")
+NORMALISATION_SETUP = ("## (b) normalisation statistics in low precision\n\nMean of squares of a 1024-wide row of "
+                       "magnitude ~300, against a float64 reference:\n")
 
 
 def normalisation_findings(rows: list[Row]) -> str:
-    norms = {r["storage_dtype"]: r for r in select(rows, table="normalization")}
+    norms = {r["storage_dtype"]: r for r in rows}
     fp16, bf16 = norms.get("float16"), norms.get("bfloat16")
     if not (fp16 and bf16):
         return ""
@@ -481,10 +458,8 @@ def normalisation_findings(rows: list[Row]) -> str:
             "statistics in fp32 (as our RMSNorm does) is still more accurate.\n")
 
 
-def precision_setup(rows: list[Row]) -> str:
-    timings, extra = _main_sweep(rows)
-    if not timings:
-        return ""
+def precision_setup(sweep: list[Row]) -> str:
+    _, timings, extra = split_variants(sweep)
     return (f"## (c) fp32 against bf16 autocast\n\n{_sweep_setup(timings, extra)}; eager. Speed-up is the ratio of "
             "means; MFU is against the device's dense peak for the precision (fp32 peak for fp32 cells, bf16 "
             "tensor-core peak for bf16 cells).\n")
@@ -510,10 +485,8 @@ def precision_comparison(rows: list[Row]) -> list[Row]:
     return table
 
 
-def precision_speedups(rows: list[Row]) -> str:
-    timings, extra = _main_sweep(rows)
-    if not timings:
-        return ""
+def precision_speedups(sweep: list[Row]) -> str:
+    _, timings, extra = split_variants(sweep)
     summary = _speedup_summary(timings, "precision", "fp32", "bf16")
     return ((f"bf16 speed-up over fp32 by phase: {summary}." if summary else "")
             + _unpaired_note([timings, *extra.values()], "precision", "fp32", "bf16") + "\n")

@@ -103,27 +103,29 @@ def _parallelism(name: str, answer: Answer) -> Problem:
 
 
 # The end-to-end model benchmarks (reports.e2e): time per phase, the warm-up study, mixed precision.
+SWEEP, WARMUP = {"table": "sweep"}, {"table": "warmup"}
+AUTOCAST_DTYPES, NORMALISATION = {"table": "autocast_dtypes"}, {"table": "normalization"}
 BENCHMARKING_SCRIPT = Layout((
-    Text(e2e.sweep_setup),
+    Text(e2e.sweep_setup, SWEEP),
     # One line per size and phase, a column per context: the main variant's, then each other variant's.
-    Table(where={"table": "sweep"}, order=e2e.phase_order, rows_of=e2e.variant_columns,
+    Table(where=SWEEP, order=e2e.phase_order, rows_of=e2e.variant_columns,
           pivot=Pivot(("size", "phase"), "context_length", e2e.mean_std, heading=e2e.context_heading)),
-    Text(e2e.variation_summary),
-    Text(e2e.warmup_study_setup),
+    Text(e2e.variation_summary, SWEEP),
+    Text(e2e.warmup_study_setup, WARMUP),
     Table(where=e2e.is_warmup_part, order=e2e.warmup_order, columns=(
         "size", Column("warm-up steps", "warmup"), "phase", Column("mean ± std (ms)", e2e.mean_std),
         Column("median (ms)", "median_ms"), Column("first timed step (ms)", "first_ms"),
         Column("slowest step (ms)", "max_ms"))),
-    Text(e2e.warmup_findings)), rows_of=lambda rows: e2e.latest_cells(rows, E2E_KEY))
+    Text(e2e.warmup_findings, WARMUP)), rows_of=lambda rows: e2e.latest_cells(rows, E2E_KEY))
 BENCHMARKING_MIXED_PRECISION = Layout((
-    Text(e2e.autocast_setup), Table(where={"table": "autocast_dtypes"}, columns=("tensor", "dtype")),
-    Text(e2e.autocast_findings),
-    Text(e2e.normalisation_setup),
-    Table(where={"table": "normalization"}, columns=("storage_dtype", "mean_square", "relative_error")),
-    Text(e2e.normalisation_findings),
+    Text(e2e.autocast_setup, AUTOCAST_DTYPES), Table(where=AUTOCAST_DTYPES, columns=("tensor", "dtype")),
+    Text(e2e.autocast_findings, AUTOCAST_DTYPES),
+    Text(lambda rows: e2e.NORMALISATION_SETUP, NORMALISATION),
+    Table(where=NORMALISATION, columns=("storage_dtype", "mean_square", "relative_error")),
+    Text(e2e.normalisation_findings, NORMALISATION),
     # fp32 against bf16 per cell: two rows and their ratio on each line, which no pivot shows.
-    Text(e2e.precision_setup), Table(where={"table": "sweep"}, rows_of=e2e.precision_comparison),
-    Text(e2e.precision_speedups)), rows_of=lambda rows: e2e.latest_cells(rows, MIXED_PRECISION_KEY))
+    Text(e2e.precision_setup, SWEEP), Table(where=SWEEP, rows_of=e2e.precision_comparison),
+    Text(e2e.precision_speedups, SWEEP)), rows_of=lambda rows: e2e.latest_cells(rows, MIXED_PRECISION_KEY))
 
 # Mixed-precision accumulation (reports.mixed_precision).
 MIXED_PRECISION_ACCUMULATION = Layout((

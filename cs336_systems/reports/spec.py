@@ -223,8 +223,14 @@ def _scale(set_scale: Callable[..., None], scale: Scale) -> None:
 
 @dataclass(frozen=True)
 class Text:
-    """Sentences from the rows, written by the problem family's module: `write(rows)`, "" for none."""
+    """Sentences from the rows, written by the problem family's module: `write(rows)`, "" for none. With `where`,
+    `write` reads only the rows it selects, and where it selects none there is no text."""
     write: Callable[[list[Row]], str]
+    where: Where | None = None
+
+    def render(self, rows: Sequence[Row]) -> str:
+        chosen = selected(rows, self.where)
+        return self.write(chosen) if chosen or self.where is None else ""
 
 
 Part = Union[str, Text, Table, Plot]
@@ -253,7 +259,7 @@ class Layout:
             elif isinstance(part, Table):
                 body.append(part.render(rows))
             elif isinstance(part, Text):
-                body.append(part.write(rows))
+                body.append(part.render(rows))
             else:
                 body.append(part)
         return Rendered("\n".join(text for text in body if text) or NO_ROWS, figures)
