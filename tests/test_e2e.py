@@ -30,8 +30,6 @@ from cs336_systems.reports.e2e import (
     latest_cells,
     long_cell_note,
     mean_std,
-    render_benchmarking_mixed_precision,
-    render_benchmarking_script,
     render_compiled_models,
 )
 from cs336_systems.reports.index import result_directories
@@ -183,7 +181,7 @@ def test_the_report_and_the_index_quote_one_median_variation_of_the_cells():
     # std / mean of 1%, 2%, 4% and 30%: the median is 3.0% (the upper of the two middle values would be 4.0%).
     rows = [_sweep_cell(context, "train_step", 100.0, std) for context, std in ((128, 1.0), (256, 2.0), (512, 4.0),
                                                                               (1024, 30.0))]
-    body = render_benchmarking_script(rows).body
+    body = problems.report("benchmarking_script").render(rows).body
     answer = " ".join(answer_benchmarking_script({"benchmarking_script": rows}))
     assert "median std 3.0% of the mean; 3 of 4 cells under 5%" in body
     assert ("Over the 4 measured cells the std is a median 3.0% of the mean (largest: small at context 1024, train "
@@ -282,7 +280,7 @@ def test_bf16_is_answered_at_the_largest_size_trained_in_both_precisions_and_for
     assert "training step in both fp32 and bf16 is not in the report" not in answer
     assert ("bf16 autocast over fp32, eager, for a training step of SDPA + fused AdamW at xl, the largest size whose "
             "step ran in both precisions: 2.00x at context 512 (100.0 ms -> 50.0 ms).") in answer
-    body = render_benchmarking_mixed_precision(rows).body
+    body = problems.report("benchmarking_mixed_precision").render(rows).body
     assert ("bf16 speed-up over fp32 by phase: forward: 2.00x; train step: 2.00x; forward only (no autograd, where "
             "training did not fit): 5.00x.") in body
 
@@ -295,7 +293,7 @@ def _warmup_cell(size: str, warmup: int, median_ms: float, first_ms: float) -> d
 def test_the_warm_up_study_names_the_model_variant_and_precision_it_ran():
     rows = [_warmup_cell("small", 0, 50.0, 250.0), _warmup_cell("small", 1, 50.0, 50.0),
             _warmup_cell("small", 5, 50.0, 50.0)]
-    body = render_benchmarking_script(rows).body
+    body = problems.report("benchmarking_script").render(rows).body
     assert ("One fresh process per cell: SDPA + fused AdamW, fp32, batch 4, context 512, 10 timed training steps after "
             "0, 1, 5 warm-up steps.") in body
     answer = " ".join(answer_benchmarking_script({"benchmarking_script": rows}))
@@ -311,7 +309,7 @@ def test_a_row_from_before_the_adamw_was_recorded_is_the_cell_of_a_newer_fused_r
     # The latest run's row is kept, in whichever order the rows come.
     assert latest_cells([newer, legacy, course], E2E_KEY) == [newer, course]
     assert latest_cells([legacy, newer], E2E_KEY) == [newer]
-    body = render_benchmarking_script([newer, legacy]).body
+    body = problems.report("benchmarking_script").render([newer, legacy]).body
     assert "| 900.0 ± 1.0 (forward only) |" in body.replace("  ", "") and "OOM" not in body
 
 
@@ -342,12 +340,12 @@ def test_report_lists_cells_out_of_memory_with_their_estimates():
             {**cell, "context_length": 512, "phase": "train_step", "estimated_peak_bytes": 191.4 * 2**30,
              "oom_predicted": False},
             {**ok, "phase": "train_step"}]
-    body = render_benchmarking_script(rows).body
+    body = problems.report("benchmarking_script").render(rows).body
     # One was not run, one ran out: not every cell of the size was skipped.
     assert "Out of memory: 10B at contexts 128 and 512 in fp32 (estimate 191.2 to 191.4 GiB)." in body
     # Where the forward alone ran in a cell's place, the listing says so.
     forward = {**cell, "phase": "forward", "status": "ok", "mean_ms": 900.0, "std_ms": 1.0, "measured_mode": "forward"}
-    body = render_benchmarking_script(rows[:1] + [forward, {**ok, "phase": "train_step"}]).body
+    body = problems.report("benchmarking_script").render(rows[:1] + [forward, {**ok, "phase": "train_step"}]).body
     assert "10B at context 128 in fp32 (estimate 191.2 GiB; not run; the forward alone ran)" in body
     assert "| 900.0 ± 1.0 (forward only) |" in body.replace("  ", "")
 

@@ -68,6 +68,29 @@ def test_a_pivot_has_a_line_per_index_and_a_column_per_value():
     assert lines[2:] == [["gloo", "0", "1"], ["nccl", "2", ""]]
 
 
+def test_a_pivot_heading_puts_each_row_under_the_column_it_names():
+    rows = [{"size": 1, "variant": v, "ms": i} for i, v in enumerate(["ours", "torch", "ours"])]
+    rows[2]["size"] = 2
+    pivot = Pivot(("size",), "variant", "ms", heading=lambda r: f"{r['variant']} (ms)")
+    lines = _lines(Table(pivot=pivot).render(rows))
+    assert lines[0] == ["size", "ours (ms)", "torch (ms)"]
+    assert lines[2:] == [["1", "0", "1"], ["2", "2", ""]]
+
+
+def test_a_text_with_a_filter_reads_the_rows_it_selects_and_is_left_out_without_them():
+    text = Text(lambda rows: f"{len(rows)} of them.\n", where={"table": "memory"})
+    assert text.render(STEPS) == "1 of them.\n"
+    assert text.render(STEPS[:3]) == ""
+    assert Text(lambda rows: f"{len(rows)} of them.\n").render([]) == "0 of them.\n"
+
+
+def test_a_layout_renders_the_rows_its_rows_of_gives():
+    layout = Layout((Text(lambda rows: f"{len(rows)} of them.\n"),), requires={"table": "step"},
+                    rows_of=lambda rows: [r for r in rows if r["table"] == "step"][:1])
+    assert layout(STEPS).body == "1 of them.\n"
+    assert layout(STEPS[3:]).body == NO_ROWS
+
+
 def test_a_layout_joins_its_parts_leaves_out_empty_ones_and_needs_its_rows():
     layout = Layout(("Setup.\n", Text(lambda rows: ""), Table(where={"table": "step"}, columns=("variant",)),
                      Text(lambda rows: f"{len(rows)} rows.\n")), requires={"table": "step"})

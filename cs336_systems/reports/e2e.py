@@ -31,7 +31,6 @@ from cs336_systems.reports import (
     noisy_marked,
     not_in_report,
     oom_note,
-    pivot,
     plural,
     run_of,
     runs_text,
@@ -171,9 +170,17 @@ def variant_label(v: tuple) -> str:
     return VARIANT_LABELS.get(v, f"{v[0]} attention, {v[1]} AdamW")
 
 
+def phase_index(row: Row) -> int:
+    return list(PHASE_LABELS).index(row["phase"])
+
+
 def _cell_order(row: Row) -> tuple:
-    return (size_order(row["size"]), row["context_length"], str(row.get("precision")),
-            list(PHASE_LABELS).index(row["phase"]))
+    return size_order(row["size"]), row["context_length"], str(row.get("precision")), phase_index(row)
+
+
+def phase_order(row: Row) -> tuple:
+    """A sweep table's order: by size, phase, then context."""
+    return size_order(row["size"]), phase_index(row), row["context_length"]
 
 
 def _sweep_setup(rows: list[Row], extra: dict[tuple, list[Row]] | None = None) -> str:
@@ -185,22 +192,26 @@ def _sweep_setup(rows: list[Row], extra: dict[tuple, list[Row]] | None = None) -
             f"warm-up + {sample['steps']} timed steps per cell{timer}{extras}; times in ms, mean ± std")
 
 
-def _sweep_table(rows: list[Row], extra: dict[tuple, list[Row]]) -> str:
-    """Phases by size and context of the main variant, then each other variant's as extra columns."""
-    def ordered(selected: list[Row]) -> list[Row]:
-        return [{**r, "phase": PHASE_LABELS[r["phase"]]} for r in sorted(
-            selected, key=lambda r: (size_order(r["size"]), list(PHASE_LABELS).index(r["phase"]), r["context_length"]))]
+def sweep_setup(sweep: list[Row]) -> str:
+    _, sweep, extra = split_variants(sweep)
+    return (f"## Time per phase by model size and context\n\n{_sweep_setup(sweep, extra)}; fp32, eager. Forward "
+            "is timed inside training steps (autograd recording).\n")
 
-    table = pivot(ordered(rows), index=["size", "phase"], column="context_length", value="mean_ms", fmt=mean_std,
-                  label="context")
-    for v, other in extra.items():
-        extra_columns = {(r["size"], r["phase"]): r for r in pivot(
-            ordered(other), index=["size", "phase"], column="context_length", value="mean_ms", fmt=mean_std,
-            label=f"{variant_column_label(v)}, context")}
-        for entry in table:
-            entry.update({k: value for k, value in extra_columns.get((entry["size"], entry["phase"]), {}).items()
-                          if k not in ("size", "phase")})
-    return markdown_table(table)
+
+def variant_columns(rows: list[Row]) -> list[Row]:
+    """A sweep's rows as its table shows them: the main variant's (split_variants), then each other variant's whose
+    size and phase the main one has, marked with the label its columns take (`variant_column`); phases by label."""
+    _, main, others = split_variants(rows)
+    lines = {(r["size"], r["phase"]) for r in main}
+    extra = [{**r, "variant_column": variant_column_label(v)} for v, other in others.items() for r in other
+             if (r["size"], r["phase"]) in lines]
+    return [{**r, "phase": PHASE_LABELS[r["phase"]]} for r in main + extra]
+
+
+def context_heading(row: Row) -> str:
+    """A sweep table's column: the row's context, after its variant's label where it is not the main variant."""
+    variant = f"{row['variant_column']}, " if row.get("variant_column") else ""
+    return f"{variant}context {row['context_length']}"
 
 
 # Each variant as a table's column heads it.
@@ -238,7 +249,8 @@ def step_variation(rows: list[Row]) -> StepVariation | None:
                          sum(is_noisy(r["mean_ms"], r["std_ms"]) for r in measured))
 
 
-def _variation_summary(rows: list[Row]) -> str:
+def variation_summary(sweep: list[Row]) -> str:
+    _, rows, _ = split_variants(sweep)
     variation = step_variation(rows)
     if variation is None:
         return "No cell ran: every configuration ran out of memory."
@@ -296,19 +308,23 @@ def _one_time_costs(device_type: str) -> str:
     return f"A first step pays one-time costs: {costs}."
 
 
-def _warmup_section(rows: list[Row]) -> str:
-    if not rows:
-        return ""
-    shown = sorted((r for r in rows if r["phase"] in ("forward", "backward", "optimizer")),
-                   key=lambda r: (size_order(r["size"]), r["warmup"], list(PHASE_LABELS).index(r["phase"])))
-    table = [{"size": r["size"], "warm-up steps": r["warmup"], "phase": r["phase"],
-              "mean ± std (ms)": mean_std(r), "median (ms)": r.get("median_ms"),
-              "first timed step (ms)": r.get("first_ms"), "slowest step (ms)": r.get("max_ms")} for r in shown]
-    text = [f"## Warm-up study\n\nOne fresh process per cell: {_warmup_setup(rows)}, "
-            f"context {rows[0]['context_length']}, {rows[0]['steps']} timed training steps after "
-            f"{', '.join(str(w) for w in sorted({r['warmup'] for r in rows}))} warm-up steps.\n",
-            markdown_table(table)]
-    ok = ok_rows(rows)
+def warmup_study_setup(study: list[Row]) -> str:
+    return (f"## Warm-up study\n\nOne fresh process per cell: {_warmup_setup(study)}, "
+            f"context {study[0]['context_length']}, {study[0]['steps']} timed training steps after "
+            f"{', '.join(str(w) for w in sorted({r['warmup'] for r in study}))} warm-up steps.\n")
+
+
+def is_warmup_part(row: Row) -> bool:
+    """A row of the warm-up study's table: a part of the step (forward, backward, optimizer)."""
+    return row.get("table") == "warmup" and row["phase"] in ("forward", "backward", "optimizer")
+
+
+def warmup_order(row: Row) -> tuple:
+    return size_order(row["size"]), row["warmup"], phase_index(row)
+
+
+def warmup_findings(study: list[Row]) -> str:
+    ok = ok_rows(study)
     findings = []
     for size in sorted({r["size"] for r in ok}, key=size_order):
         steps = {r["warmup"]: r for r in ok if r["size"] == size and r["phase"] == "train_step"}
@@ -318,9 +334,9 @@ def _warmup_section(rows: list[Row]) -> str:
         findings.append(f"- {size}: without warm-up the first training step takes {cold['first_ms']:.1f} ms "
                         f"({format_ratio(_first_step_ratio(cold))} the median); mean {mean_std(cold, 'ms')} "
                         f"against {mean_std(most, 'ms')} after {plural(max(steps), 'warm-up step')}.")
-    if findings:
-        text.append("\n".join(findings) + "\n\n" + _one_time_costs(rows[0].get("device", "cpu")) + "\n")
-    return "\n".join(text)
+    if not findings:
+        return ""
+    return "\n".join(findings) + "\n\n" + _one_time_costs(study[0].get("device", "cpu")) + "\n"
 
 
 def _warmup_setup(rows: list[Row]) -> str:
@@ -329,18 +345,6 @@ def _warmup_setup(rows: list[Row]) -> str:
     precisions = listing(list(dict.fromkeys(str(r.get("precision")) for r in rows)))
     batch_sizes = listing(list(dict.fromkeys(str(r["batch_size"]) for r in rows)))
     return f"{variants}, {precisions}, batch {batch_sizes}"
-
-
-def render_benchmarking_script(rows: list[Row]) -> Rendered:
-    rows = latest_cells(rows, E2E_KEY)
-    _, sweep, extra = split_variants([r for r in rows if r.get("table") == "sweep"])
-    parts = []
-    if sweep:
-        parts += [f"## Time per phase by model size and context\n\n{_sweep_setup(sweep, extra)}; fp32, eager. Forward "
-                  "is timed inside training steps (autograd recording).\n", _sweep_table(sweep, extra),
-                  _variation_summary(sweep)]
-    parts.append(_warmup_section([r for r in rows if r.get("table") == "warmup"]))
-    return Rendered("\n".join(parts))
 
 
 def _index_keys(key: str) -> list[str]:
@@ -419,63 +423,73 @@ def _comparison_table(rows: list[Row], key: str, base_value, other_value, base_l
     return table
 
 
-def _autocast_section(dtypes: list[Row]) -> str:
+def autocast_setup(dtypes: list[Row]) -> str:
+    autocast_dtype = dtypes[0]["autocast"]
+    note = "" if autocast_dtype == "float16" else " (this device's autocast does not support fp16)"
+    return (f"## (a) dtypes inside a toy-model step under autocast\n\nObserved with forward hooks on "
+            f"{dtypes[0]['device']}, autocast dtype {autocast_dtype}{note}.\n")
+
+
+def autocast_findings(dtypes: list[Row]) -> str:
     observed = {r["tensor"]: r["dtype"] for r in dtypes}
     autocast_dtype = dtypes[0]["autocast"]
     low = [t for t, d in observed.items() if d == autocast_dtype]
     full = [t for t, d in observed.items() if d == "float32"]
-    note = "" if autocast_dtype == "float16" else " (this device's autocast does not support fp16)"
-    return (f"## (a) dtypes inside a toy-model step under autocast\n\nObserved with forward hooks on "
-            f"{dtypes[0]['device']}, autocast dtype {autocast_dtype}{note}.\n\n" + markdown_table(dtypes, ["tensor", "dtype"]) +
-            f"\nIn {autocast_dtype}: {', '.join(low) or 'nothing'}. In float32: {', '.join(full) or 'nothing'}. "
+    return (f"In {autocast_dtype}: {', '.join(low) or 'nothing'}. In float32: {', '.join(full) or 'nothing'}. "
             "Autocast leaves parameters (and so their gradients) in fp32 and casts copies of the weights for each "
             "matmul, whose outputs come out in the low-precision dtype; ops on its fp32 list (the loss, and on CUDA "
             "layer norm) run in fp32. Which ops are on that list differs by device: compare the layer norm row "
             "across devices.\n")
 
 
-def render_benchmarking_mixed_precision(rows: list[Row]) -> Rendered:
-    rows = latest_cells(rows, MIXED_PRECISION_KEY)
-    parts = []
-    dtypes = [r for r in rows if r.get("table") == "autocast_dtypes"]
-    if dtypes:
-        parts.append(_autocast_section(dtypes))
-    norms = {r["storage_dtype"]: r for r in rows if r.get("table") == "normalization"}
-    if norms:
-        fp16, bf16 = norms.get("float16"), norms.get("bfloat16")
-        parts += ["## (b) normalisation statistics in low precision\n\nMean of squares of a 1024-wide row of "
-                  "magnitude ~300, against a float64 reference:\n", markdown_table(list(norms.values()),
-                                                                                   ["storage_dtype", "mean_square", "relative_error"])]
-        if fp16 and bf16:
-            parts.append(f"In fp16 the result is {fp16['mean_square']} (largest finite fp16 value: 65504; 300² is 9e4): "
-                         f"a layer norm or RMSNorm whose statistics are computed in fp16 overflows. bf16 keeps fp32's "
-                         f"exponent range, so it does not overflow, but with 8 mantissa bits its mean is off by "
-                         f"{bf16['relative_error']:.2%}. So under fp16 the norms must run in fp32; under bf16 they can "
-                         "run without overflow, though accumulating the statistics in fp32 (as our RMSNorm does) is "
-                         "still more accurate.\n")
-    _, timings, extra = split_variants([r for r in rows if r.get("table") == "sweep"])
-    if timings:
-        table = _comparison_table(timings, "precision", "fp32", "bf16", "fp32", "bf16")
-        summary = _speedup_summary(timings, "precision", "fp32", "bf16")
-        for v, other in extra.items():
-            _add_columns(table, _comparison_table(other, "precision", "fp32", "bf16", "fp32", "bf16"),
-                         variant_column_label(v))
-        parts += [f"## (c) fp32 against bf16 autocast\n\n{_sweep_setup(timings, extra)}; eager. Speed-up is the ratio "
-                  "of means; MFU is against the device's dense peak for the precision (fp32 peak for fp32 cells, "
-                  "bf16 tensor-core peak for bf16 cells).\n", markdown_table(table),
-                  (f"bf16 speed-up over fp32 by phase: {summary}." if summary else "")
-                  + _unpaired_note([timings, *extra.values()], "precision", "fp32", "bf16") + "\n"]
-    return Rendered("\n".join(parts))
+NORMALISATION_SETUP = ("## (b) normalisation statistics in low precision\n\nMean of squares of a 1024-wide row of "
+                       "magnitude ~300, against a float64 reference:\n")
 
 
-def _add_columns(table: list[Row], other: list[Row], label: str) -> None:
-    """Another variant's times and speed-up as extra columns of `table`, matched by size, context and phase."""
-    index = ("size", "context_length", "phase")
-    by_cell = {tuple(r[k] for k in index): r for r in other}
-    for entry in table:
-        match = by_cell.get(tuple(entry[k] for k in index), {})
-        entry.update({f"{label}: {column}": match.get(column, "")
-                      for column in ("fp32 (ms)", "bf16 (ms)", "speed-up")})
+def normalisation_findings(rows: list[Row]) -> str:
+    norms = {r["storage_dtype"]: r for r in rows}
+    fp16, bf16 = norms.get("float16"), norms.get("bfloat16")
+    if not (fp16 and bf16):
+        return ""
+    return (f"In fp16 the result is {fp16['mean_square']} (largest finite fp16 value: 65504; 300² is 9e4): a layer "
+            f"norm or RMSNorm whose statistics are computed in fp16 overflows. bf16 keeps fp32's exponent range, so it "
+            f"does not overflow, but with 8 mantissa bits its mean is off by {bf16['relative_error']:.2%}. So under "
+            "fp16 the norms must run in fp32; under bf16 they can run without overflow, though accumulating the "
+            "statistics in fp32 (as our RMSNorm does) is still more accurate.\n")
+
+
+def precision_setup(sweep: list[Row]) -> str:
+    _, timings, extra = split_variants(sweep)
+    return (f"## (c) fp32 against bf16 autocast\n\n{_sweep_setup(timings, extra)}; eager. Speed-up is the ratio of "
+            "means; MFU is against the device's dense peak for the precision (fp32 peak for fp32 cells, bf16 "
+            "tensor-core peak for bf16 cells).\n")
+
+
+def precision_comparison(rows: list[Row]) -> list[Row]:
+    """The fp32 against bf16 table's lines, of a sweep's rows: the main variant's cells, with each other variant's
+    times and speed-up as extra columns, matched by size, context and phase."""
+    def lines(variant_rows: list[Row]) -> list[Row]:
+        return _comparison_table(variant_rows, "precision", "fp32", "bf16", "fp32", "bf16")
+
+    def cell(line: Row) -> tuple:
+        return line["size"], line["context_length"], line["phase"]
+
+    _, timings, extra = split_variants(rows)
+    table = lines(timings)
+    for v, other in extra.items():
+        by_cell = {cell(line): line for line in lines(other)}
+        for line in table:
+            match = by_cell.get(cell(line), {})
+            line.update({f"{variant_column_label(v)}: {column}": match.get(column, "")
+                         for column in ("fp32 (ms)", "bf16 (ms)", "speed-up")})
+    return table
+
+
+def precision_speedups(sweep: list[Row]) -> str:
+    _, timings, extra = split_variants(sweep)
+    summary = _speedup_summary(timings, "precision", "fp32", "bf16")
+    return ((f"bf16 speed-up over fp32 by phase: {summary}." if summary else "")
+            + _unpaired_note([timings, *extra.values()], "precision", "fp32", "bf16") + "\n")
 
 
 def render_compiled_models(rows: list[Row]) -> Rendered:

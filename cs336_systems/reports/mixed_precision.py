@@ -6,7 +6,8 @@ from __future__ import annotations
 import math
 
 from cs336_systems.benchmarks.mixed_precision import ACCUMULATION_STEPS, ADDEND
-from cs336_systems.reports import Rendered, Reports, markdown_table, not_in_report
+from cs336_systems.reports import Reports, not_in_report
+from cs336_systems.reports.spec import Column, Table
 from cs336_systems.rows import Row
 
 # Sums to show: the variants differ from 10 in the fourth decimal place and beyond (10.0001 against
@@ -14,30 +15,29 @@ from cs336_systems.rows import Row
 SUM_DIGITS = 6
 
 
-def accumulation_table(rows: list[Row]) -> str:
-    return markdown_table([{**r, "result": f"{r['result']:.{SUM_DIGITS}f}", "abs_error": f"{r['abs_error']:.3g}",
-                            "exact_sum_of_stored_addend": f"{r['exact_sum_of_stored_addend']:.{SUM_DIGITS}f}"}
-                           for r in rows],
-                          ["variant", "accumulator", "addend", "result", "abs_error", "exact_sum_of_stored_addend"])
+ACCUMULATION_TABLE = Table(columns=(
+    "variant", "accumulator", "addend", Column("result", lambda r: f"{r['result']:.{SUM_DIGITS}f}"),
+    Column("abs_error", lambda r: f"{r['abs_error']:.3g}"),
+    Column("exact_sum_of_stored_addend", lambda r: f"{r['exact_sum_of_stored_addend']:.{SUM_DIGITS}f}")))
+accumulation_table = ACCUMULATION_TABLE.render  # the accumulation command prints it too
 
 
-def render_accumulation(rows: list[Row]) -> Rendered:
+def setup(rows: list[Row]) -> str:
+    return f"Adding {ADDEND} {ACCUMULATION_STEPS} times; the exact sum is {ACCUMULATION_STEPS * ADDEND:g}.\n"
+
+
+def findings(rows: list[Row]) -> str:
     by_variant = {r["variant"]: r for r in rows}
-    body = [f"Adding {ADDEND} {ACCUMULATION_STEPS} times; the exact sum is {ACCUMULATION_STEPS * ADDEND:g}.\n",
-            accumulation_table(rows)]
-    fp32, fp16 = by_variant.get("fp32 += fp32"), by_variant.get("fp16 += fp16")
-    mixed = by_variant.get("fp32 += fp16")
-    if fp32 and fp16 and mixed:
-        body.append(
-            f"An fp32 accumulator is off by {fp32['abs_error']:.2g}. An fp16 accumulator is off by "
-            f"{fp16['abs_error']:.2g}: once the running sum is large, fp16's spacing (2^-7 = 0.0078 between 8 "
-            "and 16) is comparable to the addend, so each addition rounds away a large part of it. With an fp32 "
-            f"accumulator and fp16 addends the error ({mixed['abs_error']:.2g}) is exactly the error of storing "
-            f"0.01 in fp16: the sum equals {ACCUMULATION_STEPS} x fp16(0.01) = "
-            f"{mixed['exact_sum_of_stored_addend']:.6g}. Explicit and implicit upcasting give the same result. "
-            "Hence mixed precision keeps accumulations (matmul accumulators, reductions, optimizer state) in fp32 "
-            "while inputs may be low precision.\n")
-    return Rendered("\n".join(body))
+    fp32, fp16, mixed = (by_variant.get(v) for v in ("fp32 += fp32", "fp16 += fp16", "fp32 += fp16"))
+    if not (fp32 and fp16 and mixed):
+        return ""
+    return (f"An fp32 accumulator is off by {fp32['abs_error']:.2g}. An fp16 accumulator is off by "
+            f"{fp16['abs_error']:.2g}: once the running sum is large, fp16's spacing (2^-7 = 0.0078 between 8 and 16) "
+            "is comparable to the addend, so each addition rounds away a large part of it. With an fp32 accumulator "
+            f"and fp16 addends the error ({mixed['abs_error']:.2g}) is exactly the error of storing 0.01 in fp16: the "
+            f"sum equals {ACCUMULATION_STEPS} x fp16(0.01) = {mixed['exact_sum_of_stored_addend']:.6g}. Explicit and "
+            "implicit upcasting give the same result. Hence mixed precision keeps accumulations (matmul "
+            "accumulators, reductions, optimizer state) in fp32 while inputs may be low precision.\n")
 
 
 # ---------------------------------------------------------------------------------------------- answers

@@ -478,18 +478,48 @@ FLASH_IN_TRAINING_REPORT = Layout((
     Table(where={"table": "kernels"}, rows_of=flash_in_training.kernel_lines)))
 
 
+# The end-to-end model benchmarks (reports.e2e): time per phase, the warm-up study, mixed precision.
+SWEEP, WARMUP = {"table": "sweep"}, {"table": "warmup"}
+AUTOCAST_DTYPES, NORMALISATION = {"table": "autocast_dtypes"}, {"table": "normalization"}
+BENCHMARKING_SCRIPT = Layout((
+    Text(e2e.sweep_setup, SWEEP),
+    # One line per size and phase, a column per context: the main variant's, then each other variant's.
+    Table(where=SWEEP, order=e2e.phase_order, rows_of=e2e.variant_columns,
+          pivot=Pivot(("size", "phase"), "context_length", e2e.mean_std, heading=e2e.context_heading)),
+    Text(e2e.variation_summary, SWEEP),
+    Text(e2e.warmup_study_setup, WARMUP),
+    Table(where=e2e.is_warmup_part, order=e2e.warmup_order, columns=(
+        "size", Column("warm-up steps", "warmup"), "phase", Column("mean ± std (ms)", e2e.mean_std),
+        Column("median (ms)", "median_ms"), Column("first timed step (ms)", "first_ms"),
+        Column("slowest step (ms)", "max_ms"))),
+    Text(e2e.warmup_findings, WARMUP)), rows_of=lambda rows: e2e.latest_cells(rows, E2E_KEY))
+BENCHMARKING_MIXED_PRECISION = Layout((
+    Text(e2e.autocast_setup, AUTOCAST_DTYPES), Table(where=AUTOCAST_DTYPES, columns=("tensor", "dtype")),
+    Text(e2e.autocast_findings, AUTOCAST_DTYPES),
+    Text(lambda rows: e2e.NORMALISATION_SETUP, NORMALISATION),
+    Table(where=NORMALISATION, columns=("storage_dtype", "mean_square", "relative_error")),
+    Text(e2e.normalisation_findings, NORMALISATION),
+    # fp32 against bf16 per cell: two rows and their ratio on each line, which no pivot shows.
+    Text(e2e.precision_setup, SWEEP), Table(where=SWEEP, rows_of=e2e.precision_comparison),
+    Text(e2e.precision_speedups, SWEEP)), rows_of=lambda rows: e2e.latest_cells(rows, MIXED_PRECISION_KEY))
+
+# Mixed-precision accumulation (reports.mixed_precision).
+MIXED_PRECISION_ACCUMULATION = Layout((
+    Text(mixed_precision.setup), mixed_precision.ACCUMULATION_TABLE, Text(mixed_precision.findings)))
+
+
 PROBLEMS: tuple[Problem, ...] = (
     Problem("benchmarking_script",
-            (Report("benchmarking_script", e2e.render_benchmarking_script, E2E_KEY, cell_of=e2e.cell_key),),
+            (Report("benchmarking_script", BENCHMARKING_SCRIPT, E2E_KEY, cell_of=e2e.cell_key),),
             e2e.answer_benchmarking_script, "e2e", ("perf/test_e2e.py",)),
     Problem("nsys_profile", (Report("nsys_profile", NSYS_PROFILE, NSYS_KEY),),
             nsys_profile.answer_nsys_profile, "profile", ("perf/test_profile.py",),
             open_items=nsys_profile.open_items_nsys_profile, every_size=False),
     Problem("mixed_precision_accumulation",
-            (Report("mixed_precision_accumulation", mixed_precision.render_accumulation),),
+            (Report("mixed_precision_accumulation", MIXED_PRECISION_ACCUMULATION),),
             mixed_precision.answer_mixed_precision_accumulation, "e2e", ("perf/test_e2e.py",)),
     Problem("benchmarking_mixed_precision",
-            (Report("benchmarking_mixed_precision", e2e.render_benchmarking_mixed_precision, MIXED_PRECISION_KEY,
+            (Report("benchmarking_mixed_precision", BENCHMARKING_MIXED_PRECISION, MIXED_PRECISION_KEY,
                     cell_of=e2e.cell_key),),
             e2e.answer_benchmarking_mixed_precision, "e2e", ("perf/test_e2e.py",)),
     Problem("memory_profiling", (Report("memory_profiling", MEMORY_PROFILING),),

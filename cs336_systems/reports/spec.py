@@ -81,11 +81,13 @@ class Versus:
 @dataclass(frozen=True)
 class Pivot:
     """One table line per distinct `index`, one column per distinct value of `column`, headed
-    "<label> <value>" (label: the column's name unless given), holding `value` of the row there."""
+    "<label> <value>" (label: the column's name unless given), holding `value` of the row there. `heading`, where
+    given, names the column a row's value goes under instead (a column per variant and value, say)."""
     index: tuple[str, ...]
     column: str
     value: Value
     label: str | None = None
+    heading: Callable[[Row], str] | None = None
 
 
 @dataclass(frozen=True)
@@ -127,7 +129,8 @@ def _pivoted(rows: list[Row], pivot: Pivot) -> list[Row]:
     for row in rows:
         key = tuple(row.get(i) for i in pivot.index)
         line = table.setdefault(key, dict(zip(pivot.index, key)))
-        line[f"{pivot.label or pivot.column} {row.get(pivot.column)}"] = value_of(pivot.value, row)
+        heading = pivot.heading(row) if pivot.heading else f"{pivot.label or pivot.column} {row.get(pivot.column)}"
+        line[heading] = value_of(pivot.value, row)
     return list(table.values())
 
 
@@ -298,8 +301,14 @@ def _scale(set_scale: Callable[..., None], scale: Scale) -> None:
 
 @dataclass(frozen=True)
 class Text:
-    """Sentences from the rows, written by the problem family's module: `write(rows)`, "" for none."""
+    """Sentences from the rows, written by the problem family's module: `write(rows)`, "" for none. With `where`,
+    `write` reads only the rows it selects, and where it selects none there is no text."""
     write: Callable[[list[Row]], str]
+    where: Where | None = None
+
+    def render(self, rows: Sequence[Row]) -> str:
+        chosen = selected(rows, self.where)
+        return self.write(chosen) if chosen or self.where is None else ""
 
 
 def when(where: Where, text: str) -> Text:
@@ -312,11 +321,15 @@ Part = Union[str, Text, Table, Plot]
 
 @dataclass(frozen=True)
 class Layout:
-    """A report's parts in order, and the rows it needs at all (`requires`: without any it renders NO_ROWS)."""
+    """A report's parts in order, and the rows it needs at all (`requires`: without any it renders NO_ROWS).
+    `rows_of` replaces the report's rows before any part reads them (the latest run's row of each cell, say)."""
     parts: tuple[Part, ...]
     requires: Where | None = None
+    rows_of: Callable[[list[Row]], list[Row]] | None = None
 
     def __call__(self, rows: list[Row]) -> Rendered:
+        if self.rows_of is not None:
+            rows = self.rows_of(rows)
         if self.requires is not None and not selected(rows, self.requires):
             return Rendered(NO_ROWS)
         body, figures = [], {}
@@ -329,7 +342,7 @@ class Layout:
             elif isinstance(part, Table):
                 body.append(part.render(rows))
             elif isinstance(part, Text):
-                body.append(part.write(rows))
+                body.append(part.render(rows))
             else:
                 body.append(part)
         return Rendered("\n".join(text for text in body if text) or NO_ROWS, figures)
