@@ -34,7 +34,7 @@ from cs336_systems.reports import (
     parallelism_calcs,
     sharding,
 )
-from cs336_systems.reports.spec import Column, Layout, Table, Text, Versus
+from cs336_systems.reports.spec import Column, Layout, Part, Table, Text, Versus, selected
 from cs336_systems.rows import (
     ALLREDUCE_KEY,
     ATTENTION_KEY,
@@ -102,6 +102,42 @@ def _parallelism(name: str, answer: Answer) -> Problem:
     return Problem(name, (Report(name, parallelism_calcs.RENDERERS[name]),), answer, device_independent=True)
 
 
+# DDP
+def _ddp_equivalence(*methods: str) -> Layout:
+    """A DDP wrapper's report against single-process training: the run, a line per variant, and each one's verdict."""
+    mine = ddp.equivalence_of(*methods)
+    return Layout((Text(lambda rows: ddp.equivalence_setup(selected(rows, mine))),
+                   Table(where=mine, columns=("variant", "world_size", "backend", "steps", "max_abs_difference",
+                                              "tolerance", "matches")),
+                   Text(lambda rows: ddp.equivalence_verdicts(selected(rows, mine)))), requires=mine)
+
+
+def _ddp_steps(*methods: str) -> Table:
+    """The DDP benchmarking reports' step table: each variant of `methods` with its phases, its time over local
+    training, and how much of its profiled communication ran beside compute."""
+    ran = sharding.ran_value
+    return Table(where=ddp.steps_of(*methods), rows_of=ddp.with_time_over_local, columns=(
+        "variant", Column("all-reduces", ran(lambda r: r.get("all_reduces_per_step"))), Column("step", ddp.step_cell),
+        Column("forward", ran(lambda r: r["forward_ms"])), Column("backward", ran(lambda r: r["backward_ms"])),
+        Column("gradient_sync", ran(lambda r: r["gradient_sync_ms"])),
+        Column("optimizer", ran(lambda r: r["optimizer_ms"])), Column("over local", "over_local_ms"),
+        Column("communication (profiled)", ran(lambda r: r.get("profiled_communication_ms"))),
+        Column("overlapped with compute", ran(ddp.overlapped_share)),
+        Column("peak GiB", ran(lambda r: r.get("peak_memory_gib")))))
+
+
+def _ddp_benchmarking(methods: tuple[str, ...], *parts: Part, heading: str = "") -> Layout:
+    """A DDP benchmarking report: the run, the step table of `methods` under `heading`, then `parts`."""
+    return Layout((Text(ddp.setup), heading, _ddp_steps(*methods), *parts), requires={"table": "step"})
+
+
+DDP_OVERHEAD_TABLE = Table(rows_of=ddp.overhead_by_bucket_size, columns=(
+    Column(f"bucket {ddp.BUCKET_UNIT}", "bucket_size_mb"), Column("buckets", "all_reduces_per_step"),
+    Column("course model (ms)", "course_model_ms"),
+    Column("with measured backward (ms)", "pipelined_model_ms", optional=True),
+    Column("measured gradient_sync (ms)", "gradient_sync_ms")))
+
+
 PROBLEMS: tuple[Problem, ...] = (
     Problem("benchmarking_script",
             (Report("benchmarking_script", e2e.render_benchmarking_script, E2E_KEY, cell_of=e2e.cell_key),),
@@ -140,19 +176,31 @@ PROBLEMS: tuple[Problem, ...] = (
             allreduce.answer_distributed_communication_single_node, "ddp", ("perf/test_allreduce.py",),
             open_items=allreduce.open_items_distributed_communication_single_node),
     Problem("naive_ddp / naive_ddp_benchmarking",
-            (Report("naive_ddp", ddp.render_naive_ddp),
-             Report("naive_ddp_benchmarking", ddp.render_naive_ddp_benchmarking)),
+            (Report("naive_ddp", _ddp_equivalence("naive", "flat")),
+             Report("naive_ddp_benchmarking", _ddp_benchmarking(
+                 ("local", "naive"), Text(ddp.naive_cost), ddp.TIMELINES_HEADING,
+                 Text(ddp.timelines("local", "naive"))))),
             ddp.answer_naive_ddp, "ddp", ("perf/test_ddp.py",), 2),
     Problem("minimal_ddp_flat_benchmarking",
-            (Report("minimal_ddp_flat_benchmarking", ddp.render_flat_benchmarking),),
+            (Report("minimal_ddp_flat_benchmarking", _ddp_benchmarking(
+                ("local", "naive", "flat"), Text(ddp.flattening), "## Timeline (one profiled step on rank 0)\n",
+                Text(ddp.timelines("flat")))),),
             ddp.answer_minimal_ddp_flat_benchmarking, "ddp", ("perf/test_ddp.py",), 2),
     Problem("ddp_overlap_individual_parameters",
-            (Report("ddp_overlap_individual_parameters", ddp.render_overlap_individual),
-             Report("ddp_overlap_individual_parameters_benchmarking", ddp.render_overlap_individual_benchmarking)),
+            (Report("ddp_overlap_individual_parameters", _ddp_equivalence("overlap_individual")),
+             Report("ddp_overlap_individual_parameters_benchmarking", _ddp_benchmarking(
+                 (*ddp.UNBUCKETED_METHODS, *ddp.UNDER_TEST_INDIVIDUAL), Text(ddp.overlap_ranking),
+                 ddp.TIMELINES_HEADING + "\n" + ddp.TIMELINE_ROWS,
+                 Text(ddp.timelines("naive", "overlap_individual", *ddp.UNDER_TEST_INDIVIDUAL))))),
             ddp.answer_ddp_overlap_individual_parameters, "ddp", ("perf/test_ddp.py",), 2),
     Problem("ddp_overlap_bucketed",
-            (Report("ddp_overlap_bucketed", ddp.render_overlap_bucketed),
-             Report("ddp_bucketed_benchmarking", ddp.render_bucketed_benchmarking)),
+            (Report("ddp_overlap_bucketed", _ddp_equivalence("bucketed")),
+             Report("ddp_bucketed_benchmarking", _ddp_benchmarking(
+                 (*ddp.UNBUCKETED_METHODS, *ddp.BUCKETED_METHODS),
+                 Text(ddp.targets_heading), Table(rows_of=ddp.targets, columns=("target", "measured", "met")),
+                 Text(ddp.bucket_sizes), Text(ddp.overhead_model), DDP_OVERHEAD_TABLE,
+                 Text(ddp.transfer_against_backward), ddp.TIMELINES_HEADING,
+                 Text(ddp.timelines(*ddp.BUCKETED_METHODS)), heading="## (a) Time per step by bucket size\n"))),
             ddp.answer_ddp_overlap_bucketed, "ddp", ("perf/test_ddp.py",), 2, only_in_handout="2025"),
     Problem("optimizer_state_sharding",
             (Report("optimizer_state_sharding", Layout((
