@@ -25,6 +25,7 @@ from cs336_systems.reports import (
     e2e,
     flash,
     flash_in_training,
+    format_ms,
     fsdp,
     gradient_checkpointing,
     leaderboard,
@@ -138,6 +139,35 @@ DDP_OVERHEAD_TABLE = Table(rows_of=ddp.overhead_by_bucket_size, columns=(
     Column("measured gradient_sync (ms)", "gradient_sync_ms")))
 
 
+# Leaderboard
+# Each variant's step: its setup, the blocks it checkpoints, its time and phases, throughput and memory; a variant that
+# did not run shows why, and the columns no variant has a value in are left out.
+_ran = sharding.ran_value
+LEADERBOARD_STEPS = Table(where={"table": "step"}, present_only=True, columns=(
+    "variant", "setup", Column("checkpointed blocks", lambda r: f"{r['checkpointed_blocks']} of {r['num_layers']}"),
+    Column("step (ms)", leaderboard.step_cell),
+    Column("min to max (ms)", _ran(lambda r: f"{format_ms(r['min_ms'])} to {format_ms(r['max_ms'])}")),
+    Column("forward", _ran(lambda r: format_ms(r["forward_ms"]))),
+    Column("backward", _ran(lambda r: format_ms(r["backward_ms"]))),
+    Column("optimizer", _ran(lambda r: format_ms(r["optimizer_ms"]))),
+    Column("tokens/s", _ran(lambda r: f"{r['tokens_per_s']:,.0f}")),
+    Column("model TFLOP/s per GPU", _ran(leaderboard.tflops_per("GPU"))),
+    Column("model TFLOP/s per rank", _ran(leaderboard.tflops_per("rank"))),
+    Column("peak per rank (GiB)", _ran(lambda r: None if r.get("peak_gib") is None else f"{r['peak_gib']:.1f}")),
+    Column("estimate (GiB)", lambda r: f"{r['model_peak_gib']:.1f}")))
+LEADERBOARD_REPORT = Layout((
+    Text(leaderboard.correctness_setup),
+    Table(where={"table": "equivalence"}, columns=("variant", "setup", "relative_loss_difference",
+                                                   "max_relative_gradient_difference", "tolerance", "matches")),
+    Text(leaderboard.step_setup), LEADERBOARD_STEPS, Text(leaderboard.step_sentences),
+    Text(leaderboard.parts_section), Text(leaderboard.kernel_setup),
+    Table(where=leaderboard.is_kernel, columns=(
+        Column("provider", lambda r: leaderboard.provider_label(r["provider"])),
+        Column("mode", leaderboard.mode_label), Column("median (ms)", lambda r: format_ms(r["median_ms"])),
+        Column("TFLOP/s", lambda r: f"{r['tflops']:.0f}"))),
+    Text(leaderboard.attention_per_step)))
+
+
 PROBLEMS: tuple[Problem, ...] = (
     Problem("benchmarking_script",
             (Report("benchmarking_script", e2e.render_benchmarking_script, E2E_KEY, cell_of=e2e.cell_key),),
@@ -235,7 +265,7 @@ PROBLEMS: tuple[Problem, ...] = (
     _parallelism("fsdp_calcs", parallelism_calcs.answer_fsdp_calcs),
     _parallelism("tp_calcs", parallelism_calcs.answer_tp_calcs),
     _parallelism("fsdp_tp_calcs", parallelism_calcs.answer_fsdp_tp_calcs),
-    Problem("leaderboard", (Report("leaderboard", leaderboard.render_leaderboard),), leaderboard.answer_leaderboard,
+    Problem("leaderboard", (Report("leaderboard", LEADERBOARD_REPORT),), leaderboard.answer_leaderboard,
             "leaderboard", ("perf/test_leaderboard.py",), 2, open_items=leaderboard.open_items_leaderboard,
             only_in_handout="2026"),
 )
