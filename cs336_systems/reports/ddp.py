@@ -111,9 +111,11 @@ def setup(rows: list[Row]) -> str:
 
 def timelines(*methods: str) -> Callable[[list[Row]], str]:
     """The profiled timelines of the variants of `methods`, in their step table's order."""
+    shown = steps_of(*methods)
+
     def links(rows: list[Row]) -> str:
         files = {r["variant"]: r["file"] for r in rows if r.get("table") == "timeline"}
-        variants = (r["variant"] for r in rows if steps_of(*methods)(r))
+        variants = (r["variant"] for r in rows if shown(r))
         return "\n".join(f"### {v}\n\n![{v} timeline]({files[v]})\n" for v in variants if v in files)
     return links
 

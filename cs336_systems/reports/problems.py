@@ -140,9 +140,9 @@ DDP_OVERHEAD_TABLE = Table(rows_of=ddp.overhead_by_bucket_size, columns=(
 
 
 # Leaderboard
+_ran = sharding.ran_value
 # Each variant's step: its setup, the blocks it checkpoints, its time and phases, throughput and memory; a variant that
 # did not run shows why, and the columns no variant has a value in are left out.
-_ran = sharding.ran_value
 LEADERBOARD_STEPS = Table(where={"table": "step"}, present_only=True, columns=(
     "variant", "setup", Column("checkpointed blocks", lambda r: f"{r['checkpointed_blocks']} of {r['num_layers']}"),
     Column("step (ms)", leaderboard.step_cell),
