@@ -36,15 +36,8 @@ from cs336_systems.profiling.timeline import (
     intervals_from_events,
     plot_timeline,
 )
-from cs336_systems.reports.ddp import (
-    answer_ddp_overlap_bucketed,
-    render_bucketed_benchmarking,
-    render_flat_benchmarking,
-    render_naive_ddp,
-    render_naive_ddp_benchmarking,
-    render_overlap_bucketed,
-    render_overlap_individual_benchmarking,
-)
+from cs336_systems.reports.ddp import answer_ddp_overlap_bucketed
+from cs336_systems.reports.problems import report
 from cs336_systems.rows import OOM
 from tests import adapters
 from tests.common import (
@@ -533,13 +526,13 @@ def gpu_like_rows() -> list[dict]:
 
 
 def test_benchmark_reports_answer_from_the_rows(gpu_like_rows):
-    naive = render_naive_ddp_benchmarking(gpu_like_rows).body
+    naive = report("naive_ddp_benchmarking").render(gpu_like_rows).body
     assert "55.0 ms (8%) is the 435 all-reduces" in naive and "costs 60.0 ms per step" in naive
-    assert "Flattening wins" in render_flat_benchmarking(gpu_like_rows).body
-    overlap = render_overlap_individual_benchmarking(gpu_like_rows).body
+    assert "Flattening wins" in report("minimal_ddp_flat_benchmarking").render(gpu_like_rows).body
+    overlap = report("ddp_overlap_individual_parameters_benchmarking").render(gpu_like_rows).body
     assert "75% of it while compute kernels ran" in overlap  # 30 of 40 ms
     assert "(ddp_timeline_overlap_individual.png)" in overlap
-    bucketed = render_bucketed_benchmarking(gpu_like_rows).body
+    bucketed = report("ddp_bucketed_benchmarking").render(gpu_like_rows).body
     assert "| bucketed 1000 MB      |               | OOM" in bucketed
     assert "it falls, then rises, as expected" in bucketed  # 665, 648, 650 ms for 1, 10, 100 MB
     # b* = sqrt(s w o) = sqrt(7.99e9 B * 300e9 B/s * 50e-6 s) = 3.46e8 B = 330.2 MiB, in the MiB that bucket_size_mb
@@ -564,5 +557,5 @@ def test_equivalence_reports_say_whether_each_wrapper_matched():
             {"table": "equivalence", "method": "bucketed", "variant": "bucketed 0.05 MB", "model": "tiny LM, float64",
              "world_size": 2, "backend": "nccl", "steps": 5, "max_abs_difference": 0.5, "tolerance": 1e-9,
              "matches": False}]
-    assert "3e-15, within the tolerance" in render_naive_ddp(rows).body
-    assert "0.5, OUTSIDE the tolerance" in render_overlap_bucketed(rows).body
+    assert "3e-15, within the tolerance" in report("naive_ddp").render(rows).body
+    assert "0.5, OUTSIDE the tolerance" in report("ddp_overlap_bucketed").render(rows).body

@@ -40,7 +40,8 @@ from cs336_systems.memory_guard import FIT_SHARE, MemoryCheck
 from cs336_systems.profiling.checkpointing import Checkpoint
 from cs336_systems.model import LEADERBOARD, ModelConfig
 from cs336_systems.reports import read_rows
-from cs336_systems.reports.leaderboard import answer_leaderboard, render_leaderboard
+from cs336_systems.reports.leaderboard import answer_leaderboard
+from cs336_systems.reports.problems import report
 
 REPO = Path(__file__).resolve().parents[1]
 SMALL = ModelConfig(d_model=32, d_ff=96, num_layers=2, num_heads=4, context_length=16, vocab_size=200)
@@ -252,15 +253,15 @@ def _step(variant: str, median_ms: float, run: int = 1, status: str = "ok", std_
 
 
 def test_the_report_compares_variants_only_within_one_run():
-    same = render_leaderboard([_step(OURS, 6400.0), _step(TORCH, 5800.0)]).body
+    same = report("leaderboard").render([_step(OURS, 6400.0), _step(TORCH, 5800.0)]).body
     assert "Ours takes 1.10x torch's time per step" in same
-    apart = render_leaderboard([_step(OURS, 6400.0, run=2), _step(TORCH, 5800.0, run=1)]).body
+    apart = report("leaderboard").render([_step(OURS, 6400.0, run=2), _step(TORCH, 5800.0, run=1)]).body
     assert "Ours takes" not in apart and "none: different runs" in apart
 
 
 def test_the_report_and_answer_say_when_a_variant_did_not_fit():
     rows = [_step(OURS, 6400.0), _step(TORCH, 0.0, status="OOM")]
-    body = render_leaderboard(rows).body
+    body = report("leaderboard").render(rows).body
     assert "No comparison" in body and "OOM" in body
     answer = answer_leaderboard({"leaderboard": rows})[0]
     assert answer.startswith("The 8B-class model's full training step at batch 2 x 32,768 tokens, bf16, on 2 GPUs")
@@ -276,19 +277,19 @@ def test_a_run_on_gloo_ranks_is_said_to_be_one_on_the_cpu_and_its_small_model_is
     assert answer.startswith("A 0.23M-parameter stand-in for the 8B-class model (d_model 64, 2 layers): its full "
                              "training step at batch 2 x 64 tokens, fp32, on 2 gloo ranks on the CPU (")
     assert "model TFLOP/s per rank, peak 84.0 GiB per rank." in answer and "GPU" not in answer
-    body = render_leaderboard(rows).body
+    body = report("leaderboard").render(rows).body
     assert "| model TFLOP/s per rank " in body and "per GPU" not in body
 
 
 def test_a_step_time_that_varied_by_more_than_a_fifth_is_marked_noisy_and_so_are_its_ratios():
-    body = render_leaderboard([_step(OURS, 6400.0, std_share=0.3), _step(TORCH, 5800.0)]).body
+    body = report("leaderboard").render([_step(OURS, 6400.0, std_share=0.3), _step(TORCH, 5800.0)]).body
     assert "6,400.0 ms (IQR 5 ms) (noisy)" in body
     assert "Ours takes 1.10x (noisy) torch's time per step" in body
 
 
 def test_the_report_sets_ours_with_fsdp_against_the_fastest_torch_variant():
     rows = [_step(OURS_FSDP, 5000.0), _step(OURS, 6400.0), _step(TORCH_FUSED_LOSS, 5100.0), _step(TORCH, 5800.0)]
-    body = render_leaderboard(rows).body
+    body = report("leaderboard").render(rows).body
     assert ("Ours with FSDP takes 0.98x the time per step of the fastest torch variant, torch with the fused loss "
             "(5,000.0 ms against 5,100.0 ms, medians of one run), checkpointing 20 blocks against its 20.") in body
     assert "- data parallelism (our FSDP against bucketed DDP): 0.78x, 5,000.0 ms against 6,400.0 ms" in body
@@ -297,5 +298,5 @@ def test_the_report_sets_ours_with_fsdp_against_the_fastest_torch_variant():
                              "(our FSDP (gathers layer by layer), Triton FlashAttention, LM head fused with the loss): "
                              "5.00 s")
     assert "Ours with FSDP takes 0.98x" in answer
-    alone = render_leaderboard([_step(OURS_FSDP, 5000.0), _step(TORCH, 0.0, status="OOM")]).body
+    alone = report("leaderboard").render([_step(OURS_FSDP, 5000.0), _step(TORCH, 0.0, status="OOM")]).body
     assert "No comparison of ours with FSDP: ours with FSDP ran, no torch variant ran." in alone

@@ -1,29 +1,30 @@
-"""Problem leaderboard's report (Spring 2026): the 8B-class model's full training step on two GPUs, ours against
-torch's own parts, after both are checked against one process; with its answer. Ours with FSDP, the project's
-stack at its leanest in memory, is set against the fastest torch variant of the same run.
-cs336_systems.benchmarks.leaderboard measures it.
+"""Problem leaderboard's report's sentences (Spring 2026; its tables are declared in cs336_systems.reports.problems):
+the 8B-class model's full training step on two GPUs, ours against torch's own parts, after both are checked against
+one process; with its answer. Ours with FSDP, the project's stack at its leanest in memory, is set against the
+fastest torch variant of the same run. cs336_systems.benchmarks.leaderboard measures it.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 from cs336_systems.benchmarks.flash import MODE_LABELS, PROVIDER_LABELS
 from cs336_systems.benchmarks.leaderboard import OURS, OURS_FSDP, OURS_SDPA, TORCH, TORCH_FUSED_LOSS, TORCH_VARIANTS
 from cs336_systems.model import LEADERBOARD
 from cs336_systems.reports import (
     UNPAIRED,
-    Rendered,
     Reports,
+    find,
     format_ms,
     format_ratio,
     is_noisy,
-    markdown_table,
     noisy_marked,
     not_in_report,
     oom_text,
     same_run,
     select,
 )
-from cs336_systems.rows import Row, ok_rows
+from cs336_systems.rows import Row, ok_rows, ran
 
 # The handout's naive baseline (its words: "We expect leaderboard submissions to beat the naive baseline of 10
 # seconds"), on two B200 GPUs.
@@ -71,35 +72,39 @@ def _subject(step: Row) -> str:
             f"{step['num_layers']} layers): its full training step")
 
 
-def _setup_sentence(step: Row) -> str:
-    return (f"A full training step (zero_grad to AdamW) of the {_parameters(step)}-parameter model "
-            f"(d_model {step['d_model']}, d_ff {step['d_ff']}, {step['num_layers']} layers, {step['num_heads']} heads, "
-            f"vocabulary {step['vocab_size']:,}), {step['dtype']} weights, batch {step['batch_size']} x "
-            f"{step['seq_len']:,} tokens, causal, {step['world_size']} ranks ({step['backend']}) sharing the batch; "
-            "every block " + ("compiled" if step["compile"] else "eager")
+def correctness_setup(rows: list[Row]) -> str:
+    first = find(rows, table="equivalence")
+    if first is None:
+        return ""
+    return ("## Correctness\n\nOne step of each variant against one process training the plain model (SDPA, full "
+            f"logits) on the whole batch ({first['model']}, {first['world_size']} ranks, {first['backend']}); "
+            "differences relative to the loss and to each gradient's largest magnitude.\n")
+
+
+def step_setup(rows: list[Row]) -> str:
+    step = find(rows, table="step")
+    if step is None:
+        return ""
+    return ("## Step time\n\nA full training step (zero_grad to AdamW) of the "
+            f"{_parameters(step)}-parameter model (d_model {step['d_model']}, d_ff {step['d_ff']}, "
+            f"{step['num_layers']} layers, {step['num_heads']} heads, vocabulary {step['vocab_size']:,}), "
+            f"{step['dtype']} weights, batch {step['batch_size']} x {step['seq_len']:,} tokens, causal, "
+            f"{step['world_size']} ranks ({step['backend']}) sharing the batch; every block "
+            + ("compiled" if step["compile"] else "eager")
             + "; each variant checkpoints the fewest blocks its memory estimate allows; "
-            f"{step['warmup']} warm-up and {step['steps']} timed steps (the slowest rank's).")
+            f"{step['warmup']} warm-up and {step['steps']} timed steps (the slowest rank's).\n")
 
 
-def _step_table(steps: dict[str, Row]) -> str:
-    table = []
-    for variant, r in steps.items():
-        line = {"variant": variant, "setup": r["setup"],
-                "checkpointed blocks": f"{r['checkpointed_blocks']} of {r['num_layers']}"}
-        if r["status"] != "ok":
-            line["step (ms)"] = oom_text(r)
-        else:
-            line.update({"step (ms)": noisy_marked(f"{format_ms(r['median_ms'])} (IQR {format_ms(r['iqr_ms'])})",
-                                                   _noisy(r)),
-                         "min to max (ms)": f"{format_ms(r['min_ms'])} to {format_ms(r['max_ms'])}",
-                         "forward": format_ms(r["forward_ms"]), "backward": format_ms(r["backward_ms"]),
-                         "optimizer": format_ms(r["optimizer_ms"]), "tokens/s": f"{r['tokens_per_s']:,.0f}",
-                         f"model TFLOP/s per {_per_device(r)}": f"{r['tflops_per_gpu']:.3g}"})
-            if r.get("peak_gib") is not None:
-                line["peak per rank (GiB)"] = f"{r['peak_gib']:.1f}"
-        line["estimate (GiB)"] = f"{r['model_peak_gib']:.1f}"
-        table.append(line)
-    return markdown_table(table)
+def step_cell(step: Row) -> str:
+    """A step's time as the table shows it: median and IQR, marked noisy where it is; or why it did not run."""
+    if step["status"] != "ok":
+        return oom_text(step)
+    return noisy_marked(f"{format_ms(step['median_ms'])} (IQR {format_ms(step['iqr_ms'])})", _noisy(step))
+
+
+def tflops_per(device: str) -> Callable[[Row], str | None]:
+    """A step's model TFLOP/s per `device` ("GPU" or "rank"), where that is what each of its ranks had."""
+    return lambda step: f"{step['tflops_per_gpu']:.3g}" if _per_device(step) == device else None
 
 
 def comparison(steps: dict[str, Row]) -> str:
@@ -122,8 +127,7 @@ def fsdp_comparison(steps: dict[str, Row]) -> str:
     ours = steps.get(OURS_FSDP)
     if ours is None:
         return ""
-    torch_steps = [steps[name] for name in TORCH_VARIANTS if name in steps]
-    measured = ok_rows(torch_steps)
+    measured = ok_rows(steps[name] for name in TORCH_VARIANTS if name in steps)
     if ours["status"] != "ok" or not measured:
         return (f"No comparison of ours with FSDP: ours with FSDP {oom_text(ours) if ours['status'] != 'ok' else 'ran'}"
                 f", {'no torch variant ran' if not measured else 'torch ran'}.")
@@ -136,6 +140,24 @@ def fsdp_comparison(steps: dict[str, Row]) -> str:
             f"{fastest['checkpointed_blocks']}.")
 
 
+def _fastest_sentence(steps: dict[str, Row]) -> str:
+    measured = ok_rows(steps.values())
+    if len(measured) < 2 or not same_run(*measured):
+        return ""
+    fastest = min(measured, key=lambda r: r["median_ms"])
+    return f"The fastest here: {fastest['variant']}, {format_ms(fastest['median_ms'])}."
+
+
+def step_sentences(rows: list[Row]) -> str:
+    steps = _steps(rows)
+    if not steps:
+        return ""
+    baseline = (f"The handout's naive baseline: {HANDOUT_BASELINE_S:.0f} s on two B200s."
+                if ok_rows([steps.get(OURS)]) else "")
+    return " ".join(filter(None, (comparison(steps), fsdp_comparison(steps), _fastest_sentence(steps), FLOPS_NOTE,
+                                  baseline))) + "\n"
+
+
 # Neighbouring variants differ in one part: what each pair's comparison measures.
 PARTS = ((OURS_FSDP, OURS, "data parallelism (our FSDP against bucketed DDP)"),
          (OURS, OURS_SDPA, "attention (Triton against SDPA)"),
@@ -143,17 +165,15 @@ PARTS = ((OURS_FSDP, OURS, "data parallelism (our FSDP against bucketed DDP)"),
          (TORCH_FUSED_LOSS, TORCH, "loss (fused with the LM head against full logits)"))
 
 
-def _parts_section(steps: dict[str, Row]) -> str:
+def parts_section(rows: list[Row]) -> str:
+    steps = _steps(rows)
     lines = []
-    for first, second, part in PARTS:
-        a, b = steps.get(first), steps.get(second)
-        if not (a and b):
-            continue
+    for a, b, part in ((steps[first], steps[second], part) for first, second, part in PARTS
+                       if first in steps and second in steps):
         if a["status"] != "ok" or b["status"] != "ok" or not same_run(a, b):
             lines.append(f"- {part}: no comparison ({'not both measured' if same_run(a, b) else UNPAIRED}).")
             continue
-        text = (f"- {part}: {_ratio(a, b)}, {format_ms(a['median_ms'])} against "
-                f"{format_ms(b['median_ms'])}")
+        text = f"- {part}: {_ratio(a, b)}, {format_ms(a['median_ms'])} against {format_ms(b['median_ms'])}"
         if a.get("peak_gib") is not None and b.get("peak_gib") is not None:
             text += f"; peak {a['peak_gib']:.1f} against {b['peak_gib']:.1f} GiB"
         lines.append(text + ".")
@@ -163,24 +183,34 @@ def _parts_section(steps: dict[str, Row]) -> str:
             "saves lets its variant recompute fewer blocks:\n\n" + "\n".join(lines) + "\n")
 
 
-def _kernel_section(rows: list[Row], steps: dict[str, Row]) -> str:
-    kernels = ok_rows(select(rows, table="kernels"))
-    if not kernels:
+def is_kernel(row: Row) -> bool:
+    """A row of the attention kernels timed alone, that ran."""
+    return row.get("table") == "kernels" and ran(row)
+
+
+def kernel_setup(rows: list[Row]) -> str:
+    first = next((r for r in rows if is_kernel(r)), None)
+    if first is None:
         return ""
-    first = kernels[0]
-    table = [{"provider": PROVIDER_LABELS.get(r["provider"], r["provider"]), "mode": MODE_LABELS[r["mode"]],
-              "median (ms)": format_ms(r["median_ms"]), "TFLOP/s": f"{r['tflops']:.0f}"} for r in kernels]
-    text = (f"## The attention alone\n\nOne block's attention on one rank (batch {first['batch_size']}, "
+    return (f"## The attention alone\n\nOne block's attention on one rank (batch {first['batch_size']}, "
             f"{first['n_heads']} heads, N {first['seq_len']:,}, d {first['head_dim']}, {first['precision']}, causal), "
-            "do_bench on rank 0, same run:\n\n" + markdown_table(table))
-    return text + _attention_per_step(kernels, steps)
+            "do_bench on rank 0, same run:\n")
 
 
-def _attention_per_step(kernels: list[Row], steps: dict[str, Row]) -> str:
+def provider_label(provider: str) -> str:
+    return PROVIDER_LABELS.get(provider, provider)
+
+
+def mode_label(kernel: Row) -> str:
+    return MODE_LABELS[kernel["mode"]]
+
+
+def attention_per_step(rows: list[Row]) -> str:
     """Each kernel's share of a step, forward+backward in every block and a forward more in each checkpointed
     one (recomputed in backward); the gap between ours and ours with SDPA set against their differences."""
+    steps, kernels = _steps(rows), [r for r in rows if is_kernel(r)]
     ours, sdpa = steps.get(OURS), steps.get(OURS_SDPA)
-    if not (ours and sdpa and ok_rows([ours, sdpa]) == [ours, sdpa] and same_run(ours, sdpa, *kernels)
+    if not (kernels and ours and sdpa and ok_rows([ours, sdpa]) == [ours, sdpa] and same_run(ours, sdpa, *kernels)
             and ours["checkpointed_blocks"] == sdpa["checkpointed_blocks"]):
         return ""
     layers, recomputed = ours["num_layers"], ours["checkpointed_blocks"]
@@ -192,50 +222,11 @@ def _attention_per_step(kernels: list[Row], steps: dict[str, Row]) -> str:
     triton = per_step.pop("flash_triton", None)
     if triton is None or not per_step:
         return ""
-    gap = ours["median_ms"] - sdpa["median_ms"]
-    return (f"\nPer step ({layers} forward+backward, {recomputed} forward recomputed) the Triton kernels take "
-            f"{format_ms(triton)}, " + ", ".join(f"{PROVIDER_LABELS.get(p, p)} {format_ms(t)}"
-                                                 for p, t in sorted(per_step.items()))
+    gap, sdpa_kernels = ours["median_ms"] - sdpa["median_ms"], sorted(per_step.items())
+    return (f"Per step ({layers} forward+backward, {recomputed} forward recomputed) the Triton kernels take "
+            f"{format_ms(triton)}, " + ", ".join(f"{provider_label(p)} {format_ms(t)}" for p, t in sdpa_kernels)
             + f". Ours took {format_ms(gap)} longer than ours with SDPA; the kernels alone account for "
-            + ", ".join(f"{format_ms(triton - t)} if SDPA ran {PROVIDER_LABELS.get(p, p)}"
-                        for p, t in sorted(per_step.items())) + ".\n")
-
-
-def render_leaderboard(rows: list[Row]) -> Rendered:
-    parts = []
-    equivalence = select(rows, table="equivalence")
-    if equivalence:
-        first = equivalence[0]
-        parts.append("## Correctness\n\nOne step of each variant against one process training the plain model (SDPA, "
-                     f"full logits) on the whole batch ({first['model']}, {first['world_size']} ranks, "
-                     f"{first['backend']}); differences relative to the loss and to each gradient's largest "
-                     "magnitude.\n\n"
-                     + markdown_table(equivalence, ["variant", "setup", "relative_loss_difference",
-                                                    "max_relative_gradient_difference", "tolerance", "matches"]))
-    steps = _steps(rows)
-    if steps:
-        first = next(iter(steps.values()))
-        parts.append("## Step time\n\n" + _setup_sentence(first) + "\n\n" + _step_table(steps) + "\n"
-                     + " ".join(filter(None, (comparison(steps), fsdp_comparison(steps), _fastest_sentence(steps),
-                                              FLOPS_NOTE, _baseline_sentence(steps)))) + "\n")
-        parts.append(_parts_section(steps))
-    parts.append(_kernel_section(rows, steps))
-    return Rendered("\n".join(filter(None, parts)) or "_no rows_\n")
-
-
-def _fastest_sentence(steps: dict[str, Row]) -> str:
-    measured = ok_rows(steps.values())
-    if len(measured) < 2 or not same_run(*measured):
-        return ""
-    fastest = min(measured, key=lambda r: r["median_ms"])
-    return f"The fastest here: {fastest['variant']}, {format_ms(fastest['median_ms'])}."
-
-
-def _baseline_sentence(steps: dict[str, Row]) -> str:
-    ours = steps.get(OURS)
-    if not (ours and ours["status"] == "ok"):
-        return ""
-    return f"The handout's naive baseline: {HANDOUT_BASELINE_S:.0f} s on two B200s."
+            + ", ".join(f"{format_ms(triton - t)} if SDPA ran {provider_label(p)}" for p, t in sdpa_kernels) + ".\n")
 
 
 def answer_leaderboard(reports: Reports) -> list[str]:

@@ -33,6 +33,7 @@ from cs336_systems.reports import (
     flash,
     flash_in_training,
     format_bytes,
+    format_ms,
     fsdp,
     gradient_checkpointing,
     leaderboard,
@@ -57,6 +58,7 @@ from cs336_systems.reports.spec import (
     Table,
     Text,
     Versus,
+    selected,
     when,
 )
 from cs336_systems.rows import (
@@ -508,6 +510,71 @@ MIXED_PRECISION_ACCUMULATION = Layout((
     Text(mixed_precision.setup), mixed_precision.ACCUMULATION_TABLE, Text(mixed_precision.findings)))
 
 
+# DDP
+def _ddp_equivalence(*methods: str) -> Layout:
+    """A DDP wrapper's report against single-process training: the run, a line per variant, and each one's verdict."""
+    mine = ddp.equivalence_of(*methods)
+    return Layout((Text(lambda rows: ddp.equivalence_setup(selected(rows, mine))),
+                   Table(where=mine, columns=("variant", "world_size", "backend", "steps", "max_abs_difference",
+                                              "tolerance", "matches")),
+                   Text(lambda rows: ddp.equivalence_verdicts(selected(rows, mine)))), requires=mine)
+
+
+def _ddp_steps(*methods: str) -> Table:
+    """The DDP benchmarking reports' step table: each variant of `methods` with its phases, its time over local
+    training, and how much of its profiled communication ran beside compute."""
+    ran = sharding.ran_value
+    return Table(where=ddp.steps_of(*methods), rows_of=ddp.with_time_over_local, columns=(
+        "variant", Column("all-reduces", ran(lambda r: r.get("all_reduces_per_step"))), Column("step", ddp.step_cell),
+        Column("forward", ran(lambda r: r["forward_ms"])), Column("backward", ran(lambda r: r["backward_ms"])),
+        Column("gradient_sync", ran(lambda r: r["gradient_sync_ms"])),
+        Column("optimizer", ran(lambda r: r["optimizer_ms"])), Column("over local", "over_local_ms"),
+        Column("communication (profiled)", ran(lambda r: r.get("profiled_communication_ms"))),
+        Column("overlapped with compute", ran(ddp.overlapped_share)),
+        Column("peak GiB", ran(lambda r: r.get("peak_memory_gib")))))
+
+
+def _ddp_benchmarking(methods: tuple[str, ...], *parts: Part, heading: str = "") -> Layout:
+    """A DDP benchmarking report: the run, the step table of `methods` under `heading`, then `parts`."""
+    return Layout((Text(ddp.setup), heading, _ddp_steps(*methods), *parts), requires={"table": "step"})
+
+
+DDP_OVERHEAD_TABLE = Table(rows_of=ddp.overhead_by_bucket_size, columns=(
+    Column(f"bucket {ddp.BUCKET_UNIT}", "bucket_size_mb"), Column("buckets", "all_reduces_per_step"),
+    Column("course model (ms)", "course_model_ms"),
+    Column("with measured backward (ms)", "pipelined_model_ms", optional=True),
+    Column("measured gradient_sync (ms)", "gradient_sync_ms")))
+
+
+# Leaderboard
+_ran = sharding.ran_value
+# Each variant's step: its setup, the blocks it checkpoints, its time and phases, throughput and memory; a variant that
+# did not run shows why, and the columns no variant has a value in are left out.
+LEADERBOARD_STEPS = Table(where={"table": "step"}, present_only=True, columns=(
+    "variant", "setup", Column("checkpointed blocks", lambda r: f"{r['checkpointed_blocks']} of {r['num_layers']}"),
+    Column("step (ms)", leaderboard.step_cell),
+    Column("min to max (ms)", _ran(lambda r: f"{format_ms(r['min_ms'])} to {format_ms(r['max_ms'])}")),
+    Column("forward", _ran(lambda r: format_ms(r["forward_ms"]))),
+    Column("backward", _ran(lambda r: format_ms(r["backward_ms"]))),
+    Column("optimizer", _ran(lambda r: format_ms(r["optimizer_ms"]))),
+    Column("tokens/s", _ran(lambda r: f"{r['tokens_per_s']:,.0f}")),
+    Column("model TFLOP/s per GPU", _ran(leaderboard.tflops_per("GPU"))),
+    Column("model TFLOP/s per rank", _ran(leaderboard.tflops_per("rank"))),
+    Column("peak per rank (GiB)", _ran(lambda r: None if r.get("peak_gib") is None else f"{r['peak_gib']:.1f}")),
+    Column("estimate (GiB)", lambda r: f"{r['model_peak_gib']:.1f}")))
+LEADERBOARD_REPORT = Layout((
+    Text(leaderboard.correctness_setup),
+    Table(where={"table": "equivalence"}, columns=("variant", "setup", "relative_loss_difference",
+                                                   "max_relative_gradient_difference", "tolerance", "matches")),
+    Text(leaderboard.step_setup), LEADERBOARD_STEPS, Text(leaderboard.step_sentences),
+    Text(leaderboard.parts_section), Text(leaderboard.kernel_setup),
+    Table(where=leaderboard.is_kernel, columns=(
+        Column("provider", lambda r: leaderboard.provider_label(r["provider"])),
+        Column("mode", leaderboard.mode_label), Column("median (ms)", lambda r: format_ms(r["median_ms"])),
+        Column("TFLOP/s", lambda r: f"{r['tflops']:.0f}"))),
+    Text(leaderboard.attention_per_step)))
+
+
 PROBLEMS: tuple[Problem, ...] = (
     Problem("benchmarking_script",
             (Report("benchmarking_script", BENCHMARKING_SCRIPT, E2E_KEY, cell_of=e2e.cell_key),),
@@ -546,19 +613,31 @@ PROBLEMS: tuple[Problem, ...] = (
             allreduce.answer_distributed_communication_single_node, "ddp", ("perf/test_allreduce.py",),
             open_items=allreduce.open_items_distributed_communication_single_node),
     Problem("naive_ddp / naive_ddp_benchmarking",
-            (Report("naive_ddp", ddp.render_naive_ddp),
-             Report("naive_ddp_benchmarking", ddp.render_naive_ddp_benchmarking)),
+            (Report("naive_ddp", _ddp_equivalence("naive", "flat")),
+             Report("naive_ddp_benchmarking", _ddp_benchmarking(
+                 ("local", "naive"), Text(ddp.naive_cost), ddp.TIMELINES_HEADING,
+                 Text(ddp.timelines("local", "naive"))))),
             ddp.answer_naive_ddp, "ddp", ("perf/test_ddp.py",), 2),
     Problem("minimal_ddp_flat_benchmarking",
-            (Report("minimal_ddp_flat_benchmarking", ddp.render_flat_benchmarking),),
+            (Report("minimal_ddp_flat_benchmarking", _ddp_benchmarking(
+                ("local", "naive", "flat"), Text(ddp.flattening), "## Timeline (one profiled step on rank 0)\n",
+                Text(ddp.timelines("flat")))),),
             ddp.answer_minimal_ddp_flat_benchmarking, "ddp", ("perf/test_ddp.py",), 2),
     Problem("ddp_overlap_individual_parameters",
-            (Report("ddp_overlap_individual_parameters", ddp.render_overlap_individual),
-             Report("ddp_overlap_individual_parameters_benchmarking", ddp.render_overlap_individual_benchmarking)),
+            (Report("ddp_overlap_individual_parameters", _ddp_equivalence("overlap_individual")),
+             Report("ddp_overlap_individual_parameters_benchmarking", _ddp_benchmarking(
+                 (*ddp.UNBUCKETED_METHODS, *ddp.UNDER_TEST_INDIVIDUAL), Text(ddp.overlap_ranking),
+                 ddp.TIMELINES_HEADING + "\n" + ddp.TIMELINE_ROWS,
+                 Text(ddp.timelines("naive", "overlap_individual", *ddp.UNDER_TEST_INDIVIDUAL))))),
             ddp.answer_ddp_overlap_individual_parameters, "ddp", ("perf/test_ddp.py",), 2),
     Problem("ddp_overlap_bucketed",
-            (Report("ddp_overlap_bucketed", ddp.render_overlap_bucketed),
-             Report("ddp_bucketed_benchmarking", ddp.render_bucketed_benchmarking)),
+            (Report("ddp_overlap_bucketed", _ddp_equivalence("bucketed")),
+             Report("ddp_bucketed_benchmarking", _ddp_benchmarking(
+                 (*ddp.UNBUCKETED_METHODS, *ddp.BUCKETED_METHODS),
+                 Text(ddp.targets_heading), Table(rows_of=ddp.targets, columns=("target", "measured", "met")),
+                 Text(ddp.bucket_sizes), Text(ddp.overhead_model), DDP_OVERHEAD_TABLE,
+                 Text(ddp.transfer_against_backward), ddp.TIMELINES_HEADING,
+                 Text(ddp.timelines(*ddp.BUCKETED_METHODS)), heading="## (a) Time per step by bucket size\n"))),
             ddp.answer_ddp_overlap_bucketed, "ddp", ("perf/test_ddp.py",), 2, only_in_handout="2025"),
     Problem("optimizer_state_sharding",
             (Report("optimizer_state_sharding", Layout((
@@ -595,7 +674,7 @@ PROBLEMS: tuple[Problem, ...] = (
     _parallelism("fsdp_calcs", parallelism_calcs.fsdp, _node_table("N_FSDP"), parallelism_calcs.answer_fsdp_calcs),
     _parallelism("tp_calcs", parallelism_calcs.tp, _node_table("N_TP"), parallelism_calcs.answer_tp_calcs),
     _parallelism("fsdp_tp_calcs", parallelism_calcs.fsdp_tp, FSDP_TP_TABLE, parallelism_calcs.answer_fsdp_tp_calcs),
-    Problem("leaderboard", (Report("leaderboard", leaderboard.render_leaderboard),), leaderboard.answer_leaderboard,
+    Problem("leaderboard", (Report("leaderboard", LEADERBOARD_REPORT),), leaderboard.answer_leaderboard,
             "leaderboard", ("perf/test_leaderboard.py",), 2, open_items=leaderboard.open_items_leaderboard,
             only_in_handout="2026"),
 )
