@@ -1,12 +1,13 @@
 """The table of the course's problems: for each, the perf module that measures it, its reports (the
-rows' name, renderer and cell key) and the function that answers its written questions from those
+rows' name, declared layout and cell key) and the function that answers its written questions from those
 rows. Everything that writes or reads a report finds it here:
 
     name -> measure (perf/<module>.py, marker) -> rows -> render (Report.render) -> answer (Problem.answer)
 
 A problem family's measuring code is a benchmark module (cs336_systems.benchmarks.<family>), which returns
-rows; the renderers of its reports and its answers are the reports module of the same name
-(cs336_systems.reports.<family>); each report's cell key is in cs336_systems.rows.
+rows. Each report is declared below (cs336_systems.reports.spec): its tables, plots and text parts, in order;
+the text parts and the answers are the reports module of the family's name (cs336_systems.reports.<family>);
+each report's cell key is in cs336_systems.rows.
 """
 
 from __future__ import annotations
