@@ -166,7 +166,7 @@ def test_a_report_that_cannot_be_written_fails_the_run_leaves_nothing_and_keeps_
     result.assert_outcomes(passed=1)
     assert result.ret == pytest.ExitCode.TESTS_FAILED
     result.stdout.fnmatch_lines(["*cs336-systems reports not written*",
-                                 "mixed_precision_accumulation: KeyError: 'variant'"])
+                                 "mixed_precision_accumulation: KeyError: *"])
     written = sorted(p.name for p in (pytester.path / "out" / "cpu").iterdir())
     assert written == ["README.md", "_plugin_problem.csv", "_plugin_problem.md", "_plugin_problem.meta.json"]
 
