@@ -10,7 +10,7 @@ import torch.nn.functional as F
 
 from cs336_systems.model import ModelConfig, TransformerLM
 from cs336_systems.accounting.activations import block_saved_bytes, sublayer_saved_bytes
-from cs336_systems.profiling.checkpointing import (
+from cs336_systems.distributed.checkpointing import (
     Checkpoint,
     CheckpointedStack,
     Sublayers,

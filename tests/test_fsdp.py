@@ -34,7 +34,7 @@ from cs336_systems.distributed.fsdp import FSDP
 from cs336_systems.distributed.launch import launch
 from cs336_systems.linear_cross_entropy import linear_cross_entropy
 from cs336_systems.model import ModelConfig, TransformerLM
-from cs336_systems.profiling.checkpointing import Checkpoint, apply_checkpointing
+from cs336_systems.distributed.checkpointing import Checkpoint, apply_checkpointing
 from tests import adapters
 from tests.common import (
     CheckOutcome,

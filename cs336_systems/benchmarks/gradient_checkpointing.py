@@ -26,7 +26,7 @@ from cs336_systems.benchmarks.e2e import DEFAULT_BATCH_SIZE
 from cs336_systems.benchmarks.harness import autocast, build_model, guarded_cell, lm_loss, random_batch, release_memory
 from cs336_systems.model import DEFAULT_SIZE_TABLE, ModelConfig
 from cs336_systems.precision import check_precision
-from cs336_systems.profiling.checkpointing import (
+from cs336_systems.distributed.checkpointing import (
     apply_checkpointing,
     describe,
     every_k,

@@ -70,7 +70,7 @@ from cs336_systems.distributed.launch import launch, rank_device, report_progres
 from cs336_systems.linear_cross_entropy import DEFAULT_CHUNK_TOKENS, linear_cross_entropy
 from cs336_systems.memory_guard import MemoryCheck, check_memory_on_every_rank
 from cs336_systems.model import LEADERBOARD, ModelConfig, TransformerLM
-from cs336_systems.profiling.checkpointing import Checkpoint, Plan, apply_checkpointing
+from cs336_systems.distributed.checkpointing import Checkpoint, Plan, apply_checkpointing
 from cs336_systems.profiling.ranges import annotate
 from cs336_systems.rows import OOM, Row
 from cs336_systems.timing import STEP_TIMER, Timings, synchronize, tflops
