@@ -31,6 +31,7 @@ import torch
 
 from cs336_systems.checks import check_positive_finite, is_non_negative_finite
 from cs336_systems.clocks import ClockSample, GpuClocks
+from cs336_systems.profiling.ranges import annotate
 
 
 def synchronize(device: torch.device | str) -> None:
@@ -38,6 +39,9 @@ def synchronize(device: torch.device | str) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
 
+
+# A step's phases: `phase(name)` is the context its work named `name` runs in (a profiler range, timed by timed_step).
+Phase = Callable[[str], AbstractContextManager]
 
 # The `timer` of rows that StepTimer measured; rows without one had every phase between synchronisations.
 STEP_TIMER = "one synchronisation per step, phases from markers inside it"
@@ -111,6 +115,31 @@ class StepTimer:
         self.phase_ms = {}
         for name, phase_start, phase_end in self._phases:
             self.phase_ms[name] = self.phase_ms.get(name, 0.0) + self._elapsed_ms(phase_start, phase_end)
+
+
+@contextmanager
+def timed_step(device: torch.device | str, samples: dict[str, list[float]] | None = None,
+               timers: list[StepTimer] | None = None) -> Iterator[Phase]:
+    """One step, its phases in named ranges and timed with one synchronisation at the step's end
+    (cs336_systems.timing.StepTimer); given a dict of lists, each phase's time in ms is appended
+    under its name and the whole step's under "step"; given a list, the step's finished timer is
+    appended to it (its host time and NVML's account of its clock, read only then)."""
+    timer = StepTimer(device, read_clocks=timers is not None)
+
+    @contextmanager
+    def phase(name: str) -> Iterator[None]:
+        with annotate(name), timer.phase(name):
+            yield
+
+    with timer.step():
+        yield phase
+    if samples is not None:
+        for name, ms in timer.phase_ms.items():
+            samples.setdefault(name, []).append(ms)
+        samples.setdefault("step", []).append(timer.step_ms)
+    if timers is not None:
+        timers.append(timer)
+
 
 
 @contextmanager

@@ -26,13 +26,13 @@ from cs336_systems.benchmarks.ddp import (
     DDPBenchmarkConfig,
     benchmark_ddp,
     ddp_equivalence,
-    equivalence_failures,
     under_test_functions,
     under_test_variants,
     variant_label,
 )
 from cs336_systems.benchmarks.harness import under_test_of
 from cs336_systems.cells import failures, require_some_ran, unmeasured
+from cs336_systems.distributed.equivalence import equivalence_failures
 from cs336_systems.distributed.launch import launch
 from cs336_systems.profiling.timeline import plot_timeline
 from cs336_systems.rows import FAILED, OOM

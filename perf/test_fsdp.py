@@ -14,7 +14,6 @@ from dataclasses import replace
 import pytest
 
 from cs336_systems.baselines import at_world_size, within
-from cs336_systems.benchmarks.ddp import equivalence_failures
 from cs336_systems.benchmarks.fsdp import (
     OURS,
     TORCH_FSDP,
@@ -27,6 +26,7 @@ from cs336_systems.benchmarks.fsdp import (
 from cs336_systems.benchmarks.sharding import ShardingBenchmarkConfig
 from cs336_systems.benchmarks.harness import under_test_of
 from cs336_systems.cells import failures, require_some_ran, unmeasured
+from cs336_systems.distributed.equivalence import equivalence_failures
 from cs336_systems.distributed.launch import launch
 from cs336_systems.profiling.timeline import plot_timeline
 from cs336_systems.rows import FAILED, OOM
@@ -75,7 +75,7 @@ def test_fsdp_matches_single_process(rows):
 
 def test_fsdp_accounting(rows):
     steps = [r for r in rows if r["table"] == "step" and not r.get("implementation")]
-    assert [r["variant"] for r in steps] == [label for label, _, _, _ in VARIANTS]
+    assert [r["variant"] for r in steps] == [variant.label for variant in VARIANTS]
     assert {r["status"] for r in steps} <= {"ok", OOM}
     require_some_ran(steps, "the FSDP variants' training steps")
     assert not unmeasured(steps, "step_ms", "optimizer_ms")
@@ -95,7 +95,7 @@ def test_fsdp_implementation_under_test(implementation_under_test, rows):
     """The implementation under test's FSDP trained beside the references: its step ran, or ran out of memory; one
     that raised fails, naming its error."""
     steps = [r for r in rows if r["table"] == "step" and r.get("implementation")]
-    assert [r["variant"] for r in steps] == [under_test_variant(implementation_under_test)[0]]
+    assert [r["variant"] for r in steps] == [under_test_variant(implementation_under_test).label]
     assert {r["status"] for r in steps} <= {"ok", OOM, FAILED}
     assert not unmeasured(steps, "step_ms", "optimizer_ms")
     if failed := failures(steps, "variant"):

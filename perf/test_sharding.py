@@ -68,7 +68,7 @@ def test_sharded_optimizer_matches_adamw(rows):
 
 def test_optimizer_sharding_accounting(rows):
     steps = [r for r in rows if r["table"] == "step" and not r.get("implementation")]
-    assert [r["variant"] for r in steps] == [label for label, _, _ in VARIANTS]
+    assert [r["variant"] for r in steps] == [variant.label for variant in VARIANTS]
     assert {r["status"] for r in steps} <= {"ok", OOM}
     require_some_ran(steps, "the sharding variants' training steps")
     assert not unmeasured(steps, "step_ms", "optimizer_ms")
@@ -89,7 +89,7 @@ def test_optimizer_sharding_implementation_under_test(implementation_under_test,
     """The implementation under test's sharded optimizer trained beside the references: its step ran, or ran out
     of memory; one that raised fails, naming its error."""
     steps = [r for r in rows if r["table"] == "step" and r.get("implementation")]
-    assert [r["variant"] for r in steps] == [under_test_variant(implementation_under_test)[0]]
+    assert [r["variant"] for r in steps] == [under_test_variant(implementation_under_test).label]
     assert {r["status"] for r in steps} <= {"ok", OOM, FAILED}
     assert not unmeasured(steps, "step_ms", "optimizer_ms")
     if failed := failures(steps, "variant"):

@@ -8,9 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from cs336_systems.model import ModelConfig, TransformerLM
-from cs336_systems.accounting.activations import block_saved_bytes, sublayer_saved_bytes
-from cs336_systems.profiling.checkpointing import (
+from cs336_systems.distributed.checkpointing import (
     Checkpoint,
     CheckpointedStack,
     Sublayers,
@@ -25,6 +23,8 @@ from cs336_systems.profiling.checkpointing import (
     remove_checkpointing,
     validate_plan,
 )
+from cs336_systems.model import ModelConfig, TransformerLM
+from cs336_systems.accounting.activations import block_saved_bytes, sublayer_saved_bytes
 from cs336_systems.profiling.memory import peak_memory_increase
 
 LAYERS = 5

@@ -9,7 +9,7 @@ import torch
 from cs336_systems import rows
 from cs336_systems.benchmarks import e2e
 from cs336_systems.benchmarks.e2e import E2EConfig, benchmark_model
-from cs336_systems.benchmarks.harness import timed_step
+from cs336_systems.timing import timed_step
 from cs336_systems.clocks import ClockSample, GpuClocks, clock_columns
 from cs336_systems.reports import e2e as e2e_report
 from cs336_systems.timing import StepTimer

@@ -18,7 +18,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from cs336_systems.benchmarks.ddp import ddp_equivalence, equivalence_failures, variant_label
+from cs336_systems.benchmarks.ddp import ddp_equivalence, variant_label
+from cs336_systems.distributed.equivalence import equivalence_failures
 from cs336_systems.distributed.ddp import (
     BucketedDDP,
     FlatDDP,

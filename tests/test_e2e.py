@@ -16,7 +16,7 @@ from cs336_systems.__main__ import main
 from cs336_systems.accounting.flops import step_flops
 from cs336_systems.benchmarks import e2e, harness
 from cs336_systems.benchmarks.e2e import E2EConfig, benchmark_model
-from cs336_systems.benchmarks.harness import timed_step
+from cs336_systems.timing import timed_step
 from cs336_systems.cells import unmeasured
 from cs336_systems.interpretation import interpreter_problem
 from cs336_systems.memory_guard import MemoryCheck

@@ -27,6 +27,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.func import functional_call
 
+from cs336_systems.distributed.checkpointing import Checkpoint, apply_checkpointing
 import cs336_systems.distributed.fsdp as fsdp_module
 from cs336_systems.conformance.models import ToyFSDPModel
 from cs336_systems.distributed.ddp import batch_shard
@@ -34,7 +35,6 @@ from cs336_systems.distributed.fsdp import FSDP
 from cs336_systems.distributed.launch import launch
 from cs336_systems.linear_cross_entropy import linear_cross_entropy
 from cs336_systems.model import ModelConfig, TransformerLM
-from cs336_systems.profiling.checkpointing import Checkpoint, apply_checkpointing
 from tests import adapters
 from tests.common import (
     CheckOutcome,

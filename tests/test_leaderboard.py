@@ -34,10 +34,10 @@ from cs336_systems.benchmarks.leaderboard import (
     fewest_checkpoints,
     leaderboard_equivalence,
 )
+from cs336_systems.distributed.checkpointing import Checkpoint
 from cs336_systems.distributed.launch import launch
 from cs336_systems.gpus import GPU_SPECS
 from cs336_systems.memory_guard import FIT_SHARE, MemoryCheck
-from cs336_systems.profiling.checkpointing import Checkpoint
 from cs336_systems.model import LEADERBOARD, ModelConfig
 from cs336_systems.reports import read_rows
 from cs336_systems.reports.leaderboard import answer_leaderboard

@@ -41,10 +41,8 @@ from __future__ import annotations
 
 import logging
 import statistics
-import tempfile
 from copy import deepcopy
 from dataclasses import asdict, dataclass
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -53,32 +51,28 @@ from cs336_systems.accounting.ddp import allreduce_cost
 from cs336_systems.accounting.memory import training_memory
 from cs336_systems.benchmarks.allreduce import time_allreduce
 from cs336_systems.benchmarks.harness import (
-    LEARNING_RATE,
-    Phase,
     UnderTest,
     adapters_in_rank,
-    adamw,
     build_model,
+    foreach_adamw,
     guarded_cell,
-    lm_loss,
+    logits_loss,
     random_batch,
-    timed_step,
-    training_step,
 )
-from cs336_systems.distributed.ddp import BucketedDDP, FlatDDP, NaiveDDP, OverlapIndividualDDP, batch_shard
+from cs336_systems.distributed.ddp import BucketedDDP, FlatDDP, NaiveDDP, OverlapIndividualDDP
+from cs336_systems.distributed.equivalence import max_abs_difference, train_beside, worst_over_ranks
 from cs336_systems.distributed.launch import rank_device
+from cs336_systems.distributed.training import PHASES, Trainer, Wrap, Wrapped, torch_ddp, unwrapped
 from cs336_systems.gpus import GIB
 from cs336_systems.memory_guard import check_memory_on_every_rank
 from cs336_systems.model import DEFAULT_SIZE_TABLE, ModelConfig
-from cs336_systems.profiling.kernels import device_profile
-from cs336_systems.profiling.timeline import COMPUTE, CPU_COMPUTE_ROW, communication_summary, load_intervals
+from cs336_systems.profiling.timeline import COMPUTE, CPU_COMPUTE_ROW, communication_summary, intervals_from_events
 from cs336_systems.provenance import implementation_columns
 from cs336_systems.rows import SAMPLE_TIMES, Row
 from cs336_systems.timing import STEP_TIMER
 
 log = logging.getLogger(__name__)
 
-PHASES = ("forward", "backward", "gradient_sync", "optimizer")
 TORCH_DDP_METHODS = ("torch_ddp", "torch_ddp_bucket_view")
 # The implementation under test's wrappers, each named by the adapter function that builds it, with its hooks:
 # (after backward, before each batch's forward), called with the wrapped model and its optimizer.
@@ -144,24 +138,24 @@ def variant_label(method: str, bucket_size_mb: float | None = None, implementati
     return f"bucketed {bucket_size_mb:g} MB" if method == "bucketed" else method
 
 
-def _wrap(method: str, bucket_size_mb: float | None, model: torch.nn.Module, device: torch.device, adapters=None):
-    """(module to train, gradient sync after backward, hook before each batch), each hook called with the
-    optimizer; the implementation under test's methods come from `adapters`."""
-    if method == "local":
-        return model, None, None
-    if method in TORCH_DDP_METHODS:
-        device_ids = [device.index] if device.type == "cuda" else None
-        return torch.nn.parallel.DistributedDataParallel(
-            model, device_ids=device_ids, gradient_as_bucket_view=method == "torch_ddp_bucket_view"), None, None
-    if method in UNDER_TEST_METHODS:
-        return _wrap_under_test(method, bucket_size_mb, model, adapters)
-    wrapper = BucketedDDP(model, bucket_size_mb=bucket_size_mb) if method == "bucketed" else WRAPPERS[method](model)
-    before_batch = getattr(wrapper, "on_train_batch_start", None)
-    return (wrapper, lambda optimizer: wrapper.finish_gradient_synchronization(),
-            None if before_batch is None else lambda optimizer: before_batch())
+def wrap(method: str, bucket_size_mb: float | None = None, adapters=None) -> Wrap:
+    """How variant `method` wraps the model; the implementation under test's methods come from `adapters`."""
+    def apply(model: torch.nn.Module) -> Wrapped:
+        if method == "local":
+            return unwrapped(model)
+        if method in TORCH_DDP_METHODS:
+            return torch_ddp(model, gradient_as_bucket_view=method == "torch_ddp_bucket_view")
+        if method in UNDER_TEST_METHODS:
+            return _wrap_under_test(method, bucket_size_mb, model, adapters)
+        wrapper = BucketedDDP(model, bucket_size_mb=bucket_size_mb) if method == "bucketed" else WRAPPERS[method](model)
+        before_batch = getattr(wrapper, "on_train_batch_start", None)
+        return Wrapped(wrapper, lambda optimizer: wrapper.finish_gradient_synchronization(),
+                       None if before_batch is None else lambda optimizer: before_batch())
+
+    return apply
 
 
-def _wrap_under_test(method: str, bucket_size_mb: float | None, model: torch.nn.Module, adapters):
+def _wrap_under_test(method: str, bucket_size_mb: float | None, model: torch.nn.Module, adapters) -> Wrapped:
     """The implementation under test's wrapper and hooks, through its adapter functions."""
     after_backward, before_batch = UNDER_TEST_METHODS[method]
     build = adapters.function(method)
@@ -173,20 +167,16 @@ def _wrap_under_test(method: str, bucket_size_mb: float | None, model: torch.nn.
         function = adapters.function(name)
         return lambda optimizer: function(wrapper, optimizer)
 
-    return wrapper, hook(after_backward), hook(before_batch)
+    return Wrapped(wrapper, hook(after_backward), hook(before_batch))
 
 
-def _no_sync() -> None:
-    """The local run and torch DDP: nothing left to synchronise after backward."""
-
-
-def _all_reduces_per_step(method: str, module: torch.nn.Module, model: torch.nn.Module) -> int | None:
+def _all_reduces_per_step(method: str, module: torch.nn.Module) -> int | None:
     """Gradient all-reduce calls per step (our wrappers add one small all-reduce of gradient counts);
     None for torch DDP and the local run."""
     if method == "bucketed":
         return len(module.buckets)
     if method in ("naive", "overlap_individual"):
-        return sum(p.requires_grad for p in model.parameters())
+        return sum(p.requires_grad for p in module.module.parameters())
     return 1 if method == "flat" else None  # the implementation under test's are not counted
 
 
@@ -196,45 +186,20 @@ def _measure_variant(method: str, bucket_size_mb: float | None, cfg: DDPBenchmar
     # A different initial model on every rank: the wrappers must broadcast.
     model = build_model(config, device, cfg.attention, seed=rank)
     trainable_bytes = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
-    module, sync, before_batch = _wrap(method, bucket_size_mb, model, device, adapters)
-    optimizer = adamw(module, LEARNING_RATE, "foreach")
+    trainer = Trainer(model, wrap(method, bucket_size_mb, adapters), foreach_adamw, logits_loss)
     # Every rank trains on its own data.
     inputs, targets = random_batch(config, cfg.batch_size, cfg.context_length, device, seed=rank)
-    after_backward = _no_sync if sync is None else lambda: sync(optimizer)
-
-    def step(phase: Phase) -> None:
-        if before_batch is not None:
-            before_batch(optimizer)
-        # Every variant has a gradient_sync phase, empty where backward left nothing to synchronise.
-        training_step(module, optimizer, inputs, targets, phase=phase, after_backward=after_backward)
-
-    for _ in range(cfg.warmup):
-        _plain_step(step, device)
-    samples: dict[str, list[float]] = {}
-    for _ in range(cfg.steps):
-        with timed_step(device, samples) as phase:
-            step(phase)
-    step_ms, phase_ms = samples.pop("step"), samples
-    stats = {"status": "ok", "step_ms": step_ms, **phase_ms, "trainable_bytes": trainable_bytes,
-             "all_reduces_per_step": _all_reduces_per_step(method, module, model),
-             "peak_memory_gib": torch.cuda.max_memory_allocated(device) / GIB if device.type == "cuda" else None}
-    intervals = _profiled_step(step, device) if profile else _plain_step(step, device)
-    return stats, intervals
+    timed = trainer.timed_steps(inputs, targets, cfg.warmup, cfg.steps)
+    stats = {"status": "ok", "samples_ms": timed.samples_ms, "trainable_bytes": trainable_bytes,
+             "all_reduces_per_step": _all_reduces_per_step(method, trainer.module),
+             "peak_memory_gib": None if timed.peak_memory_bytes is None else timed.peak_memory_bytes / GIB}
+    events = trainer.profiled_step(inputs, targets, profile)
+    return stats, None if events is None else _timeline(events, device)
 
 
-def _plain_step(step, device: torch.device) -> None:
-    with timed_step(device) as phase:
-        step(phase)
-
-
-def _profiled_step(step, device: torch.device) -> list | None:
-    """One step under torch.profiler; its timeline, or None when the trace holds no device work."""
-    with device_profile(device) as profiler:
-        _plain_step(step, device)
-    with tempfile.TemporaryDirectory() as scratch:
-        trace = Path(scratch) / "trace.json"
-        profiler.export_chrome_trace(str(trace))
-        intervals = load_intervals(trace, phase_names=PHASES)
+def _timeline(events: list[dict], device: torch.device) -> list | None:
+    """A profiled step's timeline, or None when the trace holds no device work."""
+    intervals = intervals_from_events(events, phase_names=PHASES)
     if device.type == "cuda" and all(i.row == CPU_COMPUTE_ROW for i in intervals if i.kind == COMPUTE):
         # Without CUPTI the profiler records no kernels; communication would wrongly read as zero.
         log.warning("the profiler recorded no CUDA kernels; communication columns and timelines are left out")
@@ -270,17 +235,18 @@ def _row(method: str, bucket_size_mb: float | None, per_rank: list[dict], summar
     missed = next((stats for stats in per_rank if stats["status"] != "ok"), None)
     if missed is not None:
         return {**row, **missed}
-    pooled = {key: [x for stats in per_rank for x in stats[key]] for key in ("step_ms", *PHASES)}
+    pooled = {key: [x for stats in per_rank for x in stats["samples_ms"].get(key, ())] for key in ("step", *PHASES)}
     row.update(status="ok", timer=STEP_TIMER, trainable_bytes=per_rank[0]["trainable_bytes"],
                all_reduces_per_step=per_rank[0]["all_reduces_per_step"],
-               step_ms=statistics.fmean(pooled["step_ms"]),
-               step_std_ms=statistics.stdev(pooled["step_ms"]) if len(pooled["step_ms"]) > 1 else 0.0,
-               **{f"{phase}_ms": statistics.fmean(pooled[phase]) for phase in PHASES})
+               step_ms=statistics.fmean(pooled["step"]),
+               step_std_ms=statistics.stdev(pooled["step"]) if len(pooled["step"]) > 1 else 0.0,
+               # Nothing ran after backward in the local run and torch DDP: their gradient_sync took no time.
+               **{f"{phase}_ms": statistics.fmean(pooled[phase]) if pooled[phase] else 0.0 for phase in PHASES})
     peaks = [stats["peak_memory_gib"] for stats in per_rank if stats["peak_memory_gib"] is not None]
     row["peak_memory_gib"] = max(peaks) if peaks else None
     if summary is not None:
         row.update({f"profiled_{key}": value for key, value in summary.items()})
-    row[SAMPLE_TIMES] = pooled["step_ms"]
+    row[SAMPLE_TIMES] = pooled["step"]
     return row
 
 
@@ -346,37 +312,23 @@ def ddp_equivalence(rank: int, world_size: int) -> list[Row]:
     config = ModelConfig.for_size(EQUIVALENCE_SIZE, EQUIVALENCE_CONTEXT)
     cases = [("naive", None), ("flat", None), ("overlap_individual", None),
              *[("bucketed", b) for b in EQUIVALENCE_BUCKET_SIZES_MB]]
+    batches = [random_batch(config, EQUIVALENCE_BATCH_PER_RANK * world_size, EQUIVALENCE_CONTEXT, device, seed=step)
+               for step in range(EQUIVALENCE_STEPS)]  # the same full batch on every rank
     rows = []
     for method, bucket_size_mb in cases:
-        model = build_model(config, device, dtype=torch.float64, seed=rank)
-        ddp_model, sync, _ = _wrap(method, bucket_size_mb, model, device)
-        reference = deepcopy(ddp_model.module)
-        ddp_optimizer = torch.optim.AdamW(ddp_model.parameters(), lr=1e-3)
-        reference_optimizer = torch.optim.AdamW(reference.parameters(), lr=1e-3)
-        for step in range(EQUIVALENCE_STEPS):
-            # The same full batch on every rank.
-            inputs, targets = random_batch(config, EQUIVALENCE_BATCH_PER_RANK * world_size, EQUIVALENCE_CONTEXT,
-                                           device, seed=step)
-            shard = batch_shard(len(inputs), rank, world_size)
-            for net, optimizer, x, y in ((reference, reference_optimizer, inputs, targets),
-                                         (ddp_model, ddp_optimizer, inputs[shard], targets[shard])):
-                optimizer.zero_grad(set_to_none=True)
-                lm_loss(net(x), y).backward()
-                if net is ddp_model:
-                    sync(optimizer)
-                optimizer.step()
-        difference = max((a - b).abs().max().item()
-                         for a, b in zip(reference.parameters(), ddp_model.module.parameters()))
-        differences: list[float | None] = [None] * world_size
-        dist.all_gather_object(differences, difference)
+        trainer = Trainer(build_model(config, device, dtype=torch.float64, seed=rank), wrap(method, bucket_size_mb),
+                          equivalence_adamw, logits_loss)
+        # Built after the wrapper broadcast rank 0's parameters.
+        reference = Trainer(deepcopy(trainer.module.module), unwrapped, equivalence_adamw, logits_loss)
+        train_beside(reference, trainer, batches)
+        difference = worst_over_ranks(max_abs_difference(reference.module.parameters(),
+                                                         trainer.module.module.parameters()))
         rows.append({"table": "equivalence", "method": method, "variant": variant_label(method, bucket_size_mb),
                      "model": f"{EQUIVALENCE_SIZE} LM, float64", "world_size": world_size,
-                     "backend": dist.get_backend(), "steps": EQUIVALENCE_STEPS, "max_abs_difference": max(differences),
-                     "tolerance": EQUIVALENCE_TOLERANCE, "matches": max(differences) <= EQUIVALENCE_TOLERANCE})
+                     "backend": dist.get_backend(), "steps": EQUIVALENCE_STEPS, "max_abs_difference": difference,
+                     "tolerance": EQUIVALENCE_TOLERANCE, "matches": difference <= EQUIVALENCE_TOLERANCE})
     return rows if rank == 0 else []
 
 
-def equivalence_failures(rows: list[Row], label: str = "variant") -> list[str]:
-    """Each equivalence row outside its tolerance as "<label>: <difference> > <tolerance>"."""
-    return [f"{r[label]}: max abs difference {r['max_abs_difference']:.3g} > tolerance {r['tolerance']:g}"
-            for r in rows if not r["matches"]]
+def equivalence_adamw(module: torch.nn.Module) -> torch.optim.Optimizer:
+    return torch.optim.AdamW(module.parameters(), lr=1e-3)

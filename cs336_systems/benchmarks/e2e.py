@@ -44,7 +44,6 @@ from cs336_systems.benchmarks.harness import (
     build_model,
     guarded_cell,
     random_batch,
-    timed_step,
     training_step,
 )
 from cs336_systems.benchmarks.reference_lm import build_reference
@@ -55,7 +54,7 @@ from cs336_systems.precision import check_precision
 from cs336_systems.profiling.kernels import device_profile, device_timeline, is_fused_attention, kernel_tables
 from cs336_systems.profiling.ranges import annotate
 from cs336_systems.rows import BREAKDOWN_PHASES, BREAKDOWN_TABLE, COURSE_VARIANT, REFERENCE_MODEL, Row
-from cs336_systems.timing import STEP_TIMER, StepTimer, Timings, tflops, time_fn
+from cs336_systems.timing import STEP_TIMER, StepTimer, Timings, tflops, time_fn, timed_step
 
 MODES = ("forward", "forward_backward", "train")
 # The phases each mode reports, in order; the composite ones are sums of the measured phases.
@@ -126,7 +125,7 @@ Step = Callable[[dict[str, list[float]] | None, list[StepTimer] | None], None]
 
 def _workload(cfg: E2EConfig, device: torch.device, reference: bool) -> Step:
     """One step of the cell, as a function: given a dict of lists, it appends each phase's time and
-    the whole step's, and given a list, the step's timer (harness.timed_step). The model is the
+    the whole step's, and given a list, the step's timer (timing.timed_step). The model is the
     torch-native reference LM (compiled whole if `cfg.compile`) when `reference`."""
     config = cfg.model_config()
     if reference:

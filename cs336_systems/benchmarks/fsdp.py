@@ -30,51 +30,36 @@ kernels: its times are the host's, when work was issued.
 from __future__ import annotations
 
 import bisect
-import json
-import tempfile
 from collections import defaultdict
 from collections.abc import Callable
 from copy import deepcopy
-from pathlib import Path
+from dataclasses import replace
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
 from cs336_systems.accounting.memory import training_memory
-from cs336_systems.benchmarks.harness import (
-    LEARNING_RATE,
-    UnderTest,
-    adamw,
-    adapters_in_rank,
-    build_model,
-    lm_loss,
-    random_batch,
-)
+from cs336_systems.benchmarks.harness import UnderTest, adapters_in_rank, build_model, foreach_adamw, lm_loss, random_batch
 from cs336_systems.benchmarks.sharding import (
+    DDP_ADAMW,
     ShardingBenchmarkConfig,
-    TrainingSetup,
-    ddp_adamw,
+    Variant,
     communication_rows,
-    estimated_peak_bytes,
-    gather_rows,
     guarded_training,
     memory_rows,
-    optimizer_state_tensors,
     step_row,
 )
-from cs336_systems.distributed.ddp import batch_shard
+from cs336_systems.distributed.equivalence import gathered, max_abs_difference, train_beside, worst_over_ranks
 from cs336_systems.distributed.fsdp import FSDP, MAX_PREFETCH_LAYERS, REDUCE_SCATTERS_IN_FLIGHT
 from cs336_systems.distributed.launch import rank_device
+from cs336_systems.distributed.training import PHASES, Trainer, Wrap, Wrapped, unwrapped
 from cs336_systems.model import ModelConfig
 from cs336_systems.precision import Precision
-from cs336_systems.profiling.kernels import device_profile
 from cs336_systems.profiling.timeline import COMPUTE, PHASE, Interval, intervals_from_events
 from cs336_systems.provenance import implementation_columns
 from cs336_systems.rows import Row
-from cs336_systems.timing import synchronize
 
-STEP_PHASES = ("forward", "backward", "optimizer")
 OURS, OURS_NO_PREFETCH, TORCH_FSDP, TORCH_DDP = ("FSDP", "FSDP, no prefetch", "torch FSDP (fully_shard per block)",
                                                  "torch DDP")
 RANGE_PREFIX = "fsdp::"
@@ -100,78 +85,67 @@ def _fsdp_collectives(model: FSDP) -> dict[str, int]:
     }
 
 
-def _ours(prefetch_layers: int) -> Callable[[nn.Module, torch.device], TrainingSetup]:
-    def make(model: nn.Module, device: torch.device) -> TrainingSetup:
-        fsdp = FSDP(model, prefetch_layers=prefetch_layers)
-        optimizer = adamw(fsdp, LEARNING_RATE, "foreach")
-        return TrainingSetup(fsdp, optimizer, lambda: optimizer_state_tensors(optimizer.state.values()),
-                             after_backward=fsdp.finish_gradient_synchronization,
-                             collectives=lambda: _fsdp_collectives(fsdp))
-
-    return make
+def _ours(prefetch_layers: int) -> Wrap:
+    return lambda model: _synchronised(FSDP(model, prefetch_layers=prefetch_layers))
 
 
-def _torch_fsdp(model: nn.Module, device: torch.device) -> TrainingSetup:
+def _synchronised(fsdp: FSDP) -> Wrapped:
+    """Our FSDP, its gradients finished after backward."""
+    return Wrapped(fsdp, lambda optimizer: fsdp.finish_gradient_synchronization())
+
+
+def _torch_fsdp(model: nn.Module) -> Wrapped:
     from torch.distributed.fsdp import fully_shard
 
-    block_bytes = sum(p.numel() * p.element_size() for block in model.layers for p in block.parameters())
-    total_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     for block in model.layers:
         fully_shard(block)
     fully_shard(model)
-    optimizer = adamw(model, LEARNING_RATE, "foreach")
-    collectives = {"all_gather (forward weights)": total_bytes, "all_gather (backward weights)": block_bytes,
-                   "reduce_scatter (gradients)": total_bytes}
-    return TrainingSetup(model, optimizer, lambda: optimizer_state_tensors(optimizer.state.values()),
-                         collectives=lambda: collectives)
+    return Wrapped(model)
 
 
-# (label, strategy in the memory model, DDP buckets, builder)
+def _torch_fsdp_collectives(model: nn.Module) -> dict[str, int]:
+    """torch FSDP's defaults: every parameter gathered in forward, the blocks' again in backward (the root's kept
+    after forward), every gradient reduce-scattered; the sizes are the whole parameters' (a DTensor's global)."""
+    block_bytes = sum(p.numel() * p.element_size() for block in model.layers for p in block.parameters())
+    total_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    return {"all_gather (forward weights)": total_bytes, "all_gather (backward weights)": block_bytes,
+            "reduce_scatter (gradients)": total_bytes}
+
+
 VARIANTS = (
-    (TORCH_DDP, "replicated", True, ddp_adamw),
-    (TORCH_FSDP, "fsdp", False, _torch_fsdp),
-    (OURS, "fsdp", False, _ours(MAX_PREFETCH_LAYERS)),
-    (OURS_NO_PREFETCH, "fsdp", False, _ours(0)),
+    replace(DDP_ADAMW, label=TORCH_DDP),
+    Variant(TORCH_FSDP, "fsdp", _torch_fsdp, foreach_adamw, _torch_fsdp_collectives, ddp_buckets=False),
+    Variant(OURS, "fsdp", _ours(MAX_PREFETCH_LAYERS), foreach_adamw, _fsdp_collectives, ddp_buckets=False),
+    Variant(OURS_NO_PREFETCH, "fsdp", _ours(0), foreach_adamw, _fsdp_collectives, ddp_buckets=False),
 )
 # The adapter functions the implementation under test's FSDP is built and synchronised with.
 UNDER_TEST_FUNCTIONS = ("get_fsdp", "fsdp_on_after_backward")
 
 
-def under_test_variant(adapters):
-    """The implementation under test's variant, as VARIANTS' are (label, strategy, DDP buckets, builder); None
-    where it is this project's own (measured above) or lacks UNDER_TEST_FUNCTIONS."""
+def under_test_variant(adapters) -> Variant | None:
+    """The implementation under test's variant; None where it is this project's own (measured above) or lacks
+    UNDER_TEST_FUNCTIONS."""
     if adapters is None or adapters.is_own or adapters.missing(*UNDER_TEST_FUNCTIONS):
         return None
     build, finish = (adapters.function(name) for name in UNDER_TEST_FUNCTIONS)
 
-    def make(model: nn.Module, device: torch.device) -> TrainingSetup:
+    def wrap(model: nn.Module) -> Wrapped:
         fsdp = build(model)
-        optimizer = adamw(fsdp, LEARNING_RATE, "foreach")
-        return TrainingSetup(fsdp, optimizer, lambda: optimizer_state_tensors(optimizer.state.values()),
-                             after_backward=lambda: finish(fsdp, optimizer), collectives=lambda: None)
+        return Wrapped(fsdp, lambda optimizer: finish(fsdp, optimizer))
 
-    return f"{adapters.label}: get_fsdp", "fsdp", False, make
+    return Variant(f"{adapters.label}: get_fsdp", "fsdp", wrap, foreach_adamw, ddp_buckets=False)
 
 
-def _profiled(rank: int, device: torch.device) -> Callable:
-    """Run one step under torch.profiler on rank 0 (the others run it plainly: its collectives need
-    every rank) and return the trace's intervals."""
+def _profiled(rank: int) -> Callable[[Trainer, torch.Tensor, torch.Tensor], list[Interval] | None]:
+    """One more step, under torch.profiler on rank 0 (the others run it plainly: its collectives need every
+    rank); the trace's intervals."""
 
-    def run(step) -> list[Interval] | None:
-        if rank != 0:
-            step()
-            synchronize(device)
+    def run(trainer: Trainer, inputs: torch.Tensor, targets: torch.Tensor) -> list[Interval] | None:
+        events = trainer.profiled_step(inputs, targets, profile=rank == 0)
+        if events is None:
             return None
-        with device_profile(device) as profiler:
-            step()
-            synchronize(device)
-        with tempfile.TemporaryDirectory() as scratch:
-            path = Path(scratch) / "trace.json"
-            profiler.export_chrome_trace(str(path))
-            data = json.loads(path.read_text())
-        events = data["traceEvents"] if isinstance(data, dict) else data
         names = {e["name"] for e in events if str(e.get("name", "")).startswith(RANGE_PREFIX)}
-        return intervals_from_events(events, names | set(STEP_PHASES))
+        return intervals_from_events(events, names | set(PHASES))
 
     return run
 
@@ -213,19 +187,17 @@ def benchmark_fsdp(rank: int, world_size: int, cfg: ShardingBenchmarkConfig,
     rows: list[Row] = []
     timeline = None
     theirs = under_test_variant(adapters)
-    for label, strategy, ddp_buckets, make_setup in (*VARIANTS, *([theirs] if theirs else [])):
-        is_theirs = theirs is not None and label == theirs[0]
-        profile = _profiled(rank, device) if label == OURS else None
-        stats = guarded_training(make_setup, cfg, rank, world_size, device,
-                                 estimated_peak_bytes(cfg, strategy, world_size, ddp_buckets), profile, is_theirs)
+    for variant in (*VARIANTS, *([theirs] if theirs else [])):
+        is_theirs = variant is theirs
+        profile = _profiled(rank) if variant.label == OURS else None
+        stats = guarded_training(variant, cfg, rank, world_size, device, profile, is_theirs)
         trace = stats.pop("trace", None)  # the trace stays on rank 0
-        per_rank = gather_rows(stats, world_size)
-        rows.append(step_row(label, per_rank, cfg, world_size, strategy, ddp_buckets,
-                             implementation_columns(adapters) if is_theirs else None))
-        rows += memory_rows(label, per_rank) + communication_rows(label, per_rank, world_size)
+        per_rank = gathered(stats)
+        rows.append(step_row(variant, per_rank, cfg, world_size, implementation_columns(adapters) if is_theirs else None))
+        rows += memory_rows(variant.label, per_rank) + communication_rows(variant.label, per_rank, world_size)
         if trace:
             timeline = trace
-            rows += [{**r, "variant": label, "backend": dist.get_backend()} for r in gather_readiness(trace)]
+            rows += [{**r, "variant": variant.label, "backend": dist.get_backend()} for r in gather_readiness(trace)]
     rows += _model_rows(cfg, world_size)
     return {"rows": rows, "timeline": timeline} if rank == 0 else None
 
@@ -276,39 +248,44 @@ def fsdp_equivalence(rank: int, world_size: int) -> list[Row]:
 
     device = rank_device()
     config = ModelConfig.for_size(EQUIVALENCE_SIZE, EQUIVALENCE_CONTEXT)
+    batches = [random_batch(config, EQUIVALENCE_BATCH_PER_RANK * world_size, EQUIVALENCE_CONTEXT, device, seed=step)
+               for step in range(EQUIVALENCE_STEPS)]
     rows = []
     for precision in EQUIVALENCE_TOLERANCES:
         compute_dtype = Precision.named(precision).autocast_dtype  # None: fp32 computes in the master weights
-        reference = build_model(config, device, seed=0)
-        model = FSDP(deepcopy(reference), compute_dtype=compute_dtype)
-        sharded = {f"{w.name}.weight" for w in model.weights}
-        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-        reference_optimizer = torch.optim.SGD(reference.parameters(), lr=0.1)
-        for step in range(EQUIVALENCE_STEPS):
-            inputs, targets = random_batch(config, EQUIVALENCE_BATCH_PER_RANK * world_size, EQUIVALENCE_CONTEXT, device,
-                                           seed=step)
-            rows_here = batch_shard(len(inputs), rank, world_size)
-            params = {n: p.to(compute_dtype) if compute_dtype and n in sharded else p
-                      for n, p in reference.named_parameters()}
-            reference_optimizer.zero_grad(set_to_none=True)
-            logits = functional_call(reference, params, (inputs,))
-            lm_loss(logits, targets).backward()
-            reference_optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
-            logits = model(inputs[rows_here])
-            lm_loss(logits, targets[rows_here]).backward()
-            model.finish_gradient_synchronization()
-            optimizer.step()
-        full = model.gather_full_params()
-        difference = max((p.detach() - full[n]).abs().max().item() for n, p in reference.named_parameters())
-        master_dtypes = sorted({str(p.dtype).removeprefix("torch.") for p in model.parameters()})
+        model = build_model(config, device, seed=0)
+        logits_dtypes: list[str] = []
+        trainer = Trainer(deepcopy(model), lambda lm: _synchronised(FSDP(lm, compute_dtype=compute_dtype)), _sgd,
+                          _recording_loss(logits_dtypes))
+        sharded = {f"{w.name}.weight" for w in trainer.module.weights}
+
+        def reference_loss(lm: nn.Module, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+            params = {n: p.to(compute_dtype) if compute_dtype and n in sharded else p for n, p in lm.named_parameters()}
+            return lm_loss(functional_call(lm, params, (inputs,)), targets)
+
+        reference = Trainer(model, unwrapped, _sgd, reference_loss)
+        train_beside(reference, trainer, batches)
+        full = trainer.module.gather_full_params()
+        expected = dict(reference.module.named_parameters())
+        difference = worst_over_ranks(max_abs_difference(expected.values(), (full[n] for n in expected)))
+        master_dtypes = sorted({str(p.dtype).removeprefix("torch.") for p in trainer.module.parameters()})
+        tolerance = EQUIVALENCE_TOLERANCES[precision]
         rows.append({"table": "equivalence", "compute": precision, "world_size": world_size,
                      "backend": dist.get_backend(), "model": f"{EQUIVALENCE_SIZE} LM", "steps": EQUIVALENCE_STEPS,
-                     "logits_dtype": str(logits.dtype).removeprefix("torch."), "master_dtype": ", ".join(master_dtypes),
-                     "max_abs_difference": difference, "tolerance": EQUIVALENCE_TOLERANCES[precision]})
-    per_rank = gather_rows(rows, world_size)
-    merged = [{**row, "max_abs_difference": max(r[i]["max_abs_difference"] for r in per_rank)}
-              for i, row in enumerate(per_rank[0])]
-    for row in merged:
-        row["matches"] = row["max_abs_difference"] <= row["tolerance"]
-    return merged if rank == 0 else []
+                     "logits_dtype": logits_dtypes[-1], "master_dtype": ", ".join(master_dtypes),
+                     "max_abs_difference": difference, "tolerance": tolerance, "matches": difference <= tolerance})
+    return rows if rank == 0 else []
+
+
+def _sgd(module: nn.Module) -> torch.optim.Optimizer:
+    return torch.optim.SGD(module.parameters(), lr=0.1)
+
+
+def _recording_loss(logits_dtypes: list[str]):
+    """The LM's loss, appending the dtype of each step's logits to `logits_dtypes`."""
+    def loss(model: nn.Module, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        logits = model(inputs)
+        logits_dtypes.append(str(logits.dtype).removeprefix("torch."))
+        return lm_loss(logits, targets)
+
+    return loss

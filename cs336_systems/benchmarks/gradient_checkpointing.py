@@ -24,9 +24,7 @@ from cs336_systems.accounting.activations import (
 )
 from cs336_systems.benchmarks.e2e import DEFAULT_BATCH_SIZE
 from cs336_systems.benchmarks.harness import autocast, build_model, guarded_cell, lm_loss, random_batch, release_memory
-from cs336_systems.model import DEFAULT_SIZE_TABLE, ModelConfig
-from cs336_systems.precision import check_precision
-from cs336_systems.profiling.checkpointing import (
+from cs336_systems.distributed.checkpointing import (
     apply_checkpointing,
     describe,
     every_k,
@@ -35,6 +33,8 @@ from cs336_systems.profiling.checkpointing import (
     plan_cost,
     remove_checkpointing,
 )
+from cs336_systems.model import DEFAULT_SIZE_TABLE, ModelConfig
+from cs336_systems.precision import check_precision
 from cs336_systems.profiling.memory import peak_memory_increase
 from cs336_systems.rows import OOM, Row
 from cs336_systems.timing import STEP_TIMER, timed

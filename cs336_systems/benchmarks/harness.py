@@ -5,7 +5,7 @@ AdamW, one training step, and running each cell guarded against running out of m
     optimizer = adamw(model, lr=LEARNING_RATE)   # the course's AdamW; "fused" for torch's fused kernel
     inputs, targets = random_batch(model.config, 4, 512, "cuda")
     samples = defaultdict(list)
-    with timed_step("cuda", samples) as phase:
+    with timed_step("cuda", samples) as phase:   # cs336_systems.timing.timed_step
         training_step(model, optimizer, inputs, targets, precision="bf16", phase=phase)
 
 A step runs its phases (forward, backward, the optimizer) inside `phase(name)`, which names the range
@@ -23,8 +23,8 @@ recorded as OOM where it runs out all the same, the sweep going on either way:
 from __future__ import annotations
 
 import gc
-from collections.abc import Callable, Iterator
-from contextlib import AbstractContextManager, contextmanager, nullcontext
+from collections.abc import Callable
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import replace
 from typing import TypeVar
 
@@ -39,11 +39,10 @@ from cs336_systems.optimizer import AdamW
 from cs336_systems.precision import Precision
 from cs336_systems.profiling.ranges import annotate
 from cs336_systems.rows import Row
-from cs336_systems.timing import StepTimer
+from cs336_systems.timing import Phase
 
 LEARNING_RATE = 1e-4
 
-Phase = Callable[[str], AbstractContextManager]
 Rows = TypeVar("Rows")
 
 
@@ -96,6 +95,11 @@ def adamw(module: torch.nn.Module, lr: float = LEARNING_RATE,
     return torch.optim.AdamW(module.parameters(), lr=lr, fused=use_fused)
 
 
+def foreach_adamw(module: torch.nn.Module) -> torch.optim.Optimizer:
+    """torch's AdamW at LEARNING_RATE, as the distributed benchmarks build their optimizers."""
+    return adamw(module, LEARNING_RATE, "foreach")
+
+
 def random_batch(config: ModelConfig, batch_size: int, seq_len: int, device: torch.device | str,
                  seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     """(inputs, targets) of random token ids, drawn on the CPU from a generator seeded with `seed`, so
@@ -113,6 +117,11 @@ def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     if logits.dtype in (torch.bfloat16, torch.float16):
         logits = logits.float()
     return F.cross_entropy(logits.flatten(0, 1), targets.flatten())
+
+
+def logits_loss(model: torch.nn.Module, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """The LM's loss of a batch, as cs336_systems.distributed.training.Trainer takes it."""
+    return lm_loss(model(inputs), targets)
 
 
 def training_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None, inputs: torch.Tensor,
@@ -142,30 +151,6 @@ def training_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer | Non
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
     return loss
-
-
-@contextmanager
-def timed_step(device: torch.device | str, samples: dict[str, list[float]] | None = None,
-               timers: list[StepTimer] | None = None) -> Iterator[Phase]:
-    """One step, its phases in named ranges and timed with one synchronisation at the step's end
-    (cs336_systems.timing.StepTimer); given a dict of lists, each phase's time in ms is appended
-    under its name and the whole step's under "step"; given a list, the step's finished timer is
-    appended to it (its host time and NVML's account of its clock, read only then)."""
-    timer = StepTimer(device, read_clocks=timers is not None)
-
-    @contextmanager
-    def phase(name: str) -> Iterator[None]:
-        with annotate(name), timer.phase(name):
-            yield
-
-    with timer.step():
-        yield phase
-    if samples is not None:
-        for name, ms in timer.phase_ms.items():
-            samples.setdefault(name, []).append(ms)
-        samples.setdefault("step", []).append(timer.step_ms)
-    if timers is not None:
-        timers.append(timer)
 
 
 # The implementation under test as a distributed benchmark's ranks receive it: its adapters module's spec (what

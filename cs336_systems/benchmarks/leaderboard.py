@@ -53,25 +53,23 @@ from cs336_systems.accounting.memory import GIB
 from cs336_systems.benchmarks.flash import MODES, FlashCell, benchmark_flash_cell
 from cs336_systems.benchmarks.harness import (
     LEARNING_RATE,
-    Phase,
     adamw,
     build_model,
     guarded_cell,
     lm_loss,
     random_batch,
     release_memory,
-    timed_step,
 )
-from cs336_systems.benchmarks.sharding import gather_rows
 from cs336_systems.checks import check_positive_int
 from cs336_systems.distributed import fsdp as our_fsdp
+from cs336_systems.distributed.checkpointing import Checkpoint, Plan, apply_checkpointing
 from cs336_systems.distributed.ddp import BucketedDDP, batch_shard
-from cs336_systems.distributed.launch import launch, rank_device, report_progress
+from cs336_systems.distributed.equivalence import gathered, max_relative_difference
+from cs336_systems.distributed.launch import launch, rank_device
+from cs336_systems.distributed.training import Trainer, Wrapped
 from cs336_systems.linear_cross_entropy import DEFAULT_CHUNK_TOKENS, linear_cross_entropy
 from cs336_systems.memory_guard import MemoryCheck, check_memory_on_every_rank
 from cs336_systems.model import LEADERBOARD, ModelConfig, TransformerLM
-from cs336_systems.profiling.checkpointing import Checkpoint, Plan, apply_checkpointing
-from cs336_systems.profiling.ranges import annotate
 from cs336_systems.rows import OOM, Row
 from cs336_systems.timing import STEP_TIMER, Timings, synchronize, tflops
 
@@ -165,19 +163,6 @@ class LeaderboardConfig:
         return self.batch_size // world_size
 
 
-@dataclass
-class Trainer:
-    """What one variant trains: the loss of a batch, the optimizer, what runs between backward and the
-    optimizer step."""
-
-    model: LossModel
-    loss: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
-    optimizer: torch.optim.Optimizer
-    # After after_backward, collective: the LM's gradients by parameter name, whole.
-    full_gradients: Callable[[], dict[str, torch.Tensor]]
-    after_backward: Callable[[], None] | None = None
-
-
 class LossModel(nn.Module):
     """The LM and its loss as one module, (inputs, targets) -> mean cross-entropy, so that a wrapper's forward
     hooks (FSDP's gathering of the root's weights) run around the loss too: with `fused_loss` the head's
@@ -211,51 +196,43 @@ def build(variant: Variant, config: ModelConfig, device: torch.device, dtype: to
     `checkpointed_blocks` blocks checkpointed) wrapped for its parallelism, with fused AdamW."""
     lm = build_model(config, device, variant.attention, dtype=dtype, seed=seed, compile=compile)
     apply_checkpointing(lm, checkpoint_plan(config.num_layers, checkpointed_blocks))
-    model = LossModel(lm, variant.fused_loss, chunk_tokens)
-    if variant.parallelism == DDP:
+    return Trainer(LossModel(lm, variant.fused_loss, chunk_tokens), functools.partial(_wrap, variant.parallelism),
+                   _fused_adamw, _loss)
+
+
+def _wrap(parallelism: str, model: LossModel) -> Wrapped:
+    if parallelism == DDP:
         ddp = BucketedDDP(model, bucket_size_mb=BUCKET_SIZE_MB)
-
-        def loss(inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-            ddp.on_train_batch_start()
-            return ddp(inputs, targets)
-
-        return Trainer(model, loss, adamw(model, LEARNING_RATE, "fused"), functools.partial(_lm_gradients, model),
-                       ddp.finish_gradient_synchronization)
-    if variant.parallelism == OUR_FSDP:
+        return Wrapped(ddp, lambda optimizer: ddp.finish_gradient_synchronization(),
+                       lambda optimizer: ddp.on_train_batch_start())
+    if parallelism == OUR_FSDP:
         fsdp = our_fsdp.FSDP(model)
-        model.head_weight = functools.partial(fsdp.full_weight, lm.lm_head)
-
-        def full_gradients() -> dict[str, torch.Tensor]:
-            return {name.removeprefix("lm."): grad for name, grad in fsdp.gather_full_gradients().items()}
-
-        return Trainer(model, fsdp, adamw(fsdp, LEARNING_RATE, "fused"), full_gradients,
-                       fsdp.finish_gradient_synchronization)
+        model.head_weight = functools.partial(fsdp.full_weight, model.lm.lm_head)
+        return Wrapped(fsdp, lambda optimizer: fsdp.finish_gradient_synchronization())
     from torch.distributed.fsdp import fully_shard
 
-    for block in lm.layers.blocks():
+    for block in model.lm.layers.blocks():
         fully_shard(block)
     fully_shard(model)
-    return Trainer(model, model, adamw(model, LEARNING_RATE, "fused"), functools.partial(_lm_gradients, model))
+    return Wrapped(model)
 
 
-def _lm_gradients(model: LossModel) -> dict[str, torch.Tensor]:
-    """The LM's gradients by name, each gathered whole where torch FSDP holds it as a sharded DTensor."""
+def _fused_adamw(module: nn.Module) -> torch.optim.Optimizer:
+    return adamw(module, LEARNING_RATE, "fused")
+
+
+def _loss(model: nn.Module, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    return model(inputs, targets)  # a LossModel, wrapped
+
+
+def full_gradients(trainer: Trainer) -> dict[str, torch.Tensor]:
+    """Once the gradients are finished, collective: the LM's gradients by parameter name, whole (each gathered
+    where our FSDP shards it, or torch FSDP holds it as a sharded DTensor)."""
+    if isinstance(trainer.module, our_fsdp.FSDP):
+        return {name.removeprefix("lm."): grad for name, grad in trainer.module.gather_full_gradients().items()}
+    model = trainer.module.module if isinstance(trainer.module, BucketedDDP) else trainer.module
     return {name: p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad
             for name, p in model.lm.named_parameters()}
-
-
-def train_step(trainer: Trainer, inputs: torch.Tensor, targets: torch.Tensor, phase: Phase = annotate) -> torch.Tensor:
-    """The handout's step: zero_grad, forward and loss, backward, (gradient synchronisation), AdamW."""
-    trainer.optimizer.zero_grad(set_to_none=True)
-    with phase("forward"):
-        loss = trainer.loss(inputs, targets)
-    with phase("backward"):
-        loss.backward()
-        if trainer.after_backward is not None:
-            trainer.after_backward()
-    with phase("optimizer"):
-        trainer.optimizer.step()
-    return loss.detach()
 
 
 def block_kept_bytes(cfg: LeaderboardConfig, batch: int) -> int:
@@ -352,23 +329,16 @@ def _measure(variant: Variant, cfg: LeaderboardConfig, checkpointed_blocks: int,
              device: torch.device) -> dict:
     trainer = build(variant, cfg.model, device, cfg.torch_dtype, cfg.compile, cfg.loss_chunk_tokens,
                     checkpointed_blocks)
-    batch = cfg.per_rank_batch(world_size)
-    inputs, targets = random_batch(cfg.model, batch, cfg.model.context_length, device, seed=rank)
-    losses = []
-    for _ in range(cfg.warmup):
-        losses.append(train_step(trainer, inputs, targets).item())
-        report_progress()
-    if device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats(device)
-    samples: dict[str, list[float]] = {}
-    for _ in range(cfg.steps):
-        with timed_step(device, samples) as phase:
-            loss = train_step(trainer, inputs, targets, phase)
-        losses.append(loss.item())
-        report_progress()
-    peak = torch.cuda.max_memory_allocated(device) / GIB if device.type == "cuda" else None
+    inputs, targets = random_batch(cfg.model, cfg.per_rank_batch(world_size), cfg.model.context_length, device,
+                                   seed=rank)
+    timed = trainer.timed_steps(inputs, targets, cfg.warmup, cfg.steps)
     del trainer
-    return {"status": "ok", "samples": samples, "peak_gib": peak, "losses": losses}
+    # The handout's backward finishes the gradients too.
+    samples = timed.samples_ms
+    synchronising = samples.pop("gradient_sync", [0.0] * len(samples["backward"]))
+    samples["backward"] = [ms + sync_ms for ms, sync_ms in zip(samples["backward"], synchronising, strict=True)]
+    peak = None if timed.peak_memory_bytes is None else timed.peak_memory_bytes / GIB
+    return {"status": "ok", "samples": samples, "peak_gib": peak, "losses": timed.losses}
 
 
 def _step_row(name: str, per_rank: list[dict], cfg: LeaderboardConfig, world_size: int,
@@ -437,7 +407,7 @@ def benchmark_leaderboard(rank: int, world_size: int, cfg: LeaderboardConfig,
                              measure=lambda columns: _measure(variant, cfg, checkpointed, rank, world_size,
                                                               device) | columns,
                              oom=lambda columns: columns, record_running_out=False)
-        rows.append(_step_row(name, gather_rows(stats, world_size), cfg, world_size, checkpointed, estimate))
+        rows.append(_step_row(name, gathered(stats), cfg, world_size, checkpointed, estimate))
     return rows if rank == 0 else []
 
 
@@ -500,33 +470,27 @@ def leaderboard_equivalence(rank: int, world_size: int, variants: tuple[str, ...
     reference = build_model(config, device, "sdpa", seed=0)
     reference_loss = lm_loss(reference(inputs), targets)
     reference_loss.backward()
-    expected = {name: p.grad for name, p in reference.named_parameters()}
+    expected = {name: p.grad for name, p in reference.named_parameters()}  # checkpointing keeps the blocks' names
     mine = batch_shard(len(inputs), rank, world_size)
     rows = []
     for name in variants:
         variant = VARIANTS[name]
         trainer = build(variant, config, device, torch.float32, compile=False, chunk_tokens=EQUIVALENCE_CHUNK_TOKENS,
                         checkpointed_blocks=EQUIVALENCE_CHECKPOINTED_BLOCKS)
-        loss = trainer.loss(inputs[mine], targets[mine])
-        loss.backward()
-        if trainer.after_backward is not None:
-            trainer.after_backward()
-        losses = [torch.zeros((), device=device) for _ in range(world_size)]
-        dist.all_gather(losses, loss.detach())
-        worst = 0.0
-        gradients = trainer.full_gradients()
-        if gradients.keys() != expected.keys():
-            raise RuntimeError(f"{name}: gradients of other parameters than the LM's: "
-                               f"{sorted(gradients.keys() ^ expected.keys())}")
-        for parameter_name, grad in gradients.items():
-            reference_grad = expected[parameter_name]  # checkpointing keeps the blocks' names
-            worst = max(worst, ((grad - reference_grad).abs().max() / reference_grad.abs().max()).item())
-        loss_difference = abs(statistics.fmean(x.item() for x in losses) - reference_loss.item())
+        gradients = {}
+
+        def finished(point: str) -> None:
+            if point == "before optimizer step":
+                gradients.update(full_gradients(trainer))
+
+        loss = trainer.step(inputs[mine], targets[mine], at=finished)
+        loss_difference = abs(statistics.fmean(gathered(loss.item())) - reference_loss.item())
         tolerance = EQUIVALENCE_TOLERANCES[device.type]
         rows.append({"table": "equivalence", "variant": name, "setup": variant.setup, "source_hash": _flash_source(),
                      "world_size": world_size, "backend": dist.get_backend(), "model": _model_text(config),
                      "relative_loss_difference": loss_difference / abs(reference_loss.item()),
-                     "max_relative_gradient_difference": worst, "tolerance": tolerance})
+                     "max_relative_gradient_difference": max_relative_difference(expected, gradients),
+                     "tolerance": tolerance})
         del trainer
     for row in rows:
         row["matches"] = max(row["relative_loss_difference"], row["max_relative_gradient_difference"]) <= row["tolerance"]

@@ -32,7 +32,6 @@ from cs336_systems.benchmarks.harness import (
     build_model,
     guarded_cell,
     random_batch,
-    timed_step,
     training_step,
 )
 from cs336_systems.memory_guard import FIT_SHARE
@@ -41,7 +40,7 @@ from cs336_systems.precision import check_precision
 from cs336_systems.profiling.kernels import device_profile, kernel_tables, merge_tables
 from cs336_systems.profiling.ranges import annotate
 from cs336_systems.rows import Row
-from cs336_systems.timing import STEP_TIMER
+from cs336_systems.timing import STEP_TIMER, timed_step
 
 STEP_RANGE = "step"
 TRAIN_PHASES = ("forward", "backward", "optimizer")

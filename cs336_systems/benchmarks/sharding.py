@@ -28,7 +28,7 @@ first step, so "init" holds no optimizer state yet.
 from __future__ import annotations
 
 import statistics
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from copy import deepcopy
 from dataclasses import asdict, dataclass
 
@@ -40,21 +40,20 @@ from cs336_systems.accounting.communication import bytes_sent_per_device
 from cs336_systems.accounting.memory import GIB, training_memory
 from cs336_systems.benchmarks.harness import (
     LEARNING_RATE,
-    Phase,
     UnderTest,
-    adamw,
     adapters_in_rank,
     build_model,
+    foreach_adamw,
     guarded_cell,
-    lm_loss,
+    logits_loss,
     random_batch,
-    timed_step,
 )
+from cs336_systems.distributed.equivalence import gathered, max_abs_difference, train_beside
 from cs336_systems.distributed.launch import rank_device
 from cs336_systems.distributed.sharded_optimizer import SYNC_METHODS, ShardedOptimizer
+from cs336_systems.distributed.training import BuildOptimizer, Trainer, Wrap, torch_ddp, unwrapped
 from cs336_systems.memory_guard import check_memory_on_every_rank
 from cs336_systems.model import DEFAULT_SIZE_TABLE, ModelConfig
-from cs336_systems.profiling.ranges import annotate
 from cs336_systems.provenance import implementation_columns
 from cs336_systems.rows import SAMPLE_TIMES, Row
 from cs336_systems.timing import STEP_TIMER, synchronize
@@ -81,18 +80,18 @@ class ShardingBenchmarkConfig:
         return ModelConfig.for_size(self.size, self.context_length, table=self.size_table)
 
 
-@dataclass
-class TrainingSetup:
-    """What a variant trains: the module forward runs on, its optimizer, what runs between backward
-    and the optimizer step, this rank's optimizer-state tensors, and the collectives of one step
-    (kind -> payload bytes per rank) as known from the sizes communicated (None where they are not known:
-    the implementation under test's own)."""
+@dataclass(frozen=True)
+class Variant:
+    """One way to train: its label, its strategy in the memory model, how it wraps the model and builds the
+    optimizer, and the collectives of one step (kind -> payload bytes per rank) given the wrapped module, as known
+    from the sizes communicated (None where they are not known: the implementation under test's own)."""
 
-    module: nn.Module
-    optimizer: torch.optim.Optimizer
-    state_tensors: Callable[[], Iterable[torch.Tensor]]
-    after_backward: Callable[[], None] | None = None
-    collectives: Callable[[], dict[str, int] | None] = dict
+    label: str
+    strategy: str
+    wrap: Wrap
+    build_optimizer: BuildOptimizer
+    collectives: Callable[[nn.Module], dict[str, int]] | None = None
+    ddp_buckets: bool = True  # whether the memory model counts DDP's flattened gradient buckets
 
 
 def local_bytes(t: torch.Tensor) -> int:
@@ -102,12 +101,14 @@ def local_bytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
 
-def optimizer_state_tensors(states: Iterable[dict]) -> list[torch.Tensor]:
-    return [value for state in states for value in state.values() if torch.is_tensor(value)]
-
-
-def torch_ddp(model: nn.Module, device: torch.device) -> nn.parallel.DistributedDataParallel:
-    return nn.parallel.DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
+def optimizer_state_tensors(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
+    """The state tensors an optimizer holds on this rank, each once: in its own per-parameter states and in those
+    of the optimizers it keeps as attributes (a wrapper's, as ZeroRedundancyOptimizer's `optim`)."""
+    inner = [value for value in vars(optimizer).values()
+             if isinstance(value, torch.optim.Optimizer) and value is not optimizer]
+    tensors = {id(value): value for held in (optimizer, *inner) for state in held.state.values()
+               for value in state.values() if torch.is_tensor(value)}
+    return list(tensors.values())
 
 
 class _MemoryProbe:
@@ -115,146 +116,108 @@ class _MemoryProbe:
         self.on_cuda = device.type == "cuda"
         self.device = device
         self.points: list[Row] = []
+        self._step_start_bytes: int | None = None
 
-    def record(self, point: str, setup: TrainingSetup, activations_bytes: int | None = None) -> int | None:
+    def record(self, point: str, trainer: Trainer) -> None:
+        """The memory at `point`; "after forward" counts as activations what forward left allocated since the
+        step started."""
         synchronize(self.device)
-        params = list(setup.module.parameters())
+        params = list(trainer.module.parameters())
+        allocated = torch.cuda.memory_allocated(self.device) if self.on_cuda else None
+        if point == "step start":
+            self._step_start_bytes = allocated
+        activations = (allocated - self._step_start_bytes if point == "after forward" and allocated is not None
+                       else None)
         row: Row = {"point": point,
                     "parameters_gib": sum(map(local_bytes, params)) / GIB,
                     "gradients_gib": sum(local_bytes(p.grad) for p in params if p.grad is not None) / GIB,
-                    "optimizer_state_gib": sum(map(local_bytes, setup.state_tensors())) / GIB,
-                    "activations_gib": None if activations_bytes is None else activations_bytes / GIB}
-        allocated = None
+                    "optimizer_state_gib": sum(map(local_bytes, optimizer_state_tensors(trainer.optimizer))) / GIB,
+                    "activations_gib": None if activations is None else activations / GIB}
         if self.on_cuda:
-            allocated = torch.cuda.memory_allocated(self.device)
             known = (row["parameters_gib"] + row["gradients_gib"] + row["optimizer_state_gib"]
                      + (row["activations_gib"] or 0))
             row.update(allocated_gib=allocated / GIB, peak_gib=torch.cuda.max_memory_allocated(self.device) / GIB,
                        other_gib=allocated / GIB - known)
         self.points.append(row)
-        return allocated
+
+    def step(self, trainer: Trainer, inputs: torch.Tensor, targets: torch.Tensor) -> None:
+        """A step of `trainer` recorded at its points, each point's peak the highest since the step started."""
+        if self.on_cuda:
+            torch.cuda.reset_peak_memory_stats(self.device)
+        trainer.step(inputs, targets, at=lambda point: self.record(point, trainer))
 
 
-def measure_training(make_setup: Callable[[nn.Module, torch.device], TrainingSetup], cfg: ShardingBenchmarkConfig,
-                     rank: int, device: torch.device, profile: Callable | None = None) -> dict:
-    """Time `cfg.steps` training steps of the variant `make_setup` builds, and probe its memory.
+def measure_training(variant: Variant, cfg: ShardingBenchmarkConfig, rank: int, device: torch.device,
+                     profile: Callable[[Trainer, torch.Tensor, torch.Tensor], object] | None = None) -> dict:
+    """Time `cfg.steps` training steps of `variant`, and probe its memory.
 
-    `profile`, if given, is called with the step function and runs one more step under the profiler.
-    Run it through `guarded_training`, which releases what earlier variants left first.
+    `profile`, if given, is called with the trainer and batch, runs one more step under the profiler and returns
+    what the stats keep of it. Run it through `guarded_training`, which releases what earlier variants left first.
     """
     probe = _MemoryProbe(device)
     # The same model on every rank, also for wrappers that broadcast nothing.
-    setup = make_setup(build_model(cfg.model_config(), device, cfg.attention, seed=0), device)
-    probe.record("init", setup)
+    trainer = Trainer(build_model(cfg.model_config(), device, cfg.attention, seed=0), variant.wrap,
+                      variant.build_optimizer, logits_loss)
+    probe.record("init", trainer)
     # Every rank trains on its own data.
     inputs, targets = random_batch(cfg.model_config(), cfg.batch_size, cfg.context_length, device, seed=rank)
-    # Its own step, not harness.training_step: memory is probed between the phases, and zero_grad
-    # comes after the probe that follows the optimizer step.
-    def step(phase: Phase = annotate, points: bool = False) -> None:
-        if points and probe.on_cuda:
-            torch.cuda.reset_peak_memory_stats(device)
-        start = probe.record("step start", setup) if points else None
-        with phase("forward"):
-            loss = lm_loss(setup.module(inputs), targets)
-        if points:
-            after = torch.cuda.memory_allocated(device) if probe.on_cuda else None
-            probe.record("after forward", setup, None if after is None else after - start)
-        with phase("backward"):
-            loss.backward()
-            del loss
-            if setup.after_backward is not None:
-                setup.after_backward()
-        if points:
-            probe.record("before optimizer step", setup)
-        with phase("optimizer"):
-            setup.optimizer.step()
-        if points:
-            probe.record("after optimizer step", setup)
-        setup.optimizer.zero_grad(set_to_none=True)
-
-    for _ in range(cfg.warmup):
-        step()
-    samples: dict[str, list[float]] = {}
-    for _ in range(cfg.steps):
-        with timed_step(device, samples) as phase:
-            step(phase)
-    step_ms, optimizer_ms = samples["step"], samples["optimizer"]
-    step(points=True)
-    trace = profile(step) if profile is not None else None
-    return {"status": "ok", "step_ms": step_ms, "optimizer_ms": optimizer_ms, "memory": probe.points,
-            "collectives": setup.collectives(), "trace": trace}
+    timed = trainer.timed_steps(inputs, targets, cfg.warmup, cfg.steps)
+    probe.step(trainer, inputs, targets)
+    trace = profile(trainer, inputs, targets) if profile is not None else None
+    collectives = variant.collectives(trainer.module) if variant.collectives is not None else None
+    return {"status": "ok", "step_ms": timed.samples_ms["step"], "optimizer_ms": timed.samples_ms["optimizer"],
+            "memory": probe.points, "collectives": collectives, "trace": trace}
 
 
 # ----------------------------------------------------------------------------------------- variants
 
-def ddp_adamw(model: nn.Module, device: torch.device) -> TrainingSetup:
-    ddp = torch_ddp(model, device)
-    optimizer = adamw(ddp, LEARNING_RATE, "foreach")
-    return TrainingSetup(ddp, optimizer, lambda: optimizer_state_tensors(optimizer.state.values()),
-                         collectives=lambda: {"all_reduce (DDP gradients)": _gradient_bytes(model)})
+def replicated_collectives(module: nn.Module) -> dict[str, int]:
+    """torch DDP's all-reduce of every gradient."""
+    return {"all_reduce (DDP gradients)": _gradient_bytes(module)}
 
 
-def ddp_zero(model: nn.Module, device: torch.device) -> TrainingSetup:
+def _zero_collectives(module: nn.Module) -> dict[str, int]:
+    """torch DDP's gradients, then the updated parameters from their owners."""
+    return replicated_collectives(module) | {"broadcast (updated parameters)": _parameter_bytes(module)}
+
+
+def _zero(module: nn.Module) -> torch.optim.Optimizer:
     from torch.distributed.optim import ZeroRedundancyOptimizer
 
-    ddp = torch_ddp(model, device)
-    optimizer = ZeroRedundancyOptimizer(ddp.parameters(), optimizer_class=torch.optim.AdamW, lr=LEARNING_RATE)
-    return TrainingSetup(ddp, optimizer, lambda: optimizer_state_tensors(optimizer.optim.state.values()),
-                         collectives=lambda: {"all_reduce (DDP gradients)": _gradient_bytes(model),
-                                              "broadcast (updated parameters)": _parameter_bytes(model)})
+    return ZeroRedundancyOptimizer(module.parameters(), optimizer_class=torch.optim.AdamW, lr=LEARNING_RATE)
 
 
-def ddp_sharded(sync: str) -> Callable[[nn.Module, torch.device], TrainingSetup]:
-    def make(model: nn.Module, device: torch.device) -> TrainingSetup:
-        ddp = torch_ddp(model, device)
-        optimizer = ShardedOptimizer(ddp.parameters(), torch.optim.AdamW, sync=sync, lr=LEARNING_RATE)
-        return TrainingSetup(ddp, optimizer, lambda: optimizer_state_tensors(optimizer.state.values()),
-                             collectives=lambda: {"all_reduce (DDP gradients)": _gradient_bytes(model),
-                                                  "broadcast (updated parameters)": _parameter_bytes(model)})
-
-    return make
+def _sharded(sync: str) -> BuildOptimizer:
+    return lambda module: ShardedOptimizer(module.parameters(), torch.optim.AdamW, sync=sync, lr=LEARNING_RATE)
 
 
 UNDER_TEST_FUNCTION = "get_sharded_optimizer"
 
 
-def under_test_variant(adapters) -> tuple[str, str, Callable[[nn.Module, torch.device], TrainingSetup]] | None:
-    """The implementation under test's variant, as VARIANTS' are (label, strategy, builder): its sharded optimizer
-    over AdamW, under torch DDP; None where it is this project's own (measured above) or lacks the function."""
+def under_test_variant(adapters) -> Variant | None:
+    """The implementation under test's variant: its sharded optimizer over AdamW, under torch DDP; None where it is
+    this project's own (measured above) or lacks the function."""
     if adapters is None or adapters.is_own or adapters.missing(UNDER_TEST_FUNCTION):
         return None
     build = adapters.function(UNDER_TEST_FUNCTION)
-
-    def make(model: nn.Module, device: torch.device) -> TrainingSetup:
-        ddp = torch_ddp(model, device)
-        optimizer = build(ddp.parameters(), torch.optim.AdamW, lr=LEARNING_RATE)
-        return TrainingSetup(ddp, optimizer, lambda: optimizer_state_tensors(held_states(optimizer)),
-                             collectives=lambda: None)
-
-    return f"DDP + {adapters.label}: {UNDER_TEST_FUNCTION}", "optimizer_state", make
+    return Variant(f"DDP + {adapters.label}: {UNDER_TEST_FUNCTION}", "optimizer_state", torch_ddp,
+                   lambda module: build(module.parameters(), torch.optim.AdamW, lr=LEARNING_RATE))
 
 
-def held_states(optimizer: torch.optim.Optimizer) -> list[dict]:
-    """The per-parameter states an optimizer holds on this rank: its own, and those of the optimizers it keeps as
-    attributes (a wrapper's, as ZeroRedundancyOptimizer's `optim`)."""
-    inner = [value for value in vars(optimizer).values()
-             if isinstance(value, torch.optim.Optimizer) and value is not optimizer]
-    return [*optimizer.state.values(), *(state for wrapped in inner for state in wrapped.state.values())]
+def _gradient_bytes(module: nn.Module) -> int:
+    return sum(p.numel() * p.element_size() for p in module.parameters() if p.requires_grad)
 
 
-def _gradient_bytes(model: nn.Module) -> int:
-    return sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
+def _parameter_bytes(module: nn.Module) -> int:
+    return sum(p.numel() * p.element_size() for p in module.parameters())
 
 
-def _parameter_bytes(model: nn.Module) -> int:
-    return sum(p.numel() * p.element_size() for p in model.parameters())
-
-
-# (label, strategy in the memory model, builder)
+DDP_ADAMW = Variant("DDP + AdamW", "replicated", torch_ddp, foreach_adamw, replicated_collectives)
 VARIANTS = (
-    ("DDP + AdamW", "replicated", ddp_adamw),
-    ("DDP + ZeroRedundancyOptimizer", "optimizer_state", ddp_zero),
-    *[(f"DDP + ShardedOptimizer ({sync})", "optimizer_state", ddp_sharded(sync)) for sync in SYNC_METHODS],
+    DDP_ADAMW,
+    Variant("DDP + ZeroRedundancyOptimizer", "optimizer_state", torch_ddp, _zero, _zero_collectives),
+    *[Variant(f"DDP + ShardedOptimizer ({sync})", "optimizer_state", torch_ddp, _sharded(sync), _zero_collectives)
+      for sync in SYNC_METHODS],
 )
 
 
@@ -264,30 +227,26 @@ def estimated_peak_bytes(cfg: ShardingBenchmarkConfig, strategy: str, world_size
                            strategy=strategy, world_size=world_size, ddp_buckets=ddp_buckets).peak
 
 
-def guarded_training(make_setup, cfg: ShardingBenchmarkConfig, rank: int, world_size: int, device: torch.device,
-                     estimated_bytes: int, profile: Callable | None = None, under_test: bool = False) -> dict:
-    """`measure_training`, or OOM stats where the estimate does not fit on every rank (then no rank
+def guarded_training(variant: Variant, cfg: ShardingBenchmarkConfig, rank: int, world_size: int,
+                     device: torch.device, profile: Callable | None = None, under_test: bool = False) -> dict:
+    """`measure_training`, or OOM stats where the memory model's estimate does not fit on every rank (then no rank
     runs it) or where it runs out of memory, or, `under_test`, failed stats where the implementation under test
     raises; the estimate goes with the stats either way."""
+    estimated_bytes = estimated_peak_bytes(cfg, variant.strategy, world_size, variant.ddp_buckets)
+
     def measure(columns: Row) -> dict:
-        return measure_training(make_setup, cfg, rank, device, profile=profile) | columns
+        return measure_training(variant, cfg, rank, device, profile=profile) | columns
 
     return guarded_cell(device, lambda: check_memory_on_every_rank(estimated_bytes, device, world_size), measure,
                         oom=lambda columns: columns, failed=(lambda columns: columns) if under_test else None)
 
 
-def gather_rows(stats: dict, world_size: int) -> list[dict]:
-    per_rank: list[dict | None] = [None] * world_size
-    dist.all_gather_object(per_rank, stats)
-    return per_rank
-
-
-def step_row(label: str, per_rank: list[dict], cfg: ShardingBenchmarkConfig, world_size: int, strategy: str,
-             ddp_buckets: bool, implementation: Row | None = None) -> Row:
+def step_row(variant: Variant, per_rank: list[dict], cfg: ShardingBenchmarkConfig, world_size: int,
+             implementation: Row | None = None) -> Row:
     """One variant's row: time (over ranks and steps), peak memory (the largest rank's), the memory
     model's prediction beside it, and communication per rank and step (where known); with the columns that
     name the implementation under test, for its variant."""
-    row: Row = {"table": "step", "variant": label, **asdict(cfg), "world_size": world_size,
+    row: Row = {"table": "step", "variant": variant.label, **asdict(cfg), "world_size": world_size,
                 "backend": dist.get_backend(), **(implementation or {})}
     # A variant that ran out of memory, or failed, on any rank did not run.
     missed = next((stats for stats in per_rank if stats["status"] != "ok"), None)
@@ -302,7 +261,7 @@ def step_row(label: str, per_rank: list[dict], cfg: ShardingBenchmarkConfig, wor
     peaks = [point.get("peak_gib") for stats in per_rank for point in stats["memory"] if point["point"] != "init"]
     if all(peak is not None for peak in peaks):
         row["peak_gib"] = max(peaks)
-    row["model_peak_gib"] = estimated_peak_bytes(cfg, strategy, world_size, ddp_buckets) / GIB
+    row["model_peak_gib"] = estimated_peak_bytes(cfg, variant.strategy, world_size, variant.ddp_buckets) / GIB
     collectives = per_rank[0]["collectives"]
     if collectives is not None:
         row["communicated_bytes"] = sum(collectives.values())
@@ -339,14 +298,11 @@ def benchmark_optimizer_sharding(rank: int, world_size: int, cfg: ShardingBenchm
     device = rank_device()
     rows: list[Row] = []
     theirs = under_test_variant(adapters)
-    for label, strategy, make_setup in (*VARIANTS, *([theirs] if theirs else [])):
-        is_theirs = theirs is not None and label == theirs[0]
-        estimated_bytes = estimated_peak_bytes(cfg, strategy, world_size, ddp_buckets=True)
-        stats = guarded_training(make_setup, cfg, rank, world_size, device, estimated_bytes, under_test=is_theirs)
-        per_rank = gather_rows(stats, world_size)
-        rows.append(step_row(label, per_rank, cfg, world_size, strategy, ddp_buckets=True,
-                             implementation=implementation_columns(adapters) if is_theirs else None))
-        rows += memory_rows(label, per_rank) + communication_rows(label, per_rank, world_size)
+    for variant in (*VARIANTS, *([theirs] if theirs else [])):
+        is_theirs = variant is theirs
+        per_rank = gathered(guarded_training(variant, cfg, rank, world_size, device, under_test=is_theirs))
+        rows.append(step_row(variant, per_rank, cfg, world_size, implementation_columns(adapters) if is_theirs else None))
+        rows += memory_rows(variant.label, per_rank) + communication_rows(variant.label, per_rank, world_size)
     return rows if rank == 0 else []
 
 
@@ -370,25 +326,25 @@ def sharded_optimizer_equivalence(rank: int, world_size: int) -> list[Row]:
     parameter's update is the same arithmetic on its owner, so the results must be identical."""
     device = rank_device()
     config = ModelConfig.for_size(EQUIVALENCE_SIZE, EQUIVALENCE_CONTEXT)
+    batches = [random_batch(config, EQUIVALENCE_BATCH, EQUIVALENCE_CONTEXT, device, seed=step)
+               for step in range(EQUIVALENCE_STEPS)]
     rows = []
     for sync in SYNC_METHODS:
-        reference = build_model(config, device, seed=0)
-        model = deepcopy(reference)
-        reference_optimizer = torch.optim.AdamW(reference.parameters(), lr=1e-3, weight_decay=0.1)
-        optimizer = ShardedOptimizer(model.parameters(), torch.optim.AdamW, sync=sync, lr=1e-3, weight_decay=0.1)
-        for step in range(EQUIVALENCE_STEPS):
-            inputs, targets = random_batch(config, EQUIVALENCE_BATCH, EQUIVALENCE_CONTEXT, device, seed=step)
-            for net, opt in ((reference, reference_optimizer), (model, optimizer)):
-                opt.zero_grad(set_to_none=True)
-                lm_loss(net(inputs), targets).backward()
-                opt.step()
-        difference = max((a - b).abs().max().item() for a, b in zip(reference.parameters(), model.parameters()))
-        state_bytes = sum(map(local_bytes, optimizer_state_tensors(optimizer.state.values())))
-        reference_state_bytes = sum(map(local_bytes, optimizer_state_tensors(reference_optimizer.state.values())))
+        reference = Trainer(build_model(config, device, seed=0), unwrapped,
+                            lambda module: torch.optim.AdamW(module.parameters(), lr=1e-3, weight_decay=0.1),
+                            logits_loss)
+        trainer = Trainer(deepcopy(reference.module), unwrapped,
+                          lambda module: ShardedOptimizer(module.parameters(), torch.optim.AdamW, sync=sync, lr=1e-3,
+                                                          weight_decay=0.1), logits_loss)
+        train_beside(reference, trainer, batches, share=False)
+        state_bytes, reference_state_bytes = (sum(map(local_bytes, optimizer_state_tensors(t.optimizer)))
+                                              for t in (trainer, reference))
         rows.append({"table": "equivalence", "sync": sync, "world_size": world_size, "backend": dist.get_backend(),
                      "model": f"{EQUIVALENCE_SIZE} LM, fp32", "steps": EQUIVALENCE_STEPS,
-                     "max_abs_difference": difference, "state_share": state_bytes / reference_state_bytes})
-    per_rank = gather_rows(rows, world_size)
+                     "max_abs_difference": max_abs_difference(reference.module.parameters(),
+                                                              trainer.module.parameters()),
+                     "state_share": state_bytes / reference_state_bytes})
+    per_rank = gathered(rows)
     merged = []
     for i, row in enumerate(per_rank[0]):
         shares = [rank_rows[i]["state_share"] for rank_rows in per_rank]

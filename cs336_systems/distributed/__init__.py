@@ -1,1 +1,2 @@
-"""Parallelism applied to an unchanged model: launching ranks, DDP variants, sharding."""
+"""Training transforms applied to an unchanged model: launching ranks, DDP variants, sharding, FSDP,
+activation checkpointing."""

@@ -11,8 +11,8 @@ import inspect
 import math
 
 from cs336_systems.benchmarks.gradient_checkpointing import HANDOUT_CHECKPOINT_CONTEXT, single_level_rows
+from cs336_systems.distributed.checkpointing import checkpoint_chain, describe, optimal_plan
 from cs336_systems.gpus import GIB, MIB
-from cs336_systems.profiling.checkpointing import checkpoint_chain, describe, optimal_plan
 from cs336_systems.reports import (
     NOT_RUN,
     Reports,
