@@ -135,10 +135,10 @@ def nested_strategy(rows: list[Row]) -> str:
     r0 = select(rows, table="sweep")[0]
     unlimited = optimal_plan(r0["num_layers"], r0["block_bytes"], r0["boundary_bytes"])[1]
     return ("## (a) The memory-optimal strategy\n\nNest checkpoints so that backward of block i recomputes blocks "
-            "0..i-1 from the model's input (profiling.checkpointing.checkpoint_chain, run on the blocks):\n\n"
+            "0..i-1 from the model's input (distributed.checkpointing.checkpoint_chain, run on the blocks):\n\n"
             f"```python\n{_code_sketch()}\n```\n\nPeak a + b, O(1) in L, for L(L - 1)/2 = "
             f"{unlimited.recomputed_blocks} recomputed block forwards, O(L^2). With r levels "
-            "(profiling.checkpointing.optimal_plan): about a + r L^(1/r) b for at most r L recomputations; r = log2 L: "
+            "(distributed.checkpointing.optimal_plan): about a + r L^(1/r) b for at most r L recomputations; r = log2 L: "
             "O(log L) memory, O(L log L) compute.\n")
 
 
