@@ -1,5 +1,5 @@
-import importlib
-import pkgutil
+import sys
+from pathlib import Path
 
 import pytest
 from hypothesis import settings
@@ -13,28 +13,27 @@ settings.load_profile("no_deadline")
 
 
 @pytest.fixture(autouse=True)
-def _modules_an_in_process_run_imports(request):
-    """Before a test that runs pytest in this process (pytester), every module such a run may import. pytester
-    takes sys.modules back to what it was before each run, and some modules cannot be imported twice: triton's
-    compiled core, torch._inductor's and this package's registrations (torch.library ops, inductor's cache
-    artifacts: "Artifact of type=autotune already registered"). Imported first, they stay."""
-    if "pytester" in request.fixturenames:
-        _import_package_once()
+def _in_process_runs_keep_the_modules_they_import(request, monkeypatch, tmp_path_factory):
+    """An in-process pytest run (pytester) leaves imported every module it imported but the run's own files.
 
-
-_imported = []
-
-
-def _import_package_once() -> None:
-    if _imported:
+    pytester takes sys.modules back to what it was before each run, so that the next run imports its test files
+    afresh. Most modules cannot be imported a second time in one process: torch's registries (inductor's cache
+    artifacts, decompositions: "Artifact of type=autotune already registered", "duplicate registrations for
+    aten..."), sympy's classes (an expression made by the first import compared with the second's: "Could not
+    compare -oo <= oo"), triton's compiled core, this package's torch.library ops. A later test that compiled or
+    launched a kernel failed, in whichever xdist worker had run the in-process pytest that first imported them."""
+    if "pytester" not in request.fixturenames:
         return
-    import cs336_systems
+    from _pytest import pytester
 
-    # What a torch.compile imports lazily that registers artifacts in torch.compiler's cache.
-    for name in ("torch._inductor.codecache", "torch._functorch._aot_autograd.autograd_cache", "torch._dynamo.pgo"):
-        importlib.import_module(name)
+    runs_root = tmp_path_factory.getbasetemp().resolve()
 
-    for module in pkgutil.walk_packages(cs336_systems.__path__, "cs336_systems."):
-        if not module.name.rpartition(".")[2].startswith("test_"):  # test modules hold no registrations
-            importlib.import_module(module.name)
-    _imported.append(True)
+    def not_the_runs_own(name: str) -> bool:
+        file = getattr(sys.modules.get(name), "__file__", None)
+        return file is None or not Path(file).resolve().is_relative_to(runs_root)
+
+    class KeepingSnapshot(pytester.SysModulesSnapshot):
+        def __init__(self, preserve=None):
+            super().__init__(lambda name: not_the_runs_own(name) or (preserve is not None and preserve(name)))
+
+    monkeypatch.setattr(pytester, "SysModulesSnapshot", KeepingSnapshot)

@@ -11,12 +11,6 @@ from pathlib import Path
 
 import pytest
 
-# Imported before any in-process run: pytester takes sys.modules back to what it was before each run, and
-# triton's compiled core cannot be imported a second time (its submodules, which it registers itself on its
-# first import, are gone from sys.modules after the restore), so a kernel imported after a run that first
-# imported triton failed with "'triton._C.libtriton' is not a package".
-import triton  # noqa: F401
-
 from cs336_systems.reports import read_rows
 
 PLUGIN = ["-p", "cs336_systems.pytest_plugin", "-p", "no:cacheprovider"]
