@@ -27,6 +27,7 @@ from cs336_systems.reports import problems, read_rows, rerender, write_report
 from cs336_systems.reports.attention import answer_torch_compile
 from cs336_systems.reports.flash import answer_flash_benchmarking
 from cs336_systems.rows import OOM
+from cs336_systems.rows.flash import HEAD_DIMS, SEQ_LENS
 from cs336_systems.timing import Timings
 
 FLASH_REPORT = problems.report("flash_benchmarking")
@@ -607,7 +608,7 @@ def test_flash_report_names_the_source_each_run_measured():
 
 
 def test_a_partial_gpu_sweep_names_the_cells_no_run_measured_in_the_report_and_the_answer():
-    grid = [(d, n) for d in flash_bench.HEAD_DIMS for n in flash_bench.SEQ_LENS]
+    grid = [(d, n) for d in HEAD_DIMS for n in SEQ_LENS]
     measured = [(d, n) for d, n in grid if d < 64 or (d == 64 and n <= 8192 and n != 1024)]
     rows = [_flash_row(provider, "forward_backward", n, 1.0, d=d) for d, n in measured
             for provider in ("flash_triton", "naive")]

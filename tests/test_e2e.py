@@ -35,7 +35,8 @@ from cs336_systems.reports.e2e import (
     render_compiled_models,
 )
 from cs336_systems.reports.index import result_directories
-from cs336_systems.rows import BREAKDOWN_PHASES, E2E_KEY, MIXED_PRECISION_KEY, OOM, REFERENCE_MODEL, TORCH_COMPILE_KEY
+from cs336_systems.rows import E2E_KEY, MIXED_PRECISION_KEY, OOM, REFERENCE_MODEL, STEP_PHASES, TORCH_COMPILE_KEY
+from cs336_systems.rows.e2e import MODE_PHASES
 
 REPORTS = Path(__file__).resolve().parents[1] / "reports"
 
@@ -111,9 +112,9 @@ def test_profiled_steps_break_each_phase_down_after_the_timed_ones():
     rows = benchmark_model(cfg, "cpu", profiled_steps=2)
     timed, profiled = e2e.split_breakdown(rows)
     breakdown = {r["phase"]: r for r in profiled}
-    assert [r["phase"] for r in timed] == list(e2e.PHASES["train"])
-    assert list(breakdown) == [*BREAKDOWN_PHASES, "step"]
-    for phase in BREAKDOWN_PHASES:
+    assert [r["phase"] for r in timed] == list(MODE_PHASES["train"])
+    assert list(breakdown) == [*STEP_PHASES, "step"]
+    for phase in STEP_PHASES:
         row = breakdown[phase]
         assert row["profiled_steps"] == 2 and row["work_ms"] > 0
         assert row["matmul_ms"] + row["attention_ms"] + row["other_ms"] == pytest.approx(row["work_ms"])
@@ -588,7 +589,7 @@ def test_a_10b_step_is_not_run_on_80_gb_but_its_forward_alone_is(monkeypatch):
 
     monkeypatch.setattr(e2e, "_measure", measure)
     rows = {r["phase"]: r for r in benchmark_model(E2EConfig("10B", 128), "cuda")}
-    assert modes == ["forward"] and list(rows) == list(e2e.PHASES["train"])
+    assert modes == ["forward"] and list(rows) == list(MODE_PHASES["train"])
     assert rows["train_step"]["oom_predicted"] and rows["train_step"]["estimated_peak_bytes"] > 16 * 12_832_823_808
     assert rows["backward"]["oom_predicted"] and rows["backward"]["measured_mode"] == "forward_backward"
     assert rows["backward"]["estimated_peak_bytes"] >= 8 * 12_832_823_808

@@ -17,12 +17,7 @@ from cs336_systems.benchmarks.leaderboard import (
     EQUIVALENCE_CONFIG,
     FSDP,
     OUR_FSDP,
-    OURS,
-    OURS_FSDP,
-    OURS_SDPA,
     PLAN_HEADROOM_BYTES,
-    TORCH,
-    TORCH_FUSED_LOSS,
     VARIANTS,
     LeaderboardConfig,
     LossModel,
@@ -37,10 +32,11 @@ from cs336_systems.benchmarks.leaderboard import (
 from cs336_systems.distributed.launch import launch
 from cs336_systems.gpus import GPU_SPECS
 from cs336_systems.memory_guard import FIT_SHARE, MemoryCheck
-from cs336_systems.profiling.checkpointing import Checkpoint
 from cs336_systems.model import LEADERBOARD, ModelConfig
+from cs336_systems.profiling.checkpointing import Checkpoint
 from cs336_systems.reports import read_rows
 from cs336_systems.reports.leaderboard import answer_leaderboard, render_leaderboard
+from cs336_systems.rows.leaderboard import OURS, OURS_FSDP, OURS_SDPA, TORCH, TORCH_FUSED_LOSS
 
 REPO = Path(__file__).resolve().parents[1]
 SMALL = ModelConfig(d_model=32, d_ff=96, num_layers=2, num_heads=4, context_length=16, vocab_size=200)

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from cs336_systems.__main__ import main
-from cs336_systems.benchmarks.communication_accounting import communication_accounting_rows
+from cs336_systems.accounting.communication_accounting import communication_accounting_rows
 from cs336_systems.reports import (
     Metadata,
     RunRecord,

@@ -1,12 +1,11 @@
 """Problem distributed_communication_single_node's report: all-reduce time and bus bandwidth by backend,
-size and number of ranks, what they show, and the plot (cs336_systems.benchmarks.allreduce measures them)."""
+size and number of ranks, what they show, and the plot (the package's benchmarks/allreduce.py measures them)."""
 
 from __future__ import annotations
 
 from collections.abc import Iterable
 
-from cs336_systems.benchmarks.allreduce import GB, MAX_ITERATIONS, MIN_ITERATIONS, WARMUP
-from cs336_systems.gpus import MB
+from cs336_systems.gpus import GB, MB
 from cs336_systems.reports import (
     NOT_RUN,
     Rendered,
@@ -20,6 +19,7 @@ from cs336_systems.reports import (
     select,
 )
 from cs336_systems.rows import OOM, Row
+from cs336_systems.rows.allreduce import MAX_ITERATIONS, MIN_ITERATIONS, WARMUP
 
 
 def _size_label(size_bytes: float) -> str:

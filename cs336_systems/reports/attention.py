@@ -1,7 +1,7 @@
 """The reports of naive attention: pytorch_attention (timings and memory by head dimension and sequence
 length, the cells that run out of memory, the closed-form memory accounting against measurement) and the
 attention part of torch_compile (eager against compiled, beside the whole model's part from
-cs336_systems.reports.e2e), with their answers. cs336_systems.benchmarks.attention measures them.
+cs336_systems.reports.e2e), with their answers. The package's benchmarks/attention.py measures them.
 """
 
 from __future__ import annotations

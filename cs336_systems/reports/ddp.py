@@ -1,7 +1,7 @@
 """The DDP reports: naive_ddp, ddp_overlap_individual_parameters and ddp_overlap_bucketed (each wrapper
 against single-process training) and their benchmarking reports (time per step by variant, the overhead
 model and the optimal bucket size, the targets, the profiled timelines); with their answers.
-cs336_systems.benchmarks.ddp measures them. The step helpers here serve the optimizer state sharding and
+The package's benchmarks/ddp.py measures them. The step helpers here serve the optimizer state sharding and
 FSDP reports too, whose step tables have the same shape.
 """
 
@@ -12,7 +12,6 @@ import functools
 import torch
 
 from cs336_systems.accounting.ddp import ddp_overhead_s, optimal_bucket_bytes, optimal_num_buckets, pipelined_overhead_s
-from cs336_systems.benchmarks.ddp import TORCH_DDP_METHODS, UNDER_TEST_METHODS
 from cs336_systems.distributed.ddp import BYTES_PER_MB, assign_buckets
 from cs336_systems.gpus import GB
 from cs336_systems.model import ModelConfig, TransformerLM
@@ -29,6 +28,7 @@ from cs336_systems.reports import (
     size_table_of,
 )
 from cs336_systems.rows import FAILED, OOM, Row, ok_rows
+from cs336_systems.rows.ddp import TORCH_DDP_METHODS, UNDER_TEST_METHODS
 
 # The unit of BucketedDDP's bucket_size_mb (BYTES_PER_MB bytes: mebibytes, as torch DDP's bucket_cap_mb counts), in
 # which the reports write bucket sizes; gradient bytes and bandwidths are in the package's decimal units (GB = 10^9

@@ -1,7 +1,7 @@
 """The reports of the end-to-end model benchmarks: benchmarking_script (time per phase by size and
 context, the warm-up study), benchmarking_mixed_precision (autocast dtypes, normalisation statistics in low
 precision, fp32 against bf16) and the whole-model part of torch_compile (eager against compiled, and
-against a torch-native reference), with their answers. cs336_systems.benchmarks.e2e measures them.
+against a torch-native reference), with their answers. The package's benchmarks/e2e.py measures them.
 """
 
 from __future__ import annotations
@@ -12,7 +12,6 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 from cs336_systems import reports
-from cs336_systems.benchmarks.e2e import CellCost
 from cs336_systems.model import size_order
 from cs336_systems.reports import (
     NOISY_RELATIVE_STD,
@@ -41,7 +40,6 @@ from cs336_systems.reports import (
     speedup_text,
 )
 from cs336_systems.rows import (
-    BREAKDOWN_PHASES,
     BREAKDOWN_TABLE,
     COURSE_VARIANT,
     E2E_KEY,
@@ -49,9 +47,12 @@ from cs336_systems.rows import (
     MIXED_PRECISION_KEY,
     OOM,
     REFERENCE_MODEL,
+    REFERENCE_MODEL_SOURCE,
+    STEP_PHASES,
     Row,
     ok_rows,
 )
+from cs336_systems.rows.e2e import CellCost
 
 
 VARIANT_LABELS = {COURSE_VARIANT: "the course's model (naive attention, its AdamW)", FAST_VARIANT: "SDPA + fused AdamW"}
@@ -534,9 +535,8 @@ def _reference_section(rows: list[Row]) -> str:
     ratio = (" Ratio of medians: above 1, the project's model and harness cost that much more."
              if len(unpaired) < len(steps) else "")
     return ("## The compiled step against a torch-native reference\n\n"
-            "The reference is the same architecture in torch's own modules "
-            "(cs336_systems/benchmarks/reference_lm.py), compiled as one graph, with the same AdamW, timed the same "
-            f"way{runs}.{ratio}\n\n" + markdown_table(table)
+            f"The reference is the same architecture in torch's own modules ({REFERENCE_MODEL_SOURCE}), compiled as "
+            f"one graph, with the same AdamW, timed the same way{runs}.{ratio}\n\n" + markdown_table(table)
             + _breakdown_section(rows))
 
 
@@ -571,7 +571,7 @@ def _breakdown_section(rows: list[Row]) -> str:
         return ""
     table = []
     for r in sorted(profiled, key=lambda r: (size_order(r["size"]), r["context_length"], r["precision"],
-                                             r.get("model") or "", (*BREAKDOWN_PHASES, "step").index(r["phase"]))):
+                                             r.get("model") or "", (*STEP_PHASES, "step").index(r["phase"]))):
         entry = {"model": r.get("model") or "project", "size": r["size"], "context": r["context_length"],
                  "precision": r["precision"], "phase": r["phase"]}
         measured_mode = r.get("measured_mode")

@@ -1,25 +1,13 @@
 """Problem flash_benchmarking's report: the sweep of Triton FlashAttention against naive attention and
 SDPA, what it shows, the plots, the 2025 leaderboard's attention cell, the speed-up gates and the host's
 time to issue a call; with the answers of flash_forward / flash_backward, flash_benchmarking and the
-leaderboard. cs336_systems.benchmarks.flash measures them.
+leaderboard. The package's benchmarks/flash.py measures them.
 """
 
 from __future__ import annotations
 
 from collections import defaultdict
 
-from cs336_systems.benchmarks.flash import (
-    GATE_CELL,
-    GATED_PROVIDERS,
-    HEAD_DIMS,
-    MODE_LABELS,
-    MODES,
-    PRECISIONS,
-    PROVIDER_LABELS,
-    SEQ_LENS,
-    median_ratio,
-    provider_label,
-)
 from cs336_systems.reports import (
     Rendered,
     Reports,
@@ -34,6 +22,17 @@ from cs336_systems.reports import (
 )
 from cs336_systems.reports.flash_in_training import answer_flash_in_training
 from cs336_systems.rows import FAILED, OOM, Row, ok_rows, ran
+from cs336_systems.rows.flash import (
+    ATTENTION_MODES,
+    GATED_PROVIDERS,
+    HEAD_DIMS,
+    MODE_LABELS,
+    PRECISIONS,
+    PROVIDER_LABELS,
+    SEQ_LENS,
+    median_ratio,
+    provider_label,
+)
 
 RATIO_PAIRS = (("naive", "flash_triton"), ("sdpa", "flash_triton"))
 
@@ -255,9 +254,9 @@ def _plot(rows: list[Row], precision: str):
     from matplotlib.figure import Figure
 
     head_dims = sorted({r["head_dim"] for r in rows})
-    figure = Figure(figsize=(3.2 * len(head_dims), 2.6 * len(MODES)))
-    axes = figure.subplots(len(MODES), len(head_dims), squeeze=False, sharex=True)
-    for i, mode in enumerate(MODES):
+    figure = Figure(figsize=(3.2 * len(head_dims), 2.6 * len(ATTENTION_MODES)))
+    axes = figure.subplots(len(ATTENTION_MODES), len(head_dims), squeeze=False, sharex=True)
+    for i, mode in enumerate(ATTENTION_MODES):
         for j, d in enumerate(head_dims):
             ax = axes[i][j]
             for provider in _providers_in(rows):
@@ -269,7 +268,7 @@ def _plot(rows: list[Row], precision: str):
             ax.set_xscale("log", base=2)
             ax.set_yscale("log")
             ax.set_title(f"{MODE_LABELS[mode]}, d={d}", fontsize="small")
-            if i == len(MODES) - 1:
+            if i == len(ATTENTION_MODES) - 1:
                 ax.set_xlabel("N")
             if j == 0:
                 ax.set_ylabel("ms")
@@ -309,14 +308,14 @@ def _host_issue_section(rows: list[Row]) -> str:
 def _gate_section(rows: list[Row]) -> str:
     if not rows:
         return ""
-    cell = GATE_CELL
+    cell = rows[0]  # every gate row is of the one gated cell
     table = [{"provider": provider_label(r["provider"]), "backend": r.get("backend") or "",
               "median (ms)": _time_cell(r)} for r in rows]
     measured = {r["provider"]: r for r in rows}
     ratios = "; ".join(f"{provider} / triton " + (_ratio_cell(measured.get(provider), measured.get("flash_triton"))
                                                   or "did not run") for provider in GATED_PROVIDERS)
-    return (f"## Speed-up gates\n\nBatch 1, 1 head, N {cell.seq_len}, d {cell.head_dim}, {cell.precision}, causal, "
-            "forward+backward, gated against perf/baselines/<gpu>.json: "
+    return (f"## Speed-up gates\n\nBatch 1, 1 head, N {cell['seq_len']}, d {cell['head_dim']}, {cell['precision']}, "
+            "causal, forward+backward, gated against perf/baselines/<gpu>.json: "
             f"{ratios}.\n\n" + markdown_table(table))
 
 
@@ -354,7 +353,7 @@ def render_flash_benchmarking(rows: list[Row]) -> Rendered:
         if unmeasured:
             parts.append(f"Not measured: {unmeasured}.\n")
         for precision in _precisions_in(sweep):
-            for mode in MODES:
+            for mode in ATTENTION_MODES:
                 if any(r["precision"] == precision and r["mode"] == mode for r in sweep):
                     parts += [f"### {precision}, {MODE_LABELS[mode]}\n", _sweep_table(sweep, precision, mode)]
             name = f"flash_benchmarking_{precision}.png"

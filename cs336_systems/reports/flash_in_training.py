@@ -1,12 +1,10 @@
 """Problem flash_benchmarking's flash_in_training report: the compiled training step with the Triton
 FlashAttention op against SDPA, and the attention kernels alone at those steps' shapes
-(cs336_systems.benchmarks.flash_in_training measures them).
+(the package's benchmarks/flash_in_training.py measures them).
 """
 
 from __future__ import annotations
 
-from cs336_systems.benchmarks.flash import MODE_LABELS
-from cs336_systems.benchmarks.flash_in_training import KERNEL_MODES
 from cs336_systems.reports import (
     NOISY_RELATIVE_STD,
     Rendered,
@@ -18,6 +16,7 @@ from cs336_systems.reports import (
     percentiles_noisy,
 )
 from cs336_systems.rows import Row
+from cs336_systems.rows.flash import KERNEL_MODES, MODE_LABELS
 
 
 def _time(row: Row) -> str:

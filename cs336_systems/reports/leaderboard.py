@@ -1,13 +1,11 @@
 """Problem leaderboard's report (Spring 2026): the 8B-class model's full training step on two GPUs, ours against
 torch's own parts, after both are checked against one process; with its answer. Ours with FSDP, the project's
 stack at its leanest in memory, is set against the fastest torch variant of the same run.
-cs336_systems.benchmarks.leaderboard measures it.
+The package's benchmarks/leaderboard.py measures it.
 """
 
 from __future__ import annotations
 
-from cs336_systems.benchmarks.flash import MODE_LABELS, PROVIDER_LABELS
-from cs336_systems.benchmarks.leaderboard import OURS, OURS_FSDP, OURS_SDPA, TORCH, TORCH_FUSED_LOSS, TORCH_VARIANTS
 from cs336_systems.model import LEADERBOARD
 from cs336_systems.reports import (
     UNPAIRED,
@@ -24,6 +22,8 @@ from cs336_systems.reports import (
     select,
 )
 from cs336_systems.rows import Row, ok_rows
+from cs336_systems.rows.flash import MODE_LABELS, PROVIDER_LABELS
+from cs336_systems.rows.leaderboard import OURS, OURS_FSDP, OURS_SDPA, TORCH, TORCH_FUSED_LOSS, TORCH_VARIANTS
 
 # The handout's naive baseline (its words: "We expect leaderboard submissions to beat the naive baseline of 10
 # seconds"), on two B200 GPUs.

@@ -1,7 +1,7 @@
 """Problem memory_profiling's report: peak memory by mode, precision and context against the memory model,
 saved activations, the residual stream's size, the active-memory timelines (memory_viz's, drawn from the kept
 snapshots), the largest allocations and part (f), each block's residuals and gradients; with its answer and
-what a run leaves open. cs336_systems.benchmarks.memory_profiling measures them.
+what a run leaves open. The package's benchmarks/memory_profiling.py measures them.
 """
 
 from __future__ import annotations
@@ -9,8 +9,6 @@ from __future__ import annotations
 from pathlib import Path
 
 from cs336_systems.accounting.activations import adamw_step_temporary_bytes
-from cs336_systems.benchmarks.harness import ADAMW_NAMES
-from cs336_systems.benchmarks.memory_profiling import HANDOUT_MEMORY_CONTEXTS, MEMORY_MODES
 from cs336_systems.gpus import GIB, MIB
 from cs336_systems.model import ModelConfig
 from cs336_systems.profiling.memory import active_memory_layout, load_snapshot, plot_active_memory
@@ -26,7 +24,8 @@ from cs336_systems.reports import (
     select,
     size_table_of,
 )
-from cs336_systems.rows import OOM, Row, ok_rows
+from cs336_systems.rows import ADAMW_NAMES, OOM, Row, ok_rows
+from cs336_systems.rows.memory_profiling import HANDOUT_MEMORY_CONTEXTS, PROFILED_MODES
 
 MODE_LABELS = {"inference": "forward only (inference)", "train_step": "training step"}
 # The analytical model should land within this share of a measured peak.
@@ -59,7 +58,7 @@ def _peak_section(peaks: list[Row]) -> str:
     on_gpu = peaks[0]["device"] == "cuda"
     table = []
     precisions = list(dict.fromkeys(r["precision"] for r in peaks))
-    for r in sorted(peaks, key=lambda r: (MEMORY_MODES.index(r["mode"]), precisions.index(r["precision"]),
+    for r in sorted(peaks, key=lambda r: (PROFILED_MODES.index(r["mode"]), precisions.index(r["precision"]),
                                           r["context_length"])):
         entry = {"mode": MODE_LABELS[r["mode"]], "precision": r["precision"], "context": r["context_length"]}
         if r["status"] == OOM:
@@ -147,7 +146,7 @@ def _timeline_figure(rows: list[Row]):
     points = [r for r in rows if r.get("table") == "timeline"]
     if not points:
         return None
-    modes = [m for m in MEMORY_MODES if any(p["mode"] == m for p in points)]
+    modes = [m for m in PROFILED_MODES if any(p["mode"] == m for p in points)]
     precisions = list(dict.fromkeys(p["precision"] for p in points))
     figure = Figure(figsize=(6 * len(precisions), 3.2 * len(modes)))
     axes = figure.subplots(len(modes), len(precisions), squeeze=False)
@@ -179,7 +178,7 @@ def _allocation_section(rows: list[Row]) -> str:
     parts = ["## Largest allocations\n\nPer kept snapshot: the largest blocks, the line of this package that asked "
              "and the innermost frame.\n"]
     cells = dict.fromkeys((r["mode"], r["precision"], r["context_length"]) for r in allocations)
-    for mode, precision, context in sorted(cells, key=lambda c: (MEMORY_MODES.index(c[0]), c[2], c[1])):
+    for mode, precision, context in sorted(cells, key=lambda c: (PROFILED_MODES.index(c[0]), c[2], c[1])):
         cell = sorted(select(allocations, mode=mode, precision=precision, context_length=context),
                       key=lambda r: r["rank"])
         parts.append(f"### {MODE_LABELS[mode]}, {precision}, context {context}\n")
@@ -206,7 +205,7 @@ def render_memory_profiling(rows: list[Row]) -> Rendered:
 def _snapshot_section(rows: list[Row]) -> str:
     """The kept snapshots (pytorch.org/memory_viz opens them) and their Active Memory Timelines."""
     files = sorted((r for r in rows if r.get("table") == "snapshot"),
-                   key=lambda r: (MEMORY_MODES.index(r["mode"]), r["context_length"]))
+                   key=lambda r: (PROFILED_MODES.index(r["mode"]), r["context_length"]))
     if not files:
         return ""
     table = [{"cell": f"{MODE_LABELS[r['mode']]}, {r['precision']}, context {r['context_length']}",

@@ -1,21 +1,13 @@
 """Problem nsys_profile's report: per profiled cell the timer against the profiler, the top forward kernel,
 the main non-matmul kernels, the matmul share of forward and of the full step, softmax against matmul inside
 attention, the kernel tables, the variants beside the course's model and whether Nsight Systems could write
-a report; with its answer. cs336_systems.benchmarks.nsys_profile measures them.
+a report; with its answer. The package's benchmarks/nsys_profile.py measures them.
 """
 
 from __future__ import annotations
 
 from collections import defaultdict
 
-from cs336_systems.benchmarks.harness import ADAMW_NAMES
-from cs336_systems.benchmarks.nsys_profile import (
-    ATTENTION_RANGES,
-    FORWARD_BACKWARD,
-    MAIN_KERNEL_SHARE,
-    STEP_RANGE,
-    TRAIN_PHASES,
-)
 from cs336_systems.model import size_order
 from cs336_systems.profiling.kernels import short_name
 from cs336_systems.reports import (
@@ -34,7 +26,8 @@ from cs336_systems.reports import (
     span,
 )
 from cs336_systems.reports.e2e import HEADLINE_CONTEXT, split_variants, variant_column_label, variant_label
-from cs336_systems.rows import OOM, Row
+from cs336_systems.rows import ADAMW_NAMES, OOM, STEP_PHASES, Row
+from cs336_systems.rows.nsys_profile import ATTENTION_RANGES, FORWARD_BACKWARD, MAIN_KERNEL_SHARE, STEP_RANGE
 from cs336_systems.timing import STEP_TIMER
 
 # Softmax over a row of scores: a max, a subtraction, an exp, a sum and a division per score.
@@ -205,7 +198,7 @@ def _kernel_tables_section(cells: dict) -> str:
     key = max(preferred, key=lambda k: (size_order(k[0]), k[1]))
     c = cells[key]
     parts = [f"## Kernel tables: {key[0]} at context {key[1]}\n\nThe other cells' tables are in the CSV.\n"]
-    for name in (*TRAIN_PHASES, *ATTENTION_RANGES):
+    for name in (*STEP_PHASES, *ATTENTION_RANGES):
         if name not in c["range"]:
             continue
         parts.append(f"### {name}\n")

@@ -1,7 +1,7 @@
 """The reports of the Spring 2026 handout's parallelism problems, alternate_ring_all_reduce,
 data_parallel_calcs, fsdp_calcs, tp_calcs and fsdp_tp_calcs: each answer part by part in the handout's
 symbols with its derivation, then the worked figure for one node of 8 NVLink GPUs from the rows of
-cs336_systems.benchmarks.parallelism_calcs. `write_parallelism_calcs` writes them (the same bytes on
+cs336_systems.accounting.parallelism_calcs. `write_parallelism_calcs` writes them (the same bytes on
 every run).
 """
 
@@ -11,7 +11,7 @@ import math
 from pathlib import Path
 
 from cs336_systems.accounting.ffn_parallelism import TP_BACKWARD_EQUATIONS
-from cs336_systems.benchmarks.parallelism_calcs import NODE_SIZE, PROBLEMS, ROWS
+from cs336_systems.accounting.parallelism_calcs import NODE_SIZE, PROBLEMS, ROWS
 from cs336_systems.gpus import GB, TERA
 from cs336_systems.reports import (
     ANALYSIS_COMMAND,

@@ -4,7 +4,7 @@ rows. Everything that writes or reads a report finds it here:
 
     name -> measure (perf/<module>.py, marker) -> rows -> render (Report.render) -> answer (Problem.answer)
 
-A problem family's measuring code is a benchmark module (cs336_systems.benchmarks.<family>), which returns
+A problem family's measuring code is a benchmark module (the package's benchmarks/<family>.py), which returns
 rows; the renderers of its reports and its answers are the reports module of the same name
 (cs336_systems.reports.<family>); each report's cell key is in cs336_systems.rows.
 """
