@@ -240,9 +240,6 @@ def test_profile_cell_rows_and_report():
         assert heading in body
     assert "Each kernel counts once" in body and "adds up to no more than the step's" in body
     assert "the profiler's overhead included" in body
-    # Rows of a run from before the attribution was fixed have no self work: the report says so.
-    old = [{k: v for k, v in r.items() if k != "self_work_ms"} for r in rows]
-    assert "measured before kernels were attributed once" in problems.report("nsys_profile").render(old).body
 
 
 def test_out_of_memory_cell_is_recorded(monkeypatch):

@@ -127,7 +127,8 @@ def memory_profile(cfg: MemoryProfileConfig, device: torch.device | str, snapsho
 
 
 def _memory_base(cfg: MemoryProfileConfig, device: torch.device, **fields) -> Row:
-    return {"size": cfg.size, "batch_size": cfg.batch_size, "attention": cfg.attention, "device": device.type, **fields}
+    return {"size": cfg.size, "size_table": cfg.size_table, "batch_size": cfg.batch_size, "attention": cfg.attention,
+            "device": device.type, **fields}
 
 
 def _residual_row(cfg: MemoryProfileConfig, model, precision: str, device: torch.device) -> Row:

@@ -154,7 +154,7 @@ def _plot(rows: list[Row]):
 
 
 def _out_of_memory(row: Row) -> bool:
-    return row.get("status") == OOM  # rows measured before the status column read as measured
+    return row["status"] == OOM
 
 
 def render_allreduce(rows: list[Row]) -> Rendered:

@@ -25,7 +25,6 @@ from cs336_systems.reports import (
     mean_std,
     not_in_report,
     select,
-    size_table_of,
 )
 from cs336_systems.rows import FAILED, OOM, Row, ok_rows
 from cs336_systems.rows.ddp import TORCH_DDP_METHODS, UNDER_TEST_METHODS
@@ -228,7 +227,7 @@ def _gradient_sizes_bytes(size: str, table: str, context_length: int) -> tuple[i
 
 def _bucket_bytes(row: Row) -> list[int]:
     """The sizes of the buckets BucketedDDP built in the run `row` describes, in launch order."""
-    sizes = _gradient_sizes_bytes(row["size"], size_table_of(row), row["context_length"])
+    sizes = _gradient_sizes_bytes(row["size"], row["size_table"], row["context_length"])
     return [sum(sizes[i] for i in bucket) for bucket in assign_buckets(sizes, row["bucket_size_mb"] * BYTES_PER_MB)]
 
 

@@ -137,22 +137,16 @@ def long_cell_note(cost: CellCost, mode: str) -> str | None:
 
 
 def variant(row: Row) -> tuple:
-    """(attention, AdamW) of a row; rows from before the AdamW was recorded ran fused AdamW."""
-    return row.get("attention"), row.get("optimizer") or "fused"
-
-
-def cell_key(row: Row, key: Sequence[str]) -> tuple:
-    """A row's values of a report's cell key (cs336_systems.reports.Report), its AdamW read as `variant` reads it:
-    a row from before the AdamW was recorded is the same cell as a newer row of the fused AdamW it ran."""
-    return tuple(variant(row)[1] if column == "optimizer" else row.get(column) for column in key)
+    """(attention, AdamW) of a row."""
+    return row.get("attention"), row.get("optimizer")
 
 
 def latest_cells(rows: list[Row], key: Sequence[str]) -> list[Row]:
-    """`rows`, in their order, with one row per cell (`cell_key`): where runs measured a cell more than once,
-    the latest run's row, as a report's merge keeps it."""
+    """`rows`, in their order, with one row per cell (its values of `key`): where runs measured a cell more than
+    once, the latest run's row, as a report's merge keeps it."""
     latest: dict[tuple, Row] = {}
     for row in rows:
-        cell = cell_key(row, key)
+        cell = tuple(row.get(column) for column in key)
         if cell not in latest or run_of(row) >= run_of(latest[cell]):
             latest[cell] = row
     kept = {id(row) for row in latest.values()}
@@ -179,11 +173,9 @@ def _cell_order(row: Row) -> tuple:
 
 def _sweep_setup(rows: list[Row], extra: dict[tuple, list[Row]] | None = None) -> str:
     sample = rows[0]
-    # Rows that record their timer are described by the header's timing line; older ones timed each phase.
-    timer = "" if sample.get("timer") else ", each phase timed between device synchronisations"
     extras = f"; extra columns: {', '.join(variant_label(v) for v in extra)}" if extra else ""
     return (f"batch {sample['batch_size']}, {variant_label(variant(sample))}, random tokens, {sample['warmup']} "
-            f"warm-up + {sample['steps']} timed steps per cell{timer}{extras}; times in ms, mean ± std")
+            f"warm-up + {sample['steps']} timed steps per cell{extras}; times in ms, mean ± std")
 
 
 def _sweep_table(rows: list[Row], extra: dict[tuple, list[Row]]) -> str:

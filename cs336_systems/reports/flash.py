@@ -320,11 +320,10 @@ def _gate_section(rows: list[Row]) -> str:
 
 
 def _sources(rows: list[Row]) -> str:
-    """The FlashAttention source each run's rows measured (rows written before hashes were recorded
-    carry none), named once where every run measured the same."""
+    """The FlashAttention source each run's rows measured, named once where every run measured the same."""
     by_run: dict[int, set[str]] = defaultdict(set)
     for r in rows:
-        by_run[int(r.get("run") or 1)].add(str(r.get("source_hash") or "not recorded"))
+        by_run[int(r.get("run") or 1)].add(r["source_hash"])
     runs = sorted(by_run.items())
     if all(hashes == runs[0][1] for _, hashes in runs):
         every = f" (all {len(runs)} runs)" if len(runs) > 1 else ""

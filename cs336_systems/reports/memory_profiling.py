@@ -22,7 +22,6 @@ from cs336_systems.reports import (
     not_in_report,
     oom_text,
     select,
-    size_table_of,
 )
 from cs336_systems.rows import ADAMW_NAMES, OOM, Row, ok_rows
 from cs336_systems.rows.memory_profiling import HANDOUT_MEMORY_CONTEXTS, PROFILED_MODES
@@ -40,13 +39,12 @@ def _memory_setup(peaks: list[Row]) -> str:
     precisions = ", ".join(dict.fromkeys(p["precision"] for p in peaks))
     train = next((p for p in peaks if p["mode"] == "train_step"), {})
     adamw = train.get("adamw")
-    # Rows from before the AdamW was recorded ran torch's default, foreach on CUDA.
-    optimizer = ADAMW_NAMES[adamw or "foreach"] if r["device"] == "cuda" or adamw else "AdamW"
+    optimizer = ADAMW_NAMES[adamw] if adamw else "AdamW"
     text = (f"{r['size']} model, batch {r['batch_size']}, {r['attention']} attention, contexts {contexts}, "
             f"precisions {precisions} (bf16: autocast over fp32 parameters). Forward only runs under no_grad; the "
             f"training step (forward, backward, {optimizer} step, zero_grad) is measured after an unmeasured one.")
     if adamw == "course":
-        config = ModelConfig.for_size(r["size"], 1, table=size_table_of(train))
+        config = ModelConfig.for_size(r["size"], 1, table=train["size_table"])
         text += (f" The course's AdamW takes sqrt(v) one parameter at a time "
                  f"(+{format_bytes(adamw_step_temporary_bytes(config, 'course'))} at its step); torch's default "
                  f"foreach AdamW takes it of every parameter at once "

@@ -28,7 +28,6 @@ from cs336_systems.reports import (
 from cs336_systems.reports.e2e import HEADLINE_CONTEXT, split_variants, variant_column_label, variant_label
 from cs336_systems.rows import ADAMW_NAMES, OOM, STEP_PHASES, Row
 from cs336_systems.rows.nsys_profile import ATTENTION_RANGES, FORWARD_BACKWARD, MAIN_KERNEL_SHARE, STEP_RANGE
-from cs336_systems.timing import STEP_TIMER
 
 # Softmax over a row of scores: a max, a subtraction, an exp, a sum and a division per score.
 SOFTMAX_FLOPS_PER_SCORE = 5
@@ -57,11 +56,6 @@ def _measured(cells: dict) -> dict:
     return {key: c for key, c in cells.items() if c["cell"] and c["cell"]["status"] == "ok" and "forward" in c["range"]}
 
 
-def _timer(cell: Row) -> str:
-    """How the cell's timer measured (rows from before whole-step timing name none)."""
-    return STEP_TIMER if cell.get("timer") == STEP_TIMER else "a host clock between device synchronisations at every phase"
-
-
 def _forward_time_section(cells: dict, device: str) -> str:
     table, wall = [], []
     for (size, context), c in cells.items():
@@ -76,7 +70,7 @@ def _forward_time_section(cells: dict, device: str) -> str:
     gap = "the GPU waited for kernel launches" if device == "cuda" else "Python and the dispatcher ran"
     sample = next(iter(cells.values()))["cell"]
     return ("## (a) Forward time: profiler against the end-to-end timer\n\n"
-            f"Timer: {_timer(sample)}, {sample['timed_steps']} steps after "
+            f"Timer: {sample['timer']}, {sample['timed_steps']} steps after "
             f"{sample['warmup']} warm-up; then one profiled step. Forward work: its {work}.\n\n" + markdown_table(table)
             + f"\n{_range_note(device, wall)}. Beyond forward work, {gap}.\n")
 
@@ -215,11 +209,9 @@ def _nsys_section(rows: list[Row]) -> str:
     if not found:
         return ""
     r = found[-1]
-    outcome = r.get("nsys_report") or ("nsys is on PATH" if r["nsys_found"] else "nsys is not installed")
+    outcome = r["nsys_report"]
     if outcome == "written":
         state = "Nsight Systems wrote a report of a CUDA program on the measuring machine."
-    elif r["nsys_found"] and not r.get("nsys_report"):  # rows from before the probe: nsys was only looked up
-        state = "`nsys` was on PATH on the measuring machine."
     else:
         state = (f"Nsight Systems cannot make reports on the measuring machine ({outcome}): the tables above are "
                  "torch.profiler's (CUPTI).")
@@ -254,9 +246,6 @@ def _variant_section(main: tuple, cells: dict, others: dict[tuple, list[Row]]) -
 
 def _attribution_note(cells: dict) -> str:
     """How kernels were attributed, and the check that none was counted twice, from the rows."""
-    if not any("self_work_ms" in r for c in cells.values() for r in c["range"].values()):
-        return ("These rows were measured before kernels were attributed once each: a kernel could count under two "
-                "launching events, so a range's work may exceed its time.")
     excess = []
     for (size, context), c in cells.items():
         ranges = {name: r for name, r in c["range"].items() if name != FORWARD_BACKWARD}
@@ -340,7 +329,7 @@ def answer_nsys_profile(reports: Reports) -> list[str]:
         other = next((k for k in forward_kernels if k.get("matmul") is False), None)
         sentences.append(
             f"Kernel tables from torch.profiler ({sample['attention']} attention, "
-            f"{ADAMW_NAMES[sample.get('optimizer') or 'fused']}, {sample['precision']}, batch "
+            f"{ADAMW_NAMES[sample['optimizer']]}, {sample['precision']}, batch "
             f"{sample['batch_size']}); at {size}, context {context}, the top forward kernel is "
             f"`{short_name(top['kernel'], KERNEL_NAME_CHARS)}` ({'a matmul, ' if top.get('matmul') else ''}"
             f"{top['share']:.1%} of forward kernel time, {top['calls_per_instance']:g} launches per forward pass)"
@@ -377,11 +366,3 @@ def answer_nsys_profile(reports: Reports) -> list[str]:
         sentences.append(not_in_report(f"The attention ranges (scores, softmax, final matmul) of {size} at context "
                                         f"{context}"))
     return sentences
-
-
-def open_items_nsys_profile(reports: Reports) -> list[str]:
-    ranges = select(reports["nsys_profile"], table="range")
-    if ranges and not any("self_work_ms" in r for r in ranges):
-        return ["its kernel tables predate kernels being attributed once each (a kernel could count twice); "
-                "`make single-gpu-reports` measures them again"]
-    return []
