@@ -240,10 +240,11 @@ REPORTS_ROOT_HELP = "reports/ in the repository's root, from any folder"
 def build_parser() -> argparse.ArgumentParser:
     from cs336_systems.accounting.activations import ADAMW_IMPLEMENTATIONS
     from cs336_systems.attention import ATTENTION_VARIANTS
-    from cs336_systems.benchmarks.e2e import DEFAULT_BATCH_SIZE, DEFAULT_STEPS, DEFAULT_WARMUP, MODES
+    from cs336_systems.benchmarks.e2e import DEFAULT_BATCH_SIZE, DEFAULT_STEPS, DEFAULT_WARMUP
     from cs336_systems.model import DEFAULT_SIZE_TABLE, SIZE_TABLES
     from cs336_systems.precision import PRECISIONS
     from cs336_systems.rows import COURSE_VARIANT
+    from cs336_systems.rows.e2e import MODEL_MODES
 
     parser = _Parser(prog="python -m cs336_systems", description=__doc__,
                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -266,7 +267,7 @@ def build_parser() -> argparse.ArgumentParser:
                      help="the model's maximum context (default: --context)")
     e2e.add_argument("--batch-size", type=_positive_int, default=DEFAULT_BATCH_SIZE,
                      help=f"sequences per step (default: {DEFAULT_BATCH_SIZE})")
-    e2e.add_argument("--mode", choices=MODES, default="train",
+    e2e.add_argument("--mode", choices=MODEL_MODES, default="train",
                      help="what a step runs: forward only (no autograd), forward and backward, or a full AdamW "
                           "training step (default: train)")
     e2e.add_argument("--precision", type=_list(str), default=["fp32"],

@@ -61,6 +61,13 @@ GPU_SPECS: dict[str, GpuSpec] = {
     ]
 }
 
+# Nominal NVLink bandwidth of one GPU, per direction (half the datasheet's bidirectional figure), in bytes/s:
+# NVLink 3 (A100) 600 GB/s, NVLink 4 (H100 SXM, H200) 900 GB/s, NVLink 5 (B200) 1.8 TB/s.
+NVLINK_BYTES_PER_S_PER_DIRECTION = {
+    "a100": 300 * 10**9, "a100-40gb": 300 * 10**9, "h100": 450 * 10**9, "h200": 450 * 10**9, "b200": 900 * 10**9,
+}
+NVLINK_GENERATION = {"a100": 3, "a100-40gb": 3, "h100": 4, "h200": 4, "b200": 5}
+
 
 def spec_for_device_name(device_name: str) -> GpuSpec | None:
     """The spec whose pattern matches a CUDA device name, or None for a GPU not in the table."""

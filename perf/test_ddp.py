@@ -21,8 +21,6 @@ from cs336_systems.baselines import at_world_size
 from cs336_systems.benchmarks.allreduce import MB
 from cs336_systems.benchmarks.ddp import (
     EQUIVALENCE_BUCKET_SIZES_MB,
-    TORCH_DDP_METHODS,
-    UNDER_TEST_METHODS,
     DDPBenchmarkConfig,
     benchmark_ddp,
     ddp_equivalence,
@@ -36,6 +34,7 @@ from cs336_systems.distributed.equivalence import equivalence_failures
 from cs336_systems.distributed.launch import launch
 from cs336_systems.profiling.timeline import plot_timeline
 from cs336_systems.rows import FAILED, OOM
+from cs336_systems.rows.ddp import TORCH_DDP_METHODS, UNDER_TEST_METHODS
 
 GPU_CONFIG = DDPBenchmarkConfig()
 CPU_CONFIG = DDPBenchmarkConfig(size="tiny", context_length=32, batch_size=2, warmup=1, steps=3,

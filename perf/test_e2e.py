@@ -8,7 +8,7 @@ import math
 
 import pytest
 
-from cs336_systems.benchmarks.e2e import PHASES, E2EConfig, benchmark_in_fresh_process, benchmark_model, split_breakdown
+from cs336_systems.benchmarks.e2e import E2EConfig, benchmark_in_fresh_process, benchmark_model, split_breakdown
 from cs336_systems.benchmarks.mixed_precision import (
     ACCUMULATION_VARIANTS,
     accumulation_experiment,
@@ -18,7 +18,8 @@ from cs336_systems.benchmarks.mixed_precision import (
 from cs336_systems.cells import require_some_ran, unmeasured
 from cs336_systems.model import size_order
 from cs336_systems.pytest_plugin import settings
-from cs336_systems.rows import BREAKDOWN_PHASES, COURSE_VARIANT, FAST_VARIANT, OOM, REFERENCE_MODEL
+from cs336_systems.rows import COURSE_VARIANT, FAST_VARIANT, OOM, REFERENCE_MODEL, STEP_PHASES
+from cs336_systems.rows.e2e import MODE_PHASES
 
 GPU_CONTEXTS = (128, 256, 512, 1024)
 CPU_CONTEXTS = (32, 64)
@@ -74,7 +75,7 @@ def test_model_step(model_size, context_length, precision, variant, compiled, de
     if variant == FAST_VARIANT:
         for row in rows:
             report("torch_compile").add(row)
-    assert [r["phase"] for r in steps] == list(PHASES[cfg.mode])
+    assert [r["phase"] for r in steps] == list(MODE_PHASES[cfg.mode])
     assert {(r["attention"], r["optimizer"]) for r in steps} == {variant}
     assert {r["status"] for r in steps} <= {"ok", OOM}
     if (model_size, context_length) == (_smallest_size(run_settings), min(_contexts(run_settings.on_gpu))):
@@ -96,7 +97,7 @@ def test_reference_step(model_size, precision, device, gpu_spec, run_settings, r
         report("torch_compile").add(row, table="reference")
     for row in breakdown:
         report("torch_compile").add(row)
-    assert [r["phase"] for r in steps] == list(PHASES[cfg.mode])
+    assert [r["phase"] for r in steps] == list(MODE_PHASES[cfg.mode])
     assert {r["model"] for r in rows} == {REFERENCE_MODEL}
     assert {r["status"] for r in steps} <= {"ok", OOM}
     if model_size == _smallest_size(run_settings):
@@ -120,7 +121,7 @@ def _check_breakdown(breakdown, steps, expected, device):
     measured_mode = ran[0].get("measured_mode", ran[0]["mode"])
     assert {r.get("measured_mode", r["mode"]) for r in ran + breakdown} == {measured_mode}
     phases = [r for r in breakdown if r["phase"] != "step"]
-    assert [r["phase"] for r in phases] == [p for p in BREAKDOWN_PHASES if p in PHASES[measured_mode]]
+    assert [r["phase"] for r in phases] == [p for p in STEP_PHASES if p in MODE_PHASES[measured_mode]]
     assert not unmeasured(phases, "work_ms")
     for r in phases:
         assert min(r["matmul_ms"], r["attention_ms"], r["other_ms"]) >= 0
@@ -139,7 +140,7 @@ def test_warmup_study(model_size, warmup, device, gpu_spec, run_settings, report
     rows = benchmark_in_fresh_process(cfg, device, gpu_spec.peak_flops(cfg.precision) if gpu_spec else None)
     for row in rows:
         report("benchmarking_script").add(row, table="warmup")
-    assert [r["phase"] for r in rows] == list(PHASES["train"])
+    assert [r["phase"] for r in rows] == list(MODE_PHASES["train"])
     assert {(r["warmup"], r["context_length"]) for r in rows} == {(warmup, context)}
     assert {r["status"] for r in rows} <= {"ok", OOM}
     if model_size == _smallest_size(run_settings):

@@ -11,15 +11,10 @@ pytest-benchmark's store (the `benchmark_store` fixture)."""
 import pytest
 
 from cs336_systems.benchmarks.flash import (
-    GATE_PROMISES,
-    GATED_PROVIDERS,
-    HEAD_DIMS,
     HOST_ISSUE_CELLS,
     HOST_ISSUE_PROVIDERS,
     LEADERBOARD_2025_PROVIDERS,
-    MODES,
     PROVIDERS,
-    SEQ_LENS,
     UNDER_TEST_KINDS,
     UNSUPPORTED,
     BenchSettings,
@@ -33,7 +28,6 @@ from cs336_systems.benchmarks.flash import (
 )
 from cs336_systems.benchmarks.flash_in_training import (
     ATTENTIONS,
-    KERNEL_MODES,
     KERNEL_PROVIDERS,
     TrainingCell,
     attention_kernels,
@@ -43,6 +37,7 @@ from cs336_systems.benchmarks.flash_in_training import (
 from cs336_systems.cells import failures, require_some_ran, unmeasured
 from cs336_systems.pytest_plugin import settings
 from cs336_systems.rows import FAILED, FLASH_IN_TRAINING_KEY, FLASH_KEY, OOM
+from cs336_systems.rows.flash import ATTENTION_MODES, GATED_PROVIDERS, GATE_PROMISES, HEAD_DIMS, KERNEL_MODES, SEQ_LENS
 
 PROBLEM = "flash_benchmarking"
 # What an ok row of do_bench (GPU) or the host clock (CPU) measured.
@@ -94,7 +89,7 @@ def test_flash_cell(precision, head_dim, seq_len, device, run_settings, report, 
     rows = benchmark_flash_cell(FlashCell(seq_len, head_dim, precision), providers, device, settings=bench,
                                 adapters=adapters)
     _record(rows, report, benchmark_store)
-    assert [(r["provider"], r["mode"]) for r in rows] == [(p, mode) for p in providers for mode in MODES]
+    assert [(r["provider"], r["mode"]) for r in rows] == [(p, mode) for p in providers for mode in ATTENTION_MODES]
     assert all(r["status"] == "ok" for r in rows if r["provider"] == "flash_triton")
     _check_references_and_implementation(rows, under_test)
 

@@ -15,21 +15,20 @@ import pytest
 
 from cs336_systems.baselines import at_world_size, within
 from cs336_systems.benchmarks.fsdp import (
-    OURS,
-    TORCH_FSDP,
     UNDER_TEST_FUNCTIONS,
     VARIANTS,
     fsdp_problems,
     timeline_intervals,
     under_test_variant,
 )
-from cs336_systems.benchmarks.sharding import ShardingBenchmarkConfig
 from cs336_systems.benchmarks.harness import under_test_of
+from cs336_systems.benchmarks.sharding import ShardingBenchmarkConfig
 from cs336_systems.cells import failures, require_some_ran, unmeasured
 from cs336_systems.distributed.equivalence import equivalence_failures
 from cs336_systems.distributed.launch import launch
 from cs336_systems.profiling.timeline import plot_timeline
 from cs336_systems.rows import FAILED, OOM
+from cs336_systems.rows.fsdp import OURS, TORCH_FSDP
 
 GPU_CONFIG = ShardingBenchmarkConfig()
 CPU_CONFIG = ShardingBenchmarkConfig(size="tiny", context_length=32, batch_size=2, warmup=1, steps=3)

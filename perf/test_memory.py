@@ -18,16 +18,11 @@ On CPU both run the tiny model in seconds (no snapshots; peaks from torch.profil
 import pytest
 
 from cs336_systems.benchmarks.gradient_checkpointing import CheckpointSweepConfig, checkpoint_sweep
-from cs336_systems.benchmarks.memory_profiling import (
-    HANDOUT_MEMORY_CONTEXTS,
-    MEMORY_MODES,
-    SNAPSHOT_BUDGET_BYTES,
-    MemoryProfileConfig,
-    memory_profile,
-)
+from cs336_systems.benchmarks.memory_profiling import SNAPSHOT_BUDGET_BYTES, MemoryProfileConfig, memory_profile
 from cs336_systems.cells import require_some_ran, unmeasured
 from cs336_systems.reports.memory_profiling import render_snapshot_timelines, timeline_file_name
 from cs336_systems.rows import OOM
+from cs336_systems.rows.memory_profiling import HANDOUT_MEMORY_CONTEXTS, PROFILED_MODES
 
 CPU_MEMORY_CONFIG = dict(size="tiny", contexts=(16, 32), batch_size=2)
 # Each handout's memory_profiling model and contexts, by size table.
@@ -50,7 +45,7 @@ def test_memory_profile(device, run_settings, report):
         report("memory_profiling").add(row)
     peaks = [r for r in rows if r["table"] == "peak"]
     cells = [(mode, precision, context)
-             for mode in MEMORY_MODES for precision in cfg.precisions for context in cfg.contexts]
+             for mode in PROFILED_MODES for precision in cfg.precisions for context in cfg.contexts]
     assert [(r["mode"], r["precision"], r["context_length"]) for r in peaks] == cells
     assert {r["status"] for r in peaks} <= {"ok", OOM}
     require_some_ran(peaks, "the peak memory cells")

@@ -21,8 +21,9 @@ from cs336_systems.accounting.communication import (
     reduce_scatter_s,
     alternate_all_reduce_s,
 )
+from cs336_systems.accounting.communication_accounting import communication_accounting_rows
 from cs336_systems.accounting.parallelism import (
-    PHASES,
+    PASSES,
     STRATEGIES,
     TPU_V5P_FLOPS_PER_S,
     TPU_V5P_ICI_BYTES_PER_S,
@@ -44,7 +45,6 @@ from cs336_systems.accounting.parallelism import (
     saved_activation_bytes_per_token,
     training_state_bytes,
 )
-from cs336_systems.benchmarks.communication_accounting import communication_accounting_rows
 from cs336_systems.gpus import GB, GIB, GPU_SPECS
 from cs336_systems.reports import read_rows
 from cs336_systems.reports.communication_accounting import write_communication_accounting
@@ -317,7 +317,7 @@ def test_the_floor_is_reached_at_the_best_tensor_degree(mx, my):
 strategy_meshes = st.sampled_from([("dp", 8, 1), ("fsdp", 8, 1), ("tp", 1, 8), ("fsdp_tp", 8, 4), ("fsdp_tp", 2, 2)])
 
 
-@given(strategy_meshes, st.sampled_from(PHASES), st.floats(min_value=1, max_value=1e7))
+@given(strategy_meshes, st.sampled_from(PASSES), st.floats(min_value=1, max_value=1e7))
 def test_compute_doubles_with_tokens_and_weight_traffic_does_not_change(mesh, phase, tokens):
     strategy, x, y = mesh
     one = layer_times(strategy, phase, tokens, D, F, x, y, C, W)
@@ -327,7 +327,7 @@ def test_compute_doubles_with_tokens_and_weight_traffic_does_not_change(mesh, ph
     assert two.weight_comm_s == one.weight_comm_s
 
 
-@given(strategy_meshes, st.sampled_from(PHASES), st.floats(min_value=1, max_value=1e7))
+@given(strategy_meshes, st.sampled_from(PASSES), st.floats(min_value=1, max_value=1e7))
 def test_doubling_bandwidth_halves_communication_and_doubling_flops_halves_compute(mesh, phase, tokens):
     strategy, x, y = mesh
     base = layer_times(strategy, phase, tokens, D, F, x, y, C, W)
@@ -345,7 +345,7 @@ def test_data_parallel_threshold_halves_with_double_bandwidth(case, x, mx):
     assert min_tokens_per_device(strategy, phase, D, F, x, 1, C, 2 * W, mx) == pytest.approx(base / 2, rel=1e-9)
 
 
-@given(meshes, st.sampled_from(PHASES))
+@given(meshes, st.sampled_from(PASSES))
 def test_the_threshold_separates_communication_bound_from_compute_bound(mesh, phase):
     x, y, mx, my = mesh
     b = min_tokens_per_device("fsdp_tp", phase, D, F, x, y, C, W, mx, my)
@@ -358,7 +358,7 @@ def test_the_threshold_separates_communication_bound_from_compute_bound(mesh, ph
     assert not layer_times("fsdp_tp", phase, 0.99 * b * x * y, D, F, x, y, C, W, mx, my).compute_bound
 
 
-@given(meshes, st.sampled_from(PHASES))
+@given(meshes, st.sampled_from(PASSES))
 def test_exact_ring_never_needs_a_larger_batch_than_the_large_ring_limit(mesh, phase):
     x, y, mx, my = mesh
     book = min_tokens_per_device("fsdp_tp", phase, D, F, x, y, C, W, mx, my)

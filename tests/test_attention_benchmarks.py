@@ -27,6 +27,7 @@ from cs336_systems.reports import problems, read_rows, rerender, write_report
 from cs336_systems.reports.attention import answer_torch_compile
 from cs336_systems.reports.flash import answer_flash_benchmarking
 from cs336_systems.rows import OOM
+from cs336_systems.rows.flash import HEAD_DIMS, SEQ_LENS
 from cs336_systems.timing import Timings
 
 FLASH_REPORT = problems.report("flash_benchmarking")
@@ -523,7 +524,7 @@ def _flash_row(provider: str, mode: str, n: int, ms: float | None, d: int = 64, 
             "timer": "do_bench (warm-up 25 ms, repetition 100 ms)" if ms else None,
             "tflops": cell.flops(mode) / (ms * 1e-3) / 1e12 if ms else None,
             "predicted_peak_bytes": 52 * GIB if provider == "naive" else None, "fp32_matmul_precision": "highest",
-            **extra}
+            "source_hash": "0123abcd", **extra}
 
 
 def test_flash_report_tables_ratios_oom_and_leaderboard(tmp_path):
@@ -596,9 +597,9 @@ def test_flash_report_calls_short_lengths_host_bound_only_when_time_stays_flat_w
 def test_flash_report_names_the_source_each_run_measured():
     rows = [_flash_row("flash_triton", "forward_backward", 4096, 1.0, run=1),
             _flash_row("flash_triton", "forward_backward", 16384, 8.0, table="leaderboard", run=2,
-                       source_hash="0123abcd")]
+                       source_hash="4567cdef")]
     body = _flat(FLASH_REPORT.render(rows).body)
-    assert "FlashAttention GPU source measured: run 1: not recorded; run 2: 0123abcd." in body
+    assert "FlashAttention GPU source measured: run 1: 0123abcd; run 2: 4567cdef." in body
     one_run = [{**row, "run": 1, "source_hash": "0123abcd"} for row in rows]
     assert "FlashAttention GPU source measured: 0123abcd." in _flat(FLASH_REPORT.render(one_run).body)
     two_runs_one_source = [{**row, "source_hash": "0123abcd"} for row in rows]
@@ -607,7 +608,7 @@ def test_flash_report_names_the_source_each_run_measured():
 
 
 def test_a_partial_gpu_sweep_names_the_cells_no_run_measured_in_the_report_and_the_answer():
-    grid = [(d, n) for d in flash_bench.HEAD_DIMS for n in flash_bench.SEQ_LENS]
+    grid = [(d, n) for d in HEAD_DIMS for n in SEQ_LENS]
     measured = [(d, n) for d, n in grid if d < 64 or (d == 64 and n <= 8192 and n != 1024)]
     rows = [_flash_row(provider, "forward_backward", n, 1.0, d=d) for d, n in measured
             for provider in ("flash_triton", "naive")]

@@ -497,8 +497,9 @@ def _step_row(method: str, step_ms: float, gradient_sync_ms: float, communicatio
               overlapped_ms: float = 0.0, bucket_size_mb: float | None = None, all_reduces: int | None = None) -> dict:
     """A step row shaped as benchmark_ddp writes them on GPUs."""
     return {"table": "step", "variant": variant_label(method, bucket_size_mb), "method": method,
-            "bucket_size_mb": bucket_size_mb, "size": "xl", "context_length": 512, "batch_size": 4, "warmup": 3,
-            "steps": 10, "attention": "sdpa", "world_size": 2, "backend": "nccl", "status": "ok",
+            "bucket_size_mb": bucket_size_mb, "size": "xl", "size_table": "2025", "context_length": 512,
+            "batch_size": 4, "warmup": 3, "steps": 10, "attention": "sdpa", "world_size": 2, "backend": "nccl",
+            "status": "ok",
             "trainable_bytes": XL_GRADIENT_BYTES, "all_reduces_per_step": all_reduces, "step_ms": step_ms,
             "step_std_ms": 1.0, "forward_ms": 200.0, "backward_ms": 400.0, "gradient_sync_ms": gradient_sync_ms,
             "optimizer_ms": 40.0, "peak_memory_gib": 45.0, "profiled_communication_ms": communication_ms,

@@ -21,19 +21,20 @@ from cs336_systems.cells import unmeasured
 from cs336_systems.interpretation import interpreter_problem
 from cs336_systems.memory_guard import MemoryCheck
 from cs336_systems.model import ModelConfig
-from cs336_systems.reports import NOISY_RELATIVE_STD, format_bytes, problems, read_rows, write_report
+from cs336_systems.reports import NOISY_RELATIVE_STD, format_bytes, read_rows
 from cs336_systems.reports.e2e import (
     answer_benchmarking_mixed_precision,
     answer_benchmarking_script,
     answer_compiled_models,
-    cell_key,
     latest_cells,
     long_cell_note,
     mean_std,
     render_compiled_models,
 )
+from cs336_systems.reports import problems
 from cs336_systems.reports.index import result_directories
-from cs336_systems.rows import BREAKDOWN_PHASES, E2E_KEY, MIXED_PRECISION_KEY, OOM, REFERENCE_MODEL, TORCH_COMPILE_KEY
+from cs336_systems.rows import E2E_KEY, MIXED_PRECISION_KEY, OOM, REFERENCE_MODEL, STEP_PHASES, TORCH_COMPILE_KEY
+from cs336_systems.rows.e2e import MODE_PHASES
 
 REPORTS = Path(__file__).resolve().parents[1] / "reports"
 
@@ -109,9 +110,9 @@ def test_profiled_steps_break_each_phase_down_after_the_timed_ones():
     rows = benchmark_model(cfg, "cpu", profiled_steps=2)
     timed, profiled = e2e.split_breakdown(rows)
     breakdown = {r["phase"]: r for r in profiled}
-    assert [r["phase"] for r in timed] == list(e2e.PHASES["train"])
-    assert list(breakdown) == [*BREAKDOWN_PHASES, "step"]
-    for phase in BREAKDOWN_PHASES:
+    assert [r["phase"] for r in timed] == list(MODE_PHASES["train"])
+    assert list(breakdown) == [*STEP_PHASES, "step"]
+    for phase in STEP_PHASES:
         row = breakdown[phase]
         assert row["profiled_steps"] == 2 and row["work_ms"] > 0
         assert row["matmul_ms"] + row["attention_ms"] + row["other_ms"] == pytest.approx(row["work_ms"])
@@ -173,8 +174,8 @@ def test_memory_estimate_of_the_10b_model_is_its_state_on_a_training_step():
 
 def _sweep_cell(context: int, phase: str, mean_ms: float, std_ms: float, **extra) -> dict:
     return {"table": "sweep", "size": "small", "context_length": context, "batch_size": 4, "mode": "train",
-            "precision": "fp32", "compile": False, "attention": "sdpa", "warmup": 5, "steps": 10, "device": "cuda",
-            "phase": phase, "status": "ok", "mean_ms": mean_ms, "std_ms": std_ms, **extra}
+            "precision": "fp32", "compile": False, "attention": "sdpa", "optimizer": "fused", "warmup": 5, "steps": 10,
+            "device": "cuda", "phase": phase, "status": "ok", "mean_ms": mean_ms, "std_ms": std_ms, **extra}
 
 
 def test_the_report_and_the_index_quote_one_median_variation_of_the_cells():
@@ -299,27 +300,6 @@ def test_the_warm_up_study_names_the_model_variant_and_precision_it_ran():
     answer = " ".join(answer_benchmarking_script({"benchmarking_script": rows}))
     assert ("In the warm-up study (SDPA + fused AdamW, fp32, batch 4, context 512), without warm-up the first timed "
             "step takes 5.00x the median step") in answer
-
-
-def test_a_row_from_before_the_adamw_was_recorded_is_the_cell_of_a_newer_fused_row_which_replaces_it():
-    legacy = _sweep_cell(128, "forward", None, None, size="10B", status=OOM, run=2)  # no optimizer: ran fused AdamW
-    newer = _sweep_cell(128, "forward", 900.0, 1.0, size="10B", optimizer="fused", measured_mode="forward", run=4)
-    course = {**newer, "optimizer": "course", "attention": "naive"}
-    assert cell_key(legacy, E2E_KEY) == cell_key(newer, E2E_KEY) != cell_key(course, E2E_KEY)
-    # The latest run's row is kept, in whichever order the rows come.
-    assert latest_cells([newer, legacy, course], E2E_KEY) == [newer, course]
-    assert latest_cells([legacy, newer], E2E_KEY) == [newer]
-    body = problems.report("benchmarking_script").render([newer, legacy]).body
-    assert "| 900.0 ± 1.0 (forward only) |" in body.replace("  ", "") and "OOM" not in body
-
-
-def test_a_run_that_measures_a_cell_again_replaces_its_row_from_before_the_adamw_was_recorded(tmp_path):
-    report = problems.report("benchmarking_script")
-    legacy = {**_sweep_cell(128, "forward", None, None, size="10B", status=OOM), "device": "cuda"}
-    newer = {**legacy, "status": "ok", "mean_ms": 900.0, "std_ms": 1.0, "optimizer": "fused"}
-    write_report(report, [legacy], tmp_path, "first run")
-    write_report(report, [newer], tmp_path, "second run")
-    assert [(r["optimizer"], r["status"]) for r in read_rows(tmp_path / "benchmarking_script.csv")] == [("fused", "ok")]
 
 
 @pytest.mark.parametrize("report, key", [("benchmarking_script", E2E_KEY),
@@ -586,7 +566,7 @@ def test_a_10b_step_is_not_run_on_80_gb_but_its_forward_alone_is(monkeypatch):
 
     monkeypatch.setattr(e2e, "_measure", measure)
     rows = {r["phase"]: r for r in benchmark_model(E2EConfig("10B", 128), "cuda")}
-    assert modes == ["forward"] and list(rows) == list(e2e.PHASES["train"])
+    assert modes == ["forward"] and list(rows) == list(MODE_PHASES["train"])
     assert rows["train_step"]["oom_predicted"] and rows["train_step"]["estimated_peak_bytes"] > 16 * 12_832_823_808
     assert rows["backward"]["oom_predicted"] and rows["backward"]["measured_mode"] == "forward_backward"
     assert rows["backward"]["estimated_peak_bytes"] >= 8 * 12_832_823_808

@@ -661,7 +661,7 @@ FSDP_SETUP = dict(size="xl", context_length=512, batch_size=4, warmup=2, steps=5
 
 
 def _gpu_like_fsdp_rows() -> list[dict]:
-    from cs336_systems.benchmarks.fsdp import OURS, OURS_NO_PREFETCH, TORCH_DDP, TORCH_FSDP
+    from cs336_systems.rows.fsdp import OURS, OURS_NO_PREFETCH, TORCH_DDP, TORCH_FSDP
 
     def step(variant, step_ms, peak_gib):
         return {"table": "step", "variant": variant, **FSDP_SETUP, "status": "ok", "step_ms": step_ms,

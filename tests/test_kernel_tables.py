@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from torch.autograd import DeviceType
 from torch.autograd.profiler_util import FunctionEvent
 
-from cs336_systems.benchmarks.nsys_profile import ATTENTION_RANGES, ProfileConfig, profile_training_step
+from cs336_systems.benchmarks.nsys_profile import ProfileConfig, profile_training_step
 from cs336_systems.model import ModelConfig, TransformerLM
 from cs336_systems.profiling import kernels
 from cs336_systems.profiling.kernels import (
@@ -34,6 +34,7 @@ from cs336_systems.profiling.kernels import (
 from cs336_systems.profiling.ranges import annotate
 from cs336_systems.reports import problems, read_rows
 from cs336_systems.rows import OOM
+from cs336_systems.rows.nsys_profile import ATTENTION_RANGES
 
 # The tiny model: 2 blocks of 7 Linears each, plus the LM head.
 LINEARS_PER_FORWARD = 2 * 7 + 1
@@ -239,9 +240,6 @@ def test_profile_cell_rows_and_report():
         assert heading in body
     assert "Each kernel counts once" in body and "adds up to no more than the step's" in body
     assert "the profiler's overhead included" in body
-    # Rows of a run from before the attribution was fixed have no self work: the report says so.
-    old = [{k: v for k, v in r.items() if k != "self_work_ms"} for r in rows]
-    assert "measured before kernels were attributed once" in problems.report("nsys_profile").render(old).body
 
 
 def test_out_of_memory_cell_is_recorded(monkeypatch):

@@ -17,12 +17,7 @@ from cs336_systems.benchmarks.leaderboard import (
     EQUIVALENCE_CONFIG,
     FSDP,
     OUR_FSDP,
-    OURS,
-    OURS_FSDP,
-    OURS_SDPA,
     PLAN_HEADROOM_BYTES,
-    TORCH,
-    TORCH_FUSED_LOSS,
     VARIANTS,
     LeaderboardConfig,
     LossModel,
@@ -42,6 +37,7 @@ from cs336_systems.model import LEADERBOARD, ModelConfig
 from cs336_systems.reports import read_rows
 from cs336_systems.reports.leaderboard import answer_leaderboard
 from cs336_systems.reports.problems import report
+from cs336_systems.rows.leaderboard import OURS, OURS_FSDP, OURS_SDPA, TORCH, TORCH_FUSED_LOSS
 
 REPO = Path(__file__).resolve().parents[1]
 SMALL = ModelConfig(d_model=32, d_ff=96, num_layers=2, num_heads=4, context_length=16, vocab_size=200)

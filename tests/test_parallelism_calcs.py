@@ -15,14 +15,14 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch.utils.flop_counter import FlopCounterMode
 
+from cs336_systems.accounting import ffn_parallelism as ffn
 from cs336_systems.accounting.communication import (
     all_gather_s,
     all_reduce_s,
     alternate_all_reduce_s,
     reduce_scatter_s,
 )
-from cs336_systems.accounting import ffn_parallelism as ffn
-from cs336_systems.benchmarks.parallelism_calcs import PROBLEMS, ROWS
+from cs336_systems.accounting.parallelism_calcs import PROBLEMS, ROWS
 from cs336_systems.reports import read_rows
 from cs336_systems.reports.parallelism_calcs import write_parallelism_calcs
 from cs336_systems.reports.problems import report

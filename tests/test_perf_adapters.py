@@ -10,7 +10,6 @@ import pytest
 from cs336_systems.benchmarks.allreduce import MB
 from cs336_systems.benchmarks.ddp import DDPBenchmarkConfig, benchmark_ddp, under_test_variants, variant_label
 from cs336_systems.benchmarks.flash import (
-    MODES,
     UNDER_TEST_KINDS,
     BenchSettings,
     FlashCell,
@@ -24,6 +23,7 @@ from cs336_systems.provenance import module_source_hash
 from cs336_systems.reports import read_rows, write_report
 from cs336_systems.reports.problems import report
 from cs336_systems.rows import FAILED, SAMPLE_TIMES, ran
+from cs336_systems.rows.flash import ATTENTION_MODES
 
 TINY_BENCH = BenchSettings(cpu_warmup=0, cpu_steps=2)
 CELL = FlashCell(16, 16, "fp32")
@@ -86,7 +86,8 @@ def test_the_implementation_under_test_is_a_provider_named_after_its_module_besi
     providers = under_test_providers(adapters)
     assert providers == (f"{adapters.label}: triton",)
     rows = benchmark_flash_cell(CELL, ("naive", *providers), "cpu", settings=TINY_BENCH, adapters=adapters)
-    assert [(r["provider"], r["mode"]) for r in rows] == [(p, m) for p in ("naive", *providers) for m in MODES]
+    assert [(r["provider"], r["mode"]) for r in rows] == [(p, m) for p in ("naive", *providers)
+                                                          for m in ATTENTION_MODES]
     assert all(ran(r) and len(r[SAMPLE_TIMES]) == TINY_BENCH.cpu_steps for r in rows)
     theirs = [r for r in rows if r["provider"] in providers]
     assert {(r["implementation"], r["implementation_source"]) for r in theirs} == {
@@ -130,7 +131,7 @@ def test_a_failing_implementation_is_recorded_as_failed_and_the_sweep_goes_on(tm
     providers = (*under_test_providers(adapters), "naive")  # the implementation under test first, then a reference
     rows = benchmark_flash_cell(CELL, providers, "cpu", settings=TINY_BENCH, adapters=adapters)
     theirs = [r for r in rows if r["provider"] == providers[0]]
-    assert [(r["status"], r["error"]) for r in theirs] == [(FAILED, "ValueError: no kernel yet")] * len(MODES)
+    assert [(r["status"], r["error"]) for r in theirs] == [(FAILED, "ValueError: no kernel yet")] * len(ATTENTION_MODES)
     assert all(ran(r) for r in rows if r["provider"] == "naive")
 
     markdown = write_report(report("flash_benchmarking"), rows, tmp_path / "out", "pytest perf/", "cpu").read_text()

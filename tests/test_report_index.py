@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from cs336_systems.__main__ import main
-from cs336_systems.benchmarks.communication_accounting import communication_accounting_rows
+from cs336_systems.accounting.communication_accounting import communication_accounting_rows
 from cs336_systems.reports import (
     Metadata,
     RunRecord,
@@ -51,9 +51,9 @@ def write_fake_report(directory: Path, problem: str, rows: list[Row], plots: tup
 
 
 def e2e_row(size: str, context: int, phase: str, mean_ms: float) -> Row:
-    return {"table": "sweep", "size": size, "context_length": context, "batch_size": 4, "precision": "fp32",
-            "compile": False, "phase": phase, "status": "ok", "mean_ms": mean_ms, "std_ms": mean_ms / 100,
-            "median_ms": mean_ms, "first_ms": mean_ms, "steps": 10, "warmup": 5}
+    return {"table": "sweep", "size": size, "size_table": "2025", "context_length": context, "batch_size": 4,
+            "precision": "fp32", "compile": False, "phase": phase, "status": "ok", "mean_ms": mean_ms,
+            "std_ms": mean_ms / 100, "median_ms": mean_ms, "first_ms": mean_ms, "steps": 10, "warmup": 5}
 
 
 def step_rows(size: str, times_ms: dict[str, float]) -> list[Row]:
@@ -258,13 +258,13 @@ def test_status_names_the_size_table_of_every_measured_size_and_what_the_current
     header = [cell.strip() for cell in index.split("## Status", 1)[1].split("\n| ", 1)[1].split("\n")[0].strip("|").split("|")]
     assert header[-2:] == ["model sizes", "open"]
     row = _status_row(index, "benchmarking_script")
-    # Rows without a size_table column were measured with the 2025 table; its 2.7B is the 2026 xl, its xl
-    # is no size of the 2026 table, and of the 2026 sizes only xl was measured.
+    # The 2025 table's 2.7B is the 2026 xl, its xl is no size of the 2026 table, and of the 2026 sizes only xl was
+    # measured.
     assert row[-2] == "2025: xl, 2.7B"
     assert row[-1] == ("measured on the 2025 table's xl, which the 2026 table does not have; the 2026 table's "
                        "small, medium, large and 10B are not measured")
     write_fake_report(reports_root / "h100", "benchmarking_script",
-                      [{**r, "size_table": 2026} for r in step_rows("xl", {"train_step": 700.0})
+                      [{**r, "size_table": "2026"} for r in step_rows("xl", {"train_step": 700.0})
                        + step_rows("10B", {"train_step": 2000.0})])
     row = _status_row(render_index(reports_root), "benchmarking_script")
     assert row[-2] == "2026: xl, 10B" and row[-1] == "the 2026 table's small, medium and large are not measured"
@@ -272,7 +272,8 @@ def test_status_names_the_size_table_of_every_measured_size_and_what_the_current
 
 def test_open_items_name_runs_that_need_more_gpus_and_parts_the_rows_lack(reports_root):
     write_fake_report(reports_root / "h200", "distributed_communication_single_node", [
-        {"backend": backend, "world_size": n, "size_bytes": 10**6, "mean_rank_median_ms": 1.0, "busbw_gbps": 1.0}
+        {"backend": backend, "world_size": n, "size_bytes": 10**6, "status": "ok", "mean_rank_median_ms": 1.0,
+         "busbw_gbps": 1.0}
         for backend, sizes in (("gloo", (2, 4, 6)), ("nccl", (2,))) for n in sizes])
     index = render_index(reports_root)
     assert _status_row(index, "distributed_communication_single_node")[-1] == (
@@ -307,7 +308,7 @@ def test_the_2026_parallelism_problems_are_answered_from_their_reports(tmp_path)
 
 
 def test_memory_profiling_answer_includes_part_f(tmp_path):
-    base = {"size": "xl", "size_table": 2026, "batch_size": 4, "attention": "naive", "precision": "fp32",
+    base = {"size": "xl", "size_table": "2026", "batch_size": 4, "attention": "naive", "precision": "fp32",
             "context_length": 128}
     rows = [{**base, "table": "peak", "mode": mode, "status": "ok", "peak_bytes": 60 * 2**30}
             for mode in ("inference", "train_step")]

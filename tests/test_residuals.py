@@ -62,7 +62,7 @@ def test_weight_gradients_take_four_bytes_per_parameter_and_hooks_are_removed():
 def _gpu_block_rows(extra: int) -> list[dict]:
     mib = 2**20
     base = {"size": "xl", "batch_size": 4, "attention": "naive", "device": "cuda", "precision": "fp32",
-            "context_length": 128, "size_table": 2026}
+            "context_length": 128, "size_table": "2026"}
     residual, saved, params = 5 * mib, 166 * mib, 104_862_720
     rows = [{**base, "table": "peak", "mode": "train_step", "status": "ok", "start_bytes": 38 * 2**30,
              "peak_increase_bytes": 20 * 2**30, "peak_bytes": 58 * 2**30, "predicted_peak_bytes": 57 * 2**30,

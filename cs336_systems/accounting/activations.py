@@ -42,7 +42,7 @@ ATTENTIONS = ("naive", "sdpa")
 DEVICE_TYPES = ("cuda", "cpu")
 # AdamW keeps two fp32 moments per parameter.
 ADAMW_STATE_PER_PARAMETER = 2
-MODES = ("inference", "forward_backward", "train_step")
+MEMORY_MODES = ("inference", "forward_backward", "train_step")
 # AdamW implementations and the temporary each allocates in its step: the course's (cs336_systems.optimizer)
 # computes sqrt of the second moment one parameter at a time (the largest parameter's worth), foreach (torch's
 # default on CUDA) for every parameter at once (one more copy of the parameters), fused updates in place.
@@ -265,7 +265,7 @@ def predict_peak_memory(config: ModelConfig, batch_size: int, seq_len: int, prec
     4P plus the largest parameter. Forward+backward has no AdamW state: the larger of the end of forward
     and the end of backward (P + G).
     """
-    check_choice("mode", mode, MODES)
+    check_choice("mode", mode, MEMORY_MODES)
     step_temporary = adamw_step_temporary_bytes(config, adamw)
     _check(batch_size, seq_len, precision, attention)
     params = parameter_count(config) * FP32_BYTES

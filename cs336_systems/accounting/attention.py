@@ -50,6 +50,7 @@ from dataclasses import dataclass
 
 from cs336_systems.checks import check_choice, check_positive_int
 from cs336_systems.precision import Precision, check_precision
+from cs336_systems.rows.flash import ATTENTION_MODES
 
 BOOL_BYTES = 1
 # Score-sized (B, Nq, Nk) matrices alive at the forward's and, per device type, the backward's peak
@@ -58,7 +59,6 @@ FORWARD_PEAK_SCORE_MATRICES = 2
 BACKWARD_PEAK_SCORE_MATRICES = {"cuda": 4, "cpu": 3}
 # Backward over forward FLOPs: five matmuls of the forward's size against its two.
 BACKWARD_FLOPS_MULTIPLE = 2.5
-PHASES = ("forward", "backward", "forward_backward")
 
 
 @dataclass(frozen=True)
@@ -186,7 +186,7 @@ def naive_attention_memory(batch: int, n_queries: int, n_keys: int, head_dim: in
 def attention_flops(batch: int, seq_len: int, head_dim: int, is_causal: bool, phase: str) -> float:
     """Useful FLOPs of self-attention over `batch` (batch x heads) sequences, by the convention above."""
     check_positive_int(batch=batch, seq_len=seq_len, head_dim=head_dim)
-    check_choice("phase", phase, PHASES)
+    check_choice("phase", phase, ATTENTION_MODES)
     if not isinstance(is_causal, bool):
         raise TypeError(f"is_causal must be a bool, got {is_causal!r}")
     forward = 4 * batch * seq_len * seq_len * head_dim

@@ -35,19 +35,19 @@ from dataclasses import dataclass
 import torch
 
 from cs336_systems.accounting.communication import all_gather_s, all_reduce_s, reduce_scatter_s
+from cs336_systems.accounting.parallelism import PASSES
 from cs336_systems.checks import check_choice, check_positive, check_positive_int
 
 FP16_BYTES = 2
 MATMULS = {"forward": 3, "backward": 6}  # matmuls of 2 B D D_FF each
 WEIGHT_MATRICES = 3  # W1, W2, W3, each D x D_FF elements
-PHASES = tuple(MATMULS)
 
 
 # ------------------------------------------------------------------------------------ FLOPs
 
 def ffn_flops(B: float, D: int, D_FF: int, phase: str) -> float:
     """Matmul FLOPs of the whole FFN layer over B tokens: 6 B D D_FF forward, 12 B D D_FF backward."""
-    check_choice("phase", phase, PHASES)
+    check_choice("phase", phase, PASSES)
     check_positive(B=B, D=D, D_FF=D_FF)
     return MATMULS[phase] * 2 * B * D * D_FF
 
@@ -84,7 +84,7 @@ def dp_max_devices(B: float, C: float, W: float) -> float:
 def fsdp_comm_s(D: int, D_FF: int, N_FSDP: int, W: float, phase: str) -> float:
     """Forward: all-gather W1, W2, W3, 6 (N - 1) D D_FF / (N W). Backward: all-gather them again and
     reduce-scatter the gradients, 12 (N - 1) D D_FF / (N W)."""
-    check_choice("phase", phase, PHASES)
+    check_choice("phase", phase, PASSES)
     size = _weights_bytes(D, D_FF)
     gather = all_gather_s(size, N_FSDP, W)
     return gather if phase == "forward" else gather + reduce_scatter_s(size, N_FSDP, W)
@@ -94,7 +94,7 @@ def fsdp_max_devices(B: float, C: float, W: float, phase: str) -> float:
     """N_FSDP <= 1 + B W / C in both passes: the backward doubles both the FLOPs and the traffic.
 
     forward  6 (N - 1) D D_FF / (N W) <= 6 B D D_FF / (N C);  backward: both sides times 2."""
-    check_choice("phase", phase, PHASES)
+    check_choice("phase", phase, PASSES)
     return dp_max_devices(B, C, W)
 
 
@@ -111,7 +111,7 @@ def tp_max_devices(D_FF: int, C: float, W: float, phase: str) -> float:
     against 6 or 12 B D D_FF / N FLOPs, so the batch cancels.
 
     forward  4 (N - 1) B D / (N W) <= 6 B D D_FF / (N C)  <=>  N - 1 <= 3 D_FF W / (2 C)."""
-    check_choice("phase", phase, PHASES)
+    check_choice("phase", phase, PASSES)
     check_positive(D_FF=D_FF, C=C, W=W)
     return 1 + (MATMULS[phase] / 2) * D_FF * W / C
 

@@ -69,7 +69,8 @@ TPU_V5P_MEMORY_BYTES = 95e9
 ICI_HOP_LATENCY_S = 1e-6
 
 STRATEGIES = ("dp", "fsdp", "tp", "fsdp_tp")
-PHASES = ("forward", "backward")
+# A layer's passes, each with its own communication and matmuls.
+PASSES = ("forward", "backward")
 _MATMULS_PER_LINEAR = {"forward": 1, "backward": 2}  # backward: input gradient and weight gradient
 
 
@@ -218,7 +219,7 @@ def layer_times(strategy: str, phase: str, tokens: float, d_model: int, d_ff: in
     `tensor_axes` M_Y are how many mesh axes (each of `bandwidth_bytes_per_s`) each collective uses.
     """
     _check_mesh(strategy, data_devices, tensor_devices)
-    check_choice("phase", phase, PHASES)
+    check_choice("phase", phase, PASSES)
     check_positive_int(d_model=d_model, d_ff=d_ff, comm_bytes_per_element=comm_bytes_per_element)
     check_non_negative(tokens=tokens)
     check_positive(flops_per_s=flops_per_s, bandwidth_bytes_per_s=bandwidth_bytes_per_s,

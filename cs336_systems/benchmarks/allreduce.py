@@ -24,9 +24,10 @@ import torch.distributed as dist
 
 from cs336_systems.benchmarks.harness import guarded_cell
 from cs336_systems.distributed.launch import rank_device
-from cs336_systems.gpus import MB, spec_for_device_name
+from cs336_systems.gpus import MB, NVLINK_BYTES_PER_S_PER_DIRECTION, NVLINK_GENERATION, spec_for_device_name
 from cs336_systems.memory_guard import check_memory_on_every_rank
 from cs336_systems.rows import Row
+from cs336_systems.rows.allreduce import MAX_ITERATIONS, MIN_ITERATIONS, WARMUP
 from cs336_systems.timing import STEP_TIMER, synchronize, timed
 
 GB = 10**9
@@ -37,22 +38,12 @@ FLOAT32_BYTES = 4
 # What one rank holds for an all-reduce of a tensor: the tensor and, at most, a working copy of the
 # same size that the backend reduces into.
 ALLREDUCE_COPIES = 2
-WARMUP = 5
-# Timed iterations per cell: enough for a stable median, at most about SECONDS_PER_CELL of
-# all-reduces (1 GB over gloo takes on the order of a second each).
-MIN_ITERATIONS, MAX_ITERATIONS = 3, 20
+# At most about this much time of all-reduces per cell (cs336_systems.rows.allreduce.MAX_ITERATIONS).
 SECONDS_PER_CELL = 3.0
 # The all-reduce's ranks share the host's cores: with fewer than this many per rank of the
 # largest world size, the 100 MB and 1 GB gloo cells would take minutes, so they are left out.
 GLOO_CORES_PER_RANK_FOR_LARGE_SIZES = 2
 GLOO_SIZE_LIMIT_ON_SMALL_HOSTS = 10 * MB
-
-# Nominal NVLink bandwidth of one GPU, per direction (half the datasheet's bidirectional figure):
-# NVLink 3 (A100) 600 GB/s, NVLink 4 (H100 SXM, H200) 900 GB/s, NVLink 5 (B200) 1.8 TB/s.
-NVLINK_BYTES_PER_S_PER_DIRECTION = {
-    "a100": 300 * GB, "a100-40gb": 300 * GB, "h100": 450 * GB, "h200": 450 * GB, "b200": 900 * GB,
-}
-NVLINK_GENERATION = {"a100": 3, "a100-40gb": 3, "h100": 4, "h200": 4, "b200": 5}
 
 
 def bus_bandwidth(algbw_bytes_per_s: float, world_size: int) -> float:

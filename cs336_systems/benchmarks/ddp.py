@@ -69,18 +69,11 @@ from cs336_systems.model import DEFAULT_SIZE_TABLE, ModelConfig
 from cs336_systems.profiling.timeline import COMPUTE, CPU_COMPUTE_ROW, communication_summary, intervals_from_events
 from cs336_systems.provenance import implementation_columns
 from cs336_systems.rows import SAMPLE_TIMES, Row
+from cs336_systems.rows.ddp import TORCH_DDP_METHODS, UNDER_TEST_METHODS
 from cs336_systems.timing import STEP_TIMER
 
 log = logging.getLogger(__name__)
 
-TORCH_DDP_METHODS = ("torch_ddp", "torch_ddp_bucket_view")
-# The implementation under test's wrappers, each named by the adapter function that builds it, with its hooks:
-# (after backward, before each batch's forward), called with the wrapped model and its optimizer.
-UNDER_TEST_METHODS = {
-    "get_ddp_individual_parameters": ("ddp_individual_parameters_on_after_backward", None),
-    "get_ddp_bucketed": ("ddp_bucketed_on_after_backward", "ddp_bucketed_on_train_batch_start"),
-    "get_ddp": ("ddp_on_after_backward", None),
-}
 WRAPPERS = {"naive": NaiveDDP, "flat": FlatDDP, "overlap_individual": OverlapIndividualDDP, "bucketed": BucketedDDP}
 # The all-reduce probe that gives the overhead model its o (a small all-reduce is nearly all
 # per-call cost) and w (bandwidth of a large one).

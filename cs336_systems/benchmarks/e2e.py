@@ -53,16 +53,10 @@ from cs336_systems.model import DEFAULT_SIZE_TABLE, ModelConfig
 from cs336_systems.precision import check_precision
 from cs336_systems.profiling.kernels import device_profile, device_timeline, is_fused_attention, kernel_tables
 from cs336_systems.profiling.ranges import annotate
-from cs336_systems.rows import BREAKDOWN_PHASES, BREAKDOWN_TABLE, COURSE_VARIANT, REFERENCE_MODEL, Row
+from cs336_systems.rows import BREAKDOWN_TABLE, COURSE_VARIANT, REFERENCE_MODEL, STEP_PHASES, Row
+from cs336_systems.rows.e2e import MODE_PHASES, MODEL_MODES, CellCost
 from cs336_systems.timing import STEP_TIMER, StepTimer, Timings, tflops, time_fn, timed_step
 
-MODES = ("forward", "forward_backward", "train")
-# The phases each mode reports, in order; the composite ones are sums of the measured phases.
-PHASES = {
-    "forward": ("forward",),
-    "forward_backward": ("forward", "backward", "forward_backward"),
-    "train": ("forward", "backward", "optimizer", "forward_backward", "train_step"),
-}
 DEFAULT_WARMUP = 5
 DEFAULT_STEPS = 10
 DEFAULT_BATCH_SIZE = 4
@@ -91,8 +85,8 @@ class E2EConfig:
     size_table: str = DEFAULT_SIZE_TABLE  # the handout whose size table `size` names
 
     def __post_init__(self):
-        if self.mode not in MODES:
-            raise ValueError(f"unknown mode {self.mode!r}; choose one of {', '.join(MODES)}")
+        if self.mode not in MODEL_MODES:
+            raise ValueError(f"unknown mode {self.mode!r}; choose one of {', '.join(MODEL_MODES)}")
         check_precision(self.precision)
         if self.warmup < 0:
             raise ValueError(f"warm-up steps must be >= 0, got {self.warmup}")
@@ -203,33 +197,13 @@ def split_breakdown(rows: list[Row]) -> tuple[list[Row], list[Row]]:
     return [r for r in rows if r.get("table") != BREAKDOWN_TABLE], breakdown
 
 
-@dataclass(frozen=True)
-class CellCost:
-    """What a cell's steps cost by the FLOP model, and how long that takes at a measured rate."""
-    warmup: int
-    timed: int
-    profiled: int
-    step_flops: float  # matmul FLOPs of each step, its mode's whole step (cs336_systems.accounting.flops)
-    flops_per_s: float  # the rate a matmul of the model's feed-forward shape ran at on the device
-
-    @property
-    def steps(self) -> int:
-        return self.warmup + self.timed + self.profiled
-
-    @property
-    def expected_s(self) -> float:
-        """The steps' matmuls alone: elementwise work, the optimizer's, building and compiling the model come on
-        top."""
-        return self.steps * self.step_flops / self.flops_per_s
-
-
 def cell_cost(cfg: E2EConfig, device: torch.device | str, profiled_steps: int = 0) -> CellCost:
     """The cell's steps (warm-up, timed and `profiled_steps`), each its mode's whole step, and the rate of the
     model's feed-forward up-projection on `device` in the cell's precision, over at most RATE_PROBE_TOKENS
     tokens: one call to warm up, then one timed (cs336_systems.timing.time_fn)."""
     device = torch.device(device)
     config = cfg.model_config()
-    step = step_flops(config, cfg.batch_size, cfg.context_length, PHASES[cfg.mode][-1])
+    step = step_flops(config, cfg.batch_size, cfg.context_length, MODE_PHASES[cfg.mode][-1])
     tokens = min(RATE_PROBE_TOKENS, cfg.batch_size * cfg.context_length)
     activations = torch.randn(tokens, config.d_model, device=device)
     weight = torch.randn(config.d_ff, config.d_model, device=device)
@@ -246,9 +220,9 @@ def breakdown_rows(base: Row, profile: Profile, device_type: str) -> list[Row]:
     into matmuls, fused attention and the rest; then the step: its profiled time, and on a GPU how
     much of it some kernel ran (busy) and how long the device waited for the host (idle)."""
     steps = len(profile.step_ms)
-    tables = kernel_tables(profile.events, device_type, ranges=BREAKDOWN_PHASES)
+    tables = kernel_tables(profile.events, device_type, ranges=STEP_PHASES)
     rows = []
-    for phase in BREAKDOWN_PHASES:
+    for phase in STEP_PHASES:
         if phase not in tables:
             continue
         table = tables[phase]
@@ -365,7 +339,7 @@ def _benchmark_mode(cfg: E2EConfig, device: torch.device | str, peak_flops: floa
         return _measured_rows(cfg, {**base, **columns}, measured, peak_memory, peak_flops, device)
 
     return guarded_cell(device, lambda: model_memory_check(estimate, device), measure,
-                        oom=lambda columns: [{**base, "phase": phase, **columns} for phase in PHASES[cfg.mode]])
+                        oom=lambda columns: [{**base, "phase": phase, **columns} for phase in MODE_PHASES[cfg.mode]])
 
 
 def _measured_rows(cfg: E2EConfig, base: Row, measured: Measured, peak_memory: int | None, peak_flops: float | None,
@@ -377,14 +351,14 @@ def _measured_rows(cfg: E2EConfig, base: Row, measured: Measured, peak_memory: i
     samples["forward_backward"] = [f + b for f, b in zip(samples["forward"], samples["backward"])]
     samples["train_step"] = samples["step"]
     rows = []
-    for phase in PHASES[cfg.mode]:
+    for phase in MODE_PHASES[cfg.mode]:
         timings = Timings(tuple(samples[phase]))
         row = {**base, "phase": phase, "status": "ok", **timings.summary(), "timer": STEP_TIMER,
                "first_ms": timings.samples_ms[0],
                "max_ms": max(timings.samples_ms),
                "first_step_ms": measured.first_step_ms,
                "peak_memory_gib": None if peak_memory is None else peak_memory / 2**30}
-        if phase == PHASES[cfg.mode][-1]:
+        if phase == MODE_PHASES[cfg.mode][-1]:
             # The whole step's row: how long the host took to issue a step (the median), and what the
             # GPU's clock did during the timed steps.
             if measured.host_ms:

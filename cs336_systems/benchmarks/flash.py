@@ -70,16 +70,17 @@ from cs336_systems.clocks import ClockSample, GpuClocks, clock_columns
 from cs336_systems.memory_guard import check_memory, oom_columns
 from cs336_systems.precision import Precision, check_precision
 from cs336_systems.provenance import implementation_columns
-from cs336_systems.rows import SAMPLE_TIMES, Row, ran
+from cs336_systems.rows import SAMPLE_TIMES, Row
+from cs336_systems.rows.flash import (
+    ATTENTION_MODES,
+    GATED_PROVIDERS,
+    GRAPHED_MODE,
+    MODE_LABELS,
+    PROVIDER_LABELS,
+    median_ratio,
+)
 from cs336_systems.timing import issue_times, tflops, time_fn
 
-SEQ_LENS = tuple(2**p for p in range(7, 17))  # 128 ... 65536
-HEAD_DIMS = (16, 32, 64, 128)
-PRECISIONS = ("bf16", "fp32")
-MODES = ("forward", "backward", "forward_backward")
-GRAPHED_MODE = "forward_backward_graphed"
-MODE_LABELS = {"forward": "forward", "backward": "backward", "forward_backward": "forward+backward",
-               GRAPHED_MODE: "forward+backward, CUDA graph"}
 PROVIDERS = ("flash_triton", "naive", "sdpa")
 UNSUPPORTED = "unsupported"
 SDPA_BACKEND_ORDER = (SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH)
@@ -121,9 +122,6 @@ class FlashCell:
 LEADERBOARD_2025_CELL = FlashCell(seq_len=16384, head_dim=64, precision="bf16", n_heads=16)
 LEADERBOARD_2025_PROVIDERS = ("flash_triton_compiled", "flash_triton", "sdpa_flash", "sdpa_cudnn")
 COMPILED_PROVIDERS = ("flash_triton_compiled",)
-PROVIDER_LABELS = {"flash_triton": "triton", "flash_triton_compiled": "triton (compiled)",
-                   "flash_triton_op": "triton (torch.library op)", "naive": "naive", "sdpa": "sdpa",
-                   "sdpa_flash": "sdpa flash", "sdpa_cudnn": "sdpa cuDNN"}
 # The implementation under test's providers, each named "<its adapters' label>: <kind>", with whether it runs in
 # torch.compile; both are its Triton Function, which its adapters return from UNDER_TEST_FUNCTION.
 UNDER_TEST_KINDS = {"triton": False, "triton (compiled)": True}
@@ -142,11 +140,6 @@ def _under_test_kind(name: str, adapters) -> str | None:
     """The kind of the implementation under test's provider `name`, or None where `name` is not one of them."""
     return next((kind for kind, provider in zip(UNDER_TEST_KINDS, under_test_providers(adapters, UNDER_TEST_KINDS))
                  if provider == name), None)
-
-
-def provider_label(name: str) -> str:
-    """How tables and plots name a provider: the implementation under test's by its own name."""
-    return PROVIDER_LABELS.get(name, name)
 
 
 # ---------------------------------------------------------------------------------------- providers
@@ -335,7 +328,7 @@ def cell_inputs(cell: FlashCell, device: torch.device) -> tuple[tuple[torch.Tens
 
 
 def benchmark_flash_cell(cell: FlashCell, providers=PROVIDERS, device: torch.device | str = "cuda",
-                         modes=MODES, settings: BenchSettings = BenchSettings(), adapters=None) -> list[Row]:
+                         modes=ATTENTION_MODES, settings: BenchSettings = BenchSettings(), adapters=None) -> list[Row]:
     """One row per (provider, mode): status ok / OOM / unsupported (or failed, for the implementation under test
     that `adapters` give), times, TFLOP/s."""
     device = torch.device(device)
@@ -496,12 +489,6 @@ def leaderboard_2025_cell(device: torch.device | str = "cuda", settings: BenchSe
 # the kernels take milliseconds. Shorter ones are not gated: at batch 1 x 1 head their time includes the
 # host's launch overhead, which moves by more than a gate's tolerance from run to run.
 GATE_CELL = FlashCell(seq_len=65536, head_dim=64, precision="bf16")
-# The least ratio of each gated provider's time over Triton's that the gate promises at GATE_CELL. Naive
-# attention writes and reads the N x N scores and probabilities (8 GiB each in bf16) where the kernels keep
-# them on chip: on an H100 it took 19.4x Triton's time, and half that lead is promised. SDPA's
-# FlashAttention-2 took 1.42x Triton's time there: Triton is promised to be no slower.
-GATE_PROMISES = {"naive": 10.0, "sdpa_flash": 1.0}
-GATED_PROVIDERS = tuple(GATE_PROMISES)
 
 
 def gate(device: torch.device | str = "cuda", settings: BenchSettings = BenchSettings()) -> list[Row]:
@@ -581,11 +568,6 @@ def gate_name(provider: str) -> str:
     """The baseline entry of `provider`'s time over Triton's at the gated cell."""
     cell = GATE_CELL
     return f"flash_benchmarking/N={cell.seq_len},d={cell.head_dim},{cell.precision},fwd+bwd: {provider} / triton"
-
-
-def median_ratio(slow: Row | None, fast: Row | None) -> float | None:
-    """`slow`'s median time over `fast`'s; None unless both ran."""
-    return slow["median_ms"] / fast["median_ms"] if ran(slow) and ran(fast) else None
 
 
 def gate_ratios(rows: list[Row]) -> dict[str, float | None]:

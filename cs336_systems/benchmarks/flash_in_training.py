@@ -26,7 +26,7 @@ from dataclasses import dataclass
 import torch
 
 from cs336_systems.accounting.flops import step_flops
-from cs336_systems.benchmarks.flash import GRAPHED_MODE, MODES, BenchSettings, FlashCell, benchmark_flash_cell
+from cs336_systems.benchmarks.flash import BenchSettings, FlashCell, benchmark_flash_cell
 from cs336_systems.benchmarks.harness import (
     LEARNING_RATE,
     adamw,
@@ -37,13 +37,11 @@ from cs336_systems.benchmarks.harness import (
 )
 from cs336_systems.model import ModelConfig
 from cs336_systems.rows import Row
+from cs336_systems.rows.flash import KERNEL_MODES
 from cs336_systems.timing import STEP_TIMER, tflops, time_fn
 
 ATTENTIONS = ("sdpa", "flash_triton")
 KERNEL_PROVIDERS = ("flash_triton", "sdpa_cudnn", "sdpa_flash")
-# Each mode timed eagerly (host time shows where it exceeds the GPU's), and forward+backward replayed from
-# a CUDA graph (the kernels alone).
-KERNEL_MODES = (*MODES, GRAPHED_MODE)
 DEFAULT_WARMUP = 5
 DEFAULT_STEPS = 20
 # Per kind of step, uncaptured (False) or in CUDA graphs (True): its "compile" column and its rows' table.

@@ -59,9 +59,7 @@ from cs336_systems.precision import Precision
 from cs336_systems.profiling.timeline import COMPUTE, PHASE, Interval, intervals_from_events
 from cs336_systems.provenance import implementation_columns
 from cs336_systems.rows import Row
-
-OURS, OURS_NO_PREFETCH, TORCH_FSDP, TORCH_DDP = ("FSDP", "FSDP, no prefetch", "torch FSDP (fully_shard per block)",
-                                                 "torch DDP")
+from cs336_systems.rows.fsdp import OURS, OURS_NO_PREFETCH, TORCH_DDP, TORCH_FSDP
 RANGE_PREFIX = "fsdp::"
 # Host-side and kernel timestamps carry launch jitter of a few microseconds; a gather that ends
 # within this of the compute stream becoming free counts as on time.

@@ -73,10 +73,6 @@ def build_model(config: ModelConfig, device: torch.device | str, attention: str 
     return model
 
 
-# Each AdamW implementation as reports name it.
-ADAMW_NAMES = {"course": "the course's AdamW", "fused": "fused AdamW", "foreach": "foreach AdamW"}
-
-
 def adamw(module: torch.nn.Module, lr: float = LEARNING_RATE,
           implementation: str = "course") -> torch.optim.Optimizer:
     """AdamW over `module`'s parameters, in one of ADAMW_IMPLEMENTATIONS:

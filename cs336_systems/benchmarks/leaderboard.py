@@ -50,7 +50,7 @@ from torch import nn
 from cs336_systems.accounting.activations import block_saved_bytes, parameter_count, parameter_counts
 from cs336_systems.accounting.flops import step_flops
 from cs336_systems.accounting.memory import GIB
-from cs336_systems.benchmarks.flash import MODES, FlashCell, benchmark_flash_cell
+from cs336_systems.benchmarks.flash import FlashCell, benchmark_flash_cell
 from cs336_systems.benchmarks.harness import (
     LEARNING_RATE,
     adamw,
@@ -71,6 +71,8 @@ from cs336_systems.linear_cross_entropy import DEFAULT_CHUNK_TOKENS, linear_cros
 from cs336_systems.memory_guard import MemoryCheck, check_memory_on_every_rank
 from cs336_systems.model import LEADERBOARD, ModelConfig, TransformerLM
 from cs336_systems.rows import OOM, Row
+from cs336_systems.rows.flash import ATTENTION_MODES
+from cs336_systems.rows.leaderboard import OURS, OURS_FSDP, OURS_SDPA, TORCH, TORCH_FUSED_LOSS
 from cs336_systems.timing import STEP_TIMER, Timings, synchronize, tflops
 
 DDP, FSDP, OUR_FSDP = "bucketed DDP", "torch FSDP (fully_shard per block)", "our FSDP (gathers layer by layer)"
@@ -91,8 +93,6 @@ class Variant:
         return f"{self.parallelism}, {ATTENTION_LABELS[self.attention]}, {FUSED if self.fused_loss else FULL_LOGITS}"
 
 
-OURS_FSDP, OURS, OURS_SDPA = "ours with FSDP", "ours", "ours with SDPA"
-TORCH_FUSED_LOSS, TORCH = "torch with the fused loss", "torch"
 # From all the project's parts to all torch's, one part at a time: each neighbouring pair differs in one.
 VARIANTS = {
     OURS_FSDP: Variant(OUR_FSDP, "flash_triton", fused_loss=True),
@@ -101,8 +101,6 @@ VARIANTS = {
     TORCH_FUSED_LOSS: Variant(FSDP, "sdpa", fused_loss=True),
     TORCH: Variant(FSDP, "sdpa", fused_loss=False),
 }
-# The variants of torch's own parallelism, against the fastest of which ours with FSDP is gated.
-TORCH_VARIANTS = (TORCH_FUSED_LOSS, TORCH)
 # The attention kernels timed alone at one rank's shape.
 KERNEL_PROVIDERS = ("flash_triton", "sdpa_flash", "sdpa_cudnn")
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
@@ -420,7 +418,8 @@ def attention_kernels(rank: int, world_size: int, cfg: LeaderboardConfig) -> lis
         config = cfg.model
         cell = FlashCell(config.context_length, config.d_head, cfg.dtype, batch_size=cfg.per_rank_batch(world_size),
                          n_heads=config.num_heads)
-        rows = [{**row, "table": "kernels"} for row in benchmark_flash_cell(cell, KERNEL_PROVIDERS, device, MODES)]
+        rows = [{**row, "table": "kernels"}
+                for row in benchmark_flash_cell(cell, KERNEL_PROVIDERS, device, ATTENTION_MODES)]
     dist.barrier()
     return rows
 

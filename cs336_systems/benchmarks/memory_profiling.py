@@ -50,10 +50,8 @@ from cs336_systems.profiling.memory import (
 )
 from cs336_systems.profiling.residuals import block_memory
 from cs336_systems.rows import OOM, Row
+from cs336_systems.rows.memory_profiling import HANDOUT_MEMORY_CONTEXTS, PROFILED_MODES
 
-MEMORY_MODES = ("inference", "train_step")
-# The 2026 handout's memory_profiling contexts (for its xl).
-HANDOUT_MEMORY_CONTEXTS = (128, 2048)
 # The handout profiles the step with the model's own AdamW (cs336_systems.optimizer): it allocates sqrt(v) one
 # parameter at a time, where torch's default foreach AdamW adds a copy of every parameter at its step.
 MEMORY_ADAMW = "course"
@@ -114,7 +112,7 @@ def memory_profile(cfg: MemoryProfileConfig, device: torch.device | str, snapsho
     model = build_model(config, device, cfg.attention)
     rows = [_residual_row(cfg, model, precision, device) for precision in cfg.precisions]
     optimizer = None
-    for mode in MEMORY_MODES:
+    for mode in PROFILED_MODES:
         if mode == "train_step":
             optimizer = adamw(model, LEARNING_RATE, MEMORY_ADAMW)
         for precision in cfg.precisions:
@@ -129,7 +127,8 @@ def memory_profile(cfg: MemoryProfileConfig, device: torch.device | str, snapsho
 
 
 def _memory_base(cfg: MemoryProfileConfig, device: torch.device, **fields) -> Row:
-    return {"size": cfg.size, "batch_size": cfg.batch_size, "attention": cfg.attention, "device": device.type, **fields}
+    return {"size": cfg.size, "size_table": cfg.size_table, "batch_size": cfg.batch_size, "attention": cfg.attention,
+            "device": device.type, **fields}
 
 
 def _residual_row(cfg: MemoryProfileConfig, model, precision: str, device: torch.device) -> Row:

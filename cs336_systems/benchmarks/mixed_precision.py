@@ -7,9 +7,7 @@ import torch
 from torch import nn
 
 from cs336_systems.rows import Row
-
-ACCUMULATION_STEPS = 1000
-ADDEND = 0.01
+from cs336_systems.rows.mixed_precision import ACCUMULATION_STEPS, ADDEND
 
 # (variant, accumulator dtype, addend dtype, whether the addend is upcast explicitly before adding)
 ACCUMULATION_VARIANTS = (

@@ -39,16 +39,11 @@ from cs336_systems.model import DEFAULT_SIZE_TABLE, ModelConfig
 from cs336_systems.precision import check_precision
 from cs336_systems.profiling.kernels import device_profile, kernel_tables, merge_tables
 from cs336_systems.profiling.ranges import annotate
-from cs336_systems.rows import Row
+from cs336_systems.rows import STEP_PHASES, Row
+from cs336_systems.rows.nsys_profile import ATTENTION_RANGES, FORWARD_BACKWARD, MAIN_KERNEL_SHARE, STEP_RANGE
 from cs336_systems.timing import STEP_TIMER, timed_step
 
-STEP_RANGE = "step"
-TRAIN_PHASES = ("forward", "backward", "optimizer")
-ATTENTION_RANGES = ("attention/scores", "attention/softmax", "attention/final_matmul")
-FORWARD_BACKWARD = "forward+backward"
-PROFILED_RANGES = (STEP_RANGE, *TRAIN_PHASES, *ATTENTION_RANGES)
-# A non-matmul kernel above this share of forward kernel time counts as a main forward cost.
-MAIN_KERNEL_SHARE = 0.02
+PROFILED_RANGES = (STEP_RANGE, *STEP_PHASES, *ATTENTION_RANGES)
 # Kernel rows kept per range (beside every main non-matmul kernel); the rest become one summary row.
 KERNELS_PER_RANGE = 12
 # The handout profiles power-of-two contexts above this one, up to the longest that fits.
@@ -118,7 +113,7 @@ def profile_training_step(cfg: ProfileConfig, device: torch.device | str) -> lis
         samples, tables = _timed_then_profiled(cfg, config, device)
         cell = {**base, "table": "cell", "status": "ok", "warmup": cfg.warmup, "timed_steps": cfg.timed_steps,
                 "timer": STEP_TIMER, **columns}
-        for name, series in [(p, samples[p]) for p in (*TRAIN_PHASES, "step")]:
+        for name, series in [(p, samples[p]) for p in (*STEP_PHASES, "step")]:
             cell[f"timer_{name}_ms"] = statistics.fmean(series)
             cell[f"timer_{name}_std_ms"] = statistics.stdev(series) if len(series) > 1 else 0.0
         rows = [cell]

@@ -79,18 +79,16 @@ class Report:
     and the others stay, so a long sweep can be measured in parts; the header lists every run that
     still contributes rows. Without a key, each run replaces the whole report. The reports of the
     course's problems are listed in cs336_systems.reports.problems. `needs_gpu`: every perf test that writes it
-    is marked gpu, so a CPU run never does. `cell_of(row, key)` reads a row's cell where its key's values alone
-    do not say it (a row from before a column was recorded).
+    is marked gpu, so a CPU run never does.
     """
     name: str
     render: Renderer = plain_table
     key: tuple[str, ...] | None = None
     needs_gpu: bool = False
-    cell_of: Callable[[Row, tuple[str, ...]], tuple] | None = None
 
     def cell(self, row: Row) -> tuple:
-        """The measured cell `row` belongs to: its values of `key`, as `cell_of` reads them where given."""
-        return self.cell_of(row, self.key) if self.cell_of else tuple(row.get(k) for k in self.key)
+        """The measured cell `row` belongs to: its values of `key`."""
+        return tuple(row.get(k) for k in self.key)
 
 
 def format_value(value: Any) -> str:
@@ -459,25 +457,16 @@ CPU_NOTE = ("- note: a CPU run. Triton kernels ran in the Triton interpreter, wh
             "a GPU runs it.")
 
 
-# Rows from before reports recorded their size table were measured with the 2025 table, then the only one.
-UNRECORDED_SIZE_TABLE = "2025"
-
-
-def size_table_of(row: Row) -> str:
-    """The size table whose model the row's `size` names."""
-    return str(row.get("size_table") or UNRECORDED_SIZE_TABLE)
-
-
 def model_size_lines(rows: Iterable[Row]) -> list[str]:
     """"- model sizes: ..." lines naming the size table, shape and parameter count of each model size
-    the rows measured."""
+    the rows measured (those that name their size table: a benchmark of the user's own may use `size` otherwise)."""
     from cs336_systems.accounting.activations import parameter_count
     from cs336_systems.model import ModelConfig, model_sizes, size_order
 
     used: dict[str, set[str]] = {}
     for row in rows:
-        if row.get("size"):
-            used.setdefault(size_table_of(row), set()).add(row["size"])
+        if row.get("size") and row.get("size_table"):
+            used.setdefault(row["size_table"], set()).add(row["size"])
     lines = []
     for table, sizes in sorted(used.items(), reverse=True):
         shapes = model_sizes(table)
@@ -495,15 +484,9 @@ def model_size_lines(rows: Iterable[Row]) -> list[str]:
 
 
 def timing_lines(rows: Iterable[Row]) -> list[str]:
-    """"- timing: ...": how the rows' times were taken (their `timer`), and how many measured rows
-    predate rows recording it."""
-    rows = list(rows)
+    """"- timing: ...": how the rows' times were taken (their `timer`)."""
     timers = dict.fromkeys(str(r["timer"]) for r in rows if r.get("timer"))
-    if not timers:
-        return []
-    unrecorded = sum(1 for r in rows if r.get("status") == "ok" and not r.get("timer"))
-    note = f" (not recorded for {plural(unrecorded, 'measured row')} of earlier runs)" if unrecorded else ""
-    return ["- timing: " + "; ".join(timers) + note]
+    return ["- timing: " + "; ".join(timers)] if timers else []
 
 
 def implementation_lines(rows: Iterable[Row]) -> list[str]:

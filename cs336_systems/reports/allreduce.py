@@ -1,13 +1,12 @@
 """Problem distributed_communication_single_node's report: the sentences and cells of its tables of all-reduce time
-and bus bandwidth by backend, size and number of ranks, and what they show (cs336_systems.benchmarks.allreduce
+and bus bandwidth by backend, size and number of ranks, and what they show (the package's benchmarks/allreduce.py
 measures them; the tables and the plot are declared in cs336_systems.reports.problems)."""
 
 from __future__ import annotations
 
 from collections.abc import Iterable
 
-from cs336_systems.benchmarks.allreduce import GB, MAX_ITERATIONS, MIN_ITERATIONS, WARMUP
-from cs336_systems.gpus import MB
+from cs336_systems.gpus import GB, MB
 from cs336_systems.reports import (
     NOT_RUN,
     Reports,
@@ -18,6 +17,7 @@ from cs336_systems.reports import (
     select,
 )
 from cs336_systems.rows import OOM, Row
+from cs336_systems.rows.allreduce import MAX_ITERATIONS, MIN_ITERATIONS, WARMUP
 
 
 def _size_label(size_bytes: float) -> str:
@@ -160,7 +160,7 @@ def nominal_links(rows: list[Row]) -> list[tuple[float, str]]:
 
 
 def out_of_memory(row: Row) -> bool:
-    return row.get("status") == OOM  # rows measured before the status column read as measured
+    return row["status"] == OOM
 
 
 # ---------------------------------------------------------------------------------------------- answers

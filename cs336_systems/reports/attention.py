@@ -1,7 +1,7 @@
 """The answers of naive attention's reports: pytorch_attention (timings and memory by head dimension and sequence
 length, the cells that run out of memory, the closed-form memory accounting against measurement) and the attention
 part of torch_compile (eager against compiled, beside the whole model's part from cs336_systems.reports.e2e). Their
-tables and plot are declared in cs336_systems.reports.problems; cs336_systems.benchmarks.attention measures them.
+tables and plot are declared in cs336_systems.reports.problems; the package's benchmarks/attention.py measures them.
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """Problem communication_accounting's answers (2025 handout): every answer and derivation, written from
-the rows of cs336_systems.benchmarks.communication_accounting, which evaluates the closed-form models; its
+the rows of cs336_systems.accounting.communication_accounting, which evaluates the closed-form models; its
 tables and figure are declared in cs336_systems.reports.problems, and `write_communication_accounting` writes
 it. The output is the same on every machine and every run, so it carries no device, versions or date.
 """
@@ -10,8 +10,7 @@ import math
 from pathlib import Path
 
 from cs336_systems.accounting.communication import COLLECTIVES
-from cs336_systems.accounting.parallelism import BF16_BYTES
-from cs336_systems.benchmarks.communication_accounting import (
+from cs336_systems.accounting.communication_accounting import (
     COLLECTIVE_DEVICE_COUNTS,
     DEFAULT_SEQUENCES,
     EXAMPLE_SEQ_LEN,
@@ -24,6 +23,7 @@ from cs336_systems.benchmarks.communication_accounting import (
     US,
     communication_accounting_rows,
 )
+from cs336_systems.accounting.parallelism import BF16_BYTES
 from cs336_systems.gpus import GB, MB
 from cs336_systems.reports import (
     ANALYSIS_COMMAND,

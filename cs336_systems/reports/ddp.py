@@ -1,7 +1,7 @@
 """The DDP reports' sentences: naive_ddp, ddp_overlap_individual_parameters and ddp_overlap_bucketed (each
 wrapper against single-process training) and their benchmarking reports (time per step by variant, the overhead
 model and the optimal bucket size, the targets, the profiled timelines), whose tables are declared in
-cs336_systems.reports.problems; with their answers. cs336_systems.benchmarks.ddp measures them. The step helpers
+cs336_systems.reports.problems; with their answers. the package's benchmarks/ddp.py measures them. The step helpers
 here serve the optimizer state sharding and FSDP reports too, whose step tables have the same shape.
 """
 
@@ -13,7 +13,6 @@ from collections.abc import Callable
 import torch
 
 from cs336_systems.accounting.ddp import ddp_overhead_s, optimal_bucket_bytes, optimal_num_buckets, pipelined_overhead_s
-from cs336_systems.benchmarks.ddp import TORCH_DDP_METHODS, UNDER_TEST_METHODS
 from cs336_systems.distributed.ddp import BYTES_PER_MB, assign_buckets
 from cs336_systems.gpus import GB
 from cs336_systems.model import ModelConfig, TransformerLM
@@ -25,9 +24,9 @@ from cs336_systems.reports import (
     mean_std,
     not_in_report,
     select,
-    size_table_of,
 )
 from cs336_systems.rows import FAILED, OOM, Row, ok_rows
+from cs336_systems.rows.ddp import TORCH_DDP_METHODS, UNDER_TEST_METHODS
 
 # The unit of BucketedDDP's bucket_size_mb (BYTES_PER_MB bytes: mebibytes, as torch DDP's bucket_cap_mb counts), in
 # which the reports write bucket sizes; gradient bytes and bandwidths are in the package's decimal units (GB = 10^9
@@ -221,7 +220,7 @@ def _gradient_sizes_bytes(size: str, table: str, context_length: int) -> tuple[i
 
 def _bucket_bytes(row: Row) -> list[int]:
     """The sizes of the buckets BucketedDDP built in the run `row` describes, in launch order."""
-    sizes = _gradient_sizes_bytes(row["size"], size_table_of(row), row["context_length"])
+    sizes = _gradient_sizes_bytes(row["size"], row["size_table"], row["context_length"])
     return [sum(sizes[i] for i in bucket) for bucket in assign_buckets(sizes, row["bucket_size_mb"] * BYTES_PER_MB)]
 
 

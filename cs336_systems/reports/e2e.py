@@ -1,7 +1,7 @@
 """The reports of the end-to-end model benchmarks: benchmarking_script (time per phase by size and
 context, the warm-up study), benchmarking_mixed_precision (autocast dtypes, normalisation statistics in low
 precision, fp32 against bf16) and the whole-model part of torch_compile (eager against compiled, and
-against a torch-native reference), with their answers. cs336_systems.benchmarks.e2e measures them.
+against a torch-native reference), with their answers. The package's benchmarks/e2e.py measures them.
 """
 
 from __future__ import annotations
@@ -12,7 +12,6 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 from cs336_systems import reports
-from cs336_systems.benchmarks.e2e import CellCost
 from cs336_systems.model import size_order
 from cs336_systems.reports import (
     NOISY_RELATIVE_STD,
@@ -40,7 +39,6 @@ from cs336_systems.reports import (
     speedup_text,
 )
 from cs336_systems.rows import (
-    BREAKDOWN_PHASES,
     BREAKDOWN_TABLE,
     COURSE_VARIANT,
     E2E_KEY,
@@ -48,9 +46,12 @@ from cs336_systems.rows import (
     MIXED_PRECISION_KEY,
     OOM,
     REFERENCE_MODEL,
+    REFERENCE_MODEL_SOURCE,
+    STEP_PHASES,
     Row,
     ok_rows,
 )
+from cs336_systems.rows.e2e import CellCost
 
 
 VARIANT_LABELS = {COURSE_VARIANT: "the course's model (naive attention, its AdamW)", FAST_VARIANT: "SDPA + fused AdamW"}
@@ -135,22 +136,16 @@ def long_cell_note(cost: CellCost, mode: str) -> str | None:
 
 
 def variant(row: Row) -> tuple:
-    """(attention, AdamW) of a row; rows from before the AdamW was recorded ran fused AdamW."""
-    return row.get("attention"), row.get("optimizer") or "fused"
-
-
-def cell_key(row: Row, key: Sequence[str]) -> tuple:
-    """A row's values of a report's cell key (cs336_systems.reports.Report), its AdamW read as `variant` reads it:
-    a row from before the AdamW was recorded is the same cell as a newer row of the fused AdamW it ran."""
-    return tuple(variant(row)[1] if column == "optimizer" else row.get(column) for column in key)
+    """(attention, AdamW) of a row."""
+    return row.get("attention"), row.get("optimizer")
 
 
 def latest_cells(rows: list[Row], key: Sequence[str]) -> list[Row]:
-    """`rows`, in their order, with one row per cell (`cell_key`): where runs measured a cell more than once,
-    the latest run's row, as a report's merge keeps it."""
+    """`rows`, in their order, with one row per cell (its values of `key`): where runs measured a cell more than
+    once, the latest run's row, as a report's merge keeps it."""
     latest: dict[tuple, Row] = {}
     for row in rows:
-        cell = cell_key(row, key)
+        cell = tuple(row.get(column) for column in key)
         if cell not in latest or run_of(row) >= run_of(latest[cell]):
             latest[cell] = row
     kept = {id(row) for row in latest.values()}
@@ -185,11 +180,9 @@ def phase_order(row: Row) -> tuple:
 
 def _sweep_setup(rows: list[Row], extra: dict[tuple, list[Row]] | None = None) -> str:
     sample = rows[0]
-    # Rows that record their timer are described by the header's timing line; older ones timed each phase.
-    timer = "" if sample.get("timer") else ", each phase timed between device synchronisations"
     extras = f"; extra columns: {', '.join(variant_label(v) for v in extra)}" if extra else ""
     return (f"batch {sample['batch_size']}, {variant_label(variant(sample))}, random tokens, {sample['warmup']} "
-            f"warm-up + {sample['steps']} timed steps per cell{timer}{extras}; times in ms, mean ± std")
+            f"warm-up + {sample['steps']} timed steps per cell{extras}; times in ms, mean ± std")
 
 
 def sweep_setup(sweep: list[Row]) -> str:
@@ -548,9 +541,8 @@ def _reference_section(rows: list[Row]) -> str:
     ratio = (" Ratio of medians: above 1, the project's model and harness cost that much more."
              if len(unpaired) < len(steps) else "")
     return ("## The compiled step against a torch-native reference\n\n"
-            "The reference is the same architecture in torch's own modules "
-            "(cs336_systems/benchmarks/reference_lm.py), compiled as one graph, with the same AdamW, timed the same "
-            f"way{runs}.{ratio}\n\n" + markdown_table(table)
+            f"The reference is the same architecture in torch's own modules ({REFERENCE_MODEL_SOURCE}), compiled as "
+            f"one graph, with the same AdamW, timed the same way{runs}.{ratio}\n\n" + markdown_table(table)
             + _breakdown_section(rows))
 
 
@@ -585,7 +577,7 @@ def _breakdown_section(rows: list[Row]) -> str:
         return ""
     table = []
     for r in sorted(profiled, key=lambda r: (size_order(r["size"]), r["context_length"], r["precision"],
-                                             r.get("model") or "", (*BREAKDOWN_PHASES, "step").index(r["phase"]))):
+                                             r.get("model") or "", (*STEP_PHASES, "step").index(r["phase"]))):
         entry = {"model": r.get("model") or "project", "size": r["size"], "context": r["context_length"],
                  "precision": r["precision"], "phase": r["phase"]}
         measured_mode = r.get("measured_mode")

@@ -1,23 +1,13 @@
 """Problem flash_benchmarking's report: the sentences and table lines of the sweep of Triton FlashAttention against
 naive attention and SDPA and what it shows, the 2025 leaderboard's attention cell, the speed-up gates and the host's
 time to issue a call; with the answers of flash_forward / flash_backward, flash_benchmarking and the leaderboard.
-cs336_systems.benchmarks.flash measures them; the tables and plots are declared in cs336_systems.reports.problems.
+the package's benchmarks/flash.py measures them; the tables and plots are declared in cs336_systems.reports.problems.
 """
 
 from __future__ import annotations
 
 from collections import defaultdict
 
-from cs336_systems.benchmarks.flash import (
-    GATE_CELL,
-    GATED_PROVIDERS,
-    HEAD_DIMS,
-    PRECISIONS,
-    PROVIDER_LABELS,
-    SEQ_LENS,
-    median_ratio,
-    provider_label,
-)
 from cs336_systems.reports import (
     Reports,
     format_ms,
@@ -30,6 +20,15 @@ from cs336_systems.reports import (
 )
 from cs336_systems.reports.flash_in_training import answer_flash_in_training
 from cs336_systems.rows import OOM, Row, ok_rows, ran
+from cs336_systems.rows.flash import (
+    GATED_PROVIDERS,
+    HEAD_DIMS,
+    PRECISIONS,
+    PROVIDER_LABELS,
+    SEQ_LENS,
+    median_ratio,
+    provider_label,
+)
 
 RATIO_PAIRS = (("naive", "flash_triton"), ("sdpa", "flash_triton"))
 
@@ -297,18 +296,18 @@ def gate_setup(rows: list[Row]) -> str:
     measured = {r["provider"]: r for r in rows if r.get("table") == "gate"}
     if not measured:
         return ""
+    cell = next(iter(measured.values()))  # every gate row is of the one gated cell
     ratios = "; ".join(f"{provider} / triton " + (_ratio_cell(measured.get(provider), measured.get("flash_triton"))
                                                   or "did not run") for provider in GATED_PROVIDERS)
-    return (f"## Speed-up gates\n\nBatch 1, 1 head, N {GATE_CELL.seq_len}, d {GATE_CELL.head_dim}, "
-            f"{GATE_CELL.precision}, causal, forward+backward, gated against perf/baselines/<gpu>.json: {ratios}.\n")
+    return (f"## Speed-up gates\n\nBatch 1, 1 head, N {cell['seq_len']}, d {cell['head_dim']}, {cell['precision']}, "
+            f"causal, forward+backward, gated against perf/baselines/<gpu>.json: {ratios}.\n")
 
 
 def sources(rows: list[Row]) -> str:
-    """The FlashAttention source each run's rows measured (rows written before hashes were recorded
-    carry none), named once where every run measured the same."""
+    """The FlashAttention source each run's rows measured, named once where every run measured the same."""
     by_run: dict[int, set[str]] = defaultdict(set)
     for r in rows:
-        by_run[int(r.get("run") or 1)].add(str(r.get("source_hash") or "not recorded"))
+        by_run[int(r.get("run") or 1)].add(r["source_hash"])
     runs = sorted(by_run.items())
     if all(hashes == runs[0][1] for _, hashes in runs):
         every = f" (all {len(runs)} runs)" if len(runs) > 1 else ""

@@ -1,15 +1,14 @@
 """Problem flash_benchmarking's flash_in_training report: the compiled training step with the Triton
 FlashAttention op against SDPA, and the attention kernels alone at those steps' shapes
-(cs336_systems.benchmarks.flash_in_training measures them; the tables are declared in
+(the package's benchmarks/flash_in_training.py measures them; the tables are declared in
 cs336_systems.reports.problems). Here: their sentences, the tables' cells and the answer.
 """
 
 from __future__ import annotations
 
-from cs336_systems.benchmarks.flash import MODE_LABELS, median_ratio
-from cs336_systems.benchmarks.flash_in_training import KERNEL_MODES
 from cs336_systems.reports import NOISY_RELATIVE_STD, is_noisy, listing, noisy_marked, not_in_report, percentiles_noisy
 from cs336_systems.rows import Row, ran
+from cs336_systems.rows.flash import KERNEL_MODES, MODE_LABELS, median_ratio
 
 
 def _cell_key(r: Row) -> tuple:

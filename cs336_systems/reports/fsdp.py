@@ -1,17 +1,17 @@
 """Problem fsdp's reports: our FSDP against single-process training (correctness), and its accounting
 report (step time, peak memory and communication against torch FSDP and torch DDP, beside the memory
 model; how it differs from optimizer state sharding and ZeRO stage 1; whether each all-gather finished
-before the layer that needs it); with its answer. cs336_systems.benchmarks.fsdp measures them.
+before the layer that needs it); with its answer. The package's benchmarks/fsdp.py measures them.
 """
 
 from __future__ import annotations
 
 from cs336_systems.accounting.communication import bytes_sent_per_device
-from cs336_systems.benchmarks.fsdp import OURS, OURS_NO_PREFETCH, TORCH_DDP, TORCH_FSDP
 from cs336_systems.reports import Reports, format_ms, markdown_table, not_in_report, plural, select
 from cs336_systems.reports.ddp import step_setup, steps_by_variant
 from cs336_systems.reports.sharding import setup_sentence, within
 from cs336_systems.rows import Row
+from cs336_systems.rows.fsdp import OURS, OURS_NO_PREFETCH, TORCH_DDP, TORCH_FSDP
 
 # The longest waits for an all-gather that the readiness table lists.
 WORST_SHOWN = 10

@@ -1,7 +1,7 @@
 """Problem gradient_checkpointing's answers: the sentences of its report (peak activation memory by checkpoint
 plan against the closed-form model, the memory-optimal nested strategy with its code and asymptotics, the
 longest context each plan is predicted to fit), its figure, its answer and what a run leaves open. The report's
-tables are declared in cs336_systems.reports.problems; cs336_systems.benchmarks.gradient_checkpointing
+tables are declared in cs336_systems.reports.problems; the package's benchmarks/gradient_checkpointing.py
 measures them.
 """
 
@@ -10,7 +10,6 @@ from __future__ import annotations
 import inspect
 import math
 
-from cs336_systems.benchmarks.gradient_checkpointing import HANDOUT_CHECKPOINT_CONTEXT, single_level_rows
 from cs336_systems.distributed.checkpointing import checkpoint_chain, describe, optimal_plan
 from cs336_systems.gpus import GIB, MIB
 from cs336_systems.reports import (
@@ -26,6 +25,7 @@ from cs336_systems.reports import (
     span,
 )
 from cs336_systems.rows import OOM, Row, ok_rows
+from cs336_systems.rows.gradient_checkpointing import HANDOUT_CHECKPOINT_CONTEXT, single_level_rows
 
 # The mantissas of the figure's labelled y ticks (see sweep_figure).
 Y_TICK_SUBS = (1.0, 1.5, 2.0, 3.0, 5.0, 7.0)

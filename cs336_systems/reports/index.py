@@ -45,7 +45,6 @@ from cs336_systems.reports import (
     metadata_path,
     read_rows,
     shown_figures,
-    size_table_of,
     span,
 )
 from cs336_systems.rows import Row
@@ -228,13 +227,13 @@ def _measured(problem: Problem, layout: _Layout, slugs: list[str]) -> dict[str, 
 
 
 def _model_sizes(measured: dict[str, Reports]) -> dict[str, list[str]]:
-    """Size table -> the model sizes the rows measured (rows that predate the size_table column: 2025)."""
+    """Size table -> the model sizes the rows measured."""
     tables: dict[str, set[str]] = {}
     for reports in measured.values():
         for rows in reports.values():
             for r in rows:
-                if r.get("size"):
-                    tables.setdefault(size_table_of(r), set()).add(r["size"])
+                if r.get("size") and r.get("size_table"):
+                    tables.setdefault(r["size_table"], set()).add(r["size"])
     return {table: sorted(sizes, key=size_order) for table, sizes in sorted(tables.items(), reverse=True)}
 
 

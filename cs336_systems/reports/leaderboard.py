@@ -1,15 +1,13 @@
 """Problem leaderboard's report's sentences (Spring 2026; its tables are declared in cs336_systems.reports.problems):
 the 8B-class model's full training step on two GPUs, ours against torch's own parts, after both are checked against
 one process; with its answer. Ours with FSDP, the project's stack at its leanest in memory, is set against the
-fastest torch variant of the same run. cs336_systems.benchmarks.leaderboard measures it.
+fastest torch variant of the same run. the package's benchmarks/leaderboard.py measures it.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 
-from cs336_systems.benchmarks.flash import MODE_LABELS, PROVIDER_LABELS
-from cs336_systems.benchmarks.leaderboard import OURS, OURS_FSDP, OURS_SDPA, TORCH, TORCH_FUSED_LOSS, TORCH_VARIANTS
 from cs336_systems.model import LEADERBOARD
 from cs336_systems.reports import (
     UNPAIRED,
@@ -25,6 +23,8 @@ from cs336_systems.reports import (
     select,
 )
 from cs336_systems.rows import Row, ok_rows, ran
+from cs336_systems.rows.flash import MODE_LABELS, PROVIDER_LABELS
+from cs336_systems.rows.leaderboard import OURS, OURS_FSDP, OURS_SDPA, TORCH, TORCH_FUSED_LOSS, TORCH_VARIANTS
 
 # The handout's naive baseline (its words: "We expect leaderboard submissions to beat the naive baseline of 10
 # seconds"), on two B200 GPUs.

@@ -2,7 +2,7 @@
 against the memory model, saved activations, the residual stream's size, the active-memory timelines, memory_viz's
 drawn from the kept snapshots, the largest allocations and part (f), each block's residuals and gradients), its
 figures, its answer and what a run leaves open. The report's tables are declared in
-cs336_systems.reports.problems; cs336_systems.benchmarks.memory_profiling measures them.
+cs336_systems.reports.problems; the package's benchmarks/memory_profiling.py measures them.
 """
 
 from __future__ import annotations
@@ -11,8 +11,6 @@ from collections.abc import Callable
 from pathlib import Path
 
 from cs336_systems.accounting.activations import adamw_step_temporary_bytes
-from cs336_systems.benchmarks.harness import ADAMW_NAMES
-from cs336_systems.benchmarks.memory_profiling import HANDOUT_MEMORY_CONTEXTS, MEMORY_MODES
 from cs336_systems.gpus import GIB
 from cs336_systems.model import ModelConfig
 from cs336_systems.profiling.memory import active_memory_layout, load_snapshot, plot_active_memory
@@ -24,10 +22,10 @@ from cs336_systems.reports import (
     not_in_report,
     oom_text,
     select,
-    size_table_of,
 )
 from cs336_systems.reports.spec import Table
-from cs336_systems.rows import OOM, Row, ok_rows
+from cs336_systems.rows import ADAMW_NAMES, OOM, Row, ok_rows
+from cs336_systems.rows.memory_profiling import HANDOUT_MEMORY_CONTEXTS, PROFILED_MODES
 
 MODE_LABELS = {"inference": "forward only (inference)", "train_step": "training step"}
 # The analytical model should land within this share of a measured peak.
@@ -48,13 +46,12 @@ def setup(rows: list[Row]) -> str:
     precisions = ", ".join(dict.fromkeys(p["precision"] for p in peaks))
     train = next((p for p in peaks if p["mode"] == "train_step"), {})
     adamw = train.get("adamw")
-    # Rows from before the AdamW was recorded ran torch's default, foreach on CUDA.
-    optimizer = ADAMW_NAMES[adamw or "foreach"] if r["device"] == "cuda" or adamw else "AdamW"
+    optimizer = ADAMW_NAMES[adamw] if adamw else "AdamW"
     text = (f"{r['size']} model, batch {r['batch_size']}, {r['attention']} attention, contexts {contexts}, "
             f"precisions {precisions} (bf16: autocast over fp32 parameters). Forward only runs under no_grad; the "
             f"training step (forward, backward, {optimizer} step, zero_grad) is measured after an unmeasured one.")
     if adamw == "course":
-        config = ModelConfig.for_size(r["size"], 1, table=size_table_of(train))
+        config = ModelConfig.for_size(r["size"], 1, table=train["size_table"])
         text += (f" The course's AdamW takes sqrt(v) one parameter at a time "
                  f"(+{format_bytes(adamw_step_temporary_bytes(config, 'course'))} at its step); torch's default "
                  f"foreach AdamW takes it of every parameter at once "
@@ -73,7 +70,7 @@ def peak_setup(rows: list[Row]) -> str:
 def in_table_order(peaks: list[Row]) -> list[Row]:
     """By mode, precision (as first measured) and context."""
     precisions = list(dict.fromkeys(r["precision"] for r in peaks))
-    return sorted(peaks, key=lambda r: (MEMORY_MODES.index(r["mode"]), precisions.index(r["precision"]),
+    return sorted(peaks, key=lambda r: (PROFILED_MODES.index(r["mode"]), precisions.index(r["precision"]),
                                         r["context_length"]))
 
 
@@ -154,7 +151,7 @@ def timeline_figure(rows: list[Row]):
     from matplotlib.figure import Figure
 
     points = select(rows, table="timeline")
-    modes = [m for m in MEMORY_MODES if any(p["mode"] == m for p in points)]
+    modes = [m for m in PROFILED_MODES if any(p["mode"] == m for p in points)]
     precisions = list(dict.fromkeys(p["precision"] for p in points))
     figure = Figure(figsize=(6 * len(precisions), 3.2 * len(modes)))
     axes = figure.subplots(len(modes), len(precisions), squeeze=False)
@@ -180,7 +177,7 @@ def timeline_figure(rows: list[Row]):
 
 
 def snapshot_order(r: Row) -> tuple:
-    return MEMORY_MODES.index(r["mode"]), r["context_length"]
+    return PROFILED_MODES.index(r["mode"]), r["context_length"]
 
 
 def snapshot_images(rows: list[Row]) -> str:
@@ -225,7 +222,7 @@ def allocations(table: Table) -> Callable[[list[Row]], str]:
         parts = ["## Largest allocations\n\nPer kept snapshot: the largest blocks, the line of this package that "
                  "asked and the innermost frame.\n"]
         cells = dict.fromkeys((r["mode"], r["precision"], r["context_length"]) for r in found)
-        for mode, precision, context in sorted(cells, key=lambda c: (MEMORY_MODES.index(c[0]), c[2], c[1])):
+        for mode, precision, context in sorted(cells, key=lambda c: (PROFILED_MODES.index(c[0]), c[2], c[1])):
             cell = select(found, mode=mode, precision=precision, context_length=context)
             parts += [f"### {cell_name(cell[0])}\n", table.render(cell)]
         return "\n".join(parts)

@@ -1,14 +1,14 @@
 """Problem mixed_precision_accumulation's report: the four accumulation variants and what their errors
-show (cs336_systems.benchmarks.mixed_precision measures them)."""
+show (the package's benchmarks/mixed_precision.py measures them)."""
 
 from __future__ import annotations
 
 import math
 
-from cs336_systems.benchmarks.mixed_precision import ACCUMULATION_STEPS, ADDEND
 from cs336_systems.reports import Reports, not_in_report
 from cs336_systems.reports.spec import Column, Table
 from cs336_systems.rows import Row
+from cs336_systems.rows.mixed_precision import ACCUMULATION_STEPS, ADDEND
 
 # Sums to show: the variants differ from 10 in the fourth decimal place and beyond (10.0001 against
 # 10.0021), which a table rounded to two decimals would hide.

@@ -1,7 +1,7 @@
 """The answers of problem nsys_profile's report: per profiled cell the timer against the profiler, the top forward
 kernel, the main non-matmul kernels, the matmul share of forward and of the full step, softmax against matmul inside
 attention, the variants beside the course's model and whether Nsight Systems could write a report. Its tables are
-declared in cs336_systems.reports.problems; cs336_systems.benchmarks.nsys_profile measures them.
+declared in cs336_systems.reports.problems; the package's benchmarks/nsys_profile.py measures them.
 
 The tables read profiled cells: {"size", "context", "cell": the cell's row, "range": {range: its row},
 "kernel": {range: its kernels' rows, by rank}}, of the course's model where the rows have it.
@@ -12,14 +12,6 @@ from __future__ import annotations
 import functools
 from collections import defaultdict
 
-from cs336_systems.benchmarks.harness import ADAMW_NAMES
-from cs336_systems.benchmarks.nsys_profile import (
-    ATTENTION_RANGES,
-    FORWARD_BACKWARD,
-    MAIN_KERNEL_SHARE,
-    STEP_RANGE,
-    TRAIN_PHASES,
-)
 from cs336_systems.model import size_order
 from cs336_systems.profiling.kernels import short_name
 from cs336_systems.reports import (
@@ -35,8 +27,8 @@ from cs336_systems.reports import (
     span,
 )
 from cs336_systems.reports.e2e import HEADLINE_CONTEXT, split_variants, variant_column_label, variant_label
-from cs336_systems.rows import OOM, Row
-from cs336_systems.timing import STEP_TIMER
+from cs336_systems.rows import ADAMW_NAMES, OOM, STEP_PHASES, Row
+from cs336_systems.rows.nsys_profile import ATTENTION_RANGES, FORWARD_BACKWARD, MAIN_KERNEL_SHARE, STEP_RANGE
 
 # Softmax over a row of scores: a max, a subtraction, an exp, a sum and a division per score.
 SOFTMAX_FLOPS_PER_SCORE = 5
@@ -44,7 +36,7 @@ SOFTMAX_FLOPS_PER_SCORE = 5
 TABLE_NAME_CHARS = 70
 KERNEL_TABLE_NAME_CHARS = 80
 ANSWER_NAME_CHARS = 60
-KERNEL_TABLE_RANGES = (*TRAIN_PHASES, *ATTENTION_RANGES)
+KERNEL_TABLE_RANGES = (*STEP_PHASES, *ATTENTION_RANGES)
 
 
 def _cells(rows: list[Row]) -> list[dict]:
@@ -124,9 +116,6 @@ def _span(values: list[float], fmt: str = "{:.0%}") -> str:
 
 def _attribution_note(cells: list[dict]) -> str:
     """How kernels were attributed, and the check that none was counted twice, from the rows."""
-    if not any("self_work_ms" in r for c in cells for r in c["range"].values()):
-        return ("These rows were measured before kernels were attributed once each: a kernel could count under two "
-                "launching events, so a range's work may exceed its time.")
     excess = [f"{c['size']} at context {c['context']}" for c in cells
               if sum(r["self_work_ms"] for name, r in c["range"].items() if name != FORWARD_BACKWARD)
               > c["range"][STEP_RANGE]["work_ms"] * (1 + 1e-9)]
@@ -160,12 +149,9 @@ def _device(cells: list[dict]) -> str:
 @on_measured
 def forward_time_setup(cells: list[dict]) -> str:
     sample = cells[0]["cell"]
-    # Rows from before whole-step timing name no timer.
-    timer = (STEP_TIMER if sample.get("timer") == STEP_TIMER
-             else "a host clock between device synchronisations at every phase")
     work = "GPU kernel time" if _device(cells) == "cuda" else "operator CPU time"
     return ("## (a) Forward time: profiler against the end-to-end timer\n\n"
-            f"Timer: {timer}, {sample['timed_steps']} steps after {sample['warmup']} warm-up; then one profiled step. "
+            f"Timer: {sample['timer']}, {sample['timed_steps']} steps after {sample['warmup']} warm-up; then one profiled step. "
             f"Forward work: its {work}.\n")
 
 
@@ -336,11 +322,9 @@ def nsys_section(rows: list[Row]) -> str:
     if not found:
         return ""
     r = found[-1]
-    outcome = r.get("nsys_report") or ("nsys is on PATH" if r["nsys_found"] else "nsys is not installed")
+    outcome = r["nsys_report"]
     if outcome == "written":
         state = "Nsight Systems wrote a report of a CUDA program on the measuring machine."
-    elif r["nsys_found"] and not r.get("nsys_report"):  # rows from before the probe: nsys was only looked up
-        state = "`nsys` was on PATH on the measuring machine."
     else:
         state = (f"Nsight Systems cannot make reports on the measuring machine ({outcome}): the tables above are "
                  "torch.profiler's (CUPTI).")
@@ -365,7 +349,7 @@ def answer_nsys_profile(reports: Reports) -> list[str]:
         other = next((k for k in forward_kernels if k.get("matmul") is False), None)
         sentences.append(
             f"Kernel tables from torch.profiler ({sample['attention']} attention, "
-            f"{ADAMW_NAMES[sample.get('optimizer') or 'fused']}, {sample['precision']}, batch "
+            f"{ADAMW_NAMES[sample['optimizer']]}, {sample['precision']}, batch "
             f"{sample['batch_size']}); at {size}, context {context}, the top forward kernel is "
             f"`{short_name(top['kernel'], ANSWER_NAME_CHARS)}` ({'a matmul, ' if top.get('matmul') else ''}"
             f"{top['share']:.1%} of forward kernel time, {top['calls_per_instance']:g} launches per forward pass)"
@@ -402,11 +386,3 @@ def answer_nsys_profile(reports: Reports) -> list[str]:
         sentences.append(not_in_report(f"The attention ranges (scores, softmax, final matmul) of {size} at context "
                                         f"{context}"))
     return sentences
-
-
-def open_items_nsys_profile(reports: Reports) -> list[str]:
-    ranges = select(reports["nsys_profile"], table="range")
-    if ranges and not any("self_work_ms" in r for r in ranges):
-        return ["its kernel tables predate kernels being attributed once each (a kernel could count twice); "
-                "`make single-gpu-reports` measures them again"]
-    return []

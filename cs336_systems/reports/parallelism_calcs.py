@@ -1,7 +1,7 @@
 """The answers of the Spring 2026 handout's parallelism problems, alternate_ring_all_reduce,
 data_parallel_calcs, fsdp_calcs, tp_calcs and fsdp_tp_calcs: each part in the handout's symbols with its
 derivation, then the worked figure for one node of 8 NVLink GPUs from the rows of
-cs336_systems.benchmarks.parallelism_calcs (its tables are declared in cs336_systems.reports.problems).
+cs336_systems.accounting.parallelism_calcs (its tables are declared in cs336_systems.reports.problems).
 `write_parallelism_calcs` writes them (the same bytes on every run).
 """
 
@@ -11,7 +11,7 @@ import math
 from pathlib import Path
 
 from cs336_systems.accounting.ffn_parallelism import TP_BACKWARD_EQUATIONS
-from cs336_systems.benchmarks.parallelism_calcs import NODE_SIZE, PROBLEMS, ROWS
+from cs336_systems.accounting.parallelism_calcs import NODE_SIZE, PROBLEMS, ROWS
 from cs336_systems.gpus import GB, TERA
 from cs336_systems.reports import ANALYSIS_COMMAND, Reports, find, format_ms, not_in_report, select, write_closed_form
 from cs336_systems.rows import Row

@@ -4,7 +4,7 @@ rows. Everything that writes or reads a report finds it here:
 
     name -> measure (perf/<module>.py, marker) -> rows -> render (Report.render) -> answer (Problem.answer)
 
-A problem family's measuring code is a benchmark module (cs336_systems.benchmarks.<family>), which returns
+A problem family's measuring code is a benchmark module (the package's benchmarks/<family>.py), which returns
 rows. Each report is declared below (cs336_systems.reports.spec): its tables, plots and text parts, in order;
 the text parts and the answers are the reports module of the family's name (cs336_systems.reports.<family>);
 each report's cell key is in cs336_systems.rows.
@@ -19,7 +19,6 @@ from typing import Any
 from cs336_systems import provenance
 from cs336_systems.accounting.communication import COLLECTIVES
 from cs336_systems.accounting.parallelism import BF16_BYTES
-from cs336_systems.benchmarks.flash import MODE_LABELS, MODES, PRECISIONS, provider_label
 from cs336_systems.gpus import GIB, MIB
 from cs336_systems.profiling.kernels import short_name
 from cs336_systems.reports import (
@@ -62,6 +61,7 @@ from cs336_systems.reports.spec import (
     selected,
     when,
 )
+from cs336_systems.rows.flash import ATTENTION_MODES, MODE_LABELS, PRECISIONS, provider_label
 from cs336_systems.rows import (
     ALLREDUCE_KEY,
     ATTENTION_KEY,
@@ -428,7 +428,7 @@ ALLREDUCE_REPORT = Layout((
 def _flash_sweep(precision: str) -> tuple[Part, ...]:
     """A precision's sweep: a table per mode under its heading, then the plot of every mode's times."""
     tables: list[Part] = []
-    for mode in MODES:
+    for mode in ATTENTION_MODES:
         where = {"table": "sweep", "precision": precision, "mode": mode}
         heading = f"### {precision}, {MODE_LABELS[mode]}\n"
         tables += [when(where, heading), Table(where=where, rows_of=flash.sweep_lines)]
@@ -436,7 +436,7 @@ def _flash_sweep(precision: str) -> tuple[Part, ...]:
         f"flash_benchmarking_{precision}.png", x="seq_len", y="median_ms", series="provider",
         label=provider_label, series_order=flash.provider_order,
         where=lambda r: r.get("table") == "sweep" and r["precision"] == precision and ran(r),
-        facet="head_dim", facet_row="mode", facet_row_order=MODES.index,
+        facet="head_dim", facet_row="mode", facet_row_order=ATTENTION_MODES.index,
         panel_title=lambda mode, d: f"{MODE_LABELS[mode]}, d={d}",
         xscale=LOG2, yscale=LOG, xlabel="N", ylabel="ms",
         title=f"Causal attention, batch 1, {precision}: time against sequence length",
@@ -578,17 +578,16 @@ LEADERBOARD_REPORT = Layout((
 
 PROBLEMS: tuple[Problem, ...] = (
     Problem("benchmarking_script",
-            (Report("benchmarking_script", BENCHMARKING_SCRIPT, E2E_KEY, cell_of=e2e.cell_key),),
+            (Report("benchmarking_script", BENCHMARKING_SCRIPT, E2E_KEY),),
             e2e.answer_benchmarking_script, "e2e", ("perf/test_e2e.py",)),
     Problem("nsys_profile", (Report("nsys_profile", NSYS_PROFILE, NSYS_KEY),),
             nsys_profile.answer_nsys_profile, "profile", ("perf/test_profile.py",),
-            open_items=nsys_profile.open_items_nsys_profile, every_size=False),
+            every_size=False),
     Problem("mixed_precision_accumulation",
             (Report("mixed_precision_accumulation", MIXED_PRECISION_ACCUMULATION),),
             mixed_precision.answer_mixed_precision_accumulation, "e2e", ("perf/test_e2e.py",)),
     Problem("benchmarking_mixed_precision",
-            (Report("benchmarking_mixed_precision", BENCHMARKING_MIXED_PRECISION, MIXED_PRECISION_KEY,
-                    cell_of=e2e.cell_key),),
+            (Report("benchmarking_mixed_precision", BENCHMARKING_MIXED_PRECISION, MIXED_PRECISION_KEY),),
             e2e.answer_benchmarking_mixed_precision, "e2e", ("perf/test_e2e.py",)),
     Problem("memory_profiling", (Report("memory_profiling", MEMORY_PROFILING),),
             memory_profiling.answer_memory_profiling, "memory", ("perf/test_memory.py",),
@@ -601,7 +600,7 @@ PROBLEMS: tuple[Problem, ...] = (
             (Report("pytorch_attention", PYTORCH_ATTENTION, ATTENTION_KEY),),
             attention.answer_pytorch_attention, "attention", ("perf/test_attention.py",)),
     Problem("torch_compile",
-            (Report("torch_compile", TORCH_COMPILE, TORCH_COMPILE_KEY, cell_of=e2e.cell_key),),
+            (Report("torch_compile", TORCH_COMPILE, TORCH_COMPILE_KEY),),
             attention.answer_torch_compile, "e2e", ("perf/test_e2e.py", "perf/test_attention.py")),
     Problem("flash_forward / flash_backward", (), flash.answer_flash_forward_backward),
     Problem("flash_benchmarking",

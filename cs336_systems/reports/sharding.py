@@ -1,7 +1,7 @@
 """Problem optimizer_state_sharding's reports: ShardedOptimizer against AdamW (correctness, and the
 re-synchronisation methods' step times), and its accounting report (memory and time per step against torch
 DDP with AdamW and with ZeroRedundancyOptimizer, memory at the phase points, and how both differ from ZeRO
-stage 1); with its answer. cs336_systems.benchmarks.sharding measures them. The step and memory tables here
+stage 1); with its answer. The package's benchmarks/sharding.py measures them. The step and memory tables here
 serve the FSDP reports too.
 """
 
@@ -12,7 +12,6 @@ from typing import Any
 
 from cs336_systems.accounting.communication import bytes_sent_per_device
 from cs336_systems.reports import (
-    Rendered,
     Reports,
     format_ms,
     format_share,

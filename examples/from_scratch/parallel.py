@@ -11,7 +11,6 @@ The collectives are issued in the same order on every rank because the steps are
 from __future__ import annotations
 
 import itertools
-from collections.abc import Iterable
 from dataclasses import dataclass
 
 import torch

@@ -6,7 +6,9 @@ cell (a record); the reports package renders them. A cell that ran has status "o
 one that ran out of memory, or that the memory model said would not fit, has status OOM
 (cs336_systems.memory_guard). Beside these, the values a benchmark writes and a report reads back: the
 model variants of the end-to-end rows, the breakdown table's name and phases, and each report's key, the
-columns that identify one of its cells.
+columns that identify one of its cells. What one problem family's benchmark and report both name (its variants,
+labels, sweep grids, orders) is in the family's module of this package (cs336_systems.rows.flash, .ddp, ...), so
+that a report reads its rows without importing the code that measured them.
 
 On disk each record becomes long rows with the columns LONG_COLUMNS:
 
@@ -72,9 +74,15 @@ COURSE_VARIANT = ("naive", "course")
 FAST_VARIANT = ("sdpa", "fused")
 # The `model` of rows that time benchmarks.reference_lm; the project's own rows carry no `model`.
 REFERENCE_MODEL = "torch reference"
+# Its source, as reports name it.
+REFERENCE_MODEL_SOURCE = "cs336_systems/benchmarks/reference_lm.py"
+# Each AdamW implementation (a row's `optimizer` or `adamw`) as reports name it.
+ADAMW_NAMES = {"course": "the course's AdamW", "fused": "fused AdamW", "foreach": "foreach AdamW"}
+# The phases of a training step, each an annotated range (cs336_systems.profiling.ranges) that the end-to-end,
+# profiling and FSDP benchmarks time or profile.
+STEP_PHASES = ("forward", "backward", "optimizer")
 # Where a step's time goes: its phases' device work by kind, and how much of the step the device was busy.
 BREAKDOWN_TABLE = "breakdown"
-BREAKDOWN_PHASES = ("forward", "backward", "optimizer")
 
 # Each report's key: the columns that identify one of its measured cells, so that a later run replaces the rows of
 # the cells it measures again and keeps the others (cs336_systems.reports.Report). benchmarking_script's:

@@ -13,7 +13,7 @@ from cs336_systems.accounting.communication import COLLECTIVES, latency_bound_be
 from cs336_systems.accounting.parallelism import (
     BF16_BYTES,
     ICI_HOP_LATENCY_S,
-    PHASES,
+    PASSES,
     TPU_V5P_FLOPS_PER_S,
     TPU_V5P_ICI_BYTES_PER_S,
     TPU_V5P_MEMORY_BYTES,
@@ -80,7 +80,7 @@ def _mesh_row(label: str, strategy: str, x: int, y: int, mx: int, my: int, comm_
     model = XXL
     thresholds = {phase: min_tokens_per_device(strategy, phase, model.d_model, model.d_ff, x, y, TPU_V5P_FLOPS_PER_S,
                                                TPU_V5P_ICI_BYTES_PER_S, mx, my, comm_bytes, exact_ring)
-                  for phase in PHASES}
+                  for phase in PASSES}
     binding = max(thresholds.values())
     return {"table": "crossover", "mesh": label, "strategy": strategy, "data_devices": x, "tensor_devices": y,
             "data_axes": mx, "tensor_axes": my, "comm_bytes_per_element": comm_bytes, "exact_ring": exact_ring,

@@ -13,7 +13,6 @@ from cs336_systems.accounting.activations import parameter_count
 from cs336_systems.accounting.communication import all_reduce_s, alternate_all_reduce_s
 from cs336_systems.accounting.ffn_parallelism import (
     FP16_BYTES,
-    PHASES,
     dp_backward_comm_s,
     dp_max_devices,
     flops_per_device,
@@ -26,8 +25,8 @@ from cs336_systems.accounting.ffn_parallelism import (
     tp_comm_s,
     tp_max_devices,
 )
-from cs336_systems.benchmarks.allreduce import NVLINK_BYTES_PER_S_PER_DIRECTION
-from cs336_systems.gpus import GPU_SPECS
+from cs336_systems.accounting.parallelism import PASSES
+from cs336_systems.gpus import GPU_SPECS, NVLINK_BYTES_PER_S_PER_DIRECTION
 from cs336_systems.model import ModelConfig
 from cs336_systems.rows import Row
 
@@ -107,13 +106,13 @@ def data_parallel_rows() -> list[Row]:
 
 
 def fsdp_rows() -> list[Row]:
-    return _single_axis_rows("fsdp_calcs", "N_FSDP", PHASES,
+    return _single_axis_rows("fsdp_calcs", "N_FSDP", PASSES,
                              lambda layer, n, w, phase: fsdp_comm_s(layer["D"], layer["D_FF"], n, w, phase),
                              lambda layer, c, w, phase: fsdp_max_devices(layer["B"], c, w, phase))
 
 
 def tp_rows() -> list[Row]:
-    return _single_axis_rows("tp_calcs", "N_TP", PHASES,
+    return _single_axis_rows("tp_calcs", "N_TP", PASSES,
                              lambda layer, n, w, phase: tp_comm_s(layer["B"], layer["D"], n, w),
                              lambda layer, c, w, phase: tp_max_devices(layer["D_FF"], c, w, phase))
 
