@@ -11,7 +11,7 @@ hidden states' gradient and the weight's (accumulated in fp32 over the chunks). 
 by the loss's gradient. The peak is one chunk's fp32 logits and their low-precision product and gradient, and
 the weight's fp32 gradient, whatever the sequence length.
 
-Numerically it is `lm_loss(hidden @ weight.T, targets)` (cs336_systems.benchmarks.harness): logits rounded
+Numerically it is `lm_loss(hidden @ weight.T, targets)` (cs336_systems.lm_training): logits rounded
 to the inputs' dtype by the matmul, softmax in fp32. The weight's gradient adds the chunks' products in
 fp32, where autograd's one matmul accumulates all tokens at once, so low-precision results differ from it
 in the last bits.

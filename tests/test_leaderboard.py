@@ -10,7 +10,6 @@ import torch
 
 from cs336_systems.accounting.activations import parameter_counts
 from cs336_systems.accounting.memory import GIB
-from cs336_systems.benchmarks.harness import build_model, random_batch
 from cs336_systems.benchmarks.leaderboard import (
     DDP,
     EQUIVALENCE_CHUNK_TOKENS,
@@ -32,6 +31,7 @@ from cs336_systems.benchmarks.leaderboard import (
 from cs336_systems.distributed.checkpointing import Checkpoint
 from cs336_systems.distributed.launch import launch
 from cs336_systems.gpus import GPU_SPECS
+from cs336_systems.lm_training import build_model, random_batch
 from cs336_systems.memory_guard import FIT_SHARE, MemoryCheck
 from cs336_systems.model import LEADERBOARD, ModelConfig
 from cs336_systems.reports import read_rows

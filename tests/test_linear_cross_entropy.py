@@ -13,8 +13,8 @@ import torch.nn.functional as F
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from cs336_systems.benchmarks.harness import lm_loss
 from cs336_systems.linear_cross_entropy import linear_cross_entropy
+from cs336_systems.lm_training import lm_loss
 from cs336_systems.profiling.memory import peak_memory_increase
 
 VOCAB_SIZE = 37

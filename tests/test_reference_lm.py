@@ -6,8 +6,8 @@ import torch
 
 from cs336_systems.__main__ import main
 from cs336_systems.benchmarks.e2e import E2EConfig, benchmark_model
-from cs336_systems.benchmarks.harness import lm_loss
 from cs336_systems.benchmarks.reference_lm import ReferenceLM
+from cs336_systems.lm_training import lm_loss
 from cs336_systems.model import ModelConfig, TransformerLM, count_parameters
 from cs336_systems.reports.e2e import render_compiled_models
 from cs336_systems.rows import REFERENCE_MODEL

@@ -50,20 +50,13 @@ import torch.distributed as dist
 from cs336_systems.accounting.ddp import allreduce_cost
 from cs336_systems.accounting.memory import training_memory
 from cs336_systems.benchmarks.allreduce import time_allreduce
-from cs336_systems.benchmarks.harness import (
-    UnderTest,
-    adapters_in_rank,
-    build_model,
-    foreach_adamw,
-    guarded_cell,
-    logits_loss,
-    random_batch,
-)
+from cs336_systems.benchmarks.harness import UnderTest, adapters_in_rank, foreach_adamw, guarded_cell
 from cs336_systems.distributed.ddp import BucketedDDP, FlatDDP, NaiveDDP, OverlapIndividualDDP
 from cs336_systems.distributed.equivalence import max_abs_difference, train_beside, worst_over_ranks
 from cs336_systems.distributed.launch import rank_device
 from cs336_systems.distributed.training import PHASES, Trainer, Wrap, Wrapped, torch_ddp, unwrapped
 from cs336_systems.gpus import GIB
+from cs336_systems.lm_training import build_model, logits_loss, random_batch
 from cs336_systems.memory_guard import check_memory_on_every_rank
 from cs336_systems.model import DEFAULT_SIZE_TABLE, ModelConfig
 from cs336_systems.profiling.timeline import COMPUTE, CPU_COMPUTE_ROW, communication_summary, intervals_from_events

@@ -40,7 +40,7 @@ import torch.distributed as dist
 from torch import nn
 
 from cs336_systems.accounting.memory import training_memory
-from cs336_systems.benchmarks.harness import UnderTest, adapters_in_rank, build_model, foreach_adamw, lm_loss, random_batch
+from cs336_systems.benchmarks.harness import UnderTest, adapters_in_rank, foreach_adamw
 from cs336_systems.benchmarks.sharding import (
     DDP_ADAMW,
     ShardingBenchmarkConfig,
@@ -54,6 +54,7 @@ from cs336_systems.distributed.equivalence import gathered, max_abs_difference, 
 from cs336_systems.distributed.fsdp import FSDP, MAX_PREFETCH_LAYERS, REDUCE_SCATTERS_IN_FLIGHT
 from cs336_systems.distributed.launch import rank_device
 from cs336_systems.distributed.training import PHASES, Trainer, Wrap, Wrapped, unwrapped
+from cs336_systems.lm_training import build_model, lm_loss, random_batch
 from cs336_systems.model import ModelConfig
 from cs336_systems.precision import Precision
 from cs336_systems.profiling.timeline import COMPUTE, PHASE, Interval, intervals_from_events

@@ -23,7 +23,7 @@ from cs336_systems.accounting.activations import (
     training_transient_bytes,
 )
 from cs336_systems.benchmarks.e2e import DEFAULT_BATCH_SIZE
-from cs336_systems.benchmarks.harness import autocast, build_model, guarded_cell, lm_loss, random_batch, release_memory
+from cs336_systems.benchmarks.harness import autocast, guarded_cell, release_memory
 from cs336_systems.distributed.checkpointing import (
     apply_checkpointing,
     describe,
@@ -33,6 +33,7 @@ from cs336_systems.distributed.checkpointing import (
     plan_cost,
     remove_checkpointing,
 )
+from cs336_systems.lm_training import build_model, lm_loss, random_batch
 from cs336_systems.model import DEFAULT_SIZE_TABLE, ModelConfig
 from cs336_systems.precision import check_precision
 from cs336_systems.profiling.memory import peak_memory_increase

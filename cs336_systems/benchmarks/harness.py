@@ -1,5 +1,6 @@
-"""What every model benchmark shares: building the LM, a batch of random tokens, the loss, autocast,
-AdamW, one training step, and running each cell guarded against running out of memory.
+"""What every model benchmark shares beside the LM's own training pieces (cs336_systems.lm_training: the model,
+a batch of random tokens, the loss): autocast, AdamW, one training step, and running each cell guarded against
+running out of memory.
 
     model = build_model(ModelConfig.for_size("small", 512), "cuda", attention="naive")
     optimizer = adamw(model, lr=LEARNING_RATE)   # the course's AdamW; "fused" for torch's fused kernel
@@ -29,12 +30,11 @@ from dataclasses import replace
 from typing import TypeVar
 
 import torch
-import torch.nn.functional as F
 
 from cs336_systems.accounting.activations import ADAMW_IMPLEMENTATIONS
 from cs336_systems.cells import failure_columns
+from cs336_systems.lm_training import lm_loss
 from cs336_systems.memory_guard import MemoryCheck, check_memory, is_out_of_memory, oom_columns
-from cs336_systems.model import ModelConfig, TransformerLM
 from cs336_systems.optimizer import AdamW
 from cs336_systems.precision import Precision
 from cs336_systems.profiling.ranges import annotate
@@ -50,27 +50,6 @@ def autocast(precision: str, device: torch.device | str) -> AbstractContextManag
     """bf16/fp16 autocast on `device`, or nothing for fp32."""
     dtype = Precision.named(precision).autocast_dtype
     return nullcontext() if dtype is None else torch.autocast(torch.device(device).type, dtype=dtype)
-
-
-def build_model(config: ModelConfig, device: torch.device | str, attention: str = "sdpa", *,
-                dtype: torch.dtype | None = None, seed: int | None = None, compile: bool = False) -> TransformerLM:
-    """The LM initialised on `device` (a 2.7B model takes seconds to initialise on a CPU); `seed`
-    seeds torch's global generator first, None leaves it as it is; `compile` compiles each block."""
-    if seed is not None:
-        torch.manual_seed(seed)
-    with torch.device(device):
-        model = TransformerLM(config, attention=attention)
-    if dtype is not None:
-        model = model.to(dtype)
-    if compile:
-        # Start from empty compile caches: entries from earlier models would count towards dynamo's
-        # recompile limit, past which it silently falls back to eager.
-        torch.compiler.reset()
-        # Regional compilation: every block has the same code and shapes, so one compiled graph
-        # serves all of them and compile time no longer grows with depth.
-        for block in model.layers:
-            block.compile()
-    return model
 
 
 def adamw(module: torch.nn.Module, lr: float = LEARNING_RATE,
@@ -94,30 +73,6 @@ def adamw(module: torch.nn.Module, lr: float = LEARNING_RATE,
 def foreach_adamw(module: torch.nn.Module) -> torch.optim.Optimizer:
     """torch's AdamW at LEARNING_RATE, as the distributed benchmarks build their optimizers."""
     return adamw(module, LEARNING_RATE, "foreach")
-
-
-def random_batch(config: ModelConfig, batch_size: int, seq_len: int, device: torch.device | str,
-                 seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
-    """(inputs, targets) of random token ids, drawn on the CPU from a generator seeded with `seed`, so
-    the same on every run and every device."""
-    generator = torch.Generator().manual_seed(seed)
-    shape = (batch_size, seq_len)
-    inputs, targets = (torch.randint(config.vocab_size, shape, generator=generator).to(device) for _ in range(2))
-    return inputs, targets
-
-
-def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """Mean next-token cross-entropy, low-precision logits upcast to fp32 first: that changes nothing
-    under autocast (which runs the loss in fp32) and keeps bf16 logits of low-precision compute
-    without autocast from rounding the loss."""
-    if logits.dtype in (torch.bfloat16, torch.float16):
-        logits = logits.float()
-    return F.cross_entropy(logits.flatten(0, 1), targets.flatten())
-
-
-def logits_loss(model: torch.nn.Module, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """The LM's loss of a batch, as cs336_systems.distributed.training.Trainer takes it."""
-    return lm_loss(model(inputs), targets)
 
 
 def training_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None, inputs: torch.Tensor,
