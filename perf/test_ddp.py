@@ -26,7 +26,6 @@ from cs336_systems.benchmarks.ddp import (
     ddp_equivalence,
     under_test_functions,
     under_test_variants,
-    variant_label,
 )
 from cs336_systems.benchmarks.harness import under_test_of
 from cs336_systems.cells import failures, require_some_ran, unmeasured
@@ -34,7 +33,7 @@ from cs336_systems.distributed.equivalence import equivalence_failures
 from cs336_systems.distributed.launch import launch
 from cs336_systems.profiling.timeline import plot_timeline
 from cs336_systems.rows import FAILED, OOM
-from cs336_systems.rows.ddp import TORCH_DDP_METHODS, UNDER_TEST_METHODS
+from cs336_systems.rows.ddp import TORCH_DDP_METHODS, UNDER_TEST_METHODS, variant_label
 
 GPU_CONFIG = DDPBenchmarkConfig()
 CPU_CONFIG = DDPBenchmarkConfig(size="tiny", context_length=32, batch_size=2, warmup=1, steps=3,

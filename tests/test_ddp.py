@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from cs336_systems.benchmarks.ddp import ddp_equivalence, variant_label
+from cs336_systems.benchmarks.ddp import ddp_equivalence
 from cs336_systems.distributed.equivalence import equivalence_failures
 from cs336_systems.distributed.ddp import (
     BucketedDDP,
@@ -40,6 +40,7 @@ from cs336_systems.profiling.timeline import (
 from cs336_systems.reports.ddp import answer_ddp_overlap_bucketed
 from cs336_systems.reports.problems import report
 from cs336_systems.rows import OOM
+from cs336_systems.rows.ddp import variant_label
 from tests import adapters
 from tests.common import (
     CheckOutcome,

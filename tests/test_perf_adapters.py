@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from cs336_systems.benchmarks.allreduce import MB
-from cs336_systems.benchmarks.ddp import DDPBenchmarkConfig, benchmark_ddp, under_test_variants, variant_label
+from cs336_systems.benchmarks.ddp import DDPBenchmarkConfig, benchmark_ddp, under_test_variants
 from cs336_systems.benchmarks.flash import (
     UNDER_TEST_KINDS,
     BenchSettings,
@@ -23,6 +23,7 @@ from cs336_systems.provenance import module_source_hash
 from cs336_systems.reports import read_rows, write_report
 from cs336_systems.reports.problems import report
 from cs336_systems.rows import FAILED, SAMPLE_TIMES, ran
+from cs336_systems.rows.ddp import variant_label
 from cs336_systems.rows.flash import ATTENTION_MODES
 
 TINY_BENCH = BenchSettings(cpu_warmup=0, cpu_steps=2)

@@ -51,10 +51,9 @@ from cs336_systems.accounting.ddp import allreduce_cost
 from cs336_systems.accounting.memory import training_memory
 from cs336_systems.benchmarks.allreduce import time_allreduce
 from cs336_systems.benchmarks.harness import UnderTest, adapters_in_rank, foreach_adamw, guarded_cell
-from cs336_systems.distributed.ddp import BucketedDDP, FlatDDP, NaiveDDP, OverlapIndividualDDP
 from cs336_systems.distributed.equivalence import max_abs_difference, train_beside, worst_over_ranks
 from cs336_systems.distributed.launch import rank_device
-from cs336_systems.distributed.training import PHASES, Trainer, Wrap, Wrapped, torch_ddp, unwrapped
+from cs336_systems.distributed.training import PHASES, Trainer, Wrap, Wrapped, our_ddp, torch_ddp, unwrapped
 from cs336_systems.gpus import GIB
 from cs336_systems.lm_training import build_model, logits_loss, random_batch
 from cs336_systems.memory_guard import check_memory_on_every_rank
@@ -62,12 +61,11 @@ from cs336_systems.model import DEFAULT_SIZE_TABLE, ModelConfig
 from cs336_systems.profiling.timeline import COMPUTE, CPU_COMPUTE_ROW, communication_summary, intervals_from_events
 from cs336_systems.provenance import implementation_columns
 from cs336_systems.rows import SAMPLE_TIMES, Row
-from cs336_systems.rows.ddp import TORCH_DDP_METHODS, UNDER_TEST_METHODS
+from cs336_systems.rows.ddp import TORCH_DDP_METHODS, UNDER_TEST_METHODS, variant_label
 from cs336_systems.timing import STEP_TIMER
 
 log = logging.getLogger(__name__)
 
-WRAPPERS = {"naive": NaiveDDP, "flat": FlatDDP, "overlap_individual": OverlapIndividualDDP, "bucketed": BucketedDDP}
 # The all-reduce probe that gives the overhead model its o (a small all-reduce is nearly all
 # per-call cost) and w (bandwidth of a large one).
 PROBE_SMALL_BYTES = 4096
@@ -117,13 +115,6 @@ def under_test_variants(adapters, bucket_sizes_mb=DDPBenchmarkConfig.bucket_size
             for bucket in (bucket_sizes_mb if method == "get_ddp_bucketed" else (None,))]
 
 
-def variant_label(method: str, bucket_size_mb: float | None = None, implementation: str | None = None) -> str:
-    """How rows name a variant; the implementation under test's are named after its adapters (their label)."""
-    if implementation is not None:
-        return f"{implementation}: {method}" + (f" {bucket_size_mb:g} MB" if bucket_size_mb is not None else "")
-    return f"bucketed {bucket_size_mb:g} MB" if method == "bucketed" else method
-
-
 def wrap(method: str, bucket_size_mb: float | None = None, adapters=None) -> Wrap:
     """How variant `method` wraps the model; the implementation under test's methods come from `adapters`."""
     def apply(model: torch.nn.Module) -> Wrapped:
@@ -133,10 +124,7 @@ def wrap(method: str, bucket_size_mb: float | None = None, adapters=None) -> Wra
             return torch_ddp(model, gradient_as_bucket_view=method == "torch_ddp_bucket_view")
         if method in UNDER_TEST_METHODS:
             return _wrap_under_test(method, bucket_size_mb, model, adapters)
-        wrapper = BucketedDDP(model, bucket_size_mb=bucket_size_mb) if method == "bucketed" else WRAPPERS[method](model)
-        before_batch = getattr(wrapper, "on_train_batch_start", None)
-        return Wrapped(wrapper, lambda optimizer: wrapper.finish_gradient_synchronization(),
-                       None if before_batch is None else lambda optimizer: before_batch())
+        return our_ddp(model, method, bucket_size_mb)
 
     return apply
 

@@ -53,7 +53,7 @@ from cs336_systems.benchmarks.sharding import (
 from cs336_systems.distributed.equivalence import gathered, max_abs_difference, train_beside, worst_over_ranks
 from cs336_systems.distributed.fsdp import FSDP, MAX_PREFETCH_LAYERS, REDUCE_SCATTERS_IN_FLIGHT
 from cs336_systems.distributed.launch import rank_device
-from cs336_systems.distributed.training import PHASES, Trainer, Wrap, Wrapped, unwrapped
+from cs336_systems.distributed.training import PHASES, Trainer, Wrap, Wrapped, synchronised_fsdp, unwrapped
 from cs336_systems.lm_training import build_model, lm_loss, random_batch
 from cs336_systems.model import ModelConfig
 from cs336_systems.precision import Precision
@@ -85,12 +85,7 @@ def _fsdp_collectives(model: FSDP) -> dict[str, int]:
 
 
 def _ours(prefetch_layers: int) -> Wrap:
-    return lambda model: _synchronised(FSDP(model, prefetch_layers=prefetch_layers))
-
-
-def _synchronised(fsdp: FSDP) -> Wrapped:
-    """Our FSDP, its gradients finished after backward."""
-    return Wrapped(fsdp, lambda optimizer: fsdp.finish_gradient_synchronization())
+    return lambda model: synchronised_fsdp(FSDP(model, prefetch_layers=prefetch_layers))
 
 
 def _torch_fsdp(model: nn.Module) -> Wrapped:
@@ -254,7 +249,7 @@ def fsdp_equivalence(rank: int, world_size: int) -> list[Row]:
         compute_dtype = Precision.named(precision).autocast_dtype  # None: fp32 computes in the master weights
         model = build_model(config, device, seed=0)
         logits_dtypes: list[str] = []
-        trainer = Trainer(deepcopy(model), lambda lm: _synchronised(FSDP(lm, compute_dtype=compute_dtype)), _sgd,
+        trainer = Trainer(deepcopy(model), lambda lm: synchronised_fsdp(FSDP(lm, compute_dtype=compute_dtype)), _sgd,
                           _recording_loss(logits_dtypes))
         sharded = {f"{w.name}.weight" for w in trainer.module.weights}
 

@@ -58,7 +58,7 @@ from cs336_systems.distributed.checkpointing import Checkpoint, Plan, apply_chec
 from cs336_systems.distributed.ddp import BucketedDDP, batch_shard
 from cs336_systems.distributed.equivalence import gathered, max_relative_difference
 from cs336_systems.distributed.launch import launch, rank_device
-from cs336_systems.distributed.training import Trainer, Wrapped
+from cs336_systems.distributed.training import Trainer, Wrapped, our_ddp, synchronised_fsdp
 from cs336_systems.linear_cross_entropy import DEFAULT_CHUNK_TOKENS, linear_cross_entropy
 from cs336_systems.lm_training import build_model, lm_loss, random_batch
 from cs336_systems.memory_guard import MemoryCheck, check_memory_on_every_rank
@@ -193,13 +193,11 @@ def build(variant: Variant, config: ModelConfig, device: torch.device, dtype: to
 
 def _wrap(parallelism: str, model: LossModel) -> Wrapped:
     if parallelism == DDP:
-        ddp = BucketedDDP(model, bucket_size_mb=BUCKET_SIZE_MB)
-        return Wrapped(ddp, lambda optimizer: ddp.finish_gradient_synchronization(),
-                       lambda optimizer: ddp.on_train_batch_start())
+        return our_ddp(model, "bucketed", BUCKET_SIZE_MB)
     if parallelism == OUR_FSDP:
         fsdp = our_fsdp.FSDP(model)
         model.head_weight = functools.partial(fsdp.full_weight, model.lm.lm_head)
-        return Wrapped(fsdp, lambda optimizer: fsdp.finish_gradient_synchronization())
+        return synchronised_fsdp(fsdp)
     from torch.distributed.fsdp import fully_shard
 
     for block in model.lm.layers.blocks():

@@ -46,6 +46,7 @@ from cs336_systems.distributed.training import BuildOptimizer, Trainer, Wrap, to
 from cs336_systems.lm_training import build_model, logits_loss, random_batch
 from cs336_systems.memory_guard import check_memory_on_every_rank
 from cs336_systems.model import DEFAULT_SIZE_TABLE, ModelConfig
+from cs336_systems.profiling.memory import local_bytes, optimizer_state_tensors
 from cs336_systems.provenance import implementation_columns
 from cs336_systems.rows import SAMPLE_TIMES, Row
 from cs336_systems.timing import STEP_TIMER, synchronize
@@ -84,23 +85,6 @@ class Variant:
     build_optimizer: BuildOptimizer
     collectives: Callable[[nn.Module], dict[str, int]] | None = None
     ddp_buckets: bool = True  # whether the memory model counts DDP's flattened gradient buckets
-
-
-def local_bytes(t: torch.Tensor) -> int:
-    """Bytes this rank holds for `t` (a DTensor's local shard, not its global size)."""
-    if hasattr(t, "to_local"):
-        t = t.to_local()
-    return t.numel() * t.element_size()
-
-
-def optimizer_state_tensors(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
-    """The state tensors an optimizer holds on this rank, each once: in its own per-parameter states and in those
-    of the optimizers it keeps as attributes (a wrapper's, as ZeroRedundancyOptimizer's `optim`)."""
-    inner = [value for value in vars(optimizer).values()
-             if isinstance(value, torch.optim.Optimizer) and value is not optimizer]
-    tensors = {id(value): value for held in (optimizer, *inner) for state in held.state.values()
-               for value in state.values() if torch.is_tensor(value)}
-    return list(tensors.values())
 
 
 class _MemoryProbe:

@@ -28,6 +28,8 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from cs336_systems.distributed.ddp import BucketedDDP, FlatDDP, NaiveDDP, OverlapIndividualDDP
+from cs336_systems.distributed.fsdp import FSDP
 from cs336_systems.distributed.launch import report_progress
 from cs336_systems.profiling.kernels import device_profile
 from cs336_systems.profiling.ranges import annotate
@@ -65,6 +67,25 @@ def torch_ddp(model: nn.Module, gradient_as_bucket_view: bool = False) -> Wrappe
     device_ids = [device.index] if device.type == "cuda" else None
     return Wrapped(nn.parallel.DistributedDataParallel(model, device_ids=device_ids,
                                                        gradient_as_bucket_view=gradient_as_bucket_view))
+
+
+# This project's DDP wrappers (cs336_systems.distributed.ddp) by the method names rows give them.
+DDP_WRAPPERS = {"naive": NaiveDDP, "flat": FlatDDP, "overlap_individual": OverlapIndividualDDP, "bucketed": BucketedDDP}
+
+
+def our_ddp(model: nn.Module, method: str, bucket_size_mb: float | None = None) -> Wrapped:
+    """This project's DDP wrapper `method` (a key of DDP_WRAPPERS; the bucketed one with buckets of
+    `bucket_size_mb`), which finishes its gradients after backward and, where it has that hook, starts each
+    batch."""
+    wrapper = BucketedDDP(model, bucket_size_mb=bucket_size_mb) if method == "bucketed" else DDP_WRAPPERS[method](model)
+    before_batch = getattr(wrapper, "on_train_batch_start", None)
+    return Wrapped(wrapper, lambda optimizer: wrapper.finish_gradient_synchronization(),
+                   None if before_batch is None else lambda optimizer: before_batch())
+
+
+def synchronised_fsdp(fsdp: FSDP) -> Wrapped:
+    """Our FSDP, its gradients finished after backward."""
+    return Wrapped(fsdp, lambda optimizer: fsdp.finish_gradient_synchronization())
 
 
 @dataclass

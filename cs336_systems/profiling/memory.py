@@ -1,5 +1,6 @@
 """Memory: the CUDA allocator's history and snapshots, the active-memory timeline, the largest
-allocations and where they come from, and the bytes autograd saves for backward.
+allocations and where they come from, the bytes autograd saves for backward, and what a rank holds of a
+sharded tensor and of an optimizer's state.
 
     with record_memory_history():                 # CUDA only
         train_step()
@@ -372,3 +373,20 @@ def peak_memory_increase(fn: Callable[[], object], device: torch.device | str) -
         allocated += record.nbytes()
         peak = max(peak, allocated)
     return peak, allocated
+
+
+def local_bytes(t: torch.Tensor) -> int:
+    """Bytes this rank holds for `t` (a DTensor's local shard, not its global size)."""
+    if hasattr(t, "to_local"):
+        t = t.to_local()
+    return t.numel() * t.element_size()
+
+
+def optimizer_state_tensors(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
+    """The state tensors an optimizer holds on this rank, each once: in its own per-parameter states and in those
+    of the optimizers it keeps as attributes (a wrapper's, as ZeroRedundancyOptimizer's `optim`)."""
+    inner = [value for value in vars(optimizer).values()
+             if isinstance(value, torch.optim.Optimizer) and value is not optimizer]
+    tensors = {id(value): value for held in (optimizer, *inner) for state in held.state.values()
+               for value in state.values() if torch.is_tensor(value)}
+    return list(tensors.values())
