@@ -19,17 +19,10 @@ import pytest
 
 from cs336_systems.baselines import at_world_size
 from cs336_systems.benchmarks.allreduce import MB
-from cs336_systems.benchmarks.ddp import (
-    EQUIVALENCE_BUCKET_SIZES_MB,
-    DDPBenchmarkConfig,
-    benchmark_ddp,
-    ddp_equivalence,
-    under_test_functions,
-    under_test_variants,
-)
+from cs336_systems.benchmarks.ddp import DDPBenchmarkConfig, benchmark_ddp, under_test_functions, under_test_variants
 from cs336_systems.benchmarks.harness import under_test_of
 from cs336_systems.cells import failures, require_some_ran, unmeasured
-from cs336_systems.distributed.equivalence import equivalence_failures
+from cs336_systems.distributed.equivalence import DDP_BUCKET_SIZES_MB, ddp_equivalence, equivalence_failures
 from cs336_systems.distributed.launch import launch
 from cs336_systems.profiling.timeline import plot_timeline
 from cs336_systems.rows import FAILED, OOM
@@ -60,7 +53,7 @@ def test_ddp_matches_single_process(distributed_device, world_size, report):
     for problem in EQUIVALENCE_PROBLEMS:
         for row in rows:
             report(problem).add(row)
-    bucketed = [variant_label("bucketed", mb) for mb in EQUIVALENCE_BUCKET_SIZES_MB]
+    bucketed = [variant_label("bucketed", mb) for mb in DDP_BUCKET_SIZES_MB]
     assert [row["variant"] for row in rows] == ["naive", "flat", "overlap_individual", *bucketed]
     failures = equivalence_failures(rows)
     assert not failures, "differs from single-process training:\n" + "\n".join(failures)

@@ -18,8 +18,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from cs336_systems.benchmarks.ddp import ddp_equivalence
-from cs336_systems.distributed.equivalence import equivalence_failures
+from cs336_systems.distributed.equivalence import ddp_equivalence, equivalence_failures
 from cs336_systems.distributed.ddp import (
     BucketedDDP,
     FlatDDP,

@@ -1,7 +1,8 @@
 """Problems naive_ddp_benchmarking, minimal_ddp_flat_benchmarking,
 ddp_overlap_individual_parameters_benchmarking and ddp_bucketed_benchmarking (one run measures
-them all), and the correctness reports naive_ddp, ddp_overlap_individual_parameters and
-ddp_overlap_bucketed (cs336_systems.reports.ddp renders them).
+them all; cs336_systems.reports.ddp renders them, and the correctness reports naive_ddp,
+ddp_overlap_individual_parameters and ddp_overlap_bucketed from the rows of
+cs336_systems.distributed.equivalence.ddp_equivalence).
 
     result = launch(benchmark_ddp, 2, DDPBenchmarkConfig(), device="cuda")[0]
     rows, timelines = result["rows"], result["timelines"]
@@ -41,7 +42,6 @@ from __future__ import annotations
 
 import logging
 import statistics
-from copy import deepcopy
 from dataclasses import asdict, dataclass
 
 import torch
@@ -51,7 +51,6 @@ from cs336_systems.accounting.ddp import allreduce_cost
 from cs336_systems.accounting.memory import training_memory
 from cs336_systems.benchmarks.allreduce import time_allreduce
 from cs336_systems.benchmarks.harness import UnderTest, adapters_in_rank, foreach_adamw, guarded_cell
-from cs336_systems.distributed.equivalence import max_abs_difference, train_beside, worst_over_ranks
 from cs336_systems.distributed.launch import rank_device
 from cs336_systems.distributed.training import PHASES, Trainer, Wrap, Wrapped, our_ddp, torch_ddp, unwrapped
 from cs336_systems.gpus import GIB
@@ -266,43 +265,3 @@ def benchmark_ddp(rank: int, world_size: int, cfg: DDPBenchmarkConfig,
             timelines[row["variant"]] = intervals
         rows.append(row)
     return {"rows": rows, "timelines": timelines} if rank == 0 else None
-
-
-# ------------------------------------------------------------------ equivalence with one process
-
-EQUIVALENCE_SIZE = "tiny"
-EQUIVALENCE_CONTEXT = 16
-EQUIVALENCE_BATCH_PER_RANK = 2
-EQUIVALENCE_STEPS = 5
-# Both sides train in float64, so only the order of summation differs.
-EQUIVALENCE_TOLERANCE = 1e-9
-# Many small buckets, and one bucket holding everything.
-EQUIVALENCE_BUCKET_SIZES_MB = (0.05, 1000)
-
-
-def ddp_equivalence(rank: int, world_size: int) -> list[Row]:
-    """Each wrapper against single-process training of the tiny LM (float64, AdamW, fresh data)."""
-    device = rank_device()
-    config = ModelConfig.for_size(EQUIVALENCE_SIZE, EQUIVALENCE_CONTEXT)
-    cases = [("naive", None), ("flat", None), ("overlap_individual", None),
-             *[("bucketed", b) for b in EQUIVALENCE_BUCKET_SIZES_MB]]
-    batches = [random_batch(config, EQUIVALENCE_BATCH_PER_RANK * world_size, EQUIVALENCE_CONTEXT, device, seed=step)
-               for step in range(EQUIVALENCE_STEPS)]  # the same full batch on every rank
-    rows = []
-    for method, bucket_size_mb in cases:
-        trainer = Trainer(build_model(config, device, dtype=torch.float64, seed=rank), wrap(method, bucket_size_mb),
-                          equivalence_adamw, logits_loss)
-        # Built after the wrapper broadcast rank 0's parameters.
-        reference = Trainer(deepcopy(trainer.module.module), unwrapped, equivalence_adamw, logits_loss)
-        train_beside(reference, trainer, batches)
-        difference = worst_over_ranks(max_abs_difference(reference.module.parameters(),
-                                                         trainer.module.module.parameters()))
-        rows.append({"table": "equivalence", "method": method, "variant": variant_label(method, bucket_size_mb),
-                     "model": f"{EQUIVALENCE_SIZE} LM, float64", "world_size": world_size,
-                     "backend": dist.get_backend(), "steps": EQUIVALENCE_STEPS, "max_abs_difference": difference,
-                     "tolerance": EQUIVALENCE_TOLERANCE, "matches": difference <= EQUIVALENCE_TOLERANCE})
-    return rows if rank == 0 else []
-
-
-def equivalence_adamw(module: torch.nn.Module) -> torch.optim.Optimizer:
-    return torch.optim.AdamW(module.parameters(), lr=1e-3)

@@ -1,8 +1,8 @@
-"""Problems fsdp and fsdp_accounting: our FSDP against single-process training (correctness), and
-its step time, peak memory and communication against torch FSDP (fully_shard on every Transformer
-block and the root) and torch DDP, beside the closed-form memory model; plus a profiled step that
-shows whether each all-gather finished before the layer that needs it (cs336_systems.reports.fsdp
-renders them).
+"""Problems fsdp and fsdp_accounting: our FSDP against single-process training (correctness:
+cs336_systems.distributed.equivalence), and its step time, peak memory and communication against
+torch FSDP (fully_shard on every Transformer block and the root) and torch DDP, beside the
+closed-form memory model; plus a profiled step that shows whether each all-gather finished before
+the layer that needs it (cs336_systems.reports.fsdp renders them).
 
     result = launch(benchmark_fsdp, 2, ShardingBenchmarkConfig(), device="cuda")[0]
     rows, timeline = result["rows"], result["timeline"]
@@ -32,7 +32,6 @@ from __future__ import annotations
 import bisect
 from collections import defaultdict
 from collections.abc import Callable
-from copy import deepcopy
 from dataclasses import replace
 
 import torch
@@ -50,13 +49,10 @@ from cs336_systems.benchmarks.sharding import (
     memory_rows,
     step_row,
 )
-from cs336_systems.distributed.equivalence import gathered, max_abs_difference, train_beside, worst_over_ranks
+from cs336_systems.distributed.equivalence import fsdp_equivalence, gathered
 from cs336_systems.distributed.fsdp import FSDP, MAX_PREFETCH_LAYERS, REDUCE_SCATTERS_IN_FLIGHT
 from cs336_systems.distributed.launch import rank_device
-from cs336_systems.distributed.training import PHASES, Trainer, Wrap, Wrapped, synchronised_fsdp, unwrapped
-from cs336_systems.lm_training import build_model, lm_loss, random_batch
-from cs336_systems.model import ModelConfig
-from cs336_systems.precision import Precision
+from cs336_systems.distributed.training import PHASES, Trainer, Wrap, Wrapped, synchronised_fsdp
 from cs336_systems.profiling.timeline import COMPUTE, PHASE, Interval, intervals_from_events
 from cs336_systems.provenance import implementation_columns
 from cs336_systems.rows import Row
@@ -222,64 +218,3 @@ def timeline_intervals(intervals: list[Interval]) -> list[Interval]:
     """What the timeline figure draws: the step's phases, compute and communication rows (the
     per-layer ranges are hundreds of labels, left to the readiness table)."""
     return [i for i in intervals if i.kind != PHASE or not i.name.startswith(RANGE_PREFIX)]
-
-
-# ------------------------------------------------------------------------------------ correctness
-
-EQUIVALENCE_SIZE = "tiny"
-EQUIVALENCE_CONTEXT = 16
-EQUIVALENCE_BATCH_PER_RANK = 2
-EQUIVALENCE_STEPS = 3
-# fp32 differs from one process only in summation order; bf16 compute rounds every matmul to 8
-# significant bits on both sides, in different orders.
-EQUIVALENCE_TOLERANCES = {"fp32": 1e-5, "bf16": 5e-3}
-
-
-def fsdp_equivalence(rank: int, world_size: int) -> list[Row]:
-    """FSDP against one process training the tiny LM on the whole batch (SGD), in fp32 and with bf16
-    compute (the single process casting its Linear and Embedding weights to bf16 for compute)."""
-    from torch.func import functional_call
-
-    device = rank_device()
-    config = ModelConfig.for_size(EQUIVALENCE_SIZE, EQUIVALENCE_CONTEXT)
-    batches = [random_batch(config, EQUIVALENCE_BATCH_PER_RANK * world_size, EQUIVALENCE_CONTEXT, device, seed=step)
-               for step in range(EQUIVALENCE_STEPS)]
-    rows = []
-    for precision in EQUIVALENCE_TOLERANCES:
-        compute_dtype = Precision.named(precision).autocast_dtype  # None: fp32 computes in the master weights
-        model = build_model(config, device, seed=0)
-        logits_dtypes: list[str] = []
-        trainer = Trainer(deepcopy(model), lambda lm: synchronised_fsdp(FSDP(lm, compute_dtype=compute_dtype)), _sgd,
-                          _recording_loss(logits_dtypes))
-        sharded = {f"{w.name}.weight" for w in trainer.module.weights}
-
-        def reference_loss(lm: nn.Module, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-            params = {n: p.to(compute_dtype) if compute_dtype and n in sharded else p for n, p in lm.named_parameters()}
-            return lm_loss(functional_call(lm, params, (inputs,)), targets)
-
-        reference = Trainer(model, unwrapped, _sgd, reference_loss)
-        train_beside(reference, trainer, batches)
-        full = trainer.module.gather_full_params()
-        expected = dict(reference.module.named_parameters())
-        difference = worst_over_ranks(max_abs_difference(expected.values(), (full[n] for n in expected)))
-        master_dtypes = sorted({str(p.dtype).removeprefix("torch.") for p in trainer.module.parameters()})
-        tolerance = EQUIVALENCE_TOLERANCES[precision]
-        rows.append({"table": "equivalence", "compute": precision, "world_size": world_size,
-                     "backend": dist.get_backend(), "model": f"{EQUIVALENCE_SIZE} LM", "steps": EQUIVALENCE_STEPS,
-                     "logits_dtype": logits_dtypes[-1], "master_dtype": ", ".join(master_dtypes),
-                     "max_abs_difference": difference, "tolerance": tolerance, "matches": difference <= tolerance})
-    return rows if rank == 0 else []
-
-
-def _sgd(module: nn.Module) -> torch.optim.Optimizer:
-    return torch.optim.SGD(module.parameters(), lr=0.1)
-
-
-def _recording_loss(logits_dtypes: list[str]):
-    """The LM's loss, appending the dtype of each step's logits to `logits_dtypes`."""
-    def loss(model: nn.Module, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        logits = model(inputs)
-        logits_dtypes.append(str(logits.dtype).removeprefix("torch."))
-        return lm_loss(logits, targets)
-
-    return loss

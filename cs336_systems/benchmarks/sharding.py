@@ -1,7 +1,7 @@
 """Problems optimizer_state_sharding and optimizer_state_sharding_accounting: ShardedOptimizer
-against unsharded AdamW (correctness), and memory and time per step against torch DDP with AdamW
-and with torch's ZeroRedundancyOptimizer, all in one run (cs336_systems.reports.sharding renders them,
-with how both differ from ZeRO stage 1).
+against unsharded AdamW (correctness: cs336_systems.distributed.equivalence), and memory and time
+per step against torch DDP with AdamW and with torch's ZeroRedundancyOptimizer, all in one run
+(cs336_systems.reports.sharding renders them, with how both differ from ZeRO stage 1).
 
     rows = launch(benchmark_optimizer_sharding, 2, ShardingBenchmarkConfig(), device="cuda")[0]
 
@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import statistics
 from collections.abc import Callable
-from copy import deepcopy
 from dataclasses import asdict, dataclass
 
 import torch
@@ -39,10 +38,10 @@ from torch import nn
 from cs336_systems.accounting.communication import bytes_sent_per_device
 from cs336_systems.accounting.memory import GIB, training_memory
 from cs336_systems.benchmarks.harness import LEARNING_RATE, UnderTest, adapters_in_rank, foreach_adamw, guarded_cell
-from cs336_systems.distributed.equivalence import gathered, max_abs_difference, train_beside
+from cs336_systems.distributed.equivalence import gathered, sharded_optimizer_equivalence
 from cs336_systems.distributed.launch import rank_device
 from cs336_systems.distributed.sharded_optimizer import SYNC_METHODS, ShardedOptimizer
-from cs336_systems.distributed.training import BuildOptimizer, Trainer, Wrap, torch_ddp, unwrapped
+from cs336_systems.distributed.training import BuildOptimizer, Trainer, Wrap, torch_ddp
 from cs336_systems.lm_training import build_model, logits_loss, random_batch
 from cs336_systems.memory_guard import check_memory_on_every_rank
 from cs336_systems.model import DEFAULT_SIZE_TABLE, ModelConfig
@@ -287,43 +286,3 @@ def optimizer_sharding_problems(rank: int, world_size: int, cfg: ShardingBenchma
     """Run under launch: both problems' rows from one set of ranks (starting ranks costs seconds)."""
     return (sharded_optimizer_equivalence(rank, world_size)
             + benchmark_optimizer_sharding(rank, world_size, cfg, under_test))
-
-
-# ------------------------------------------------------------------------------------ correctness
-
-EQUIVALENCE_SIZE = "tiny"
-EQUIVALENCE_CONTEXT = 16
-EQUIVALENCE_BATCH = 4
-EQUIVALENCE_STEPS = 5
-
-
-def sharded_optimizer_equivalence(rank: int, world_size: int) -> list[Row]:
-    """ShardedOptimizer(AdamW) against AdamW on the tiny LM, the same batches on every rank: each
-    parameter's update is the same arithmetic on its owner, so the results must be identical."""
-    device = rank_device()
-    config = ModelConfig.for_size(EQUIVALENCE_SIZE, EQUIVALENCE_CONTEXT)
-    batches = [random_batch(config, EQUIVALENCE_BATCH, EQUIVALENCE_CONTEXT, device, seed=step)
-               for step in range(EQUIVALENCE_STEPS)]
-    rows = []
-    for sync in SYNC_METHODS:
-        reference = Trainer(build_model(config, device, seed=0), unwrapped,
-                            lambda module: torch.optim.AdamW(module.parameters(), lr=1e-3, weight_decay=0.1),
-                            logits_loss)
-        trainer = Trainer(deepcopy(reference.module), unwrapped,
-                          lambda module: ShardedOptimizer(module.parameters(), torch.optim.AdamW, sync=sync, lr=1e-3,
-                                                          weight_decay=0.1), logits_loss)
-        train_beside(reference, trainer, batches, share=False)
-        state_bytes, reference_state_bytes = (sum(map(local_bytes, optimizer_state_tensors(t.optimizer)))
-                                              for t in (trainer, reference))
-        rows.append({"table": "equivalence", "sync": sync, "world_size": world_size, "backend": dist.get_backend(),
-                     "model": f"{EQUIVALENCE_SIZE} LM, fp32", "steps": EQUIVALENCE_STEPS,
-                     "max_abs_difference": max_abs_difference(reference.module.parameters(),
-                                                              trainer.module.parameters()),
-                     "state_share": state_bytes / reference_state_bytes})
-    per_rank = gathered(rows)
-    merged = []
-    for i, row in enumerate(per_rank[0]):
-        shares = [rank_rows[i]["state_share"] for rank_rows in per_rank]
-        merged.append({**row, "max_abs_difference": max(r[i]["max_abs_difference"] for r in per_rank),
-                       "state_share": max(shares), "state_share_min": min(shares)})
-    return merged if rank == 0 else []
