@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from cs336_systems.accounting.activations import adamw_step_temporary_bytes, largest_parameter_count
-from cs336_systems.benchmarks.harness import adamw
+from cs336_systems.lm_training import adamw
 from cs336_systems.model import ModelConfig, TransformerLM
 from cs336_systems.optimizer import AdamW
 from cs336_systems.profiling.memory import peak_memory_increase

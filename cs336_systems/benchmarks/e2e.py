@@ -37,10 +37,10 @@ from cs336_systems.accounting.activations import (
     state_bytes,
 )
 from cs336_systems.accounting.flops import step_flops
-from cs336_systems.benchmarks.harness import LEARNING_RATE, adamw, autocast, guarded_cell, training_step
+from cs336_systems.benchmarks.harness import autocast, guarded_cell, training_step
 from cs336_systems.benchmarks.reference_lm import build_reference
 from cs336_systems.clocks import ClockSample, clock_columns
-from cs336_systems.lm_training import build_model, random_batch
+from cs336_systems.lm_training import LEARNING_RATE, adamw, build_model, random_batch
 from cs336_systems.memory_guard import MemoryCheck, check_memory
 from cs336_systems.model import DEFAULT_SIZE_TABLE, ModelConfig
 from cs336_systems.precision import check_precision

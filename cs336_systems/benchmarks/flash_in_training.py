@@ -27,8 +27,8 @@ import torch
 
 from cs336_systems.accounting.flops import step_flops
 from cs336_systems.benchmarks.flash import BenchSettings, FlashCell, benchmark_flash_cell
-from cs336_systems.benchmarks.harness import LEARNING_RATE, adamw, guarded_cell, training_step
-from cs336_systems.lm_training import build_model, random_batch
+from cs336_systems.benchmarks.harness import guarded_cell, training_step
+from cs336_systems.lm_training import LEARNING_RATE, adamw, build_model, random_batch
 from cs336_systems.model import ModelConfig
 from cs336_systems.rows import Row
 from cs336_systems.rows.flash import KERNEL_MODES

@@ -1,5 +1,5 @@
 """What every model benchmark shares beside the LM's own training pieces (cs336_systems.lm_training: the model,
-a batch of random tokens, the loss): autocast, AdamW, one training step, and running each cell guarded against
+AdamW, a batch of random tokens, the loss): autocast, one training step, and running each cell guarded against
 running out of memory.
 
     model = build_model(ModelConfig.for_size("small", 512), "cuda", attention="naive")
@@ -31,17 +31,13 @@ from typing import TypeVar
 
 import torch
 
-from cs336_systems.accounting.activations import ADAMW_IMPLEMENTATIONS
 from cs336_systems.cells import failure_columns
-from cs336_systems.lm_training import lm_loss
+from cs336_systems.lm_training import LEARNING_RATE, adamw, lm_loss
 from cs336_systems.memory_guard import MemoryCheck, check_memory, is_out_of_memory, oom_columns
-from cs336_systems.optimizer import AdamW
 from cs336_systems.precision import Precision
 from cs336_systems.profiling.ranges import annotate
 from cs336_systems.rows import Row
 from cs336_systems.timing import Phase
-
-LEARNING_RATE = 1e-4
 
 Rows = TypeVar("Rows")
 
@@ -50,24 +46,6 @@ def autocast(precision: str, device: torch.device | str) -> AbstractContextManag
     """bf16/fp16 autocast on `device`, or nothing for fp32."""
     dtype = Precision.named(precision).autocast_dtype
     return nullcontext() if dtype is None else torch.autocast(torch.device(device).type, dtype=dtype)
-
-
-def adamw(module: torch.nn.Module, lr: float = LEARNING_RATE,
-          implementation: str = "course") -> torch.optim.Optimizer:
-    """AdamW over `module`'s parameters, in one of ADAMW_IMPLEMENTATIONS:
-    - course: the course model's own (cs336_systems.optimizer.AdamW), one parameter at a time;
-    - fused: torch's fused kernel on CUDA (one pass over parameters, gradients and both moments; the
-      multi-tensor path takes about three times as long on a 2.7B model), torch's default elsewhere;
-    - foreach: torch's default (the multi-tensor path on CUDA), as the distributed benchmarks were
-      measured with."""
-    if implementation not in ADAMW_IMPLEMENTATIONS:
-        raise ValueError(f"unknown AdamW implementation {implementation!r}; choose one of "
-                         f"{', '.join(ADAMW_IMPLEMENTATIONS)}")
-    if implementation == "course":
-        return AdamW(module.parameters(), lr=lr)
-    # None, not False: an explicit False would also turn off the foreach default.
-    use_fused = True if implementation == "fused" and next(module.parameters()).is_cuda else None
-    return torch.optim.AdamW(module.parameters(), lr=lr, fused=use_fused)
 
 
 def foreach_adamw(module: torch.nn.Module) -> torch.optim.Optimizer:

@@ -51,7 +51,7 @@ from cs336_systems.accounting.activations import block_saved_bytes, parameter_co
 from cs336_systems.accounting.flops import step_flops
 from cs336_systems.accounting.memory import GIB
 from cs336_systems.benchmarks.flash import FlashCell, benchmark_flash_cell
-from cs336_systems.benchmarks.harness import LEARNING_RATE, adamw, guarded_cell, release_memory
+from cs336_systems.benchmarks.harness import guarded_cell, release_memory
 from cs336_systems.checks import check_positive_int
 from cs336_systems.distributed import fsdp as our_fsdp
 from cs336_systems.distributed.checkpointing import Checkpoint, Plan, apply_checkpointing
@@ -60,7 +60,7 @@ from cs336_systems.distributed.equivalence import gathered, max_relative_differe
 from cs336_systems.distributed.launch import launch, rank_device
 from cs336_systems.distributed.training import Trainer, Wrapped, our_ddp, synchronised_fsdp
 from cs336_systems.linear_cross_entropy import DEFAULT_CHUNK_TOKENS, linear_cross_entropy
-from cs336_systems.lm_training import build_model, lm_loss, random_batch
+from cs336_systems.lm_training import LEARNING_RATE, adamw, build_model, lm_loss, random_batch
 from cs336_systems.memory_guard import MemoryCheck, check_memory_on_every_rank
 from cs336_systems.model import LEADERBOARD, ModelConfig, TransformerLM
 from cs336_systems.rows import OOM, Row

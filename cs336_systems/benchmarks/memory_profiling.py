@@ -23,9 +23,9 @@ from cs336_systems.accounting.activations import (
     saved_activation_bytes,
 )
 from cs336_systems.benchmarks.e2e import DEFAULT_BATCH_SIZE, memory_model_attention
-from cs336_systems.benchmarks.harness import LEARNING_RATE, adamw, autocast, guarded_cell, release_memory, training_step
+from cs336_systems.benchmarks.harness import autocast, guarded_cell, release_memory, training_step
 from cs336_systems.gpus import GIB, MIB
-from cs336_systems.lm_training import build_model, lm_loss, random_batch
+from cs336_systems.lm_training import LEARNING_RATE, adamw, build_model, lm_loss, random_batch
 from cs336_systems.model import DEFAULT_SIZE_TABLE, ModelConfig
 from cs336_systems.precision import PRECISIONS
 from cs336_systems.profiling.memory import (

@@ -26,8 +26,8 @@ import torch
 
 from cs336_systems.accounting.activations import ADAMW_IMPLEMENTATIONS, predict_peak_memory
 from cs336_systems.benchmarks.e2e import DEFAULT_BATCH_SIZE, memory_model_attention, model_memory_check
-from cs336_systems.benchmarks.harness import LEARNING_RATE, adamw, guarded_cell, training_step
-from cs336_systems.lm_training import build_model, random_batch
+from cs336_systems.benchmarks.harness import guarded_cell, training_step
+from cs336_systems.lm_training import LEARNING_RATE, adamw, build_model, random_batch
 from cs336_systems.memory_guard import FIT_SHARE
 from cs336_systems.model import DEFAULT_SIZE_TABLE, ModelConfig
 from cs336_systems.precision import check_precision

@@ -37,12 +37,12 @@ from torch import nn
 
 from cs336_systems.accounting.communication import bytes_sent_per_device
 from cs336_systems.accounting.memory import GIB, training_memory
-from cs336_systems.benchmarks.harness import LEARNING_RATE, UnderTest, adapters_in_rank, foreach_adamw, guarded_cell
+from cs336_systems.benchmarks.harness import UnderTest, adapters_in_rank, foreach_adamw, guarded_cell
 from cs336_systems.distributed.equivalence import gathered, sharded_optimizer_equivalence
 from cs336_systems.distributed.launch import rank_device
 from cs336_systems.distributed.sharded_optimizer import SYNC_METHODS, ShardedOptimizer
 from cs336_systems.distributed.training import BuildOptimizer, Trainer, Wrap, torch_ddp
-from cs336_systems.lm_training import build_model, logits_loss, random_batch
+from cs336_systems.lm_training import LEARNING_RATE, build_model, logits_loss, random_batch
 from cs336_systems.memory_guard import check_memory_on_every_rank
 from cs336_systems.model import DEFAULT_SIZE_TABLE, ModelConfig
 from cs336_systems.profiling.memory import local_bytes, optimizer_state_tensors
