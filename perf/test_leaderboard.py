@@ -10,8 +10,9 @@ fp32 (the Triton interpreter cannot compute bf16 dots), eager, a smoke run of th
 import pytest
 
 from cs336_systems.baselines import at_world_size, within
-from cs336_systems.benchmarks.leaderboard import VARIANTS, LeaderboardConfig, run_leaderboard
+from cs336_systems.benchmarks.leaderboard import LeaderboardConfig, run_leaderboard
 from cs336_systems.cells import require_some_ran, unmeasured
+from cs336_systems.leaderboard_variants import VARIANTS
 from cs336_systems.model import ModelConfig
 from cs336_systems.rows import OOM
 from cs336_systems.rows.leaderboard import OURS, OURS_FSDP, TORCH, TORCH_VARIANTS

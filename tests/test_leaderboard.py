@@ -11,19 +11,12 @@ import torch
 from cs336_systems.accounting.activations import parameter_counts
 from cs336_systems.accounting.memory import GIB
 from cs336_systems.benchmarks.leaderboard import (
-    DDP,
     EQUIVALENCE_CHUNK_TOKENS,
     EQUIVALENCE_CONFIG,
-    FSDP,
-    OUR_FSDP,
     PLAN_HEADROOM_BYTES,
-    VARIANTS,
     LeaderboardConfig,
-    LossModel,
-    Variant,
     benchmark_leaderboard,
     block_kept_bytes,
-    checkpoint_plan,
     estimated_peak_bytes,
     fewest_checkpoints,
     leaderboard_equivalence,
@@ -31,6 +24,7 @@ from cs336_systems.benchmarks.leaderboard import (
 from cs336_systems.distributed.checkpointing import Checkpoint
 from cs336_systems.distributed.launch import launch
 from cs336_systems.gpus import GPU_SPECS
+from cs336_systems.leaderboard_variants import DDP, FSDP, OUR_FSDP, VARIANTS, LossModel, Variant, checkpoint_plan
 from cs336_systems.lm_training import build_model, random_batch
 from cs336_systems.memory_guard import FIT_SHARE, MemoryCheck
 from cs336_systems.model import LEADERBOARD, ModelConfig

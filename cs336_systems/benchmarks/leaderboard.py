@@ -6,24 +6,12 @@ tokens, bf16 weights, causal, on two GPUs; cs336_systems.reports.leaderboard ren
 
 Each rank trains on its share of the batch (one sequence of 32,768 tokens on each of two GPUs), from the
 same initial weights. Five variants run one after the other in the same ranks, from all the project's parts
-to all torch's, one part changed at a time (VARIANTS):
-- ours with FSDP: the project's FSDP (cs336_systems.distributed.fsdp: each Linear and Embedding weight
-  sharded, gathered layer by layer, the LM head's gathered for the fused loss), its Triton FlashAttention
-  op, and the LM head fused with the loss (cs336_systems.linear_cross_entropy), which never holds the
-  (tokens, vocabulary) logits; its sharded weights, gradients and AdamW moments leave as much memory for
-  activations as torch's fully_shard does, about 37 GiB a GPU more than replicated ones (the estimate);
-- ours: the project's bucketed DDP in place of its FSDP (replicated weights, gradients and moments);
-- ours with SDPA; then torch FSDP in place of the DDP (torch with the fused loss);
-- torch: torch FSDP (fully_shard on every block and the root), SDPA, and the full logits through
-  cross-entropy; the strongest composition of torch's own parts that fits in memory: under torch DDP the
-  replicated weights, gradients and AdamW moments (61 GiB per GPU in bf16) beside the full-logits loss (46
-  GiB at its peak) do not fit in an H200's 141 GB.
-Each checkpoints the fewest blocks with which its memory estimate fits on every rank (the step's activations
-would take about 150 GB per GPU otherwise), so that memory a part saves is recomputation it saves; all use
-torch's fused AdamW on the bf16 weights and, with `compile`, compile each block (regional compilation: one
-graph serves every block; our FSDP's sharded layers are opaque ops inside it). The ranks' allocator grows its
-segments (ALLOCATOR_ENVIRONMENT). On a GPU, rank 0 then times one block's attention alone in the Triton kernels
-and SDPA's FA2 and cuDNN backends.
+to all torch's, one part changed at a time (cs336_systems.leaderboard_variants.VARIANTS, which says what each
+is and builds it). Each checkpoints the fewest blocks with which its memory estimate fits on every rank (the
+step's activations would take about 150 GB per GPU otherwise), so that memory a part saves is recomputation it
+saves; all use torch's fused AdamW on the bf16 weights and, with `compile`, compile each block. The ranks'
+allocator grows its segments (ALLOCATOR_ENVIRONMENT). On a GPU, rank 0 then times one block's attention alone in
+the Triton kernels and SDPA's FA2 and cuDNN backends.
 
 A step is timed as the handout's harness times it, the whole step from zero_grad to the optimizer step,
 with one synchronisation at its end (cs336_systems.timing); a rank's step ends when its optimizer step
@@ -37,7 +25,6 @@ ranks synchronised them.
 
 from __future__ import annotations
 
-import functools
 import os
 import statistics
 from collections.abc import Callable
@@ -45,7 +32,6 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 import torch.distributed as dist
-from torch import nn
 
 from cs336_systems.accounting.activations import block_saved_bytes, parameter_count, parameter_counts
 from cs336_systems.accounting.flops import step_flops
@@ -54,52 +40,21 @@ from cs336_systems.benchmarks.flash import FlashCell, benchmark_flash_cell
 from cs336_systems.benchmarks.harness import guarded_cell, release_memory
 from cs336_systems.checks import check_positive_int
 from cs336_systems.distributed import fsdp as our_fsdp
-from cs336_systems.distributed.checkpointing import Checkpoint, Plan, apply_checkpointing
-from cs336_systems.distributed.ddp import BucketedDDP, batch_shard
+from cs336_systems.distributed.ddp import batch_shard
 from cs336_systems.distributed.equivalence import gathered, max_relative_difference
 from cs336_systems.distributed.launch import launch, rank_device
-from cs336_systems.distributed.training import Trainer, Wrapped, our_ddp, synchronised_fsdp
-from cs336_systems.linear_cross_entropy import DEFAULT_CHUNK_TOKENS, linear_cross_entropy
-from cs336_systems.lm_training import LEARNING_RATE, adamw, build_model, lm_loss, random_batch
+from cs336_systems.leaderboard_variants import DDP, FSDP, VARIANTS, Variant, build, flash_source, full_gradients
+from cs336_systems.linear_cross_entropy import DEFAULT_CHUNK_TOKENS
+from cs336_systems.lm_training import build_model, lm_loss, random_batch
 from cs336_systems.memory_guard import MemoryCheck, check_memory_on_every_rank
-from cs336_systems.model import LEADERBOARD, ModelConfig, TransformerLM
+from cs336_systems.model import LEADERBOARD, ModelConfig
 from cs336_systems.rows import OOM, Row
 from cs336_systems.rows.flash import ATTENTION_MODES
-from cs336_systems.rows.leaderboard import OURS, OURS_FSDP, OURS_SDPA, TORCH, TORCH_FUSED_LOSS
 from cs336_systems.timing import STEP_TIMER, Timings, synchronize, tflops
 
-DDP, FSDP, OUR_FSDP = "bucketed DDP", "torch FSDP (fully_shard per block)", "our FSDP (gathers layer by layer)"
-ATTENTION_LABELS = {"flash_triton": "Triton FlashAttention", "sdpa": "SDPA"}
-FUSED, FULL_LOGITS = "LM head fused with the loss", "full logits and cross-entropy"
-
-
-@dataclass(frozen=True)
-class Variant:
-    """One way to train the model: how the ranks share the work, the attention, and the loss."""
-
-    parallelism: str  # DDP, FSDP or OUR_FSDP
-    attention: str  # a key of ATTENTION_LABELS
-    fused_loss: bool
-
-    @property
-    def setup(self) -> str:
-        return f"{self.parallelism}, {ATTENTION_LABELS[self.attention]}, {FUSED if self.fused_loss else FULL_LOGITS}"
-
-
-# From all the project's parts to all torch's, one part at a time: each neighbouring pair differs in one.
-VARIANTS = {
-    OURS_FSDP: Variant(OUR_FSDP, "flash_triton", fused_loss=True),
-    OURS: Variant(DDP, "flash_triton", fused_loss=True),
-    OURS_SDPA: Variant(DDP, "sdpa", fused_loss=True),
-    TORCH_FUSED_LOSS: Variant(FSDP, "sdpa", fused_loss=True),
-    TORCH: Variant(FSDP, "sdpa", fused_loss=False),
-}
 # The attention kernels timed alone at one rank's shape.
 KERNEL_PROVIDERS = ("flash_triton", "sdpa_flash", "sdpa_cudnn")
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
-# DDP buckets of 100 MiB: about 160 all-reduces of the 16 GB gradient, each large enough for most of NVLink's
-# bandwidth, the last ready soon after backward's last block.
-BUCKET_SIZE_MB = 100.0
 # Bytes per logit of the full-logits loss (lm_loss): in forward the bf16 logits, their fp32 copy and its
 # log-softmax; at backward's start the log-softmax kept, its fp32 gradient and the logits' bf16 gradient, with
 # the head's gradients and workspaces beside them: 11, as an H200 measured (91.1 GiB, every block checkpointed).
@@ -152,76 +107,6 @@ class LeaderboardConfig:
         if self.batch_size % world_size:
             raise ValueError(f"batch size {self.batch_size} does not split evenly over world size {world_size}")
         return self.batch_size // world_size
-
-
-class LossModel(nn.Module):
-    """The LM and its loss as one module, (inputs, targets) -> mean cross-entropy, so that a wrapper's forward
-    hooks (FSDP's gathering of the root's weights) run around the loss too: with `fused_loss` the head's
-    matmul runs inside linear_cross_entropy, never making the whole logits."""
-
-    def __init__(self, lm: TransformerLM, fused_loss: bool, chunk_tokens: int):
-        super().__init__()
-        self.lm, self.fused_loss, self.chunk_tokens = lm, fused_loss, chunk_tokens
-
-    def forward(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        if not self.fused_loss:
-            return lm_loss(self.lm(inputs), targets)
-        return linear_cross_entropy(self.lm.final_hidden(inputs), self.head_weight(), targets,
-                                    chunk_tokens=self.chunk_tokens)
-
-    def head_weight(self) -> torch.Tensor:
-        """The LM head's weight as the fused loss computes with it; a wrapper that shards the head (our FSDP)
-        puts in its place one that gathers it."""
-        return self.lm.lm_head.weight
-
-
-def checkpoint_plan(num_layers: int, checkpointed_blocks: int) -> Plan:
-    """The first `checkpointed_blocks` blocks checkpointed one at a time, the rest run plainly: backward meets the
-    plain blocks first and frees their activations before it recomputes any checkpointed block."""
-    return (*(Checkpoint((block,)) for block in range(checkpointed_blocks)), *range(checkpointed_blocks, num_layers))
-
-
-def build(variant: Variant, config: ModelConfig, device: torch.device, dtype: torch.dtype, compile: bool,
-          chunk_tokens: int, checkpointed_blocks: int, seed: int = 0) -> Trainer:
-    """The trainer of `variant`: the model (in `dtype`, the same weights for every seed, its first
-    `checkpointed_blocks` blocks checkpointed) wrapped for its parallelism, with fused AdamW."""
-    lm = build_model(config, device, variant.attention, dtype=dtype, seed=seed, compile=compile)
-    apply_checkpointing(lm, checkpoint_plan(config.num_layers, checkpointed_blocks))
-    return Trainer(LossModel(lm, variant.fused_loss, chunk_tokens), functools.partial(_wrap, variant.parallelism),
-                   _fused_adamw, _loss)
-
-
-def _wrap(parallelism: str, model: LossModel) -> Wrapped:
-    if parallelism == DDP:
-        return our_ddp(model, "bucketed", BUCKET_SIZE_MB)
-    if parallelism == OUR_FSDP:
-        fsdp = our_fsdp.FSDP(model)
-        model.head_weight = functools.partial(fsdp.full_weight, model.lm.lm_head)
-        return synchronised_fsdp(fsdp)
-    from torch.distributed.fsdp import fully_shard
-
-    for block in model.lm.layers.blocks():
-        fully_shard(block)
-    fully_shard(model)
-    return Wrapped(model)
-
-
-def _fused_adamw(module: nn.Module) -> torch.optim.Optimizer:
-    return adamw(module, LEARNING_RATE, "fused")
-
-
-def _loss(model: nn.Module, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    return model(inputs, targets)  # a LossModel, wrapped
-
-
-def full_gradients(trainer: Trainer) -> dict[str, torch.Tensor]:
-    """Once the gradients are finished, collective: the LM's gradients by parameter name, whole (each gathered
-    where our FSDP shards it, or torch FSDP holds it as a sharded DTensor)."""
-    if isinstance(trainer.module, our_fsdp.FSDP):
-        return {name.removeprefix("lm."): grad for name, grad in trainer.module.gather_full_gradients().items()}
-    model = trainer.module.module if isinstance(trainer.module, BucketedDDP) else trainer.module
-    return {name: p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad
-            for name, p in model.lm.named_parameters()}
 
 
 def block_kept_bytes(cfg: LeaderboardConfig, batch: int) -> int:
@@ -334,7 +219,7 @@ def _step_row(name: str, per_rank: list[dict], cfg: LeaderboardConfig, world_siz
               checkpointed_blocks: int, estimate_bytes: int) -> Row:
     config, variant = cfg.model, VARIANTS[name]
     row: Row = {"table": "step", "variant": name, "setup": variant.setup, "world_size": world_size,
-                "backend": dist.get_backend(), **_config_columns(cfg), "source_hash": _flash_source(),
+                "backend": dist.get_backend(), **_config_columns(cfg), "source_hash": flash_source(),
                 "checkpointed_blocks": checkpointed_blocks, "model_peak_gib": estimate_bytes / GIB}
     oom = next((stats for stats in per_rank if stats["status"] == OOM), None)
     if oom is not None:
@@ -356,14 +241,6 @@ def _step_row(name: str, per_rank: list[dict], cfg: LeaderboardConfig, world_siz
     if all(peak is not None for peak in peaks):
         row["peak_gib"] = max(peaks)
     return row
-
-
-def _flash_source() -> str:
-    """The FlashAttention GPU source the rows measured. Imported here, not with the module: the kernels must not
-    be imported before a run decides whether they are interpreted (cs336_systems.interpretation)."""
-    from cs336_systems.attention.flash_triton import source_hash
-
-    return source_hash()
 
 
 def _config_columns(cfg: LeaderboardConfig) -> Row:
@@ -476,7 +353,7 @@ def leaderboard_equivalence(rank: int, world_size: int, variants: tuple[str, ...
         loss = trainer.step(inputs[mine], targets[mine], at=finished)
         loss_difference = abs(statistics.fmean(gathered(loss.item())) - reference_loss.item())
         tolerance = EQUIVALENCE_TOLERANCES[device.type]
-        rows.append({"table": "equivalence", "variant": name, "setup": variant.setup, "source_hash": _flash_source(),
+        rows.append({"table": "equivalence", "variant": name, "setup": variant.setup, "source_hash": flash_source(),
                      "world_size": world_size, "backend": dist.get_backend(), "model": _model_text(config),
                      "relative_loss_difference": loss_difference / abs(reference_loss.item()),
                      "max_relative_gradient_difference": max_relative_difference(expected, gradients),
