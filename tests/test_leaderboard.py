@@ -11,17 +11,15 @@ import torch
 from cs336_systems.accounting.activations import parameter_counts
 from cs336_systems.accounting.memory import GIB
 from cs336_systems.benchmarks.leaderboard import (
-    EQUIVALENCE_CHUNK_TOKENS,
-    EQUIVALENCE_CONFIG,
     PLAN_HEADROOM_BYTES,
     LeaderboardConfig,
     benchmark_leaderboard,
     block_kept_bytes,
     estimated_peak_bytes,
     fewest_checkpoints,
-    leaderboard_equivalence,
 )
 from cs336_systems.distributed.checkpointing import Checkpoint
+from cs336_systems.distributed.equivalence import LEADERBOARD_CHUNK_TOKENS, LEADERBOARD_MODEL, leaderboard_equivalence
 from cs336_systems.distributed.launch import launch
 from cs336_systems.gpus import GPU_SPECS
 from cs336_systems.leaderboard_variants import DDP, FSDP, OUR_FSDP, VARIANTS, LossModel, Variant, checkpoint_plan
@@ -198,8 +196,8 @@ def test_the_estimate_is_within_a_few_percent_of_each_committed_measured_peak(ro
 
 # The leaderboard's CPU path (perf/test_leaderboard.py) on the equivalence check's model, the cheapest through
 # the Triton interpreter: one warm-up and one timed step, the loss in two chunks.
-GLOO_CONFIG = LeaderboardConfig(model=EQUIVALENCE_CONFIG, dtype="fp32", warmup=1, steps=1, compile=False,
-                                loss_chunk_tokens=EQUIVALENCE_CHUNK_TOKENS)
+GLOO_CONFIG = LeaderboardConfig(model=LEADERBOARD_MODEL, dtype="fp32", warmup=1, steps=1, compile=False,
+                                loss_chunk_tokens=LEADERBOARD_CHUNK_TOKENS)
 
 
 def ours_with_fsdp_on_gloo(rank: int, world_size: int) -> list[dict]:

@@ -18,9 +18,9 @@ with one synchronisation at its end (cs336_systems.timing); a rank's step ends w
 does, so each step's time is the slowest rank's. Rows give the median and spread of those, peak memory
 per rank and the estimate the memory guard ran the variant on.
 
-Correctness, in the same ranks: one step of each variant on a small model in fp32 against one process
-training the plain model (full logits, SDPA) on the whole batch: the loss and every gradient after the
-ranks synchronised them.
+Correctness, in the same ranks (cs336_systems.distributed.equivalence.leaderboard_equivalence): one step of each
+variant on a small model in fp32 against one process training the plain model (full logits, SDPA) on the whole
+batch: the loss and every gradient after the ranks synchronised them.
 """
 
 from __future__ import annotations
@@ -40,17 +40,16 @@ from cs336_systems.benchmarks.flash import FlashCell, benchmark_flash_cell
 from cs336_systems.benchmarks.harness import guarded_cell, release_memory
 from cs336_systems.checks import check_positive_int
 from cs336_systems.distributed import fsdp as our_fsdp
-from cs336_systems.distributed.ddp import batch_shard
-from cs336_systems.distributed.equivalence import gathered, max_relative_difference
+from cs336_systems.distributed.equivalence import gathered, leaderboard_equivalence
 from cs336_systems.distributed.launch import launch, rank_device
-from cs336_systems.leaderboard_variants import DDP, FSDP, VARIANTS, Variant, build, flash_source, full_gradients
+from cs336_systems.leaderboard_variants import DDP, FSDP, VARIANTS, Variant, build, flash_source
 from cs336_systems.linear_cross_entropy import DEFAULT_CHUNK_TOKENS
-from cs336_systems.lm_training import build_model, lm_loss, random_batch
+from cs336_systems.lm_training import random_batch
 from cs336_systems.memory_guard import MemoryCheck, check_memory_on_every_rank
 from cs336_systems.model import LEADERBOARD, ModelConfig
 from cs336_systems.rows import OOM, Row
 from cs336_systems.rows.flash import ATTENTION_MODES
-from cs336_systems.timing import STEP_TIMER, Timings, synchronize, tflops
+from cs336_systems.timing import STEP_TIMER, Timings, tflops
 
 # The attention kernels timed alone at one rank's shape.
 KERNEL_PROVIDERS = ("flash_triton", "sdpa_flash", "sdpa_cudnn")
@@ -311,60 +310,3 @@ def leaderboard_problem(rank: int, world_size: int, cfg: LeaderboardConfig) -> l
     """Run under launch: the correctness rows, then the benchmark's and the attention kernels'."""
     return (leaderboard_equivalence(rank, world_size) + benchmark_leaderboard(rank, world_size, cfg)
             + attention_kernels(rank, world_size, cfg))
-
-
-# ------------------------------------------------------------------------------------ correctness
-
-# A small model in fp32 with a vocabulary larger than a loss chunk, so that the fused loss runs in chunks.
-EQUIVALENCE_CONFIG = ModelConfig(d_model=64, d_ff=176, num_layers=2, num_heads=4, context_length=32, vocab_size=300)
-EQUIVALENCE_BATCH_PER_RANK = 1
-EQUIVALENCE_CHUNK_TOKENS = 24
-EQUIVALENCE_CHECKPOINTED_BLOCKS = 1  # of 2: one block recomputed in backward, one run plainly
-# By device, relative to each gradient's largest magnitude (and to the loss). On a CPU everything is fp32: the
-# ranks' gradients differ from one process's in summation order, FlashAttention's in the order of its online
-# softmax. On a GPU the FlashAttention kernels' fp32 dots run in tf32 (10 mantissa bits, a relative error of
-# up to 2^-11 a product), SDPA's in fp32.
-EQUIVALENCE_TOLERANCES = {"cpu": 1e-4, "cuda": 5e-3}
-
-
-def leaderboard_equivalence(rank: int, world_size: int, variants: tuple[str, ...] = tuple(VARIANTS)) -> list[Row]:
-    """One step of each of `variants` against one process training the plain model (SDPA, full logits) on
-    the whole batch: the difference in the loss, relative to it, and the largest difference in any gradient,
-    relative to that gradient's largest magnitude."""
-    device = rank_device()
-    config = EQUIVALENCE_CONFIG
-    inputs, targets = random_batch(config, EQUIVALENCE_BATCH_PER_RANK * world_size, config.context_length, device)
-    reference = build_model(config, device, "sdpa", seed=0)
-    reference_loss = lm_loss(reference(inputs), targets)
-    reference_loss.backward()
-    expected = {name: p.grad for name, p in reference.named_parameters()}  # checkpointing keeps the blocks' names
-    mine = batch_shard(len(inputs), rank, world_size)
-    rows = []
-    for name in variants:
-        variant = VARIANTS[name]
-        trainer = build(variant, config, device, torch.float32, compile=False, chunk_tokens=EQUIVALENCE_CHUNK_TOKENS,
-                        checkpointed_blocks=EQUIVALENCE_CHECKPOINTED_BLOCKS)
-        gradients = {}
-
-        def finished(point: str) -> None:
-            if point == "before optimizer step":
-                gradients.update(full_gradients(trainer))
-
-        loss = trainer.step(inputs[mine], targets[mine], at=finished)
-        loss_difference = abs(statistics.fmean(gathered(loss.item())) - reference_loss.item())
-        tolerance = EQUIVALENCE_TOLERANCES[device.type]
-        rows.append({"table": "equivalence", "variant": name, "setup": variant.setup, "source_hash": flash_source(),
-                     "world_size": world_size, "backend": dist.get_backend(), "model": _model_text(config),
-                     "relative_loss_difference": loss_difference / abs(reference_loss.item()),
-                     "max_relative_gradient_difference": max_relative_difference(expected, gradients),
-                     "tolerance": tolerance})
-        del trainer
-    for row in rows:
-        row["matches"] = max(row["relative_loss_difference"], row["max_relative_gradient_difference"]) <= row["tolerance"]
-    synchronize(device)
-    return rows if rank == 0 else []
-
-
-def _model_text(config: ModelConfig) -> str:
-    return (f"d_model {config.d_model}, {config.num_layers} layers, vocabulary {config.vocab_size}, "
-            f"context {config.context_length}, fp32")

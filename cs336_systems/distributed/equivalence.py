@@ -7,12 +7,14 @@ the same batches, each rank on its rows of the batch (or all of it), and how far
     difference = worst_over_ranks(max_abs_difference(reference.module.parameters(), trainer.module.parameters()))
 
 Below, the check of each problem that reports such a comparison (ddp_equivalence, sharded_optimizer_equivalence,
-fsdp_equivalence), run under launch: it chooses the models, batches and tolerances, and rank 0 returns its rows;
-the benchmarks call it in the ranks they measure in. `equivalence_failures` words the rows outside their tolerance.
+fsdp_equivalence, leaderboard_equivalence), run under launch: it chooses the models, batches and tolerances, and
+rank 0 returns its rows; the benchmarks call it in the ranks they measure in. `equivalence_failures` words the
+rows outside their tolerance.
 """
 
 from __future__ import annotations
 
+import statistics
 from collections.abc import Iterable
 from copy import deepcopy
 
@@ -25,12 +27,14 @@ from cs336_systems.distributed.fsdp import FSDP
 from cs336_systems.distributed.launch import rank_device
 from cs336_systems.distributed.sharded_optimizer import SYNC_METHODS, ShardedOptimizer
 from cs336_systems.distributed.training import Trainer, our_ddp, synchronised_fsdp, unwrapped
+from cs336_systems.leaderboard_variants import VARIANTS, build, flash_source, full_gradients
 from cs336_systems.lm_training import build_model, lm_loss, logits_loss, random_batch
 from cs336_systems.model import ModelConfig
 from cs336_systems.precision import Precision
 from cs336_systems.profiling.memory import local_bytes, optimizer_state_tensors
 from cs336_systems.rows import Row
 from cs336_systems.rows.ddp import variant_label
+from cs336_systems.timing import synchronize
 
 
 def train_beside(reference: Trainer, trainer: Trainer, batches: Iterable[tuple[torch.Tensor, torch.Tensor]],
@@ -211,3 +215,60 @@ def _recording_loss(logits_dtypes: list[str]):
         return lm_loss(logits, targets)
 
     return loss
+
+
+# ------------------------------------------------------------------------------------------- leaderboard
+
+# A small model in fp32 with a vocabulary larger than a loss chunk, so that the fused loss runs in chunks.
+LEADERBOARD_MODEL = ModelConfig(d_model=64, d_ff=176, num_layers=2, num_heads=4, context_length=32, vocab_size=300)
+LEADERBOARD_BATCH_PER_RANK = 1
+LEADERBOARD_CHUNK_TOKENS = 24
+LEADERBOARD_CHECKPOINTED_BLOCKS = 1  # of 2: one block recomputed in backward, one run plainly
+# By device, relative to each gradient's largest magnitude (and to the loss). On a CPU everything is fp32: the
+# ranks' gradients differ from one process's in summation order, FlashAttention's in the order of its online
+# softmax. On a GPU the FlashAttention kernels' fp32 dots run in tf32 (10 mantissa bits, a relative error of
+# up to 2^-11 a product), SDPA's in fp32.
+LEADERBOARD_TOLERANCES = {"cpu": 1e-4, "cuda": 5e-3}
+
+
+def leaderboard_equivalence(rank: int, world_size: int, variants: tuple[str, ...] = tuple(VARIANTS)) -> list[Row]:
+    """One step of each of `variants` against one process training the plain model (SDPA, full logits) on
+    the whole batch: the difference in the loss, relative to it, and the largest difference in any gradient,
+    relative to that gradient's largest magnitude."""
+    device = rank_device()
+    config = LEADERBOARD_MODEL
+    inputs, targets = random_batch(config, LEADERBOARD_BATCH_PER_RANK * world_size, config.context_length, device)
+    reference = build_model(config, device, "sdpa", seed=0)
+    reference_loss = lm_loss(reference(inputs), targets)
+    reference_loss.backward()
+    expected = {name: p.grad for name, p in reference.named_parameters()}  # checkpointing keeps the blocks' names
+    mine = batch_shard(len(inputs), rank, world_size)
+    rows = []
+    for name in variants:
+        variant = VARIANTS[name]
+        trainer = build(variant, config, device, torch.float32, compile=False,
+                        chunk_tokens=LEADERBOARD_CHUNK_TOKENS, checkpointed_blocks=LEADERBOARD_CHECKPOINTED_BLOCKS)
+        gradients = {}
+
+        def finished(point: str) -> None:
+            if point == "before optimizer step":
+                gradients.update(full_gradients(trainer))
+
+        loss = trainer.step(inputs[mine], targets[mine], at=finished)
+        loss_difference = abs(statistics.fmean(gathered(loss.item())) - reference_loss.item())
+        tolerance = LEADERBOARD_TOLERANCES[device.type]
+        rows.append({"table": "equivalence", "variant": name, "setup": variant.setup, "source_hash": flash_source(),
+                     "world_size": world_size, "backend": dist.get_backend(), "model": _model_text(config),
+                     "relative_loss_difference": loss_difference / abs(reference_loss.item()),
+                     "max_relative_gradient_difference": max_relative_difference(expected, gradients),
+                     "tolerance": tolerance})
+        del trainer
+    for row in rows:
+        row["matches"] = max(row["relative_loss_difference"], row["max_relative_gradient_difference"]) <= row["tolerance"]
+    synchronize(device)
+    return rows if rank == 0 else []
+
+
+def _model_text(config: ModelConfig) -> str:
+    return (f"d_model {config.d_model}, {config.num_layers} layers, vocabulary {config.vocab_size}, "
+            f"context {config.context_length}, fp32")
