@@ -1,8 +1,9 @@
 """The DDP reports' sentences: naive_ddp, ddp_overlap_individual_parameters and ddp_overlap_bucketed (each
 wrapper against single-process training) and their benchmarking reports (time per step by variant, the overhead
 model and the optimal bucket size, the targets, the profiled timelines), whose tables are declared in
-cs336_systems.reports.problems; with their answers. the package's benchmarks/ddp.py measures them. The step helpers
-here serve the optimizer state sharding and FSDP reports too, whose step tables have the same shape.
+cs336_systems.reports.problems; with their answers. The package's distributed/equivalence.py checks the wrappers,
+its benchmarks/ddp.py measures them. The step helpers here serve the optimizer state sharding and FSDP reports
+too, whose step tables have the same shape.
 """
 
 from __future__ import annotations

@@ -1,7 +1,8 @@
 """Problem fsdp's reports: our FSDP against single-process training (correctness), and its accounting
 report (step time, peak memory and communication against torch FSDP and torch DDP, beside the memory
 model; how it differs from optimizer state sharding and ZeRO stage 1; whether each all-gather finished
-before the layer that needs it); with its answer. The package's benchmarks/fsdp.py measures them.
+before the layer that needs it); with its answer. The package's distributed/equivalence.py checks the
+correctness, its benchmarks/fsdp.py measures the rest.
 """
 
 from __future__ import annotations

@@ -1,7 +1,8 @@
 """Problem leaderboard's report's sentences (Spring 2026; its tables are declared in cs336_systems.reports.problems):
 the 8B-class model's full training step on two GPUs, ours against torch's own parts, after both are checked against
 one process; with its answer. Ours with FSDP, the project's stack at its leanest in memory, is set against the
-fastest torch variant of the same run. the package's benchmarks/leaderboard.py measures it.
+fastest torch variant of the same run. The package's distributed/equivalence.py checks the variants, its
+benchmarks/leaderboard.py measures them.
 """
 
 from __future__ import annotations

@@ -4,10 +4,11 @@ rows. Everything that writes or reads a report finds it here:
 
     name -> measure (perf/<module>.py, marker) -> rows -> render (Report.render) -> answer (Problem.answer)
 
-A problem family's measuring code is a benchmark module (the package's benchmarks/<family>.py), which returns
-rows. Each report is declared below (cs336_systems.reports.spec): its tables, plots and text parts, in order;
-the text parts and the answers are the reports module of the family's name (cs336_systems.reports.<family>);
-each report's cell key is in cs336_systems.rows.
+A problem family's measuring code is a benchmark module (the package's benchmarks/<family>.py; the distributed
+families' checks against one process are in distributed/equivalence.py), which returns rows. Each report is
+declared below (cs336_systems.reports.spec): its tables, plots and text parts, in order; the text parts and the
+answers are the reports module of the family's name (cs336_systems.reports.<family>); each report's cell key is
+in cs336_systems.rows.
 """
 
 from __future__ import annotations

@@ -1,8 +1,8 @@
 """Problem optimizer_state_sharding's reports: ShardedOptimizer against AdamW (correctness, and the
 re-synchronisation methods' step times), and its accounting report (memory and time per step against torch
 DDP with AdamW and with ZeroRedundancyOptimizer, memory at the phase points, and how both differ from ZeRO
-stage 1); with its answer. The package's benchmarks/sharding.py measures them. The step and memory tables here
-serve the FSDP reports too.
+stage 1); with its answer. The package's distributed/equivalence.py checks the correctness, its
+benchmarks/sharding.py measures the rest. The step and memory tables here serve the FSDP reports too.
 """
 
 from __future__ import annotations
