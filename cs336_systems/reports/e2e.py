@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import math
 import statistics
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
 from cs336_systems import reports
@@ -399,19 +399,49 @@ def _speedup_summary(rows: list[Row], key: str, base_value, other_value) -> str:
     return "; ".join(f"{label}: {summary}" for label, summary in phases if summary)
 
 
+def comparison_lines(rows: list[Row], key: str, base_value, other_value) -> list[Row]:
+    """One line per cell (size, context, precision, phase, less `key`): its values of those columns, and under "base"
+    and "other" its rows with `key` at each value (None where not measured)."""
+    return [{**dict(zip(_index_keys(key), index)), "base": base, "other": other}
+            for index, (base, other) in _paired_cells(rows, key, base_value, other_value).items()]
+
+
+def phase_cell(line: Row) -> str:
+    return PHASE_LABELS[line["phase"]]
+
+
+def time_cell(way: str) -> Callable[[Row], str]:
+    """A line's time of `way` (its row under that name), as `mean_std` shows it; "" where not measured."""
+    return lambda line: mean_std(line[way]) if line[way] else ""
+
+
+def speedup_cell(line: Row) -> str:
+    """A comparison line's speed-up of "other" over "base", where one run timed both."""
+    base, other = line["base"], line["other"]
+    return speedup_text(base, other) if _paired(base, other) else UNPAIRED if _both_ran(base, other) else ""
+
+
+def mfu_cell(way: str) -> Callable[[Row], str | None]:
+    """A comparison line's MFU of `way`; None where its row has none (an optimizer step has no FLOP count)."""
+    def cell(line: Row) -> str | None:
+        row = line[way]
+        return f"{row['mfu']:.1%}" if row and row.get("mfu") is not None else None
+    return cell
+
+
 def _comparison_table(rows: list[Row], key: str, base_value, other_value, base_label: str, other_label: str) -> list[Row]:
     """One row per cell (size, context, precision, phase minus `key`): both variants' times and their ratio."""
     table = []
-    for index, (base, other) in _paired_cells(rows, key, base_value, other_value).items():
-        entry = dict(zip(_index_keys(key), index))
-        entry["phase"] = PHASE_LABELS[entry["phase"]]
-        entry[f"{base_label} (ms)"] = mean_std(base) if base else ""
-        entry[f"{other_label} (ms)"] = mean_std(other) if other else ""
-        entry["speed-up"] = (speedup_text(base, other) if _paired(base, other) else
-                             UNPAIRED if _both_ran(base, other) else "")
-        for label, variant in ((base_label, base), (other_label, other)):
-            if variant and variant.get("mfu") is not None:
-                entry[f"{label} MFU"] = f"{variant['mfu']:.1%}"
+    for line in comparison_lines(rows, key, base_value, other_value):
+        entry = {k: line[k] for k in _index_keys(key)}
+        entry["phase"] = phase_cell(line)
+        entry[f"{base_label} (ms)"] = time_cell("base")(line)
+        entry[f"{other_label} (ms)"] = time_cell("other")(line)
+        entry["speed-up"] = speedup_cell(line)
+        for label, way in ((base_label, "base"), (other_label, "other")):
+            mfu = mfu_cell(way)(line)
+            if mfu is not None:
+                entry[f"{label} MFU"] = mfu
         table.append(entry)
     return table
 
