@@ -11,7 +11,7 @@ from cs336_systems.benchmarks import e2e
 from cs336_systems.benchmarks.e2e import E2EConfig, benchmark_model
 from cs336_systems.timing import timed_step
 from cs336_systems.clocks import ClockSample, GpuClocks, clock_columns
-from cs336_systems.reports import e2e as e2e_report
+from cs336_systems.reports import problems
 from cs336_systems.timing import StepTimer
 
 
@@ -121,14 +121,18 @@ def test_clock_columns_are_long_rows_with_their_units(column, unit):
     assert rows.from_long([row]) == [record]
 
 
+# What the torch_compile report's whole-model setup quotes of a compiled step's run.
+STEP_RUN = {"batch_size": 4, "warmup": 5, "steps": 10}
+
+
 def test_the_reference_table_sets_both_models_clocks_side_by_side():
-    step = {"size": "xl", "context_length": 512, "precision": "bf16", "compile": True, "phase": "train_step",
+    step = {**STEP_RUN, "size": "xl", "context_length": 512, "precision": "bf16", "compile": True, "phase": "train_step",
             "status": "ok", "mean_ms": 130.0, "std_ms": 1.0, "median_ms": 130.0}
     ours = {**step, "table": "sweep", "sm_clock_mhz": 1755, "power_capped_share": 0.4, "thermal_limited_share": 0.12,
             "max_temperature_celsius": 88}
     theirs = {**step, "table": "reference", "model": rows.REFERENCE_MODEL, "median_ms": 125.0, "sm_clock_mhz": 1980,
               "power_capped_share": 0.0, "thermal_limited_share": 0.0, "max_temperature_celsius": 70}
-    table = e2e_report._reference_section([ours, theirs])
+    table = problems.report("torch_compile").render([ours, theirs]).body
     assert re.search(r"\| 1,755 MHz, power-capped 40%, hot 12%; 1,980 MHz +\|", table)
 
 
@@ -152,8 +156,8 @@ def test_a_gpu_step_reads_its_clock_from_nvml():
 
 
 def test_the_reference_table_says_how_much_of_each_step_the_host_took_to_issue():
-    step = {"size": "small", "context_length": 512, "precision": "bf16", "compile": True, "phase": "train_step",
-            "status": "ok", "mean_ms": 20.0, "std_ms": 1.0}
+    step = {**STEP_RUN, "size": "small", "context_length": 512, "precision": "bf16", "compile": True,
+            "phase": "train_step", "status": "ok", "mean_ms": 20.0, "std_ms": 1.0}
     ours = {**step, "table": "sweep", "median_ms": 20.0, "host_ms": 19.0}
     theirs = {**step, "table": "reference", "model": rows.REFERENCE_MODEL, "median_ms": 16.0, "host_ms": 8.0}
-    assert re.search(r"\| 95%; 50% +\|", e2e_report._reference_section([ours, theirs]))
+    assert re.search(r"\| 95%; 50% +\|", problems.report("torch_compile").render([ours, theirs]).body)

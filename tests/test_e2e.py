@@ -29,7 +29,6 @@ from cs336_systems.reports.e2e import (
     latest_cells,
     long_cell_note,
     mean_std,
-    render_compiled_models,
 )
 from cs336_systems.reports import problems
 from cs336_systems.reports.index import result_directories
@@ -205,7 +204,7 @@ def test_the_report_and_the_index_quote_one_compiled_speed_up_and_leave_out_nois
                                                    (512, 90.0, 10.0, 20.0), (1024, 80.0, 40.0, 0.1)):
         rows += [_sweep_cell(context, "train_step", eager_ms, std_ms, first_step_ms=1.0),
                  _sweep_cell(context, "train_step", compiled_ms, 0.1, compile=True, first_step_ms=1.0)]
-    body = render_compiled_models(rows).body
+    body = _torch_compile(rows)
     answer = " ".join(answer_compiled_models(rows))
     # Steady ratios 1.5, 2 and 2 (median 2.00x); context 512's 9x is noisy and left out of both.
     assert "Compiled over eager by phase: train step: 1.50x to 2.00x (median 2.00x; 1 noisy cell left out)." in body
@@ -218,13 +217,18 @@ def _flat(markdown: str) -> str:
     return " ".join(markdown.split())
 
 
+def _torch_compile(rows: list[dict]) -> str:
+    """The torch_compile report of `rows`: with only model rows, its whole-model part."""
+    return problems.report("torch_compile").render(rows).body
+
+
 def test_whole_model_eager_and_compiled_steps_of_different_runs_show_both_times_and_no_speed_up():
     # Context 128 timed both ways in run 1 (1.5x); context 256 eager again in run 2, 9x its compiled step of run 1.
     rows = [_sweep_cell(128, "train_step", 30.0, 0.1, run=1),
             _sweep_cell(128, "train_step", 20.0, 0.1, compile=True, run=1),
             _sweep_cell(256, "train_step", 90.0, 0.1, run=2),
             _sweep_cell(256, "train_step", 10.0, 0.1, compile=True, run=1)]
-    body = _flat(render_compiled_models(rows).body)
+    body = _flat(_torch_compile(rows))
     assert "| small | 256 | fp32 | train step | 90.0 ± 0.1 | 10.0 ± 0.1 | none: different runs |" in body
     assert "Compiled over eager by phase: train step: 1.50x. 1 cell ran both ways but in different runs" in body
     assert "9.00x" not in body + " ".join(answer_compiled_models(rows))
@@ -242,14 +246,14 @@ def _reference_rows(project_run: int, reference_run: int) -> list[dict]:
 
 
 def test_the_project_and_the_reference_are_compared_only_where_one_run_timed_both():
-    body = _flat(render_compiled_models(_reference_rows(2, 2)).body)
+    body = _flat(_torch_compile(_reference_rows(2, 2)))
     assert "timed the same way in the same run. Ratio of medians" in body
     assert "| small | 512 | fp32 | 60.0 ± 0.1 | 50.0 ± 0.1 | 1.20x |" in body
     answer = " ".join(answer_compiled_models(_reference_rows(2, 2)))
     assert "takes 1.20x its time (medians 60.0 ms and 50.0 ms); over 2 cells the ratio is 1.20x to 2.00x." in answer
 
     rows = _reference_rows(2, 3)
-    body = _flat(render_compiled_models(rows).body)
+    body = _flat(_torch_compile(rows))
     assert "in the same run" not in body and "Ratio of medians" not in body
     assert ("timed the same way. The two steps of every cell ran in different runs (project: run 2; reference: "
             "run 3), so no ratio is read; `pytest perf/test_e2e.py -k \"compiled or reference\"` times both in one "
@@ -264,7 +268,22 @@ def test_the_project_and_the_reference_are_compared_only_where_one_run_timed_bot
     answer = " ".join(answer_compiled_models(rows))
     assert ("takes 1.20x its time (medians 60.0 ms and 50.0 ms); 1 cell whose two steps ran in different runs is "
             "left out.") in answer
-    assert "The two steps of 1 of the 2 cells ran in different runs" in _flat(render_compiled_models(rows).body)
+    assert "The two steps of 1 of the 2 cells ran in different runs" in _flat(_torch_compile(rows))
+
+
+def test_the_profiled_breakdown_is_shown_only_beside_the_reference_it_belongs_to():
+    profiled = [_sweep_cell(512, "forward", None, None, table="breakdown", compile=True, profiled_steps=5,
+                            work_ms=10.0, matmul_ms=8.0, attention_ms=1.0, other_ms=1.0),
+                _sweep_cell(512, "step", None, None, table="breakdown", compile=True, profiled_steps=5,
+                            step_ms=12.0, busy_ms=9.0, idle_ms=3.0)]
+    body = _flat(_torch_compile(_reference_rows(2, 2) + profiled))
+    assert "### Where the time goes 5 more steps of each model under torch.profiler" in body
+    assert "| project | small | 512 | fp32 | forward | 10.0 | 80% | 10% | 10% | | | |" in body
+    assert "| project | small | 512 | fp32 | step | | | | | 12.0 | 9.0 (75%) | 3.0 |" in body
+    # The project's compiled steps, profiled, with no reference step to set them beside.
+    project = [row for row in _reference_rows(2, 2) if row["table"] == "sweep"]
+    body = _torch_compile(project + profiled)
+    assert "## Whole model" in body and "Where the time goes" not in body and "| project |" not in body
 
 
 def test_bf16_is_answered_at_the_largest_size_trained_in_both_precisions_and_forwards_alone_are_summarised_apart():
@@ -597,5 +616,5 @@ def test_a_profiled_cell_whose_step_does_not_fit_breaks_down_the_forward_and_bac
         ("train", "forward_backward")}
     assert all(r["work_ms"] > 0 for r in profiled[:2]) and profiled[2]["step_ms"] > 0
     # The report says whose step the breakdown timed.
-    body = _flat(render_compiled_models(_reference_rows(2, 2) + profiled).body)
+    body = _flat(_torch_compile(_reference_rows(2, 2) + profiled))
     assert "| project | tiny | 16 | fp32 | step (forward+backward only) |" in body

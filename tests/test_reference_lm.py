@@ -9,7 +9,7 @@ from cs336_systems.benchmarks.e2e import E2EConfig, benchmark_model
 from cs336_systems.benchmarks.reference_lm import ReferenceLM
 from cs336_systems.lm_training import lm_loss
 from cs336_systems.model import ModelConfig, TransformerLM, count_parameters
-from cs336_systems.reports.e2e import render_compiled_models
+from cs336_systems.reports import problems
 from cs336_systems.rows import REFERENCE_MODEL
 
 
@@ -38,7 +38,7 @@ def test_benchmark_rows_of_the_reference_say_so_and_the_report_sets_them_beside_
     project = [{**row, "table": "sweep"} for row in benchmark_model(cfg, "cpu")]
     reference = [{**row, "table": "reference"} for row in benchmark_model(cfg, "cpu", reference=True)]
     assert {r["model"] for r in reference} == {REFERENCE_MODEL} and all("model" not in r for r in project)
-    body = render_compiled_models(project + reference).body
+    body = problems.report("torch_compile").render(project + reference).body
     assert "## The compiled step against a torch-native reference" in body
     ratio = project[-1]["median_ms"] / reference[-1]["median_ms"]
     assert "| tiny   | 16        | fp32        |" in body and f"{ratio:.2f}x" in body

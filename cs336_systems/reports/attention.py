@@ -1,7 +1,8 @@
 """The answers of naive attention's reports: pytorch_attention (timings and memory by head dimension and sequence
 length, the cells that run out of memory, the closed-form memory accounting against measurement) and the attention
-part of torch_compile (eager against compiled, beside the whole model's part from cs336_systems.reports.e2e). Their
-tables and plot are declared in cs336_systems.reports.problems; the package's benchmarks/attention.py measures them.
+part of torch_compile (eager against compiled, beside the whole model's part, whose text is
+cs336_systems.reports.e2e's). Their tables and plot are declared in cs336_systems.reports.problems; the package's
+benchmarks/attention.py measures them.
 """
 
 from __future__ import annotations
@@ -375,11 +376,6 @@ def compiled_findings(rows: list[Row]) -> str:
             ran = "compiled" if pair["compiled"]["status"] == "ok" else "eager"
             lines.append(f"- d={pair['d']}, N={pair['N']}: only {ran} attention fits in memory.")
     return "\n".join(lines) + "\n" if lines else ""
-
-
-def whole_model(rows: list[Row]) -> str:
-    """The whole model's part of torch_compile, as cs336_systems.reports.e2e renders it."""
-    return e2e.render_compiled_models(latest_cells(rows, TORCH_COMPILE_KEY)).body
 
 
 # ---------------------------------------------------------------------------------------------- answers

@@ -1,7 +1,9 @@
-"""The reports of the end-to-end model benchmarks: benchmarking_script (time per phase by size and
+"""The answers of the end-to-end model benchmarks' reports: benchmarking_script (time per phase by size and
 context, the warm-up study), benchmarking_mixed_precision (autocast dtypes, normalisation statistics in low
-precision, fp32 against bf16) and the whole-model part of torch_compile (eager against compiled, and
-against a torch-native reference), with their answers. The package's benchmarks/e2e.py measures them.
+precision, fp32 against bf16) and the whole-model part of torch_compile (eager against compiled, and against a
+torch-native reference): their text parts, the cells their tables show, and the answers. Their tables are declared
+in cs336_systems.reports.problems, all but fp32 against bf16, whose lines, with columns for each other variant the
+sweep ran, are built here (precision_comparison). The package's benchmarks/e2e.py measures them.
 """
 
 from __future__ import annotations
@@ -16,7 +18,6 @@ from cs336_systems.model import size_order
 from cs336_systems.reports import (
     NOISY_RELATIVE_STD,
     UNPAIRED,
-    Rendered,
     Reports,
     SpeedUps,
     find,
@@ -26,7 +27,6 @@ from cs336_systems.reports import (
     format_share,
     is_noisy,
     listing,
-    markdown_table,
     noisy_marked,
     not_in_report,
     oom_note,
@@ -515,51 +515,35 @@ def precision_speedups(sweep: list[Row]) -> str:
             + _unpaired_note([timings, *extra.values()], "precision", "fp32", "bf16") + "\n")
 
 
-def render_compiled_models(rows: list[Row]) -> Rendered:
-    """The whole-model part of the torch_compile report (attention.render_torch_compile renders it all)."""
-    model_rows = [r for r in rows if r.get("table") == "sweep"]
-    if not model_rows:
-        return Rendered("")
-    table = _comparison_table(model_rows, "compile", False, True, "eager", "compiled")
-    summary = _speedup_summary(model_rows, "compile", False, True)
-    compiled_first = [r for r in ok_rows(model_rows) if r["compile"] and r["phase"] == "forward"]
+def compiled_models_setup(sweep: list[Row]) -> str:
+    return (f"## Whole model: eager against torch.compile\n\n{_sweep_setup(sweep)}. Compiled cells compile each "
+            "Transformer block (regional compilation); embedding, final norm, LM head and AdamW run eagerly. The "
+            "compiling first warm-up step is not timed.\n")
+
+
+def compiled_speedups(sweep: list[Row]) -> str:
+    """Compiled over eager by phase, how long the compiling first step took, and the cells no speed-up compares."""
+    summary = _speedup_summary(sweep, "compile", False, True)
+    compiled_first = [r for r in ok_rows(sweep) if r["compile"] and r["phase"] == "forward"]
     compile_note = ""
     if compiled_first:
         slowest = max(compiled_first, key=lambda r: r["first_step_ms"])
         compile_note = (f" The first (compiling) step took up to {slowest['first_step_ms'] / 1e3:.1f} s "
                         f"({slowest['size']}, context {slowest['context_length']}, {slowest['precision']}).")
-    return Rendered("\n".join([
-        f"## Whole model: eager against torch.compile\n\n{_sweep_setup(model_rows)}. Compiled cells compile each "
-        "Transformer block (regional compilation); embedding, final norm, LM head and AdamW run eagerly. The "
-        "compiling first warm-up step is not timed.\n",
-        markdown_table(table),
-        (f"Compiled over eager by phase: {summary}.{compile_note}" if summary else "")
-        + _unpaired_note([model_rows], "compile", False, True) + "\n",
-        _reference_section(rows)]))
+    return ((f"Compiled over eager by phase: {summary}.{compile_note}" if summary else "")
+            + _unpaired_note([sweep], "compile", False, True) + "\n")
 
 
 # Measures the project's compiled steps and the reference's in one run, which pairs them.
 REFERENCE_COMMAND = 'pytest perf/test_e2e.py -k "compiled or reference"'
 
 
-def _reference_section(rows: list[Row]) -> str:
-    """The compiled training step against the torch-native reference of the same cell, and where the
-    profiled steps of both spent their time."""
+def reference_setup(rows: list[Row]) -> str:
+    """The section setting the compiled training step beside the torch-native reference's of the same cell: what
+    the reference is, and whether one run timed both; "" where no cell has both."""
     steps = _reference_steps(rows)
     if not steps:
         return ""
-    table = []
-    for cell, (ours, theirs) in steps.items():
-        entry = {"size": cell[0], "context": cell[1], "precision": cell[2],
-                 "project (ms)": mean_std(ours), "torch reference (ms)": mean_std(theirs),
-                 "project / reference": format_ratio(ours["median_ms"] / theirs["median_ms"])
-                 if same_run(ours, theirs) else UNPAIRED}
-        if ours.get("host_ms") and theirs.get("host_ms"):
-            entry["host issue / step: project; reference"] = (f"{format_share(ours['host_ms'] / ours['median_ms'])}; "
-                                                              f"{format_share(theirs['host_ms'] / theirs['median_ms'])}")
-        if "sm_clock_mhz" in ours and "sm_clock_mhz" in theirs:
-            entry["GPU clock: project; reference"] = f"{clock_note(ours)}; {clock_note(theirs)}"
-        table.append(entry)
     unpaired = [pair for pair in steps.values() if not same_run(*pair)]
     if not unpaired:
         runs = " in the same run"
@@ -572,8 +556,36 @@ def _reference_section(rows: list[Row]) -> str:
              if len(unpaired) < len(steps) else "")
     return ("## The compiled step against a torch-native reference\n\n"
             f"The reference is the same architecture in torch's own modules ({REFERENCE_MODEL_SOURCE}), compiled as "
-            f"one graph, with the same AdamW, timed the same way{runs}.{ratio}\n\n" + markdown_table(table)
-            + _breakdown_section(rows))
+            f"one graph, with the same AdamW, timed the same way{runs}.{ratio}\n")
+
+
+def reference_lines(rows: list[Row]) -> list[Row]:
+    """One line per cell (size, context, precision) of `_reference_steps`: under "project" and "reference" its two
+    training steps."""
+    return [{"size": size, "context_length": context, "precision": precision, "project": ours, "reference": theirs}
+            for (size, context, precision), (ours, theirs) in _reference_steps(rows).items()]
+
+
+def ratio_cell(line: Row) -> str:
+    """A reference line's project median over the reference's, where one run timed both."""
+    ours, theirs = line["project"], line["reference"]
+    return format_ratio(ours["median_ms"] / theirs["median_ms"]) if same_run(ours, theirs) else UNPAIRED
+
+
+def host_issue_cell(line: Row) -> str | None:
+    """The share of each model's median step the host took to issue it, where both were measured."""
+    ours, theirs = line["project"], line["reference"]
+    if not (ours.get("host_ms") and theirs.get("host_ms")):
+        return None
+    return "; ".join(format_share(step["host_ms"] / step["median_ms"]) for step in (ours, theirs))
+
+
+def clock_cell(line: Row) -> str | None:
+    """Each model's GPU clock during its steps (`clock_note`), where both were read."""
+    ours, theirs = line["project"], line["reference"]
+    if "sm_clock_mhz" not in ours or "sm_clock_mhz" not in theirs:
+        return None
+    return f"{clock_note(ours)}; {clock_note(theirs)}"
 
 
 def clock_note(row: Row) -> str:
@@ -601,38 +613,51 @@ def _reference_cells(rows: list[Row]) -> dict[tuple, tuple[Row, Row]]:
     return {cell: pair for cell, pair in _reference_steps(rows).items() if same_run(*pair)}
 
 
-def _breakdown_section(rows: list[Row]) -> str:
-    profiled = select(rows, table=BREAKDOWN_TABLE)
+def _profiled(rows: list[Row]) -> list[Row]:
+    """The rows of the steps profiled under torch.profiler, where the reference section shows (they belong to it)."""
+    return select(rows, table=BREAKDOWN_TABLE) if _reference_steps(rows) else []
+
+
+def breakdown_setup(rows: list[Row]) -> str:
+    profiled = _profiled(rows)
     if not profiled:
         return ""
-    table = []
-    for r in sorted(profiled, key=lambda r: (size_order(r["size"]), r["context_length"], r["precision"],
-                                             r.get("model") or "", (*STEP_PHASES, "step").index(r["phase"]))):
-        entry = {"model": r.get("model") or "project", "size": r["size"], "context": r["context_length"],
-                 "precision": r["precision"], "phase": r["phase"]}
-        measured_mode = r.get("measured_mode")
-        if r["phase"] == "step" and measured_mode not in (None, r.get("mode")):
-            # The cell's own step did not fit: what was profiled is the smaller mode that ran.
-            entry["phase"] = f"step ({PHASE_LABELS[measured_mode]} only)"
-        if r["phase"] == "step":
-            busy = r.get("busy_ms")
-            entry.update({"step (ms)": f"{r['step_ms']:.1f}",
-                          "GPU busy (ms)": "" if busy is None else f"{busy:.1f} ({format_share(busy / r['step_ms'])})",
-                          "GPU idle (ms)": "" if busy is None else f"{r['idle_ms']:.1f}"})
-        else:
-            entry.update({"kernels (ms)": f"{r['work_ms']:.1f}", "matmul": format_share(_part(r, "matmul_ms")),
-                          "attention": format_share(_part(r, "attention_ms")),
-                          "other": format_share(_part(r, "other_ms"))})
-        table.append(entry)
     steps = profiled[0].get("profiled_steps")
-    return (f"\n### Where the time goes\n\n{plural(steps, 'more step')} of each model under torch.profiler: per "
+    return (f"### Where the time goes\n\n{plural(steps, 'more step')} of each model under torch.profiler: per "
             "phase, kernel time per step split into matmuls, fused attention and the rest; per step, its time under "
             "the profiler (which adds host work), GPU busy, and GPU idle (waiting for the host). Kernels can "
-            "overlap, so the phases' kernel times may exceed the busy time.\n\n" + markdown_table(table))
+            "overlap, so the phases' kernel times may exceed the busy time.\n")
 
 
-def _part(row: Row, column: str) -> float:
-    return row[column] / row["work_ms"] if row["work_ms"] else 0.0
+def breakdown_lines(rows: list[Row]) -> list[Row]:
+    """The profiled rows as their table shows them: by cell, the project's before the reference's, phases in the
+    order a step runs them and the whole step last."""
+    return sorted(_profiled(rows), key=lambda r: (size_order(r["size"]), r["context_length"], r["precision"],
+                                                 r.get("model") or "", (*STEP_PHASES, "step").index(r["phase"])))
+
+
+def breakdown_phase_cell(row: Row) -> str:
+    """A profiled row's phase; a step that is a smaller mode's, where the cell's own step did not fit, says so."""
+    measured_mode = row.get("measured_mode")
+    if row["phase"] == "step" and measured_mode not in (None, row.get("mode")):
+        return f"step ({PHASE_LABELS[measured_mode]} only)"
+    return row["phase"]
+
+
+def kernel_share_cell(column: str) -> Callable[[Row], str]:
+    """A profiled phase's kernel time of one kind (`column`) as a share of all its kernel time."""
+    return lambda row: format_share(row[column] / row["work_ms"] if row["work_ms"] else 0.0)
+
+
+def busy_cell(row: Row) -> str:
+    """A profiled step's GPU busy time and its share of the step; "" where not measured."""
+    busy = row.get("busy_ms")
+    return "" if busy is None else f"{busy:.1f} ({format_share(busy / row['step_ms'])})"
+
+
+def idle_cell(row: Row) -> str:
+    """A profiled step's GPU idle time (waiting for the host); "" where its busy time was not measured."""
+    return "" if row.get("busy_ms") is None else f"{row['idle_ms']:.1f}"
 
 
 # ---------------------------------------------------------------------------------------------- answers

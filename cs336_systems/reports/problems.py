@@ -291,7 +291,7 @@ FSDP_TP_TABLE = Table(where={"table": "node"}, columns=(
     Column("shared: bottlenecked", parallelism_calcs.yes_no("shared_comm_bottlenecked"))))
 
 
-# Naive attention (pytorch_attention, torch_compile)
+# Naive attention (pytorch_attention)
 PYTORCH_ATTENTION = Layout((
     Text(attention.timings_setup),
     Table(order=attention.cell_order, columns=(
@@ -324,27 +324,6 @@ PYTORCH_ATTENTION = Layout((
          xscale=LOG2, yscale=LOG, xlabel="sequence length N", ylabel="memory before backward (GiB)",
          title="Naive attention: memory in use before backward", alt="memory before backward against N",
          tight_layout=False)), requires={"attention": "naive"})
-
-
-def _compiled_ms(way: str, phase: str) -> Column:
-    return Column(f"{phase} {way} (ms)", lambda pair: attention.ms(phase)(pair[way]))
-
-
-def _compiled_memory(way: str) -> Column:
-    return Column(f"before backward, {way} (GiB)", optional=True,
-                  value=lambda pair: pair[way] and attention.gib(pair[way].get("memory_before_backward_bytes")))
-
-
-TORCH_COMPILE = Layout((
-    Text(attention.compiled_setup),
-    Table(where={"table": "attention"}, rows_of=attention.compiled_pairs, columns=(
-        "d", "N", *(column for phase in attention.PHASES for column in (
-            _compiled_ms("eager", phase), _compiled_ms("compiled", phase),
-            Column(f"{phase} speed-up", attention.speedup(phase)))),
-        _compiled_memory("eager"), _compiled_memory("compiled"),
-        Column("compiled: first fwd+bwd (s)", attention.first_pass_s))),
-    Text(attention.compiled_findings),
-    Text(attention.whole_model)))
 
 
 # Kernel tables of a training step (nsys_profile)
@@ -506,6 +485,65 @@ BENCHMARKING_MIXED_PRECISION = Layout((
     # fp32 against bf16 per cell: two rows and their ratio on each line, which no pivot shows.
     Text(e2e.precision_setup, SWEEP), Table(where=SWEEP, rows_of=e2e.precision_comparison),
     Text(e2e.precision_speedups, SWEEP)), rows_of=lambda rows: e2e.latest_cells(rows, MIXED_PRECISION_KEY))
+
+
+# torch_compile: naive attention (reports.attention), then the whole model (reports.e2e): eager against
+# compiled, and the compiled step against a torch-native reference; the latest run's row of each cell.
+def _compiled_ms(way: str, phase: str) -> Column:
+    return Column(f"{phase} {way} (ms)", lambda pair: attention.ms(phase)(pair[way]))
+
+
+def _compiled_memory(way: str) -> Column:
+    return Column(f"before backward, {way} (GiB)", optional=True,
+                  value=lambda pair: pair[way] and attention.gib(pair[way].get("memory_before_backward_bytes")))
+
+
+def _of_phases(value: Callable[[Row], Any]) -> Callable[[Row], Any]:
+    """A profiled phase's cell of `value`; none on a whole step's line."""
+    return lambda row: None if row["phase"] == "step" else value(row)
+
+
+def _of_steps(value: Callable[[Row], Any]) -> Callable[[Row], Any]:
+    """A profiled whole step's cell of `value`; none on a phase's line."""
+    return lambda row: value(row) if row["phase"] == "step" else None
+
+
+TORCH_COMPILE = Layout((
+    Text(attention.compiled_setup),
+    Table(where={"table": "attention"}, rows_of=attention.compiled_pairs, columns=(
+        "d", "N", *(column for phase in attention.PHASES for column in (
+            _compiled_ms("eager", phase), _compiled_ms("compiled", phase),
+            Column(f"{phase} speed-up", attention.speedup(phase)))),
+        _compiled_memory("eager"), _compiled_memory("compiled"),
+        Column("compiled: first fwd+bwd (s)", attention.first_pass_s))),
+    Text(attention.compiled_findings),
+    Text(e2e.compiled_models_setup, SWEEP),
+    # A line per cell: its eager and compiled rows side by side, and their ratio.
+    Table(where=SWEEP, rows_of=lambda rows: e2e.comparison_lines(rows, "compile", False, True), columns=(
+        "size", "context_length", "precision", Column("phase", e2e.phase_cell),
+        Column("eager (ms)", e2e.time_cell("base")), Column("compiled (ms)", e2e.time_cell("other")),
+        Column("speed-up", e2e.speedup_cell), Column("eager MFU", e2e.mfu_cell("base"), optional=True),
+        Column("compiled MFU", e2e.mfu_cell("other"), optional=True))),
+    Text(e2e.compiled_speedups, SWEEP),
+    Text(e2e.reference_setup),
+    Table(rows_of=e2e.reference_lines, columns=(
+        "size", Column("context", "context_length"), "precision", Column("project (ms)", e2e.time_cell("project")),
+        Column("torch reference (ms)", e2e.time_cell("reference")), Column("project / reference", e2e.ratio_cell),
+        Column("host issue / step: project; reference", e2e.host_issue_cell, optional=True),
+        Column("GPU clock: project; reference", e2e.clock_cell, optional=True))),
+    Text(e2e.breakdown_setup),
+    # Phases split their kernel time, steps their wall time: each kind of line leaves the other's columns empty.
+    Table(rows_of=e2e.breakdown_lines, columns=(
+        Column("model", lambda r: r.get("model") or "project"), "size", Column("context", "context_length"),
+        "precision", Column("phase", e2e.breakdown_phase_cell),
+        Column("kernels (ms)", _of_phases(lambda r: f"{r['work_ms']:.1f}"), optional=True),
+        *(Column(kind, _of_phases(e2e.kernel_share_cell(f"{kind}_ms")), optional=True)
+          for kind in ("matmul", "attention", "other")),
+        Column("step (ms)", _of_steps(lambda r: f"{r['step_ms']:.1f}"), optional=True),
+        Column("GPU busy (ms)", _of_steps(e2e.busy_cell), optional=True),
+        Column("GPU idle (ms)", _of_steps(e2e.idle_cell), optional=True)))),
+    rows_of=lambda rows: e2e.latest_cells(rows, TORCH_COMPILE_KEY))
+
 
 # Mixed-precision accumulation (reports.mixed_precision).
 MIXED_PRECISION_ACCUMULATION = Layout((
