@@ -287,8 +287,9 @@ def device_memory_line(points: list[Row]) -> list[tuple[float, str]]:
 # ------------------------------------------------------------------------------ torch_compile (part)
 
 def _sweep(rows: list[Row]) -> list[Row]:
-    """The attention sweep's cells of torch_compile, the latest run's of each."""
-    return [r for r in latest_cells(rows, TORCH_COMPILE_KEY) if r.get("table") == "attention"]
+    """The attention sweep's cells of torch_compile's rows (the report and its answer read the latest run's row of
+    each cell)."""
+    return select(rows, table="attention")
 
 
 def compiled_pairs(rows: list[Row]) -> list[Row]:
