@@ -10,11 +10,14 @@ kind and code checked (record_path): the folder is the history of the checks.
     python -m cs336_systems.gpu_check                        # or: make gpu-check
     python -m cs336_systems.gpu_check --parts memcheck,racecheck
     python -m cs336_systems.gpu_check --parts tests:1/2,tests:2/2  # the one-process suite as two runs
+    python -m cs336_systems.gpu_check --parts "tests:*/12,memcheck:*/2,racecheck:*/4"  # shorter runs, more of them
     python -m cs336_systems.gpu_check --no-warm-up  # Triton's cache is warm from an earlier run here
 
 Most of a cold run is compiling kernels (a few hundred, seconds each): the parts' tests first run in
-parallel, which fills Triton's on-disk cache, and then the one-process runs (the suite or its shards, and
-each sanitizer) run side by side.
+parallel, which fills Triton's on-disk cache, and then the one-process runs (the suite or its splits, and
+each sanitizer or its splits) run side by side. A split deals a part's tests, not its files, between its runs
+(this module is also the pytest plugin that deals them, `-p cs336_systems.gpu_check --deal K/N`), so that the
+largest test file no longer sets the length of the longest run.
 
 `problems(record, kind, test_files)` says what is wrong with a record kept for GPU kind `kind` as evidence of
 the code it tested; the command prints it when it ends. `kernel_problems` says whether the current
@@ -40,6 +43,8 @@ from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor, as_completed
 from pathlib import Path
 from typing import Any
+
+import pytest
 
 from cs336_systems.gpus import device_slug
 
@@ -74,6 +79,8 @@ MEMCHECK_TESTS = ("tests/test_flash_triton.py", "-k",
 # forward (its merge reads what other programs stored) on one dtype, every head dim and alignment.
 RACECHECK_TESTS = ("tests/test_flash_triton.py", "-k", "every_launch_path and split and bf16 and not drawn")
 SANITIZER_TOOLS = {"memcheck": MEMCHECK_TESTS, "racecheck": RACECHECK_TESTS}
+# Each part's test selection: the suite, and each sanitizer's subset.
+SELECTIONS = {"tests": TESTS, **SANITIZER_TOOLS}
 
 
 OUTCOMES = ("passed", "failed", "errors", "skipped")
@@ -199,19 +206,42 @@ def _shell_prefix(environment: dict[str, str]) -> str:
     return "".join(f"{name}={value} " for name, value in environment.items())
 
 
-PARTS = ("tests", *SANITIZER_TOOLS)
-# "tests:K/N": the K-th of N one-process runs that share the suite's test files between them, for a
-# machine that cannot give one run as long as the whole suite takes; a record needs all N of one split
-# (or the whole suite's run).
-_SHARD = re.compile(r"tests:(\d+)/(\d+)")
+PARTS = tuple(SELECTIONS)
+# "<part>:K/N": the K-th of N one-process runs that deal the part's tests between them (every N-th test pytest
+# collects, from the K-th), for a machine that cannot give one run as long as the whole part takes; "<part>:*/N"
+# names all N. A record needs every run of one split of each part (or the part's whole run).
+_SPLIT = re.compile(r"(\w+):(\d+)/(\d+)")
+DEALER = "cs336_systems.gpu_check"  # this module as pytest loads it, the plugin that deals a split's tests (--deal)
 
 
-def shard(part: str) -> tuple[int, int] | None:
-    """(K, N) of a part "tests:K/N" with 1 <= K <= N; None for any other part."""
-    match = _SHARD.fullmatch(part)
-    if match is None or not 1 <= int(match[1]) <= int(match[2]):
+def split(part: str) -> tuple[str, int, int] | None:
+    """(part, K, N) of a run "<part>:K/N" of PARTS with 1 <= K <= N; None for any other name."""
+    match = _SPLIT.fullmatch(part)
+    if match is None or match[1] not in SELECTIONS or not 1 <= int(match[2]) <= int(match[3]):
         return None
-    return int(match[1]), int(match[2])
+    return match[1], int(match[2]), int(match[3])
+
+
+def part_of(run: str) -> str:
+    """The part a run belongs to: "racecheck" of "racecheck:2/4" and of "racecheck"."""
+    return found[0] if (found := split(run)) else run
+
+
+def expand(parts: Sequence[str]) -> tuple[str, ...]:
+    """`parts` with each "<part>:*/N" written out as its N runs."""
+    runs: list[str] = []
+    for part in parts:
+        match = re.fullmatch(r"(\w+):\*/(\d+)", part)
+        runs += [f"{match[1]}:{k}/{match[2]}" for k in range(1, int(match[2]) + 1)] if match else [part]
+    return tuple(runs)
+
+
+def selection(part: str) -> tuple[str, ...]:
+    """pytest's arguments for a run of `parts`: its part's selection, dealt where it is one of a split."""
+    if (found := split(part)) is None:
+        return SELECTIONS[part]
+    name, k, n = found
+    return (*SELECTIONS[name], "-p", DEALER, "--deal", f"{k}/{n}")
 
 
 def suite_test_files(test_dirs: Sequence[Path] = SUITE_DIRS) -> tuple[str, ...]:
@@ -220,9 +250,23 @@ def suite_test_files(test_dirs: Sequence[Path] = SUITE_DIRS) -> tuple[str, ...]:
                         if path.name != EVIDENCE_TESTS))
 
 
-def shard_files(k: int, n: int, test_dirs: Sequence[Path] = SUITE_DIRS) -> tuple[str, ...]:
-    """The test files of run K of N: every N-th file, by name, from the K-th (the evidence tests left out)."""
-    return suite_test_files(test_dirs)[k - 1::n]
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption("--deal", metavar="K/N", help="keep the K-th of every N tests collected (after -k and -m), "
+                     "K a comma-separated list: one run of a split of cs336_systems.gpu_check's parts")
+
+
+@pytest.hookimpl(trylast=True)  # after -k and -m have deselected theirs, so that a subset is dealt evenly
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if (deal := config.getoption("deal")) is None:
+        return
+    match = re.fullmatch(r"(\d+(?:,\d+)*)/(\d+)", deal)
+    dealt, n = ({int(k) for k in match[1].split(",")}, int(match[2])) if match else (set(), 0)
+    if not dealt or not all(1 <= k <= n for k in dealt):
+        raise pytest.UsageError(f"--deal: expected K/N with 1 <= K <= N (K may be a comma-separated list), "
+                                f"got {deal!r}")
+    kept = [item for i, item in enumerate(items) if i % n + 1 in dealt]
+    config.hook.pytest_deselected(items=[item for i, item in enumerate(items) if i % n + 1 not in dealt])
+    items[:] = kept
 
 
 def new_record() -> dict[str, Any]:
@@ -247,10 +291,10 @@ def new_record() -> dict[str, Any]:
 
 def run_checks(parts: tuple[str, ...], record: dict[str, Any], save=lambda record: None,
                log_dir: Path | None = None, warm_up: bool = True) -> dict[str, Any]:
-    """Run `parts` here (the suite in one process, whole or a shard, each sanitizer on its subset) into `record`'s
-    runs, handing it to `save` after each part. Without `warm_up`, the parts start at once, on the kernels an
-    earlier run left in Triton's cache."""
-    if shutil.which("compute-sanitizer") is None and set(parts) & set(SANITIZER_TOOLS):
+    """Run `parts` here (the suite in one process, whole or split, each sanitizer on its subset, whole or split)
+    into `record`'s runs, handing it to `save` after each part. Without `warm_up`, the parts start at once, on the
+    kernels an earlier run left in Triton's cache."""
+    if shutil.which("compute-sanitizer") is None and {part_of(part) for part in parts} & set(SANITIZER_TOOLS):
         raise SystemExit("gpu_check needs compute-sanitizer (part of the CUDA toolkit) on the PATH")
     with tempfile.TemporaryDirectory() as temporary:
         if log_dir is not None:
@@ -272,24 +316,33 @@ def run_checks(parts: tuple[str, ...], record: dict[str, Any], save=lambda recor
 def warm_ups(parts: tuple[str, ...]) -> list[tuple[str, ...]]:
     """The test selections run in parallel before `parts`: compiling is most of a cold run and each of the
     parts is one process, so the same tests on every core first leave their kernels in Triton's cache (what
-    the warm-ups find is not the record's). One run takes every test file of the suite's parts, and one
-    each sanitizer's subset where those files leave it out."""
-    files = sorted({name for part in parts if part not in SANITIZER_TOOLS
-                    for name in shard_files(*(shard(part) or (1, 1)))})
-    subsets = [SANITIZER_TOOLS[part] for part in parts
-               if part in SANITIZER_TOOLS and SANITIZER_TOOLS[part][0] not in files]
-    return ([tuple(files)] if files else []) + subsets
+    the warm-ups find is not the record's). One run for each part, of the tests its runs deal between them; none
+    for a sanitizer where the whole suite is warmed, which holds its subset."""
+    by_part: dict[str, list[str]] = {}
+    for run in parts:
+        by_part.setdefault(part_of(run), []).append(run)
+    selections = {part: _warmed(part, runs) for part, runs in by_part.items()}
+    whole_suite = selections.get("tests") == SELECTIONS["tests"]
+    return [chosen for part, chosen in selections.items() if not (whole_suite and part in SANITIZER_TOOLS)]
+
+
+def _warmed(part: str, runs: list[str]) -> tuple[str, ...]:
+    """The tests of `part` that its `runs` take: the whole selection, unless they are some runs of one split."""
+    found = [split(run) for run in runs]
+    sizes = {f[2] for f in found if f is not None}
+    dealt = sorted({f[1] for f in found if f is not None})
+    if None in found or len(sizes) != 1 or len(dealt) == min(sizes):
+        return SELECTIONS[part]
+    return (*SELECTIONS[part], "-p", DEALER, "--deal", f"{','.join(map(str, dealt))}/{sizes.pop()}")
 
 
 def _one_process_run(part: str, scratch: Path) -> tuple[str, dict[str, Any]]:
-    if part == "tests":
-        return "tests", _pytest(TESTS, scratch / "tests.xml")[0]
-    if part not in SANITIZER_TOOLS:
-        k, n = shard(part)
-        return part, _pytest(shard_files(k, n), scratch / f"tests-{k}-of-{n}.xml")[0]
-    run, output = _pytest(SANITIZER_TOOLS[part], scratch / f"{part}.xml", ("compute-sanitizer", "--tool", part))
-    return part, run | {"command": f"compute-sanitizer --tool {part} {run['command']}",
-                        "sanitizer_errors": sanitizer_error_count(output, part)}
+    junit = scratch / f"{part.replace(':', '-').replace('/', '-of-')}.xml"
+    if (name := part_of(part)) == "tests":
+        return part, _pytest(selection(part), junit)[0]
+    run, output = _pytest(selection(part), junit, ("compute-sanitizer", "--tool", name))
+    return part, run | {"command": f"compute-sanitizer --tool {name} {run['command']}",
+                        "sanitizer_errors": sanitizer_error_count(output, name)}
 
 
 def _driver_version() -> str:
@@ -320,24 +373,24 @@ def problems(record: dict[str, Any], kind: str, test_files: Sequence[str] | None
         if not run:
             found.append(f"no {name} run in the record")
             continue
-        discounted = _evidence_test_failures(run)
+        discounted, tool = _evidence_test_failures(run), part_of(name)
         if run["failed"] + run["errors"] > len(discounted):
             failures = [test for test in run["failures"] if test not in discounted]
             found.append(f"{name}: {run['failed']} failed, {run['errors']} errors ({', '.join(failures[:5])})")
         if not run["passed"]:
             found.append(f"{name}: no test passed")
-        if name in SANITIZER_TOOLS and run.get("sanitizer_errors") is None:
+        if tool in SANITIZER_TOOLS and run.get("sanitizer_errors") is None:
             found.append(f"{name}: compute-sanitizer printed no summary (it did not finish, or saw no CUDA call)")
-        elif name in SANITIZER_TOOLS and run["sanitizer_errors"]:
+        elif tool in SANITIZER_TOOLS and run["sanitizer_errors"]:
             found.append(f"{name}: compute-sanitizer reported {run['sanitizer_errors']} "
-                         + ("hazards" if name == "racecheck" else "errors"))
-    return found + _test_list_problems(record, [name for name in evidence if name not in SANITIZER_TOOLS],
+                         + ("hazards" if tool == "racecheck" else "errors"))
+    return found + _test_list_problems(record, [name for name in evidence if part_of(name) == "tests"],
                                        test_files)
 
 
 def _test_list_problems(record: dict[str, Any], suite_runs: list[str], test_files: Sequence[str] | None) -> list[str]:
     """Which of the suite's test files the record's suite runs left out, and runs that ran fewer tests than the
-    files they name (one test a shard, say). A run names its files with their counts (from its JUnit XML), or,
+    files they name (one test a split's run, say). A run names its files with their counts (from its JUnit XML), or,
     in a record from before runs counted them, with None."""
     expected = test_files if test_files is not None else record.get("test_files")
     if expected is None:
@@ -477,17 +530,19 @@ def _evidence_test_failures(run: dict[str, Any]) -> list[str]:
 
 
 def evidence_runs(runs: dict[str, Any]) -> list[str]:
-    """The runs a record needs: the suite in one process, whole or as every run of one split (shards of
-    several splits do not add up to the suite), and each sanitizer. A record may hold others (a run of
-    the suite in parallel, which an earlier version of this command made): shown, but no evidence."""
-    splits: dict[int, set[int]] = {}
-    for name in runs:
-        if (found := shard(name)) is not None:
-            splits.setdefault(found[1], set()).add(found[0])
-    complete = [n for n, ks in sorted(splits.items()) if ks == set(range(1, n + 1))]
-    tests = ["tests"] if "tests" in runs or not complete else [f"tests:{k}/{complete[0]}"
-                                                                for k in range(1, complete[0] + 1)]
-    return [*tests, *SANITIZER_TOOLS]
+    """The runs a record needs: the suite and each sanitizer in one process, each whole or as every run of one split
+    (runs of several splits do not add up to the part). A record may hold others (a run of the suite in parallel,
+    which an earlier version of this command made): shown, but no evidence."""
+    needed = []
+    for part in PARTS:
+        splits: dict[int, set[int]] = {}
+        for name in runs:
+            if (found := split(name)) is not None and found[0] == part:
+                splits.setdefault(found[2], set()).add(found[1])
+        complete = [n for n, ks in sorted(splits.items()) if ks == set(range(1, n + 1))]
+        needed += [part] if part in runs or not complete else [f"{part}:{k}/{complete[0]}"
+                                                               for k in range(1, complete[0] + 1)]
+    return needed
 
 
 def render(record: dict[str, Any], kind: str) -> str:
@@ -538,17 +593,18 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--report-dir", default="reports",
                         help=f"the record goes to REPORT_DIR/<gpu>/{RECORD_NAME}/, one file for each code checked")
     parser.add_argument("--parts", default=",".join(PARTS),
-                        help=f"comma-separated subset of {', '.join(PARTS)} (default all), or tests:K/N for the "
-                             "K-th of N one-process runs that share the test files; a record of the same code "
-                             "keeps the parts not run again")
+                        help=f"comma-separated subset of {', '.join(PARTS)} (default all), each also as PART:K/N, the "
+                             "K-th of N one-process runs that deal the part's tests between them, or PART:*/N for "
+                             "all N; a record of the same code keeps the runs not made again")
     parser.add_argument("--log-dir", type=Path, help="keep each run's output (PART.log) and JUnit XML here")
     parser.add_argument("--no-warm-up", action="store_true",
                         help="start the parts at once: an earlier run on this machine left their kernels in "
                              "Triton's cache (a cold warm-up of the whole suite takes minutes)")
     args = parser.parse_args(argv)
-    parts = tuple(p.strip() for p in args.parts.split(",") if p.strip())
-    if not parts or any(part not in PARTS and shard(part) is None for part in parts):
-        parser.error(f"--parts: choose from {', '.join(PARTS)} or tests:K/N (1 <= K <= N), got {args.parts!r}")
+    parts = expand([p.strip() for p in args.parts.split(",") if p.strip()])
+    if not parts or any(part not in PARTS and split(part) is None for part in parts):
+        parser.error(f"--parts: choose from {', '.join(PARTS)}, each also as PART:K/N (1 <= K <= N) or PART:*/N, "
+                     f"got {args.parts!r}")
     slug, _ = resolve_gpu("auto")
     record = new_record()
     path = record_path(Path(args.report_dir) / slug, record)

@@ -224,30 +224,61 @@ def test_a_junit_classname_names_its_test_file():
     assert gpu_check.junit_test_file("tests.test_plugin.TestGates") == "tests/test_plugin.py"
 
 
-def test_shards_deal_every_test_file_but_the_evidence_tests_into_exactly_one_run():
-    tests_dir = Path(__file__).parent
-    every = sorted(str(path) for path in tests_dir.glob("test_*.py") if path.name != gpu_check.EVIDENCE_TESTS)
-    assert len(every) == len(list(tests_dir.glob("test_*.py"))) - 1
-    for n in (1, 2, 3):
-        dealt = [file for k in range(1, n + 1) for file in gpu_check.shard_files(k, n, (tests_dir,))]
-        assert sorted(dealt) == every
-    assert gpu_check.shard("tests:2/3") == (2, 3)
-    assert [gpu_check.shard(part) for part in ("tests:0/2", "tests:3/2", "tests", "memcheck")] == [None] * 4
+def test_a_split_names_its_part_and_its_run_and_star_names_all_its_runs():
+    assert gpu_check.split("tests:2/3") == ("tests", 2, 3)
+    assert gpu_check.split("racecheck:4/4") == ("racecheck", 4, 4)
+    assert [gpu_check.split(part) for part in ("tests:0/2", "tests:3/2", "unit:1/2", "tests", "memcheck")] == [None] * 5
+    assert gpu_check.expand(["tests:*/3", "memcheck", "racecheck:*/2"]) == (
+        "tests:1/3", "tests:2/3", "tests:3/3", "memcheck", "racecheck:1/2", "racecheck:2/2")
+    assert gpu_check.part_of("racecheck:1/2") == "racecheck" and gpu_check.part_of("tests") == "tests"
+    assert gpu_check.selection("memcheck:1/2") == (*gpu_check.MEMCHECK_TESTS, "-p", gpu_check.DEALER, "--deal", "1/2")
+    assert gpu_check.selection("tests") == gpu_check.TESTS
 
 
-def test_one_warm_up_takes_the_files_of_every_suite_part_and_a_sanitizer_subset_only_where_they_miss_it(
-        monkeypatch):
-    monkeypatch.chdir(Path(__file__).parent.parent)  # gpu_check runs from the repository root
-    flash = gpu_check.MEMCHECK_TESTS[0]
-    holder = next(f"tests:{k}/8" for k in range(1, 9) if flash in gpu_check.shard_files(k, 8))
-    other = next(f"tests:{k}/8" for k in range(1, 9) if flash not in gpu_check.shard_files(k, 8))
-    files = {part: gpu_check.shard_files(*gpu_check.shard(part)) for part in (holder, other)}
+DEALT = """
+import pytest
 
-    assert gpu_check.warm_ups((holder, other, "memcheck", "racecheck")) == [
-        tuple(sorted(files[holder] + files[other]))]
-    assert gpu_check.warm_ups((other, "memcheck")) == [files[other], gpu_check.MEMCHECK_TESTS]
+@pytest.mark.parametrize("i", range(7))
+def test_kept(i):
+    pass
+
+@pytest.mark.parametrize("i", range(5))
+def test_left_out(i):
+    pass
+"""
+
+
+@pytest.mark.parametrize("n", [1, 3, 4])
+def test_the_runs_of_a_split_deal_every_selected_test_into_exactly_one_of_them(pytester, n):
+    # Dealt after -k deselects, so that a sanitizer's subset of a file is dealt evenly and not as the whole file was.
+    pytester.makepyfile(test_dealt=DEALT)
+    ran = []
+    for k in range(1, n + 1):
+        result = pytester.runpytest("-p", gpu_check.DEALER, "--deal", f"{k}/{n}", "-k", "kept", "-v")
+        ids = [line.split("::")[1].split(" ")[0] for line in result.outlines if " PASSED" in line]
+        assert len(ids) in (7 // n, 7 // n + 1)
+        ran += ids
+    assert sorted(ran) == sorted(f"test_kept[{i}]" for i in range(7))
+    together = pytester.runpytest("-p", gpu_check.DEALER, "--deal", "1,2/3", "-k", "kept")
+    together.assert_outcomes(passed=5)
+
+
+def test_a_deal_out_of_range_is_a_usage_error(pytester):
+    pytester.makepyfile(test_dealt=DEALT)
+    result = pytester.runpytest("-p", gpu_check.DEALER, "--deal", "4/3")
+    assert result.ret == pytest.ExitCode.USAGE_ERROR
+    result.stderr.fnmatch_lines(["*--deal: expected K/N with 1 <= K <= N*got '4/3'*"])
+
+
+def test_one_warm_up_takes_the_tests_each_part_deals_and_a_sanitizer_subset_only_where_the_suite_is_not_whole():
+    dealt = ("-p", gpu_check.DEALER, "--deal")
+    assert gpu_check.warm_ups(gpu_check.PARTS) == [gpu_check.TESTS]
+    assert gpu_check.warm_ups(gpu_check.expand(["tests:*/8", "memcheck:*/2", "racecheck"])) == [gpu_check.TESTS]
+    assert gpu_check.warm_ups(("tests:1/8", "tests:3/8", "racecheck:2/4", "memcheck")) == [
+        (*gpu_check.TESTS, *dealt, "1,3/8"), (*gpu_check.RACECHECK_TESTS, *dealt, "2/4"), gpu_check.MEMCHECK_TESTS]
     assert gpu_check.warm_ups(("racecheck",)) == [gpu_check.RACECHECK_TESTS]
-    assert gpu_check.warm_ups(gpu_check.PARTS) == [gpu_check.shard_files(1, 1)]
+    # Runs of two splits of one part (or a split beside the whole run): the whole part.
+    assert gpu_check.warm_ups(("memcheck:1/2", "memcheck:1/3")) == [gpu_check.MEMCHECK_TESTS]
 
 
 def test_the_whole_suite_run_takes_the_conformance_suite_and_leaves_out_the_tests_of_the_record_it_replaces():
@@ -282,7 +313,7 @@ def _rendered(record):
     return record | {"date": "2026-11-26 19:06 UTC", "command": "python -m cs336_systems.gpu_check"}
 
 
-def test_a_split_suite_counts_only_when_every_run_of_one_split_is_there():
+def test_a_split_part_counts_only_when_every_run_of_one_split_is_there():
     first, second = ({file: counts} for file, counts in _run()["test_files"].items())
     whole = _record(tests=None, **{"tests:1/2": _run(test_files=first), "tests:2/2": _run(test_files=second)})
     assert gpu_check.problems(whole, "h100") == []
@@ -290,10 +321,21 @@ def test_a_split_suite_counts_only_when_every_run_of_one_split_is_there():
     assert any("no tests run" in found for found in gpu_check.problems(half, "h100"))
     failed = _record(tests=None, **{"tests:1/2": _run(), "tests:2/2": _run(failed=1, failures=["tests/x.py::t"])})
     assert any("tests:2/2: 1 failed" in found for found in gpu_check.problems(failed, "h100"))
+    # A sanitizer too: each of its runs holds its own summary.
+    racecheck = {f"racecheck:{k}/2": _run(sanitizer_errors=0) for k in (1, 2)}
+    assert gpu_check.problems(_record(racecheck=None, **racecheck), "h100") == []
+    assert gpu_check.problems(_record(racecheck=None, **{"racecheck:1/2": _run(sanitizer_errors=0)}), "h100") == [
+        "no racecheck run in the record"]
+    hazards = racecheck | {"racecheck:2/2": _run(sanitizer_errors=2)}
+    assert gpu_check.problems(_record(racecheck=None, **hazards), "h100") == [
+        "racecheck:2/2: compute-sanitizer reported 2 hazards"]
+    unsummarised = {"memcheck:1/1": _run()}
+    assert gpu_check.problems(_record(memcheck=None, **unsummarised), "h100") == [
+        "memcheck:1/1: compute-sanitizer printed no summary (it did not finish, or saw no CUDA call)"]
 
 
 def test_parts_are_checked_before_anything_runs():
-    for parts in ("tests:3/2", "unit", ""):
+    for parts in ("tests:3/2", "unit", "", "unit:*/2", "racecheck:0/2"):
         with pytest.raises(SystemExit):
             gpu_check.main(["--parts", parts])
 
@@ -305,7 +347,7 @@ def test_the_parts_start_at_once_where_the_warm_up_is_left_out(warm_up, monkeypa
     monkeypatch.setattr(gpu_check, "_one_process_run", lambda part, scratch: (part, _run()))
     record = gpu_check.run_checks(("tests:1/2",), {"runs": {}}, warm_up=warm_up)
     assert record["runs"] == {"tests:1/2": _run()}
-    assert warmed == ([(*gpu_check.shard_files(1, 2), "-n", "auto")] if warm_up else [])
+    assert warmed == ([(*gpu_check.TESTS, "-p", gpu_check.DEALER, "--deal", "1/2", "-n", "auto")] if warm_up else [])
 
 
 def _report(kind_dir: Path, *runs, rows=({"x": 1},)):
