@@ -241,7 +241,12 @@ def selection(part: str) -> tuple[str, ...]:
     if (found := split(part)) is None:
         return SELECTIONS[part]
     name, k, n = found
-    return (*SELECTIONS[name], "-p", DEALER, "--deal", f"{k}/{n}")
+    return _dealt(name, (k,), n)
+
+
+def _dealt(part: str, runs: Sequence[int], n: int) -> tuple[str, ...]:
+    """pytest's arguments for runs `runs` of a split of `part` into `n`: its selection, dealt by DEALER."""
+    return (*SELECTIONS[part], "-p", DEALER, "--deal", f"{','.join(map(str, runs))}/{n}")
 
 
 def suite_test_files(test_dirs: Sequence[Path] = SUITE_DIRS) -> tuple[str, ...]:
@@ -333,7 +338,7 @@ def _warmed(part: str, runs: list[str]) -> tuple[str, ...]:
     dealt = sorted({f[1] for f in found if f is not None})
     if None in found or len(sizes) != 1 or len(dealt) == min(sizes):
         return SELECTIONS[part]
-    return (*SELECTIONS[part], "-p", DEALER, "--deal", f"{','.join(map(str, dealt))}/{sizes.pop()}")
+    return _dealt(part, dealt, sizes.pop())
 
 
 def _one_process_run(part: str, scratch: Path) -> tuple[str, dict[str, Any]]:
