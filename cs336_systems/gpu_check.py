@@ -15,9 +15,10 @@ kind and code checked (record_path): the folder is the history of the checks.
 
 Most of a cold run is compiling kernels (a few hundred, seconds each): the parts' tests first run in
 parallel, which fills Triton's on-disk cache, and then the one-process runs (the suite or its splits, and
-each sanitizer or its splits) run side by side. A split deals a part's tests, not its files, between its runs
-(this module is also the pytest plugin that deals them, `-p cs336_systems.gpu_check --deal K/N`), so that the
-largest test file no longer sets the length of the longest run.
+each sanitizer or its splits) run side by side, each with its share of the cores' threads. A split deals a
+part's tests, not its files, between its runs (this module is also the pytest plugin that deals them,
+`-p cs336_systems.gpu_check --deal K/N`), so that the largest test file no longer sets the length of the
+longest run.
 
 `problems(record, kind, test_files)` says what is wrong with a record kept for GPU kind `kind` as evidence of
 the code it tested; the command prints it when it ends. `kernel_problems` says whether the current
@@ -66,9 +67,6 @@ EVIDENCE_TESTS = "test_gpu_evidence.py"
 SUITE_DIRS = (Path("tests"), Path("cs336_systems/conformance"))
 WHOLE_SUITE = (*(f"{folder}/" for folder in SUITE_DIRS), "--ignore", f"tests/{EVIDENCE_TESTS}")
 _EVIDENCE_TEST_ID = f"tests.{EVIDENCE_TESTS.removesuffix('.py')}::"  # as JUnit names its tests
-# The sanitizers' warm-up runs a worker per core, and so a thread per worker: left at torch's defaults,
-# each worker also ran a thread and an inductor compile process per core.
-ONE_THREAD_PER_WORKER = {"OMP_NUM_THREADS": "1", "TORCHINDUCTOR_COMPILE_THREADS": "1"}
 TESTS = WHOLE_SUITE
 # Every launch path on every head dim and alignment, the split forward against the whole, misaligned
 # inputs, kept calls launched from C++ (tensor maps included), every kernel's descriptor and pointer loads:
@@ -177,12 +175,23 @@ def sanitizer_errors(output: str) -> list[str]:
 RUN_TIMEOUT_S = 1800
 
 
-def _pytest(arguments: tuple[str, ...], junit: Path, prefix: tuple[str, ...] = ()) -> tuple[dict[str, Any], str]:
-    """Run pytest with `arguments` (under `prefix`, a sanitizer), its output streamed to a log beside
-    `junit`, so that a run stopped from outside still shows which tests had finished."""
+def threads_each(processes: int) -> dict[str, str]:
+    """The environment that gives each of `processes` processes side by side an equal share of this machine's
+    cores (at least one) for torch's threads and inductor's compile workers: left at torch's defaults, each process
+    (a warm-up's worker, or one of a check's runs) took a thread and a compile process per core, so that a check of
+    14 runs on 16 cores ran 14 times as many of each as there are cores."""
+    share = str(max(1, len(os.sched_getaffinity(0)) // processes))
+    return {"OMP_NUM_THREADS": share, "TORCHINDUCTOR_COMPILE_THREADS": share}
+
+
+def _pytest(arguments: tuple[str, ...], junit: Path, prefix: tuple[str, ...] = (),
+            environment: dict[str, str] | None = None) -> tuple[dict[str, Any], str]:
+    """Run pytest with `arguments` (under `prefix`, a sanitizer, and with `environment` added to this one's), its
+    output streamed to a log beside `junit`, so that a run stopped from outside still shows which tests had
+    finished."""
     command = (*prefix, sys.executable, "-m", "pytest", *arguments, "-v", "-rfE", "--durations=10",
                "-p", "no:cacheprovider", f"--junitxml={junit}")
-    environment = ONE_THREAD_PER_WORKER if "-n" in arguments else {}
+    environment = environment or {}
     log = junit.with_suffix(".log")
     started = time.monotonic()
     with log.open("w") as stream:
@@ -198,7 +207,7 @@ def _pytest(arguments: tuple[str, ...], junit: Path, prefix: tuple[str, ...] = (
     sys.stdout.write(output[-6000:] + "\n")
     summary = parse_junit(junit) if junit.exists() else {"passed": 0, "failed": 0, "errors": 1, "skipped": 0,
                                                           "failures": [ending], "skip_reasons": {}, "test_files": {}}
-    pytest_command = _shell_prefix(environment) + " ".join(("python -m pytest", *arguments))
+    pytest_command = _shell_prefix(environment) + " ".join((*prefix, "python -m pytest", *arguments))
     return {"command": pytest_command, "seconds": round(time.monotonic() - started), **summary}, output
 
 
@@ -305,13 +314,16 @@ def run_checks(parts: tuple[str, ...], record: dict[str, Any], save=lambda recor
         if log_dir is not None:
             log_dir.mkdir(parents=True, exist_ok=True)
         scratch = log_dir or Path(temporary)
-        for number, arguments in enumerate(warm_ups(parts) if warm_up else [], 1):
-            _pytest((*arguments, "-n", "auto"), scratch / f"warm-up-{number}.xml")
-        # Each of these runs is one process on one core, so they run side by side; on one GPU, which
-        # changes no result (no test asserts a time).
+        for number, arguments in enumerate(warm_ups(parts) if warm_up else [], 1):  # a worker per core
+            _pytest((*arguments, "-n", "auto"), scratch / f"warm-up-{number}.xml",
+                    environment=threads_each(len(os.sched_getaffinity(0))))
+        # Each of these runs is one process, so they run side by side, each on its share of the cores; on one
+        # GPU, which changes no result (no test asserts a time).
         # Each part is saved as it ends, so that a run stopped from outside keeps the parts that ended.
+        environment = threads_each(len(parts))
         with ThreadPoolExecutor(max_workers=len(parts)) as pool:
-            for future in as_completed([pool.submit(_one_process_run, part, scratch) for part in parts]):
+            for future in as_completed([pool.submit(_one_process_run, part, scratch, environment)
+                                        for part in parts]):
                 name, run = future.result()
                 record["runs"][name] = run
                 save(record)
@@ -341,13 +353,12 @@ def _warmed(part: str, runs: list[str]) -> tuple[str, ...]:
     return _dealt(part, dealt, sizes.pop())
 
 
-def _one_process_run(part: str, scratch: Path) -> tuple[str, dict[str, Any]]:
+def _one_process_run(part: str, scratch: Path, environment: dict[str, str]) -> tuple[str, dict[str, Any]]:
     junit = scratch / f"{part.replace(':', '-').replace('/', '-of-')}.xml"
     if (name := part_of(part)) == "tests":
-        return part, _pytest(selection(part), junit)[0]
-    run, output = _pytest(selection(part), junit, ("compute-sanitizer", "--tool", name))
-    return part, run | {"command": f"compute-sanitizer --tool {name} {run['command']}",
-                        "sanitizer_errors": sanitizer_error_count(output, name)}
+        return part, _pytest(selection(part), junit, environment=environment)[0]
+    run, output = _pytest(selection(part), junit, ("compute-sanitizer", "--tool", name), environment)
+    return part, run | {"sanitizer_errors": sanitizer_error_count(output, name)}
 
 
 def _driver_version() -> str:

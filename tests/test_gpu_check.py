@@ -5,6 +5,7 @@ import datetime as dt
 import os
 import subprocess
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
@@ -343,12 +344,35 @@ def test_parts_are_checked_before_anything_runs():
 @pytest.mark.parametrize("warm_up", [True, False])
 def test_the_parts_start_at_once_where_the_warm_up_is_left_out(warm_up, monkeypatch):
     warmed = []
-    monkeypatch.setattr(gpu_check, "_pytest", lambda arguments, junit, prefix=(): warmed.append(arguments))
-    monkeypatch.setattr(gpu_check, "_one_process_run", lambda part, scratch: (part, _run()))
+    monkeypatch.setattr(gpu_check, "_pytest", lambda arguments, junit, environment: warmed.append(arguments))
+    monkeypatch.setattr(gpu_check, "_one_process_run", lambda part, scratch, environment: (part, _run()))
     record = gpu_check.run_checks(("tests:1/2",), {"runs": {}}, warm_up=warm_up)
     assert record["runs"] == {"tests:1/2": _run()}
     assert warmed == ([(*gpu_check.TESTS, "-p", gpu_check.DEALER, "--deal", "1/2", "-n", "auto")] if warm_up else [])
 
+
+
+def test_runs_side_by_side_share_the_cores(monkeypatch):
+    # Left at torch's defaults, each of a check's 14 runs on 16 cores took 16 threads and 16 compile processes.
+    monkeypatch.setattr(gpu_check.os, "sched_getaffinity", lambda pid: set(range(16)))
+    given = {}
+    monkeypatch.setattr(gpu_check, "_one_process_run",
+                        lambda part, scratch, environment: (given.setdefault(part, environment), (part, _run()))[1])
+    gpu_check.run_checks(("tests:1/3", "tests:2/3", "tests:3/3"), {"runs": {}}, warm_up=False)
+    assert given == dict.fromkeys(("tests:1/3", "tests:2/3", "tests:3/3"),
+                                  {"OMP_NUM_THREADS": "5", "TORCHINDUCTOR_COMPILE_THREADS": "5"})
+    assert gpu_check.threads_each(40) == {"OMP_NUM_THREADS": "1", "TORCHINDUCTOR_COMPILE_THREADS": "1"}
+
+
+def test_a_run_is_launched_with_its_share_of_the_cores_and_its_command_names_it(tmp_path, monkeypatch):
+    monkeypatch.setattr(gpu_check.os, "sched_getaffinity", lambda pid: set(range(16)))
+    launched = []
+    monkeypatch.setattr(gpu_check.subprocess, "run",
+                        lambda command, env, **kwargs: launched.append(env) or SimpleNamespace(returncode=0))
+    _, run = gpu_check._one_process_run("racecheck:1/2", tmp_path, gpu_check.threads_each(2))
+    assert launched[0]["OMP_NUM_THREADS"] == launched[0]["TORCHINDUCTOR_COMPILE_THREADS"] == "8"
+    assert run["command"].startswith("OMP_NUM_THREADS=8 TORCHINDUCTOR_COMPILE_THREADS=8 compute-sanitizer --tool "
+                                     "racecheck python -m pytest tests/test_flash_triton.py ")
 
 def _report(kind_dir: Path, *runs, rows=({"x": 1},)):
     from cs336_systems.reports import Metadata, metadata_path, write_csv
@@ -405,7 +429,7 @@ def test_each_source_checked_on_a_gpu_kind_gets_a_record_of_its_own_and_a_later_
     monkeypatch.setattr(gpus, "resolve_gpu", lambda choice: ("h100", None))
     monkeypatch.setattr(reports, "device_description", lambda device: "NVIDIA H100 80GB HBM3")
     monkeypatch.setattr(gpu_check, "_driver_version", lambda: "580.159.04")
-    monkeypatch.setattr(gpu_check, "_one_process_run", lambda part, scratch: (part, _run()))
+    monkeypatch.setattr(gpu_check, "_one_process_run", lambda part, scratch, environment: (part, _run()))
     monkeypatch.setattr(provenance, "package_source_hash", lambda: "source-1")
     monkeypatch.setattr(gpu_check.shutil, "which", lambda tool: f"/usr/bin/{tool}")
     arguments = ["--report-dir", str(tmp_path), "--no-warm-up", "--parts"]
