@@ -351,13 +351,16 @@ def test_the_parts_start_at_once_where_the_warm_up_is_left_out(warm_up, monkeypa
     assert warmed == ([(*gpu_check.TESTS, "-p", gpu_check.DEALER, "--deal", "1/2", "-n", "auto")] if warm_up else [])
 
 
-
 def test_runs_side_by_side_share_the_cores(monkeypatch):
     # Left at torch's defaults, each of a check's 14 runs on 16 cores took 16 threads and 16 compile processes.
     monkeypatch.setattr(gpu_check.os, "sched_getaffinity", lambda pid: set(range(16)))
     given = {}
-    monkeypatch.setattr(gpu_check, "_one_process_run",
-                        lambda part, scratch, environment: (given.setdefault(part, environment), (part, _run()))[1])
+
+    def one_process_run(part, scratch, environment):
+        given[part] = environment
+        return part, _run()
+
+    monkeypatch.setattr(gpu_check, "_one_process_run", one_process_run)
     gpu_check.run_checks(("tests:1/3", "tests:2/3", "tests:3/3"), {"runs": {}}, warm_up=False)
     assert given == dict.fromkeys(("tests:1/3", "tests:2/3", "tests:3/3"),
                                   {"OMP_NUM_THREADS": "5", "TORCHINDUCTOR_COMPILE_THREADS": "5"})
@@ -373,6 +376,7 @@ def test_a_run_is_launched_with_its_share_of_the_cores_and_its_command_names_it(
     assert launched[0]["OMP_NUM_THREADS"] == launched[0]["TORCHINDUCTOR_COMPILE_THREADS"] == "8"
     assert run["command"].startswith("OMP_NUM_THREADS=8 TORCHINDUCTOR_COMPILE_THREADS=8 compute-sanitizer --tool "
                                      "racecheck python -m pytest tests/test_flash_triton.py ")
+
 
 def _report(kind_dir: Path, *runs, rows=({"x": 1},)):
     from cs336_systems.reports import Metadata, metadata_path, write_csv
