@@ -57,7 +57,7 @@ KERNEL_CHECK_KINDS = ("h100", "h200")
 VERSIONS = ("python", "torch", "triton", "cuda", "driver")
 UNKNOWN_VERSIONS = ("", "unknown", "not installed", "none (CPU build)")
 # Runs dated before this recorded the package source they measured but not their measured code; git history gave
-# them theirs once (cs336_systems.reports.RunRecord.measured_code_from says how). A later run records its own.
+# them theirs once (cs336_systems.runs.RunRecord.measured_code_from says how). A later run records its own.
 MEASURED_CODE_RECORDED_SINCE = "2026-12-02 00:00 UTC"
 # The tests that check the committed record and the rows measured on the GPU source: a run for a new source
 # is what replaces them, so they would fail in it by design (and so keep any record from being clean).
@@ -291,8 +291,8 @@ def new_record() -> dict[str, Any]:
 
     from cs336_systems.attention.flash_triton import source_hash
     from cs336_systems.provenance import package_source_hash
-    from cs336_systems.reports import device_description, software_versions
     from cs336_systems.reports.problems import MEASURED_BY, measured_code
+    from cs336_systems.runs import device_description, software_versions
 
     if not torch.cuda.is_available():
         raise SystemExit("gpu_check needs a CUDA GPU; none is visible here")
@@ -511,7 +511,7 @@ def unbacked_runs(report_dir: Path, report: str, kind_records: list[dict[str, An
     run with the same torch and triton. A run from before runs recorded it is held to the rule it was measured
     under: its rows that name the FlashAttention source they measured (source_hash) need a clean record of
     that source."""
-    from cs336_systems.reports import Metadata, metadata_path, read_rows, run_of
+    from cs336_systems.runs import Metadata, metadata_path, read_rows, run_of
 
     kind = report_dir.name
     clean = [record for record in kind_records if not problems(record, kind)]

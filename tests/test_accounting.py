@@ -46,7 +46,7 @@ from cs336_systems.accounting.parallelism import (
     training_state_bytes,
 )
 from cs336_systems.gpus import GB, GIB, GPU_SPECS
-from cs336_systems.reports import read_rows
+from cs336_systems.runs import read_rows
 from cs336_systems.reports.communication_accounting import write_communication_accounting
 from cs336_systems.reports.problems import report
 

@@ -23,7 +23,8 @@ from cs336_systems.benchmarks import flash as flash_bench
 from cs336_systems.benchmarks.attention import AttentionCell, attention_sweep, benchmark_attention
 from cs336_systems.benchmarks.flash import UNSUPPORTED, BenchSettings, FlashCell, benchmark_flash_cell
 from cs336_systems.profiling.memory import peak_memory_increase
-from cs336_systems.reports import problems, read_rows, rerender, write_report
+from cs336_systems.reports import problems, rerender, write_report
+from cs336_systems.runs import read_rows
 from cs336_systems.reports.attention import answer_torch_compile
 from cs336_systems.reports.flash import answer_flash_benchmarking
 from cs336_systems.rows import OOM

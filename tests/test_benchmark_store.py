@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from cs336_systems.reports import read_rows
+from cs336_systems.runs import read_rows
 from cs336_systems.rows import SAMPLE_TIMES
 
 PLUGIN = ["-p", "cs336_systems.pytest_plugin", "-p", "no:cacheprovider", "--gpu", "none"]

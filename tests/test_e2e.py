@@ -21,7 +21,8 @@ from cs336_systems.cells import unmeasured
 from cs336_systems.interpretation import interpreter_problem
 from cs336_systems.memory_guard import MemoryCheck
 from cs336_systems.model import ModelConfig
-from cs336_systems.reports import NOISY_RELATIVE_STD, format_bytes, read_rows
+from cs336_systems.reports import NOISY_RELATIVE_STD, format_bytes
+from cs336_systems.runs import read_rows
 from cs336_systems.reports.e2e import (
     answer_benchmarking_mixed_precision,
     answer_benchmarking_script,

@@ -711,7 +711,7 @@ def test_fsdp_accounting_report_answers_from_the_rows():
 
 def test_fsdp_accounting_report_renders_the_same_from_its_csv(tmp_path):
     from cs336_systems.reports.problems import report
-    from cs336_systems.reports import read_rows, write_csv
+    from cs336_systems.runs import read_rows, write_csv
 
     rows = _gpu_like_fsdp_rows()
     write_csv(tmp_path / "rows.csv", rows)

@@ -379,7 +379,7 @@ def test_a_run_is_launched_with_its_share_of_the_cores_and_its_command_names_it(
 
 
 def _report(kind_dir: Path, *runs, rows=({"x": 1},)):
-    from cs336_systems.reports import Metadata, metadata_path, write_csv
+    from cs336_systems.runs import Metadata, metadata_path, write_csv
 
     kind_dir.mkdir(parents=True, exist_ok=True)
     write_csv(kind_dir / "naive_ddp.csv", [{**row, "run": 1} for row in rows])
@@ -388,7 +388,7 @@ def _report(kind_dir: Path, *runs, rows=({"x": 1},)):
 
 
 def _measured_run(measured_code="m1", torch_version="2.11.0+cu130", date="2026-12-10 10:00 UTC", found=None):
-    from cs336_systems.reports import RunRecord
+    from cs336_systems.runs import RunRecord
 
     return RunRecord(date, "pytest perf/ -m ddp", {"torch": torch_version, "triton": "3.6.0"}, "s1", measured_code,
                      found)
@@ -426,12 +426,12 @@ def test_each_source_checked_on_a_gpu_kind_gets_a_record_of_its_own_and_a_later_
         tmp_path, monkeypatch):
     import torch
 
-    from cs336_systems import gpus, provenance, reports
+    from cs336_systems import gpus, provenance, runs
 
     monkeypatch.chdir(Path(__file__).parent.parent)  # gpu_check runs from the repository's root
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(gpus, "resolve_gpu", lambda choice: ("h100", None))
-    monkeypatch.setattr(reports, "device_description", lambda device: "NVIDIA H100 80GB HBM3")
+    monkeypatch.setattr(runs, "device_description", lambda device: "NVIDIA H100 80GB HBM3")
     monkeypatch.setattr(gpu_check, "_driver_version", lambda: "580.159.04")
     monkeypatch.setattr(gpu_check, "_one_process_run", lambda part, scratch, environment: (part, _run()))
     monkeypatch.setattr(provenance, "package_source_hash", lambda: "source-1")

@@ -12,7 +12,7 @@ import pytest
 from cs336_systems import baselines, gpu_check
 from cs336_systems.attention.flash_triton import source_hash
 from cs336_systems.benchmarks.flash import gate_name, gate_ratios
-from cs336_systems.reports import metadata_path, read_rows
+from cs336_systems.runs import metadata_path, read_rows
 from cs336_systems.reports.index import result_directories
 from cs336_systems.rows.flash import GATED_PROVIDERS, GATE_PROMISES
 

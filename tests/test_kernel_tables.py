@@ -32,7 +32,8 @@ from cs336_systems.profiling.kernels import (
     thread_ids,
 )
 from cs336_systems.profiling.ranges import annotate
-from cs336_systems.reports import problems, read_rows
+from cs336_systems.reports import problems
+from cs336_systems.runs import read_rows
 from cs336_systems.rows import OOM
 from cs336_systems.rows.nsys_profile import ATTENTION_RANGES
 

@@ -26,7 +26,7 @@ from cs336_systems.leaderboard_variants import DDP, FSDP, OUR_FSDP, VARIANTS, Lo
 from cs336_systems.lm_training import build_model, random_batch
 from cs336_systems.memory_guard import FIT_SHARE, MemoryCheck
 from cs336_systems.model import LEADERBOARD, ModelConfig
-from cs336_systems.reports import read_rows
+from cs336_systems.runs import read_rows
 from cs336_systems.reports.leaderboard import answer_leaderboard
 from cs336_systems.reports.problems import report
 from cs336_systems.rows.leaderboard import OURS, OURS_FSDP, OURS_SDPA, TORCH, TORCH_FUSED_LOSS

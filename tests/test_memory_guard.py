@@ -22,7 +22,7 @@ from cs336_systems.memory_guard import (
     is_out_of_memory,
     oom_columns,
 )
-from cs336_systems.reports import read_rows
+from cs336_systems.runs import read_rows
 from cs336_systems.reports.attention import oom_when
 from cs336_systems.rows import OOM
 

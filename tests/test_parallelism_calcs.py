@@ -23,7 +23,7 @@ from cs336_systems.accounting.communication import (
     reduce_scatter_s,
 )
 from cs336_systems.accounting.parallelism_calcs import PROBLEMS, ROWS
-from cs336_systems.reports import read_rows
+from cs336_systems.runs import read_rows
 from cs336_systems.reports.parallelism_calcs import write_parallelism_calcs
 from cs336_systems.reports.problems import report
 

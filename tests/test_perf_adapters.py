@@ -20,7 +20,8 @@ from cs336_systems.benchmarks.harness import guarded_cell, under_test_of
 from cs336_systems.conformance.contract import load_adapters
 from cs336_systems.distributed.launch import launch
 from cs336_systems.provenance import module_source_hash
-from cs336_systems.reports import read_rows, write_report
+from cs336_systems.reports import write_report
+from cs336_systems.runs import read_rows
 from cs336_systems.reports.problems import report
 from cs336_systems.rows import FAILED, SAMPLE_TIMES, ran
 from cs336_systems.rows.ddp import variant_label

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from cs336_systems.reports import read_rows
+from cs336_systems.runs import read_rows
 
 PLUGIN = ["-p", "cs336_systems.pytest_plugin", "-p", "no:cacheprovider"]
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -204,7 +204,7 @@ def test_report_assets_reach_the_report_directory_only_when_the_session_ends(pyt
 def test_the_list_of_written_files_names_every_plot_a_report_shows(pytester):
     # The committed gradient_checkpointing rows: its renderer draws a plot; the staged asset is a second file.
     pytester.makepyfile(f"""
-        from cs336_systems.reports import read_rows
+        from cs336_systems.runs import read_rows
         def test_rows(report):
             for row in read_rows({str(REPO_ROOT / "reports" / "h100" / "gradient_checkpointing.csv")!r}):
                 report("gradient_checkpointing").add(row)
@@ -236,7 +236,7 @@ def test_a_cpu_perf_run_leaves_the_committed_reports_and_the_tests_that_read_the
     (project / "perf").mkdir()
     (project / "perf" / "test_replay.py").write_text(textwrap.dedent(f"""
         import pytest
-        from cs336_systems.reports import read_rows
+        from cs336_systems.runs import read_rows
 
         @pytest.mark.parametrize("problem", ["torch_compile", "gradient_checkpointing"])
         def test_rows(report, problem):

@@ -10,16 +10,11 @@ import pytest
 from cs336_systems.__main__ import main
 from cs336_systems.accounting.communication_accounting import communication_accounting_rows
 from cs336_systems.reports import (
-    Metadata,
-    RunRecord,
     header,
-    metadata_path,
     plural,
     problems,
-    read_rows,
     rerender,
     span,
-    write_csv,
 )
 from cs336_systems.reports.index import (
     CPU_SLUG,
@@ -32,6 +27,7 @@ from cs336_systems.reports.index import (
 )
 from cs336_systems.reports.problems import PROBLEMS
 from cs336_systems.rows import Row
+from cs336_systems.runs import Metadata, RunRecord, metadata_path, read_rows, write_csv
 
 RUN_DATE = "2030-01-02 03:04 UTC"
 

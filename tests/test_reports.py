@@ -3,9 +3,10 @@ from pathlib import Path
 
 import pytest
 
-from cs336_systems import reports
-from cs336_systems.reports import Rendered, Report, markdown_table, pivot, problems, read_rows, rerender, write_report
+from cs336_systems import provenance, reports, runs
+from cs336_systems.reports import Rendered, Report, markdown_table, pivot, problems, rerender, write_report
 from cs336_systems.rows import OOM
+from cs336_systems.runs import read_rows
 
 
 def test_markdown_table_formats_numbers_and_keeps_strings():
@@ -41,11 +42,11 @@ def test_write_report_has_header_csv_and_rerenders_from_csv(tmp_path):
 
 def test_metadata_sidecar_records_the_device_and_each_run_and_the_header_is_rendered_from_it(tmp_path):
     write_report(TEST_REPORT, [{"x": 1}], tmp_path, command="pytest perf/ -m e2e", device="cpu")
-    metadata = reports.Metadata.read(tmp_path / "_test_problem.meta.json")
+    metadata = runs.Metadata.read(tmp_path / "_test_problem.meta.json")
     assert metadata.problem == "_test_problem" and metadata.device.startswith("CPU") and not metadata.on_gpu
     (run,) = metadata.runs
-    assert run.command == "pytest perf/ -m e2e" and run.software == reports.software_versions()
-    assert run.source_hash == reports.package_source_hash() and len(run.source_hash) == 16
+    assert run.command == "pytest perf/ -m e2e" and run.software == runs.software_versions()
+    assert run.source_hash == provenance.package_source_hash() and len(run.source_hash) == 16
     assert run.date.endswith(" UTC")
     # What the header says comes from the sidecar: an edit there shows on the next rendering.
     edited = replace(metadata, device="Some GPU", on_gpu=True, runs=(replace(run, command="pytest again"),))
@@ -55,12 +56,13 @@ def test_metadata_sidecar_records_the_device_and_each_run_and_the_header_is_rend
 
 
 def test_runs_with_different_software_are_each_named():
-    runs = [reports.RunRecord("d1", "c1", {"torch": "2.10"}, None), reports.RunRecord("d2", "c2", {"torch": "2.11"}, "ab")]
-    assert reports.software_line(runs) == "- software: run 1: torch 2.10; run 2: torch 2.11"
-    assert reports.software_line(runs[:1]) == "- software: torch 2.10"
-    assert reports.run_line(1, runs[0], earlier_code=True) == "- run 1: d1, `c1` (measured code not known)"
-    assert reports.run_line(2, runs[1], earlier_code=True) == "- run 2: d2, `c2` (source ab, measured code not known)"
-    measured = replace(runs[1], measured_code="cd")
+    records = [runs.RunRecord("d1", "c1", {"torch": "2.10"}, None), runs.RunRecord("d2", "c2", {"torch": "2.11"}, "ab")]
+    assert reports.software_line(records) == "- software: run 1: torch 2.10; run 2: torch 2.11"
+    assert reports.software_line(records[:1]) == "- software: torch 2.10"
+    assert reports.run_line(1, records[0], earlier_code=True) == "- run 1: d1, `c1` (measured code not known)"
+    assert (reports.run_line(2, records[1], earlier_code=True)
+            == "- run 2: d2, `c2` (source ab, measured code not known)")
+    measured = replace(records[1], measured_code="cd")
     assert reports.run_line(2, measured, earlier_code=False) == "- run 2: d2, `c2` (source ab, measured code cd)"
     assert reports.run_line(2, measured, earlier_code=True) == "- run 2: d2, `c2` (source ab, measured code cd, earlier code)"
 
@@ -71,7 +73,7 @@ def test_a_run_names_the_code_it_measured_and_stays_marked_as_earlier_code_once_
     keyed = Report("_test_problem", TEST_REPORT.render, key=("cell",))
     monkeypatch.setattr(problem_table, "measured_code", lambda name: "code-a")
     write_report(keyed, [{"cell": 1, "x": 1}, {"cell": 2, "x": 2}], tmp_path, command="pytest perf/ -m e2e", device="cpu")
-    (run,) = reports.Metadata.read(tmp_path / "_test_problem.meta.json").runs
+    (run,) = runs.Metadata.read(tmp_path / "_test_problem.meta.json").runs
     assert run.measured_code == "code-a" and run.measured_code_from is None
     text = (tmp_path / "_test_problem.md").read_text()
     assert "(source " in text and ", measured code code-a)" in text and "earlier code" not in text
@@ -94,10 +96,10 @@ def test_a_run_whose_measured_code_is_not_known_reads_as_earlier_code(tmp_path, 
     from cs336_systems.reports import problems as problem_table
 
     monkeypatch.setattr(problem_table, "measured_code", lambda name: "code-a")
-    metadata = reports.Metadata("_test_problem", "Some GPU", True, (
-        reports.RunRecord("2026-11-24 03:59 UTC", "pytest perf/", {"torch": "2.11"}, None, None,
+    metadata = runs.Metadata("_test_problem", "Some GPU", True, (
+        runs.RunRecord("2026-11-24 03:59 UTC", "pytest perf/", {"torch": "2.11"}, None, None,
                           "not known: the run predates recording any source"),
-        reports.RunRecord("2026-12-01 10:00 UTC", "pytest perf/", {"torch": "2.11"}, "ab", "code-a")))
+        runs.RunRecord("2026-12-01 10:00 UTC", "pytest perf/", {"torch": "2.11"}, "ab", "code-a")))
     text = reports.header(metadata)
     assert "- run 1: 2026-11-24 03:59 UTC, `pytest perf/` (measured code not known)" in text
     assert "- run 2: 2026-12-01 10:00 UTC, `pytest perf/` (source ab, measured code code-a)" in text
@@ -119,7 +121,7 @@ def test_a_report_no_problem_names_renders_as_a_plain_table(tmp_path):
 
 
 def test_software_versions_name_torch_and_triton():
-    versions = reports.software_versions()
+    versions = runs.software_versions()
     assert {"python", "torch", "triton", "cuda"} <= set(versions)
 
 

@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 
 from cs336_systems.accounting.communication_accounting import communication_accounting_rows
 from cs336_systems.accounting.parallelism_calcs import ROWS
-from cs336_systems.reports import read_rows, write_csv
+from cs336_systems.runs import read_rows, write_csv
 from cs336_systems.reports.index import result_directories
 from cs336_systems.rows import LONG_COLUMNS, UNIT_NAMES, UNIT_SUFFIXES, split_statistic, statistic_column, to_long
 

@@ -5,7 +5,7 @@ leaves no staging behind."""
 import json
 import shutil
 
-from cs336_systems.reports import read_rows
+from cs336_systems.runs import read_rows
 from cs336_systems.reports.staging import ProblemReport, new_staging_dir, publish, stage_ratio
 
 

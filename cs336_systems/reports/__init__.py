@@ -1,34 +1,23 @@
-"""The reports: rows -> Markdown, CSV and PNG, with a header naming the device, versions, date and command.
+"""The reports: rows -> Markdown, CSV and PNG, with a header naming the device, versions, dates and commands.
 
-    problems.py   the table of problems: each report's renderer and cell key, each problem's answer
-    index.py      reports/README.md, every problem answered from its reports' rows
+    problems.py   the table of problems: each report's declared layout and cell key, each problem's answer
+    spec.py       the one renderer that draws every layout
     <family>.py   one per problem family, named as its benchmark (e2e, attention, flash, ddp, ...): the
-                  renderers of its reports and the answers to its problems, from the rows the benchmark
-                  returns
+                  sentences that interpret its rows, and the answers to its problems
+    index.py      reports/README.md, every problem answered from its reports' rows
+    staging.py    a run's rows, staged until it ends, then written as reports
 
-This module is what they share. A measuring function returns rows (cs336_systems.rows: flat dicts of
-strings and numbers, one per measured cell). A report's renderer (the problems table lists each report
-with its renderer) turns its rows into a Markdown body (tables, derived answers) and figures;
-`write_report` adds the header and writes `<report_dir>/<problem>.md`, `<problem>.csv` (every row, in
-the long format of cs336_systems.rows: one line per measured number, columns cell, run, device, dtype,
-shape, variant, status, statistic, value, unit; `read_rows` gives the rows back), `<problem>.meta.json`
-(the metadata: device, and each run's date, command, software versions, package source hash and measured
-code, cs336_systems.provenance) and the figures beside them. The Markdown header is rendered from that
-metadata, never parsed back; it marks a run whose measured code is not the code the report's perf modules
-run now as measured on earlier code (its rows stay, as that code's numbers). Beside its
-renderer, a problem's `answer_<problem>` turns the same rows into the few sentences the reports' index
-quotes, with the formatting helpers below.
+This module is what they share: the formatting of cells and sentences, and `write_report`, which renders a
+report's rows and writes `<problem>.md` beside the CSV and metadata of its runs (cs336_systems.runs) and its
+figures. The Markdown header is rendered from that metadata, never parsed back; it marks a run whose measured
+code is not the code the report's perf modules run now as measured on earlier code (its rows stay, as that
+code's numbers).
 """
 
 from __future__ import annotations
 
-import csv
-import datetime as dt
-import io
-import json
 import math
 import os
-import platform
 import re
 import statistics
 from collections.abc import Callable, Iterable, Sequence
@@ -40,8 +29,22 @@ import torch
 from tabulate import tabulate
 
 from cs336_systems.checks import is_finite, is_positive_finite
-from cs336_systems.provenance import PACKAGE_ROOT, package_source_hash
-from cs336_systems.rows import LONG_COLUMNS, OOM, Row, from_long, to_long, without_samples
+from cs336_systems.provenance import PACKAGE_ROOT
+from cs336_systems.rows import OOM, Row, from_long, to_long, without_samples
+from cs336_systems.runs import (
+    Metadata,
+    RunRecord,
+    device_description,
+    merge_runs,
+    metadata_path,
+    on_cuda,
+    read_rows,
+    replace_text,
+    run_of,
+    staging_path,
+    this_run,
+    write_csv,
+)
 
 Reports = dict[str, list[Row]]  # report name -> its rows, for the reports of a problem that exist
 # A cell the memory model said would not fit was never started: tables say so, not just OOM.
@@ -317,33 +320,6 @@ def find(rows: Iterable[Row], **equal: Any) -> Row | None:
     return found[0] if found else None
 
 
-def device_description(device: torch.device | str | None = None) -> str:
-    if _on_cuda(device):
-        device = torch.device(device) if device is not None else None
-        count = torch.cuda.device_count()
-        name = torch.cuda.get_device_name(device if device is not None and device.index is not None else 0)
-        return f"{count} x {name}" if count > 1 else name
-    return f"CPU ({platform.processor() or platform.machine()}, {_cpu_count()} cores)"
-
-
-def _cpu_count() -> int:
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-
-
-def software_versions() -> dict[str, str]:
-    versions = {"python": platform.python_version(), "torch": torch.__version__}
-    try:
-        import triton
-
-        versions["triton"] = triton.__version__
-    except ImportError:
-        versions["triton"] = "not installed"
-    versions["cuda"] = torch.version.cuda or "none (CPU build)"
-    if torch.cuda.is_available() and torch.distributed.is_nccl_available():
-        versions["nccl"] = ".".join(map(str, torch.cuda.nccl.version()))
-    return versions
-
-
 REPORTS_DIR_NAME = "reports"
 
 
@@ -355,83 +331,14 @@ def default_reports_root() -> Path:
     return (repository if (repository / "pyproject.toml").is_file() else Path.cwd()) / REPORTS_DIR_NAME
 
 
-RUN_COLUMN = "run"
-METADATA_SUFFIX = ".meta.json"
 # A table's comparison cell where both halves ran, but in different runs: no ratio is read from it.
 UNPAIRED = "none: different runs"
-
-
-def run_of(row: Row) -> int:
-    """The number of the run that measured a row in its report (rows not merged into one yet are all one run)."""
-    return row.get(RUN_COLUMN) or 1
-
-
-def same_run(*rows: Row) -> bool:
-    """Whether the rows were measured in one run. Only such rows are set against each other: between runs the
-    clocks, the temperature, the machine's other work and the source itself may differ."""
-    return len({run_of(row) for row in rows}) == 1
 
 
 def runs_text(rows: Iterable[Row]) -> str:
     """ "run 2", "runs 1 and 4": the runs that measured `rows`."""
     runs = sorted({run_of(row) for row in rows})
     return ("run " if len(runs) == 1 else "runs ") + listing([str(run) for run in runs])
-
-
-def _now() -> str:
-    return dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
-
-
-@dataclass(frozen=True)
-class RunRecord:
-    """One run that contributed rows to a report."""
-    date: str
-    command: str
-    software: dict[str, str]
-    source_hash: str | None  # the package's source (provenance); None for runs from before reports recorded it
-    # The code on the run's measured path (the report's perf modules and the package code they run:
-    # provenance.measured_code); None where it cannot be known.
-    measured_code: str | None = None
-    # For a run from before runs recorded their measured code: how it was found (the commit whose code it was),
-    # or why it cannot be known. None for a run that recorded its own.
-    measured_code_from: str | None = None
-
-    @property
-    def software_text(self) -> str:
-        """ "python 3.12.3, torch 2.11.0, ...": the versions as a header or the index quotes them."""
-        return ", ".join(f"{name} {version}" for name, version in self.software.items())
-
-    def on_earlier_code(self, current_code: str) -> bool:
-        """Whether the run measured code other than `current_code`, the measured code of its report now, or code
-        that cannot be known: its rows stay, as that code's numbers."""
-        return self.measured_code != current_code
-
-
-@dataclass(frozen=True)
-class Metadata:
-    """A report's sidecar: what measured its rows, written beside them as <problem>.meta.json."""
-    problem: str
-    device: str  # as device_description() words it
-    on_gpu: bool
-    runs: tuple[RunRecord, ...]
-
-    def write(self, path: Path) -> None:
-        record = {"problem": self.problem, "device": self.device, "on_gpu": self.on_gpu,
-                  "runs": [vars(run) for run in self.runs]}
-        _replace_text(path, json.dumps(record, indent=2) + "\n")
-
-    @classmethod
-    def read(cls, path: Path) -> Metadata:
-        record = json.loads(path.read_text())
-        return cls(record["problem"], record["device"], record["on_gpu"],
-                   tuple(RunRecord(**run) for run in record["runs"]))
-
-
-def this_run(command: str, problem: str) -> RunRecord:
-    """The run measuring the report called `problem` now, with `command`."""
-    from cs336_systems.reports.problems import measured_code
-
-    return RunRecord(_now(), command, software_versions(), package_source_hash(), measured_code(problem))
 
 
 def earlier_code_runs(metadata: Metadata) -> list[tuple[int, RunRecord]]:
@@ -446,10 +353,6 @@ def earlier_code_text(runs: Sequence[tuple[int, RunRecord]]) -> str:
     """ "run 1 (2026-11-26 18:25 UTC)", "runs 1 (...) and 3 (..., code not known)": runs on earlier code, dated."""
     described = [f"{number} ({run.date}{'' if run.measured_code else ', code not known'})" for number, run in runs]
     return ("run " if len(runs) == 1 else "runs ") + listing(described)
-
-
-def metadata_path(report_dir: Path | str, problem: str) -> Path:
-    return Path(report_dir) / f"{problem}{METADATA_SUFFIX}"
 
 
 CPU_NOTE = ("- note: a CPU run. Triton kernels ran in the Triton interpreter, which emulates the GPU program "
@@ -530,34 +433,6 @@ def header(metadata: Metadata, rows: Iterable[Row] = ()) -> str:
     return "\n".join(lines) + "\n"
 
 
-def _on_cuda(device: torch.device | str | None) -> bool:
-    return torch.device(device).type == "cuda" if device is not None else torch.cuda.is_available()
-
-
-def write_csv(path: Path, rows: Sequence[Row]) -> None:
-    _replace_text(path, _csv_text(rows))
-
-
-def _csv_text(rows: Sequence[Row]) -> str:
-    buffer = io.StringIO()
-    writer = csv.DictWriter(buffer, fieldnames=LONG_COLUMNS, lineterminator="\n")
-    writer.writeheader()
-    writer.writerows(to_long(rows))
-    return buffer.getvalue()
-
-
-def _staging_path(path: Path) -> Path:
-    """A sibling to write first and rename over `path`, with `path`'s suffix (matplotlib reads it)."""
-    return path.with_name(f".{path.stem}.partial{path.suffix}")
-
-
-def _replace_text(path: Path, text: str) -> None:
-    """Write `path` whole or not at all: a reader never finds half a file."""
-    partial = _staging_path(path)
-    partial.write_text(text)
-    os.replace(partial, path)
-
-
 def write_report(report: Report, rows: list[Row], report_dir: Path | str, command: str,
                  device: torch.device | str | None = None) -> Path:
     """Render `rows` with the report's renderer and write its .md, .csv, .meta.json and figures.
@@ -565,10 +440,13 @@ def write_report(report: Report, rows: list[Row], report_dir: Path | str, comman
     For a report with a key, rows of earlier runs on the same device that this run did not measure
     again are kept (see `Report`). A row's samples are not written (cs336_systems.rows.without_samples).
     """
+    from cs336_systems.reports.problems import measured_code
+
     report_dir = Path(report_dir)
     problem, key = report.name, report.key
     rows = [without_samples(row) for row in rows]
-    metadata = Metadata(problem, device_description(device), _on_cuda(device), (this_run(command, problem),))
+    run = this_run(command, measured_code(problem))
+    metadata = Metadata(problem, device_description(device), on_cuda(device), (run,))
     csv_path, sidecar = report_dir / f"{problem}.csv", metadata_path(report_dir, problem)
     if key:
         kept: list[Row] = []
@@ -576,7 +454,7 @@ def write_report(report: Report, rows: list[Row], report_dir: Path | str, comman
         if earlier is not None and earlier.device == metadata.device:
             measured = {report.cell(r) for r in rows}
             kept = [r for r in read_rows(csv_path) if report.cell(r) not in measured]
-        rows, runs = _merge_runs(kept, earlier.runs if kept else (), rows, metadata.runs[0])
+        rows, runs = merge_runs(kept, earlier.runs if kept else (), rows, metadata.runs[0])
         metadata = replace(metadata, runs=runs)
         # In the column order reading the CSV gives (every record in its file's order of columns), so that
         # the next run writes this run's lines as they are now: a later run's diff is its own rows.
@@ -590,17 +468,6 @@ def write_report(report: Report, rows: list[Row], report_dir: Path | str, comman
         write_csv(csv_path, rows)
     metadata.write(sidecar)
     return _write_rendered(problem, rendered, report_dir, head)
-
-
-def _merge_runs(earlier: list[Row], earlier_runs: Sequence[RunRecord], rows: list[Row],
-                run: RunRecord) -> tuple[list[Row], tuple[RunRecord, ...]]:
-    """Earlier rows then this run's, with run numbers renumbered over the runs that still have rows."""
-    used = sorted({run_of(r) for r in earlier})
-    renumber = {old: new for new, old in enumerate(used, 1)}
-    runs = tuple(earlier_runs[old - 1] for old in used) + (run,)
-    merged = [{**r, RUN_COLUMN: renumber[run_of(r)]} for r in earlier]
-    merged += [{**r, RUN_COLUMN: len(runs)} for r in rows]
-    return merged, runs
 
 
 # The command that writes the closed-form reports: communication_accounting and the 2026 parallelism problems.
@@ -639,21 +506,14 @@ def _write_rendered(problem: str, rendered: Rendered, report_dir: Path, head: st
     import matplotlib.pyplot as plt
 
     for file_name, figure in rendered.figures.items():
-        partial = _staging_path(report_dir / file_name)
+        partial = staging_path(report_dir / file_name)
         # No software metadata: a figure's bytes depend only on what it draws.
         figure.savefig(partial, dpi=120, bbox_inches="tight", metadata={"Software": None})
         os.replace(partial, report_dir / file_name)
         plt.close(figure)
     path = report_dir / f"{problem}.md"
-    _replace_text(path, head + "\n" + rendered.body.rstrip() + "\n")
+    replace_text(path, head + "\n" + rendered.body.rstrip() + "\n")
     return path
-
-
-def read_rows(csv_path: Path | str) -> list[Row]:
-    """The rows of a report's CSV (see cs336_systems.rows), each with every column of them all, None
-    where a row has none."""
-    with open(csv_path, newline="") as f:
-        return from_long(csv.DictReader(f))
 
 
 def rerender(report_dir: Path | str, report: Report) -> Path:

@@ -25,13 +25,13 @@ from cs336_systems.reports import (
     not_in_report,
     plural,
     runs_text,
-    same_run,
     select,
     span,
     speedup_text,
 )
 from cs336_systems.reports.e2e import latest_cells
 from cs336_systems.rows import OOM, TORCH_COMPILE_KEY, Row, ok_rows
+from cs336_systems.runs import same_run
 
 LOGSUMEXP_BYTES = 4  # FlashAttention keeps one fp32 logsumexp per query row
 COUNTS = {3: "three", 4: "four"}  # the score matrices at the backward's peak, as the accounting names them

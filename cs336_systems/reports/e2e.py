@@ -31,9 +31,7 @@ from cs336_systems.reports import (
     not_in_report,
     oom_note,
     plural,
-    run_of,
     runs_text,
-    same_run,
     select,
     span,
     speedup_text,
@@ -52,6 +50,7 @@ from cs336_systems.rows import (
     ok_rows,
 )
 from cs336_systems.rows.e2e import CellCost
+from cs336_systems.runs import run_of, same_run
 
 
 VARIANT_LABELS = {COURSE_VARIANT: "the course's model (naive attention, its AdamW)", FAST_VARIANT: "SDPA + fused AdamW"}

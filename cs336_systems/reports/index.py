@@ -13,7 +13,7 @@ run, `make perf` on a laptop, leaves every committed file as it was.
 Device reports live in `<reports>/<gpu-slug>/<problem>.md` (+ `.csv`, `.png`); the closed-form
 communication_accounting report lives in `<reports>/` itself. A problem's answer function,
 `answer_<problem>` beside the renderer of its reports in cs336_systems.reports.<family>, turns the rows of
-its reports (`cs336_systems.reports.read_rows`) into sentences; where a row it quotes is not in the
+its reports (`cs336_systems.runs.read_rows`) into sentences; where a row it quotes is not in the
 report, the sentence says so instead of guessing (`open_items_<problem>`, where there is one, names
 what the rows leave unanswered). This module only assembles them: the table of problems
 (cs336_systems.reports.problems) names each problem's reports and functions, and the index adds the links,
@@ -34,20 +34,17 @@ from cs336_systems.model import model_sizes, size_order
 from cs336_systems.reports.problems import PROBLEMS, Problem
 from cs336_systems.reports import (
     ANALYSIS_COMMAND,
-    Metadata,
     Report,
     Reports,
-    RunRecord,
     earlier_code_runs,
     earlier_code_text,
     listing,
     markdown_table,
-    metadata_path,
-    read_rows,
     shown_figures,
     span,
 )
 from cs336_systems.rows import Row
+from cs336_systems.runs import Metadata, RunRecord, metadata_path, read_rows
 
 INDEX_FILE = "README.md"
 INDEX_COMMAND = "python -m cs336_systems index"

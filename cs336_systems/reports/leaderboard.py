@@ -20,12 +20,12 @@ from cs336_systems.reports import (
     noisy_marked,
     not_in_report,
     oom_text,
-    same_run,
     select,
 )
 from cs336_systems.rows import Row, ok_rows, ran
 from cs336_systems.rows.flash import MODE_LABELS, PROVIDER_LABELS
 from cs336_systems.rows.leaderboard import OURS, OURS_FSDP, OURS_SDPA, TORCH, TORCH_FUSED_LOSS, TORCH_VARIANTS
+from cs336_systems.runs import same_run
 
 # The handout's naive baseline (its words: "We expect leaderboard submissions to beat the naive baseline of 10
 # seconds"), on two B200 GPUs.
