@@ -23,7 +23,7 @@ from cs336_systems.reports import (
     select,
 )
 from cs336_systems.rows import Row, ok_rows, ran
-from cs336_systems.rows.flash import MODE_LABELS, PROVIDER_LABELS
+from cs336_systems.rows.flash import provider_label
 from cs336_systems.rows.leaderboard import OURS, OURS_FSDP, OURS_SDPA, TORCH, TORCH_FUSED_LOSS, TORCH_VARIANTS
 from cs336_systems.runs import same_run
 
@@ -196,14 +196,6 @@ def kernel_setup(rows: list[Row]) -> str:
     return (f"## The attention alone\n\nOne block's attention on one rank (batch {first['batch_size']}, "
             f"{first['n_heads']} heads, N {first['seq_len']:,}, d {first['head_dim']}, {first['precision']}, causal), "
             "do_bench on rank 0, same run:\n")
-
-
-def provider_label(provider: str) -> str:
-    return PROVIDER_LABELS.get(provider, provider)
-
-
-def mode_label(kernel: Row) -> str:
-    return MODE_LABELS[kernel["mode"]]
 
 
 def attention_per_step(rows: list[Row]) -> str:

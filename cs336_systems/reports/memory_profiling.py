@@ -22,6 +22,7 @@ from cs336_systems.reports import (
     not_in_report,
     oom_text,
     select,
+    span,
 )
 from cs336_systems.reports.spec import Table
 from cs336_systems.rows import ADAMW_NAMES, OOM, Row, ok_rows
@@ -259,13 +260,13 @@ def block_summaries(rows: list[Row]) -> list[Row]:
         middle = mine[len(mine) // 2]
         gradients = [r["gradient_bytes"] for r in mine if r.get("gradient_bytes") is not None]
         lines.append({"precision": precision, "context": middle["context_length"],
-                      "residuals per block": _span_bytes([r["saved_bytes"] for r in mine]),
+                      "residuals per block": span([r["saved_bytes"] for r in mine], format_bytes),
                       "model": format_bytes(middle["predicted_saved_bytes"]),
                       f"top {len(top)} operations": format_share(sum(r["share"] for r in top)) if top else "",
                       "weight gradients: 4 B x parameters": f"4 x {middle['parameters']:,} = "
                                                             f"{format_bytes(4 * middle['parameters'])}",
-                      ".grad after its backward": _span_bytes([r["weight_gradient_bytes"] for r in mine]),
-                      "gradients, from the allocator": _span_bytes(gradients) if gradients else ""})
+                      ".grad after its backward": span([r["weight_gradient_bytes"] for r in mine], format_bytes),
+                      "gradients, from the allocator": span(gradients, format_bytes) if gradients else ""})
     return lines
 
 
@@ -276,12 +277,6 @@ def block_operations(rows: list[Row]) -> list[Row]:
 
 def is_block_row(r: Row) -> bool:
     return r.get("table") in ("block", "block_operation")
-
-
-def _span_bytes(values: list[float]) -> str:
-    low, high = min(values), max(values)
-    return format_bytes(low) if low == high else f"{format_bytes(low)} to {format_bytes(high)}"
-
 
 
 # ---------------------------------------------------------------------------------------------- answers

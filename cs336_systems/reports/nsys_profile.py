@@ -110,10 +110,6 @@ def _shown(cells: list[dict]) -> dict:
     return max(at_headline, key=lambda c: (size_order(c["size"]), c["context"]))
 
 
-def _span(values: list[float], fmt: str = "{:.0%}") -> str:
-    return span(values, fmt.format)
-
-
 def _attribution_note(cells: list[dict]) -> str:
     """How kernels were attributed, and the check that none was counted twice, from the rows."""
     excess = [f"{c['size']} at context {c['context']}" for c in cells
@@ -168,7 +164,7 @@ def work_over_timer(cell: dict) -> str:
 def forward_time_note(cells: list[dict]) -> str:
     """What the profiled range's wall time is beside the timer's: on a GPU host time, which ends once the host has
     queued the forward's kernels, not when they finish; on a CPU the work itself, with the profiler's overhead."""
-    share = _span([c["range"]["forward"]["wall_ms"] / c["cell"]["timer_forward_ms"] for c in cells])
+    share = span([c["range"]["forward"]["wall_ms"] / c["cell"]["timer_forward_ms"] for c in cells], format_share)
     share += " of the timer's mean"
     if _device(cells) == "cuda":
         return (f"The profiled range is host time, ending once the kernels are queued: {share}. Beyond forward work, "
@@ -209,7 +205,7 @@ def matmul_shares(cell: dict) -> str:
 def matmul_share_note(cells: list[dict]) -> str:
     lower = sum(c["range"][STEP_RANGE]["matmul_share"] < c["range"]["forward"]["matmul_share"] for c in cells)
     return (f"The full step's share is lower in {lower} of {len(cells)} cells; the optimizer's is "
-            f"{_span([c['range']['optimizer']['matmul_share'] for c in cells])}: AdamW is elementwise.\n")
+            f"{span([c['range']['optimizer']['matmul_share'] for c in cells], format_share)}: AdamW is elementwise.\n")
 
 
 def _ran_attention(cell: dict) -> bool:
@@ -266,7 +262,7 @@ def attention_finding(rows: list[Row]) -> str:
     without_matmul = len(cells) - len(excess)
     left_out = (f" ({plural(without_matmul, 'cell')} without matmul time in attention left out)"
                 if without_matmul else "")
-    return (f"Softmax's time is {_span(excess, '{:.0f}x')} its FLOP share{left_out}" + (
+    return (f"Softmax's time is {span(excess, '{:.0f}x'.format)} its FLOP share{left_out}" + (
         ": under 1 FLOP per byte, it waits on memory; the matmuls, at about d_head / 2, on arithmetic.\n"
         if min(excess) > 1 else "; in some cells no more.\n"))
 

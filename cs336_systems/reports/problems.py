@@ -59,6 +59,7 @@ from cs336_systems.reports.spec import (
     Table,
     Text,
     Versus,
+    if_ran,
     selected,
     when,
 )
@@ -85,14 +86,11 @@ def _step_table(baseline: str) -> Table:
     """The step table of the optimizer-state sharding and FSDP accounting reports: each variant's step, optimizer
     step, peaks and bytes communicated (the implementation under test's own communication is not counted: its cells
     stay empty), and how its step and peak compare with `baseline`'s."""
-    ran = sharding.ran_value
     return Table(where={"table": "step"}, columns=(
-        "variant", Column("step (ms)", sharding.step_cell),
-        Column("optimizer step (ms)", ran(lambda r: r["optimizer_ms"])),
-        Column("peak (GiB)", ran(lambda r: r.get("peak_gib"))),
-        Column("model peak (GiB)", ran(lambda r: r["model_peak_gib"])),
-        Column("communicated per step (GB)", ran(sharding.gigabytes("communicated_bytes"))),
-        Column("sent per rank, ring (GB)", ran(sharding.gigabytes("ring_bytes_sent_per_rank"))),
+        "variant", Column("step (ms)", sharding.step_cell), Column("optimizer step (ms)", if_ran("optimizer_ms")),
+        Column("peak (GiB)", if_ran("peak_gib")), Column("model peak (GiB)", if_ran("model_peak_gib")),
+        Column("communicated per step (GB)", if_ran(sharding.gigabytes("communicated_bytes"))),
+        Column("sent per rank, ring (GB)", if_ran(sharding.gigabytes("ring_bytes_sent_per_rank"))),
         Versus(f"step vs {baseline}", "step_ms", {"variant": baseline}),
         Versus(f"peak vs {baseline}", "peak_gib", {"variant": baseline})))
 
@@ -135,19 +133,14 @@ def _bytes(column: str) -> Callable[[Row], str]:
     return lambda row: format_bytes(row.get(column))
 
 
-def _ran(value: Callable[[Row], Any]) -> Callable[[Row], Any]:
-    """A table cell of `value` where the row ran, and why not where it ran out of memory."""
-    return lambda row: value(row) if row["status"] == "ok" else oom_text(row)
-
-
 GRADIENT_CHECKPOINTING = Layout((
     Text(gradient_checkpointing.sweep_setup),
     Table(where={"table": "sweep"}, columns=(
         Column("plan", gradient_checkpointing.plan_label), Column("recomputed blocks", "recomputed_blocks"),
-        Column("kept after forward", _ran(_bytes("measured_kept_bytes"))),
-        Column("predicted kept", _bytes("predicted_kept_bytes")), Column("peak", _ran(_bytes("measured_peak_bytes"))),
-        Column("predicted peak", _bytes("predicted_peak_bytes")),
-        Column("step (ms)", lambda r: r.get("step_ms") if r["status"] == "ok" else None))),
+        Column("kept after forward", if_ran(_bytes("measured_kept_bytes"), oom_text)),
+        Column("predicted kept", _bytes("predicted_kept_bytes")),
+        Column("peak", if_ran(_bytes("measured_peak_bytes"), oom_text)),
+        Column("predicted peak", _bytes("predicted_peak_bytes")), Column("step (ms)", if_ran("step_ms")))),
     Text(gradient_checkpointing.best_single_level), Text(gradient_checkpointing.prediction_offsets),
     Drawn("gradient_checkpointing.png", draw=gradient_checkpointing.sweep_figure,
           alt="peak activation memory by plan"),
@@ -441,7 +434,6 @@ FLASH_REPORT = Layout((
 # flash_benchmarking: flash_in_training
 def _training_steps(table: str) -> Table:
     """The training steps of `table` (uncaptured or in CUDA graphs), each against SDPA's step of its cell."""
-    if_ran = sharding.ran_value
     return Table(where={"table": table}, rows_of=flash_in_training.against_sdpa, columns=(
         Column("size", lambda r: f"{r['size']} ({r['size_table']} table)"),
         Column("d_model / heads / d_head", lambda r: f"{r['d_model']} / {r['n_heads']} / {r['head_dim']}"),
@@ -479,7 +471,7 @@ BENCHMARKING_SCRIPT = Layout((
 BENCHMARKING_MIXED_PRECISION = Layout((
     Text(e2e.autocast_setup, AUTOCAST_DTYPES), Table(where=AUTOCAST_DTYPES, columns=("tensor", "dtype")),
     Text(e2e.autocast_findings, AUTOCAST_DTYPES),
-    Text(lambda rows: e2e.NORMALISATION_SETUP, NORMALISATION),
+    when(NORMALISATION, e2e.NORMALISATION_SETUP),
     Table(where=NORMALISATION, columns=("storage_dtype", "mean_square", "relative_error")),
     Text(e2e.normalisation_findings, NORMALISATION),
     # fp32 against bf16 per cell: two rows and their ratio on each line, which no pivot shows.
@@ -563,15 +555,11 @@ def _ddp_equivalence(*methods: str) -> Layout:
 def _ddp_steps(*methods: str) -> Table:
     """The DDP benchmarking reports' step table: each variant of `methods` with its phases, its time over local
     training, and how much of its profiled communication ran beside compute."""
-    ran = sharding.ran_value
     return Table(where=ddp.steps_of(*methods), rows_of=ddp.with_time_over_local, columns=(
-        "variant", Column("all-reduces", ran(lambda r: r.get("all_reduces_per_step"))), Column("step", ddp.step_cell),
-        Column("forward", ran(lambda r: r["forward_ms"])), Column("backward", ran(lambda r: r["backward_ms"])),
-        Column("gradient_sync", ran(lambda r: r["gradient_sync_ms"])),
-        Column("optimizer", ran(lambda r: r["optimizer_ms"])), Column("over local", "over_local_ms"),
-        Column("communication (profiled)", ran(lambda r: r.get("profiled_communication_ms"))),
-        Column("overlapped with compute", ran(ddp.overlapped_share)),
-        Column("peak GiB", ran(lambda r: r.get("peak_memory_gib")))))
+        "variant", Column("all-reduces", if_ran("all_reduces_per_step")), Column("step", ddp.step_cell),
+        *(Column(phase, if_ran(f"{phase}_ms")) for phase in ("forward", "backward", "gradient_sync", "optimizer")),
+        Column("over local", "over_local_ms"), Column("communication (profiled)", if_ran("profiled_communication_ms")),
+        Column("overlapped with compute", if_ran(ddp.overlapped_share)), Column("peak GiB", if_ran("peak_memory_gib"))))
 
 
 def _ddp_benchmarking(methods: tuple[str, ...], *parts: Part, heading: str = "") -> Layout:
@@ -587,20 +575,18 @@ DDP_OVERHEAD_TABLE = Table(rows_of=ddp.overhead_by_bucket_size, columns=(
 
 
 # Leaderboard
-_ran = sharding.ran_value
 # Each variant's step: its setup, the blocks it checkpoints, its time and phases, throughput and memory; a variant that
 # did not run shows why, and the columns no variant has a value in are left out.
 LEADERBOARD_STEPS = Table(where={"table": "step"}, present_only=True, columns=(
     "variant", "setup", Column("checkpointed blocks", lambda r: f"{r['checkpointed_blocks']} of {r['num_layers']}"),
     Column("step (ms)", leaderboard.step_cell),
-    Column("min to max (ms)", _ran(lambda r: f"{format_ms(r['min_ms'])} to {format_ms(r['max_ms'])}")),
-    Column("forward", _ran(lambda r: format_ms(r["forward_ms"]))),
-    Column("backward", _ran(lambda r: format_ms(r["backward_ms"]))),
-    Column("optimizer", _ran(lambda r: format_ms(r["optimizer_ms"]))),
-    Column("tokens/s", _ran(lambda r: f"{r['tokens_per_s']:,.0f}")),
-    Column("model TFLOP/s per GPU", _ran(leaderboard.tflops_per("GPU"))),
-    Column("model TFLOP/s per rank", _ran(leaderboard.tflops_per("rank"))),
-    Column("peak per rank (GiB)", _ran(lambda r: None if r.get("peak_gib") is None else f"{r['peak_gib']:.1f}")),
+    Column("min to max (ms)", if_ran(lambda r: f"{format_ms(r['min_ms'])} to {format_ms(r['max_ms'])}")),
+    *(Column(phase, if_ran(lambda r, phase=phase: format_ms(r[f"{phase}_ms"])))
+      for phase in ("forward", "backward", "optimizer")),
+    Column("tokens/s", if_ran(lambda r: f"{r['tokens_per_s']:,.0f}")),
+    Column("model TFLOP/s per GPU", if_ran(leaderboard.tflops_per("GPU"))),
+    Column("model TFLOP/s per rank", if_ran(leaderboard.tflops_per("rank"))),
+    Column("peak per rank (GiB)", if_ran(lambda r: None if r.get("peak_gib") is None else f"{r['peak_gib']:.1f}")),
     Column("estimate (GiB)", lambda r: f"{r['model_peak_gib']:.1f}")))
 LEADERBOARD_REPORT = Layout((
     Text(leaderboard.correctness_setup),
@@ -609,8 +595,8 @@ LEADERBOARD_REPORT = Layout((
     Text(leaderboard.step_setup), LEADERBOARD_STEPS, Text(leaderboard.step_sentences),
     Text(leaderboard.parts_section), Text(leaderboard.kernel_setup),
     Table(where=leaderboard.is_kernel, columns=(
-        Column("provider", lambda r: leaderboard.provider_label(r["provider"])),
-        Column("mode", leaderboard.mode_label), Column("median (ms)", lambda r: format_ms(r["median_ms"])),
+        Column("provider", lambda r: provider_label(r["provider"])), Column("mode", lambda r: MODE_LABELS[r["mode"]]),
+        Column("median (ms)", lambda r: format_ms(r["median_ms"])),
         Column("TFLOP/s", lambda r: f"{r['tflops']:.0f}"))),
     Text(leaderboard.attention_per_step)))
 

@@ -8,7 +8,6 @@ benchmarks/sharding.py measures the rest. The step and memory tables here serve 
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
 
 from cs336_systems.accounting.communication import bytes_sent_per_device
 from cs336_systems.reports import (
@@ -39,11 +38,6 @@ def setup_sentence(rows: list[Row]) -> str:
 def step_cell(row: Row) -> str:
     """A step's time as the step tables show it: mean ± std, or why it did not run."""
     return mean_std(row["step_ms"], row["step_std_ms"]) if row["status"] == "ok" else missed_text(row)
-
-
-def ran_value(value: Callable[[Row], Any]) -> Callable[[Row], Any]:
-    """`value` of a row that ran; nothing for one that did not."""
-    return lambda row: value(row) if row["status"] == "ok" else None
 
 
 def gigabytes(column: str) -> Callable[[Row], float | None]:

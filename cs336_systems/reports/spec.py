@@ -37,6 +37,11 @@ def value_of(value: Value, row: Row) -> Any:
     return row.get(value) if isinstance(value, str) else value(row)
 
 
+def if_ran(value: Value, otherwise: Callable[[Row], Any] | None = None) -> Callable[[Row], Any]:
+    """A cell of `value` where the row ran; where it did not, `otherwise(row)` (why not, say), or nothing."""
+    return lambda row: value_of(value, row) if row["status"] == "ok" else otherwise and otherwise(row)
+
+
 def selected(rows: Sequence[Row], where: Where | None) -> list[Row]:
     if where is None:
         return list(rows)
