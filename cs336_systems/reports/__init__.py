@@ -360,21 +360,29 @@ CPU_NOTE = ("- note: a CPU run. Triton kernels ran in the Triton interpreter, wh
             "a GPU runs it.")
 
 
-def model_size_lines(rows: Iterable[Row]) -> list[str]:
-    """"- model sizes: ..." lines naming the size table, shape and parameter count of each model size
-    the rows measured (those that name their size table: a benchmark of the user's own may use `size` otherwise)."""
-    from cs336_systems.accounting.activations import parameter_count
-    from cs336_systems.model import ModelConfig, model_sizes, size_order
+def measured_sizes(rows: Iterable[Row]) -> dict[str, list[str]]:
+    """Size table -> the model sizes the rows measured, smallest first (of the rows that name their size table: a
+    benchmark of the user's own may use `size` otherwise); the newest table first."""
+    from cs336_systems.model import size_order
 
     used: dict[str, set[str]] = {}
     for row in rows:
         if row.get("size") and row.get("size_table"):
             used.setdefault(row["size_table"], set()).add(row["size"])
+    return {table: sorted(sizes, key=size_order) for table, sizes in sorted(used.items(), reverse=True)}
+
+
+def model_size_lines(rows: Iterable[Row]) -> list[str]:
+    """"- model sizes: ..." lines naming the size table, shape and parameter count of each model size the rows
+    measured."""
+    from cs336_systems.accounting.activations import parameter_count
+    from cs336_systems.model import ModelConfig, model_sizes
+
     lines = []
-    for table, sizes in sorted(used.items(), reverse=True):
+    for table, sizes in measured_sizes(rows).items():
         shapes = model_sizes(table)
         described = []
-        for size in sorted(sizes, key=size_order):
+        for size in sizes:
             if size not in shapes:
                 described.append(size)
                 continue

@@ -607,11 +607,6 @@ def _reference_steps(rows: list[Row]) -> dict[tuple, tuple[Row, Row]]:
     return {cell: (project[cell], reference[cell]) for cell in cells}
 
 
-def _reference_cells(rows: list[Row]) -> dict[tuple, tuple[Row, Row]]:
-    """The cells of `_reference_steps` whose two steps ran in one run: the only ones whose ratio is read."""
-    return {cell: pair for cell, pair in _reference_steps(rows).items() if same_run(*pair)}
-
-
 def _profiled(rows: list[Row]) -> list[Row]:
     """The rows of the steps profiled under torch.profiler, where the reference section shows (they belong to it)."""
     return select(rows, table=BREAKDOWN_TABLE) if _reference_steps(rows) else []
@@ -801,7 +796,8 @@ def _reference_answer(rows: list[Row]) -> list[str]:
     """The compiled step against the torch-native reference: the largest cell, where the ratio
     ranges, and how busy the project's GPU was where the ratio is worst; only cells whose two steps ran in
     one run are compared."""
-    steps, cells = _reference_steps(rows), _reference_cells(rows)
+    steps = _reference_steps(rows)
+    cells = {cell: pair for cell, pair in steps.items() if same_run(*pair)}  # only these ratios are read
     unpaired = len(steps) - len(cells)
     if not cells:
         return [f"The torch-native reference's {plural(unpaired, 'training step')} and the project's compiled steps "

@@ -30,7 +30,7 @@ from pathlib import Path
 
 from cs336_systems.gpus import GPU_SPECS
 from cs336_systems.model import DEFAULT_SIZE_TABLE as CURRENT_SIZE_TABLE
-from cs336_systems.model import model_sizes, size_order
+from cs336_systems.model import model_sizes
 from cs336_systems.reports.problems import PROBLEMS, Problem
 from cs336_systems.reports import (
     ANALYSIS_COMMAND,
@@ -40,6 +40,7 @@ from cs336_systems.reports import (
     earlier_code_text,
     listing,
     markdown_table,
+    measured_sizes,
     shown_figures,
     span,
 )
@@ -223,17 +224,6 @@ def _measured(problem: Problem, layout: _Layout, slugs: list[str]) -> dict[str, 
     return found
 
 
-def _model_sizes(measured: dict[str, Reports]) -> dict[str, list[str]]:
-    """Size table -> the model sizes the rows measured."""
-    tables: dict[str, set[str]] = {}
-    for reports in measured.values():
-        for rows in reports.values():
-            for r in rows:
-                if r.get("size") and r.get("size_table"):
-                    tables.setdefault(r["size_table"], set()).add(r["size"])
-    return {table: sorted(sizes, key=size_order) for table, sizes in sorted(tables.items(), reverse=True)}
-
-
 def _open(problem: Problem, measured: dict[str, Reports], sizes: dict[str, list[str]]) -> list[str]:
     """What is left to answer: runs no machine here has made, old runs, parts the rows lack."""
     items = []
@@ -304,7 +294,7 @@ def render_index(reports_root: Path | str, command: str = INDEX_COMMAND, cpu: bo
     status = []
     for number, problem in enumerate(PROBLEMS, 1):
         measured = _measured(problem, layout, slugs)
-        sizes = _model_sizes(measured)
+        sizes = measured_sizes(r for reports in measured.values() for rows in reports.values() for r in rows)
         status.append({"problem": f"{number}. {problem.label}", **{s: _status(problem, layout, s) for s in slugs},
                        "model sizes": "; ".join(f"{table}: {', '.join(names)}" for table, names in sizes.items()),
                        "open": "; ".join(_open(problem, measured, sizes))})

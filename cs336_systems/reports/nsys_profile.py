@@ -156,10 +156,6 @@ def timer_forward(cell: dict) -> str:
     return mean_std(row["timer_forward_ms"], row["timer_forward_std_ms"], ".2f", samples=row.get("timed_steps"))
 
 
-def work_over_timer(cell: dict) -> str:
-    return f"{cell['range']['forward']['work_ms'] / cell['cell']['timer_forward_ms']:.0%}"
-
-
 @on_measured
 def forward_time_note(cells: list[dict]) -> str:
     """What the profiled range's wall time is beside the timer's: on a GPU host time, which ends once the host has
@@ -197,10 +193,6 @@ def no_main_kernel(rows: list[Row]) -> str:
     return f"No non-matmul kernel reached {MAIN_KERNEL_SHARE:.0%} of forward time in these cells.\n"
 
 
-def matmul_shares(cell: dict) -> str:
-    return f"{cell['range']['forward']['matmul_share']:.0%} / {cell['range'][STEP_RANGE]['matmul_share']:.0%}"
-
-
 @on_measured
 def matmul_share_note(cells: list[dict]) -> str:
     lower = sum(c["range"][STEP_RANGE]["matmul_share"] < c["range"]["forward"]["matmul_share"] for c in cells)
@@ -219,10 +211,6 @@ def attention_cells(rows: list[Row]) -> list[dict]:
 
 def attention_matmul_ms(cell: dict) -> float:
     return cell["range"]["attention/scores"]["matmul_ms"] + cell["range"]["attention/final_matmul"]["matmul_ms"]
-
-
-def scale_and_mask_ms(cell: dict) -> float:
-    return cell["range"]["attention/scores"]["work_ms"] - cell["range"]["attention/scores"]["matmul_ms"]
 
 
 def softmax_flop_ratio(cell: dict) -> float:

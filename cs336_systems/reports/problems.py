@@ -64,6 +64,7 @@ from cs336_systems.reports.spec import (
     when,
 )
 from cs336_systems.rows.flash import ATTENTION_MODES, MODE_LABELS, PRECISIONS, provider_label
+from cs336_systems.rows.nsys_profile import STEP_RANGE
 from cs336_systems.rows import (
     ALLREDUCE_KEY,
     ATTENTION_KEY,
@@ -336,7 +337,7 @@ NSYS_PROFILE = Layout((
         "size", "context", Column("timer forward (ms)", nsys_profile.timer_forward),
         Column("profiled forward range (ms)", nsys_profile.in_range("forward", "wall_ms")),
         Column("forward work (ms)", nsys_profile.in_range("forward", "work_ms")),
-        Column("work / timer", nsys_profile.work_over_timer))),
+        Column("work / timer", lambda c: f"{c['range']['forward']['work_ms'] / c['cell']['timer_forward_ms']:.0%}"))),
     Text(nsys_profile.forward_time_note),
     Text(nsys_profile.when_measured("## (b) The top forward kernel\n")),
     Table(rows_of=nsys_profile.measured, columns=(
@@ -358,14 +359,16 @@ NSYS_PROFILE = Layout((
     Text(nsys_profile.when_measured("## (d) Matmul share: forward against the full training step\n\n"
                                     "Matmul share of kernel time, forward / full step.\n")),
     Table(rows_of=nsys_profile.measured,
-          pivot=Pivot(("size",), "context", nsys_profile.matmul_shares, label="context")),
+          pivot=Pivot(("size",), "context", label="context", value=lambda c: " / ".join(
+              f"{c['range'][name]['matmul_share']:.0%}" for name in ("forward", STEP_RANGE)))),
     Text(nsys_profile.matmul_share_note),
     Text(nsys_profile.attention_setup),
     Table(rows_of=nsys_profile.attention_cells, columns=(
         "size", "context", Column("d_head", lambda c: c["cell"]["d_head"]),
         Column("matmul (ms)", nsys_profile.attention_matmul_ms),
         Column("softmax (ms)", nsys_profile.in_range("attention/softmax", "work_ms")),
-        Column("scale + mask (ms)", nsys_profile.scale_and_mask_ms),
+        Column("scale + mask (ms)", lambda c: (c["range"]["attention/scores"]["work_ms"]
+                                             - c["range"]["attention/scores"]["matmul_ms"])),
         Column("softmax / matmul time", lambda c: NOT_A_NUMBER if (ratio := nsys_profile.softmax_time_ratio(c)) is None
                else f"{ratio:.2f}"),
         Column("FLOP ratio", lambda c: f"{nsys_profile.softmax_flop_ratio(c):.4f}"),
