@@ -5,7 +5,7 @@ import os
 import subprocess
 import sys
 import textwrap
-from importlib.metadata import entry_points
+from importlib.metadata import PackageNotFoundError, distribution, entry_points
 from pathlib import Path
 
 import pytest
@@ -18,6 +18,7 @@ from cs336_systems.conformance.contract import (
     is_unimplemented,
     load_adapters,
 )
+from tests.inner_runs import runpytest
 
 PLUGIN = ["-p", "cs336_systems.pytest_plugin", "-p", "no:cacheprovider", "--gpu", "none"]
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -51,12 +52,27 @@ NEEDS = '''
 '''
 
 
+def _installed() -> bool:
+    try:
+        distribution("cs336-systems")
+    except PackageNotFoundError:
+        return False
+    return True
+
+
+# What only an installed package has: its entry point.
+needs_installed_package = pytest.mark.skipif(
+    not _installed(), reason="cs336-systems is imported from a checkout here, not installed: only `pip install` "
+                             "(make test does) registers its entry point")
+
+
 def _write(path: Path, text: str) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(textwrap.dedent(text))
     return path
 
 
+@needs_installed_package
 def test_the_plugin_is_a_pytest11_entry_point_of_the_installed_package_named_as_the_conftest_names_it():
     plugins = {point.name: point.value for point in entry_points(group="pytest11")}
     assert plugins.get("cs336_systems.pytest_plugin") == "cs336_systems.pytest_plugin"
@@ -64,6 +80,7 @@ def test_the_plugin_is_a_pytest11_entry_point_of_the_installed_package_named_as_
     assert '"cs336_systems.pytest_plugin"' in conftest  # the same name: registered once, by whichever comes first
 
 
+@needs_installed_package
 def test_pytest_in_another_project_lists_the_options(tmp_path):
     """No conftest, no PYTHONPATH: only the installed package's entry point can add the options."""
     _write(tmp_path / "pyproject.toml", "[project]\nname = 'elsewhere'\n")
@@ -83,13 +100,13 @@ def test_this_repository_registers_the_plugin_once(pytester):
             registered = [p for p in request.config.pluginmanager.get_plugins() if p is plugin]
             assert len(registered) == 1
     """)
-    pytester.runpytest("-p", "no:cacheprovider", "--gpu", "none").assert_outcomes(passed=1)
+    runpytest(pytester, "-p", "no:cacheprovider", "--gpu", "none").assert_outcomes(passed=1)
 
 
 def test_tests_needing_a_function_the_module_lacks_are_skipped_naming_it(pytester):
     _write(pytester.path / "mine" / "adapters.py", PARTIAL_ADAPTERS)
     pytester.makepyfile(NEEDS)
-    result = pytester.runpytest(*PLUGIN, "--adapters", "mine/adapters.py", "-rs")
+    result = runpytest(pytester, *PLUGIN, "--adapters", "mine/adapters.py", "-rs")
     result.assert_outcomes(passed=1, skipped=2)
     result.stdout.fnmatch_lines(["*implementation under test: adapters mine/adapters.py*",
                                  "*adapters mine/adapters.py does not implement get_fsdp",
@@ -101,7 +118,7 @@ def test_the_ini_setting_names_the_module_relative_to_the_ini_file(pytester, mon
     pytester.makeini("[pytest]\nadapters = mine/adapters.py\n")
     _write(pytester.path / "sub" / "test_needs.py", NEEDS)
     monkeypatch.chdir(pytester.path / "sub")
-    pytester.runpytest(*PLUGIN, "test_needs.py").assert_outcomes(passed=1, skipped=2)
+    runpytest(pytester, *PLUGIN, "test_needs.py").assert_outcomes(passed=1, skipped=2)
 
 
 def test_without_the_option_the_implementation_under_test_is_this_projects_own(pytester):
@@ -110,7 +127,7 @@ def test_without_the_option_the_implementation_under_test_is_this_projects_own(p
             assert adapters.spec == "cs336_systems.adapters" and adapters.is_own
             assert not adapters.missing(*adapters.implemented)
     """)
-    pytester.runpytest(*PLUGIN).assert_outcomes(passed=1)
+    runpytest(pytester, *PLUGIN).assert_outcomes(passed=1)
     assert load_adapters().implemented == frozenset(ADAPTER_FUNCTIONS)
 
 
@@ -123,7 +140,7 @@ def test_without_the_option_the_implementation_under_test_is_this_projects_own(p
 def test_a_module_that_cannot_serve_is_a_usage_error_before_any_test_runs(pytester, content, message):
     _write(pytester.path / "broken.py", content)
     pytester.makepyfile("def test_x():\n    raise AssertionError('no test may run')\n")
-    result = pytester.runpytest(*PLUGIN, "--adapters", "broken.py")
+    result = runpytest(pytester, *PLUGIN, "--adapters", "broken.py")
     assert result.ret == pytest.ExitCode.USAGE_ERROR
     result.stderr.fnmatch_lines([f"ERROR: *{message}*"])
 
@@ -135,7 +152,7 @@ def test_a_module_that_cannot_serve_is_a_usage_error_before_any_test_runs(pytest
 ])
 def test_a_module_that_does_not_exist_is_a_usage_error(pytester, spec, message):
     pytester.makepyfile("def test_x():\n    pass\n")
-    result = pytester.runpytest(*PLUGIN, "--adapters", spec)
+    result = runpytest(pytester, *PLUGIN, "--adapters", spec)
     assert result.ret == pytest.ExitCode.USAGE_ERROR
     result.stderr.fnmatch_lines([f"ERROR: *{message}*"])
 

@@ -10,6 +10,7 @@ import pytest
 
 from cs336_systems.runs import read_rows
 from cs336_systems.rows import SAMPLE_TIMES
+from tests.inner_runs import runpytest
 
 PLUGIN = ["-p", "cs336_systems.pytest_plugin", "-p", "no:cacheprovider", "--gpu", "none"]
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -46,8 +47,8 @@ def _stored(path: Path) -> list[Path]:
 def test_a_cells_samples_reach_the_benchmark_json_as_measured_and_the_report_keeps_its_statistics_alone(pytester):
     pytest.importorskip("pytest_benchmark")
     pytester.makepyfile(CELLS)
-    result = pytester.runpytest(*PLUGIN, "--report-dir", "out", "--benchmark-json", "bench.json",
-                                "--benchmark-autosave")
+    result = runpytest(pytester, *PLUGIN, "--report-dir", "out", "--benchmark-json", "bench.json",
+                       "--benchmark-autosave")
     result.assert_outcomes(passed=1)
     benchmarks = json.loads((pytester.path / "bench.json").read_text())["benchmarks"]
     assert [(b["name"], b["group"]) for b in benchmarks] == [
@@ -64,13 +65,13 @@ def test_a_cells_samples_reach_the_benchmark_json_as_measured_and_the_report_kee
 
 def test_without_a_store_option_pytest_benchmark_writes_no_file(pytester):
     pytester.makepyfile(CELLS)
-    pytester.runpytest(*PLUGIN, "--report-dir", "out").assert_outcomes(passed=1)
+    runpytest(pytester, *PLUGIN, "--report-dir", "out").assert_outcomes(passed=1)
     assert _stored(pytester.path / ".benchmarks") == []
 
 
 def test_without_pytest_benchmark_the_cells_are_still_reported(pytester):
     pytester.makepyfile(CELLS)
-    pytester.runpytest(*PLUGIN, "-p", "no:benchmark", "--report-dir", "out").assert_outcomes(passed=1)
+    runpytest(pytester, *PLUGIN, "-p", "no:benchmark", "--report-dir", "out").assert_outcomes(passed=1)
     assert len(read_rows(pytester.path / "out" / "cpu" / "_store_problem.csv")) == 2
 
 

@@ -16,6 +16,7 @@ import pytest
 from cs336_systems.conformance import test_ddp, test_fsdp, test_sharded_optimizer
 from cs336_systems.conformance.contract import OWN_ADAPTERS, load_adapters
 from cs336_systems.conformance.test_ddp import BYTES_PER_MB, PLANNED_BUCKET_SIZES_MB, bucket_plan
+from tests.inner_runs import runpytest
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 BROKEN = REPO_ROOT / "tests" / "broken_adapters"
@@ -52,8 +53,8 @@ KILLS = {
 
 
 def _run_suite(pytester: pytest.Pytester, suite: str, adapters: Path | str, *selection: str) -> pytest.RunResult:
-    return pytester.runpytest(*PLUGIN, "--pyargs", f"cs336_systems.conformance.{suite}", "--adapters", str(adapters),
-                              *selection)
+    return runpytest(pytester, *PLUGIN, "--pyargs", f"cs336_systems.conformance.{suite}", "--adapters", str(adapters),
+                     *selection)
 
 
 # The broken modules of the distributed parts, by their names; the rest are FlashAttention's

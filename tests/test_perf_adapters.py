@@ -26,6 +26,7 @@ from cs336_systems.reports.problems import report
 from cs336_systems.rows import FAILED, SAMPLE_TIMES, ran
 from cs336_systems.rows.ddp import variant_label
 from cs336_systems.rows.flash import ATTENTION_MODES
+from tests.inner_runs import runpytest
 
 TINY_BENCH = BenchSettings(cpu_warmup=0, cpu_steps=2)
 CELL = FlashCell(16, 16, "fp32")
@@ -119,8 +120,8 @@ def test_the_run_names_every_function_the_implementation_under_test_lacks(pytest
     path = tmp_path / "header_adapters.py"
     path.write_text(textwrap.dedent(MEASURED))
     pytester.makepyfile("def test_nothing():\n    pass\n")
-    result = pytester.runpytest("-p", "cs336_systems.pytest_plugin", "-p", "no:cacheprovider", "--gpu", "none",
-                                "--adapters", str(path))
+    result = runpytest(pytester, "-p", "cs336_systems.pytest_plugin", "-p", "no:cacheprovider", "--gpu", "none",
+                       "--adapters", str(path))
     result.assert_outcomes(passed=1)
     result.stdout.fnmatch_lines([f"*implementation under test: adapters {path}",
                                  f"*adapters {path} does not implement get_flashattention_autograd_function_pytorch, "

@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from cs336_systems.runs import read_rows
+from tests.inner_runs import runpytest
 
 PLUGIN = ["-p", "cs336_systems.pytest_plugin", "-p", "no:cacheprovider"]
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -24,8 +25,9 @@ def importable_package(monkeypatch):
 
 
 def run(pytester, *args, subprocess=False):
-    runner = pytester.runpytest_subprocess if subprocess else pytester.runpytest
-    return runner(*PLUGIN, "--gpu", "none", *args)
+    if subprocess:
+        return pytester.runpytest_subprocess(*PLUGIN, "--gpu", "none", *args)
+    return runpytest(pytester, *PLUGIN, "--gpu", "none", *args)
 
 
 def test_markers_are_registered_and_strict(pytester):
