@@ -363,6 +363,15 @@ def test_config_validation(kwargs, message):
         E2EConfig(**{"size": "tiny", "context_length": 16, **kwargs})
 
 
+@pytest.fixture
+def kernels_mode_kept(monkeypatch):
+    """The e2e command, run here in this process: its CPU run would turn the kernels' mode to interpreted before it
+    imports them, which a process that has imported Triton compiled (a test process on a GPU) refuses. The tests
+    that use this run no kernel, so the mode stays as it is; test_command_runs_the_triton_kernels_interpreted_on_a_cpu
+    checks the command's own choice, in a process of its own."""
+    monkeypatch.setattr("cs336_systems.interpretation.interpret_kernels", lambda on_gpu: lambda: None)
+
+
 @pytest.mark.parametrize("argv, message", [
     (["--size", "huge", "--context", "16"], "unknown model size 'huge'"),
     (["--size-table", "2025", "--size", "10B", "--context", "16"], "unknown model size '10B' in the 2025 size table"),
@@ -376,6 +385,7 @@ def test_command_bad_input_is_one_line(argv, message):
     assert message in result.stderr and len(result.stderr.strip().splitlines()) == 1, result.stderr
 
 
+@pytest.mark.usefixtures("kernels_mode_kept")
 @pytest.mark.parametrize("argv, message", [
     (["--size", ",", "--context", "16"], "argument --size: needs at least one value, got ','"),
     (["--size", "tiny,tiny", "--context", "16"], "argument --size: tiny given more than once"),
@@ -399,6 +409,7 @@ def test_command_lists_are_trimmed_and_refuse_nothing_or_a_repeat_and_options_th
     assert code == 2 and message in capsys.readouterr().err
 
 
+@pytest.mark.usefixtures("kernels_mode_kept")
 def test_command_prints_rows_naming_a_size_as_its_table_does_in_whatever_case_it_was_given(capsys):
     assert main(["e2e", "--size", "TINY", "--context", "8", "--batch-size", "1", "--warmup", "0",
                  "--steps", "1", "--mode", "forward", "--device", "cpu"]) == 0
@@ -444,6 +455,7 @@ def test_command_help_shows_the_defaults(capsys):
         assert default in text
 
 
+@pytest.mark.usefixtures("kernels_mode_kept")
 def test_command_says_a_cell_too_large_for_this_machine_was_predicted_out_of_memory_and_not_run(
         capsys, caplog, monkeypatch):
     from cs336_systems import memory_guard
@@ -479,6 +491,7 @@ def _forward_steps(*forward_ms: float) -> e2e.Measured:
                         forward_ms[0])
 
 
+@pytest.mark.usefixtures("kernels_mode_kept")
 def test_command_says_before_a_smaller_mode_runs_that_it_stands_in_for_the_modes_that_did_not_fit(
         capsys, caplog, monkeypatch):
     # A train step that does not fit, nor its forward+backward; the forward alone does, and it runs: the command says
@@ -509,6 +522,7 @@ def test_command_says_before_a_smaller_mode_runs_that_it_stands_in_for_the_modes
                         "train_step": "OOM (predicted, not run)"}
 
 
+@pytest.mark.usefixtures("kernels_mode_kept")
 def test_command_says_before_a_cell_how_long_the_flop_model_expects_it_to_take_where_that_is_minutes(
         caplog, monkeypatch):
     # The estimate, not a clock: each step 3.48 TFLOP at 26.7 GFLOP/s, the xl forward at context 128 on a loaded
@@ -559,6 +573,7 @@ def test_the_cell_cost_is_every_step_of_the_mode_at_the_rate_of_the_models_feed_
 
 
 # Forward times whose std is 0.3 of their mean, and 0.2: the reports mark a spread above a fifth noisy.
+@pytest.mark.usefixtures("kernels_mode_kept")
 @pytest.mark.parametrize("forward_ms, status", [((7.0, 10.0, 13.0), "ok (noisy)"), ((8.0, 10.0, 12.0), "ok")])
 def test_command_table_marks_a_row_whose_time_varied_by_more_than_a_fifth_noisy_as_the_reports_do(
         forward_ms, status, capsys, monkeypatch):
