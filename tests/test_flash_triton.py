@@ -11,6 +11,7 @@ run on a GPU with compute-sanitizer too (`make gpu-check`).
 import contextlib
 import ctypes
 import itertools
+import math
 import os
 import shutil
 import struct
@@ -33,7 +34,7 @@ from cs336_systems.attention.flash_triton import (
 from cs336_systems.attention.flash_triton import kernels, launch, native, op, tiles
 from cs336_systems.model import ModelConfig, TransformerLM
 from cs336_systems.precision import PRECISIONS
-from cs336_systems.conformance.attention_reference import discrepancies, tolerance_for
+from cs336_systems.conformance.attention_reference import causal_future, discrepancies, tolerance_for
 from cs336_systems.conformance.launches import recorded
 from tests.flash_reference import (
     LAYOUTS,
@@ -982,6 +983,47 @@ def test_a_softmax_scale_one_percent_off_fails_on_every_launch_path_on_a_gpu(pat
     assert plan_for(q, k, is_causal).paths["forward"] == path
     _assert_caught_in_forward_and_backward(*_failures_with_and_without_the_planted_error(q, k, v, do, is_causal,
                                                                                          monkeypatch))
+
+
+def _tf32(x: torch.Tensor) -> torch.Tensor:
+    """An fp32 operand as Hopper's tensor cores read it for a tf32 dot: its low 13 mantissa bits dropped."""
+    return (x.float().view(torch.int32) & ~0x1FFF).view(torch.float32).double()
+
+
+def _tf32_kernel(q, k, v, do, is_causal: bool, scale_error: float = 1.0) -> dict[str, torch.Tensor]:
+    """o, L, dq, dk, dv as the kernels compute them in fp32 on a GPU: each dot's operands truncated to tf32, the
+    rest exact (float64); the softmax scale times `scale_error`."""
+    q, k, v, do = (t.double() for t in (q, k, v, do))
+    scale = scale_error / q.shape[-1] ** 0.5
+    s = _tf32(q) @ _tf32(k).transpose(-2, -1) * scale
+    if is_causal:
+        s = s.masked_fill(causal_future(0, q.shape[-2], k.shape[-2], q.device), -math.inf)
+    L = torch.logsumexp(s, dim=-1)
+    p = torch.exp(s - L[..., None])
+    o = _tf32(p) @ _tf32(v)
+    ds = p * (_tf32(do) @ _tf32(v).transpose(-2, -1) - (do * o).sum(dim=-1, keepdim=True))
+    return {"o": o.float(), "L": L.float(), "dq": (_tf32(ds) @ _tf32(k) * scale).float(),
+            "dk": (_tf32(ds).transpose(-2, -1) @ _tf32(q) * scale).float(),
+            "dv": (_tf32(p).transpose(-2, -1) @ _tf32(do)).float()}
+
+
+@pytest.mark.parametrize(("lead", "n_queries", "n_keys", "head_dim", "is_causal"), [
+    ((2,), 251, 263, 96, False), ((2,), 291, 249, 128, False), ((2, 2), 100, 284, 40, False),
+    ((2,), 150, 150, 80, True), ((3,), 8, 230, 16, False),
+])
+def test_the_gpu_fp32_bounds_hold_tf32_truncation_and_catch_a_softmax_scale_one_percent_off(
+        lead, n_queries, n_keys, head_dim, is_causal):
+    # Truncation, not rounding, makes dQ and dK about 0.998 times the reference: a bias that the projection
+    # bound must allow (the kernels reached it on an H100), and still tell from a scale error of 1%.
+    torch.manual_seed(n_queries + head_dim)
+    q, do = (torch.randn(*lead, n_queries, head_dim) for _ in range(2))
+    k, v = (torch.randn(*lead, n_keys, head_dim) for _ in range(2))
+    reference = reference_attention(q, k, v, do, is_causal)
+    tolerance = tolerance_for("cuda", torch.float32)
+    correct = discrepancies(_tf32_kernel(q, k, v, do, is_causal), reference, tolerance, torch.float32)
+    planted = discrepancies(_tf32_kernel(q, k, v, do, is_causal, PLANTED_SCALE_ERROR), reference, tolerance,
+                            torch.float32)
+    _assert_caught_in_forward_and_backward(correct, planted)
 
 
 # ------------------------------------------------------------------------------ the torch.library op

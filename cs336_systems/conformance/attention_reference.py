@@ -156,14 +156,21 @@ TF32_ROUNDING = 2.0**-11
 #   fp32 with tf32 dots (the emulation): 1.8e-3, 7.9e-4, 1.9e-4, and L 1.1e-3 of its row's score scale, the
 #     same at scores spread 100 (2.3 times tf32's unit roundoff), where o's error grew to 3.7e-2 at a score
 #     scale of 338 (what SCORE_ROUNDING_REACH allows for: 0.11 of tf32's unit roundoff per unit of score scale).
+#     Hopper's tensor cores do not round an fp32 operand to tf32 but drop its low 13 bits, which shrinks every
+#     product: through the two dots each of dQ and dK comes from, both gradients come out 0.9978 to 0.9992 times
+#     the reference (o and dV 0.9984 to 0.9996), a bias no rounding emulation shows. Emulated so, on 250 cases
+#     (n up to 300, d 16 to 128, spreads 1 to 4), that bias needs 1.1e-3 of projection beyond the other
+#     allowances, which the kernels on an H100 also reached (dQ and dK 0.9980 times the reference at d 40 to
+#     128); the bound, 3e-3, is 2.6 times that.
 # A softmax scale 1% off moves L by 1% of the softmax-weighted mean score, 1.3e-2 of the row's score scale at the
 # least over those cases: over 1,000 times the fp32 accumulation's bound and 4 times tf32's. A scale 1% off in
-# the gradients' last step alone makes dQ and dK 1.01 times too large: 5 times the bf16 projection bound.
+# the gradients' last step alone makes dQ and dK 1.01 times too large: 5 times the bf16 projection bound, 3 times
+# the fp32 one on a GPU.
 TOLERANCES: dict[tuple[str, torch.dtype], Tolerance] = {
     ("cpu", torch.float32): Tolerance(2e-5, 1e-5, 2e-6, 1e-5, FP32_ROUNDING),
     ("cpu", torch.float16): Tolerance(3e-3, 1e-3, 5e-4, 1e-5, FP32_ROUNDING),
     ("cpu", torch.bfloat16): Tolerance(2e-2, 6e-3, 2e-3, 1e-5, FP32_ROUNDING),
-    ("cuda", torch.float32): Tolerance(1e-2, 3e-3, 1e-3, 3e-3, TF32_ROUNDING),
+    ("cuda", torch.float32): Tolerance(1e-2, 3e-3, 3e-3, 3e-3, TF32_ROUNDING),
     ("cuda", torch.float16): Tolerance(3e-3, 1e-3, 5e-4, 1e-5, FP32_ROUNDING),
     ("cuda", torch.bfloat16): Tolerance(2e-2, 6e-3, 2e-3, 1e-5, FP32_ROUNDING),
 }
