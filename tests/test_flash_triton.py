@@ -1007,6 +1007,18 @@ def _tf32_kernel(q, k, v, do, is_causal: bool, scale_error: float = 1.0) -> dict
             "dv": (_tf32(p).transpose(-2, -1) @ _tf32(do)).float()}
 
 
+def _tf32_failures(lead, n_queries, n_keys, head_dim, is_causal, spread) -> tuple[list[str], list[str]]:
+    """What the GPU fp32 bounds find in _tf32_kernel's results, as they are and with a softmax scale 1% off."""
+    torch.manual_seed(n_queries + head_dim)
+    q, do = (torch.randn(*lead, n_queries, head_dim) for _ in range(2))
+    k, v = (torch.randn(*lead, n_keys, head_dim) for _ in range(2))
+    q = q * spread
+    reference = reference_attention(q, k, v, do, is_causal)
+    tolerance = tolerance_for("cuda", torch.float32)
+    return tuple(discrepancies(_tf32_kernel(q, k, v, do, is_causal, scale_error), reference, tolerance,
+                               torch.float32) for scale_error in (1.0, PLANTED_SCALE_ERROR))
+
+
 @pytest.mark.parametrize(("lead", "n_queries", "n_keys", "head_dim", "is_causal"), [
     ((2,), 251, 263, 96, False), ((2,), 291, 249, 128, False), ((2, 2), 100, 284, 40, False),
     ((2,), 150, 150, 80, True), ((3,), 8, 230, 16, False),
@@ -1015,15 +1027,20 @@ def test_the_gpu_fp32_bounds_hold_tf32_truncation_and_catch_a_softmax_scale_one_
         lead, n_queries, n_keys, head_dim, is_causal):
     # Truncation, not rounding, makes dQ and dK about 0.998 times the reference: a bias that the projection
     # bound must allow (the kernels reached it on an H100), and still tell from a scale error of 1%.
-    torch.manual_seed(n_queries + head_dim)
-    q, do = (torch.randn(*lead, n_queries, head_dim) for _ in range(2))
-    k, v = (torch.randn(*lead, n_keys, head_dim) for _ in range(2))
-    reference = reference_attention(q, k, v, do, is_causal)
-    tolerance = tolerance_for("cuda", torch.float32)
-    correct = discrepancies(_tf32_kernel(q, k, v, do, is_causal), reference, tolerance, torch.float32)
-    planted = discrepancies(_tf32_kernel(q, k, v, do, is_causal, PLANTED_SCALE_ERROR), reference, tolerance,
-                            torch.float32)
-    _assert_caught_in_forward_and_backward(correct, planted)
+    _assert_caught_in_forward_and_backward(*_tf32_failures(lead, n_queries, n_keys, head_dim, is_causal, 1.0))
+
+
+@pytest.mark.parametrize(("lead", "n_queries", "n_keys", "head_dim", "is_causal", "spread"), [
+    ((64,), 294, 1, 40, False, 1.0), ((2,), 500, 500, 64, True, 8.0), ((4,), 300, 300, 40, False, 4.0),
+])
+def test_the_gpu_fp32_logsumexp_bound_holds_tf32_truncation_and_catches_a_softmax_scale_one_percent_off(
+        lead, n_queries, n_keys, head_dim, is_causal, spread):
+    # Every score about 0.999 times itself leaves L too small by about 1e-3 of the scores' size, which the
+    # kernels reached on an H100 with a single key (L is that key's score) and with large scores; a scale 1% off
+    # moves L by ten times as much. (A single key's gradients are 0, and large scores' nearly so: L alone tells.)
+    correct, planted = _tf32_failures(lead, n_queries, n_keys, head_dim, is_causal, spread)
+    assert not correct, "\n".join(correct)
+    assert any(sentence.startswith("the saved logsumexp L") for sentence in planted), planted
 
 
 # ------------------------------------------------------------------------------ the torch.library op
