@@ -113,7 +113,8 @@ def _pytest_benchmark_entry(session, name: str, group: str, samples_s: list[floa
     from pytest_benchmark.utils import NameWrapper
 
     clock = ReplayClock(samples_s)
-    fixture = BenchmarkFixture(SimpleNamespace(name=name, nodeid=name), add_stats=session.benchmarks.append,
+    node = SimpleNamespace(name=name, nodeid=name, _nodeid=name)  # pytest-benchmark before 5.3 reads _nodeid
+    fixture = BenchmarkFixture(node, add_stats=session.benchmarks.append,
                                logger=session.logger, warner=warnings.warn, disabled=False,
                                **{**session.options, "timer": NameWrapper(clock), "cprofile": False}, group=group)
     fixture.extra_info.update(extra_info)
