@@ -454,6 +454,10 @@ def _compiled_blocks_share_one_graph_and_train_as_eager(rank: int, world_size: i
     (what decides the graph, its breaks and its backward) without inductor's code generation."""
     from torch._dynamo.utils import counters
 
+    # These ranks run on the CPU. Where a GPU is present, compiling inside the checkpointed block initialises CUDA,
+    # and a checkpoint refuses device state that its own forward initialised; a GPU run's process has it already.
+    if torch.cuda.is_available():
+        torch.cuda.init()
     steps = {}
     for compiled in (False, True):
         torch.manual_seed(0)
