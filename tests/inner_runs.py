@@ -9,6 +9,11 @@ import torch
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
 
+def pythonpath_with_this_checkout() -> str:
+    """PYTHONPATH for a new process that must import this checkout's package, installed or not."""
+    return os.pathsep.join(filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")]))
+
+
 def runpytest(pytester: pytest.Pytester, *args: str) -> pytest.RunResult:
     """pytester's run of `args`: in this process, or in a new one where the run interprets the FlashAttention kernels
     (`--gpu none`) and this process has a GPU. No process holds both modes (cs336_systems.interpretation): after a
@@ -19,5 +24,5 @@ def runpytest(pytester: pytest.Pytester, *args: str) -> pytest.RunResult:
     if not (interprets and torch.cuda.is_available()):
         return pytester.runpytest(*args)
     with pytest.MonkeyPatch.context() as patch:
-        patch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")])))
+        patch.setenv("PYTHONPATH", pythonpath_with_this_checkout())
         return pytester.runpytest_subprocess(*args)

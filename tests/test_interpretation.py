@@ -74,6 +74,8 @@ def test_deciding_to_interpret_after_triton_was_imported_compiled_is_refused():
 def test_a_run_in_one_process_without_a_gpu_runs_the_kernels_interpreted(pytester, monkeypatch):
     # One process, as `make perf` runs: the plugin prepares the run's reports (their imports reach triton, through
     # torch.compiler.disable) in the process that then runs the kernels. Under pytest-xdist the workers do not.
+    if problem := interpreter_problem():
+        pytest.skip(f"this install's interpreter cannot run the kernels: {problem}")
     pytester.makepyfile("""
         import torch
         from cs336_systems.attention.flash_triton import INTERPRETED, FlashAttentionTriton
@@ -84,8 +86,6 @@ def test_a_run_in_one_process_without_a_gpu_runs_the_kernels_interpreted(pyteste
             expected = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
             torch.testing.assert_close(FlashAttentionTriton.apply(q, k, v, True), expected)
     """)
-    if problem := interpreter_problem():
-        pytest.skip(f"this install's interpreter cannot run the kernels: {problem}")
     monkeypatch.delenv(INTERPRET_VARIABLE, raising=False)
     result = pytester.runpytest_subprocess("-p", "cs336_systems.pytest_plugin", "-p", "no:cacheprovider",
                                            "--gpu", "none", "--report-dir", str(pytester.path / "reports"))

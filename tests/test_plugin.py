@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from cs336_systems.runs import read_rows
-from tests.inner_runs import runpytest
+from tests.inner_runs import pythonpath_with_this_checkout, runpytest
 
 PLUGIN = ["-p", "cs336_systems.pytest_plugin", "-p", "no:cacheprovider"]
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -21,7 +21,7 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 @pytest.fixture(autouse=True)
 def importable_package(monkeypatch):
     """Subprocess runs import the plugin whether or not the package is installed."""
-    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")])))
+    monkeypatch.setenv("PYTHONPATH", pythonpath_with_this_checkout())
 
 
 def run(pytester, *args, subprocess=False):
