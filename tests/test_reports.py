@@ -4,7 +4,7 @@ from pathlib import Path
 import pytest
 
 from cs336_systems import provenance, reports, runs
-from cs336_systems.reports import Rendered, Report, markdown_table, pivot, problems, rerender, write_report
+from cs336_systems.reports import Rendered, Report, markdown_table, problems, rerender, write_report
 from cs336_systems.rows import OOM
 from cs336_systems.runs import read_rows
 
@@ -13,14 +13,6 @@ def test_markdown_table_formats_numbers_and_keeps_strings():
     table = markdown_table([{"a": 1234.5678, "b": 0.000123, "c": OOM, "d": None, "e": 12345678}])
     assert "1,235" in table and "0.000123" in table and OOM in table and "12,345,678" in table
     assert table.splitlines()[0].startswith("| a")
-
-
-def test_pivot_makes_one_column_per_value():
-    rows = [{"size": s, "ctx": c, "ms": s * c} for s in (1, 2) for c in (10, 20)]
-    assert pivot(rows, ["size"], "ctx", "ms", label="context") == [
-        {"size": 1, "context 10": 10, "context 20": 20},
-        {"size": 2, "context 10": 20, "context 20": 40},
-    ]
 
 
 TEST_REPORT = Report("_test_problem", lambda rows: Rendered(f"{len(rows)} rows; total {sum(r['x'] for r in rows)}"))

@@ -295,21 +295,6 @@ def all_columns(rows: Iterable[Row]) -> list[str]:
     return list(columns)
 
 
-def pivot(rows: Iterable[Row], index: Sequence[str], column: str, value: str,
-          fmt: Callable[[Row], Any] | None = None, label: str | None = None) -> list[Row]:
-    """Wide table: one row per distinct `index` tuple, one column per distinct `column` value.
-
-    A cell is `fmt(row)` when given (to show OOM or a mean +- std), else `row[value]`. Columns are
-    headed "<label> <value>" (label defaults to the column's name).
-    """
-    table: dict[tuple, Row] = {}
-    for row in rows:
-        key = tuple(row.get(i) for i in index)
-        entry = table.setdefault(key, dict(zip(index, key)))
-        entry[f"{label or column} {row.get(column)}"] = fmt(row) if fmt else row.get(value)
-    return list(table.values())
-
-
 def select(rows: Iterable[Row], **equal: Any) -> list[Row]:
     return [row for row in rows if all(row.get(k) == v for k, v in equal.items())]
 

@@ -206,20 +206,17 @@ class Plot:
         for axes, facet in zip(panels, facets):
             here = [r for r in chosen if facet is None or value_of(self.facet, r) == facet]
             colours: dict[Any, Any] = {}
-            for key in sorted(_distinct(here, self.series), key=self.series_order):
-                line = sorted((r for r in here if value_of(self.series, r) == key), key=lambda r: value_of(self.x, r))
+            for key, xs, ys in self.lines(here):
                 style = {"marker": self.marker, **(self.style(key) if self.style else {})}
                 if self.colour_of is not None:
                     style["color"] = colours.get(self.colour_of(key))
-                (drawn,) = axes.plot([value_of(self.x, r) for r in line], [value_of(self.y, r) for r in line],
-                                     label=self.label(key), **style)
+                (drawn,) = axes.plot(xs, ys, label=self.label(key), **style)
                 if self.colour_of is not None:
                     colours.setdefault(self.colour_of(key), drawn.get_color())
             for reference in self.references:
                 for y, label in reference.at(here):
                     axes.axhline(y, color=reference.color, linestyle=reference.linestyle, label=label)
-            _scale(axes.set_xscale, self.xscale)
-            _scale(axes.set_yscale, self.yscale)
+            self.set_scales(axes)
             axes.set_xlabel(self.xlabel)
             axes.set_ylabel(self.ylabel)
             axes.set_title(self.title if facet is None else self.facet_title(facet))
@@ -231,6 +228,19 @@ class Plot:
         if self.tight_layout:
             figure.tight_layout()
         return figure
+
+    def lines(self, rows: Sequence[Row]):
+        """Each series of `rows` in `series_order`: its value, and its points' x and y values, sorted by x."""
+        for key in sorted(_distinct(rows, self.series), key=self.series_order):
+            line = sorted((r for r in rows if value_of(self.series, r) == key), key=lambda r: value_of(self.x, r))
+            yield key, [value_of(self.x, r) for r in line], [value_of(self.y, r) for r in line]
+
+    def set_scales(self, axes) -> None:
+        for set_scale, scale in ((axes.set_xscale, self.xscale), (axes.set_yscale, self.yscale)):
+            if scale.kind == "log":
+                set_scale("log", base=scale.base)
+            else:
+                set_scale(scale.kind)
 
 
 @dataclass(frozen=True)
@@ -273,13 +283,9 @@ class GridPlot(Plot):
                 axes = panels[i][j]
                 here = [r for r in chosen
                         if value_of(self.facet_row, r) == row_value and value_of(self.facet, r) == column_value]
-                for key in sorted(_distinct(here, self.series), key=self.series_order):
-                    line = sorted((r for r in here if value_of(self.series, r) == key),
-                                  key=lambda r: value_of(self.x, r))
-                    axes.plot([value_of(self.x, r) for r in line], [value_of(self.y, r) for r in line],
-                              marker=self.marker, markersize=self.markersize, label=self.label(key))
-                _scale(axes.set_xscale, self.xscale)
-                _scale(axes.set_yscale, self.yscale)
+                for key, xs, ys in self.lines(here):
+                    axes.plot(xs, ys, marker=self.marker, markersize=self.markersize, label=self.label(key))
+                self.set_scales(axes)
                 axes.set_title(self.panel_title(row_value, column_value), fontsize="small")
                 if i == len(grid_rows) - 1:
                     axes.set_xlabel(self.xlabel)
@@ -295,13 +301,6 @@ class GridPlot(Plot):
 
 def _distinct(rows: Sequence[Row], value: Value) -> list[Any]:
     return list(dict.fromkeys(value_of(value, r) for r in rows))
-
-
-def _scale(set_scale: Callable[..., None], scale: Scale) -> None:
-    if scale.kind == "log":
-        set_scale("log", base=scale.base)
-    else:
-        set_scale(scale.kind)
 
 
 @dataclass(frozen=True)
