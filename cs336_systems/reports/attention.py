@@ -347,10 +347,7 @@ def compiled_attention_speedups(pairs: list[Row]) -> dict[str, SpeedUps]:
             for phase in PHASES}
 
 
-def compiled_setup(rows: list[Row]) -> str:
-    sweep = _sweep(rows)
-    if not sweep:
-        return ""
+def compiled_setup(sweep: list[Row]) -> str:
     return (f"## Attention: eager against torch.compile\n\n{_setup(sweep)} Compiled cells compile afresh with static "
             "shapes; compiling passes are untimed. Speed-up: eager's mean over compiled's.\n")
 

@@ -92,14 +92,8 @@ def _timer(rows: list[Row]) -> str:
     return next((r["timer"] for r in rows if r.get("timer")), "none (no cell ran)")
 
 
-def _sweep(rows: list[Row]) -> list[Row]:
-    return [r for r in rows if r.get("table") == "sweep"]
-
-
 def sweep_setup(rows: list[Row]) -> str:
-    rows = _sweep(rows)
-    if not rows:
-        return ""
+    """The sweep's setup, of its rows."""
     r = rows[0]
     reset_note = " outside the timed region" if _timer(rows).startswith("do_bench") else ""
     backends = sorted({(x["precision"], x["backend"]) for x in rows if x["provider"] == "sdpa" and x.get("backend")})
@@ -214,13 +208,13 @@ def _unmeasured_cells(sweep: list[Row]) -> str | None:
     return "; ".join(parts) or None
 
 
-def unmeasured(rows: list[Row]) -> str:
-    missing = _unmeasured_cells(_sweep(rows))
+def unmeasured(sweep: list[Row]) -> str:
+    missing = _unmeasured_cells(sweep)
     return f"Not measured: {missing}.\n" if missing else ""
 
 
-def findings(rows: list[Row]) -> str:
-    sweep, lines = _sweep(rows), []
+def findings(sweep: list[Row]) -> str:
+    lines = []
     for precision in _precisions_in(sweep):
         mine = [r for r in sweep if r["precision"] == precision]
         host_bound = _host_bound_finding(mine, precision)
@@ -237,9 +231,6 @@ def findings(rows: list[Row]) -> str:
 
 
 def leaderboard_setup(rows: list[Row]) -> str:
-    rows = [r for r in rows if r.get("table") == "leaderboard"]
-    if not rows:
-        return ""
     r, measured = rows[0], [x for x in rows if ran(x)]
     how = (f"the providers in turns over {max(x['rounds'] for x in measured)} shuffled rounds (median of all samples)"
            if any(x.get("rounds") for x in measured) else "one run")
@@ -264,9 +255,6 @@ def leaderboard_lines(rows: list[Row]) -> list[Row]:
 
 
 def host_issue_setup(rows: list[Row]) -> str:
-    rows = [r for r in rows if r.get("table") == "host_issue"]
-    if not rows:
-        return ""
     return ("## Host time to issue forward+backward\n\n"
             f"{rows[0]['precision']}, causal; the host's time per call, median [p20-p80] in us, the GPU kept busy, so no call waits ({rows[0]['timer']}).\n")
 
@@ -293,9 +281,7 @@ def host_issue_lines(rows: list[Row]) -> list[Row]:
 
 
 def gate_setup(rows: list[Row]) -> str:
-    measured = {r["provider"]: r for r in rows if r.get("table") == "gate"}
-    if not measured:
-        return ""
+    measured = {r["provider"]: r for r in rows}
     cell = next(iter(measured.values()))  # every gate row is of the one gated cell
     ratios = "; ".join(f"{provider} / triton " + (_ratio_cell(measured.get(provider), measured.get("flash_triton"))
                                                   or "did not run") for provider in GATED_PROVIDERS)

@@ -28,10 +28,7 @@ def step_time(row: Row) -> str:
     return f"{row['median_ms']:.4g} (IQR {row['iqr_ms']:.2g})" if ran(row) else row["status"]
 
 
-def steps_setup(rows: list[Row]) -> str:
-    steps = [r for r in rows if r.get("table") == "step"]
-    if not steps:
-        return ""
+def steps_setup(steps: list[Row]) -> str:
     sample = steps[0]
     return ("## Training steps\n\n"
             f"Batch {sample['batch_size']}, {sample['precision']}, {sample['optimizer']}, the whole model under "

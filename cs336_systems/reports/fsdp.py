@@ -129,7 +129,7 @@ def accounting_setup(rows: list[Row]) -> str:
 
 
 def equivalence_setup(rows: list[Row]) -> str:
-    first = next(r for r in rows if r.get("table") == "equivalence")
+    first = rows[0]
     return (f"Each rank trains the {first['model']} wrapped in FSDP on its slice of a batch ({first['world_size']} "
             f"ranks, {first['backend']}), SGD, {first['steps']} steps; one process trains the same model on the whole "
             "batch, casting its Linear and Embedding weights to the compute dtype for bf16.\n")
@@ -139,7 +139,7 @@ def equivalence_verdicts(rows: list[Row]) -> str:
     return "\n".join(f"- {r['compute']} compute: largest difference {r['max_abs_difference']:.3g}, "
                      + ("within" if r["matches"] else "OUTSIDE") + f" the tolerance {r['tolerance']:g}; logits in "
                      f"{r['logits_dtype']}, master weights in {r['master_dtype']}."
-                     for r in rows if r.get("table") == "equivalence") + "\n"
+                     for r in rows) + "\n"
 
 
 # ---------------------------------------------------------------------------------------------- answers

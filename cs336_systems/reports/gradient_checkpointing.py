@@ -155,15 +155,13 @@ def nested_plans(sweep: list[Row]) -> list[Row]:
 
 
 def longest_setup(rows: list[Row]) -> str:
-    r0 = find(rows, table="longest")
-    if r0 is None:
-        return ""
+    r0 = rows[0]
     return ("## Longest context that fits\n\nPredicted: parameters, gradients and buffers "
             f"({format_bytes(r0['start_bytes'])}) plus the plan's peak, against {r0['usable_share']:.0%} of "
             f"{format_bytes(r0['capacity_bytes'])}.\n")
 
 
-def longest_runs(rows: list[Row]) -> str:
+def longest_runs(longest: list[Row]) -> str:
     """The longest context each plan was run at: its peak and time, or out of memory."""
     return "\n".join(
         f"Run at context {r['run_context']} ({plan_label(r)}): "
@@ -171,7 +169,7 @@ def longest_runs(rows: list[Row]) -> str:
            if r["run_status"] == OOM else
            f"peak {format_bytes(r['run_peak_bytes'])}, predicted {format_bytes(r['run_predicted_peak_bytes'])}, "
            f"{r['run_step_ms'] / 1e3:.1f} s for forward + backward.\n")
-        for r in select(rows, table="longest") if r.get("run_context"))
+        for r in longest if r.get("run_context"))
 
 
 # ---------------------------------------------------------------------------------------------- answers

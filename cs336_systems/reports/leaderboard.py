@@ -13,7 +13,6 @@ from cs336_systems.model import LEADERBOARD
 from cs336_systems.reports import (
     UNPAIRED,
     Reports,
-    find,
     format_ms,
     format_ratio,
     is_noisy,
@@ -74,18 +73,14 @@ def _subject(step: Row) -> str:
 
 
 def correctness_setup(rows: list[Row]) -> str:
-    first = find(rows, table="equivalence")
-    if first is None:
-        return ""
+    first = rows[0]
     return ("## Correctness\n\nOne step of each variant against one process training the plain model (SDPA, full "
             f"logits) on the whole batch ({first['model']}, {first['world_size']} ranks, {first['backend']}); "
             "differences relative to the loss and to each gradient's largest magnitude.\n")
 
 
 def step_setup(rows: list[Row]) -> str:
-    step = find(rows, table="step")
-    if step is None:
-        return ""
+    step = rows[0]
     return ("## Step time\n\nA full training step (zero_grad to AdamW) of the "
             f"{_parameters(step)}-parameter model (d_model {step['d_model']}, d_ff {step['d_ff']}, "
             f"{step['num_layers']} layers, {step['num_heads']} heads, vocabulary {step['vocab_size']:,}), "
@@ -189,10 +184,8 @@ def is_kernel(row: Row) -> bool:
     return row.get("table") == "kernels" and ran(row)
 
 
-def kernel_setup(rows: list[Row]) -> str:
-    first = next((r for r in rows if is_kernel(r)), None)
-    if first is None:
-        return ""
+def kernel_setup(kernels: list[Row]) -> str:
+    first = kernels[0]
     return (f"## The attention alone\n\nOne block's attention on one rank (batch {first['batch_size']}, "
             f"{first['n_heads']} heads, N {first['seq_len']:,}, d {first['head_dim']}, {first['precision']}, causal), "
             "do_bench on rank 0, same run:\n")

@@ -138,10 +138,7 @@ def has_saved_activations(r: Row) -> bool:
     return r.get("table") == "peak" and r["status"] == "ok" and r.get("measured_saved_bytes") is not None
 
 
-def residual_setup(rows: list[Row]) -> str:
-    residual = select(rows, table="residual")
-    if not residual:
-        return ""
+def residual_setup(residual: list[Row]) -> str:
     return ("## Residual-stream activation size\n\nComputed, and measured on the first block's output."
             + (" It is fp32 under bf16 autocast too: the embedding output is fp32, and fp32 + bf16 is fp32."
                if all(r["dtype"] == "float32" for r in residual) else "") + "\n")
@@ -181,11 +178,9 @@ def snapshot_order(r: Row) -> tuple:
     return PROFILED_MODES.index(r["mode"]), r["context_length"]
 
 
-def snapshot_images(rows: list[Row]) -> str:
+def snapshot_images(snapshots: list[Row]) -> str:
     """Each kept snapshot's Active Memory Timeline (`render_snapshot_timelines` draws them)."""
-    files = sorted(select(rows, table="snapshot"), key=snapshot_order)
-    if not files:
-        return ""
+    files = sorted(snapshots, key=snapshot_order)
     return "\n\n".join(f"![{MODE_LABELS[r['mode']]}, context {r['context_length']}]({timeline_file_name(r['file'])})"
                         for r in files) + "\n"
 

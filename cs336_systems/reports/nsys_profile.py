@@ -301,11 +301,8 @@ def range_heading(name: str):
     return lambda rows: f"### {name}\n" if kernels_of(name)(rows) else ""
 
 
-def nsys_section(rows: list[Row]) -> str:
-    found = [r for r in rows if r.get("table") == "nsys"]
-    if not found:
-        return ""
-    r = found[-1]
+def nsys_section(probes: list[Row]) -> str:
+    r = probes[-1]
     outcome = r["nsys_report"]
     if outcome == "written":
         state = "Nsight Systems wrote a report of a CUDA program on the measuring machine."

@@ -60,7 +60,6 @@ from cs336_systems.reports.spec import (
     Text,
     Versus,
     if_ran,
-    selected,
     when,
 )
 from cs336_systems.rows.flash import ATTENTION_MODES, MODE_LABELS, PRECISIONS, provider_label
@@ -99,6 +98,10 @@ def _step_table(baseline: str) -> Table:
 MEMORY_TABLE = Table(where={"table": "memory"}, columns=sharding.MEMORY_COLUMNS, present_only=True,
                      empty=sharding.NO_MEMORY_POINTS)
 MEMORY_HEADING = "## Memory at the phase points\n"
+# The sweeps' rows: of the end-to-end benchmarks (the model) and of flash_benchmarking (attention).
+SWEEP = {"table": "sweep"}
+# The checks of a distributed variant against one process (fsdp, leaderboard).
+EQUIVALENCE = {"table": "equivalence"}
 
 
 @dataclass(frozen=True)
@@ -134,6 +137,7 @@ def _bytes(column: str) -> Callable[[Row], str]:
     return lambda row: format_bytes(row.get(column))
 
 
+LONGEST = {"table": "longest"}
 GRADIENT_CHECKPOINTING = Layout((
     Text(gradient_checkpointing.sweep_setup),
     Table(where={"table": "sweep"}, columns=(
@@ -150,16 +154,17 @@ GRADIENT_CHECKPOINTING = Layout((
         Column("recomputation levels", "levels"), Column("predicted peak", _bytes("peak_bytes")),
         Column("peak / a", lambda r: f"{r['peak_bytes'] / r['block_bytes']:.2f}"),
         Column("recomputed blocks", "recomputed_blocks"), "plan")),
-    Text(gradient_checkpointing.longest_setup),
-    Table(where={"table": "longest"}, columns=(
+    Text(gradient_checkpointing.longest_setup, LONGEST),
+    Table(where=LONGEST, columns=(
         Column("plan", gradient_checkpointing.plan_label),
         Column("longest context predicted to fit", lambda r: r["predicted_longest_context"] or "none"),
         Column("predicted peak there", _bytes("predicted_peak_bytes")), Column("next context", "next_context"),
         Column("its predicted peak", _bytes("next_predicted_peak_bytes")))),
-    Text(gradient_checkpointing.longest_runs)), requires={"table": "sweep"})
+    Text(gradient_checkpointing.longest_runs, LONGEST)), requires={"table": "sweep"})
 
 
 # memory_profiling: peaks against the memory model, saved activations, timelines, allocations and part (f).
+SNAPSHOT = {"table": "snapshot"}
 MEMORY_PROFILING = Layout((
     Text(memory_profiling.setup), Text(memory_profiling.peak_setup),
     Table(where={"table": "peak"}, rows_of=memory_profiling.in_table_order, present_only=True, columns=(
@@ -180,7 +185,7 @@ MEMORY_PROFILING = Layout((
         Column("predicted", _bytes("predicted_saved_bytes")),
         Column("measured - predicted (bytes)", lambda r: r["measured_saved_bytes"] - r["predicted_saved_bytes"]),
         Column("error", lambda r: f"{r['measured_saved_bytes'] / r['predicted_saved_bytes'] - 1:+.2%}"))),
-    Text(memory_profiling.residual_setup),
+    Text(memory_profiling.residual_setup, {"table": "residual"}),
     Table(where={"table": "residual"}, columns=(
         "precision",
         Column("batch x context x d_model x 4 B", lambda r: f"{r['batch_size']} x {r['context_length']} x "
@@ -191,11 +196,11 @@ MEMORY_PROFILING = Layout((
     when({"table": "timeline"}, memory_profiling.TIMELINE_SETUP),
     Drawn("memory_timeline.png", draw=memory_profiling.timeline_figure, where={"table": "timeline"},
           alt="active memory"),
-    when({"table": "snapshot"}, memory_profiling.SNAPSHOT_SETUP),
-    Table(where={"table": "snapshot"}, order=memory_profiling.snapshot_order, columns=(
+    when(SNAPSHOT, memory_profiling.SNAPSHOT_SETUP),
+    Table(where=SNAPSHOT, order=memory_profiling.snapshot_order, columns=(
         Column("cell", memory_profiling.cell_name), Column("snapshot", lambda r: f"[{r['file']}]({r['file']})"),
         Column("size", _bytes("file_bytes")), Column("stacks kept", lambda r: r.get("stacks", "")))),
-    Text(memory_profiling.snapshot_images),
+    Text(memory_profiling.snapshot_images, SNAPSHOT),
     Text(memory_profiling.allocations(Table(order=lambda r: r["rank"], columns=(
         Column("size (MiB)", "size_mib"), "count", "source", Column("innermost frame", "innermost"))))),
     Text(memory_profiling.block_setup),
@@ -380,7 +385,7 @@ NSYS_PROFILE = Layout((
     *(part for name in nsys_profile.KERNEL_TABLE_RANGES
       for part in (Text(nsys_profile.range_heading(name)), Table(rows_of=nsys_profile.kernels_of(name),
                                                                  columns=KERNEL_TABLE))),
-    Text(nsys_profile.nsys_section)))
+    Text(nsys_profile.nsys_section, {"table": "nsys"})))
 
 
 # distributed_communication_single_node
@@ -401,6 +406,9 @@ ALLREDUCE_REPORT = Layout((
 
 
 # flash_benchmarking
+LEADERBOARD, GATE, HOST_ISSUE = {"table": "leaderboard"}, {"table": "gate"}, {"table": "host_issue"}
+
+
 def _flash_sweep(precision: str) -> tuple[Part, ...]:
     """A precision's sweep: a table per mode under its heading, then the plot of every mode's times."""
     tables: list[Part] = []
@@ -420,14 +428,14 @@ def _flash_sweep(precision: str) -> tuple[Part, ...]:
 
 
 FLASH_REPORT = Layout((
-    Text(flash.sources), Text(flash.sweep_setup), Text(flash.unmeasured),
+    Text(flash.sources), Text(flash.sweep_setup, SWEEP), Text(flash.unmeasured, SWEEP),
     *(part for precision in PRECISIONS for part in _flash_sweep(precision)),
-    Text(flash.findings),
-    Text(flash.leaderboard_setup), Table(where={"table": "leaderboard"}, rows_of=flash.leaderboard_lines),
-    Text(flash.gate_setup),
-    Table(where={"table": "gate"}, columns=(Column("provider", lambda r: provider_label(r["provider"])),
-                                            "backend", Column("median (ms)", flash.time_cell))),
-    Text(flash.host_issue_setup), Table(where={"table": "host_issue"}, rows_of=flash.host_issue_lines),
+    Text(flash.findings, SWEEP),
+    Text(flash.leaderboard_setup, LEADERBOARD), Table(where=LEADERBOARD, rows_of=flash.leaderboard_lines),
+    Text(flash.gate_setup, GATE),
+    Table(where=GATE, columns=(Column("provider", lambda r: provider_label(r["provider"])), "backend",
+                               Column("median (ms)", flash.time_cell))),
+    Text(flash.host_issue_setup, HOST_ISSUE), Table(where=HOST_ISSUE, rows_of=flash.host_issue_lines),
     when({"status": FAILED}, "## Failures of the implementation under test\n"),
     Table(where={"status": FAILED}, columns=(
         "table", "provider", "precision", Column("d", "head_dim"), Column("N", "seq_len"),
@@ -450,14 +458,14 @@ def _training_steps(table: str) -> Table:
 
 
 FLASH_IN_TRAINING_REPORT = Layout((
-    Text(flash_in_training.steps_setup), _training_steps("step"),
+    Text(flash_in_training.steps_setup, {"table": "step"}), _training_steps("step"),
     when({"table": "graphed_step"}, flash_in_training.GRAPHED_STEPS_SETUP), _training_steps("graphed_step"),
     when({"table": "kernels"}, flash_in_training.KERNELS_SETUP),
     Table(where={"table": "kernels"}, rows_of=flash_in_training.kernel_lines)))
 
 
 # The end-to-end model benchmarks (reports.e2e): time per phase, the warm-up study, mixed precision.
-SWEEP, WARMUP = {"table": "sweep"}, {"table": "warmup"}
+WARMUP = {"table": "warmup"}
 AUTOCAST_DTYPES, NORMALISATION = {"table": "autocast_dtypes"}, {"table": "normalization"}
 BENCHMARKING_SCRIPT = Layout((
     Text(e2e.sweep_setup, SWEEP),
@@ -504,7 +512,7 @@ def _of_steps(value: Callable[[Row], Any]) -> Callable[[Row], Any]:
 
 
 TORCH_COMPILE = Layout((
-    Text(attention.compiled_setup),
+    Text(attention.compiled_setup, {"table": "attention"}),
     Table(where={"table": "attention"}, rows_of=attention.compiled_pairs, columns=(
         "d", "N", *(column for phase in attention.PHASES for column in (
             _compiled_ms("eager", phase), _compiled_ms("compiled", phase),
@@ -549,10 +557,10 @@ MIXED_PRECISION_ACCUMULATION = Layout((
 def _ddp_equivalence(*methods: str) -> Layout:
     """A DDP wrapper's report against single-process training: the run, a line per variant, and each one's verdict."""
     mine = ddp.equivalence_of(*methods)
-    return Layout((Text(lambda rows: ddp.equivalence_setup(selected(rows, mine))),
+    return Layout((Text(ddp.equivalence_setup, mine),
                    Table(where=mine, columns=("variant", "world_size", "backend", "steps", "max_abs_difference",
                                               "tolerance", "matches")),
-                   Text(lambda rows: ddp.equivalence_verdicts(selected(rows, mine)))), requires=mine)
+                   Text(ddp.equivalence_verdicts, mine)), requires=mine)
 
 
 def _ddp_steps(*methods: str) -> Table:
@@ -592,11 +600,11 @@ LEADERBOARD_STEPS = Table(where={"table": "step"}, present_only=True, columns=(
     Column("peak per rank (GiB)", if_ran(lambda r: None if r.get("peak_gib") is None else f"{r['peak_gib']:.1f}")),
     Column("estimate (GiB)", lambda r: f"{r['model_peak_gib']:.1f}")))
 LEADERBOARD_REPORT = Layout((
-    Text(leaderboard.correctness_setup),
-    Table(where={"table": "equivalence"}, columns=("variant", "setup", "relative_loss_difference",
+    Text(leaderboard.correctness_setup, EQUIVALENCE),
+    Table(where=EQUIVALENCE, columns=("variant", "setup", "relative_loss_difference",
                                                    "max_relative_gradient_difference", "tolerance", "matches")),
-    Text(leaderboard.step_setup), LEADERBOARD_STEPS, Text(leaderboard.step_sentences),
-    Text(leaderboard.parts_section), Text(leaderboard.kernel_setup),
+    Text(leaderboard.step_setup, {"table": "step"}), LEADERBOARD_STEPS, Text(leaderboard.step_sentences),
+    Text(leaderboard.parts_section), Text(leaderboard.kernel_setup, leaderboard.is_kernel),
     Table(where=leaderboard.is_kernel, columns=(
         Column("provider", lambda r: provider_label(r["provider"])), Column("mode", lambda r: MODE_LABELS[r["mode"]]),
         Column("median (ms)", lambda r: format_ms(r["median_ms"])),
@@ -680,11 +688,11 @@ PROBLEMS: tuple[Problem, ...] = (
             sharding.answer_optimizer_state_sharding, "sharding", ("perf/test_sharding.py",), 2),
     Problem("fsdp", (
         Report("fsdp", Layout((
-            Text(fsdp.equivalence_setup),
-            Table(where={"table": "equivalence"}, columns=(
+            Text(fsdp.equivalence_setup, EQUIVALENCE),
+            Table(where=EQUIVALENCE, columns=(
                 "compute", "world_size", "backend", "steps", "logits_dtype", "master_dtype", "max_abs_difference",
                 "tolerance", "matches")),
-            Text(fsdp.equivalence_verdicts)), requires={"table": "equivalence"})),
+            Text(fsdp.equivalence_verdicts, EQUIVALENCE)), requires=EQUIVALENCE)),
         Report("fsdp_accounting", Layout((
             Text(fsdp.accounting_setup), _step_table(fsdp.TORCH_FSDP), Text(fsdp.against_torch), Text(fsdp.expected_saving),
             MEMORY_HEADING, sharding.BREAKDOWN_NOTE + "The init peak of FSDP runs includes the whole model, built "
