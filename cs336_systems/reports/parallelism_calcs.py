@@ -8,6 +8,7 @@ cs336_systems.accounting.parallelism_calcs (its tables are declared in cs336_sys
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from pathlib import Path
 
 from cs336_systems.accounting.ffn_parallelism import TP_BACKWARD_EQUATIONS
@@ -199,28 +200,24 @@ def answer_alternate_ring_all_reduce(reports: Reports) -> list[str]:
             f"{format_ms(largest['alternate_ms'])} against {format_ms(largest['ring_ms'])}."]
 
 
-def _bound_answer(reports: Reports, report: str, formulas: dict[str, str]) -> list[str]:
-    rows = reports[report]
-    setting = find(rows, table="setting")
-    if setting is None:
-        return [not_in_report("The worked figure")]
-    bounds = "; ".join(f"{phase}: {formula} = {find(rows, table='bound', phase=phase)['max_devices']:,.2f}"
-                       for phase, formula in formulas.items() if find(rows, table="bound", phase=phase))
-    return [f"Answered part by part in the handout's symbols; {_node_clause(setting)}: {bounds}."]
+def _bound_answer(report: str, formulas: dict[str, str]) -> Callable[[Reports], list[str]]:
+    """The answer of a problem whose report gives a bound on the devices per pass: each pass's formula (of
+    `formulas`, by pass) and its value in the worked figure."""
+    def answer(reports: Reports) -> list[str]:
+        rows = reports[report]
+        setting = find(rows, table="setting")
+        if setting is None:
+            return [not_in_report("The worked figure")]
+        bounds = "; ".join(f"{phase}: {formula} = {find(rows, table='bound', phase=phase)['max_devices']:,.2f}"
+                           for phase, formula in formulas.items() if find(rows, table="bound", phase=phase))
+        return [f"Answered part by part in the handout's symbols; {_node_clause(setting)}: {bounds}."]
+    return answer
 
 
-def answer_data_parallel_calcs(reports: Reports) -> list[str]:
-    return _bound_answer(reports, "data_parallel_calcs", {"backward": "N_DP <= 1 + B W / C"})
-
-
-def answer_fsdp_calcs(reports: Reports) -> list[str]:
-    return _bound_answer(reports, "fsdp_calcs", {"forward": "N_FSDP <= 1 + B W / C",
-                                                "backward": "N_FSDP <= 1 + B W / C"})
-
-
-def answer_tp_calcs(reports: Reports) -> list[str]:
-    return _bound_answer(reports, "tp_calcs", {"forward": "N_TP <= 1 + 3 D_FF W / (2 C)",
-                                              "backward": "N_TP <= 1 + 3 D_FF W / C"})
+answer_data_parallel_calcs = _bound_answer("data_parallel_calcs", {"backward": "N_DP <= 1 + B W / C"})
+answer_fsdp_calcs = _bound_answer("fsdp_calcs", {"forward": "N_FSDP <= 1 + B W / C", "backward": "N_FSDP <= 1 + B W / C"})
+answer_tp_calcs = _bound_answer("tp_calcs", {"forward": "N_TP <= 1 + 3 D_FF W / (2 C)",
+                                             "backward": "N_TP <= 1 + 3 D_FF W / C"})
 
 
 def answer_fsdp_tp_calcs(reports: Reports) -> list[str]:
