@@ -87,7 +87,7 @@ def _step_table(baseline: str) -> Table:
     step, peaks and bytes communicated (the implementation under test's own communication is not counted: its cells
     stay empty), and how its step and peak compare with `baseline`'s."""
     return Table(where={"table": "step"}, columns=(
-        "variant", Column("step (ms)", sharding.step_cell), Column("optimizer step (ms)", if_ran("optimizer_ms")),
+        "variant", Column("step (ms)", ddp.step_cell), Column("optimizer step (ms)", if_ran("optimizer_ms")),
         Column("peak (GiB)", if_ran("peak_gib")), Column("model peak (GiB)", if_ran("model_peak_gib")),
         Column("communicated per step (GB)", if_ran(sharding.gigabytes("communicated_bytes"))),
         Column("sent per rank, ring (GB)", if_ran(sharding.gigabytes("ring_bytes_sent_per_rank"))),

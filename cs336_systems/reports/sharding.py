@@ -12,32 +12,23 @@ from collections.abc import Callable
 from cs336_systems.accounting.communication import bytes_sent_per_device
 from cs336_systems.reports import (
     Reports,
+    find,
     format_ms,
     format_share,
     markdown_table,
-    mean_std,
     not_in_report,
     select,
     span,
 )
-from cs336_systems.reports.ddp import missed_text, step_setup, steps_by_variant
-from cs336_systems.rows import Row, ok_rows
-
-
-def _steps(rows: list[Row]) -> list[Row]:
-    return [r for r in rows if r.get("table") == "step"]
+from cs336_systems.reports.ddp import step_setup, steps_by_variant
+from cs336_systems.rows import Row
 
 
 def setup_sentence(rows: list[Row]) -> str:
-    r = _steps(rows)[0]
+    r = select(rows, table="step")[0]
     return (f"{r['size']} model, context {r['context_length']}, batch {r['batch_size']} per rank, {r['world_size']} "
             f"ranks ({r['backend']}), fp32, AdamW, {r['attention']}; {r['warmup']} warm-up + {r['steps']} timed steps "
             "per variant, one run; step: mean over ranks and steps; peak: the largest rank's.")
-
-
-def step_cell(row: Row) -> str:
-    """A step's time as the step tables show it: mean ± std, or why it did not run."""
-    return mean_std(row["step_ms"], row["step_std_ms"]) if row["status"] == "ok" else missed_text(row)
 
 
 def gigabytes(column: str) -> Callable[[Row], float | None]:
@@ -64,7 +55,7 @@ def within(ratio: float, target: float) -> str:
 
 def zero_comparison(rows: list[Row]) -> str:
     """Our sharded optimizer against torch's ZeroRedundancyOptimizer, and against the targets."""
-    ok = {r["variant"]: r for r in ok_rows(_steps(rows))}
+    ok = steps_by_variant(rows)
     zero = ok.get("DDP + ZeroRedundancyOptimizer")
     ours = [r for name, r in ok.items() if name.startswith("DDP + ShardedOptimizer")]
     if zero is None or not ours:
@@ -101,8 +92,8 @@ FP32_ADAMW_BYTES = {"parameters": 4, "gradients": 4, "sharded state": 8}
 
 def zero_stage_1_section(rows: list[Row]) -> str:
     """(c): our approach (and torch's ZeroRedundancyOptimizer) against ZeRO-DP P_os, from the run's sizes."""
-    steps = {r["variant"]: r for r in ok_rows(_steps(rows))}
-    ddp = next((r for r in rows if r.get("table") == "communication" and r["variant"] == "DDP + AdamW"), None)
+    steps = steps_by_variant(rows)
+    ddp = find(rows, table="communication", variant="DDP + AdamW")
     ours = next((name for name in steps if name.startswith("DDP + ShardedOptimizer")), None)
     if ddp is None or ours is None:
         return ""
@@ -142,7 +133,7 @@ def accounting_setup(rows: list[Row]) -> str:
 
 
 def equivalence_text(rows: list[Row]) -> str:
-    equivalence = [r for r in rows if r.get("table") == "equivalence"]
+    equivalence = select(rows, table="equivalence")
     if not equivalence:
         return ""
     first = equivalence[0]
