@@ -286,16 +286,11 @@ def device_memory_line(points: list[Row]) -> list[tuple[float, str]]:
 
 # ------------------------------------------------------------------------------ torch_compile (part)
 
-def _sweep(rows: list[Row]) -> list[Row]:
-    """The attention sweep's cells of torch_compile's rows (the report and its answer read the latest run's row of
-    each cell)."""
-    return select(rows, table="attention")
-
-
 def compiled_pairs(rows: list[Row]) -> list[Row]:
-    """One line per (d, N): that cell's eager and compiled rows (None where not measured)."""
+    """One line per (d, N) of the attention sweep (torch_compile's rows of table "attention"): that cell's eager and
+    compiled rows (None where not measured)."""
     pairs: dict[tuple[int, int], Row] = {}
-    for r in sorted(_sweep(rows), key=cell_order):
+    for r in sorted(select(rows, table="attention"), key=cell_order):
         pair = pairs.setdefault(cell_order(r), {"d": r["head_dim"], "N": r["seq_len"], "eager": None, "compiled": None})
         pair["compiled" if r["compile"] else "eager"] = r
     return list(pairs.values())
