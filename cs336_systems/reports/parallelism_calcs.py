@@ -215,7 +215,8 @@ def _bound_answer(report: str, formulas: dict[str, str]) -> Callable[[Reports], 
 
 
 answer_data_parallel_calcs = _bound_answer("data_parallel_calcs", {"backward": "N_DP <= 1 + B W / C"})
-answer_fsdp_calcs = _bound_answer("fsdp_calcs", {"forward": "N_FSDP <= 1 + B W / C", "backward": "N_FSDP <= 1 + B W / C"})
+answer_fsdp_calcs = _bound_answer("fsdp_calcs", {"forward": "N_FSDP <= 1 + B W / C",
+                                                   "backward": "N_FSDP <= 1 + B W / C"})
 answer_tp_calcs = _bound_answer("tp_calcs", {"forward": "N_TP <= 1 + 3 D_FF W / (2 C)",
                                              "backward": "N_TP <= 1 + 3 D_FF W / C"})
 
