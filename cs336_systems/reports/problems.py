@@ -98,7 +98,8 @@ def _step_table(baseline: str) -> Table:
 MEMORY_TABLE = Table(where={"table": "memory"}, columns=sharding.MEMORY_COLUMNS, present_only=True,
                      empty=sharding.NO_MEMORY_POINTS)
 MEMORY_HEADING = "## Memory at the phase points\n"
-# The sweeps' rows: of the end-to-end benchmarks (the model) and of flash_benchmarking (attention).
+# A problem's sweep rows: the end-to-end benchmarks' (the model), flash_benchmarking's (attention) and
+# gradient_checkpointing's (the plans).
 SWEEP = {"table": "sweep"}
 # The checks of a distributed variant against one process (fsdp, leaderboard).
 EQUIVALENCE = {"table": "equivalence"}
@@ -140,7 +141,7 @@ def _bytes(column: str) -> Callable[[Row], str]:
 LONGEST = {"table": "longest"}
 GRADIENT_CHECKPOINTING = Layout((
     Text(gradient_checkpointing.sweep_setup),
-    Table(where={"table": "sweep"}, columns=(
+    Table(where=SWEEP, columns=(
         Column("plan", gradient_checkpointing.plan_label), Column("recomputed blocks", "recomputed_blocks"),
         Column("kept after forward", if_ran(_bytes("measured_kept_bytes"), oom_text)),
         Column("predicted kept", _bytes("predicted_kept_bytes")),
@@ -150,7 +151,7 @@ GRADIENT_CHECKPOINTING = Layout((
     Drawn("gradient_checkpointing.png", draw=gradient_checkpointing.sweep_figure,
           alt="peak activation memory by plan"),
     Text(gradient_checkpointing.nested_strategy),
-    Table(where={"table": "sweep"}, rows_of=gradient_checkpointing.nested_plans, columns=(
+    Table(where=SWEEP, rows_of=gradient_checkpointing.nested_plans, columns=(
         Column("recomputation levels", "levels"), Column("predicted peak", _bytes("peak_bytes")),
         Column("peak / a", lambda r: f"{r['peak_bytes'] / r['block_bytes']:.2f}"),
         Column("recomputed blocks", "recomputed_blocks"), "plan")),
@@ -160,7 +161,7 @@ GRADIENT_CHECKPOINTING = Layout((
         Column("longest context predicted to fit", lambda r: r["predicted_longest_context"] or "none"),
         Column("predicted peak there", _bytes("predicted_peak_bytes")), Column("next context", "next_context"),
         Column("its predicted peak", _bytes("next_predicted_peak_bytes")))),
-    Text(gradient_checkpointing.longest_runs, LONGEST)), requires={"table": "sweep"})
+    Text(gradient_checkpointing.longest_runs, LONGEST)), requires=SWEEP)
 
 
 # memory_profiling: peaks against the memory model, saved activations, timelines, allocations and part (f).
