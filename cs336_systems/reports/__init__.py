@@ -31,6 +31,7 @@ from tabulate import tabulate
 from cs336_systems.checks import is_finite, is_positive_finite
 from cs336_systems.provenance import PACKAGE_ROOT
 from cs336_systems.rows import OOM, Row, from_long, to_long, without_samples
+from cs336_systems.rows.flash import median_ratio
 from cs336_systems.runs import (
     Metadata,
     RunRecord,
@@ -162,6 +163,13 @@ def percentiles_noisy(row: Row) -> bool:
     return is_noisy(row["median_ms"], row["p80_ms"] - row["p20_ms"])
 
 
+def ratio_cell(slow: Row | None, fast: Row | None, spec: str = ".3g") -> str:
+    """`slow`'s median over `fast`'s, "3.8x", marked noisy where either time is, as each time's own cell is; ""
+    unless both ran."""
+    ratio = median_ratio(slow, fast)
+    return "" if ratio is None else noisy_marked(f"{ratio:{spec}}x", percentiles_noisy(slow) or percentiles_noisy(fast))
+
+
 def span(values: Sequence[float], fmt: Callable[[float], str]) -> str:
     """ "low to high", or one value where both read the same: never "X to X"."""
     low, high = fmt(min(values)), fmt(max(values))
@@ -208,6 +216,11 @@ def listing(items: Sequence[str]) -> str:
 def not_in_report(what: str) -> str:
     """What an answer says where a row it would quote is missing, instead of guessing."""
     return f"{what} is not in the report."
+
+
+def tolerance_verdict(row: Row) -> str:
+    """An equivalence row's result: "within the tolerance 1e-05", or OUTSIDE it in capitals."""
+    return f"{'within' if row['matches'] else 'OUTSIDE'} the tolerance {row['tolerance']:g}"
 
 
 def _times_noisy(*rows: Row, prefix: str = "") -> bool:

@@ -25,6 +25,7 @@ from cs336_systems.reports import (
     mean_std,
     not_in_report,
     select,
+    tolerance_verdict,
 )
 from cs336_systems.rows import FAILED, OOM, Row, ok_rows
 from cs336_systems.rows.ddp import TORCH_DDP_METHODS, UNDER_TEST_METHODS
@@ -129,8 +130,7 @@ def equivalence_setup(rows: list[Row]) -> str:
 
 def equivalence_verdicts(rows: list[Row]) -> str:
     return "\n".join(f"- {r['variant']}: after {r['steps']} AdamW steps the largest parameter difference from "
-                     f"single-process training is {r['max_abs_difference']:.3g}, "
-                     + ("within" if r["matches"] else "OUTSIDE") + f" the tolerance {r['tolerance']:g}."
+                     f"single-process training is {r['max_abs_difference']:.3g}, {tolerance_verdict(r)}."
                      for r in rows) + "\n"
 
 
@@ -319,7 +319,7 @@ def _equivalence_answer(reports: Reports, name: str, *methods: str) -> list[str]
     r0 = mine[0]
     return [f"Against single-process training ({r0['world_size']} ranks, {r0['backend']}, {r0['steps']} steps): "
             + "; ".join(f"{r['variant']} differs by at most {r['max_abs_difference']:.3g} "
-                        f"({'within' if r['matches'] else 'OUTSIDE'} the tolerance {r['tolerance']:g})" for r in mine)
+                        f"({tolerance_verdict(r)})" for r in mine)
             + "."]
 
 

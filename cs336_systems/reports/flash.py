@@ -16,6 +16,7 @@ from cs336_systems.reports import (
     oom_text,
     percentiles_noisy,
     plural,
+    ratio_cell,
     select,
 )
 from cs336_systems.reports.flash_in_training import answer_flash_in_training
@@ -26,7 +27,6 @@ from cs336_systems.rows.flash import (
     PRECISIONS,
     PROVIDER_LABELS,
     SEQ_LENS,
-    median_ratio,
     provider_label,
 )
 
@@ -58,15 +58,6 @@ def time_cell(row: Row | None) -> str:
     return noisy_marked(f"{row['median_ms']:.3g}", percentiles_noisy(row))
 
 
-def _ratio_cell(slow: Row | None, fast: Row | None, spec: str = ".3g") -> str:
-    """`slow`'s median over `fast`'s, "3.8x", marked noisy where either time is, as each time's own cell is; ""
-    unless both ran."""
-    ratio = median_ratio(slow, fast)
-    if ratio is None:
-        return ""
-    return noisy_marked(f"{ratio:{spec}}x", percentiles_noisy(slow) or percentiles_noisy(fast))
-
-
 def _tflops_cell(row: Row | None) -> str:
     return f"{row['tflops']:.3g}" if ran(row) else ""
 
@@ -81,7 +72,7 @@ def sweep_lines(rows: list[Row]) -> list[Row]:
     for d, n in sorted({(r["head_dim"], r["seq_len"]) for r in rows}):
         cell = {r["provider"]: r for r in rows if (r["head_dim"], r["seq_len"]) == (d, n)}
         line = {"d": d, "N": n} | {f"{provider_label(p)} (ms)": time_cell(cell.get(p)) for p in providers}
-        line |= {f"{provider_label(slow)} / {provider_label(fast)}": _ratio_cell(cell.get(slow), cell.get(fast))
+        line |= {f"{provider_label(slow)} / {provider_label(fast)}": ratio_cell(cell.get(slow), cell.get(fast))
                  for slow, fast in pairs}
         line |= {f"{provider_label(p)} TFLOP/s": _tflops_cell(cell.get(p)) for p in providers if p != "naive"}
         lines.append(line)
@@ -250,7 +241,7 @@ def leaderboard_lines(rows: list[Row]) -> list[Row]:
              "median (ms)": time_cell(x), "TFLOP/s": _tflops_cell(x)}
             | ({"turns' medians spread": f"{x['round_spread']:.1%}" if ran(x) else ""} if in_turns else {})
             | ({"power-capped (NVML)": f"{x['power_capped_share']:.0%}" if ran(x) else ""} if clocked else {})
-            | {f"time / {provider_label(y['provider'])}": _ratio_cell(x, y) for y in measured}
+            | {f"time / {provider_label(y['provider'])}": ratio_cell(x, y) for y in measured}
             for x in rows]
 
 
@@ -273,7 +264,7 @@ def host_issue_lines(rows: list[Row]) -> list[Row]:
                              percentiles_noisy(row)) if ran(row) else (row or {}).get("status", ""))
         for ours in ("flash_triton", "flash_triton_op", *_under_test(rows)):
             for sdpa in ("sdpa_cudnn", "sdpa_flash"):
-                ratio = _ratio_cell(cell.get(ours), cell.get(sdpa), ".2f")
+                ratio = ratio_cell(cell.get(ours), cell.get(sdpa), ".2f")
                 if ratio:
                     line[f"{provider_label(ours)} / {provider_label(sdpa)}"] = ratio
         lines.append(line)
@@ -283,7 +274,7 @@ def host_issue_lines(rows: list[Row]) -> list[Row]:
 def gate_setup(rows: list[Row]) -> str:
     measured = {r["provider"]: r for r in rows}
     cell = next(iter(measured.values()))  # every gate row is of the one gated cell
-    ratios = "; ".join(f"{provider} / triton " + (_ratio_cell(measured.get(provider), measured.get("flash_triton"))
+    ratios = "; ".join(f"{provider} / triton " + (ratio_cell(measured.get(provider), measured.get("flash_triton"))
                                                   or "did not run") for provider in GATED_PROVIDERS)
     return (f"## Speed-up gates\n\nBatch 1, 1 head, N {cell['seq_len']}, d {cell['head_dim']}, {cell['precision']}, "
             f"causal, forward+backward, gated against perf/baselines/<gpu>.json: {ratios}.\n")

@@ -6,7 +6,15 @@ cs336_systems.reports.problems). Here: their sentences, the tables' cells and th
 
 from __future__ import annotations
 
-from cs336_systems.reports import NOISY_RELATIVE_STD, is_noisy, listing, noisy_marked, not_in_report, percentiles_noisy
+from cs336_systems.reports import (
+    NOISY_RELATIVE_STD,
+    is_noisy,
+    listing,
+    noisy_marked,
+    not_in_report,
+    percentiles_noisy,
+    ratio_cell,
+)
 from cs336_systems.rows import Row, ran
 from cs336_systems.rows.flash import KERNEL_MODES, MODE_LABELS, median_ratio
 
@@ -66,8 +74,7 @@ def kernel_lines(rows: list[Row]) -> list[Row]:
                      else r["status"] for provider, r in cell.items()}
             for provider in ("sdpa_cudnn", "sdpa_flash"):
                 if ran(ours) and ran(cell.get(provider)):
-                    noisy = percentiles_noisy(ours) or percentiles_noisy(cell[provider])
-                    line[f"triton / {provider}"] = noisy_marked(f"{median_ratio(ours, cell[provider]):.2f}x", noisy)
+                    line[f"triton / {provider}"] = ratio_cell(ours, cell[provider], ".2f")
             if ran(ours):
                 line["triton TFLOP/s"] = f"{ours['tflops']:.0f}"
             lines.append(line)

@@ -8,7 +8,7 @@ correctness, its benchmarks/fsdp.py measures the rest.
 from __future__ import annotations
 
 from cs336_systems.accounting.communication import bytes_sent_per_device
-from cs336_systems.reports import Reports, format_ms, markdown_table, not_in_report, plural, select
+from cs336_systems.reports import Reports, format_ms, markdown_table, not_in_report, plural, select, tolerance_verdict
 from cs336_systems.reports.ddp import step_setup, steps_by_variant
 from cs336_systems.reports.sharding import setup_sentence, within
 from cs336_systems.rows import Row
@@ -137,8 +137,7 @@ def equivalence_setup(rows: list[Row]) -> str:
 
 def equivalence_verdicts(rows: list[Row]) -> str:
     return "\n".join(f"- {r['compute']} compute: largest difference {r['max_abs_difference']:.3g}, "
-                     + ("within" if r["matches"] else "OUTSIDE") + f" the tolerance {r['tolerance']:g}; logits in "
-                     f"{r['logits_dtype']}, master weights in {r['master_dtype']}."
+                     f"{tolerance_verdict(r)}; logits in {r['logits_dtype']}, master weights in {r['master_dtype']}."
                      for r in rows) + "\n"
 
 
@@ -151,8 +150,7 @@ def answer_fsdp(reports: Reports) -> list[str]:
         if equivalence:
             r0 = equivalence[0]
             verdicts = [f"{r['compute']} compute differs by at most {r['max_abs_difference']:.3g} "
-                        f"({'within' if r['matches'] else 'OUTSIDE'} the tolerance {r['tolerance']:g}), master "
-                        f"weights in {r['master_dtype']}" for r in equivalence]
+                        f"({tolerance_verdict(r)}), master weights in {r['master_dtype']}" for r in equivalence]
             sentences.append(f"Against single-process training ({r0['world_size']} ranks, {r0['backend']}): "
                              + "; ".join(verdicts) + ".")
         else:
