@@ -73,8 +73,8 @@ def kernel_lines(rows: list[Row]) -> list[Row]:
             line |= {f"{provider} ms": noisy_marked(f"{r['median_ms']:.4g}", percentiles_noisy(r)) if ran(r)
                      else r["status"] for provider, r in cell.items()}
             for provider in ("sdpa_cudnn", "sdpa_flash"):
-                if ran(ours) and ran(cell.get(provider)):
-                    line[f"triton / {provider}"] = ratio_cell(ours, cell[provider], ".2f")
+                if ratio := ratio_cell(ours, cell.get(provider), ".2f"):  # "" unless both ran
+                    line[f"triton / {provider}"] = ratio
             if ran(ours):
                 line["triton TFLOP/s"] = f"{ours['tflops']:.0f}"
             lines.append(line)
