@@ -81,4 +81,5 @@ def test_under_xdist_pytest_benchmark_is_off_and_the_run_says_why_nothing_was_st
     result = pytester.runpytest_subprocess(*PLUGIN, "-n", "2", "--report-dir", "out", "--benchmark-json", "bench.json")
     result.assert_outcomes(passed=1)
     result.stdout.fnmatch_lines(["*pytest-benchmark is disabled in this run*no timed cell reached its store*"])
-    assert not (pytester.path / "bench.json").exists()
+    stored = pytester.path / "bench.json"  # pytest-benchmark before 5.3 creates it, empty, as it parses the option
+    assert not stored.exists() or stored.read_bytes() == b""
