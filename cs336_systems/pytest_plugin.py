@@ -90,8 +90,9 @@ def pytest_configure(config: pytest.Config) -> None:
                                                          "update_baselines", "accept_regression")}
     # Before anything else is imported (choose_settings imports the reports, and through them code that imports
     # triton): cs336_systems.interpretation says why the kernels' mode must be decided first.
+    on_gpu = _on_gpu(options["gpu"])
     try:
-        config.stash[_restore_interpretation_key] = interpret_kernels(_on_gpu(options["gpu"]))
+        config.stash[_restore_interpretation_key] = interpret_kernels(on_gpu)
     except RuntimeError as error:
         raise pytest.UsageError(str(error)) from None
     try:
@@ -107,13 +108,15 @@ def pytest_configure(config: pytest.Config) -> None:
 
 
 def _on_gpu(gpu: str) -> bool:
-    """Whether --gpu chose a GPU run; False for a choice choose_settings refuses, which then names the problem."""
+    """Whether --gpu chose a GPU run. A choice this machine cannot run is the usage error named, before the
+    kernels' mode is decided: where triton was already imported (a plugin test in a GPU run's process), that
+    decision's own error would hide it."""
     from cs336_systems.gpus import resolve_gpu
 
     try:
         return resolve_gpu(gpu)[0] != "cpu"
-    except ValueError:
-        return False
+    except ValueError as error:
+        raise pytest.UsageError(f"--gpu: {error}") from None
 
 
 def _adapters(config: pytest.Config):

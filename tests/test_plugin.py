@@ -150,6 +150,22 @@ def test_a_named_gpu_this_machine_lacks_is_a_usage_error_that_writes_nothing(pyt
     assert "Traceback" not in result.stderr.str() and not (pytester.path / "out").exists()
 
 
+def test_a_gpu_choice_this_machine_cannot_run_is_named_before_the_kernels_mode_is_decided(pytester, monkeypatch):
+    """The kernels' mode is decided for the GPU asked for: where that choice is refused and triton was already
+    imported compiled (a plugin test in a GPU run's process), the refused choice is the error named."""
+    import torch
+
+    from cs336_systems import interpretation
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(interpretation, "mixed_mode_problem", lambda kernels_interpreted: "triton imported compiled")
+    pytester.makepyfile(ROW_WRITING_TEST)
+    result = pytester.runpytest(*PLUGIN, "--gpu", "h100", "--report-dir", "out")
+    assert result.ret == pytest.ExitCode.USAGE_ERROR
+    result.stderr.fnmatch_lines(["ERROR: --gpu: h100 is the NVIDIA H100 80GB HBM3, but torch sees no CUDA GPU*"])
+    assert "triton imported compiled" not in result.stderr.str()
+
+
 def test_a_report_that_cannot_be_written_fails_the_run_leaves_nothing_and_keeps_the_others(pytester):
     # Rows that are not the mixed_precision_accumulation report's: its renderer cannot render them.
     pytester.makepyfile("""
