@@ -18,7 +18,7 @@ parallel, which fills Triton's on-disk cache, and then the one-process runs (the
 each sanitizer or its splits) run side by side, each with its share of the cores' threads. A split deals a
 part's tests, not its files, between its runs (this module is also the pytest plugin that deals them,
 `-p cs336_systems.gpu_check --deal K/N`), so that the largest test file no longer sets the length of the
-longest run.
+longest run; tests that share a fixture's setup stay in one run (deal_runs), which sets it up once.
 
 `problems(record, kind, test_files)` says what is wrong with a record kept for GPU kind `kind` as evidence of
 the code it tested; the command prints it when it ends. `kernel_problems` says whether the current
@@ -216,9 +216,9 @@ def _shell_prefix(environment: dict[str, str]) -> str:
 
 
 PARTS = tuple(SELECTIONS)
-# "<part>:K/N": the K-th of N one-process runs that deal the part's tests between them (every N-th test pytest
-# collects, from the K-th), for a machine that cannot give one run as long as the whole part takes; "<part>:*/N"
-# names all N. A record needs every run of one split of each part (or the part's whole run).
+# "<part>:K/N": the K-th of N one-process runs that deal the part's tests between them (deal_runs), for a machine that
+# cannot give one run as long as the whole part takes; "<part>:*/N" names all N. A record needs every run of one
+# split of each part (or the part's whole run).
 _SPLIT = re.compile(r"(\w+):(\d+)/(\d+)")
 DEALER = "cs336_systems.gpu_check"  # this module as pytest loads it, the plugin that deals a split's tests (--deal)
 
@@ -265,8 +265,9 @@ def suite_test_files(test_dirs: Sequence[Path] = SUITE_DIRS) -> tuple[str, ...]:
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
-    parser.addoption("--deal", metavar="K/N", help="keep the K-th of every N tests collected (after -k and -m), "
-                     "K a comma-separated list: one run of a split of cs336_systems.gpu_check's parts")
+    parser.addoption("--deal", metavar="K/N", help="keep the K-th of N runs' share of the tests collected (after -k "
+                     "and -m; tests sharing a fixture's setup go to one run), K a comma-separated list: one run of a "
+                     "split of cs336_systems.gpu_check's parts")
 
 
 @pytest.hookimpl(trylast=True)  # after -k and -m have deselected theirs, so that a subset is dealt evenly
@@ -278,9 +279,67 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     if not dealt or not all(1 <= k <= n for k in dealt):
         raise pytest.UsageError(f"--deal: expected K/N with 1 <= K <= N (K may be a comma-separated list), "
                                 f"got {deal!r}")
-    kept = [item for i, item in enumerate(items) if i % n + 1 in dealt]
-    config.hook.pytest_deselected(items=[item for i, item in enumerate(items) if i % n + 1 not in dealt])
-    items[:] = kept
+    runs = deal_runs(items, n)
+    config.hook.pytest_deselected(items=[item for item, run in zip(items, runs) if run not in dealt])
+    items[:] = [item for item, run in zip(items, runs) if run in dealt]
+
+
+# The fixture scopes a run sets up once for every test that shares the fixture's value.
+SHARED_SCOPES = ("class", "module", "package")
+
+
+def deal_runs(items: Sequence[pytest.Item], n: int) -> list[int]:
+    """The run, 1 to `n`, of each of `items`: tests that share a fixture set up once for many (SHARED_SCOPES) go to
+    one run, since a run that took any of them would set it up again (a distributed test module's fixture launches
+    ranks that run every check of the module); then each group, largest first, and each other test, in the order
+    collected, goes to the run with the fewest tests yet. Tests that share nothing are so dealt in turn."""
+    groups = _sharing_groups(items)
+    loads, runs = [0] * n, [0] * len(items)
+    for group in sorted(groups, key=len, reverse=True):  # a stable sort: equal groups keep their order
+        run = loads.index(min(loads))
+        loads[run] += len(group)
+        for index in group:
+            runs[index] = run + 1
+    return runs
+
+
+def _sharing_groups(items: Sequence[pytest.Item]) -> list[list[int]]:
+    """Indices of `items` grouped by the fixture values of SHARED_SCOPES they share, directly or through others."""
+    parent = list(range(len(items)))
+
+    def root(index: int) -> int:
+        while parent[index] != index:
+            parent[index] = parent[parent[index]]
+            index = parent[index]
+        return index
+
+    first_user: dict[tuple[str, ...], int] = {}
+    for index, item in enumerate(items):
+        for value in _shared_fixture_values(item):
+            parent[root(index)] = root(first_user.setdefault(value, index))
+    groups: dict[int, list[int]] = {}
+    for index in range(len(items)):
+        groups.setdefault(root(index), []).append(index)
+    return sorted(groups.values())
+
+
+def _shared_fixture_values(item: pytest.Item) -> list[tuple[str, ...]]:
+    """The fixtures of SHARED_SCOPES `item` uses, each with the node it is set up for and its parameter: the keys
+    of the setups it shares with other tests (pytest keeps a Function's fixture definitions in _fixtureinfo)."""
+    info = getattr(item, "_fixtureinfo", None)
+    if info is None:
+        return []
+    params = getattr(getattr(item, "callspec", None), "params", {})
+    values = []
+    for name in info.names_closure:
+        definitions = info.name2fixturedefs.get(name)
+        if not definitions or (scope := definitions[-1].scope) not in SHARED_SCOPES:
+            continue
+        # A class-scoped fixture of a test in no class is set up for its module.
+        node = item.getparent({"class": pytest.Class, "module": pytest.Module, "package": pytest.Package}[scope])
+        node = node or item.getparent(pytest.Module)
+        values.append((name, node.nodeid if node else "", repr(params.get(name))))
+    return values
 
 
 def new_record() -> dict[str, Any]:

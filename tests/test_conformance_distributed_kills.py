@@ -90,7 +90,7 @@ def _subtests(result: pytest.RunResult) -> dict[str, set[tuple[str, str]]]:
     return outcomes
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")  # not by module, which would keep its tests in one run of a split (gpu_check)
 def from_scratch():
     """The from-scratch adapters, imported here first: its flash module imports triton, whose compiled module
     cannot be imported a second time in one process, as each in-process run would after the one before

@@ -264,6 +264,40 @@ def test_the_runs_of_a_split_deal_every_selected_test_into_exactly_one_of_them(p
     together.assert_outcomes(passed=5)
 
 
+SHARED_SETUP = """
+import pytest
+
+@pytest.fixture(scope="module", params=[2, 3])
+def launched(request):
+    with open("setups.txt", "a") as setups:
+        setups.write(f"{request.param}\\n")
+    return request.param
+
+@pytest.mark.parametrize("check", range(4))
+def test_check(launched, check):
+    pass
+
+@pytest.mark.parametrize("i", range(6))
+def test_alone(i):
+    pass
+"""
+
+
+def test_the_tests_that_share_a_fixture_s_setup_go_to_one_run_which_sets_it_up_once(pytester):
+    # Dealt one by one, each of the three runs would set up both values of the module's fixture.
+    pytester.makepyfile(test_shared=SHARED_SETUP)
+    dealt = []
+    for k in range(1, 4):
+        result = pytester.runpytest("-p", gpu_check.DEALER, "--deal", f"{k}/3", "-v")
+        dealt.append({line.split("::")[1].split(" ")[0] for line in result.outlines if " PASSED" in line})
+    assert sorted(test for run in dealt for test in run) == sorted(
+        [f"test_check[{n}-{check}]" for n in (2, 3) for check in range(4)] + [f"test_alone[{i}]" for i in range(6)])
+    for n in (2, 3):
+        assert sum(bool({f"test_check[{n}-{check}]" for check in range(4)} & run) for run in dealt) == 1
+    assert [len(run) for run in dealt] == [5, 5, 4]
+    assert sorted((pytester.path / "setups.txt").read_text().split()) == ["2", "3"]
+
+
 def test_a_deal_out_of_range_is_a_usage_error(pytester):
     pytester.makepyfile(test_dealt=DEALT)
     result = pytester.runpytest("-p", gpu_check.DEALER, "--deal", "4/3")
