@@ -3,11 +3,12 @@
 that start off a 16-byte boundary (which the Triton launch code copies), and the assertions in the form these
 tests call them."""
 
+import pytest
 import torch
 from hypothesis import strategies as st
 
 from cs336_systems.attention.flash_pytorch import FlashAttentionPytorch
-from cs336_systems.attention.flash_triton import FlashAttentionTriton
+from cs336_systems.attention.flash_triton import INTERPRETED, FlashAttentionTriton
 from cs336_systems.conformance import attention_reference
 from cs336_systems.conformance.attention_reference import (  # noqa: F401 - the tests import them from here
     LAYOUTS,
@@ -18,6 +19,9 @@ from cs336_systems.conformance.attention_reference import (  # noqa: F401 - the 
 from cs336_systems.conformance.flash_cases import saved_logsumexp
 
 FUNCTIONS = {"pytorch": FlashAttentionPytorch, "triton": FlashAttentionTriton}
+# For a test that runs the Triton kernels on CPU tensors.
+kernels_on_cpu_tensors = pytest.mark.skipif(not INTERPRETED, reason="Triton kernels compiled for a GPU refuse CPU "
+                                            "tensors; the interpreter (no GPU) runs them")
 
 
 def make_tensor(lead: tuple[int, ...], n: int, d: int, layout: str, dtype, device,

@@ -16,7 +16,6 @@ from hypothesis import strategies as st
 from torch.nn.attention import sdpa_kernel
 
 from cs336_systems.accounting.attention import attention_flops, naive_attention_memory
-from cs336_systems.attention.flash_triton import INTERPRETED
 from cs336_systems.attention.reference import naive_attention
 from cs336_systems.benchmarks import attention as attention_bench
 from cs336_systems.benchmarks import flash as flash_bench
@@ -30,6 +29,7 @@ from cs336_systems.reports.flash import answer_flash_benchmarking
 from cs336_systems.rows import OOM
 from cs336_systems.rows.flash import HEAD_DIMS, SEQ_LENS
 from cs336_systems.timing import Timings
+from tests.flash_reference import kernels_on_cpu_tensors
 
 FLASH_REPORT = problems.report("flash_benchmarking")
 
@@ -193,8 +193,7 @@ def test_attention_cell_rejects_bad_input(kwargs, message):
 
 # ---------------------------------------------------------------------------- flash_benchmarking cells
 
-@pytest.mark.skipif(not INTERPRETED, reason="Triton kernels compiled for a GPU refuse CPU tensors; the interpreter "
-                                             "(no GPU) runs them")
+@kernels_on_cpu_tensors
 def test_flash_cell_on_cpu_measures_every_provider_and_mode():
     cell = FlashCell(seq_len=16, head_dim=16, precision="fp32")
     rows = benchmark_flash_cell(cell, ("flash_triton", "naive", "sdpa"), "cpu", settings=TINY_BENCH)
@@ -208,8 +207,7 @@ def test_flash_cell_on_cpu_measures_every_provider_and_mode():
         naive_attention_memory(1, 16, 16, 16, "fp32", is_causal=True).peak_bytes}
 
 
-@pytest.mark.skipif(not INTERPRETED, reason="Triton kernels compiled for a GPU refuse CPU tensors; the interpreter "
-                                             "(no GPU) runs them")
+@kernels_on_cpu_tensors
 def test_flash_cell_times_the_torch_library_op_with_its_registered_backward():
     rows = benchmark_flash_cell(FlashCell(16, 16, "fp32"), ("flash_triton_op",), "cpu", ("forward_backward",),
                                 TINY_BENCH)

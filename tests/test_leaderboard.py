@@ -10,7 +10,6 @@ import torch
 
 from cs336_systems.accounting.activations import parameter_counts
 from cs336_systems.accounting.memory import GIB
-from cs336_systems.attention.flash_triton import INTERPRETED
 from cs336_systems.benchmarks.leaderboard import (
     PLAN_HEADROOM_BYTES,
     LeaderboardConfig,
@@ -31,6 +30,7 @@ from cs336_systems.runs import read_rows
 from cs336_systems.reports.leaderboard import answer_leaderboard
 from cs336_systems.reports.problems import report
 from cs336_systems.rows.leaderboard import OURS, OURS_FSDP, OURS_SDPA, TORCH, TORCH_FUSED_LOSS
+from tests.flash_reference import kernels_on_cpu_tensors
 
 REPO = Path(__file__).resolve().parents[1]
 SMALL = ModelConfig(d_model=32, d_ff=96, num_layers=2, num_heads=4, context_length=16, vocab_size=200)
@@ -207,18 +207,13 @@ def ours_with_fsdp_on_gloo(rank: int, world_size: int) -> list[dict]:
             + benchmark_leaderboard(rank, world_size, GLOO_CONFIG, (OURS_FSDP,)))
 
 
-# Ours attends with the Triton kernels, which on a GPU machine are compiled and refuse the gloo ranks' CPU tensors;
-# there perf/test_leaderboard.py runs ours with FSDP over NCCL.
-on_the_interpreter = pytest.mark.skipif(not INTERPRETED, reason="Triton kernels compiled for a GPU refuse CPU "
-                                        "tensors; the interpreter (no GPU) runs them")
-
-
 @pytest.fixture(scope="module")
 def gloo_rows() -> list[dict]:
     return launch(ours_with_fsdp_on_gloo, 2, device="cpu", timeout_s=300)[0]
 
 
-@on_the_interpreter
+# Ours attends with the Triton kernels; on a GPU perf/test_leaderboard.py runs ours with FSDP over NCCL.
+@kernels_on_cpu_tensors
 def test_ours_with_fsdp_matches_one_process_training_the_plain_model(gloo_rows):
     """One fp32 step over two gloo ranks (the Triton kernels interpreted, the first block checkpointed, the head
     gathered for the fused loss) against one process on the whole batch: the loss and every gradient."""
@@ -227,7 +222,7 @@ def test_ours_with_fsdp_matches_one_process_training_the_plain_model(gloo_rows):
     assert row["matches"], row
 
 
-@on_the_interpreter
+@kernels_on_cpu_tensors
 def test_ours_with_fsdp_trains_on_gloo_with_the_tiny_model(gloo_rows):
     (row,) = [r for r in gloo_rows if r["table"] == "step"]
     assert (row["variant"], row["status"], row["steps"]) == (OURS_FSDP, "ok", 1)
