@@ -5,7 +5,9 @@ merge each other's results; then write a record of it, reports/<gpu>/gpu_check/<
 a Markdown twin): the device, versions, date, command, the suite's test files and what each run ran of them,
 the package source tested, the FlashAttention GPU source within it, and the measured code of every report
 (what a perf run of that report on the same source measures, cs336_systems.provenance). One record per GPU
-kind and code checked (record_path): the folder is the history of the checks.
+kind and code checked (record_path): the folder is the history of the checks, and a record the history of its
+runs: a run made again (a part's run that failed, say) adds an attempt after the earlier ones, which stay there and
+in the Markdown twin; the latest attempt of each run is the one that counts.
 
     python -m cs336_systems.gpu_check                        # or: make gpu-check
     python -m cs336_systems.gpu_check --parts memcheck,racecheck
@@ -46,6 +48,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from packaging.version import InvalidVersion, Version
 
 from cs336_systems.gpus import device_slug
 
@@ -56,6 +59,9 @@ KERNEL_CHECK_KINDS = ("h100", "h200")
 # What a record must name of the software it ran: the versions of the code under test and of the GPU's stack.
 VERSIONS = ("python", "torch", "triton", "cuda", "driver")
 UNKNOWN_VERSIONS = ("", "unknown", "not installed", "none (CPU build)")
+# The oldest torch and triton this package supports, as pyproject.toml's dependencies state them (a test keeps the
+# two equal): a record that names an older one did not run the code under test on the software it needs.
+MINIMUM_VERSIONS = {"torch": "2.5", "triton": "3.2"}
 # Runs dated before this recorded the package source they measured but not their measured code; git history gave
 # them theirs once (cs336_systems.runs.RunRecord.measured_code_from says how). A later run records its own.
 MEASURED_CODE_RECORDED_SINCE = "2026-12-02 00:00 UTC"
@@ -76,6 +82,8 @@ MEMCHECK_TESTS = ("tests/test_flash_triton.py", "-k",
 # racecheck tracks shared memory hazards within a program, far slower than memcheck: the split
 # forward (its merge reads what other programs stored) on one dtype, every head dim and alignment.
 RACECHECK_TESTS = ("tests/test_flash_triton.py", "-k", "every_launch_path and split and bf16 and not drawn")
+# A record's sanitizer run must have run its tool's selection as defined here (sanitizer_command): a change to one
+# makes the records of the old selection no evidence until the sanitizers run again.
 SANITIZER_TOOLS = {"memcheck": MEMCHECK_TESTS, "racecheck": RACECHECK_TESTS}
 # Each part's test selection: the suite, and each sanitizer's subset.
 SELECTIONS = {"tests": TESTS, **SANITIZER_TOOLS}
@@ -258,9 +266,22 @@ def _dealt(part: str, runs: Sequence[int], n: int) -> tuple[str, ...]:
     return (*SELECTIONS[part], "-p", DEALER, "--deal", f"{','.join(map(str, runs))}/{n}")
 
 
+def sanitizer_command(run: str) -> str:
+    """The command of a sanitizer's run `run` ("memcheck", "racecheck:2/4") as its record writes it, after the
+    environment it was given: the tool over pytest on the tool's selection (SANITIZER_TOOLS), dealt where split."""
+    return " ".join((*_sanitizer(part_of(run)), "python -m pytest", *selection(run)))
+
+
+def _sanitizer(tool: str) -> tuple[str, ...]:
+    return ("compute-sanitizer", "--tool", tool)
+
+
+TEST_FILE_PATTERN = "test_*.py"  # the suite's test files in each of SUITE_DIRS, as pytest collects them
+
+
 def suite_test_files(test_dirs: Sequence[Path] = SUITE_DIRS) -> tuple[str, ...]:
     """The suite's test files, by name (the evidence tests left out): what a record's runs must cover."""
-    return tuple(sorted(str(path) for folder in test_dirs for path in folder.glob("test_*.py")
+    return tuple(sorted(str(path) for folder in test_dirs for path in folder.glob(TEST_FILE_PATTERN)
                         if path.name != EVIDENCE_TESTS))
 
 
@@ -365,8 +386,9 @@ def new_record() -> dict[str, Any]:
 def run_checks(parts: tuple[str, ...], record: dict[str, Any], save=lambda record: None,
                log_dir: Path | None = None, warm_up: bool = True) -> dict[str, Any]:
     """Run `parts` here (the suite in one process, whole or split, each sanitizer on its subset, whole or split)
-    into `record`'s runs, handing it to `save` after each part. Without `warm_up`, the parts start at once, on the
-    kernels an earlier run left in Triton's cache."""
+    into `record`'s runs, each as a new attempt dated as it ended after those the record holds, handing the record
+    to `save` after each part. Without `warm_up`, the parts start at once, on the kernels an earlier run left in
+    Triton's cache."""
     if shutil.which("compute-sanitizer") is None and {part_of(part) for part in parts} & set(SANITIZER_TOOLS):
         raise SystemExit("gpu_check needs compute-sanitizer (part of the CUDA toolkit) on the PATH")
     with tempfile.TemporaryDirectory() as temporary:
@@ -384,7 +406,8 @@ def run_checks(parts: tuple[str, ...], record: dict[str, Any], save=lambda recor
             for future in as_completed([pool.submit(_one_process_run, part, scratch, environment)
                                         for part in parts]):
                 name, run = future.result()
-                record["runs"][name] = run
+                ended = dt.datetime.now(dt.timezone.utc).strftime(RECORD_DATE_FORMAT)
+                record["runs"].setdefault(name, []).append({"date": ended, **run})
                 save(record)
     return record
 
@@ -416,7 +439,7 @@ def _one_process_run(part: str, scratch: Path, environment: dict[str, str]) -> t
     junit = scratch / f"{part.replace(':', '-').replace('/', '-of-')}.xml"
     if (name := part_of(part)) == "tests":
         return part, _pytest(selection(part), junit, environment=environment)[0]
-    run, output = _pytest(selection(part), junit, ("compute-sanitizer", "--tool", name), environment)
+    run, output = _pytest(selection(part), junit, _sanitizer(name), environment)
     return part, run | {"sanitizer_errors": sanitizer_error_count(output, name)}
 
 
@@ -428,9 +451,10 @@ def _driver_version() -> str:
 
 def problems(record: dict[str, Any], kind: str, test_files: Sequence[str] | None = None) -> list[str]:
     """What makes `record`, kept in reports/<kind>/, fail as evidence of the code it tested (empty if nothing): a
-    device of another kind; versions it does not name; a missing run, a failed test, a sanitizer finding or no
-    sanitizer summary; a test file of `test_files` (the suite's files at the record's own source where None) that
-    none of its suite's runs ran, or a run that names more test files than it ran tests."""
+    device of another kind; versions it does not name, or a torch or triton older than MINIMUM_VERSIONS; a missing
+    run, or one whose latest attempt failed (attempt_problems); a test file of `test_files` (the suite's files at
+    the record's own source where None) of which its suite's runs passed no test, or a run that names more test
+    files than it ran tests."""
     found = []
     device = str(record.get("device", ""))
     device_kind = device_slug(re.sub(r"^\d+ x ", "", device))
@@ -441,44 +465,84 @@ def problems(record: dict[str, Any], kind: str, test_files: Sequence[str] | None
     if unnamed:
         found.append(f"it does not name the {', '.join(unnamed)} version{'s' if len(unnamed) > 1 else ''} of a CUDA "
                      "run")
-    runs = record.get("runs", {})
+    found += _version_problems(record)
+    runs = latest_attempts(record)
     evidence = evidence_runs(runs)
     for name in evidence:
-        run = runs.get(name)
-        if not run:
-            found.append(f"no {name} run in the record")
+        found += attempt_problems(name, runs[name]) if name in runs else [f"no {name} run in the record"]
+    suite_runs = {name: runs[name] for name in evidence if part_of(name) == "tests" and name in runs}
+    return found + _test_list_problems(record, suite_runs, test_files)
+
+
+def _version_problems(record: dict[str, Any]) -> list[str]:
+    """The torch and triton versions a record names that are no version or older than MINIMUM_VERSIONS, compared
+    by release number, so that a vendor's build of a release (NVIDIA's containers name theirs 2.5.0a0+...) counts
+    as that release."""
+    found = []
+    for name, minimum in MINIMUM_VERSIONS.items():
+        named = str(record.get(name, "")).strip()
+        if named in UNKNOWN_VERSIONS:
+            continue  # said as an unnamed version
+        try:
+            release = Version(named).release
+        except InvalidVersion:
+            found.append(f"its {name} version {named!r} is no version")
             continue
-        discounted, tool = _evidence_test_failures(run), part_of(name)
-        if run["failed"] + run["errors"] > len(discounted):
-            failures = [test for test in run["failures"] if test not in discounted]
-            found.append(f"{name}: {run['failed']} failed, {run['errors']} errors ({', '.join(failures[:5])})")
-        if not run["passed"]:
-            found.append(f"{name}: no test passed")
-        if tool in SANITIZER_TOOLS and run.get("sanitizer_errors") is None:
-            found.append(f"{name}: compute-sanitizer printed no summary (it did not finish, or saw no CUDA call)")
-        elif tool in SANITIZER_TOOLS and run["sanitizer_errors"]:
-            found.append(f"{name}: compute-sanitizer reported {run['sanitizer_errors']} "
-                         + ("hazards" if tool == "racecheck" else "errors"))
-    return found + _test_list_problems(record, [name for name in evidence if part_of(name) == "tests"],
-                                       test_files)
+        if release < Version(minimum).release:
+            found.append(f"it ran {name} {named}, older than the {minimum} this package needs")
+    return found
 
 
-def _test_list_problems(record: dict[str, Any], suite_runs: list[str], test_files: Sequence[str] | None) -> list[str]:
-    """Which of the suite's test files the record's suite runs left out, and runs that ran fewer tests than the
-    files they name (one test a split's run, say). A run names its files with their counts (from its JUnit XML), or,
-    in a record from before runs counted them, with None."""
+def latest_attempts(record: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    """Each of a record's runs by its latest attempt, the one that counts as evidence: a record keeps every attempt
+    of each run, oldest first (a run made again adds one, and a check of the same code again adds them to its
+    record), so that a failure that a later attempt made good stays in view."""
+    return {name: attempts[-1] for name, attempts in record.get("runs", {}).items() if attempts}
+
+
+def attempt_problems(name: str, attempt: dict[str, Any]) -> list[str]:
+    """What fails in one attempt of the run `name`: a failed test (other than an evidence test's), no test passed;
+    for a sanitizer, errors or hazards it reported, no summary of them, or a selection other than its tool's as
+    defined now (sanitizer_command)."""
+    found = []
+    discounted, tool = _evidence_test_failures(attempt), part_of(name)
+    if attempt["failed"] + attempt["errors"] > len(discounted):
+        failures = [test for test in attempt["failures"] if test not in discounted]
+        found.append(f"{name}: {attempt['failed']} failed, {attempt['errors']} errors ({', '.join(failures[:5])})")
+    if not attempt["passed"]:
+        found.append(f"{name}: no test passed")
+    if tool not in SANITIZER_TOOLS:
+        return found
+    expected = sanitizer_command(name)
+    if not re.fullmatch(rf"(?:\w+=\S* )*{re.escape(expected)}", attempt["command"]):  # after its environment
+        found.append(f"{name}: it ran `{attempt['command']}`, not {tool}'s selection: `{expected}`")
+    if attempt.get("sanitizer_errors") is None:
+        found.append(f"{name}: compute-sanitizer printed no summary (it did not finish, or saw no CUDA call)")
+    elif attempt["sanitizer_errors"]:
+        found.append(f"{name}: compute-sanitizer reported {attempt['sanitizer_errors']} "
+                     + ("hazards" if tool == "racecheck" else "errors"))
+    return found
+
+
+def _test_list_problems(record: dict[str, Any], suite_runs: dict[str, dict[str, Any]],
+                        test_files: Sequence[str] | None) -> list[str]:
+    """Which of the suite's test files the record's suite runs (their latest attempts) left out or passed no test
+    of, and runs that ran fewer tests than the files they name (one test a split's run, say). A run names its files
+    with their counts (from its JUnit XML), or, in a record migrated from before runs counted them, with None: of
+    such a file, only that a run named it can be checked. No test file of the suite skips all its tests on a GPU,
+    so a file whose every test skipped there did not test the code."""
     expected = test_files if test_files is not None else record.get("test_files")
     if expected is None:
         return ["it does not name the suite's test files, so which tests ran cannot be checked"]
-    found, ran = [], set()
-    for name in suite_runs:
-        run = record.get("runs", {}).get(name)
-        if not run:
-            continue
+    found, ran, passed = [], set(), {}
+    for name, run in suite_runs.items():
         files = run.get("test_files") or {}
         if not files:
             found.append(f"{name}: it does not name the test files it ran")
         counted = {file: counts for file, counts in files.items() if counts is not None}
+        if len(counted) < len(files) and not record.get("migrated"):
+            found.append(f"{name}: it names test files without their counts, as only a record migrated from before "
+                         "runs counted them may")
         empty = sorted(file for file, counts in counted.items() if not sum(counts.values()))
         if empty:
             found.append(f"{name}: no test of {', '.join(empty)} ran")
@@ -486,10 +550,17 @@ def _test_list_problems(record: dict[str, Any], suite_runs: list[str], test_file
         if outcomes < len(files):
             found.append(f"{name}: {outcomes} tests ran over {len(files)} test files, so some file ran none")
         ran |= {file for file in files if file not in empty}
+        for file, counts in files.items():  # None where some run did not count its tests
+            so_far = passed.get(file, 0)
+            passed[file] = None if counts is None or so_far is None else so_far + counts["passed"]
     missing = sorted(set(expected) - ran)
     if missing:
         found.append(f"its suite's runs left out {len(missing)} of the suite's {len(expected)} test files: "
                      f"{', '.join(missing[:6])}{' and more' if len(missing) > 6 else ''}")
+    unpassed = sorted(file for file in set(expected) & ran if passed[file] == 0)
+    if unpassed:
+        found.append(f"its suite's runs passed no test of {', '.join(unpassed)}: each test they ran of it skipped "
+                     "or failed")
     return found
 
 
@@ -511,22 +582,27 @@ def record_path(kind_dir: Path, record: dict[str, Any]) -> Path:
     return kind_dir / RECORD_NAME / f"{record['source']}-{hashlib.sha256(checked.encode()).hexdigest()[:8]}.json"
 
 
+# The names a test file has had in git's history, each with when a commit first gave it that name, oldest first
+# (committed_names).
+History = list[tuple[dt.datetime, str]]
+
+
 def kernel_problems(records_by_kind: dict[str, list[dict[str, Any]]], kernel_source: str,
-                    test_files: Sequence[str], first_committed: dict[str, dt.datetime] | None = None) -> list[str]:
+                    test_files: Sequence[str], histories: dict[str, History] | None = None) -> list[str]:
     """Empty where a record of a KERNEL_CHECK_KINDS GPU is clean evidence of the FlashAttention source
     `kernel_source` that ran the suite's `test_files` (what a change to that source needs to land); else what
     each record of that source lacks, or that there is none.
 
-    With `first_committed` (when each test file was first committed, first_commit_dates), a record is held to the
-    files the repository had when it was made: a test file added since is newer code, which the next check of a
-    changed source runs, and never makes an earlier check of an unchanged source fail (a file missing from it was
-    never committed, and so is newer than any record)."""
+    With `histories` (committed_names), a record is held to the files the repository had when it was made,
+    by the names they then had: a test file added since is newer code, which the next check of a changed source
+    runs, and never makes an earlier check of an unchanged source fail (a file missing from it was never
+    committed, and so is newer than any record)."""
     found = []
     for kind in KERNEL_CHECK_KINDS:
         for record in records_by_kind.get(kind, []):
             if record.get("kernel_source") != kernel_source:
                 continue
-            lacking = problems(record, kind, _files_when_made(record, test_files, first_committed))
+            lacking = problems(record, kind, files_when_made(record, test_files, histories))
             if not lacking:
                 return []
             found.append(f"{record_path(Path('reports') / kind, record).as_posix()}: {'; '.join(lacking)}")
@@ -538,42 +614,73 @@ def kernel_problems(records_by_kind: dict[str, list[dict[str, Any]]], kernel_sou
 RECORD_DATE_FORMAT = "%Y-%m-%d %H:%M UTC"
 
 
-def _files_when_made(record: dict[str, Any], test_files: Sequence[str],
-                     first_committed: dict[str, dt.datetime] | None) -> Sequence[str]:
-    if first_committed is None:
+def files_when_made(record: dict[str, Any], test_files: Sequence[str],
+                    histories: dict[str, History] | None) -> Sequence[str]:
+    """Which of `test_files` the repository had when `record` was made, by the names they had then (all of them,
+    by their names now, where `histories` is None)."""
+    if histories is None:
         return test_files
     made = dt.datetime.strptime(record["date"], RECORD_DATE_FORMAT).replace(tzinfo=dt.timezone.utc)
-    return [file for file in test_files if file in first_committed and first_committed[file] <= made]
+    return [[name for since, name in histories[file] if since <= made][-1]
+            for file in test_files if file in histories and histories[file][0][0] <= made]
 
 
-def first_commit_dates(files: Sequence[str], repository: Path = Path(".")) -> dict[str, dt.datetime] | None:
-    """When git first committed each of `files` (paths relative to `repository`); a file git has never committed
-    is left out. None where the repository has no git history to ask (a copy without .git): then every file
-    counts, as if it had always been there."""
+class ShallowHistory(RuntimeError):
+    """The repository is a shallow clone: its history starts at the cut, where every file seems first committed."""
+
+
+def committed_names(files: Sequence[str], repository: Path = Path(".")) -> dict[str, History] | None:
+    """The names each of `files` (test files, by their paths relative to `repository`) has had in git's history,
+    each with when a commit first gave it that name, oldest first (its name now last): a test file renamed keeps
+    its age, and a record made before the rename is held to the name it ran it by. A file git has never committed
+    is left out; one deleted and added again dates from its last addition. None where the repository has no git
+    history to ask (a copy without .git): then every file counts, as if it had always been there.
+
+    A shallow clone raises ShallowHistory: there every file would date from the cut, and so excuse every record
+    made before it from every test file."""
+    # Every test file of the files' folders, so that a rename from another test file's name is seen as one.
+    folders = sorted({Path(file).parent.as_posix() for file in files})
     try:
-        log = subprocess.run(["git", "log", "--diff-filter=A", "--format=%x00%cI", "--name-only", "--", *files],
-                             cwd=repository, capture_output=True, text=True, check=True).stdout
+        shallow = _git(["rev-parse", "--is-shallow-repository"], repository)
+        log = _git(["log", "--reverse", "--find-renames", "--diff-filter=ADR", "--name-status", "--format=%x00%cI",
+                    "--", *(f":(glob){folder}/{TEST_FILE_PATTERN}" for folder in folders)], repository)
     except (OSError, subprocess.CalledProcessError):
         return None
-    dates: dict[str, dt.datetime] = {}
-    for entry in log.split("\0")[1:]:
-        date, *names = entry.strip().splitlines()
-        for name in filter(None, names):
-            dates[name] = min(dates.get(name, dt.datetime.max.replace(tzinfo=dt.timezone.utc)),
-                              dt.datetime.fromisoformat(date).astimezone(dt.timezone.utc))
-    return dates
+    if shallow.strip() == "true":
+        raise ShallowHistory(f"{repository.resolve()} is a shallow clone, whose history dates every test file from "
+                             "its oldest commit there, so which test files a GPU check's record had to run cannot be "
+                             "told: fetch the rest of the history (`git fetch --unshallow`) and run again")
+    histories: dict[str, History] = {}
+    for commit in log.split("\0")[1:]:
+        date, *changes = commit.strip().splitlines()
+        committed = dt.datetime.fromisoformat(date).astimezone(dt.timezone.utc)
+        for status, *paths in (change.split("\t") for change in changes if change):
+            if status == "A":
+                histories[paths[0]] = [(committed, paths[0])]
+            elif status == "D":
+                histories.pop(paths[0], None)
+            else:  # R<similarity> old new
+                old, new = paths
+                histories[new] = [*histories.pop(old, []), (committed, new)]
+    return {file: histories[file] for file in files if file in histories}
 
 
-def unbacked_runs(report_dir: Path, report: str, kind_records: list[dict[str, Any]]) -> list[str]:
+def _git(arguments: list[str], repository: Path) -> str:
+    return subprocess.run(["git", *arguments], cwd=repository, capture_output=True, text=True, check=True).stdout
+
+
+def unbacked_runs(report_dir: Path, report: str, kind_records: list[dict[str, Any]], test_files: Sequence[str],
+                  histories: dict[str, History] | None = None) -> list[str]:
     """The runs of the report at reports/<kind>/<report> whose rows no clean record of that GPU kind backs, one line
-    each. A run that recorded its measured code needs a clean record of the same measured code for its report,
-    run with the same torch and triton. A run from before runs recorded it is held to the rule it was measured
-    under: its rows that name the FlashAttention source they measured (source_hash) need a clean record of
-    that source."""
+    each; a record is clean as kernel_problems holds it, to the suite's `test_files` it had when it was made. A run
+    that recorded its measured code needs a clean record of the same measured code for its report, run with the
+    same torch and triton. A run from before runs recorded it is held to the rule it was measured under: its rows
+    that name the FlashAttention source they measured (source_hash) need a clean record of that source."""
     from cs336_systems.runs import Metadata, metadata_path, read_rows, run_of
 
     kind = report_dir.name
-    clean = [record for record in kind_records if not problems(record, kind)]
+    clean = [record for record in kind_records
+             if not problems(record, kind, files_when_made(record, test_files, histories))]
     metadata = Metadata.read(metadata_path(report_dir, report))
     rows = read_rows(report_dir / f"{report}.csv")
     found = []
@@ -621,7 +728,8 @@ def evidence_runs(runs: dict[str, Any]) -> list[str]:
 
 
 def render(record: dict[str, Any], kind: str) -> str:
-    """The record, kept for GPU kind `kind`, as Markdown, for people."""
+    """The record, kept for GPU kind `kind`, as Markdown, for people: each run by its latest attempt, and every
+    earlier attempt with what failed in it."""
     test_files = record.get("test_files")
     lines = [f"# {RECORD_NAME}", "", f"- device: {record['device']}",
              f"- software: python {record['python']}, torch {record['torch']}, triton {record['triton']}, "
@@ -634,13 +742,21 @@ def render(record: dict[str, Any], kind: str) -> str:
         lines.append(f"- migrated: {record['migrated']}")
     lines += ["", "| run | command | passed | failed | errors | skipped | sanitizer errors | seconds |",
               "|---|---|---|---|---|---|---|---|"]
-    runs = list(record["runs"].items())
+    runs = list(latest_attempts(record).items())
     for name, run in runs:
         lines.append(f"| {name} | `{run['command']}` | {run['passed']} | {run['failed']} | {run['errors']} | "
                      f"{run['skipped']} | {run.get('sanitizer_errors', '')} | {run['seconds']} |")
     evidence = evidence_runs(record["runs"])
     found = problems(record, kind)
     lines += ["", "As evidence of the code it tested: " + ("; ".join(found) if found else "clean") + "."]
+    earlier = [(name, attempt) for name, attempts in record["runs"].items() for attempt in attempts[:-1]]
+    if earlier:
+        lines += ["", "Earlier attempts, each replaced as evidence by a later attempt of its run:", ""]
+        for name, attempt in earlier:
+            failed = "; ".join(problem.removeprefix(f"{name}: ") for problem in attempt_problems(name, attempt))
+            lines.append(f"- {name}, {attempt.get('date', 'undated')}: {attempt['passed']} passed, "
+                         f"{attempt['failed']} failed, {attempt['errors']} errors, {attempt['skipped']} skipped; "
+                         + (f"failed: {failed}" if failed else "passed"))
     notes = []
     for name, run in runs:
         evidence_failures = _evidence_test_failures(run)
@@ -670,7 +786,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--parts", default=",".join(PARTS),
                         help=f"comma-separated subset of {', '.join(PARTS)} (default all), each also as PART:K/N, the "
                              "K-th of N one-process runs that deal the part's tests between them, or PART:*/N for "
-                             "all N; a record of the same code keeps the runs not made again")
+                             "all N; a record of the same code keeps every earlier attempt of each run, the "
+                             "latest of which counts")
     parser.add_argument("--log-dir", type=Path, help="keep each run's output (PART.log) and JUnit XML here")
     parser.add_argument("--no-warm-up", action="store_true",
                         help="start the parts at once: an earlier run on this machine left their kernels in "
@@ -684,7 +801,8 @@ def main(argv: list[str] | None = None) -> int:
     record = new_record()
     path = record_path(Path(args.report_dir) / slug, record)
     path.parent.mkdir(parents=True, exist_ok=True)
-    record["runs"] = (load_record(path) or {}).get("runs", {})  # an earlier check of the same: its parts stay
+    if (earlier := load_record(path)) is not None:  # a check of the same code: the new attempts join its own
+        record["date"], record["runs"] = earlier["date"], earlier["runs"]
 
     def save(record):
         path.write_text(json.dumps(record, indent=1) + "\n")

@@ -2,10 +2,12 @@
 evidence, and how it reads pytest's and compute-sanitizer's output."""
 
 import datetime as dt
+import json
 import os
 import subprocess
 from pathlib import Path
 from types import SimpleNamespace
+from unittest.mock import ANY
 
 import pytest
 
@@ -22,14 +24,20 @@ def _run(**changes):
                            "tests/test_b.py": {"passed": 6, "failed": 0, "errors": 0, "skipped": 0}}, **changes}
 
 
+def _sanitizer_run(name, **changes):
+    """A clean attempt of the sanitizer's run `name` ("memcheck", "racecheck:1/2") on its tool's selection."""
+    return _run(**{"command": gpu_check.sanitizer_command(name), "sanitizer_errors": 0, **changes})
+
+
 VERSIONS = {"python": "3.12.3", "torch": "2.11.0+cu130", "triton": "3.6.0", "cuda": "13.0", "driver": "580.159.04"}
 
 
 def _record(kernel_source="abc", device="NVIDIA H100 80GB HBM3", **runs):
-    clean = {"tests": _run()}
-    clean |= {tool: _run(sanitizer_errors=0) for tool in gpu_check.SANITIZER_TOOLS}
+    """A record whose runs are each the one attempt given (a clean one where not given, none where None)."""
+    clean = {"tests": _run()} | {tool: _sanitizer_run(tool) for tool in gpu_check.SANITIZER_TOOLS}
     return {"device": device, **VERSIONS, "source": "s1", "kernel_source": kernel_source, "test_files": list(SUITE),
-            "measured_code": {"naive_ddp": "m1"}, "runs": {name: run for name, run in (clean | runs).items() if run}}
+            "measured_code": {"naive_ddp": "m1"},
+            "runs": {name: [run] for name, run in (clean | runs).items() if run}}
 
 
 def test_a_clean_record_has_no_problems():
@@ -42,9 +50,12 @@ def test_a_clean_record_has_no_problems():
     (_record(tests=_run(errors=1)), "tests: 0 failed, 1 errors"),
     (_record(tests=_run(passed=0)), "tests: no test passed"),
     (_record(tests=None), "no tests run in the record"),
-    (_record(memcheck=_run(sanitizer_errors=269)), "memcheck: compute-sanitizer reported 269 errors"),
-    (_record(racecheck=_run(sanitizer_errors=2)), "racecheck: compute-sanitizer reported 2 hazards"),
-    (_record(racecheck=_run(sanitizer_errors=None)), "racecheck: compute-sanitizer printed no summary"),
+    (_record(memcheck=_sanitizer_run("memcheck", sanitizer_errors=269)),
+     "memcheck: compute-sanitizer reported 269 errors"),
+    (_record(racecheck=_sanitizer_run("racecheck", sanitizer_errors=2)),
+     "racecheck: compute-sanitizer reported 2 hazards"),
+    (_record(racecheck=_sanitizer_run("racecheck", sanitizer_errors=None)),
+     "racecheck: compute-sanitizer printed no summary"),
     (_record(racecheck=None), "no racecheck run in the record"),
 ], ids=["failed tests", "errors", "nothing passed", "no tests", "sanitizer errors", "racecheck hazards",
         "no sanitizer summary", "missing racecheck"])
@@ -81,13 +92,64 @@ def test_a_run_that_ran_fewer_tests_than_the_files_it_names_is_incomplete():
     # One test passed in a shard of two files, as a record edited to look clean would say it; a run from before
     # runs counted their files names its files only, and its total is what can be checked.
     one_test = _run(passed=1, skipped=0, test_files=dict.fromkeys(SUITE))
-    assert gpu_check.problems(_record(tests=one_test), "h100") == [
+    assert gpu_check.problems(_record(tests=one_test) | {"migrated": "from an earlier format"}, "h100") == [
         "tests: 1 tests ran over 2 test files, so some file ran none"]
     forged = _run(test_files={"tests/test_a.py": _run()["test_files"]["tests/test_a.py"],
                               "tests/test_b.py": dict.fromkeys(gpu_check.OUTCOMES, 0)})
     assert gpu_check.problems(_record(tests=forged), "h100") == [
         "tests: no test of tests/test_b.py ran",
         "its suite's runs left out 1 of the suite's 2 test files: tests/test_b.py"]
+
+
+def test_only_a_migrated_record_may_name_test_files_without_their_counts():
+    uncounted = _record(tests=_run(test_files=dict.fromkeys(SUITE)))
+    assert gpu_check.problems(uncounted, "h100") == [
+        "tests: it names test files without their counts, as only a record migrated from before runs counted them "
+        "may"]
+    assert gpu_check.problems(uncounted | {"migrated": "from an earlier format"}, "h100") == []
+
+
+def test_a_test_file_whose_every_test_skipped_in_the_suite_s_runs_fails_the_record():
+    # Every test of the flash file skipped (as where the kernels could not launch), every other file passing one.
+    skipped = {"passed": 0, "failed": 0, "errors": 0, "skipped": 40}
+    one_passed = {"passed": 1, "failed": 0, "errors": 0, "skipped": 0}
+    flash = ("tests/test_flash_triton.py", "tests/test_model.py")
+    all_skipped = _run(passed=1, skipped=40, test_files={flash[0]: skipped, flash[1]: one_passed})
+    assert gpu_check.problems(_record(tests=all_skipped), "h100", flash) == [
+        "its suite's runs passed no test of tests/test_flash_triton.py: each test they ran of it skipped or failed"]
+    # Across a split's runs, a file counts once any of them passed one of its tests.
+    split = {"tests:1/2": all_skipped, "tests:2/2": _run(test_files={flash[0]: one_passed})}
+    assert gpu_check.problems(_record(tests=None, **split), "h100", flash) == []
+
+
+@pytest.mark.parametrize(("run", "command"), [
+    ("memcheck", "compute-sanitizer --tool memcheck python -m pytest tests/test_flash_triton.py -k every_launch_path"),
+    ("racecheck", f"compute-sanitizer --tool memcheck python -m pytest {' '.join(gpu_check.RACECHECK_TESTS)}"),
+    ("racecheck:1/2", gpu_check.sanitizer_command("racecheck:1/3")),
+    ("memcheck", f"python -m pytest {' '.join(gpu_check.MEMCHECK_TESTS)}"),
+], ids=["fewer tests", "other tool", "other split", "no sanitizer"])
+def test_a_sanitizer_run_of_any_selection_but_its_tool_s_is_refused(run, command):
+    record = _record(**{gpu_check.part_of(run): None, run: _sanitizer_run(run, command=command)},
+                     **({"racecheck:2/2": _sanitizer_run("racecheck:2/2")} if run == "racecheck:1/2" else {}))
+    assert gpu_check.problems(record, "h100") == [
+        f"{run}: it ran `{command}`, not {gpu_check.part_of(run)}'s selection: `{gpu_check.sanitizer_command(run)}`"]
+    # The environment a run was given comes first in its command.
+    given = _sanitizer_run(run, command="OMP_NUM_THREADS=8 TORCHINDUCTOR_COMPILE_THREADS=8 "
+                                        + gpu_check.sanitizer_command(run))
+    assert gpu_check.problems(record | {"runs": record["runs"] | {run: [given]}}, "h100") == []
+
+
+@pytest.mark.parametrize(("name", "value", "problem"), [
+    ("torch", "1.0.0", "it ran torch 1.0.0, older than the 2.5 this package needs"),
+    ("triton", "3.1.0", "it ran triton 3.1.0, older than the 3.2 this package needs"),
+    ("torch", "two", "its torch version 'two' is no version"),
+])
+def test_a_record_of_a_torch_or_triton_older_than_the_package_needs_is_refused(name, value, problem):
+    assert gpu_check.problems(_record() | {name: value}, "h100") == [problem]
+
+
+def test_a_vendor_s_build_of_the_oldest_release_counts_as_that_release():
+    assert gpu_check.problems(_record() | {"torch": "2.5.0a0+e000cf0", "triton": "3.2.0"}, "h100") == []
 
 
 def test_the_kernel_source_lands_with_a_clean_record_of_it_on_either_hopper_gpu_and_the_test_list_it_then_had():
@@ -104,12 +166,17 @@ def test_the_kernel_source_lands_with_a_clean_record_of_it_on_either_hopper_gpu_
     assert "no record of an h100 or h200 check" in gpu_check.kernel_problems({"a100": [a100]}, "abc", SUITE)[0]
 
 
+def _history(day: int, *names: str) -> list[tuple[dt.datetime, str]]:
+    """A test file's names, the first committed on November `day` and each later one a day after the one before."""
+    return [(dt.datetime(2026, 11, day + i, tzinfo=dt.timezone.utc), name) for i, name in enumerate(names)]
+
+
 def test_a_test_file_added_after_a_record_was_made_does_not_fail_it_but_one_it_left_out_does():
     h200 = _record(device="NVIDIA H200") | {"date": "2026-11-27 10:00 UTC"}
     suite = (*SUITE, "tests/test_c.py")
 
-    def committed(day: int) -> dict[str, dt.datetime]:
-        return {file: dt.datetime(2026, 11, day, tzinfo=dt.timezone.utc) for file in suite}
+    def committed(day: int) -> dict[str, list[tuple[dt.datetime, str]]]:
+        return {file: _history(day, file) for file in suite}
 
     assert gpu_check.kernel_problems({"h200": [h200]}, "abc", suite, committed(28)) == []  # newer code
     assert gpu_check.kernel_problems({"h200": [h200]}, "abc", suite, {}) == []  # never committed: newer still
@@ -118,23 +185,65 @@ def test_a_test_file_added_after_a_record_was_made_does_not_fail_it_but_one_it_l
                         "1 of the suite's 3 test files: tests/test_c.py"]
 
 
-def test_first_commit_dates_reads_when_git_first_committed_each_file(tmp_path):
-    def git(*args):
-        subprocess.run(["git", *args], cwd=tmp_path, check=True, capture_output=True,
-                       env={**os.environ, "GIT_COMMITTER_DATE": "2026-11-20T10:00:00+01:00",
-                            "GIT_AUTHOR_DATE": "2026-11-20T10:00:00+01:00"})
+def test_a_record_is_held_to_a_renamed_test_file_by_the_name_it_had_when_the_record_was_made():
+    h200 = _record(device="NVIDIA H200") | {"date": "2026-11-20 10:00 UTC"}  # it ran tests/test_b.py
+    renamed = {"tests/test_a.py": _history(1, "tests/test_a.py"),
+               "tests/test_c.py": _history(20, "tests/test_b.py", "tests/test_c.py")}  # test_b.py till the 21st
+    assert gpu_check.files_when_made(h200, tuple(renamed), renamed) == list(SUITE)
+    assert gpu_check.kernel_problems({"h200": [h200]}, "abc", tuple(renamed), renamed) == []
+    # Made after the rename, it should have run the file by its new name.
+    later = h200 | {"date": "2026-11-22 10:00 UTC", "test_files": ["tests/test_a.py", "tests/test_c.py"]}
+    assert gpu_check.problems(later, "h200", gpu_check.files_when_made(later, tuple(renamed), renamed)) == [
+        "its suite's runs left out 1 of the suite's 2 test files: tests/test_c.py"]
 
-    assert gpu_check.first_commit_dates(["tests/test_a.py"], tmp_path) is None  # no git history to ask
+
+def _git_repository(path: Path):
+    """An empty git repository at `path`, and a function that commits its tree on a given day of November 2026."""
+    def git(*args, day=1):
+        date = f"2026-11-{day:02}T10:00:00+01:00"
+        subprocess.run(["git", *args], cwd=path, check=True, capture_output=True,
+                       env={**os.environ, "GIT_COMMITTER_DATE": date, "GIT_AUTHOR_DATE": date})
+
+    def commit(day):
+        git("add", "-A", day=day)
+        git("commit", "-q", "-m", f"day {day}", day=day)
+
+    path.mkdir(exist_ok=True)
     git("init", "-q")
     git("config", "user.email", "a@b.c")
     git("config", "user.name", "a")
+    return commit
+
+
+def test_committed_names_follows_a_test_file_through_its_renames(tmp_path):
+    assert gpu_check.committed_names(["tests/test_a.py"], tmp_path) is None  # no git history to ask
+    commit = _git_repository(tmp_path)
     (tmp_path / "tests").mkdir()
-    (tmp_path / "tests" / "test_a.py").write_text("")
-    git("add", ".")
-    git("commit", "-q", "-m", "a")
-    (tmp_path / "tests" / "test_b.py").write_text("")  # never committed
-    dates = gpu_check.first_commit_dates(["tests/test_a.py", "tests/test_b.py"], tmp_path)
-    assert dates == {"tests/test_a.py": dt.datetime(2026, 11, 20, 9, tzinfo=dt.timezone.utc)}
+    (tmp_path / "tests" / "test_old.py").write_text("def test_x():\n    assert True\n")
+    commit(20)
+    (tmp_path / "tests" / "test_old.py").rename(tmp_path / "tests" / "test_new.py")
+    commit(25)
+    (tmp_path / "tests" / "test_old.py").write_text("def test_y():\n    assert 2 > 1\n")  # another file, the old name
+    commit(27)
+    (tmp_path / "tests" / "test_uncommitted.py").write_text("")
+    at = {day: dt.datetime(2026, 11, day, 9, tzinfo=dt.timezone.utc) for day in (20, 25, 27)}
+    files = ["tests/test_new.py", "tests/test_old.py", "tests/test_uncommitted.py"]
+    assert gpu_check.committed_names(files, tmp_path) == {
+        "tests/test_new.py": [(at[20], "tests/test_old.py"), (at[25], "tests/test_new.py")],
+        "tests/test_old.py": [(at[27], "tests/test_old.py")]}
+
+
+def test_a_shallow_clone_cannot_say_which_test_files_a_record_had_to_run(tmp_path):
+    commit = _git_repository(tmp_path / "origin")
+    (tmp_path / "origin" / "tests").mkdir()
+    (tmp_path / "origin" / "tests" / "test_a.py").write_text("")
+    commit(20)
+    (tmp_path / "origin" / "tests" / "test_b.py").write_text("")
+    commit(25)
+    subprocess.run(["git", "clone", "-q", "--depth", "1", (tmp_path / "origin").as_uri(), str(tmp_path / "clone")],
+                   check=True, capture_output=True)
+    with pytest.raises(gpu_check.ShallowHistory, match=r"shallow clone.*`git fetch --unshallow`"):
+        gpu_check.committed_names(["tests/test_a.py", "tests/test_b.py"], tmp_path / "clone")
 
 
 # What compute-sanitizer prints around a pytest run: its banner, the tests' output, what it found, and a
@@ -357,14 +466,14 @@ def test_a_split_part_counts_only_when_every_run_of_one_split_is_there():
     failed = _record(tests=None, **{"tests:1/2": _run(), "tests:2/2": _run(failed=1, failures=["tests/x.py::t"])})
     assert any("tests:2/2: 1 failed" in found for found in gpu_check.problems(failed, "h100"))
     # A sanitizer too: each of its runs holds its own summary.
-    racecheck = {f"racecheck:{k}/2": _run(sanitizer_errors=0) for k in (1, 2)}
+    racecheck = {f"racecheck:{k}/2": _sanitizer_run(f"racecheck:{k}/2") for k in (1, 2)}
     assert gpu_check.problems(_record(racecheck=None, **racecheck), "h100") == []
-    assert gpu_check.problems(_record(racecheck=None, **{"racecheck:1/2": _run(sanitizer_errors=0)}), "h100") == [
+    assert gpu_check.problems(_record(racecheck=None, **{"racecheck:1/2": racecheck["racecheck:1/2"]}), "h100") == [
         "no racecheck run in the record"]
-    hazards = racecheck | {"racecheck:2/2": _run(sanitizer_errors=2)}
+    hazards = racecheck | {"racecheck:2/2": _sanitizer_run("racecheck:2/2", sanitizer_errors=2)}
     assert gpu_check.problems(_record(racecheck=None, **hazards), "h100") == [
         "racecheck:2/2: compute-sanitizer reported 2 hazards"]
-    unsummarised = {"memcheck:1/1": _run()}
+    unsummarised = {"memcheck:1/1": _sanitizer_run("memcheck:1/1", sanitizer_errors=None)}
     assert gpu_check.problems(_record(memcheck=None, **unsummarised), "h100") == [
         "memcheck:1/1: compute-sanitizer printed no summary (it did not finish, or saw no CUDA call)"]
 
@@ -381,8 +490,22 @@ def test_the_parts_start_at_once_where_the_warm_up_is_left_out(warm_up, monkeypa
     monkeypatch.setattr(gpu_check, "_pytest", lambda arguments, junit, environment: warmed.append(arguments))
     monkeypatch.setattr(gpu_check, "_one_process_run", lambda part, scratch, environment: (part, _run()))
     record = gpu_check.run_checks(("tests:1/2",), {"runs": {}}, warm_up=warm_up)
-    assert record["runs"] == {"tests:1/2": _run()}
+    assert record["runs"] == {"tests:1/2": [{"date": ANY, **_run()}]}
     assert warmed == ([(*gpu_check.TESTS, "-p", gpu_check.DEALER, "--deal", "1/2", "-n", "auto")] if warm_up else [])
+
+
+def test_a_run_made_again_adds_an_attempt_and_its_earlier_failure_stays_in_view(monkeypatch):
+    flaky = _run(passed=9, failed=1, failures=["tests.test_a::test_flaky"])
+    record = _rendered(_record(**{"tests": None, "tests:1/2": _run(), "tests:2/2": flaky}))
+    assert gpu_check.problems(record, "h100") == ["tests:2/2: 1 failed, 0 errors (tests.test_a::test_flaky)"]
+    monkeypatch.setattr(gpu_check, "_one_process_run", lambda part, scratch, environment: (part, _run()))
+    gpu_check.run_checks(("tests:2/2",), record, warm_up=False)
+    assert record["runs"]["tests:2/2"] == [flaky, {"date": ANY, **_run()}]
+    assert gpu_check.problems(record, "h100") == []  # its latest attempt passed
+    text = gpu_check.render(record, "h100")
+    assert "As evidence of the code it tested: clean." in text
+    assert ("Earlier attempts, each replaced as evidence by a later attempt of its run:\n\n- tests:2/2, undated: "
+            "9 passed, 1 failed, 0 errors, 1 skipped; failed: 1 failed, 0 errors (tests.test_a::test_flaky)\n") in text
 
 
 def test_runs_side_by_side_share_the_cores(monkeypatch):
@@ -430,28 +553,44 @@ def _measured_run(measured_code="m1", torch_version="2.11.0+cu130", date="2026-1
 
 def test_a_run_is_backed_by_a_clean_record_of_its_kind_that_tested_its_measured_code_on_its_versions(tmp_path):
     kind_dir = _report(tmp_path / "h100", _measured_run())
-    assert gpu_check.unbacked_runs(kind_dir, "naive_ddp", [_record()]) == []
+    assert gpu_check.unbacked_runs(kind_dir, "naive_ddp", [_record()], SUITE) == []
     newer = "run 1 (2026-12-10 10:00 UTC) measured code m1 with torch 2.11.0+cu130, triton 3.6.0, which no clean h100"
-    assert gpu_check.unbacked_runs(kind_dir, "naive_ddp", [_record(device="NVIDIA H200")]) == [f"{newer} record tested"]
-    assert gpu_check.unbacked_runs(kind_dir, "naive_ddp", [_record(tests=None)]) == [f"{newer} record tested"]
-    assert gpu_check.unbacked_runs(kind_dir, "naive_ddp", [_record() | {"torch": "2.13.0+cu130"}]) == [
+    assert gpu_check.unbacked_runs(kind_dir, "naive_ddp", [_record(device="NVIDIA H200")], SUITE) == [
+        f"{newer} record tested"]
+    assert gpu_check.unbacked_runs(kind_dir, "naive_ddp", [_record(tests=None)], SUITE) == [f"{newer} record tested"]
+    assert gpu_check.unbacked_runs(kind_dir, "naive_ddp", [_record() | {"torch": "2.13.0+cu130"}], SUITE) == [
         f"{newer} record tested"]
     later_code = _report(tmp_path / "other" / "h100", _measured_run("m2"))
-    assert gpu_check.unbacked_runs(later_code, "naive_ddp", [_record()])[0].startswith("run 1 (2026-12-10 10:00 UTC) "
-                                                                                        "measured code m2")
+    assert gpu_check.unbacked_runs(later_code, "naive_ddp", [_record()], SUITE)[0].startswith(
+        "run 1 (2026-12-10 10:00 UTC) measured code m2")
+
+
+def test_a_record_backs_a_run_only_if_it_ran_the_suite_s_test_files_it_then_had_not_only_those_it_names(tmp_path):
+    # A record that names one test file and ran it is clean by its own list, not by the suite's.
+    first, _ = ({file: counts} for file, counts in _run()["test_files"].items())
+    one_file = _record(tests=_run(test_files=first)) | {"test_files": ["tests/test_a.py"],
+                                                        "date": "2026-11-27 10:00 UTC"}
+    assert gpu_check.problems(one_file, "h100") == []
+    kind_dir = _report(tmp_path / "h100", _measured_run())
+    assert gpu_check.unbacked_runs(kind_dir, "naive_ddp", [one_file], SUITE) == [
+        "run 1 (2026-12-10 10:00 UTC) measured code m1 with torch 2.11.0+cu130, triton 3.6.0, which no clean h100 "
+        "record tested"]
+    # A test file first committed after the record was made is newer code, which it could not run.
+    committed = {"tests/test_a.py": _history(20, "tests/test_a.py"), "tests/test_b.py": _history(28, "tests/test_b.py")}
+    assert gpu_check.unbacked_runs(kind_dir, "naive_ddp", [one_file], SUITE, committed) == []
 
 
 def test_a_run_from_before_runs_recorded_their_code_needs_evidence_only_of_the_kernels_its_rows_measured(tmp_path):
     migrated = _measured_run(None, date="2026-11-26 18:25 UTC", found="not known: never committed")
     kernel_rows = ({"x": 1, "source_hash": "abc"},)
-    assert gpu_check.unbacked_runs(_report(tmp_path / "a" / "h100", migrated), "naive_ddp", []) == []
+    assert gpu_check.unbacked_runs(_report(tmp_path / "a" / "h100", migrated), "naive_ddp", [], SUITE) == []
     kernels = _report(tmp_path / "b" / "h100", migrated, rows=kernel_rows)
-    assert gpu_check.unbacked_runs(kernels, "naive_ddp", [_record("abc")]) == []
-    assert gpu_check.unbacked_runs(kernels, "naive_ddp", [_record("old")]) == [
+    assert gpu_check.unbacked_runs(kernels, "naive_ddp", [_record("abc")], SUITE) == []
+    assert gpu_check.unbacked_runs(kernels, "naive_ddp", [_record("old")], SUITE) == [
         "run 1 (2026-11-26 18:25 UTC) measured FlashAttention source abc, which no clean h100 record tested"]
     # Only runs that predate recording measured code may say how theirs was found.
     claimed = _report(tmp_path / "c" / "h100", _measured_run(found="from commit 0123"))
-    assert gpu_check.unbacked_runs(claimed, "naive_ddp", [_record()]) == [
+    assert gpu_check.unbacked_runs(claimed, "naive_ddp", [_record()], SUITE) == [
         "run 1 (2026-12-10 10:00 UTC) says how its measured code was found, as only runs from before "
         f"{gpu_check.MEASURED_CODE_RECORDED_SINCE} do: a run records its own"]
 
@@ -477,6 +616,12 @@ def test_each_source_checked_on_a_gpu_kind_gets_a_record_of_its_own_and_a_later_
     assert first.name.startswith("source-1-")
     assert set(gpu_check.load_record(first)["runs"]) == {"tests", "memcheck", "racecheck"}
     assert first.with_suffix(".md").read_text().startswith("# gpu_check\n")
+    first.write_text(json.dumps(gpu_check.load_record(first) | {"date": "2026-11-20 10:00 UTC"}))
+    gpu_check.main([*arguments, "tests"])  # the same code checked again: an attempt joins its record, made then
+    again = gpu_check.load_record(first)
+    assert again["date"] == "2026-11-20 10:00 UTC"
+    assert {name: len(attempts) for name, attempts in again["runs"].items()} == {"tests": 2, "memcheck": 1,
+                                                                                 "racecheck": 1}
     monkeypatch.setattr(provenance, "package_source_hash", lambda: "source-2")
     gpu_check.main([*arguments, "tests"])
     assert [record["source"] for record in gpu_check.records(tmp_path / "h100")] == ["source-1", "source-2"]
