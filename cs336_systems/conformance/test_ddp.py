@@ -20,6 +20,7 @@ only the order of additions in a reduction separates a rank's result from one pr
 
 from __future__ import annotations
 
+from collections import Counter
 from copy import deepcopy
 from dataclasses import dataclass
 
@@ -212,12 +213,17 @@ def _communication_overlaps_backward(adapters_spec: str, rank: int, world_size: 
                           "issued during backward came at its end, so communication does not overlap backward")
 
 
-def _tied_names(module: nn.Module) -> list[list[str]]:
-    """The names under which each shared parameter appears, for parameters that appear under several."""
+def _names_by_parameter(module: nn.Module) -> dict[int, list[str]]:
+    """Every name of each parameter, by the parameter's id: a shared one has several."""
     names: dict[int, list[str]] = {}
     for name, p in module.named_parameters(remove_duplicate=False):
         names.setdefault(id(p), []).append(name)
-    return [group for group in names.values() if len(group) > 1]
+    return names
+
+
+def _tied_names(module: nn.Module) -> list[list[str]]:
+    """The names under which each shared parameter appears, for parameters that appear under several."""
+    return [group for group in _names_by_parameter(module).values() if len(group) > 1]
 
 
 def _each_gradient_is_reduced_once(adapters_spec: str, rank: int, world_size: int, variant: str) -> None:
@@ -380,10 +386,15 @@ def _matches_single_process(adapters_spec: str, rank: int, world_size: int, vari
     single_process = _model(TOY_MODELS[model], seed=0)
     module = _model(TOY_MODELS[model], seed=rank)
     ddp_model = ddp.wrap(module)
+    # torch's optimizers only warn of a parameter listed twice, and then update it twice a step.
+    names = _names_by_parameter(module)
+    problems = [f"ddp_model.parameters() lists {' and '.join(names.get(key, ['a parameter']))} (one tensor) {times} "
+                f"times: an optimizer built on it updates that parameter {times} times a step"
+                for key, times in Counter(map(id, ddp_model.parameters())).items() if times > 1]
     optimizer = torch.optim.AdamW(ddp_model.parameters(), **ADAMW)
     single_process_optimizer = torch.optim.AdamW(single_process.parameters(), **ADAMW)
     shard = _shard(rank, world_size)
-    problems, differing = [], set()  # each parameter's first difference says enough
+    differing = set()  # each parameter's first difference says enough
     for step in range(STEPS):
         x, y = _batch(seed=100 + step)
         single_process_optimizer.zero_grad(set_to_none=True)

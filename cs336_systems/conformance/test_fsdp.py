@@ -161,14 +161,22 @@ def _train(adapters_spec: str, rank: int, world_size: int, compute_dtype: torch.
 
 
 def _matches_single_process_fp32(adapters_spec: str, rank: int, world_size: int) -> None:
+    """Every parameter after every step within FP32 of single-process training; where the first steps matched,
+    the failure says so: what one step hands the next (a weight gathered ahead, a gradient) is then stale."""
     snapshots, _, _ = _train(adapters_spec, rank, world_size, compute_dtype=None)
-    problems, differing = [_missing_names(snapshots[0][0], _toy())], set()
+    problems, differing, first_differing_step = [_missing_names(snapshots[0][0], _toy())], set(), None
     for step, (full, expected) in enumerate(snapshots):
         for name, value in expected.items():
             if name in full and name not in differing and not FP32.close(full[name], value):
                 differing.add(name)
+                first_differing_step = step if first_differing_step is None else first_differing_step
                 problems.append(f"after step {step}, rank {rank}'s {name} differs from single-process training by up "
                                 f"to {largest_difference(full[name], value):.3g} (tolerance {FP32})")
+    if first_differing_step:
+        matched = "step 0" if first_differing_step == 1 else f"steps 0 to {first_differing_step - 1}"
+        problems.insert(0, f"every parameter matched after {matched}: something carried from one step into the next "
+                           "is stale (a weight gathered before the optimizer step updated its shard, a gradient or "
+                           "buffer kept from the step before)")
     fail_if(problems, f"fp32, {STEPS} SGD steps, each rank on its rows")
 
 
