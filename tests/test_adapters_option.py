@@ -1,10 +1,15 @@
 """--adapters: the implementation under test, chosen by module name or file, and the plugin's entry point that
-makes the option exist wherever the package is installed (pytester runs, and pytest in a folder of its own)."""
+makes the option exist wherever the package is installed (pytester runs, and pytest in a folder of its own) while
+leaving the runs that are not the plugin's own alone; and the wheel that `pip install` builds, which must hold
+every file of the packages."""
 
 import os
+import shutil
 import subprocess
 import sys
 import textwrap
+import tomllib
+import zipfile
 from importlib.metadata import PackageNotFoundError, distribution, entry_points
 from pathlib import Path
 
@@ -80,16 +85,92 @@ def test_the_plugin_is_a_pytest11_entry_point_of_the_installed_package_named_as_
     assert '"cs336_systems.pytest_plugin"' in conftest  # the same name: registered once, by whichever comes first
 
 
+def _pytest_in_another_project(folder: Path, *args: str, pyproject: str = "") -> subprocess.CompletedProcess:
+    """pytest run in `folder`, a project of its own (`pyproject` adds to its pyproject.toml): no conftest, no
+    PYTHONPATH, so only the installed package's entry point can load the plugin; and no TRITON_INTERPRET, which this
+    run's own plugin may have set."""
+    _write(folder / "pyproject.toml", "[project]\nname = 'elsewhere'\n" + pyproject)
+    environment = {key: value for key, value in os.environ.items() if key not in ("PYTHONPATH", "TRITON_INTERPRET")}
+    return subprocess.run([sys.executable, "-m", "pytest", "-p", "no:cacheprovider", *args], cwd=folder,
+                          env=environment, capture_output=True, text=True, timeout=300)
+
+
 @needs_installed_package
 def test_pytest_in_another_project_lists_the_options(tmp_path):
-    """No conftest, no PYTHONPATH: only the installed package's entry point can add the options."""
-    _write(tmp_path / "pyproject.toml", "[project]\nname = 'elsewhere'\n")
-    environment = {key: value for key, value in os.environ.items() if key != "PYTHONPATH"}
-    result = subprocess.run([sys.executable, "-m", "pytest", "--help"], cwd=tmp_path, env=environment,
-                            capture_output=True, text=True, timeout=120)
+    result = _pytest_in_another_project(tmp_path, "--help")
     assert result.returncode == 0, result.stderr
     for option in ("--adapters=MODULE_OR_FILE", "--gpu=GPU", "--world-size=WORLD_SIZE", "--report-dir"):
         assert option in result.stdout
+
+
+@needs_installed_package
+def test_pytest_in_another_project_runs_untouched_by_the_plugin(tmp_path):
+    """No Triton mode chosen, no torch imported, no marker or fixture of ours: a run that is not the plugin's own."""
+    _write(tmp_path / "test_elsewhere.py", """
+        import os
+        import sys
+
+        import pytest
+
+        def test_untouched(request):
+            assert os.environ.get("TRITON_INTERPRET") is None
+            assert "torch" not in sys.modules
+            assert not [line for line in request.config.getini("markers") if line.startswith("flash:")]
+            with pytest.raises(pytest.FixtureLookupError):
+                request.getfixturevalue("run_settings")
+    """)
+    result = _pytest_in_another_project(tmp_path)
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+@needs_installed_package
+@pytest.mark.parametrize("args, pyproject", [
+    (["--gpu", "none"], ""),
+    ([], "[tool.pytest.ini_options]\ngpu = 'none'\n"),
+], ids=["command line", "ini file"])
+def test_an_option_of_the_plugin_makes_a_run_in_another_project_its_own(tmp_path, args, pyproject):
+    _write(tmp_path / "test_elsewhere.py", """
+        import os
+
+        def test_ours(run_settings):
+            assert os.environ["TRITON_INTERPRET"] == "1" and run_settings.gpu_slug == "cpu"
+    """)
+    result = _pytest_in_another_project(tmp_path, *args, pyproject=pyproject)
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+@needs_installed_package
+def test_the_shipped_suite_runs_from_another_folder_with_no_option(tmp_path):
+    """`pytest --pyargs cs336_systems.conformance`: the run names the package's own tests, and so is the plugin's."""
+    result = _pytest_in_another_project(tmp_path, "--pyargs", "cs336_systems.conformance.test_flash_attention",
+                                        "-k", "is_causal_is_optional")
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert " passed" in result.stdout.splitlines()[-1]
+
+
+def test_a_built_wheel_holds_every_file_the_packages_track(tmp_path):
+    """`pip install path/to/this/repository` installs a wheel, which holds a package's files other than its modules
+    (the C++ that attention/flash_triton/native.py builds at run time) only where pyproject.toml names them."""
+    pyproject = tomllib.loads((REPO_ROOT / "pyproject.toml").read_text())
+    packages = [pattern.rstrip("*") for pattern in pyproject["tool"]["setuptools"]["packages"]["find"]["include"]]
+    listed = subprocess.run(["git", "ls-files", "-z", "pyproject.toml", pyproject["project"]["readme"], *packages],
+                            cwd=REPO_ROOT, capture_output=True, text=True) if shutil.which("git") else None
+    if listed is None or listed.returncode != 0:
+        pytest.skip("the repository is not a git checkout here: which files it tracks is unknown")
+    tracked = listed.stdout.split("\0")[:-1]
+    source = tmp_path / "source"  # a copy: a build in the checkout leaves build/ and an egg-info there
+    for name in tracked:
+        (source / name).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy(REPO_ROOT / name, source / name)
+    built = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "--no-index",
+                            "--no-cache-dir", "--disable-pip-version-check", "--quiet", "--wheel-dir",
+                            str(tmp_path / "wheel"), str(source)], capture_output=True, text=True, timeout=300)
+    assert built.returncode == 0, built.stdout + built.stderr
+    (wheel,) = (tmp_path / "wheel").glob("*.whl")
+    in_wheel = set(zipfile.ZipFile(wheel).namelist())
+    data = [name for name in tracked if name.split("/")[0] in packages and not name.endswith(".py")]
+    assert "cs336_systems/attention/flash_triton/native.cpp" in data
+    assert [name for name in data if name not in in_wheel] == []
 
 
 def test_this_repository_registers_the_plugin_once(pytester):

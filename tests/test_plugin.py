@@ -42,6 +42,22 @@ def test_markers_are_registered_and_strict(pytester):
     run(pytester, "--strict-markers").assert_outcomes(passed=1)
 
 
+def test_a_conftest_that_names_the_plugin_makes_a_run_its_own_from_any_folder(pytester, monkeypatch):
+    """As this repository's root conftest.py does: `pytest tests/` from another folder, with no option of ours."""
+    pytester.makeini("[pytest]\naddopts = --strict-markers\n")
+    pytester.makeconftest('pytest_plugins = ["cs336_systems.pytest_plugin"]')
+    (pytester.path / "tests").mkdir()
+    (pytester.path / "tests" / "test_ours.py").write_text(textwrap.dedent("""
+        import pytest
+        @pytest.mark.flash
+        def test_ours(run_settings, adapters):
+            assert adapters.is_own
+    """))
+    (pytester.path / "elsewhere").mkdir()
+    monkeypatch.chdir(pytester.path / "elsewhere")
+    runpytest(pytester, "-p", "no:cacheprovider", "../tests").assert_outcomes(passed=1)
+
+
 def test_gpu_none_runs_triton_in_the_interpreter(pytester, monkeypatch):
     pytester.makepyfile("""
         import os
