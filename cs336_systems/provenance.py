@@ -58,23 +58,30 @@ def package_source_hash() -> str:
     return source_digest(PACKAGE_ROOT, source_files(PACKAGE_ROOT))
 
 
-def module_source_hash(module) -> str:
+def module_source_hash(module, package: Path | None = None) -> str:
     """The hash of the source of `module`'s top-level package (every source file under its folder), or of the
-    module's file where it belongs to no package: the code of an implementation under test, whose adapters
-    module most often sits in the package that holds the implementation."""
+    module's file where it belongs to no package, and of the source of `package`, a folder, where given: the code
+    of an implementation under test, whose adapters module sits in the package that holds the implementation or
+    (the course's layout) beside it, in tests/."""
     top = sys.modules[module.__name__.split(".")[0]]
     folders = list(getattr(top, "__path__", []))
     if folders:
         root = Path(folders[0])
-        return source_digest(root, source_files(root))
-    path = Path(module.__file__)
-    return source_digest(path.parent, [path.name])
+        digest = source_digest(root, source_files(root))
+    else:
+        path = Path(module.__file__)
+        digest = source_digest(path.parent, [path.name])
+    if package is None:
+        return digest
+    return hashlib.sha256(f"{digest}\0{source_digest(package, source_files(package))}".encode()).hexdigest()[:16]
 
 
 def implementation_columns(adapters) -> dict[str, str]:
     """The columns that name an implementation under test in the rows it measured: its adapters module as
-    reports name it (a cs336_systems.conformance.contract.Adapters' label) and its source hash."""
-    return {"implementation": adapters.label, "implementation_source": module_source_hash(adapters.module)}
+    reports name it (a cs336_systems.conformance.contract.Adapters' label) and its source hash, which covers its
+    own cs336_systems where it has one."""
+    return {"implementation": adapters.label,
+            "implementation_source": module_source_hash(adapters.module, adapters.isolated_package)}
 
 
 def package_imports(path: Path, package_root: Path = PACKAGE_ROOT) -> set[Path]:

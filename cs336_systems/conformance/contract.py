@@ -26,6 +26,8 @@ from functools import cache
 from pathlib import Path
 from types import ModuleType
 
+from cs336_systems.conformance.isolation import ISOLATED_NAME, ISOLATED_PACKAGE, isolate, their_package
+
 # Every function of the course's adapter interface, with what it returns or does. The 2026 release keeps the
 # 2025 names and adds get_ddp (DDP overlapping backward, the name its DDP tests use) and FSDP.
 ADAPTER_FUNCTIONS = {
@@ -46,10 +48,10 @@ ADAPTER_FUNCTIONS = {
 }
 # This project's own implementations: the default when no module is named.
 OWN_ADAPTERS = "cs336_systems.adapters"
-# Top-level packages of the course's repository that this project also provides (its own code, and a
-# compatibility name for the course's tests): an implementation under test that has its own cannot import
-# them in the same process as this harness.
-SHARED_PACKAGE_NAMES = ("cs336_systems", "cs336_basics")
+# The course's package of model layers, which this project also provides (a compatibility name for the course's
+# tests: its Linear, Embedding, RMSNorm and TransformerLM are cs336_systems.model's). An implementation under test
+# shares it with the harness (conformance.isolation says why); its own cs336_systems is imported under another name.
+SHARED_BASICS = "cs336_basics"
 
 
 class AdaptersImportError(ValueError):
@@ -63,12 +65,14 @@ class MissingAdapter(LookupError):
 @dataclass(frozen=True)
 class Adapters:
     """An imported adapters module: `spec` is what a fresh process passes to load_adapters to import it again
-    (ranks of a distributed check do), `label` how reports and messages name it."""
+    (ranks of a distributed check do), `label` how reports and messages name it, `isolated_package` its
+    repository's own cs336_systems where it has one (imported under another name: conformance.isolation)."""
 
     module: ModuleType
     spec: str
     label: str
     implemented: frozenset[str] = field(default_factory=frozenset)
+    isolated_package: Path | None = None
 
     @property
     def is_own(self) -> bool:
@@ -116,7 +120,9 @@ def load_adapters(spec: str | None = None, relative_to: Path | None = None) -> A
 
     A file inside packages (folders with __init__.py) is imported under its dotted name, with the folder
     above the outermost package put first on sys.path, so that its relative imports work as in its own
-    repository. AdaptersImportError where it cannot be imported or defines none of the interface's functions.
+    repository. Where a folder above it holds a `cs336_systems` package other than this harness's (the course's
+    repository does), that package is imported under another name (conformance.isolation). AdaptersImportError
+    where it cannot be imported or defines none of the interface's functions.
     """
     return _load(OWN_ADAPTERS if spec is None else spec.strip(), relative_to or Path.cwd())
 
@@ -127,11 +133,20 @@ def _load(spec: str, relative_to: Path) -> Adapters:
         raise AdaptersImportError("--adapters is empty; name a module or a .py file")
     given = spec
     path = (relative_to / spec).resolve() if _looks_like_a_path(spec) else None
+    package = None
     if path is not None:
         module_name, search_root = _module_name_of(path)
-        if str(search_root) not in sys.path:
-            sys.path.insert(0, str(search_root))
         spec, where = str(path), f"{given} ({path}, imported as {module_name})"
+        if (package := their_package(path)) is not None:
+            # Its finder imports from search_root. On sys.path, search_root would come before the harness's own
+            # cs336_systems in the fresh processes that ranks start in (they inherit sys.path).
+            try:
+                isolate(package, search_root)
+            except ValueError as error:
+                raise AdaptersImportError(f"--adapters {given}: {error}") from None
+            where += f", its {ISOLATED_PACKAGE} as {ISOLATED_NAME}"
+        elif str(search_root) not in sys.path:
+            sys.path.insert(0, str(search_root))
     else:
         module_name, where = spec, spec
     label = "this project's adapters" if spec == OWN_ADAPTERS else f"adapters {given}"
@@ -144,7 +159,7 @@ def _load(spec: str, relative_to: Path) -> Adapters:
         raise AdaptersImportError(f"{label} ({getattr(module, '__file__', module_name)}) defines none of the "
                                   f"course's adapter functions ({', '.join(ADAPTER_FUNCTIONS)})")
     implemented = frozenset(name for name in defined if not is_unimplemented(getattr(module, name)))
-    return Adapters(module=module, spec=spec, label=label, implemented=implemented)
+    return Adapters(module=module, spec=spec, label=label, implemented=implemented, isolated_package=package)
 
 
 def _looks_like_a_path(spec: str) -> bool:
@@ -186,16 +201,13 @@ def _import_failure(where: str, path: Path | None, error: BaseException) -> str:
 
 
 def _shared_package_clash(path: Path | None, error: BaseException) -> str | None:
-    """Why an implementation whose repository has its own cs336_systems (or cs336_basics) cannot be imported
-    here: that name is this harness's, and one process holds one module of a name."""
-    if path is None or not isinstance(error, ImportError) or not error.name:
+    """Why an implementation that imports what the harness's cs336_basics lacks cannot be imported here: that
+    name is the harness's, and one process imports one module of a name."""
+    if not isinstance(error, ImportError) or not error.name or error.name.split(".")[0] != SHARED_BASICS:
         return None
-    top = error.name.split(".")[0]
-    if top not in SHARED_PACKAGE_NAMES:
-        return None
-    for folder in path.parents:
-        theirs = folder / top / "__init__.py"
-        if theirs.is_file() and theirs.resolve() != Path(importlib.util.find_spec(top).origin).resolve():
-            return (f"{folder / top} is a package named {top}, as this harness's own is: one Python process "
-                    f"imports one {top}, and here it is the harness's ({importlib.util.find_spec(top).origin})")
-    return None
+    theirs = next((folder / SHARED_BASICS for folder in (path.parents if path else ())
+                   if (folder / SHARED_BASICS / "__init__.py").is_file()), None)
+    instead = f", not {theirs}," if theirs is not None else ""
+    return (f"{SHARED_BASICS} here is the harness's{instead} ({importlib.util.find_spec(SHARED_BASICS).origin}): "
+            "its model's Linear, Embedding, RMSNorm and TransformerLM, the layers the harness builds its models "
+            "from; import anything else from elsewhere")
