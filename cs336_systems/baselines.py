@@ -6,7 +6,8 @@ ratio above 1 means B is faster). Each gate states its promise: the least ratio 
 `perf/baselines/<gpu>.json` holds the ratio measured when the baseline was last accepted. A gate
 fails below its floor, the higher of two bounds: the promise, and the baseline less its tolerance. The
 promise is judged on every GPU, with a baseline file or without one; a recorded baseline only adds its
-floor. Recording a baseline only raises it, unless a lower ratio is accepted as a regression.
+floor (a file with no entry for a gate warns that it has none). Recording a baseline only raises it, unless a
+lower ratio is accepted as a regression.
 """
 
 from __future__ import annotations
@@ -18,6 +19,11 @@ from pathlib import Path
 # Ratios of two timings from the same run on the same GPU move by a few percent between runs
 # (clocks, allocator state, autotuner picks); a 20% drop is outside that noise and worth a look.
 DEFAULT_TOLERANCE = 0.20
+
+
+class MissingBaselineWarning(UserWarning):
+    """A gate held its promise on a GPU whose baseline file has no entry for it: nothing guards its ratio against
+    regressions until --update-baselines records one."""
 
 
 @dataclass(frozen=True)
@@ -64,12 +70,12 @@ class GateResult:
 
     @property
     def passed(self) -> bool:
-        """Whether the ratio holds its floor; a gate with no baseline does not pass."""
-        return self.baseline is not None and self.measured >= self.floor
+        """Whether the ratio holds its floor: the promise, and the baseline's floor where one is recorded."""
+        return self.measured >= self.floor
 
     def message(self, path: Path, baseline_file: bool = True) -> str:
         """The verdict, the ratio, and each bound it fell below or holds; without a `baseline_file` at `path`, the
-        promise is the only bound, and a missing entry no failure."""
+        promise is the only bound, and the missing entry goes unsaid."""
         bounds = [(f"the promise {self.promise:.3g} its test states", self.broke_promise)]
         if self.baseline is not None:
             bounds.append((f"the baseline {self.baseline.ratio:.3g} less its {self.baseline.tolerance:.0%} tolerance, "
@@ -126,22 +132,25 @@ def ratio_to_record(result: GateResult, accept_regression: bool) -> float:
 
 @dataclass(frozen=True)
 class Verdict:
-    """What a gate does: pass, giving `ratio` back; fail or skip saying why; and with --update-baselines,
-    stage `record` for the baseline file. `ratio` is None when a variant has no time."""
+    """What a gate does: pass, giving `ratio` back (with a `warning` where its GPU's baseline file has no entry
+    for it); fail or skip saying why; and with --update-baselines, stage `record` for the baseline file. `ratio` is
+    None when a variant has no time."""
 
     ratio: float | None
     failure: str | None = None
     skip: str | None = None
     record: float | None = None
+    warning: str | None = None
 
 
 class SpeedupGates:
     """The gates of one run against the baseline file at `path`, read once when the run starts.
 
-    A gate's floor is the higher of its test's promise and the baseline less its tolerance. On a GPU the
-    promise is judged with or without a baseline file: the gate fails below the floor, naming the bound that
-    failed, when the file exists and has no entry for the gate, and when either time is None (a variant that ran
-    out of memory or errored gates nothing, so it cannot pass). A CPU run (`on_gpu` False) without a baseline
+    A gate's floor is the higher of its test's promise and the baseline less its tolerance (the promise alone
+    where the gate has no baseline). On a GPU the promise is judged with or without a baseline file: the gate fails
+    below the floor, naming the bound that failed, and when either time is None (a variant that ran out of memory
+    or errored gates nothing, so it cannot pass); one that holds its promise where the baseline file exists but has
+    no entry for it passes with a warning saying so. A CPU run (`on_gpu` False) without a baseline
     file skips its gates, saying why: a CPU's times say nothing of a GPU's speed-ups. With `update`
     (--update-baselines) it records the ratio instead: a broken promise is never recorded, one past tolerance
     below the baseline only with `accept_regression`, and a lower one within tolerance leaves the recorded ratio
@@ -178,9 +187,10 @@ class SpeedupGates:
                 return Verdict(ratio, failure=f"refusing to record {result.message(self.path)}; pass "
                                               "--accept-regression to record it")
             return Verdict(ratio, record=ratio_to_record(result, self.accept_regression))
-        holds = not result.broke_promise if not baseline_file else result.passed
-        if not holds:
+        if not result.passed:
             return Verdict(ratio, failure=result.message(self.path, baseline_file) + noted)
+        if baseline_file and result.baseline is None:
+            return Verdict(ratio, warning=result.message(self.path))
         return Verdict(ratio)
 
 

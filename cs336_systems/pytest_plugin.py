@@ -19,12 +19,14 @@ from __future__ import annotations
 
 import functools
 import os
+import warnings
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import pytest
 
+from cs336_systems.rows.flash import UNDER_TEST_REFERENCES
 from cs336_systems.run_settings import CPU_MODEL_SIZES, DEFAULT_PRECISIONS, DEFAULT_WORLD_SIZE, MARKERS, Settings
 
 _STAGING_KEY = "cs336_staging_dir"
@@ -62,6 +64,11 @@ _OPTIONS: dict[str, dict[str, Any]] = {
     "adapters": dict(help="the implementation under test: a module name or a .py file implementing the course's "
                           "adapter functions (tests/adapters.py of a course repository); default: this project's "
                           "own (cs336_systems.adapters)", metavar="MODULE_OR_FILE"),
+    "adapters-promise": dict(help="a speed-up the implementation under test must hold at the flash gate's cell, "
+                                  "REFERENCE=RATIO: the reference's time over its Triton Function's is at least RATIO "
+                                  "(sdpa_flash=1.0: at least as fast as FlashAttention-2; references: "
+                                  f"{', '.join(UNDER_TEST_REFERENCES)}); repeatable, an ini setting of one a line",
+                             action="append", metavar="REFERENCE=RATIO", ini_type="linelist"),
 }
 
 
@@ -163,11 +170,15 @@ def pytest_configure(config: pytest.Config) -> None:
                               time_budget_s=_option(config, "time_budget", float), report_root=_report_root(config),
                               command=" ".join(["pytest", *config.invocation_params.args]),
                               baseline_dir=config.rootpath / "perf" / "baselines",
-                              staging_dir=Path(worker_input[_STAGING_KEY]) if worker_input else None)
+                              staging_dir=Path(worker_input[_STAGING_KEY]) if worker_input else None,
+                              under_test_promises=_option(config, "adapters_promise", default=()))
     except ValueError as error:
         raise pytest.UsageError(str(error)) from None
     config.stash[_settings_key] = run
-    config.stash[_adapters_key] = _adapters(config)
+    config.stash[_adapters_key] = adapters = _adapters(config)
+    if run.under_test_promises and adapters.is_own:
+        raise pytest.UsageError("--adapters-promise declares what an implementation under test promises: name it "
+                                "with --adapters (this project's own kernels hold the promises of their own gates)")
 
 
 def _on_gpu(gpu: str) -> bool:
@@ -342,7 +353,7 @@ class _OwnRun:
         """speedup_gate(name, slow_ms, fast_ms, *, promise, note=""): the ratio slow/fast against its floor, the higher
         of `promise` (the least ratio the calling test guarantees) and the baseline less its tolerance; fails, skips
         or records it (--update-baselines, when the session ends) as cs336_systems.baselines.SpeedupGates says."""
-        from cs336_systems.baselines import SpeedupGates
+        from cs336_systems.baselines import MissingBaselineWarning, SpeedupGates
         from cs336_systems.reports.staging import stage_ratio
 
         gates = SpeedupGates(run_settings.baseline_path, run_settings.on_gpu, run_settings.update_baselines,
@@ -354,6 +365,8 @@ class _OwnRun:
                 pytest.fail(verdict.failure)
             if verdict.skip:
                 pytest.skip(verdict.skip)
+            if verdict.warning:
+                warnings.warn(MissingBaselineWarning(verdict.warning), stacklevel=2)
             if verdict.record is not None:
                 stage_ratio(run_settings.staging_dir, _worker(), name, verdict.record)
             return verdict.ratio

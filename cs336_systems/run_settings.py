@@ -12,7 +12,7 @@ that matters).
 from __future__ import annotations
 
 import time
-from collections.abc import Container
+from collections.abc import Container, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -57,6 +57,8 @@ class Settings:
     baseline_dir: Path
     time_budget_s: float | None  # tests not started this long after the session began are skipped
     started: float  # time.monotonic() when the session was configured
+    # (reference, least ratio of its time over the implementation under test's) at the flash gate's cell
+    under_test_promises: tuple[tuple[str, float], ...] = ()
 
     @property
     def on_gpu(self) -> bool:
@@ -93,7 +95,8 @@ class Settings:
 
 def choose_settings(*, gpu: str, precision: str, world_size: int, model_sizes: str | None, size_table: str,
                     report_root: Path, update_baselines: bool, accept_regression: bool, time_budget_s: float | None,
-                    command: str, baseline_dir: Path, staging_dir: Path | None = None) -> Settings:
+                    command: str, baseline_dir: Path, staging_dir: Path | None = None,
+                    under_test_promises: Sequence[str] = ()) -> Settings:
     """The run's settings from its choices, as the options spell them; `staging_dir` is the run's own (a
     pytest-xdist worker's controller made it) or, when None, a new one, made once every choice is known
     to be good."""
@@ -116,6 +119,7 @@ def choose_settings(*, gpu: str, precision: str, world_size: int, model_sizes: s
         raise ValueError(f"--size-table: unknown size table {size_table!r}; choose one of {', '.join(SIZE_TABLES)}")
     precisions = parse_precisions(precision)
     sizes = parse_model_sizes(model_sizes, gpu_slug != "cpu", size_table)
+    promises = parse_promises(under_test_promises)
     if staging_dir is None:
         from cs336_systems.reports.staging import new_staging_dir
 
@@ -123,7 +127,8 @@ def choose_settings(*, gpu: str, precision: str, world_size: int, model_sizes: s
     return Settings(gpu_slug=gpu_slug, gpu_spec=gpu_spec, precisions=precisions, world_size=world_size,
                     report_root=report_root, update_baselines=update_baselines, accept_regression=accept_regression,
                     model_sizes=sizes, size_table=size_table, staging_dir=staging_dir, command=command,
-                    baseline_dir=baseline_dir, time_budget_s=time_budget_s, started=time.monotonic())
+                    baseline_dir=baseline_dir, time_budget_s=time_budget_s, started=time.monotonic(),
+                    under_test_promises=promises)
 
 
 def parse_precisions(value: str) -> tuple[str, ...]:
@@ -137,6 +142,29 @@ def parse_precisions(value: str) -> tuple[str, ...]:
                          f"use any of {', '.join(PRECISIONS)} (comma-separated), or all")
     _refuse_repeats("--precision", chosen)
     return chosen
+
+
+def parse_promises(declared: Sequence[str]) -> tuple[tuple[str, float], ...]:
+    """--adapters-promise: REFERENCE=RATIO declarations, each the least ratio of the reference's time over the
+    implementation under test's at the flash speed-up gate's cell (1 for "at least as fast as")."""
+    from cs336_systems.rows.flash import UNDER_TEST_REFERENCES
+
+    promises = []
+    for text in declared:
+        reference, equals, ratio = (part.strip() for part in text.partition("="))
+        if not equals or reference not in UNDER_TEST_REFERENCES:
+            raise ValueError(f"--adapters-promise {text!r}: write REFERENCE=RATIO, REFERENCE one of "
+                             f"{', '.join(UNDER_TEST_REFERENCES)} (sdpa_flash=1.0: at least as fast as "
+                             "FlashAttention-2)")
+        try:
+            least = float(ratio)
+        except ValueError:
+            least = float("nan")
+        if not least > 0:
+            raise ValueError(f"--adapters-promise {text!r}: the ratio must be a number above 0, got {ratio!r}")
+        promises.append((reference, least))
+    _refuse_repeats("--adapters-promise", tuple(reference for reference, _ in promises))
+    return tuple(promises)
 
 
 def parse_model_sizes(value: str | None, on_gpu: bool, size_table: str) -> tuple[str, ...]:

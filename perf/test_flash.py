@@ -22,6 +22,7 @@ from cs336_systems.benchmarks.flash import (
     benchmark_flash_cell,
     gate,
     gate_name,
+    gate_providers,
     host_issue,
     leaderboard_2025_cell,
     under_test_providers,
@@ -61,6 +62,10 @@ def pytest_generate_tests(metafunc):
         on_gpu = settings(metafunc.config).on_gpu
         metafunc.parametrize("head_dim", HEAD_DIMS if on_gpu else CPU_HEAD_DIMS)
         metafunc.parametrize("seq_len", SEQ_LENS if on_gpu else CPU_SEQ_LENS)
+    if "promise" in metafunc.fixturenames:
+        promises = settings(metafunc.config).under_test_promises
+        metafunc.parametrize("promise", promises or [None],
+                             ids=[f"{reference}={least:g}" for reference, least in promises] or ["none declared"])
 
 
 def _record(rows, report, benchmark_store) -> None:
@@ -105,26 +110,48 @@ def test_flash_leaderboard_2025_cell(device, report, adapters, benchmark_store):
 
 
 @pytest.fixture(scope="module")
-def gate_rows(device, report, benchmark_store):
-    """The gated cell's rows, measured once for every gate."""
-    rows = gate(device)
+def gate_rows(device, report, benchmark_store, adapters, run_settings):
+    """The gated cell's rows, measured once for every gate: the implementation under test's among them, beside the
+    references its promises name."""
+    rows = gate(device, adapters=adapters, references=_promised_references(run_settings))
     _record(rows, report, benchmark_store)
     return rows
 
 
-@pytest.mark.gpu
-@pytest.mark.parametrize("provider", GATED_PROVIDERS)
-def test_flash_speedup_gate(provider, gate_rows, speedup_gate):
-    """On a GPU with a baseline file, at batch 1, 1 head, N 65,536, d 64, bf16, causal, forward+backward:
-    the provider's time over Triton's is at least its promise (GATE_PROMISES: naive attention takes at
-    least 10 times Triton's time, SDPA's FlashAttention-2 at least Triton's) and within tolerance of the
-    baseline."""
-    assert [r["provider"] for r in gate_rows] == ["flash_triton", *GATED_PROVIDERS]
+def _promised_references(run_settings) -> list[str]:
+    return [reference for reference, _ in run_settings.under_test_promises]
+
+
+def _gate_times(gate_rows, adapters, run_settings) -> tuple[dict[str, float], str]:
+    """Each provider's median ms at the gated cell, where it ran, and every provider's status."""
+    assert [r["provider"] for r in gate_rows] == list(gate_providers(adapters, _promised_references(run_settings)))
     assert not unmeasured(gate_rows, *TIMED_COLUMNS)
     ms = {r["provider"]: r["median_ms"] for r in gate_rows if r["status"] == "ok"}
-    statuses = ", ".join(f"{r['provider']}: {r['status']}" for r in gate_rows)
+    return ms, ", ".join(f"{r['provider']}: {r['status']}" for r in gate_rows)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("provider", GATED_PROVIDERS)
+def test_flash_speedup_gate(provider, gate_rows, speedup_gate, adapters, run_settings):
+    """On a GPU, at batch 1, 1 head, N 65,536, d 64, bf16, causal, forward+backward: the provider's time over
+    Triton's is at least its promise (GATE_PROMISES: naive attention takes at least 10 times Triton's time, SDPA's
+    FlashAttention-2 at least Triton's) and within tolerance of the baseline, where one is recorded."""
+    ms, statuses = _gate_times(gate_rows, adapters, run_settings)
     speedup_gate(gate_name(provider), ms.get(provider), ms.get("flash_triton"), promise=GATE_PROMISES[provider],
                  note=statuses)
+
+
+@pytest.mark.gpu
+def test_under_test_speedup_gate(promise, gate_rows, speedup_gate, adapters, run_settings):
+    """The implementation under test's promises at the same cell, as a course declares them (--adapters-promise
+    sdpa_flash=1.0: its Triton Function at least as fast as SDPA's FlashAttention-2): the reference's time over its
+    Triton Function's is at least the ratio promised."""
+    if promise is None:
+        pytest.skip("no promise declared for the implementation under test (--adapters-promise REFERENCE=RATIO)")
+    (under_test,) = under_test_providers(adapters)
+    reference, least = promise
+    ms, statuses = _gate_times(gate_rows, adapters, run_settings)
+    speedup_gate(f"{under_test} vs {reference}", ms.get(reference), ms.get(under_test), promise=least, note=statuses)
 
 
 @pytest.mark.gpu

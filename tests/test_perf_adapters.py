@@ -14,6 +14,7 @@ from cs336_systems.benchmarks.flash import (
     BenchSettings,
     FlashCell,
     benchmark_flash_cell,
+    gate_providers,
     under_test_providers,
 )
 from cs336_systems.benchmarks.harness import guarded_cell, under_test_of
@@ -101,6 +102,14 @@ def test_the_implementation_under_test_is_a_provider_named_after_its_module_besi
     assert f"- implementation under test: {adapters.label} (source " in markdown
     assert f"{providers[0]} (ms)" in markdown
     assert all(SAMPLE_TIMES not in r for r in read_rows(tmp_path / "out" / "flash_benchmarking.csv"))
+
+
+def test_the_gated_cell_measures_the_implementation_under_test_beside_the_references_its_promises_name(tmp_path):
+    adapters = _adapters(tmp_path, "promised_adapters", MEASURED)
+    assert gate_providers() == ("flash_triton", "naive", "sdpa_flash")
+    assert gate_providers(load_adapters(), ("sdpa_cudnn",)) == ("flash_triton", "naive", "sdpa_flash")
+    assert gate_providers(adapters, ("sdpa_cudnn", "naive", "flash_triton", "sdpa_cudnn")) == (
+        "flash_triton", "naive", "sdpa_flash", "sdpa_cudnn", f"{adapters.label}: triton")
 
 
 def test_this_projects_own_adapters_add_no_provider_and_no_variant():

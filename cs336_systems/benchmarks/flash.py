@@ -53,7 +53,7 @@ import functools
 import random
 import statistics
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from contextlib import nullcontext
 from dataclasses import dataclass, field
 
@@ -491,9 +491,19 @@ def leaderboard_2025_cell(device: torch.device | str = "cuda", settings: BenchSe
 GATE_CELL = FlashCell(seq_len=65536, head_dim=64, precision="bf16")
 
 
-def gate(device: torch.device | str = "cuda", settings: BenchSettings = BenchSettings()) -> list[Row]:
-    """The gated cell's rows: Triton and the providers whose time over Triton's is gated."""
-    rows = benchmark_flash_cell(GATE_CELL, ("flash_triton", *GATED_PROVIDERS), device, ("forward_backward",), settings)
+def gate_providers(adapters=None, references: Iterable[str] = ()) -> tuple[str, ...]:
+    """The gated cell's providers: Triton, the providers whose time over Triton's is gated, and where `adapters`
+    give an implementation under test, its Triton Function and the `references` its promises name."""
+    under_test = under_test_providers(adapters)
+    extra = [reference for reference in references if reference not in ("flash_triton", *GATED_PROVIDERS)]
+    return ("flash_triton", *GATED_PROVIDERS, *(dict.fromkeys(extra) if under_test else ()), *under_test)
+
+
+def gate(device: torch.device | str = "cuda", settings: BenchSettings = BenchSettings(), adapters=None,
+         references: Iterable[str] = ()) -> list[Row]:
+    """The gated cell's rows (gate_providers), measured in one run."""
+    rows = benchmark_flash_cell(GATE_CELL, gate_providers(adapters, references), device, ("forward_backward",),
+                                settings, adapters)
     return [{**row, "table": "gate"} for row in rows]
 
 

@@ -29,6 +29,10 @@ PROVIDER_LABELS = {"flash_triton": "triton", "flash_triton_compiled": "triton (c
 # there: Triton is promised to be no slower.
 GATE_PROMISES = {"naive": 10.0, "sdpa_flash": 1.0}
 GATED_PROVIDERS = tuple(GATE_PROMISES)
+# What a promise of the implementation under test may be held against at the same cell (--adapters-promise
+# REFERENCE=RATIO: the reference's time over the implementation's is at least RATIO), this project's kernels
+# among them.
+UNDER_TEST_REFERENCES = ("naive", "sdpa_flash", "sdpa_cudnn", "flash_triton")
 
 
 def provider_label(name: str) -> str:
