@@ -194,6 +194,15 @@ TOLERANCES: dict[tuple[str, torch.dtype], Tolerance] = {
 # How far each of o's and the gradients' bounds grows per unit of the scores' rounding scale, in units of
 # `score_rounding`: 9 times the worst the tf32 emulation reached (0.11, above).
 SCORE_ROUNDING_REACH = 1.0
+# A kernel also forms each probability's exponent from its score in fp32 steps that each round to FP32_ROUNDING of
+# the score's size, not of its rounding scale: the score's scaling (by log2(e)/sqrt(d), where it works in base 2),
+# the subtraction of the running maximum or of L, L's conversion to natural log for the saved tensor and back in
+# the backward. Where scores are large that moves P, and o and every gradient with it, by more than the dot's
+# rounding: at scores spread 30 and 60 (up to about 250), d 64 to 128, fp32 on a CPU, the worst of 8 cases each
+# used 1.28 of the bounds without this allowance (this project's Triton Function; its PyTorch Function 0.94, the
+# from-scratch ones 0.56 and 0.34) and 0.43 with it. Each bound grows by this many roundings of the scores'
+# largest softmax-weighted size: a softmax scale 1% off moves the exponents by 1% of it, 40,000 times as much.
+EXPONENT_ROUNDINGS = 4.0
 # Standard deviations of rounding noise the projection allows for on top of its bound: its noise is the
 # normwise error over sqrt(elements), which small tensors (a few rows of d columns) leave large.
 PROJECTION_NOISE_SIGMAS = 4.0
@@ -237,7 +246,8 @@ def discrepancies(got: dict[str, torch.Tensor], reference: Reference, tolerance:
     or dtype other than the contract's, values that are not finite, or bounds exceeded, with the worst
     element's place and each bound. L first: where it is wrong, the forward is. [] where `got` conforms."""
     found = []
-    score_allowance = SCORE_ROUNDING_REACH * tolerance.score_rounding * reference.score_scale
+    score_allowance = (SCORE_ROUNDING_REACH * tolerance.score_rounding * reference.score_scale
+                       + EXPONENT_ROUNDINGS * FP32_ROUNDING * reference.row_score_magnitudes.max().item())
     for name in sorted(got, key=("L", "o", "dq", "dk", "dv").index):
         actual, expected = got[name], reference.results[name]
         what = "the saved logsumexp L" if name == "L" else name

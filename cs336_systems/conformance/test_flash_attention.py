@@ -71,12 +71,12 @@ CPU_HEAD_DIMS = (16, 24, 32, 64, 80, 128)
 # Scores' standard deviation: 1 is that of unit-normal q and k; larger spreads make the softmax peaked, where a
 # wrong scale or mask shows most. LARGE_SCORE_SPREAD, as the large_scores named cases, puts the largest scores
 # past 88.7, where exp overflows fp32, so that only a softmax that subtracts its running maximum stays finite.
-# It is drawn for the PyTorch Function, on sequences of up to LARGE_SCORES_MAX_LENGTH, where the error model holds
-# it (60 CPU draws in every dtype and head dim passed for both correct PyTorch Functions); over thousands of keys
-# correct Functions exceed its elementwise bound on o and dV, and so does this project's Triton Function's dV at
-# d=128 in fp32 (by up to 1.6x), which the large_scores named cases (d=32) leave alone.
+# It is drawn on sequences of up to LARGE_SCORES_MAX_LENGTH (60 CPU draws in every dtype and head dim passed for
+# both correct PyTorch Functions). Over thousands of keys correct PyTorch Functions exceeded the elementwise bound
+# on o and dV until it allowed for the rounding of the exponents (attention_reference.EXPONENT_ROUNDINGS; since
+# then, three such cases passed on a CPU), and no GPU has run large scores over long sequences: the cap stays.
 LARGE_SCORE_SPREAD = 60.0
-SCORE_SPREADS = {PYTORCH: (1.0, 2.0, 4.0, LARGE_SCORE_SPREAD), TRITON: (1.0, 2.0, 4.0)}
+SCORE_SPREADS = (1.0, 2.0, 4.0, LARGE_SCORE_SPREAD)
 LARGE_SCORES_MAX_LENGTH = 150
 
 
@@ -98,7 +98,7 @@ def _lengths(draw, name: str, on_gpu: bool, score_spread: float) -> tuple[int, i
 def cases(draw, name: str, on_gpu: bool) -> Case:
     lead = draw(st.sampled_from([(2,), (3,), (2, 2), (1, 3)] if not on_gpu else [(2,), (4,), (2, 4), (1, 8)]),
                 label="leading dims")
-    score_spread = draw(st.sampled_from(SCORE_SPREADS[name]), label="score spread")
+    score_spread = draw(st.sampled_from(SCORE_SPREADS), label="score spread")
     n_queries, n_keys = _lengths(draw, name, on_gpu, score_spread)
     dtypes = [torch.float32, torch.float16, torch.bfloat16]
     dtype = draw(st.sampled_from([t for t in dtypes if _runs_here(name, t, on_gpu)]), label="dtype")
