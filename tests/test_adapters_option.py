@@ -3,7 +3,6 @@ makes the option exist wherever the package is installed (pytester runs, and pyt
 leaving the runs that are not the plugin's own alone; and the wheel that `pip install` builds, which must hold
 every file of the packages."""
 
-import importlib.util
 import os
 import shutil
 import subprocess
@@ -151,7 +150,10 @@ def test_the_shipped_suite_runs_from_another_folder_with_no_option(tmp_path):
 def test_a_built_wheel_holds_every_file_the_packages_track(tmp_path):
     """`pip install path/to/this/repository` installs a wheel, which holds a package's files other than its modules
     (the C++ that attention/flash_triton/native.py builds at run time) only where pyproject.toml names them."""
-    if unbuildable := [name for name in ("pip", "setuptools") if importlib.util.find_spec(name) is None]:
+    # Asked in a subprocess: looking pip up in this process (importlib.util.find_spec) sets off setuptools'
+    # distutils shim, which then swaps distutils under every later C++ extension build of the process.
+    if unbuildable := [name for name in ("pip", "setuptools")
+                       if subprocess.run([sys.executable, "-c", f"import {name}"], capture_output=True).returncode]:
         pytest.skip(f"building a wheel offline needs {' and '.join(unbuildable)}, which this Python lacks")
     pyproject = tomllib.loads((REPO_ROOT / "pyproject.toml").read_text())
     packages = [pattern.rstrip("*") for pattern in pyproject["tool"]["setuptools"]["packages"]["find"]["include"]]
